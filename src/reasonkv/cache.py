@@ -1,0 +1,347 @@
+"""The evicting KV cache: dense per-layer K/V, the logical position of every slot, the K + B trigger.
+
+It stores and gathers; it knows nothing about scores. Deciding *what* to keep is the job of a
+policy (``policies/``) turned into indices by ``select.py``; ``evictor.py`` wires the two to a model.
+
+Layout, per layer: ``keys``/``values`` are ``[batch, kv_heads, slots, head_dim]``; ``positions`` is
+``[batch, kv_heads, slots]``, the logical position of each stored token (``-1`` for padding).
+Slot validity (real token vs padding) is shared by all layers and heads of a row, because every head
+of a row always holds the same number of real tokens. Each row keeps its real tokens right-aligned:
+padding, when a row holds fewer tokens than the longest one, sits at the left, exactly like the
+left padding of a batched prompt, which every attention kernel (SDPA, FlashAttention) handles.
+
+Masks live in *slot space* (query ``i`` of a step sits at slot ``slots + i``), RoPE in *logical
+space* (the ``position_ids`` the evictor passes). ``get_seq_length`` reports logical tokens seen,
+as transformers' generation utilities expect; ``get_mask_sizes``/``get_query_offset`` report slots.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+__all__ = ["EvictingCache"]
+
+
+class _EvictingLayer(CacheLayerMixin):
+    """One layer's storage; the shared bookkeeping lives in the parent ``EvictingCache``."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, parent: EvictingCache):
+        super().__init__()
+        self.parent = parent
+        self.length = 0  # slots written by this layer (equals parent.slots between forwards)
+        self._keys: torch.Tensor | None = None
+        self._values: torch.Tensor | None = None
+        self._positions: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device, self.dtype = key_states.device, key_states.dtype
+        batch, heads, _, dim = key_states.shape
+        self._keys = key_states.new_empty((batch, heads, 0, dim))
+        self._values = value_states.new_empty((batch, heads, 0, value_states.shape[-1]))
+        self._positions = torch.empty((batch, heads, 0), dtype=torch.long, device=self.device)
+        self.is_initialized = True
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._keys is None else self._keys.shape[2]
+
+    def resize(self, capacity: int) -> None:
+        """Reallocate the buffers to ``capacity`` slots, keeping the first ``length``."""
+        n = self.length
+        k, v, p = self._keys, self._values, self._positions
+        self._keys = k.new_empty((*k.shape[:2], capacity, k.shape[3]))
+        self._values = v.new_empty((*v.shape[:2], capacity, v.shape[3]))
+        self._positions = p.new_full((*p.shape[:2], capacity), -1)
+        self._keys[:, :, :n] = k[:, :, :n]
+        self._values[:, :, :n] = v[:, :, :n]
+        self._positions[:, :, :n] = p[:, :, :n]
+        self._refresh_views()
+
+    def _refresh_views(self) -> None:
+        n = self.length
+        self.keys = self._keys[:, :, :n]
+        self.values = self._values[:, :, :n]
+        self.positions = self._positions[:, :, :n]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        return self.parent._append(self, key_states, value_states)
+
+    def write(self, key_states: torch.Tensor, value_states: torch.Tensor, positions: torch.Tensor) -> None:
+        start, q = self.length, key_states.shape[2]
+        if start + q > self.capacity:
+            self.resize(self.parent._grown_capacity(start + q, self.capacity))
+        self._keys[:, :, start : start + q] = key_states
+        self._values[:, :, start : start + q] = value_states
+        self._positions[:, :, start : start + q] = positions.unsqueeze(1)
+        self.length = start + q
+        self._refresh_views()
+
+    def gather(self, index: torch.Tensor, valid: torch.Tensor) -> None:
+        """Keep slots ``index`` ``[batch, heads, new_slots]``; where ``valid`` is False, padding."""
+        n = index.shape[-1]
+        dim_index = index.unsqueeze(-1)
+        keys = self.keys.gather(2, dim_index.expand(-1, -1, -1, self._keys.shape[3]))
+        values = self.values.gather(2, dim_index.expand(-1, -1, -1, self._values.shape[3]))
+        positions = self.positions.gather(2, index).masked_fill(~valid.unsqueeze(1), -1)
+        self._keys[:, :, :n] = keys
+        self._values[:, :, :n] = values
+        self._positions[:, :, :n] = positions
+        self.length = n
+        self._refresh_views()
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.parent.slots + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.parent.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.__init__(self.parent)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("EvictingCache does not support beam search")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("EvictingCache cannot be cropped (assisted decoding is not supported)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("EvictingCache does not support expanding a filled cache")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("EvictingCache does not support selecting batch rows")
+
+
+class EvictingCache(Cache):
+    """A transformers ``Cache`` that holds at most ``budget + buffer`` tokens per head.
+
+    Parameters
+    ----------
+    budget
+        ``K``: tokens per (row, layer, kv-head) that survive an eviction. ``None``: never evict.
+    buffer
+        ``B``: tokens that may accumulate after an eviction before the next one. A row is due for
+        eviction once it holds ``K + B`` tokens, and is then shrunk to exactly ``K``.
+    model, policy, seed, policy_kwargs
+        Optional: given a ``model`` (and a policy name or instance), the cache attaches an
+        :class:`~reasonkv.evictor.Evictor` so that ``model.generate(..., past_key_values=cache)``
+        (``cache=`` on newer transformers) evicts on its own. Call :meth:`detach` (or use the
+        cache as a context manager) when done to remove the model hooks.
+    num_layers
+        Number of decoder layers, when known up front (layers are otherwise created on first use).
+    """
+
+    def __init__(
+        self,
+        budget: int | None,
+        buffer: int = 128,
+        *,
+        model=None,
+        policy=None,
+        seed: int | list[int] = 0,
+        num_layers: int | None = None,
+        **policy_kwargs,
+    ):
+        _check_sizes(budget, buffer)
+        self.budget, self.buffer = budget, buffer
+        if model is not None and num_layers is None:
+            num_layers = model.config.get_text_config().num_hidden_layers
+        if num_layers is None:
+            super().__init__(layer_class_to_replicate=partial(_EvictingLayer, self))
+        else:
+            super().__init__(layers=[_EvictingLayer(self) for _ in range(num_layers)])
+        self.slots = 0  # stored slots (the same in every layer between forward passes)
+        self.seen = 0  # logical tokens seen, padding included (what transformers calls the seq length)
+        self.peak_slots = 0
+        self._valid: torch.Tensor | None = None  # [batch, capacity] bool
+        self.next_position: torch.Tensor | None = None  # [batch] real tokens seen per row
+        self.prompt_lengths: torch.Tensor | None = None  # [batch] real prompt tokens per row
+        self.row_evictions: torch.Tensor | None = None  # [batch] evictions per row
+        self._incoming: torch.Tensor | None = None  # validity of the next forward's tokens
+        self._step_positions: torch.Tensor | None = None  # [batch, q] positions of the open step
+        self.evictor = None
+        if model is not None:
+            from reasonkv.evictor import Evictor  # the one place storage is handed its wiring
+
+            self.evictor = Evictor(
+                model, self, policy if policy is not None else "full", seed=seed, **policy_kwargs
+            )
+        elif policy is not None or policy_kwargs:
+            raise ValueError("a policy needs the model: pass model=... to EvictingCache")
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def valid(self) -> torch.Tensor:
+        """``[batch, slots]``: True where a slot holds a real token (False: padding)."""
+        return self._valid[:, : self.slots]
+
+    def positions(self, layer_idx: int) -> torch.Tensor:
+        """Logical positions of the stored tokens of one layer, ``[batch, kv_heads, slots]`` (-1: padding)."""
+        return self.layers[layer_idx].positions
+
+    def row_lengths(self) -> torch.Tensor:
+        """Real tokens held per row, ``[batch]``."""
+        return self.valid.sum(-1)
+
+    @property
+    def evictions(self) -> int:
+        """Row evictions so far, summed over the batch."""
+        return 0 if self.row_evictions is None else int(self.row_evictions.sum())
+
+    def kv_bytes(self) -> int:
+        """Bytes of K/V storage held (allocated capacity, not just the used slots)."""
+        total = 0
+        for layer in self.layers:
+            if layer.is_initialized:
+                total += layer._keys.numel() * layer._keys.element_size()
+                total += layer._values.numel() * layer._values.element_size()
+        return total
+
+    # ------------------------------------------------------------------ transformers Cache API
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.slots + query_length, 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self.slots
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return -1
+
+    # ------------------------------------------------------------------ writing
+    def announce(self, incoming_valid: torch.Tensor) -> torch.Tensor:
+        """Declare which tokens of the next forward are real (``[batch, q]`` bool).
+
+        Returns their logical positions (``[batch, q]``, 0 for padding), which the caller feeds to
+        the model as ``position_ids``. Without an announcement every incoming token counts as real.
+        """
+        self._incoming = incoming_valid.bool()
+        next_position = self.next_position
+        if next_position is None:
+            next_position = torch.zeros(
+                incoming_valid.shape[0], dtype=torch.long, device=incoming_valid.device
+            )
+        positions = next_position.unsqueeze(1) + self._incoming.long().cumsum(1) - 1
+        return positions.clamp(min=0)
+
+    def mask_for(self, incoming_valid: torch.Tensor) -> torch.Tensor | None:
+        """The 2-D slot-space attention mask for a forward with these incoming tokens (None: no padding)."""
+        if self._valid is None:
+            return None if bool(incoming_valid.all()) else incoming_valid.long()
+        mask = torch.cat([self.valid, incoming_valid.bool()], dim=1)
+        return None if bool(mask.all()) else mask.long()
+
+    def _open_step(self, batch: int, q: int, device: torch.device) -> None:
+        incoming = self._incoming
+        if incoming is None or incoming.shape != (batch, q):
+            incoming = torch.ones((batch, q), dtype=torch.bool, device=device)
+        self._incoming = None
+        if self._valid is None:
+            self._valid = torch.zeros((batch, 0), dtype=torch.bool, device=device)
+            self.next_position = torch.zeros(batch, dtype=torch.long, device=device)
+            self.prompt_lengths = incoming.sum(-1)
+            self.row_evictions = torch.zeros(batch, dtype=torch.long, device=device)
+        positions = self.next_position.unsqueeze(1) + incoming.long().cumsum(1) - 1
+        self._step_positions = positions.masked_fill(~incoming, -1)
+        self.next_position = self.next_position + incoming.sum(-1)
+        if self.slots + q > self._valid.shape[1]:
+            grown = self._valid.new_zeros((batch, self._grown_capacity(self.slots + q, self._valid.shape[1])))
+            grown[:, : self.slots] = self.valid
+            self._valid = grown
+        self._valid[:, self.slots : self.slots + q] = incoming
+        self.slots += q
+        self.seen += q
+        self.peak_slots = max(self.peak_slots, self.slots)
+
+    def _append(self, layer: _EvictingLayer, key_states: torch.Tensor, value_states: torch.Tensor):
+        batch, _, q, _ = key_states.shape
+        if layer.length == self.slots:  # the first layer of a new forward pass opens the step
+            self._open_step(batch, q, key_states.device)
+        layer.write(key_states, value_states, self._step_positions)
+        return layer.keys, layer.values
+
+    def _grown_capacity(self, needed: int, current: int) -> int:
+        if self.budget is not None:
+            needed = max(needed, self.budget + self.buffer)
+        return max(needed, 2 * current)
+
+    # ------------------------------------------------------------------ eviction
+    def due_rows(self) -> torch.Tensor:
+        """Indices of the rows holding ``K + B`` tokens or more (empty when nothing is due)."""
+        if self.budget is None or self._valid is None:
+            return torch.empty(0, dtype=torch.long)
+        return torch.nonzero(self.row_lengths() >= self.budget + self.buffer).flatten()
+
+    def compact(self, rows: torch.Tensor, keep: list[torch.Tensor]) -> None:
+        """Shrink ``rows`` to the slots in ``keep`` (one ``[len(rows), kv_heads, K]`` tensor per layer).
+
+        Rows not listed keep every real token. Afterwards every row is right-aligned again and the
+        slot count is the longest row's length, so no slot is wasted on padding beyond that.
+        """
+        if len(keep) != len(self.layers):
+            raise ValueError(f"need keep indices for all {len(self.layers)} layers, got {len(keep)}")
+        rows = rows.to(self._valid.device)
+        k = keep[0].shape[-1]
+        valid, slots = self.valid, self.slots
+        lengths = valid.sum(-1)
+        lengths[rows] = k
+        new_slots = int(lengths.max())
+        # Stable sort puts padding first and real tokens last, in order: the tail is right-aligned.
+        order = torch.sort(valid.to(torch.int8), dim=-1, stable=True).indices[:, slots - new_slots :]
+        new_valid = valid.gather(1, order)
+        new_valid[rows] = torch.arange(new_slots, device=valid.device) >= new_slots - k
+        for layer, layer_keep in zip(self.layers, keep, strict=True):
+            heads = layer.keys.shape[1]
+            index = order.unsqueeze(1).expand(-1, heads, -1).clone()
+            index[rows, :, new_slots - k :] = layer_keep.to(index.device)
+            index[rows, :, : new_slots - k] = 0
+            layer.gather(index, new_valid)
+        self._valid[:, :new_slots] = new_valid
+        self.slots = new_slots
+        self.row_evictions[rows] += 1
+        self._release_spare_capacity()
+
+    def _release_spare_capacity(self) -> None:
+        # A long prompt grows the buffers past K + B once; give that memory back after its eviction.
+        limit = self.budget + self.buffer
+        if self._valid.shape[1] > limit >= self.slots:
+            self._valid = self._valid[:, :limit].clone()
+            for layer in self.layers:
+                layer.resize(limit)
+
+    # ------------------------------------------------------------------ lifetime
+    def detach(self) -> None:
+        """Remove the model hooks installed by ``model=...`` (no-op otherwise)."""
+        if self.evictor is not None:
+            self.evictor.detach()
+
+    def __enter__(self) -> EvictingCache:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.detach()
+
+    def __repr__(self) -> str:
+        return (
+            f"EvictingCache(budget={self.budget}, buffer={self.buffer}, slots={self.slots}, seen={self.seen})"
+        )
+
+
+def _check_sizes(budget: int | None, buffer: int) -> None:
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
+        raise ValueError(f"budget must be a positive integer (or None for no eviction), got {budget!r}")
+    if isinstance(buffer, bool) or not isinstance(buffer, int) or buffer < 0:
+        raise ValueError(f"buffer must be a non-negative integer, got {buffer!r}")

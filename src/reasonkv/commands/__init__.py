@@ -1,0 +1,1 @@
+"""Command-line commands (one module each: ``add_arguments`` + ``run``)."""

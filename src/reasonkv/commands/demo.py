@@ -1,0 +1,100 @@
+"""``reasonkv demo``: one reasoning prompt, full cache vs an evicting policy, side by side."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from reasonkv.commands.common import add_model_arguments, add_policy_options, load, parse_options
+from reasonkv.commands.generate import chat_format
+
+PROMPT = (
+    "A bakery sells muffins for $3 each and cookies for $2 each. On Monday it sold 14 muffins and "
+    "twice as many cookies as muffins. On Tuesday it sold 5 fewer muffins than on Monday and 8 more "
+    "cookies than on Monday. How much money did the bakery make over the two days? "
+    "Think step by step, then put the final answer in \\boxed{}."
+)
+BARS = " ▁▂▃▄▅▆▇█"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument("--policy", default=None, help="evicting policy to compare (default: epikv if available)")
+    parser.add_argument("--budget", type=int, default=128, help="K (default 128)")
+    parser.add_argument("--buffer", type=int, default=32, help="B (default 32)")
+    add_policy_options(parser)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--prompt", default=PROMPT)
+
+
+def run(args: argparse.Namespace) -> int:
+    import reasonkv
+
+    policy = args.policy or ("epikv" if "epikv" in reasonkv.list_policies() else "streaming")
+    options = parse_options(policy, args.option)
+    model, tokenizer = load(args)
+    text = chat_format(tokenizer, args.prompt)
+    runs = {}
+    for name, budget in (("full", None), (policy, args.budget)):
+        trace: list[int] = []
+        [result] = reasonkv.generate(
+            model,
+            tokenizer,
+            text,
+            policy=name,
+            budget=budget,
+            buffer=args.buffer,
+            max_new_tokens=args.max_new_tokens,
+            progress=True,
+            on_step=lambda step, cache, trace=trace: trace.append(cache.slots),
+            **(options if name == policy else {}),
+        )
+        runs[name] = (result, trace)
+    print(report(args.prompt, runs, tokenizer, policy, args.budget, args.buffer))
+    sys.stdout.flush()
+    return 0
+
+
+def sparkline(values: list[int], width: int = 64, top: int | None = None) -> str:
+    if not values:
+        return ""
+    step = max(1, -(-len(values) // width))
+    sampled = [max(values[i : i + step]) for i in range(0, len(values), step)]
+    top = top or max(sampled)
+    return "".join(BARS[min(len(BARS) - 1, round(v / top * (len(BARS) - 1)))] for v in sampled)
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def report(prompt: str, runs: dict, tokenizer, policy: str, budget: int, buffer: int) -> str:
+    (full, full_trace), (evicted, evicted_trace) = runs["full"], runs[policy]
+    top = max(full_trace + evicted_trace)
+    lines = [f"prompt: {prompt}", ""]
+    for name, (result, _) in runs.items():
+        s = result.stats
+        extra = "" if name == "full" else f", {s['evictions']} evictions (K={budget}, B={buffer})"
+        lines.append(
+            f"{name:>10}: {result.num_tokens} tokens, {s['tokens_per_second']:.1f} tok/s, "
+            f"peak {s['peak_slots']} cache slots{extra}"
+        )
+    lines += ["", f"cache slots over decode steps (max {top}):"]
+    for name, (_, trace) in runs.items():
+        lines.append(f"{name:>10}  {sparkline(trace, top=top)}")
+    lines.append("")
+    diff = first_difference(full.token_ids, evicted.token_ids)
+    if diff is None:
+        lines.append("the two outputs are identical")
+    else:
+        lines.append(f"outputs agree on the first {diff} tokens; they first differ at token {diff}:")
+        for name, (result, _) in runs.items():
+            before = tokenizer.decode(result.token_ids[max(0, diff - 12) : diff], skip_special_tokens=True)
+            after = tokenizer.decode(result.token_ids[diff : diff + 8], skip_special_tokens=True)
+            lines.append(f"{name:>10}: …{before!r} ⟶ {after!r}")
+    for name, (result, _) in runs.items():
+        lines += ["", f"--- {name} output ---", result.text.strip()]
+    return "\n".join(lines)

@@ -1,0 +1,86 @@
+"""``reasonkv generate``: decode prompts with an evicting KV cache."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from reasonkv.commands.common import add_model_arguments, add_policy_options, budget_argument, load, parse_options
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    source.add_argument("--prompt-file", type=Path, help="a text file, one prompt per line")
+    parser.add_argument("--policy", default="streaming", help="eviction policy (see `reasonkv policies`)")
+    parser.add_argument("--budget", type=budget_argument, default=256, help="K: tokens kept per head (default 256)")
+    parser.add_argument("--buffer", type=int, default=128, help="B: tokens added between evictions (default 128)")
+    add_policy_options(parser)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    parser.add_argument("--no-chat", action="store_true", help="do not apply the model's chat template")
+    parser.add_argument("--json", action="store_true", help="print one JSON record per prompt")
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    if args.prompt:
+        return args.prompt
+    if not args.prompt_file.is_file():
+        raise FileNotFoundError(f"prompt file not found: {args.prompt_file}")
+    prompts = [line for line in args.prompt_file.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError(f"no prompts in {args.prompt_file}")
+    return prompts
+
+
+def chat_format(tokenizer, prompt: str) -> str:
+    if getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "user", "content": prompt}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return prompt
+
+
+def run(args: argparse.Namespace) -> int:
+    import reasonkv
+
+    prompts = read_prompts(args)
+    options = parse_options(args.policy, args.option)
+    model, tokenizer = load(args)
+    inputs = prompts if args.no_chat else [chat_format(tokenizer, p) for p in prompts]
+    results = reasonkv.generate(
+        model,
+        tokenizer,
+        inputs,
+        policy=args.policy,
+        budget=None if args.policy == "full" else args.budget,
+        buffer=args.buffer,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop,
+        progress=sys.stderr.isatty(),
+        **options,
+    )
+    for prompt, result in zip(prompts, results, strict=True):
+        if args.json:
+            record = {"prompt": prompt, "text": result.text, "tokens": result.num_tokens}
+            record.update(finish_reason=result.finish_reason, stats=result.stats)
+            print(json.dumps(record))
+            continue
+        stats = result.stats
+        print(f"### {prompt}\n{result.text}\n")
+        print(
+            f"[{stats['policy']} K={stats['budget']} B={stats['buffer']}] {result.num_tokens} tokens "
+            f"({result.finish_reason}), {stats['tokens_per_second']:.1f} tok/s, "
+            f"{stats['evictions']} evictions, peak {stats['peak_slots']} slots\n"
+        )
+    return 0

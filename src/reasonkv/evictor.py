@@ -1,0 +1,179 @@
+"""Wires a policy to a model and an ``EvictingCache``.
+
+Two hooks on the model do everything, so ``reasonkv.generate`` and ``model.generate`` share one path:
+
+- before a forward that uses this cache: announce which incoming tokens are real, give the model
+  their logical ``position_ids`` and the slot-space attention mask, start recording;
+- after it: hand the recorded step to the policy, then evict every row that reached ``K + B``:
+  the policy scores, ``select`` picks the kept indices, the cache gathers.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections import defaultdict
+
+import torch
+
+from reasonkv.observe import Observer
+from reasonkv.policies import get_policy
+from reasonkv.view import EvictionView, ModelInfo
+
+__all__ = ["Evictor"]
+
+_SEED_STRIDE = 0x9E3779B1  # decorrelates the streams of consecutive row seeds
+
+
+def sliding_window_layers(config) -> list[int]:
+    config = config.get_text_config()
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return [i for i, kind in enumerate(layer_types) if "sliding" in kind or "chunked" in kind]
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return list(range(config.num_hidden_layers))
+    return []
+
+
+def row_generators(
+    seed: int | list[int], batch: int, device: torch.device, salt: int = 0
+) -> list[torch.Generator]:
+    """One generator per row; a row's stream depends only on its own seed, not on the batch."""
+    seeds = [seed] * batch if isinstance(seed, int) else list(seed)
+    if len(seeds) != batch:
+        raise ValueError(f"got {len(seeds)} seeds for a batch of {batch}")
+    generators = []
+    for s in seeds:
+        g = torch.Generator(device=device)
+        g.manual_seed((int(s) * _SEED_STRIDE + salt) % (2**63))
+        generators.append(g)
+    return generators
+
+
+class Evictor:
+    """Observe → score → select → gather, after every forward pass of ``model`` with ``cache``."""
+
+    def __init__(self, model, cache, policy, *, seed: int | list[int] = 0, **policy_kwargs):
+        self.policy = get_policy(policy, **policy_kwargs)
+        sliding = sliding_window_layers(model.config)
+        if sliding:
+            raise ValueError(
+                f"{type(model).__name__} has sliding-window layers {sliding}; EvictingCache supports "
+                "full-attention models only (those layers would need to keep their own window)"
+            )
+        self.info = ModelInfo.from_config(model.config)
+        if not self.policy.evicts:
+            cache.budget = None
+        elif cache.budget is None:
+            raise ValueError(f"policy {self.policy.name!r} evicts: give the cache a budget")
+        else:
+            reserved = self.policy.sinks + self.policy.window
+            if reserved > cache.budget:
+                raise ValueError(
+                    f"{self.policy.name}: sinks ({self.policy.sinks}) + window ({self.policy.window}) = "
+                    f"{reserved} protected tokens exceed the budget {cache.budget}"
+                )
+        self.model, self.cache, self.seed = model, cache, seed
+        self.needs = self.policy.needs(self.info)
+        self.observer = Observer(model, cache, self.needs)
+        self.generators: list[torch.Generator] = []
+        self.timings: dict[str, float] = defaultdict(float)
+        self.eviction_count = 0
+        me = weakref.ref(self)
+        self._hooks = [
+            model.register_forward_pre_hook(_weak(me, "_before_forward"), with_kwargs=True),
+            model.register_forward_hook(_weak(me, "_after_forward"), with_kwargs=True),
+        ]
+        # The model holds the hooks; they hold this object only weakly, so dropping the cache frees it.
+        weakref.finalize(self, _remove_handles, self._hooks + self.observer.handles)
+
+    def detach(self) -> None:
+        """Remove the hooks from the model."""
+        _remove_handles(self._hooks)
+        self.observer.detach()
+
+    # ------------------------------------------------------------------ hooks
+    def _uses_my_cache(self, kwargs) -> bool:
+        return kwargs.get("cache", kwargs.get("past_key_values")) is self.cache
+
+    def _before_forward(self, module, args, kwargs):
+        if not self._uses_my_cache(kwargs):
+            return None
+        tokens = kwargs.get("input_ids")
+        if tokens is None:
+            tokens = args[0] if args else kwargs["inputs_embeds"]
+        batch, q = tokens.shape[:2]
+        mask = kwargs.get("attention_mask")
+        if mask is not None and mask.dim() != 2:
+            raise ValueError("EvictingCache builds its own attention mask: pass a 2-D padding mask or none")
+        incoming = mask[:, -q:].bool() if mask is not None else torch.ones(batch, q, dtype=torch.bool)
+        incoming = incoming.to(tokens.device)
+        if self.cache.seen == 0:
+            self._start(batch, tokens.device)
+        positions = self.cache.announce(incoming)
+        kwargs["attention_mask"] = self.cache.mask_for(incoming)
+        kwargs["position_ids"] = positions
+        self.observer.begin(incoming, positions)
+        return args, kwargs
+
+    def _after_forward(self, module, args, kwargs, output):
+        if not self._uses_my_cache(kwargs):
+            return None
+        step = self.observer.end()
+        t0 = time.perf_counter()
+        self.policy.observe(step)
+        self.timings["observe"] += time.perf_counter() - t0
+        self.evict_due()
+        return None
+
+    def _start(self, batch: int, device: torch.device) -> None:
+        self.policy.reset(self.info, batch, device)
+        self.observer.reset()
+        self.generators = row_generators(self.seed, batch, device, salt=1)
+
+    # ------------------------------------------------------------------ eviction
+    def evict_due(self) -> None:
+        cache = self.cache
+        rows = cache.due_rows()
+        if rows.numel() == 0:
+            return
+        if self.policy.protect_prompt:
+            longest = int(cache.prompt_lengths[rows].max()) + self.policy.sinks
+            if longest > cache.budget:
+                raise ValueError(
+                    f"protect_prompt keeps a prompt of {longest - self.policy.sinks} tokens, "
+                    f"more than the budget {cache.budget}"
+                )
+        t0 = time.perf_counter()
+        view = EvictionView(
+            cache=cache,
+            observer=self.observer,
+            policy=self.policy,
+            rows=rows,
+            generators=[self.generators[int(r)] for r in rows],
+            info=self.info,
+        )
+        if self.policy.granularity == "token":
+            kept = self.policy.keep(view)
+            keep = [kept.unsqueeze(1).expand(-1, layer.keys.shape[1], -1) for layer in cache.layers]
+        else:
+            keep = [self.policy.keep(view.at(layer)) for layer in range(len(cache.layers))]
+        t1 = time.perf_counter()
+        cache.compact(rows, keep)
+        t2 = time.perf_counter()
+        self.timings["score"] += t1 - t0
+        self.timings["gather"] += t2 - t1
+        self.eviction_count += 1
+
+
+def _weak(ref: weakref.ReferenceType, method: str):
+    def hook(*args, **kwargs):
+        target = ref()
+        return None if target is None else getattr(target, method)(*args, **kwargs)
+
+    return hook
+
+
+def _remove_handles(handles) -> None:
+    for handle in handles:
+        handle.remove()

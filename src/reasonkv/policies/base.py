@@ -1,0 +1,95 @@
+"""The policy protocol: a dataclass of hyper-parameters, the signals it needs, and a score.
+
+A policy is told what it may read through an :class:`EvictionView` and returns, for the rows being
+evicted, either scores (higher = keep; the default :meth:`Policy.keep` turns them into indices with
+``select.keep_top``) or, by overriding :meth:`Policy.keep`, the kept indices themselves.
+Granularity ``"token"`` scores ``[rows, slots]`` once and the same tokens survive in every layer
+and head; ``"head"`` scores ``[rows, kv_heads, slots]`` for one layer at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+import torch
+
+from reasonkv import select
+from reasonkv.observe import Needs, Step
+
+if TYPE_CHECKING:
+    from reasonkv.view import EvictionView, ModelInfo
+
+Granularity = Literal["token", "head"]
+
+
+@dataclass
+class Policy:
+    """Base class. Subclasses are dataclasses whose fields are their hyper-parameters.
+
+    Parameters
+    ----------
+    sinks
+        The first ``sinks`` logical positions are never evicted (they count against the budget).
+    window
+        The ``window`` most recent tokens are never evicted.
+    protect_prompt
+        Never evict prompt tokens (off by default: the budget covers prompt and output).
+    """
+
+    name: ClassVar[str] = ""
+    granularity: ClassVar[Granularity] = "token"
+    summary: ClassVar[str] = ""  # one line for listings
+    paper: ClassVar[str] = ""  # where the method comes from
+    evicts: ClassVar[bool] = True  # False only for the full cache
+    stochastic: ClassVar[bool] = False  # True when the kept set depends on the seed
+
+    sinks: int = 4
+    window: int = 0
+    protect_prompt: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("sinks", "window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{self.name}: {name} must be a non-negative integer, got {value!r}")
+
+    # -- what the policy reads ---------------------------------------------------------------
+    def needs(self, info: ModelInfo) -> Needs:
+        """The signals this policy reads (none by default)."""
+        return Needs()
+
+    # -- state across a generation -----------------------------------------------------------
+    def reset(self, info: ModelInfo, batch: int, device: torch.device) -> None:
+        """Start of a generation: drop any state of the previous one."""
+
+    def observe(self, step: Step) -> None:
+        """After every forward pass (stateful policies accumulate here)."""
+
+    # -- eviction -------------------------------------------------------------------------------
+    def score(self, view: EvictionView) -> torch.Tensor:
+        """Scores of the stored slots, higher = keep: ``[rows, slots]`` or ``[rows, kv_heads, slots]``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement score() or keep()")
+
+    def keep(self, view: EvictionView) -> torch.Tensor:
+        """Indices of the slots to keep, ``[rows, budget]`` or ``[rows, kv_heads, budget]``."""
+        return select.keep_top(
+            self.score(view), valid=view.valid_mask(), protected=view.protected(), k=view.budget
+        )
+
+    # -- description ----------------------------------------------------------------------------
+    @classmethod
+    def options(cls) -> dict[str, object]:
+        """Hyper-parameters and their defaults."""
+        out = {}
+        for f in dataclasses.fields(cls):
+            if f.default is not dataclasses.MISSING:
+                out[f.name] = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                out[f.name] = f.default_factory()
+        return out
+
+    def config(self) -> dict[str, object]:
+        """This instance's name and hyper-parameters (what a results file records)."""
+        return {"policy": self.name, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}

@@ -1,0 +1,18 @@
+"""The full cache: nothing is ever evicted (the reference every policy is measured against)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from reasonkv.policies import register
+from reasonkv.policies.base import Policy
+
+
+@register
+@dataclass
+class Full(Policy):
+    """No eviction; the budget is ignored."""
+
+    name = "full"
+    summary = "no eviction (the reference)"
+    evicts = False

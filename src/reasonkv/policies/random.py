@@ -1,0 +1,27 @@
+"""Uniform random eviction: the floor every scoring rule must beat."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from reasonkv import select
+from reasonkv.policies import register
+from reasonkv.policies.base import Policy
+
+
+@register
+@dataclass
+class Random(Policy):
+    """Keep the protected tokens and a uniformly random sample of the rest (seeded per row)."""
+
+    name = "random"
+    summary = "uniform random sample (seeded)"
+    stochastic = True
+
+    def keep(self, view) -> torch.Tensor:
+        weights = torch.ones_like(view.valid, dtype=torch.float32)
+        return select.keep_sampled(
+            weights, valid=view.valid, protected=view.protected(), k=view.budget, generators=view.generators
+        )

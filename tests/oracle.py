@@ -1,0 +1,86 @@
+"""The oracle: logits with the evicting cache must equal the full-cache logits with the evicted
+positions masked out, per (layer, kv-head), for every query of the run.
+
+The reference re-runs the whole sequence without a cache through a test attention kernel that
+lets query ``j`` of layer ``l`` and kv-head ``h`` see exactly the positions the evicting cache held
+(for that layer and head) when token ``j`` was processed, plus ``j`` itself.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.modeling_utils import AttentionInterface
+
+import reasonkv
+from reasonkv.generate import cache_kwarg
+
+_MASKS: dict[int, torch.Tensor] = {}  # layer -> [1, kv_heads, T, T] bool
+
+
+def _masked_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    allowed = _MASKS[module.layer_idx]
+    groups = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(groups, dim=1)
+    value = value.repeat_interleave(groups, dim=1)
+    allowed = allowed.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query.float(), key.float().transpose(2, 3)) * scaling
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    out = torch.matmul(probs, value.float()).to(query.dtype)
+    return out.transpose(1, 2).contiguous(), probs
+
+
+AttentionInterface.register("oracle_masked", _masked_attention)
+
+
+@torch.inference_mode()
+def run_and_check(
+    model, policy: str, prompt: list[int], *, budget: int, buffer: int, steps: int, atol=1e-4, **kw
+):
+    """Decode greedily with eviction, then check every step's logits against the masked reference.
+
+    Returns the evicting cache (for further assertions) and the number of evictions.
+    """
+    num_layers = model.config.num_hidden_layers
+    cache = reasonkv.EvictingCache(budget, buffer, model=model, policy=policy, **kw)
+    key = cache_kwarg(model)
+    tokens = list(prompt)
+    held_before: list[list[torch.Tensor]] = []  # per decode step, per layer: [kv_heads, slots] positions
+    logits = []
+    out = model(input_ids=torch.tensor([tokens]), use_cache=True, **{key: cache})
+    logits.append(out.logits[0, -1])
+    slot_bound = budget + buffer
+    for _ in range(steps):
+        assert cache.slots <= max(slot_bound, len(prompt)), cache.slots
+        held_before.append([cache.positions(layer)[0].clone() for layer in range(num_layers)])
+        token = int(out.logits[0, -1].argmax())
+        tokens.append(token)
+        out = model(input_ids=torch.tensor([[token]]), use_cache=True, **{key: cache})
+        logits.append(out.logits[0, -1])
+        assert cache.slots <= slot_bound
+    cache.detach()
+
+    total = len(tokens)
+    kv_heads = cache.positions(0).shape[1]
+    for layer in range(num_layers):
+        allowed = torch.tril(torch.ones(total, total, dtype=torch.bool)).expand(kv_heads, -1, -1).clone()
+        for step, held in enumerate(held_before):
+            j = len(prompt) + step
+            row = torch.zeros(kv_heads, total, dtype=torch.bool)
+            positions = held[layer]
+            row.scatter_(1, positions.clamp(min=0), positions >= 0)
+            row[:, j] = True
+            allowed[:, j] = row
+        _MASKS[layer] = allowed.unsqueeze(0)
+    original = model.config._attn_implementation
+    model.config._attn_implementation = "oracle_masked"
+    try:
+        reference = model(input_ids=torch.tensor([tokens]), use_cache=False).logits[0]
+    finally:
+        model.config._attn_implementation = original
+        _MASKS.clear()
+    for step, got in enumerate(logits):
+        want = reference[len(prompt) - 1 + step]
+        torch.testing.assert_close(
+            got.float(), want.float(), atol=atol, rtol=0, msg=lambda m, step=step: f"step {step}: {m}"
+        )
+    return cache
