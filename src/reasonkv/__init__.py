@@ -5,29 +5,38 @@ Quick start::
     import reasonkv
     model, tokenizer = reasonkv.load_model("smollm2-135m")
     [result] = reasonkv.generate(model, tokenizer, "2 + 2 = ?", policy="streaming", budget=256)
+
+The names below load on first use, so light submodules (``reasonkv.eval.grading``) import without torch.
 """
 
-from reasonkv.cache import EvictingCache
-from reasonkv.generate import GenerationResult, generate
-from reasonkv.policies import Policy, get_policy, list_policies, register
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
+_EXPORTS = {
+    "EvictingCache": "reasonkv.cache",
+    "GenerationResult": "reasonkv.decode",
+    "generate": "reasonkv.decode",
+    "Policy": "reasonkv.policies",
+    "get_policy": "reasonkv.policies",
+    "list_policies": "reasonkv.policies",
+    "register": "reasonkv.policies",
+    "load_model": "reasonkv.models",
+}
 
-def load_model(*args, **kwargs):
-    """Load a model and its tokenizer; see :func:`reasonkv.models.load_model`."""
-    from reasonkv.models import load_model as _load
-
-    return _load(*args, **kwargs)
+__all__ = sorted(_EXPORTS)
 
 
-__all__ = [
-    "EvictingCache",
-    "GenerationResult",
-    "Policy",
-    "generate",
-    "get_policy",
-    "list_policies",
-    "load_model",
-    "register",
-]
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'reasonkv' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

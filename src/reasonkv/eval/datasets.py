@@ -1,0 +1,180 @@
+"""Benchmark problems: the bundled test sets and user-supplied JSONL files.
+
+The bundled files live in ``reasonkv/data/`` (see the README there for sources and licences).
+GPQA-Diamond ships inside a password-protected zip, as its authors ask, and is only ever
+decompressed in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+__all__ = ["DATASETS", "DATA_DIR", "Problem", "dataset_path", "load_dataset"]
+
+Kind = Literal["math", "choice"]
+
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+
+#: Bundled benchmark name -> file name in ``reasonkv/data/``.
+DATASETS: dict[str, str] = {
+    "math500": "math500.jsonl",
+    "gsm8k": "gsm8k.jsonl",
+    "aime24": "aime24.jsonl",
+    "aime25": "aime25.jsonl",
+    "hmmt25": "hmmt_feb_2025.jsonl",
+    "gpqa": "gpqa_diamond.jsonl.zip",
+}
+
+# Other spellings accepted by load_dataset (the file stems).
+_ALIASES = {"hmmt_feb_2025": "hmmt25", "gpqa_diamond": "gpqa"}
+
+# The password the GPQA authors publish for their own archive; it keeps the questions out of
+# plain-text crawls, it is not a secret.
+_GPQA_MEMBER = "gpqa_diamond.jsonl"
+_GPQA_PASSWORD = b"deserted-untie-orchid"
+
+_REQUIRED = ("id", "problem", "answer")
+_KNOWN = {"id", "problem", "answer", "source", "kind", "solution"}
+_KINDS = ("math", "choice")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One benchmark problem.
+
+    Attributes
+    ----------
+    id : str
+        Unique within its dataset.
+    problem : str
+        The question text (LaTeX as in the source; GPQA rows include the lettered options).
+    answer : str
+        Reference answer: an integer string, a LaTeX expression, or a letter A-D for ``"choice"``.
+    source : str
+        Benchmark and provenance.
+    kind : {"math", "choice"}
+        How the answer is graded.
+    solution : str or None
+        Reference solution text where the source has one.
+    extra : dict
+        Every other field of the row (e.g. ``level``, ``choices``, ``answer_raw``).
+    """
+
+    id: str
+    problem: str
+    answer: str
+    source: str
+    kind: Kind = "math"
+    solution: str | None = None
+    # Excluded from eq/hash so a Problem stays hashable despite holding a dict.
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+
+def dataset_path(name: str) -> Path:
+    """Return the bundled file for a dataset name (or alias)."""
+    key = _ALIASES.get(name, name)
+    if key not in DATASETS:
+        raise ValueError(f"unknown dataset {name!r}; known names: {', '.join(DATASETS)}")
+    return DATA_DIR / DATASETS[key]
+
+
+def load_dataset(name_or_path: str | os.PathLike[str], limit: int | None = None) -> list[Problem]:
+    """Load a bundled benchmark by name, or a JSONL file of problems.
+
+    Parameters
+    ----------
+    name_or_path : str or path
+        One of :data:`DATASETS` (``math500``, ``gsm8k``, ``aime24``, ``aime25``, ``hmmt25``, ``gpqa``)
+        or a path to a JSONL file whose rows have ``id``, ``problem`` and ``answer`` (required) and
+        optionally ``source``, ``kind`` (``"math"``/``"choice"``; default ``"choice"`` when the row
+        has ``choices``, else ``"math"``), ``solution`` and any other fields (kept in ``extra``).
+    limit : int, optional
+        Keep only the first ``limit`` problems, in file order.
+
+    Returns
+    -------
+    list of Problem
+
+    Raises
+    ------
+    ValueError
+        Unknown dataset name, or a malformed row (the message names file, line and field).
+    FileNotFoundError
+        A path that does not exist.
+    """
+    if limit is not None and limit < 0:
+        raise ValueError(f"limit must be >= 0, got {limit}")
+    text = os.fspath(name_or_path)
+    key = _ALIASES.get(text, text)
+    if key in DATASETS:
+        path = DATA_DIR / DATASETS[key]
+        default_kind: Kind = "choice" if key == "gpqa" else "math"
+    else:
+        path = Path(text)
+        default_kind = "math"
+        if not path.is_file():
+            names = ", ".join(DATASETS)
+            if os.sep in text or "/" in text or path.suffix:
+                raise FileNotFoundError(f"no such dataset file: {text} (bundled names: {names})")
+            raise ValueError(f"unknown dataset {text!r}; known names: {names}; or pass a path to a .jsonl file")
+    zipped = path.name.endswith(".zip")
+    lines = _read_zip_lines(path) if zipped else path.read_text(encoding="utf-8").splitlines()
+    return _parse_rows(lines, path, default_kind, limit)
+
+
+def _read_zip_lines(path: Path) -> list[str]:
+    # Decompressed in memory only: the GPQA authors ask that the plain text never be published.
+    with zipfile.ZipFile(path) as zf:
+        member = _GPQA_MEMBER if _GPQA_MEMBER in zf.namelist() else zf.namelist()[0]
+        return zf.read(member, pwd=_GPQA_PASSWORD).decode("utf-8").splitlines()
+
+
+def _parse_rows(lines: Iterable[str], path: Path, default_kind: Kind, limit: int | None) -> list[Problem]:
+    problems: list[Problem] = []
+    seen: dict[str, int] = {}
+    for lineno, line in enumerate(lines, start=1):
+        if limit is not None and len(problems) >= limit:
+            break
+        if not line.strip():
+            continue
+        where = f"{path}, line {lineno}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}: invalid JSON ({exc.msg})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        problem = _row_to_problem(row, where, default_kind, path)
+        if problem.id in seen:
+            raise ValueError(f"{where}: field 'id': duplicate id {problem.id!r} (first on line {seen[problem.id]})")
+        seen[problem.id] = lineno
+        problems.append(problem)
+    return problems
+
+
+def _row_to_problem(row: dict[str, Any], where: str, default_kind: Kind, path: Path) -> Problem:
+    for name in _REQUIRED:
+        value = row.get(name)
+        if value is None or (isinstance(value, str) and not value.strip()):
+            raise ValueError(f"{where}: missing required field {name!r}")
+        if not isinstance(value, (str, int)) or isinstance(value, bool):
+            raise ValueError(f"{where}: field {name!r} must be a string, got {type(value).__name__}")
+    kind = row.get("kind") or ("choice" if "choices" in row else default_kind)
+    if kind not in _KINDS:
+        raise ValueError(f"{where}: field 'kind' must be one of {_KINDS}, got {kind!r}")
+    solution = row.get("solution")
+    return Problem(
+        id=str(row["id"]),
+        problem=str(row["problem"]),
+        answer=str(row["answer"]).strip(),
+        source=str(row.get("source") or path.name),
+        kind=kind,
+        solution=None if solution is None else str(solution),
+        extra={k: v for k, v in row.items() if k not in _KNOWN},
+    )

@@ -1,0 +1,158 @@
+r"""Pull the final answer out of a model's output text.
+
+Extraction order (the first path that finds something wins; within a path the *last* match
+in the text is used, since models restate and correct themselves):
+
+``kind="math"``
+    1. ``boxed``: the last non-empty ``\boxed{...}`` / ``\fbox{...}`` / ``\framebox{...}`` with
+       balanced braces, or ``\boxed X`` written without braces.
+    2. ``answer_is``: "final answer is X", "final answer: X", "the answer is X".
+    3. ``answer_colon``: "Answer: X".
+    4. ``last_number``: the last number in the text (``1,450,000`` -> ``1450000``). Only meant for
+       integer-answer benchmarks such as GSM8K; pass ``last_number=False`` to skip it.
+
+``kind="choice"`` (a letter A-D)
+    1. ``boxed``: the last boxed content that reads as a letter (``B``, ``(B)``, ``\text{B}``).
+    2. ``answer_is``: "the answer is (C)".
+    3. ``answer_colon``: "Answer: C".
+
+The path that produced the answer is reported as the method name; ``"none"`` if none did.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["METHODS", "choice_letter", "extract_answer", "find_answer", "find_boxed"]
+
+METHODS = ("boxed", "answer_is", "answer_colon", "last_number", "none")
+
+_BOX_RE = re.compile(r"\\(?:boxed|fbox|framebox)(?![A-Za-z])")
+_ANSWER_IS_RE = re.compile(r"(?:final\s+answer\s*(?:is|[:=])|\banswer\s+is)\s*:?", re.IGNORECASE)
+_ANSWER_COLON_RE = re.compile(r"\banswer\s*[:：]", re.IGNORECASE)
+# A minus sign counts only when it is not a binary minus ("10-5" ends in 5, not -5).
+_SIGN = r"(?:(?<![\w)\]}])-)?"
+_NUMBER_RE = re.compile(_SIGN + r"(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)")
+_LETTER_RE = re.compile(r"^(?:option|choice)?\s*\(?([A-D])(?:[).:,\s]|$)", re.IGNORECASE)
+_LATEX_WRAP_RE = re.compile(r"\\(?:text|textbf|mathrm|mathbf|mathit|bf)\s*")
+_MATH_DELIMS = (("$$", "$$"), ("\\[", "\\]"), ("\\(", "\\)"), ("$", "$"))
+
+
+def find_boxed(text: str) -> list[str]:
+    r"""All non-empty boxed contents in order of appearance (``\boxed``, ``\fbox``, ``\framebox``)."""
+    found = []
+    for match in _BOX_RE.finditer(text):
+        content = _box_content(text, match.end())
+        if content:
+            found.append(content)
+    return found
+
+
+def _box_content(text: str, pos: int) -> str | None:
+    start = pos
+    while pos < len(text) and text[pos].isspace():
+        pos += 1
+    if pos < len(text) and text[pos] == "[":  # \framebox[width]{...}
+        close = text.find("]", pos)
+        pos = close + 1 if close >= 0 else pos
+    if pos >= len(text):
+        return None
+    if text[pos] != "{":
+        if pos == start:  # "\boxed5" is not the command followed by an argument
+            return None
+        bare = re.match(r"[^\s$]+", text[pos:])
+        return bare.group(0).rstrip(".,;") if bare else None
+    depth, i = 0, pos
+    while i < len(text):
+        ch = text[i]
+        if ch == "\\":
+            i += 2  # an escaped brace (\{ or \}) does not change the depth
+            continue
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth == 0:
+                return text[pos + 1 : i].strip()
+        i += 1
+    return None  # unbalanced: the output was cut off inside the box
+
+
+def find_answer(text: str, kind: str = "math", *, last_number: bool = True) -> tuple[str | None, str]:
+    """Extract the final answer and name the extraction path used.
+
+    Parameters
+    ----------
+    text : str
+        Model output (strip the thinking block first if the answer must follow it).
+    kind : {"math", "choice"}
+    last_number : bool
+        Allow the last-number fallback (``kind="math"`` only).
+
+    Returns
+    -------
+    (answer, method)
+        ``answer`` is ``None`` and ``method`` is ``"none"`` when nothing was found.
+    """
+    if kind == "choice":
+        return _find_choice(text)
+    if kind != "math":
+        raise ValueError(f"kind must be 'math' or 'choice', got {kind!r}")
+    boxed = find_boxed(text)
+    if boxed:
+        return boxed[-1], "boxed"
+    for method, pattern in (("answer_is", _ANSWER_IS_RE), ("answer_colon", _ANSWER_COLON_RE)):
+        for match in reversed(list(pattern.finditer(text))):
+            span = _clean_span(text[match.end() :])
+            if span:
+                return span, method
+    if last_number:
+        numbers = _NUMBER_RE.findall(text)
+        if numbers:
+            return numbers[-1].replace(",", ""), "last_number"
+    return None, "none"
+
+
+def extract_answer(text: str, kind: str = "math", *, last_number: bool = True) -> str | None:
+    """Extract the final answer (see the module docstring for the order); ``None`` if absent."""
+    return find_answer(text, kind, last_number=last_number)[0]
+
+
+def choice_letter(text: str) -> str | None:
+    r"""Read a multiple-choice letter from a short answer: ``B``, ``(B)``, ``\text{B}``, ``B) 42``."""
+    cleaned = _LATEX_WRAP_RE.sub("", text).replace("$", "").replace("*", "")
+    cleaned = cleaned.replace("{", "").replace("}", "").strip()
+    match = _LETTER_RE.match(cleaned)
+    if not match:
+        return None
+    letter = match.group(1)
+    # A lone lower-case letter is more likely a variable than an option.
+    return letter if letter.isupper() or cleaned.lower().startswith(("option", "choice")) else None
+
+
+def _find_choice(text: str) -> tuple[str | None, str]:
+    for content in reversed(find_boxed(text)):
+        letter = choice_letter(content)
+        if letter:
+            return letter, "boxed"
+    for method, pattern in (("answer_is", _ANSWER_IS_RE), ("answer_colon", _ANSWER_COLON_RE)):
+        for match in reversed(list(pattern.finditer(text))):
+            letter = choice_letter(text[match.end() : match.end() + 40].lstrip(" *_:"))
+            if letter:
+                return letter, method
+    return None, "none"
+
+
+def _clean_span(rest: str) -> str | None:
+    """The answer phrase that starts ``rest``: one math span, else the rest of the sentence."""
+    rest = rest.lstrip(" \t*_:")
+    for open_, close in _MATH_DELIMS:
+        if rest.startswith(open_):
+            end = rest.find(close, len(open_))
+            rest = rest[len(open_) : end if end >= 0 else None]
+            break
+    else:
+        rest = rest.split("\n", 1)[0]
+        rest = re.split(r"\.(?:\s|$)", rest, maxsplit=1)[0]  # a sentence end, not a decimal point
+    rest = rest.strip().strip("*_").strip().rstrip(".,;:").strip()
+    return rest or None

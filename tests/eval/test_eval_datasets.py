@@ -1,0 +1,109 @@
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from reasonkv.eval.datasets import DATASETS, Problem, load_dataset
+
+EXPECTED = {"math500": 500, "gsm8k": 1319, "aime24": 30, "aime25": 30, "hmmt25": 30, "gpqa": 198}
+
+
+def test_names():
+    assert set(DATASETS) == set(EXPECTED)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_bundled_datasets_load(name):
+    problems = load_dataset(name)
+    assert len(problems) == EXPECTED[name]
+    assert len({p.id for p in problems}) == len(problems)
+    for p in problems:
+        assert isinstance(p, Problem)
+        assert p.problem.strip() and p.answer.strip() and p.source.strip()
+        assert p.kind == ("choice" if name == "gpqa" else "math")
+    if name == "gpqa":
+        assert {p.answer for p in problems} == set("ABCD")
+        assert all(len(p.extra["choices"]) == 4 for p in problems)
+    if name in ("aime24", "aime25", "gsm8k"):
+        assert all(re.fullmatch(r"-?\d+", p.answer) for p in problems)
+
+
+def test_fields_and_extra():
+    [first] = load_dataset("math500", limit=1)
+    assert first.id == "test/precalculus/807.json"
+    assert first.solution and "\\boxed" in first.solution
+    assert first.extra == {"subject": "Precalculus", "level": 2}
+    gsm = load_dataset("gsm8k")
+    assert {p.extra["answer_raw"] for p in gsm if p.answer == "1450000"} == {"1,450,000"}
+    assert load_dataset("aime24")[1].extra["answer_raw"] == "025"
+    assert load_dataset("hmmt_feb_2025") == load_dataset("hmmt25")  # alias
+    hash(first)  # frozen and hashable despite the extra dict
+
+
+def test_limit():
+    assert [p.id for p in load_dataset("aime25", limit=3)] == ["aime2025-I-1", "aime2025-I-2", "aime2025-I-3"]
+    assert load_dataset("gpqa", limit=0) == []
+    with pytest.raises(ValueError):
+        load_dataset("aime25", limit=-1)
+
+
+def test_unknown_name_lists_names():
+    with pytest.raises(ValueError) as err:
+        load_dataset("math5000")
+    for name in DATASETS:
+        assert name in str(err.value)
+
+
+def test_missing_path():
+    with pytest.raises(FileNotFoundError):
+        load_dataset("/nonexistent/problems.jsonl")
+
+
+def _write(path, rows):
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n", encoding="utf-8")
+    return path
+
+
+def test_user_jsonl(tmp_path):
+    path = _write(
+        tmp_path / "mine.jsonl",
+        [
+            {"id": "a", "problem": "1+1?", "answer": 2, "topic": "arith"},
+            "",
+            {"id": "b", "problem": "Pick", "answer": "C", "choices": ["w", "x", "y", "z"], "source": "me"},
+            {"id": 3, "problem": "x", "answer": "\\frac12", "kind": "math", "solution": "s"},
+        ],
+    )
+    a, b, c = load_dataset(path)
+    assert (a.id, a.answer, a.kind, a.source, a.extra) == ("a", "2", "math", "mine.jsonl", {"topic": "arith"})
+    assert (b.kind, b.source, b.extra["choices"][2]) == ("choice", "me", "y")
+    assert (c.id, c.solution) == ("3", "s")
+    assert len(load_dataset(str(path), limit=1)) == 1
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        (
+            [{"id": "a", "problem": "p", "answer": "1"}, {"id": "b", "answer": "1"}],
+            "line 2: missing required field 'problem'",
+        ),
+        ([{"id": "a", "problem": "p", "answer": ""}], "line 1: missing required field 'answer'"),
+        ([{"problem": "p", "answer": "1"}], "line 1: missing required field 'id'"),
+        (["{not json"], "line 1: invalid JSON"),
+        ([{"id": "a", "problem": "p", "answer": "1", "kind": "essay"}], "line 1: field 'kind'"),
+        (
+            [{"id": "a", "problem": "p", "answer": "1"}, {"id": "a", "problem": "q", "answer": "2"}],
+            "duplicate id",
+        ),
+        ([{"id": "a", "problem": ["p"], "answer": "1"}], "field 'problem' must be a string"),
+    ],
+)
+def test_user_jsonl_errors_name_file_line_field(tmp_path, rows, message):
+    path = _write(tmp_path / "bad.jsonl", rows)
+    with pytest.raises(ValueError) as err:
+        load_dataset(path)
+    assert message in str(err.value)
+    assert str(path) in str(err.value)
