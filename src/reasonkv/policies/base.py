@@ -44,6 +44,9 @@ class Policy:
     paper: ClassVar[str] = ""  # where the method comes from
     evicts: ClassVar[bool] = True  # False only for the full cache
     stochastic: ClassVar[bool] = False  # True when the kept set depends on the seed
+    # True when feeding n tokens in one forward leaves the policy in the same state as n single steps
+    # (lets teacher-forced replays run chunk by chunk between evictions).
+    chunk_exact: ClassVar[bool] = False
 
     sinks: int = 4
     window: int = 0
@@ -74,9 +77,7 @@ class Policy:
 
     def keep(self, view: EvictionView) -> torch.Tensor:
         """Indices of the slots to keep, ``[rows, budget]`` or ``[rows, kv_heads, budget]``."""
-        return select.keep_top(
-            self.score(view), valid=view.valid_mask(), protected=view.protected(), k=view.budget
-        )
+        return select.keep_top(self.score(view), valid=view.valid_mask(), protected=view.protected(), k=view.budget)
 
     # -- description ----------------------------------------------------------------------------
     @classmethod

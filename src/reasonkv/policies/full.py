@@ -14,5 +14,6 @@ class Full(Policy):
     """No eviction; the budget is ignored."""
 
     name = "full"
+    chunk_exact = True
     summary = "no eviction (the reference)"
     evicts = False

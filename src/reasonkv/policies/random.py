@@ -17,6 +17,7 @@ class Random(Policy):
     """Keep the protected tokens and a uniformly random sample of the rest (seeded per row)."""
 
     name = "random"
+    chunk_exact = True
     summary = "uniform random sample (seeded)"
     stochastic = True
 

@@ -19,6 +19,7 @@ class Streaming(Policy):
     """
 
     name = "streaming"
+    chunk_exact = True
     summary = "attention sinks + most recent tokens"
     paper = "https://arxiv.org/abs/2309.17453"
 
