@@ -12,7 +12,7 @@ import torch
 from transformers.modeling_utils import AttentionInterface
 
 import reasonkv
-from reasonkv.generate import cache_kwarg
+from reasonkv.decode import cache_kwarg
 
 _MASKS: dict[int, torch.Tensor] = {}  # layer -> [1, kv_heads, T, T] bool
 

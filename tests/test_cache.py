@@ -8,7 +8,7 @@ import torch
 import reasonkv
 from conftest import TINY_MODELS
 from reasonkv.cache import EvictingCache
-from reasonkv.generate import cache_kwarg
+from reasonkv.decode import cache_kwarg
 
 
 def _decode(model, cache, prompt_ids, steps, mask=None):

@@ -7,7 +7,7 @@ import torch
 
 import reasonkv
 from conftest import CharTokenizer, tiny_llama, tiny_qwen3
-from reasonkv.generate import cache_kwarg
+from reasonkv.decode import cache_kwarg
 
 PROMPTS = ["Let us think step by step about it.", "Why?", "Two plus three is five, so"]
 

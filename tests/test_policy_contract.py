@@ -11,7 +11,7 @@ from transformers.modeling_utils import AttentionInterface
 import reasonkv
 from conftest import NoEosTokenizer, tiny_llama
 from oracle import run_and_check
-from reasonkv.generate import cache_kwarg
+from reasonkv.decode import cache_kwarg
 from reasonkv.policies import policy_class
 
 POLICIES = reasonkv.list_policies()

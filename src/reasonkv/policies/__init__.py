@@ -51,8 +51,7 @@ def _checked(cls: type[Policy], options: dict) -> dict:
     unknown = sorted(set(options) - known)
     if unknown:
         raise ValueError(
-            f"policy {cls.name!r} has no option {', '.join(map(repr, unknown))}; "
-            f"options: {', '.join(sorted(known))}"
+            f"policy {cls.name!r} has no option {', '.join(map(repr, unknown))}; options: {', '.join(sorted(known))}"
         )
     return options
 
