@@ -140,6 +140,8 @@ class EvictingCache(Cache):
         cache as a context manager) when done to remove the model hooks.
     num_layers
         Number of decoder layers, when known up front (layers are otherwise created on first use).
+    sync_timing
+        Synchronise CUDA around each timed eviction phase, for an exact split in benchmarks.
     """
 
     def __init__(
@@ -151,6 +153,7 @@ class EvictingCache(Cache):
         policy=None,
         seed: int | list[int] = 0,
         num_layers: int | None = None,
+        sync_timing: bool = False,
         **policy_kwargs,
     ):
         _check_sizes(budget, buffer)
@@ -175,7 +178,12 @@ class EvictingCache(Cache):
             from reasonkv.evictor import Evictor  # the one place storage is handed its wiring
 
             self.evictor = Evictor(
-                model, self, policy if policy is not None else "full", seed=seed, **policy_kwargs
+                model,
+                self,
+                policy if policy is not None else "full",
+                seed=seed,
+                sync_timing=sync_timing,
+                **policy_kwargs,
             )
         elif policy is not None or policy_kwargs:
             raise ValueError("a policy needs the model: pass model=... to EvictingCache")
@@ -231,9 +239,7 @@ class EvictingCache(Cache):
         self._incoming = incoming_valid.bool()
         next_position = self.next_position
         if next_position is None:
-            next_position = torch.zeros(
-                incoming_valid.shape[0], dtype=torch.long, device=incoming_valid.device
-            )
+            next_position = torch.zeros(incoming_valid.shape[0], dtype=torch.long, device=incoming_valid.device)
         positions = next_position.unsqueeze(1) + self._incoming.long().cumsum(1) - 1
         return positions.clamp(min=0)
 
@@ -335,9 +341,7 @@ class EvictingCache(Cache):
         self.detach()
 
     def __repr__(self) -> str:
-        return (
-            f"EvictingCache(budget={self.budget}, buffer={self.buffer}, slots={self.slots}, seen={self.seen})"
-        )
+        return f"EvictingCache(budget={self.budget}, buffer={self.buffer}, slots={self.slots}, seen={self.seen})"
 
 
 def _check_sizes(budget: int | None, buffer: int) -> None:

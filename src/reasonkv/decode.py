@@ -134,6 +134,7 @@ def generate(
     ignore_eos: bool = False,
     progress: bool = False,
     on_step: Callable[[int, EvictingCache], None] | None = None,
+    sync_timing: bool = False,
     **policy_kwargs,
 ) -> list[GenerationResult]:
     """Decode ``prompts`` (one batch) with a KV cache held to ``budget + buffer`` tokens per head.
@@ -157,6 +158,8 @@ def generate(
         Show a progress bar over decode steps.
     on_step
         Called as ``on_step(step, cache)`` after every forward pass (prefill is step 0).
+    sync_timing
+        Synchronise CUDA around each eviction phase so ``stats["timings"]`` splits time exactly.
     policy_kwargs
         The policy's hyper-parameters (``sinks``, ``window``, ...).
     """
@@ -172,7 +175,9 @@ def generate(
     if budget is None and policy not in ("full",) and getattr(policy, "name", policy) != "full":
         raise ValueError(f"policy {getattr(policy, 'name', policy)!r} needs a budget")
 
-    cache = EvictingCache(budget, buffer, model=model, policy=policy, seed=seed, **policy_kwargs)
+    cache = EvictingCache(
+        budget, buffer, model=model, policy=policy, seed=seed, sync_timing=sync_timing, **policy_kwargs
+    )
     sampling_generators = row_generators(seed, batch, device, salt=2)
     key = cache_kwarg(model)
     extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
@@ -208,9 +213,7 @@ def generate(
                     finish[i] = "stop"
             if all(f is not None for f in finish) or step == max_new_tokens - 1:
                 break
-            next_ids = next_ids.masked_fill(
-                torch.tensor([f is not None for f in finish], device=device), pad_id
-            )
+            next_ids = next_ids.masked_fill(torch.tensor([f is not None for f in finish], device=device), pad_id)
             out = model(input_ids=next_ids.unsqueeze(1), use_cache=True, **{key: cache}, **extra)
             if on_step is not None:
                 on_step(step + 1, cache)
@@ -250,7 +253,7 @@ def generate(
                     "batch_size": batch,
                     "peak_kv_bytes": peak_kv,
                     "peak_memory_bytes": int(peak_memory),
-                    "timings": dict(cache.evictor.timings),
+                    "timings": cache.evictor.timings,
                 },
             )
         )

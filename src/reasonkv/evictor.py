@@ -10,14 +10,13 @@ Two hooks on the model do everything, so ``reasonkv.generate`` and ``model.gener
 
 from __future__ import annotations
 
-import time
 import weakref
-from collections import defaultdict
 
 import torch
 
 from reasonkv.observe import Observer
 from reasonkv.policies import get_policy
+from reasonkv.timing import Stopwatch
 from reasonkv.view import EvictionView, ModelInfo
 
 __all__ = ["Evictor"]
@@ -35,9 +34,7 @@ def sliding_window_layers(config) -> list[int]:
     return []
 
 
-def row_generators(
-    seed: int | list[int], batch: int, device: torch.device, salt: int = 0
-) -> list[torch.Generator]:
+def row_generators(seed: int | list[int], batch: int, device: torch.device, salt: int = 0) -> list[torch.Generator]:
     """One generator per row; a row's stream depends only on its own seed, not on the batch."""
     seeds = [seed] * batch if isinstance(seed, int) else list(seed)
     if len(seeds) != batch:
@@ -53,7 +50,7 @@ def row_generators(
 class Evictor:
     """Observe → score → select → gather, after every forward pass of ``model`` with ``cache``."""
 
-    def __init__(self, model, cache, policy, *, seed: int | list[int] = 0, **policy_kwargs):
+    def __init__(self, model, cache, policy, *, seed: int | list[int] = 0, sync_timing: bool = False, **policy_kwargs):
         self.policy = get_policy(policy, **policy_kwargs)
         sliding = sliding_window_layers(model.config)
         if sliding:
@@ -75,9 +72,9 @@ class Evictor:
                 )
         self.model, self.cache, self.seed = model, cache, seed
         self.needs = self.policy.needs(self.info)
-        self.observer = Observer(model, cache, self.needs)
+        self.stopwatch = Stopwatch(sync=sync_timing)
+        self.observer = Observer(model, cache, self.needs, stopwatch=self.stopwatch)
         self.generators: list[torch.Generator] = []
-        self.timings: dict[str, float] = defaultdict(float)
         self.eviction_count = 0
         me = weakref.ref(self)
         self._hooks = [
@@ -120,9 +117,8 @@ class Evictor:
         if not self._uses_my_cache(kwargs):
             return None
         step = self.observer.end()
-        t0 = time.perf_counter()
-        self.policy.observe(step)
-        self.timings["observe"] += time.perf_counter() - t0
+        with self.stopwatch("observe"):
+            self.policy.observe(step)
         self.evict_due()
         return None
 
@@ -138,13 +134,24 @@ class Evictor:
         if rows.numel() == 0:
             return
         if self.policy.protect_prompt:
-            longest = int(cache.prompt_lengths[rows].max()) + self.policy.sinks
+            longest = int(cache.prompt_lengths[rows].max())
             if longest > cache.budget:
                 raise ValueError(
-                    f"protect_prompt keeps a prompt of {longest - self.policy.sinks} tokens, "
-                    f"more than the budget {cache.budget}"
+                    f"protect_prompt keeps a prompt of {longest} tokens, more than the budget {cache.budget}"
                 )
-        t0 = time.perf_counter()
+        with self.stopwatch("score"):
+            keep = self._kept_indices(rows)
+        with self.stopwatch("gather"):
+            cache.compact(rows, keep)
+        self.eviction_count += 1
+
+    @property
+    def timings(self) -> dict[str, float]:
+        """Seconds spent per phase so far: record, observe, score, gather."""
+        return self.stopwatch.as_dict()
+
+    def _kept_indices(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        cache = self.cache
         view = EvictionView(
             cache=cache,
             observer=self.observer,
@@ -155,15 +162,8 @@ class Evictor:
         )
         if self.policy.granularity == "token":
             kept = self.policy.keep(view)
-            keep = [kept.unsqueeze(1).expand(-1, layer.keys.shape[1], -1) for layer in cache.layers]
-        else:
-            keep = [self.policy.keep(view.at(layer)) for layer in range(len(cache.layers))]
-        t1 = time.perf_counter()
-        cache.compact(rows, keep)
-        t2 = time.perf_counter()
-        self.timings["score"] += t1 - t0
-        self.timings["gather"] += t2 - t1
-        self.eviction_count += 1
+            return [kept.unsqueeze(1).expand(-1, layer.keys.shape[1], -1) for layer in cache.layers]
+        return [self.policy.keep(view.at(layer)) for layer in range(len(cache.layers))]
 
 
 def _weak(ref: weakref.ReferenceType, method: str):

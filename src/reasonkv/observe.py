@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers.modeling_utils import AttentionInterface
 
+from reasonkv.timing import Stopwatch
+
 __all__ = ["Needs", "Step", "Observer", "decoder_layers", "recent_window_attention"]
 
 _TAP_ATTR = "_reasonkv_observer"
@@ -75,9 +77,7 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
         if isinstance(layers, torch.nn.ModuleList):
             return layers
         language_model = getattr(owner, "language_model", None)
-        if language_model is not None and isinstance(
-            getattr(language_model, "layers", None), torch.nn.ModuleList
-        ):
+        if language_model is not None and isinstance(getattr(language_model, "layers", None), torch.nn.ModuleList):
             return language_model.layers
     raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
 
@@ -195,8 +195,9 @@ class _QueryWindow:
 class Observer:
     """Records the signals of ``needs`` for one model and one cache while ``active``."""
 
-    def __init__(self, model: torch.nn.Module, cache, needs: Needs):
+    def __init__(self, model: torch.nn.Module, cache, needs: Needs, stopwatch: Stopwatch | None = None):
         self.model, self.cache, self.needs = model, cache, needs
+        self.stopwatch = stopwatch or Stopwatch()
         self.active = False
         self.layers = decoder_layers(model)
         self.attention_modules = [_attention_module(layer) for layer in self.layers]
@@ -206,12 +207,8 @@ class Observer:
         self.scalings: dict[int, float] = {}
         for index in needs.hidden_layers:
             if not 0 <= index < len(self.layers):
-                raise ValueError(
-                    f"hidden layer {index} out of range: the model has {len(self.layers)} layers"
-                )
-            self.handles.append(
-                self.layers[index].register_forward_hook(_hidden_hook(weakref.ref(self), index))
-            )
+                raise ValueError(f"hidden layer {index} out of range: the model has {len(self.layers)} layers")
+            self.handles.append(self.layers[index].register_forward_hook(_hidden_hook(weakref.ref(self), index)))
         if needs.taps_attention:
             install_tap(model.config._attn_implementation or "eager")
             self._claim_modules()
@@ -252,7 +249,10 @@ class Observer:
 
     # ---------------------------------------------------------------- attention tap
     def on_attention(self, module, query: torch.Tensor, key: torch.Tensor, scaling: float | None) -> None:
-        layer = module.layer_idx
+        with self.stopwatch("record"):
+            self._record_attention(module.layer_idx, query, key, scaling)
+
+    def _record_attention(self, layer: int, query: torch.Tensor, key: torch.Tensor, scaling: float | None) -> None:
         step, needs = self._step, self.needs
         scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
         self.scalings[layer] = scaling

