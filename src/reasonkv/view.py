@@ -46,9 +46,7 @@ class EvictionView:
     being scored for head-granularity ones. Tensors have the evicted rows as their first dimension.
     """
 
-    def __init__(
-        self, *, cache, observer, policy, rows, generators, info: ModelInfo, layer: int | None = None
-    ):
+    def __init__(self, *, cache, observer, policy, rows, generators, info: ModelInfo, layer: int | None = None):
         self.cache, self.observer, self.policy = cache, observer, policy
         self.rows = rows
         self.generators = generators  # one torch.Generator per evicted row
