@@ -128,3 +128,11 @@ def test_result_stats(tokenizer):
 def test_bad_input_is_a_clear_error(kwargs, message, tokenizer):
     with pytest.raises(ValueError, match=message):
         reasonkv.generate(tiny_llama(), tokenizer, "hi", **kwargs)
+
+
+def test_token_id_prompts_without_tokenizer():
+    model = tiny_llama()
+    [r] = reasonkv.generate(model, None, [[5, 6, 7, 8]], policy="streaming", budget=8, buffer=2, max_new_tokens=12)
+    assert r.num_tokens == 12 and r.text == "" and r.stats["evictions"] > 0
+    with pytest.raises(ValueError, match="text prompts need a tokenizer"):
+        reasonkv.generate(model, None, "hi")

@@ -62,6 +62,8 @@ def _encode(tokenizer, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list
     encoded = []
     for prompt in prompts:
         if isinstance(prompt, str):
+            if tokenizer is None:
+                raise ValueError("text prompts need a tokenizer: pass token-id lists when tokenizer is None")
             bos = getattr(tokenizer, "bos_token", None)
             add_special = not (bos and prompt.startswith(bos))  # chat templates already hold the BOS
             encoded.append(tokenizer(prompt, add_special_tokens=add_special)["input_ids"])
@@ -141,6 +143,8 @@ def generate(
 
     Parameters
     ----------
+    tokenizer
+        The model's tokenizer; may be ``None`` when prompts are token ids (outputs then have no text).
     prompts
         Text (already chat-formatted if the model expects it) or token-id lists.
     policy
@@ -167,11 +171,14 @@ def generate(
     single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
     prompt_ids = _encode(tokenizer, [prompts] if single else prompts)
     device = next(model.parameters()).device
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pad_id = getattr(tokenizer, "pad_token_id", None)
+    pad_id = 0 if pad_id is None else pad_id
     ids, mask = _left_pad(prompt_ids, pad_id, device)
     batch = ids.shape[0]
     eos = set() if ignore_eos else _eos_ids(model, tokenizer)
     stop = list(stop or [])
+    if stop and tokenizer is None:
+        raise ValueError("stop strings need a tokenizer")
     if budget is None and policy not in ("full",) and getattr(policy, "name", policy) != "full":
         raise ValueError(f"policy {getattr(policy, 'name', policy)!r} needs a budget")
 
@@ -232,7 +239,7 @@ def generate(
     for i in range(batch):
         tokens = generated[i]
         text_tokens = tokens[:-1] if finish[i] == "eos" else tokens
-        text = tokenizer.decode(text_tokens, skip_special_tokens=True)
+        text = "" if tokenizer is None else tokenizer.decode(text_tokens, skip_special_tokens=True)
         if finish[i] == "stop":
             text = _cut_at_stop(text, stop)
         results.append(
