@@ -88,3 +88,11 @@ def any_model(request):
 @pytest.fixture
 def llama():
     return tiny_llama()
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The bundled SmolLM2-135M-Instruct (converted once into the user cache), fp32 on CPU."""
+    from reasonkv.models import load_model
+
+    return load_model("smollm2-135m")

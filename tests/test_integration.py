@@ -1,0 +1,67 @@
+"""End to end on the bundled SmolLM2-135M-Instruct."""
+
+from __future__ import annotations
+
+import pytest
+
+import reasonkv
+from reasonkv.cli import main
+
+pytestmark = pytest.mark.integration
+
+
+def _chat(tokenizer, text: str) -> str:
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
+
+
+def test_streaming_holds_the_budget_for_200_tokens(smollm2):
+    model, tokenizer = smollm2
+    budget, buffer = 64, 16
+    slots = []
+    [result] = reasonkv.generate(
+        model,
+        tokenizer,
+        _chat(tokenizer, "Explain step by step how to compute 12 * 34."),
+        policy="streaming",
+        budget=budget,
+        buffer=buffer,
+        max_new_tokens=200,
+        ignore_eos=True,
+        on_step=lambda step, cache: slots.append(cache.slots),
+    )
+    assert result.num_tokens == 200 and result.text.strip()
+    assert max(slots) <= budget + buffer
+    processed = result.prompt_tokens + 199  # the last sampled token is never fed back
+    assert result.stats["evictions"] == (processed - (budget + buffer)) // buffer + 1
+    assert result.stats["peak_slots"] <= max(budget + buffer, result.prompt_tokens)
+
+
+def test_demo_runs(capsys):
+    assert main(["demo", "--policy", "streaming", "--max-new-tokens", "40", "--budget", "32", "--buffer", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "full:" in out and "streaming:" in out and "cache slots over decode steps" in out
+
+
+def test_generate_command(capsys):
+    code = main(
+        [
+            "generate",
+            "--prompt",
+            "What is 2 + 3?",
+            "--policy",
+            "random",
+            "--budget",
+            "24",
+            "--buffer",
+            "8",
+            "--max-new-tokens",
+            "30",
+            "--json",
+            "-o",
+            "sinks=2",
+        ]
+    )
+    assert code == 0
+    assert '"policy": "random"' in capsys.readouterr().out
