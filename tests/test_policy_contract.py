@@ -125,4 +125,6 @@ def _small_options(name: str) -> dict:
     small = {}
     if options.get("window", 0) > 4:
         small["window"] = 4
+    if options.get("protect_prompt"):
+        small["protect_prompt"] = False  # the longest prompt exceeds a budget of 16
     return small

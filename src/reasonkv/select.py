@@ -22,6 +22,7 @@ __all__ = [
     "gumbel_noise",
     "value_range",
     "top_mask",
+    "reserve_top",
     "broadcast_rows",
 ]
 
@@ -153,6 +154,31 @@ def top_mask(scores: torch.Tensor, *, valid: torch.Tensor, exclude: torch.Tensor
     top = keys.topk(min(n, scores.shape[-1]), dim=-1).indices
     mask.scatter_(-1, top, True)
     return mask & candidates
+
+
+def reserve_top(scores: torch.Tensor, *, valid: torch.Tensor, protected: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Mask of the slots to reserve before filling a budget of ``k``: the ``n`` highest-scoring
+    valid, unprotected slots, capped so that protected + reserved never exceed ``k``.
+
+    The building block of "reserve, then fill" selection (reserve some tokens by one criterion,
+    fill the rest of the budget by another): pass ``protected | reserve_top(...)`` as the
+    ``protected`` argument of :func:`keep_top` or :func:`keep_sampled`. ``valid`` and ``protected``
+    broadcast against ``scores``; per leading index, at most ``max(0, min(n, k - protected))``
+    slots are reserved. NaN and infinite scores are never reserved.
+    """
+    valid, protected = torch.broadcast_tensors(valid, protected)
+    scores, valid, protected = torch.broadcast_tensors(scores, valid, protected)
+    mask = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+    m = min(n, scores.shape[-1])
+    if m <= 0:
+        return mask
+    candidates = valid & ~protected
+    keys = scores.float().nan_to_num(nan=float("-inf"), posinf=float("-inf"))
+    keys = keys.masked_fill(~candidates, float("-inf"))
+    room = (k - (protected & valid).sum(-1, keepdim=True)).clamp(min=0, max=m)
+    top = keys.topk(m, dim=-1, sorted=True)
+    take = (torch.arange(m, device=scores.device) < room) & torch.isfinite(top.values)
+    return mask.scatter_(-1, top.indices, take)
 
 
 def broadcast_rows(indices: torch.Tensor, heads: int) -> torch.Tensor:

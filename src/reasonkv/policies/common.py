@@ -19,19 +19,25 @@ class PositionTable:
 
     def __init__(self, batch: int, inner: tuple[int, ...] = (), *, fill: float = 0.0, device=None):
         self.fill = fill
-        self.data = torch.full((batch, *inner, 64), fill, dtype=torch.float32, device=device)
+        # One column beyond the capacity is scratch space: writes at padding positions land there,
+        # so a write never needs a data-dependent mask (no device synchronisation).
+        self.data = torch.full((batch, *inner, 64 + 1), fill, dtype=torch.float32, device=device)
+
+    @property
+    def capacity(self) -> int:
+        return self.data.shape[-1] - 1
 
     def _reserve(self, needed: int) -> None:
-        capacity = self.data.shape[-1]
+        capacity = self.capacity
         if needed <= capacity:
             return
-        grown = self.data.new_full((*self.data.shape[:-1], max(needed, 2 * capacity)), self.fill)
-        grown[..., :capacity] = self.data
+        grown = self.data.new_full((*self.data.shape[:-1], max(needed, 2 * capacity) + 1), self.fill)
+        grown[..., :capacity] = self.data[..., :capacity]
         self.data = grown
 
-    def _index(self, positions: torch.Tensor) -> torch.Tensor:
-        """Broadcast ``positions`` to the table's leading dims; padding (-1) maps to position 0."""
-        index = positions.clamp(min=0)
+    def _index(self, positions: torch.Tensor, padding_to: int = 0) -> torch.Tensor:
+        """Broadcast ``positions`` to the table's leading dims; padding (-1) maps to ``padding_to``."""
+        index = torch.where(positions < 0, padding_to, positions)
         while index.dim() < self.data.dim():
             index = index.unsqueeze(1)
         return index.expand(*self.data.shape[:-1], index.shape[-1])
@@ -46,23 +52,26 @@ class PositionTable:
         return values.masked_fill(pad, self.fill)
 
     def set(self, positions: torch.Tensor, values: torch.Tensor) -> None:
-        """Write ``values`` at ``positions``; entries at padding positions (-1) are ignored."""
+        """Write ``values`` at ``positions``; entries at padding positions (-1) are not written."""
         self._reserve(int(positions.max()) + 1 if positions.numel() else 1)
-        index = self._index(positions)
-        current = self.data.gather(-1, index)
-        pad = positions < 0
-        while pad.dim() < current.dim():
-            pad = pad.unsqueeze(1)
-        self.data.scatter_(-1, index, torch.where(pad, current, values.float().expand_as(current)))
+        index = self._index(positions, padding_to=self.capacity)
+        self.data.scatter_(-1, index, values.float().expand(index.shape))
 
     def add(self, positions: torch.Tensor, values: torch.Tensor) -> None:
         """Add ``values`` at ``positions`` (padding ignored; repeated positions accumulate)."""
         self._reserve(int(positions.max()) + 1 if positions.numel() else 1)
-        index = self._index(positions)
-        pad = positions < 0
-        while pad.dim() < index.dim():
-            pad = pad.unsqueeze(1)
-        self.data.scatter_add_(-1, index, values.float().expand(index.shape).masked_fill(pad, 0.0))
+        index = self._index(positions, padding_to=self.capacity)
+        self.data.scatter_add_(-1, index, values.float().expand(index.shape))
+
+    def lookup(self, rows: torch.Tensor, positions: torch.Tensor, *inner: int) -> torch.Tensor:
+        """Values for some batch ``rows`` at ``positions``, after fixing leading inner indices.
+
+        ``table.lookup(rows, positions, layer)`` on a ``[batch, layers, heads, T]`` table reads
+        ``[rows, heads, S]``. Positions must have been written or reserved before (a stored token
+        always was), so the lookup never grows the table nor synchronises with the device.
+        """
+        data = self.data[(slice(None), *inner)].index_select(0, rows.to(self.data.device))
+        return data.gather(-1, positions.clamp(min=0)).masked_fill(positions < 0, self.fill)
 
     def take_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """The full table of some batch rows (for inspection and tests)."""

@@ -1,0 +1,160 @@
+"""CurDKV: keep, per (layer, kv-head), the tokens of highest key x value leverage (CUR decomposition)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from reasonkv.policies import register
+from reasonkv.policies.base import Policy
+from reasonkv.policies.leverage import COMBINE_METHODS, LEVERAGE_METHODS, dkv_scores, gaussian_projection
+
+__all__ = ["CurDKV", "check_dkv_options"]
+
+
+def check_dkv_options(policy) -> None:
+    """Validate ``rank``, ``leverage``, ``local_window`` and ``combine`` (shared with VASE-DKV)."""
+    name = policy.name
+    for option in ("rank", "local_window"):
+        value = getattr(policy, option)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name}: {option} must be a non-negative integer, got {value!r}")
+    if policy.leverage not in LEVERAGE_METHODS:
+        raise ValueError(f"{name}: leverage must be one of {', '.join(LEVERAGE_METHODS)}, got {policy.leverage!r}")
+    if policy.combine not in COMBINE_METHODS:
+        raise ValueError(f"{name}: combine must be one of {', '.join(COMBINE_METHODS)}, got {policy.combine!r}")
+
+
+@register
+@dataclass
+class CurDKV(Policy):
+    """CurDKV (Sengupta et al., 2025): per (layer, kv-head), keep the top-``K`` tokens by the product of
+    the leverage of their key and of their value, with one Gaussian sketch per run.
+
+    At each eviction, for every layer and kv head, the stored keys ``K`` and values ``V``
+    (``slots x d``) are sketched as ``K G`` and ``V G`` with a Gaussian ``G in R^{d x r}``, entries
+    ``N(0, 1/r)``. Each token's key leverage and value leverage (see ``leverage``) are normalised
+    within local windows of ``local_window`` tokens, multiplied, and the top-scoring tokens fill what
+    the protected ones leave of the budget. The policy reads only the cached K/V: no queries, no
+    attention. ``G`` is fixed for the run: each row draws one ``G`` per (layer, kv head) from its
+    own seeded generator at its first eviction and reuses it at every later one (VASE's
+    "CUR fixed"; ``vase-dkv`` redraws it at every eviction). The kept set therefore depends on the
+    seed unless ``rank=0``.
+
+    Choices where the paper leaves room (all documented options):
+
+    - "Normalised within local windows" follows the authors' released scorer: the slots are cut
+      into consecutive, non-overlapping windows of ``local_window`` tokens and each score is divided
+      by its window's sum, separately for keys and values, before the product. Windows are counted
+      back from the newest real token (as in the authors' code, which pads at the front), so padding
+      never shifts them; the oldest window may be shorter. At decode time a head's slots hold the
+      tokens that head kept, in order, so a window is ``local_window`` consecutive kept tokens.
+    - Leverage: METHODS defines it as the squared row norms of the projected, column-normalised
+      matrices; the default ``"columns"`` does exactly that (each column of ``X G`` scaled to unit
+      norm over the head's real tokens, then squared row norms; scores sum to ``r``). It equals the
+      true leverage of the sketch when the sketch's columns are orthogonal. ``"orthonormal"``
+      orthonormalises the columns instead, giving the exact leverage of ``X G`` (what a QR or SVD
+      gives); note that it no longer depends on ``G`` once ``r >= head_dim`` (the sketch then spans
+      the same space as ``X``). ``"norm"`` is what the authors' released scorer computes: squared row
+      norms of the raw sketch, i.e. approximately ``||k||^2`` and ``||v||^2``.
+    - One ``G`` per (row, kv head), shared by keys and values (the released scorer shares one
+      ``G`` across heads); drawn per row so a prompt scores the same in a batch as alone.
+    - ``rank=0`` scores the raw keys and values without a sketch (the default of the kvpress port,
+      whose random projection is opt-in); METHODS asks for the sketch, so ``r = 20`` is the default.
+
+    Parameters
+    ----------
+    sinks
+        First positions never evicted (default 4; CurDKV pins 4 sink tokens).
+    window
+        The most recent tokens never evicted (default 0: the scores read no queries, so there is no
+        observation window to protect, per METHODS).
+    protect_prompt
+        Never evict prompt tokens (default off).
+    rank
+        ``r``, columns of the Gaussian sketch (default 20, CurDKV's). ``0``: no sketch, score the raw
+        keys and values (then the policy is deterministic).
+    leverage
+        ``"columns"`` (default), ``"orthonormal"`` or ``"norm"``, as above.
+    local_window
+        Tokens per local normalisation window (default 16, CurDKV's); ``0``: normalise over all tokens.
+    combine
+        ``"product"`` (default, CurDKV's ``kv_product``), ``"mean"``, ``"key"`` or ``"value"``.
+    """
+
+    name = "curdkv"
+    granularity = "head"
+    chunk_exact = True
+    stochastic = True
+    summary = "CUR leverage of keys x values (Gaussian sketch fixed per run), top-k per kv head"
+    paper = "https://arxiv.org/abs/2509.15038"
+
+    rank: int = 20
+    leverage: str = "columns"
+    local_window: int = 16
+    combine: str = "product"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_dkv_options(self)
+        self._clear()
+
+    def _clear(self) -> None:
+        # layer -> the (G_k, G_v) of the latest eviction, [rows, kv_heads, d, r] each (for inspection)
+        self.projections: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
+        self._fixed: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # layer -> (G_k, G_v, drawn)
+
+    def reset(self, info, batch: int, device: torch.device) -> None:
+        self._clear()
+
+    # -- the sketch ------------------------------------------------------------------------------
+    def _draw(self, generators, heads: int, d_key: int, d_value: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A fresh ``(G_k, G_v)`` per generator (row), ``[rows, kv_heads, d, r]`` each; shared when d agrees."""
+        key_projection = gaussian_projection(generators, heads, d_key, self.rank)
+        if d_value == d_key:
+            return key_projection, key_projection
+        return key_projection, gaussian_projection(generators, heads, d_value, self.rank)
+
+    def projection(self, view) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(G_k, G_v)`` for this eviction's rows: drawn at each row's first eviction, then reused."""
+        if self.rank == 0:
+            return None
+        keys, values = view.keys(), view.values()
+        heads, d_key, d_value = keys.shape[1], keys.shape[-1], values.shape[-1]
+        rows = view.rows.cpu()
+        g_key, g_value, drawn = self._fixed.get(view.layer, (None, None, torch.zeros(0, dtype=torch.bool)))
+        if drawn.shape[0] <= int(rows.max()):  # first eviction of this run (or a larger batch): make room
+            size = int(rows.max()) + 1
+            grown_key = keys.new_zeros((size, heads, d_key, self.rank), dtype=torch.float32)
+            grown_value = keys.new_zeros((size, heads, d_value, self.rank), dtype=torch.float32)
+            grown_drawn = torch.zeros(size, dtype=torch.bool)
+            if g_key is not None:
+                grown_key[: drawn.shape[0]], grown_value[: drawn.shape[0]] = g_key, g_value
+                grown_drawn[: drawn.shape[0]] = drawn
+            g_key, g_value, drawn = grown_key, grown_value, grown_drawn
+            self._fixed[view.layer] = (g_key, g_value, drawn)
+        fresh = ~drawn[rows]
+        if bool(fresh.any()):
+            generators = [g for g, new in zip(view.generators, fresh.tolist(), strict=True) if new]
+            target = rows[fresh].to(g_key.device)
+            g_key[target], g_value[target] = self._draw(generators, heads, d_key, d_value)
+            drawn[rows[fresh]] = True
+        index = rows.to(g_key.device)
+        return g_key[index], g_value[index]
+
+    # -- scoring ---------------------------------------------------------------------------------
+    def score(self, view) -> torch.Tensor:
+        projection = self.projection(view)
+        self.projections[view.layer] = projection
+        key_projection, value_projection = projection if projection is not None else (None, None)
+        return dkv_scores(
+            view.keys(),
+            view.values(),
+            view.valid,
+            key_projection=key_projection,
+            value_projection=value_projection,
+            method=self.leverage,
+            local_window=self.local_window,
+            combine=self.combine,
+        )

@@ -1,0 +1,390 @@
+"""EPIKV: epiphany-aware eviction from residual-stream changes, without any attention matrix."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from reasonkv.calibration import Calibration, check_layers, default_anatomy, load_calibration
+from reasonkv.observe import Needs, Step
+from reasonkv.policies import register
+from reasonkv.policies.base import Policy
+from reasonkv.policies.common import PositionTable
+from reasonkv.policies.epikv_signal import (
+    lag_normalise,
+    rolling_zscore,
+    step_distances,
+    window_mean,
+    window_positions,
+)
+
+__all__ = ["EPIKV", "EPIKVLag", "VARIANTS"]
+
+VARIANTS = ("raw", "zscore", "band", "lag")
+PENDING_RULES = ("recent", "neutral")
+_WINDOW_ELEMENTS = 1 << 22  # bound on the gathered history of a long prefill
+
+
+@register
+@dataclass
+class EPIKV(Policy):
+    """Score each token by how much it moved the residual stream, in an "important" layer against a
+    "filler" layer; keep the highest scores (EPIKV). One kept set for every layer and head.
+
+    The signal of layer ``l`` at logical position ``t`` is ``g_l(t) = ||h_l(t) - h_l(t-1)||_2``, ``h_l``
+    the output of decoder layer ``l``. It is computed in :meth:`observe` from the hidden states of the
+    layers in use only (two vector norms per token and layer). State per row: the previous hidden
+    vector of each used layer, one float per token and used layer plus the token's score (a
+    :class:`~reasonkv.policies.common.PositionTable`), and a ring of the last ``W`` signals per used
+    layer so that a decode step updates the rolling statistics in ``O(W)`` without gathering. Never
+    all hidden states, never attention: it runs unchanged with SDPA and FlashAttention. Every score
+    is causal and computed once, when its token is produced (``lag``: when the chunk after it is
+    complete).
+
+    Parameters
+    ----------
+    variant
+        ``"zscore"`` (default, the paper's main method): ``s = z_a - z_b`` with the causal rolling
+        z-score ``z_l(t) = (g_l(t) - mu) / (sigma + eps)``, ``mu``/``sigma`` the mean and population
+        std of the defined ``g_l`` at positions ``t - W .. t - 1`` (``W = stats_window``); fewer than
+        2 defined values give ``z = 0``. This removes the positional trend of raw ``g``.
+        ``"raw"``: ``s = gbar_a - gbar_b``, ``gbar`` the mean of the defined ``g`` over
+        ``t - m + 1 .. t`` (``m = smooth``).
+        ``"band"``: as ``zscore`` with ``z_a``, ``z_b`` replaced by the mean ``z_l`` over the layers
+        of ``band_a`` and ``band_b``.
+        ``"lag"`` (lag-normalised, the paper's best AIME variant): positions are cut into chunks of
+        ``lag`` tokens; the ``g_l`` of chunk ``c`` are normalised by the mean and population std of
+        ``g_l`` over chunk ``c + 1``, ``s = z_a - z_b``. A chunk is scored (finalised) once the chunk
+        after it is complete, so the newest 1-2 chunks (between ``lag`` and ``2 * lag - 1`` tokens)
+        are *pending*; see ``pending``.
+    stats_window
+        ``W`` of the rolling z-score (default 128, as in METHODS.md).
+    smooth
+        ``m`` of the ``raw`` moving average (default 1: ``g`` itself).
+    lag
+        Chunk length of the ``lag`` variant (default 128, LagKV's usual lag and the default buffer).
+    pending
+        What pending (not yet finalised) ``lag`` tokens score at eviction. ``"recent"`` (default):
+        they rank above every finalised token, newest first, so the not-yet-judged tail is kept
+        (METHODS.md: "which the buffer protects anyway") while never overrunning the budget: if
+        they alone exceed it, the oldest pending ones go first. ``"neutral"``: they score 0 (the
+        neutral z) and compete with the finalised tokens. Ignored by the other variants.
+    eps
+        Added to ``sigma`` in every normalisation (default ``1e-6``).
+    a, b
+        The two layers of ``raw``, ``zscore`` and ``lag`` (0 = first decoder layer). Default: the
+        paper's 10 and 21 of 32 layers scaled by depth, ``round(10 L / 32)`` and ``round(21 L / 32)``
+        (halves up), i.e. 9 and 20 for 30 layers; or the calibration file's.
+    band_a, band_b
+        The layers of the ``band`` variant (tuples; a comma-separated string or an int also work).
+        Default: 7..13 and 18..25 of 32 with both ends scaled by depth (7..12 and 17..23 for 30
+        layers); or the calibration file's.
+    calibration
+        Path of a calibration JSON (see :mod:`reasonkv.calibration`) providing ``a``, ``b``,
+        ``band_a``, ``band_b``; its ``num_layers`` must match the model. Explicit ``a``/``b``/band
+        options override the file, which overrides the depth-scaled defaults.
+    sinks, window, protect_prompt
+        Protection (base class): 4 sinks, no recent window, prompt not protected, as in METHODS.md.
+
+    Notes
+    -----
+    Choices where the paper is silent: the first token of a row (logical position 0, or the first
+    real token after left padding) has no predecessor, so its ``g`` is missing and its score is the
+    neutral 0 in every variant (``raw`` included); missing ``g`` never enters a mean or std. Prompt
+    tokens get their signal from the prefill pass, exactly as if they had been fed one at a time
+    (``chunk_exact``). ``a == b`` (possible on models of 1-2 layers) is allowed and scores 0.
+    """
+
+    name: ClassVar[str] = "epikv"
+    summary: ClassVar[str] = "residual-stream change, important band vs filler band (attention-free)"
+    paper: ClassVar[str] = "EPIKV: epiphany-aware KV cache eviction without attention matrices"
+    chunk_exact: ClassVar[bool] = True
+
+    variant: str = "zscore"
+    stats_window: int = 128
+    smooth: int = 1
+    lag: int = 128
+    pending: str = "recent"
+    eps: float = 1e-6
+    a: int | None = None
+    b: int | None = None
+    band_a: tuple[int, ...] | None = None
+    band_b: tuple[int, ...] | None = None
+    calibration: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.variant not in VARIANTS:
+            raise ValueError(f"{self.name}: variant must be one of {', '.join(VARIANTS)}; got {self.variant!r}")
+        if self.pending not in PENDING_RULES:
+            raise ValueError(f"{self.name}: pending must be one of {', '.join(PENDING_RULES)}; got {self.pending!r}")
+        for option, minimum in (("stats_window", 2), ("smooth", 1), ("lag", 2)):
+            value = getattr(self, option)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"{self.name}: {option} must be an integer >= {minimum}, got {value!r}")
+        if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or not self.eps > 0:
+            raise ValueError(f"{self.name}: eps must be a positive number, got {self.eps!r}")
+        self.eps = float(self.eps)
+        for option in ("a", "b"):
+            value = getattr(self, option)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"{self.name}: {option} must be a layer index (an integer >= 0), got {value!r}")
+        for option in ("band_a", "band_b"):
+            setattr(self, option, self._band(option, getattr(self, option)))
+        self._calibration: Calibration | None = None
+        if self.calibration is not None:
+            if not isinstance(self.calibration, (str, os.PathLike)):
+                raise ValueError(f"{self.name}: calibration must be a file path, got {self.calibration!r}")
+            self.calibration = os.fspath(self.calibration)
+            self._calibration = load_calibration(self.calibration)
+        self._state: _State | None = None
+
+    def _band(self, option: str, value) -> tuple[int, ...] | None:
+        if value is None:
+            return None
+        try:
+            if isinstance(value, str):
+                lo, sep, hi = value.partition("..")
+                value = range(int(lo), int(hi) + 1) if sep else [int(part) for part in value.split(",") if part.strip()]
+            elif isinstance(value, int) and not isinstance(value, bool):
+                value = [value]
+            band = tuple(value)
+        except (TypeError, ValueError):
+            band = None
+        if not band or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in band):
+            raise ValueError(
+                f"{self.name}: {option} must be a non-empty tuple of layer indices (integers >= 0), got {value!r}"
+            )
+        return band
+
+    # -- layers -------------------------------------------------------------------------------------
+    def anatomy(self, num_layers: int) -> Calibration:
+        """The layers used on a model of ``num_layers`` layers (options > calibration file > scaled)."""
+        if self._calibration is not None:
+            if self._calibration.num_layers != num_layers:
+                raise ValueError(
+                    f"{self.name}: calibration file {self.calibration!r} is for a model with "
+                    f"{self._calibration.num_layers} layers ({self._calibration.model or 'unnamed'}), "
+                    f"but this model has {num_layers} layers"
+                )
+            base = self._calibration
+        else:
+            base = default_anatomy(num_layers)
+        chosen = {
+            "a": base.a if self.a is None else self.a,
+            "b": base.b if self.b is None else self.b,
+            "band_a": base.band_a if self.band_a is None else self.band_a,
+            "band_b": base.band_b if self.band_b is None else self.band_b,
+        }
+        for option, value in chosen.items():
+            check_layers(option, value, num_layers, owner=self.name)
+        return Calibration(num_layers=num_layers, model=base.model, **chosen)
+
+    def used_layers(self, num_layers: int) -> tuple[int, ...]:
+        """The decoder layers whose hidden states this policy reads."""
+        anatomy = self.anatomy(num_layers)
+        layers = anatomy.band_a + anatomy.band_b if self.variant == "band" else (anatomy.a, anatomy.b)
+        return tuple(sorted(set(layers)))
+
+    def needs(self, info) -> Needs:
+        return Needs(hidden_layers=self.used_layers(info.num_layers))
+
+    # -- state --------------------------------------------------------------------------------------
+    def reset(self, info, batch: int, device: torch.device) -> None:
+        anatomy = self.anatomy(info.num_layers)
+        used = self.used_layers(info.num_layers)
+        column = {layer: i for i, layer in enumerate(used)}
+        if self.variant == "band":  # z_A, z_B: means over the bands
+            side_a, side_b = anatomy.band_a, anatomy.band_b
+        else:
+            side_a, side_b = (anatomy.a,), (anatomy.b,)
+        history = {"raw": self.smooth - 1, "lag": 0}.get(self.variant, self.stats_window)
+        self._state = _State(
+            layers=used,
+            a=[column[layer] for layer in side_a],
+            b=[column[layer] for layer in side_b],
+            previous=None,
+            has_previous=torch.zeros(batch, dtype=torch.bool, device=device),
+            seen=torch.zeros(batch, dtype=torch.long, device=device),
+            table=PositionTable(batch, (len(used) + 1,), fill=float("nan"), device=device),
+            recent=torch.full((batch, len(used), history), float("nan"), device=device),
+        )
+
+    def observe(self, step: Step) -> None:
+        state = self._state
+        if state is None:
+            raise RuntimeError(f"{self.name}: observe() before reset()")
+        missing = [layer for layer in state.layers if layer not in step.hidden]
+        if missing:
+            raise RuntimeError(f"{self.name}: the step carries no hidden states of layers {missing}")
+        seen_before = state.seen
+        if step.input_valid.shape[1] == 1:
+            self._observe_one(step)
+        else:
+            self._observe_many(step)
+        if self.variant == "lag":
+            self._finalise_chunks(seen_before, state.seen)
+
+    def _observe_one(self, step: Step) -> None:
+        """A decode step: two norms, then the window statistics from the ring of recent signals."""
+        state = self._state
+        valid = step.input_valid[:, 0]
+        current = torch.stack([step.hidden[layer][:, -1] for layer in state.layers], dim=1).float()
+        if state.previous is None:
+            state.previous = torch.zeros_like(current)
+        g = torch.linalg.vector_norm(current - state.previous, dim=-1)  # [batch, used]
+        g = g.masked_fill(~(valid & state.has_previous).unsqueeze(1), float("nan"))
+        state.previous = torch.where(valid.view(-1, 1, 1), current, state.previous)
+        state.has_previous |= valid
+        state.seen = state.seen + valid
+        if self.variant == "lag":
+            s = torch.full_like(g[:, 0], float("nan"))  # scored when the next chunk is complete
+        elif self.variant == "raw":
+            gbar = window_mean(torch.cat([state.recent, g.unsqueeze(-1)], dim=-1))
+            s = (_side(gbar, state.a) - _side(gbar, state.b)).nan_to_num(0.0)
+        else:
+            z = rolling_zscore(g, state.recent, self.eps)
+            s = _side(z, state.a) - _side(z, state.b)
+        state.table.set(step.input_positions, torch.cat([g, s.unsqueeze(1)], dim=1).unsqueeze(-1))
+        ring = state.recent.shape[-1]
+        if ring:  # position t lives in slot t % ring; padding rows keep their ring
+            slot = step.input_positions[:, 0].clamp(min=0).remainder(ring).view(-1, 1, 1).expand(-1, g.shape[1], 1)
+            old = state.recent.gather(-1, slot)
+            state.recent.scatter_(-1, slot, torch.where(valid.view(-1, 1, 1), g.unsqueeze(-1), old))
+
+    def _observe_many(self, step: Step) -> None:
+        """A prefill (or any multi-token forward): vectorised over its tokens, windows read from the table."""
+        state = self._state
+        valid, positions = step.input_valid, step.input_positions
+        signals, lasts = [], []
+        for i, layer in enumerate(state.layers):
+            hidden = step.hidden[layer]
+            if state.previous is None:
+                state.previous = hidden.new_zeros(
+                    (hidden.shape[0], len(state.layers), hidden.shape[-1]), dtype=torch.float32
+                )
+            g, last = step_distances(hidden, valid, state.previous[:, i], state.has_previous)
+            signals.append(g)
+            lasts.append(last)
+        g = torch.stack(signals, dim=1)  # [batch, used, q]
+        state.previous = torch.stack(lasts, dim=1)
+        state.has_previous |= valid.any(dim=1)
+        state.seen = state.seen + valid.sum(dim=1)
+        unscored = g.new_full((g.shape[0], 1, g.shape[2]), float("nan"))
+        state.table.set(positions, torch.cat([g, unscored], dim=1))
+        if self.variant != "lag":
+            s = self._causal_scores(positions, g)
+            state.table.set(positions, torch.cat([g, s.unsqueeze(1)], dim=1))
+        ring = state.recent.shape[-1]
+        if ring:  # refill the ring with the newest `ring` signals, position t in slot t % ring
+            start = (state.seen - ring).unsqueeze(1)
+            recent = start + (torch.arange(ring, device=start.device) - start).remainder(ring)
+            state.recent = state.table.get(recent.masked_fill(recent < 0, -1))[:, :-1].contiguous()
+
+    def _causal_scores(self, positions: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """Scores of the tokens at ``positions`` ``[batch, q]`` whose signals ``g`` ``[batch, used, q]``
+        are already in the table (the history window reads the table)."""
+        state = self._state
+        batch, used, q = g.shape
+        if self.variant == "raw":
+            start, length = 1 - self.smooth, self.smooth
+        else:
+            start, length = -self.stats_window, self.stats_window
+        chunk = max(1, _WINDOW_ELEMENTS // max(1, batch * (used + 1) * length))
+        parts = []
+        for lo in range(0, q, chunk):
+            hi = min(q, lo + chunk)
+            history = state.table.get(window_positions(positions[:, lo:hi], start, length))[:, :used]
+            history = history.reshape(batch, used, hi - lo, length)
+            if self.variant == "raw":
+                gbar = window_mean(history)
+                parts.append((_side(gbar, state.a) - _side(gbar, state.b)).nan_to_num(0.0))
+                continue
+            z = rolling_zscore(g[..., lo:hi], history, self.eps)
+            parts.append(_side(z, state.a) - _side(z, state.b))
+        return torch.cat(parts, dim=-1)
+
+    def _finalise_chunks(self, seen_before: torch.Tensor, seen_after: torch.Tensor) -> None:
+        """Score every chunk whose following chunk became complete during this forward."""
+        lag = self.lag
+        done_before = (seen_before // lag - 1).clamp(min=0)  # chunks finalised so far, per row
+        done_after = (seen_after // lag - 1).clamp(min=0)
+        if not bool((done_after > done_before).any()):
+            return
+        state = self._state
+        new_chunks = done_after - done_before
+        n = int(new_chunks.max()) * lag
+        offsets = torch.arange(n, device=seen_after.device)
+        positions = (done_before * lag).unsqueeze(1) + offsets
+        positions = positions.masked_fill(offsets >= (new_chunks * lag).unsqueeze(1), -1)
+        following = (positions + lag).masked_fill(positions < 0, -1)
+        batch, used = positions.shape[0], len(state.layers)
+        g = state.table.get(positions)[:, :used]
+        reference = state.table.get(following)[:, :used].reshape(batch, used, -1, lag)
+        z = lag_normalise(g.reshape(batch, used, -1, lag), reference, self.eps).flatten(-2)
+        s = _side(z, state.a) - _side(z, state.b)
+        state.table.set(positions, torch.cat([g, s.unsqueeze(1)], dim=1))
+
+    # -- eviction -----------------------------------------------------------------------------------
+    def token_scores(self, positions: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The stored scores ``s`` of the tokens at ``positions`` ``[rows, S]`` (``-1``: padding).
+
+        ``NaN`` marks padding and ``lag`` tokens not finalised yet. ``rows`` selects batch rows
+        (default: all, in order). This is what :meth:`score` ranks, before the pending rule.
+        """
+        state = self._state
+        if state is None:
+            raise RuntimeError(f"{self.name}: no generation observed yet (reset() not called)")
+        data = state.table.data[:, -1]
+        if rows is not None:
+            data = data.index_select(0, rows.to(data.device))
+        capacity = data.shape[-1]
+        index = positions.clamp(min=0, max=capacity - 1)
+        unscored = (positions < 0) | (positions >= capacity)  # beyond the table: nothing written yet
+        return data.gather(-1, index).masked_fill(unscored, float("nan"))
+
+    def score(self, view) -> torch.Tensor:
+        positions = view.token_positions()
+        scores = self.token_scores(positions, view.rows)
+        if self.variant != "lag" or self.pending == "neutral":
+            return scores.nan_to_num(0.0)
+        # "recent": pending tokens above every finalised one, newest first. Ranks keep the keys exact
+        # integers in float32 whatever the magnitude of the scores.
+        pending = scores.isnan() & (positions >= 0)
+        finalised = scores.masked_fill(scores.isnan(), float("-inf"))
+        rank = finalised.argsort(dim=-1).argsort(dim=-1).float()
+        return torch.where(pending, scores.shape[-1] + positions.float(), rank)
+
+
+@register
+@dataclass
+class EPIKVLag(EPIKV):
+    """EPIKV with the lag-normalised score (``variant="lag"``), the paper's best AIME variant.
+
+    Identical to :class:`EPIKV` (see there for every option) except for the default ``variant``.
+    """
+
+    name: ClassVar[str] = "epikv-lag"
+    summary: ClassVar[str] = "EPIKV, each chunk normalised by the chunk after it (attention-free)"
+
+    variant: str = "lag"
+
+
+def _side(values: torch.Tensor, columns: list[int]) -> torch.Tensor:
+    """Mean over the used-layer columns of one side: ``[batch, used, ...] -> [batch, ...]``."""
+    return values[:, columns[0]] if len(columns) == 1 else values[:, columns].mean(1)
+
+
+@dataclass
+class _State:
+    layers: tuple[int, ...]  # used decoder layers, in column order
+    a: list[int]  # columns of the "important" side: layer a, or band A for the band variant
+    b: list[int]  # columns of the "filler" side: layer b, or band B
+    previous: torch.Tensor | None  # [batch, used, dim] last real hidden vector per row and layer
+    has_previous: torch.Tensor  # [batch] bool
+    seen: torch.Tensor  # [batch] real tokens observed per row
+    table: PositionTable  # [batch, used + 1, positions]: g_l(t) per used layer, then s(t); NaN = missing
+    recent: torch.Tensor  # [batch, used, R] ring of the last R signals (position t in slot t % R)

@@ -1,0 +1,184 @@
+"""LagKV: lag-relative information of the KV cache tells which tokens matter (Liang et al., 2025).
+
+Attention-free: only the stored keys and values are read. Per (layer, kv-head), the stored tokens
+after the sinks are cut into chunks of ``lag`` tokens. Each chunk is compared with the chunk after
+it: keys (and values) are min-max normalised per channel by the *next* chunk's range, the standard
+deviation over channels is taken per token, and a softmax within the chunk turns it into a score.
+A token's score is its key score plus its value score. The last full chunk (no successor) and the
+unfinished remainder are the newest tokens and are kept first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from reasonkv.policies import register
+from reasonkv.policies.base import Policy
+
+__all__ = ["LagKV", "lag_relative_scores"]
+
+
+def _chunk_scores(states: torch.Tensor) -> torch.Tensor:
+    """``[rows, heads, p, lag, dim]`` -> ``[rows, heads, p - 1, lag]``: chunk ``c`` scored against chunk ``c + 1``."""
+    reference, current = states[:, :, 1:], states[:, :, :-1]
+    low = reference.amin(3, keepdim=True)
+    span = reference.amax(3, keepdim=True) - low
+    flat = span <= 0  # a channel without spread in the reference carries no information
+    normalised = torch.where(flat, 0.0, (current - low) / span.masked_fill(flat, 1.0))
+    return normalised.std(-1).softmax(-1)
+
+
+def lag_relative_scores(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    skip: int,
+    lag: int,
+    value_weight: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """LagKV scores of the stored tokens.
+
+    Parameters
+    ----------
+    keys, values
+        ``[rows, kv_heads, slots, dim]``.
+    valid
+        ``[rows, slots]``: real tokens (False: padding). A row's real tokens, in slot order, are
+        the sequence that is chunked, so padding never shifts a chunk boundary.
+    skip
+        Leading real tokens left out of the chunks (the attention sinks).
+    lag
+        Chunk length.
+    value_weight
+        Weight of the value score (the reference code's ``score_v_ratio``).
+
+    Returns
+    -------
+    scores
+        ``[rows, kv_heads, slots]`` float32: ``key score + value_weight * value score`` for scored
+        tokens, 0 elsewhere.
+    scored
+        ``[rows, slots]`` bool: tokens of a chunk that has a complete successor chunk.
+    rank
+        ``[rows, kv_heads, slots]`` float32: each scored token's rank within its chunk (0 = lowest
+        score, ``lag - 1`` = highest), 0 elsewhere.
+    """
+    r, h, s, _ = keys.shape
+    scores = keys.new_zeros((r, h, s), dtype=torch.float32)
+    rank = torch.zeros_like(scores)
+    scored = torch.zeros((r, s), dtype=torch.bool, device=keys.device)
+    n = valid.sum(-1)
+    lead = n.clamp(max=skip)
+    chunks = (n - lead) // lag  # complete chunks per row
+    p = int(chunks.max()) if n.numel() else 0
+    if p < 2:
+        return scores, scored, rank
+    # Real tokens of each row in slot order, right-aligned (padding first), then the chunked span.
+    order = torch.sort(valid.to(torch.int8), dim=-1, stable=True).indices
+    offset = torch.arange(p * lag, device=keys.device)
+    slots = order.gather(1, (s - n + lead).unsqueeze(1).add(offset).clamp(max=s - 1))  # [r, p * lag]
+
+    def chunked(states: torch.Tensor) -> torch.Tensor:
+        index = slots.view(r, 1, -1, 1).expand(-1, h, -1, states.shape[-1])
+        return states.gather(2, index).float().view(r, h, p, lag, -1)
+
+    raw = _chunk_scores(chunked(keys)) + value_weight * _chunk_scores(chunked(values))  # [r, h, p - 1, lag]
+    within = raw.argsort(-1).argsort(-1).float()
+    ok = torch.arange(p - 1, device=keys.device).view(1, -1) < (chunks - 1).view(-1, 1)  # [r, p - 1]
+    ok = ok.repeat_interleave(lag, dim=1)
+    target = torch.where(ok, slots[:, : (p - 1) * lag], s)  # slot s is a dump for unscored chunks
+    index = target.unsqueeze(1).expand(-1, h, -1)
+    for out, src in ((scores, raw), (rank, within)):
+        buffer = out.new_zeros((r, h, s + 1))
+        buffer.scatter_(2, index, src.reshape(r, h, -1))
+        out.copy_(buffer[..., :s])
+    flags = scored.new_zeros((r, s + 1))
+    flags.scatter_(1, target, True)
+    scored.copy_(flags[:, :s])
+    return scores, scored, rank
+
+
+@register
+@dataclass
+class LagKV(Policy):
+    """LagKV (Liang et al., 2025): score tokens by their lag-relative key/value spread, per (layer, kv-head).
+
+    Parameters
+    ----------
+    lag
+        Chunk length ``L``. Default 128: the setting of the paper's experiments, of the authors'
+        README example and of kvpress (the authors' class default, 1024, targets long prompts).
+    value_weight
+        Weight of the value score against the key score. Default 1.0 (plain ``K + V``, the
+        authors' ``score_v_ratio``).
+    quota
+        ``True`` (default): every scored chunk keeps the same number of tokens (within one), its
+        best ones: the paper's per-partition top-k, carried to a global budget as kvpress does
+        (scores become ranks within the chunk). ``False``: one global top-k over the raw scores
+        (kvpress's ``cross_scoring``).
+    sinks, window, protect_prompt
+        As for every policy. ``sinks`` (default 4, as kvpress; the authors use 16) are also left
+        out of the chunks, as the paper's sink. ``window`` defaults to 0: the unscored newest
+        chunks already play the role of the recent window.
+
+    Choices where the paper leaves room
+    -----------------------------------
+    - Chunks run over each head's *stored* tokens in order, after the sinks, re-cut at every
+      eviction (kvpress's decoding use of LagKV). The paper compresses each chunk once, when its
+      successor is complete, and freezes the result; a fixed budget forces re-scoring the
+      compressed part instead. With the default ``quota`` every eviction thins all chunks evenly.
+    - The newest tokens: the last complete chunk has no reference and the remainder is
+      unfinished; together (``L`` to ``2L - 1`` tokens) they are not scored and rank above every
+      scored token, newest first, as the paper keeps them in its sliding window. They are not
+      hard-protected, so a budget smaller than them still works (then only the newest survive).
+      A row with fewer than ``sinks + 2L`` tokens has nothing to score and keeps its newest tokens.
+    - Normalisation: ``(x - min) / (max - min)`` per channel with the next chunk's min and max, as
+      the paper; a channel whose reference range is zero contributes 0 instead of dividing by zero.
+      Standard deviation over channels is the unbiased one (as the authors' code); float32.
+    """
+
+    name = "lagkv"
+    granularity = "head"
+    chunk_exact = True
+    summary = "LagKV: lag-relative key/value spread per chunk (attention-free), per head"
+    paper = "https://arxiv.org/abs/2504.04704"
+
+    lag: int = 128
+    value_weight: float = 1.0
+    quota: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.lag, bool) or not isinstance(self.lag, int) or self.lag < 2:
+            raise ValueError(f"lagkv: lag must be an integer >= 2, got {self.lag!r}")
+        if (
+            isinstance(self.value_weight, bool)
+            or not isinstance(self.value_weight, (int, float))
+            or self.value_weight < 0
+        ):
+            raise ValueError(f"lagkv: value_weight must be a non-negative number, got {self.value_weight!r}")
+        if not isinstance(self.quota, bool):
+            raise ValueError(f"lagkv: quota must be True or False, got {self.quota!r}")
+
+    def scores(self, view) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``lag_relative_scores`` of this layer's stored keys and values."""
+        return lag_relative_scores(
+            view.keys(), view.values(), view.valid, skip=self.sinks, lag=self.lag, value_weight=self.value_weight
+        )
+
+    def score(self, view) -> torch.Tensor:
+        raw, scored, rank = self.scores(view)
+        if self.quota:
+            # Rank first (equal share per chunk), the raw score (in [0, 1) after scaling) breaks ties.
+            value = rank + 0.5 * raw / (1.0 + float(self.value_weight))
+            top = float(self.lag)
+        else:
+            value = raw
+            top = 1.0 + float(self.value_weight)
+        slots = raw.shape[-1]
+        recency = torch.arange(slots, device=raw.device, dtype=torch.float32) / (slots + 1)
+        unscored = top + 1.0 + recency.expand_as(raw)
+        return torch.where(scored.unsqueeze(1), value, unscored)

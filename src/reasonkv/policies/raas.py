@@ -1,0 +1,144 @@
+"""RaaS: evict the least recently *useful* tokens, keep the prompt (Hu et al., 2025)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from reasonkv.observe import Needs, Step
+from reasonkv.policies import register
+from reasonkv.policies.base import Policy
+from reasonkv.policies.common import PositionTable
+
+_GROUP_REDUCTIONS = ("max", "mean")
+
+
+@register
+@dataclass
+class RaaS(Policy):
+    """Reasoning-aware attention sparsity: a timestamp per token, refreshed whenever it is attended.
+
+    RaaS ("Efficient Long-Decoding Inference with Reasoning-Aware Attention Sparsity", Hu et al.,
+    2025) observes that in long reasoning traces "milestone" tokens are attended for a while and
+    then never again. It gives every token a timestamp, refreshes it to the current step whenever
+    the token's attention from the current query exceeds a threshold ``alpha``, and when the cache
+    is full evicts the tokens with the oldest timestamps (least recently useful: LRU). Prefill
+    tokens are all kept, because the question keeps being consulted throughout the reasoning.
+
+    How the signal is computed here: after every forward pass the observer recomputes the
+    attention row of that pass's newest query over the stored keys (``Needs.attention_last``),
+    from the recorded query and the cached keys; the model runs SDPA / FlashAttention and is never
+    asked for attention weights. The timestamps live in a table indexed by logical position, per
+    (layer, kv-head), so eviction never has to move them.
+
+    Choices where the paper leaves room
+    -----------------------------------
+    - **Clock**: the "step" of a timestamp is the logical position of the newest query of that
+      forward pass (a decode step's clock advances by one per token, like the paper's step count).
+    - **Arrival**: a token's timestamp starts at its own position (being produced counts as a
+      use, as when a page enters an LRU list); then every forward pass refreshes to the current
+      step the timestamps of the stored tokens whose attention exceeds ``threshold``. At prefill
+      the last prompt query's row does the refreshing (only the newest query of a forward counts).
+    - **Threshold** ``threshold = 1e-4``: RaaS uses a fixed, small absolute attention probability
+      ``alpha``. The exact value of the paper's experiments could not be re-checked when this was
+      written; ``1e-4`` is the working default and should be confirmed against the paper before
+      RaaS numbers are quoted. It is an option; a larger value makes refreshes rarer (closer to
+      FIFO), a smaller one refreshes nearly every held token.
+    - **Grouped-query attention** (``group_reduce = "max"``): a kv head is read by several query
+      heads; a token counts as used if *any* of them attends to it above the threshold (evicting it
+      would hurt that head). ``"mean"`` thresholds the group's mean attention instead.
+    - **Granularity**: the paper's system version groups tokens into pages (16 tokens, Quest-style
+      page scores) so that paged kernels can skip whole pages; the algorithm itself is per token,
+      which is what this policy implements, per (layer, kv-head).
+    - **Ties**: many tokens share a timestamp; among equal timestamps the more recently produced
+      token is kept, so the kept set never depends on slot layout (batch padding).
+    - **The prompt and the budget** (``protect_prompt = True``): as in the paper, no prompt token is
+      ever evicted. The paper's budget ``L`` counts only decoded tokens, on top of the full prompt;
+      here the budget ``K`` covers everything held, prompt included, so ``K = L + prompt length``
+      reproduces a paper budget ``L`` and a prompt longer than ``K`` is an error. Set
+      ``protect_prompt=False`` to let the prompt compete on timestamps like any other token.
+
+    Parameters
+    ----------
+    threshold
+        Attention probability above which a token's timestamp is refreshed (default ``1e-4``; see
+        above). Must be in ``[0, 1)``.
+    group_reduce
+        How the query heads of a kv group combine before thresholding: ``"max"`` (default) or
+        ``"mean"``.
+    protect_prompt
+        Never evict prompt tokens (default True for RaaS, as in the paper; they count against ``K``).
+    sinks
+        The first ``sinks`` logical positions are never evicted (default 4, the project default;
+        redundant while the prompt is protected).
+    window
+        The ``window`` most recent tokens are never evicted (default 0).
+
+    Attributes
+    ----------
+    timestamps
+        Last-useful step per token, a :class:`PositionTable` ``[batch, layers, kv_heads, positions]``
+        (-1 for positions not seen yet; set by :meth:`reset`).
+    """
+
+    protect_prompt: bool = True
+    threshold: float = 1e-4
+    group_reduce: str = "max"
+
+    name = "raas"
+    granularity = "head"
+    summary = "evict the least recently attended tokens (timestamps refreshed above a threshold); prompt kept"
+    paper = "https://arxiv.org/abs/2502.11147"
+    # Only the last query of a forward refreshes timestamps, so a chunk of n tokens is not the same
+    # as n single steps (those refresh with every query).
+    chunk_exact = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        threshold = self.threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold < 1:
+            raise ValueError(f"{self.name}: threshold must be a probability in [0, 1), got {threshold!r}")
+        if self.group_reduce not in _GROUP_REDUCTIONS:
+            raise ValueError(
+                f"{self.name}: group_reduce must be one of {', '.join(_GROUP_REDUCTIONS)}, got {self.group_reduce!r}"
+            )
+        if not isinstance(self.protect_prompt, bool):
+            raise ValueError(f"{self.name}: protect_prompt must be True or False, got {self.protect_prompt!r}")
+        self.timestamps: PositionTable | None = None
+        self._layers = 0
+        self._kv_heads = 0
+
+    def needs(self, info) -> Needs:
+        return Needs(attention_last=True)
+
+    def reset(self, info, batch: int, device: torch.device) -> None:
+        self._layers, self._kv_heads = info.num_layers, info.num_kv_heads
+        self.timestamps = PositionTable(batch, (info.num_layers, info.num_kv_heads), fill=-1.0, device=device)
+
+    def _per_kv_head(self, attention: torch.Tensor) -> torch.Tensor:
+        """``[batch, query_heads, slots] -> [batch, kv_heads, slots]``, following ``repeat_kv``'s head order."""
+        b, hq, s = attention.shape
+        grouped = attention.view(b, self._kv_heads, hq // self._kv_heads, s)
+        return grouped.amax(2) if self.group_reduce == "max" else grouped.mean(2)
+
+    def observe(self, step: Step) -> None:
+        table = self.timestamps
+        arriving = step.input_positions  # [batch, q], -1 for padding
+        table.add(arriving, arriving.float()[:, None, None, :] + 1.0)  # unseen positions hold -1: now their own
+        if not step.attention_last:
+            return
+        layers = range(self._layers)
+        attention = torch.stack([self._per_kv_head(step.attention_last[i]) for i in layers], 1)
+        positions = torch.stack([step.slot_positions[i] for i in layers], 1)  # [batch, layers, kv_heads, slots]
+        now = step.input_positions[:, -1].view(-1, 1, 1, 1)  # the newest query's position (-1: padding)
+        used = (attention > self.threshold) & (positions >= 0) & (now >= 0)
+        refresh = torch.where(used, now.float() - table.get(positions), torch.zeros_like(attention))
+        table.add(positions, refresh)
+
+    def score(self, view) -> torch.Tensor:
+        positions = view.positions()
+        stamps = self.timestamps.lookup(view.rows, positions, view.layer)
+        # Lexicographic (timestamp, position) as exact ranks: no ties, so no dependence on slot order.
+        key = ((stamps.long() + 1) << 32) + (positions + 1)
+        return key.argsort(-1).argsort(-1).float()

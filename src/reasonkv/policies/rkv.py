@@ -1,0 +1,237 @@
+"""R-KV: redundancy-aware KV cache compression for reasoning models (Cai et al., 2025).
+
+Per (layer, kv-head), every stored token gets
+
+    score = mix_lambda * importance - (1 - mix_lambda) * redundancy
+
+``importance`` is the attention the last ``query_window`` queries pay to the token (softmax over the
+tokens outside the recent window, averaged over the window, max-pooled along the cache);
+``redundancy`` is how similar the token's key is to every other stored key (cosine similarity,
+column mean, softmax over the cache), after discounting one near-duplicate per token so that the
+most recent copy of a repeated passage survives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from reasonkv.observe import Needs
+from reasonkv.policies import register
+from reasonkv.policies.base import Policy
+from reasonkv.policies.common import pool1d
+
+__all__ = ["RKV", "window_importance", "key_redundancy"]
+
+_POOLINGS = ("max", "mean")
+_RETAIN = ("last", "first", "none")
+
+
+def window_importance(
+    queries: torch.Tensor,
+    query_positions: torch.Tensor,
+    query_valid: torch.Tensor,
+    keys: torch.Tensor,
+    key_positions: torch.Tensor,
+    candidates: torch.Tensor,
+    scaling: float,
+    pooling: str = "max",
+) -> torch.Tensor:
+    """R-KV importance before smoothing: ``[rows, kv_heads, slots]``.
+
+    Parameters
+    ----------
+    queries, query_positions, query_valid
+        The recorded recent queries ``[rows, query_heads, w, head_dim]`` with their logical positions
+        and validity ``[rows, w]``.
+    keys, key_positions
+        Stored keys ``[rows, kv_heads, slots, head_dim]`` and their positions ``[rows, kv_heads, slots]``.
+    candidates
+        ``[rows, kv_heads, slots]``: the keys the softmax runs over (R-KV: every stored key except
+        the observation window itself). Other slots score 0.
+    scaling
+        The model's attention scaling (``1 / sqrt(head_dim)`` for standard models).
+    pooling
+        How the query heads of one kv group are merged: ``"max"`` or ``"mean"`` of the attention
+        *logits*, before the softmax (R-KV's ``compute_attention_scores``).
+
+    A query sees the candidate keys at or before its own position. The result is the mean over the
+    valid queries of each query's softmax distribution over the candidates.
+    """
+    b, hq, w, d = queries.shape
+    hkv, s = keys.shape[1], keys.shape[2]
+    g = hq // hkv
+    grouped = queries.float().reshape(b, hkv, g * w, d)  # query head h reads kv head h // g
+    logits = torch.matmul(grouped, keys.float().transpose(2, 3)).view(b, hkv, g, w, s) * scaling
+    logits = logits.amax(2) if pooling == "max" else logits.mean(2)
+    visible = candidates.unsqueeze(2) & (key_positions.unsqueeze(2) <= query_positions.view(b, 1, w, 1))
+    visible &= query_valid.view(b, 1, w, 1)
+    probs = logits.masked_fill(~visible, float("-inf")).softmax(-1).nan_to_num(0.0)
+    count = query_valid.sum(-1).clamp(min=1).view(b, 1, 1)
+    return probs.sum(2) / count
+
+
+def key_redundancy(
+    keys: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    threshold: float = 0.5,
+    retain: str = "last",
+    chunk_elements: int = 1 << 24,
+) -> torch.Tensor:
+    """R-KV redundancy of every stored key: ``[rows, kv_heads, slots]`` (a distribution over valid slots).
+
+    For each head: ``S = cos(k_i, k_j)`` with the diagonal set to 0. For each token ``i``, among the
+    tokens ``j`` with ``S_ij > threshold``, the most recent (``retain="last"``; ``"first"``: the
+    oldest; ``"none"``: no discount) has ``S_ij`` set to 0, so that of several near-duplicates the
+    retained copy collects less redundancy. Redundancy is ``softmax_j(mean_i S_ij)`` over the real
+    tokens. Padding slots (``valid == False``, ``valid`` is ``[rows, slots]``) take no part and get 0.
+
+    Rows of ``S`` are built ``chunk_elements`` entries at a time, so memory stays ``O(chunk)``
+    instead of ``O(slots^2)``. Slots are assumed to be in position order (the cache keeps them so).
+    """
+    b, h, s, _ = keys.shape
+    unit = keys.float()
+    unit = unit / (unit.norm(dim=-1, keepdim=True) + 1e-8)
+    slot = torch.arange(s, device=keys.device)
+    key_valid = valid.view(b, 1, 1, s)
+    column = unit.new_zeros((b, h, s))
+    chunk = max(1, chunk_elements // max(1, b * h * s))
+    for start in range(0, s, chunk):
+        rows = unit[:, :, start : start + chunk]
+        c = rows.shape[2]
+        row_slot = slot[start : start + c].view(1, 1, c, 1)
+        usable = key_valid & valid[:, start : start + c].view(b, 1, c, 1) & (row_slot != slot.view(1, 1, 1, s))
+        sim = torch.matmul(rows, unit.transpose(2, 3)).masked_fill(~usable, 0.0)
+        if retain != "none":
+            match = usable & (sim > threshold)
+            if retain == "last":
+                pick = torch.where(match, slot.view(1, 1, 1, s), -1).argmax(-1, keepdim=True)
+            else:
+                pick = torch.where(match, slot.view(1, 1, 1, s), s).argmin(-1, keepdim=True)
+            found = match.any(-1, keepdim=True)
+            sim = sim.scatter(-1, pick, torch.where(found, 0.0, sim.gather(-1, pick)))
+        column += sim.sum(2)
+    count = valid.sum(-1).clamp(min=1).view(b, 1, 1)
+    mean = (column / count).masked_fill(~valid.view(b, 1, s), float("-inf"))
+    return mean.softmax(-1).nan_to_num(0.0)
+
+
+@register
+@dataclass
+class RKV(Policy):
+    """R-KV (Cai et al., 2025): keep important, non-redundant tokens, per (layer, kv-head).
+
+    ``score = mix_lambda * importance - (1 - mix_lambda) * redundancy`` (higher = keep), then the
+    protected tokens plus the top-scoring others fill the budget.
+
+    Parameters
+    ----------
+    mix_lambda
+        Weight of importance against redundancy. Default 0.1, the value the paper reports and
+        METHODS.md fixes (the public code's default is 0.07).
+    query_window
+        ``alpha`` in the paper: how many recent queries observe the cache. Default 8 (paper and code).
+    window
+        Protected recent tokens. Default 8 = ``query_window``: R-KV always keeps the observation
+        window and scores only the tokens before it.
+    kernel
+        Max-pooling kernel along the cache applied to the importance. Default 7 (code).
+    threshold
+        Cosine similarity above which two keys count as near-duplicates. Default 0.5 (code).
+    retain
+        Which near-duplicate of each token has its similarity discounted: ``"last"`` (the most
+        recent, the code's default, so the newest copy of a repeated passage is kept), ``"first"``
+        or ``"none"``.
+    pooling
+        How the query heads of a GQA group are merged: ``"max"`` (code default) or ``"mean"`` of
+        the logits.
+    sinks, protect_prompt
+        As for every policy. ``sinks`` defaults to 4 (METHODS.md); R-KV itself has no sinks, set
+        ``sinks=0`` to reproduce it exactly.
+
+    Choices where paper and code leave room
+    ---------------------------------------
+    - Importance follows the code exactly: attention logits of the window queries, merged over the
+      query heads of a kv group by ``pooling``, softmax over the stored keys *outside* the recent
+      window (sinks included), mean over the window queries, max-pooled with ``kernel``. It is
+      recomputed from the recorded queries (``Needs(query_window=...)``), never from the model's
+      attention weights, so any attention kernel works. The excluded keys are the protected
+      ``window``; if ``window < query_window`` the in-window-but-unprotected keys are scored with a
+      causal mask (a query sees keys at or before its own position).
+    - Redundancy follows the code: cosine similarity of all stored keys (window included),
+      diagonal 0, one discounted near-duplicate per row, column mean, softmax over the cache; the
+      similarities below the threshold still count towards the mean, as in the code. One deviation:
+      when a token has no near-duplicate the code discounts slot 0 (an artefact of its index
+      arithmetic); here nothing is discounted, so padding or slot order cannot change a score.
+    - Computed in float32 whatever the cache dtype; the similarity matrix is built in row chunks
+      (memory ``O(chunk)``, time ``O(slots^2 * head_dim)`` per head, once per eviction).
+    - Budget: every head keeps exactly ``K`` tokens (the code keeps ``budget - window`` scored
+      tokens plus the window, the same thing).
+    """
+
+    name = "rkv"
+    granularity = "head"
+    chunk_exact = True
+    summary = "R-KV: window-attention importance minus key-similarity redundancy, per head"
+    paper = "https://arxiv.org/abs/2505.24133"
+
+    window: int = 8
+    mix_lambda: float = 0.1
+    query_window: int = 8
+    kernel: int = 7
+    threshold: float = 0.5
+    retain: str = "last"
+    pooling: str = "max"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("query_window", "kernel"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"rkv: {name} must be a positive integer, got {value!r}")
+        if isinstance(self.mix_lambda, bool) or not isinstance(self.mix_lambda, (int, float)):
+            raise ValueError(f"rkv: mix_lambda must be a number in [0, 1], got {self.mix_lambda!r}")
+        if not 0.0 <= self.mix_lambda <= 1.0:
+            raise ValueError(f"rkv: mix_lambda must be in [0, 1], got {self.mix_lambda!r}")
+        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)):
+            raise ValueError(f"rkv: threshold must be a cosine similarity in [-1, 1], got {self.threshold!r}")
+        if not -1.0 <= self.threshold <= 1.0:
+            raise ValueError(f"rkv: threshold must be a cosine similarity in [-1, 1], got {self.threshold!r}")
+        if self.retain not in _RETAIN:
+            raise ValueError(f"rkv: retain must be one of {', '.join(_RETAIN)}, got {self.retain!r}")
+        if self.pooling not in _POOLINGS:
+            raise ValueError(f"rkv: pooling must be one of {', '.join(_POOLINGS)}, got {self.pooling!r}")
+
+    def needs(self, info) -> Needs:
+        return Needs(query_window=self.query_window)
+
+    # -- the two terms, exposed for tests and analysis ------------------------------------------
+    def candidates(self, view) -> torch.Tensor:
+        """``[rows, kv_heads, slots]``: the keys the importance softmax covers (valid, outside the window)."""
+        positions = view.positions()
+        keep = positions >= 0
+        if self.window > 0:
+            keep &= positions <= (view.newest.view(-1, 1, 1) - self.window)
+        return keep & view.valid.unsqueeze(1)
+
+    def importance(self, view) -> torch.Tensor:
+        """Pooled window-attention importance, ``[rows, kv_heads, slots]`` (0 outside the candidates)."""
+        queries, q_positions, q_valid = view.recent_queries()
+        candidates = self.candidates(view)
+        scaling = view.observer.scalings.get(view.layer, view.info.scaling)
+        raw = window_importance(
+            queries, q_positions, q_valid, view.keys(), view.positions(), candidates, scaling, self.pooling
+        )
+        # Non-candidates hold 0, which never wins a max against attention weights; the mask keeps the
+        # pooled values of the last candidates from spilling into the window.
+        return pool1d(raw, self.kernel, "max") * candidates
+
+    def redundancy(self, view) -> torch.Tensor:
+        """Key redundancy, ``[rows, kv_heads, slots]`` (a distribution over each head's real tokens)."""
+        return key_redundancy(view.keys(), view.valid, threshold=self.threshold, retain=self.retain)
+
+    def score(self, view) -> torch.Tensor:
+        lam = float(self.mix_lambda)
+        return lam * self.importance(view) - (1.0 - lam) * self.redundancy(view)

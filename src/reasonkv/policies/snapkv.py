@@ -1,0 +1,116 @@
+"""SnapKV: keep, per (layer, kv-head), the keys the most recent queries attend to."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from reasonkv.observe import Needs
+from reasonkv.policies import register
+from reasonkv.policies.base import Policy
+from reasonkv.policies.common import group_mean, pool1d
+
+__all__ = ["SnapKV", "window_scores", "pool_valid", "POOLINGS"]
+
+POOLINGS = ("max", "avg")
+
+
+def pool_valid(scores: torch.Tensor, valid: torch.Tensor, kernel: int, mode: str) -> torch.Tensor:
+    """Same-length 1-D pooling over the slot axis that sees real tokens only.
+
+    Padding slots neither raise a max nor dilute an average (``"avg"`` averages over the real
+    tokens inside the kernel), so a row pools the same in a batch as alone. Padding scores 0.
+    """
+    if mode not in POOLINGS:
+        raise ValueError(f"pooling must be one of {POOLINGS}, got {mode!r}")
+    valid = valid.expand_as(scores)
+    if kernel <= 1:
+        return scores.float().masked_fill(~valid, 0.0)
+    if mode == "max":
+        pooled = pool1d(scores.float().masked_fill(~valid, float("-inf")), kernel, "max")
+    else:
+        weight = valid.float()
+        pooled = pool1d(scores.float() * weight, kernel, "avg") / pool1d(weight, kernel, "avg").clamp(min=1e-30)
+    return pooled.masked_fill(~valid, 0.0)
+
+
+def window_scores(view, *, kernel: int = 7, pooling: str = "max") -> torch.Tensor:
+    """SnapKV / VASE-AttnV base scores of one layer, ``[rows, kv_heads, slots]``.
+
+    The attention of each recorded recent query over the stored keys (softmax per query, causal,
+    recomputed from the recorded post-RoPE queries: no attention matrix from the model), summed
+    over the query window, averaged over the query heads of each kv group, then smoothed along the
+    slots with a ``kernel``-wide max or average pooling.
+    """
+    probs = view.window_attention()  # [rows, query_heads, w, slots]
+    summed = probs.sum(dim=2)
+    grouped = group_mean(summed, view.info.num_kv_heads)
+    return pool_valid(grouped, view.valid.unsqueeze(1), kernel, pooling)
+
+
+def check_window_options(policy) -> None:
+    """Validate ``query_window``, ``kernel`` and ``pooling`` (shared with VASE-AttnV)."""
+    name, w, kernel = policy.name, policy.query_window, policy.kernel
+    if isinstance(w, bool) or not isinstance(w, int) or w <= 0:
+        raise ValueError(f"{name}: query_window must be a positive integer, got {w!r}")
+    if isinstance(kernel, bool) or not isinstance(kernel, int) or kernel <= 0 or kernel % 2 == 0:
+        raise ValueError(f"{name}: kernel must be a positive odd integer (1 = no pooling), got {kernel!r}")
+    if policy.pooling not in POOLINGS:
+        raise ValueError(f"{name}: pooling must be one of {', '.join(POOLINGS)}, got {policy.pooling!r}")
+
+
+@register
+@dataclass
+class SnapKV(Policy):
+    """SnapKV (Li et al., 2024) at decode time: per (layer, kv-head), keep the top-``K`` keys by the
+    pooled attention they receive from the ``query_window`` most recent queries.
+
+    At each eviction, for every layer: the recorded last ``w`` queries (post-RoPE, as the model's
+    attention kernel received them) attend over the stored keys (softmax per query, causal, so a
+    query never sees a later token); the probabilities are summed over the ``w`` queries, averaged
+    over the query heads of each kv group (GQA: a kv head keeps one set for its whole group) and
+    smoothed along the slots by 1-D pooling. The top-scoring tokens fill what the protected ones
+    leave of the budget. Only the last ``w`` queries per layer are recorded (``O(w * slots)``
+    memory at eviction); the model's own SDPA / FlashAttention kernel does the real attention.
+
+    Parameters
+    ----------
+    sinks
+        First positions never evicted (default 4).
+    window
+        The most recent tokens never evicted. Default 32 = the default ``query_window``, as SnapKV
+        always keeps its observation window (METHODS: window defaults to the policy's observation
+        window). It does not follow ``query_window`` automatically: set both to change both.
+    protect_prompt
+        Never evict prompt tokens (default off: the budget covers prompt and output).
+    query_window
+        ``w``, how many recent queries score the keys (default 32, SnapKV's observation window).
+    kernel
+        Width of the pooling along the slots (default 7, SnapKV's; odd; 1 = no pooling). After
+        per-head evictions adjacent slots of a head hold the tokens that head kept, in order, so the
+        pooling smooths over that head's kept neighbours (what decode-time SnapKV does on its cache).
+    pooling
+        ``"max"`` (default, SnapKV's released code) or ``"avg"``. Either sees real tokens only.
+    """
+
+    name = "snapkv"
+    granularity = "head"
+    chunk_exact = True
+    summary = "attention of the last w queries (pooled), top-k per kv head"
+    paper = "https://arxiv.org/abs/2404.14469"
+
+    window: int = 32
+    query_window: int = 32
+    kernel: int = 7
+    pooling: str = "max"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_window_options(self)
+
+    def needs(self, info) -> Needs:
+        return Needs(query_window=self.query_window)
+
+    def score(self, view) -> torch.Tensor:
+        return window_scores(view, kernel=self.kernel, pooling=self.pooling)

@@ -1,0 +1,106 @@
+"""TOVA: keep the tokens the newest query attends to most (Oren et al., 2024)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from reasonkv.observe import Needs, Step
+from reasonkv.policies import register
+from reasonkv.policies.base import Policy
+from reasonkv.policies.common import PositionTable, group_mean
+
+
+@register
+@dataclass
+class TOVA(Policy):
+    """Token Omission Via Attention: keep the tokens with the highest attention from the newest query.
+
+    TOVA ("Transformers are Multi-State RNNs", Oren et al., 2024) treats a bounded cache as a
+    multi-state RNN: whenever the cache is over its limit, it drops the token that the current
+    query attends to least, with the attention *averaged over the heads of the layer*. It keeps
+    no history: only the newest query's attention counts.
+
+    How the score is computed here: after every forward pass the observer recomputes the
+    attention row of that pass's newest query over the stored keys (``Needs.attention_last``),
+    from the recorded query and the cached keys; the model runs SDPA / FlashAttention and is never
+    asked for attention weights. The row (averaged over heads) is written into a table indexed by
+    logical position, overwriting the previous step's row, and read back at eviction.
+
+    Choices where the paper leaves room
+    -----------------------------------
+    - **Layer-wise token set** (``layerwise=True``, the default): the paper averages over all
+      heads of a layer and keeps one token set per layer, reporting that this beats a per-head
+      policy. The cache here holds a set per (layer, kv-head), so the layer's mean score is
+      broadcast to every kv head, which then keep identical positions. ``layerwise=False`` is the
+      per-kv-group alternative (the mean over the query heads sharing each kv head).
+    - **Schedule**: TOVA drops one token per step; here a row is shrunk from ``K + B`` to ``K``
+      using the attention of the newest query at that moment. ``buffer=0`` gives TOVA's
+      one-token-per-step rule exactly (the newest token competes too, as in the paper).
+    - **Protection**: the paper protects nothing (it observes that the first token is kept on its
+      own). This project's defaults apply (``sinks = 4``, ``window = 0``); ``sinks=0``
+      reproduces the paper.
+
+    Parameters
+    ----------
+    layerwise
+        Average over all query heads of the layer and keep the same tokens in every kv head
+        (default True, as in the paper); False: average per kv group.
+    sinks
+        The first ``sinks`` logical positions are never evicted (default 4, the project default).
+    window
+        The ``window`` most recent tokens are never evicted (default 0).
+    protect_prompt
+        Never evict prompt tokens (default off: the budget covers prompt and output).
+
+    Attributes
+    ----------
+    last_attention
+        The newest query's attention per token, a :class:`PositionTable`
+        ``[batch, layers, kv_heads, positions]`` (set by :meth:`reset`).
+    """
+
+    layerwise: bool = True
+
+    name = "tova"
+    granularity = "head"
+    summary = "attention of the newest query, averaged over the layer's heads"
+    paper = "https://arxiv.org/abs/2401.06104"
+    # Only the last query of a forward counts, and it sees the same stored keys whether the tokens
+    # before it came in one forward or one by one, so chunked replays leave the same scores.
+    chunk_exact = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.layerwise, bool):
+            raise ValueError(f"{self.name}: layerwise must be True or False, got {self.layerwise!r}")
+        self.last_attention: PositionTable | None = None
+        self._layers = 0
+        self._kv_heads = 0
+
+    def needs(self, info) -> Needs:
+        return Needs(attention_last=True)
+
+    def reset(self, info, batch: int, device: torch.device) -> None:
+        self._layers, self._kv_heads = info.num_layers, info.num_kv_heads
+        self.last_attention = PositionTable(batch, (info.num_layers, info.num_kv_heads), device=device)
+
+    def _per_kv_head(self, attention: torch.Tensor) -> torch.Tensor:
+        """``[batch, query_heads, slots] -> [batch, kv_heads, slots]``."""
+        if self.layerwise:
+            return attention.mean(1, keepdim=True).expand(-1, self._kv_heads, -1)
+        return group_mean(attention, self._kv_heads)
+
+    def observe(self, step: Step) -> None:
+        if not step.attention_last:
+            return
+        layers = range(self._layers)
+        attention = torch.stack([self._per_kv_head(step.attention_last[i]) for i in layers], 1)
+        positions = torch.stack([step.slot_positions[i] for i in layers], 1)
+        table = self.last_attention
+        # Overwrite by adding the difference: ``add`` ignores padding slots cleanly.
+        table.add(positions, attention - table.get(positions))
+
+    def score(self, view) -> torch.Tensor:
+        return self.last_attention.lookup(view.rows, view.positions(), view.layer)

@@ -1,0 +1,208 @@
+"""VASE, value-aware stochastic eviction: reserve the largest-range values, sample the rest.
+
+Two variants share the selection rule and differ in the base score they sample from:
+``vase-attnv`` (SnapKV's pooled window attention) and ``vase-dkv`` (CurDKV's key x value leverage
+with a Gaussian sketch redrawn at every eviction).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from reasonkv import select
+from reasonkv.policies import register
+from reasonkv.policies.curdkv import CurDKV
+from reasonkv.policies.snapkv import SnapKV
+
+__all__ = ["VaseAttnV", "VaseDKV", "reserve_count", "value_aware_keep"]
+
+
+def reserve_count(reserve: float, budget: int) -> int:
+    """``N_v`` for a budget ``K``: ``reserve`` is a fraction of ``K`` when below 1 (``floor(reserve * K)``,
+    so 0.125 gives ``K // 8``), a token count when 1 or more."""
+    if reserve < 1:
+        return int(math.floor(reserve * budget + 1e-9))
+    return int(reserve)
+
+
+def check_vase_options(policy) -> None:
+    """Validate ``reserve``, ``sample`` and ``temperature``."""
+    name, reserve, temperature = policy.name, policy.reserve, policy.temperature
+    if (
+        isinstance(reserve, bool)
+        or not isinstance(reserve, (int, float))
+        or not math.isfinite(reserve)
+        or reserve < 0
+        or (reserve >= 1 and reserve != int(reserve))
+    ):
+        raise ValueError(
+            f"{name}: reserve must be a token count (an integer >= 1), a fraction of the budget in [0, 1), "
+            f"or 0 for no reservation; got {reserve!r}"
+        )
+    if not isinstance(policy.sample, bool):
+        raise ValueError(f"{name}: sample must be True or False, got {policy.sample!r}")
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, (int, float))
+        or not math.isfinite(temperature)
+        or temperature <= 0
+    ):
+        raise ValueError(f"{name}: temperature must be a positive number, got {temperature!r}")
+
+
+def value_aware_keep(policy, view, weights: torch.Tensor) -> torch.Tensor:
+    """VASE selection for one layer: protected tokens, then ``N_v`` reserved by value range, then fill.
+
+    ``weights`` ``[rows, kv_heads, slots]`` are the base scores. Reservation ranks the valid,
+    unprotected tokens of each head by ``max(v) - min(v)`` over ``head_dim`` and keeps the top
+    ``N_v`` (fewer if the protected tokens leave less room). The rest of the budget is sampled
+    without replacement with probability proportional to ``weight ** (1 / temperature)``
+    (Gumbel-top-k, one generator per row, one draw per real token and head), or taken top-k when
+    ``policy.sample`` is False.
+    """
+    valid = view.valid_mask()
+    protected = view.protected()
+    k = view.budget
+    n_reserve = reserve_count(policy.reserve, k)
+    if n_reserve > 0:
+        ranges = select.value_range(view.values())
+        protected = protected | select.reserve_top(ranges, valid=valid, protected=protected, n=n_reserve, k=k)
+    if policy.sample:
+        return select.keep_sampled(
+            weights,
+            valid=valid,
+            protected=protected,
+            k=k,
+            generators=view.generators,
+            temperature=float(policy.temperature),
+        )
+    return select.keep_top(weights, valid=valid, protected=protected, k=k)
+
+
+_SELECTION_DOC = """
+    reserve
+        ``N_v``, tokens per head kept for their value range ``max(v) - min(v)``: a fraction of the
+        budget when below 1 (default 0.125, i.e. ``K // 8``), a count when 1 or more, 0 = off (the
+        papers' "no value awareness" ablation). Reserved tokens are picked among the valid tokens
+        that protection does not already keep (protected ones are kept anyway), and never more than
+        the budget left after protection.
+    sample
+        Fill the rest of the budget by weighted sampling without replacement (default True);
+        False = top-k by the base score (the papers' "no stochasticity" ablation).
+    temperature
+        Sampling keeps token ``i`` with probability following ``weight_i ** (1 / temperature)``
+        (Gumbel-top-k on ``log(weight) / temperature``; default 1: proportional to the base score).
+        The draws come from the run's seed (one generator per row), so the same seed keeps the same
+        sets and a prompt makes the same draws in a batch as alone.
+"""
+
+
+@register
+@dataclass
+class VaseAttnV(SnapKV):
+    __doc__ = (
+        """VASE-AttnV: value-aware stochastic eviction with SnapKV-style attention scores, per (layer, kv-head).
+
+    At each eviction, for every layer and kv head: keep the protected tokens (sinks, recent
+    window); reserve the ``N_v`` tokens with the largest value range; fill the rest by sampling
+    without replacement, weighted by the SnapKV base score: attention of the last ``query_window``
+    recorded queries over the stored keys (softmax per query, causal), summed over the window,
+    averaged over the query heads of the kv group, max-pooled along the slots (kernel 7). Queries
+    are recorded from the model's attention inputs; no attention matrix is requested, so the model
+    runs under SDPA / FlashAttention. Ablations: ``sample=False`` (top-k), ``reserve=0``.
+
+    Parameters
+    ----------
+    sinks
+        First positions never evicted (default 4).
+    window
+        The most recent tokens never evicted. Default 32 = the default ``query_window`` (METHODS:
+        window defaults to the policy's observation window, as for ``snapkv``); it does not follow
+        ``query_window`` automatically.
+    protect_prompt
+        Never evict prompt tokens (default off).
+    query_window
+        ``w``, recent queries that score the keys (default 32).
+    kernel
+        Width of the pooling along the slots (default 7; odd; 1 = none).
+    pooling
+        ``"max"`` (default) or ``"avg"``, over real tokens only."""
+        + _SELECTION_DOC
+    )
+
+    name = "vase-attnv"
+    stochastic = True
+    summary = "VASE: value-range reservation + sampling by window attention, per kv head"
+    paper = "https://arxiv.org/abs/2606.03928"
+
+    reserve: float = 0.125
+    sample: bool = True
+    temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_vase_options(self)
+
+    def keep(self, view) -> torch.Tensor:
+        return value_aware_keep(self, view, self.score(view))
+
+
+@register
+@dataclass
+class VaseDKV(CurDKV):
+    __doc__ = (
+        """VASE-DKV: value-aware stochastic eviction with CurDKV leverage scores, per (layer, kv-head).
+
+    At each eviction, for every layer and kv head: keep the protected tokens; reserve the ``N_v``
+    tokens with the largest value range; fill the rest by sampling without replacement, weighted by
+    CurDKV's score (key leverage x value leverage of the Gaussian sketches ``K G``, ``V G``, each
+    normalised within local windows; see ``curdkv`` for the exact definition and the choices made).
+    Unlike ``curdkv``, ``G`` is drawn anew at every eviction (from the row's seeded generator, so a
+    run is reproducible from its seed), so no token is scored low by the same projection every time.
+    Reads only the cached K/V. Ablations: ``sample=False`` (top-k), ``reserve=0``.
+
+    Parameters
+    ----------
+    sinks
+        First positions never evicted (default 4).
+    window
+        The most recent tokens never evicted (default 0: no observation window, per METHODS).
+    protect_prompt
+        Never evict prompt tokens (default off).
+    rank
+        ``r``, columns of the Gaussian sketch (default 20); 0 = score the raw keys and values.
+    leverage
+        ``"columns"`` (default: squared row norms of the column-normalised sketch), ``"orthonormal"``
+        (exact leverage of the sketch) or ``"norm"`` (raw sketch, as CurDKV's released scorer).
+    local_window
+        Tokens per local normalisation window (default 16); 0 = one window.
+    combine
+        ``"product"`` (default), ``"mean"``, ``"key"`` or ``"value"``."""
+        + _SELECTION_DOC
+    )
+
+    name = "vase-dkv"
+    stochastic = True
+    summary = "VASE: value-range reservation + sampling by CUR leverage (sketch redrawn per eviction)"
+    paper = "https://arxiv.org/abs/2606.03928"
+
+    reserve: float = 0.125
+    sample: bool = True
+    temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_vase_options(self)
+
+    def projection(self, view) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A fresh ``(G_k, G_v)`` for every eviction and layer, from each row's generator."""
+        if self.rank == 0:
+            return None
+        keys, values = view.keys(), view.values()
+        return self._draw(view.generators, keys.shape[1], keys.shape[-1], values.shape[-1])
+
+    def keep(self, view) -> torch.Tensor:
+        return value_aware_keep(self, view, self.score(view))
