@@ -100,7 +100,7 @@ class EPIKV(Policy):
 
     name: ClassVar[str] = "epikv"
     summary: ClassVar[str] = "residual-stream change, important band vs filler band (attention-free)"
-    paper: ClassVar[str] = "EPIKV: epiphany-aware KV cache eviction without attention matrices"
+    paper: ClassVar[str] = "https://arxiv.org/abs/2606.26472"
     chunk_exact: ClassVar[bool] = True
 
     variant: str = "zscore"
