@@ -27,6 +27,11 @@ class PositionTable:
     def capacity(self) -> int:
         return self.data.shape[-1] - 1
 
+    @property
+    def values(self) -> torch.Tensor:
+        """The whole table, ``[batch, *inner, capacity]`` (a view without the scratch column)."""
+        return self.data[..., : self.capacity]
+
     def _reserve(self, needed: int) -> None:
         capacity = self.capacity
         if needed <= capacity:
@@ -67,15 +72,12 @@ class PositionTable:
         """Values for some batch ``rows`` at ``positions``, after fixing leading inner indices.
 
         ``table.lookup(rows, positions, layer)`` on a ``[batch, layers, heads, T]`` table reads
-        ``[rows, heads, S]``. Positions must have been written or reserved before (a stored token
-        always was), so the lookup never grows the table nor synchronises with the device.
+        ``[rows, heads, S]``. Padding and positions never written read ``fill``. The lookup never
+        grows the table nor synchronises with the device.
         """
-        data = self.data[(slice(None), *inner)].index_select(0, rows.to(self.data.device))
-        return data.gather(-1, positions.clamp(min=0)).masked_fill(positions < 0, self.fill)
-
-    def take_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """The full table of some batch rows (for inspection and tests)."""
-        return self.data.index_select(0, rows)
+        data = self.values[(slice(None), *inner)].index_select(0, rows.to(self.data.device))
+        outside = (positions < 0) | (positions >= self.capacity)
+        return data.gather(-1, positions.clamp(0, self.capacity - 1)).masked_fill(outside, self.fill)
 
 
 def group_mean(scores: torch.Tensor, kv_heads: int) -> torch.Tensor:

@@ -1,0 +1,529 @@
+"""ThinKV: thought-adaptive KV cache eviction for reasoning models (Ramachandran et al., ICLR 2026).
+
+The decoding trace is cut into fixed-length *thought segments*; each segment is typed as
+reasoning, execution or transition by the attention sparsity of the newest query when it starts
+(the paper's thought decomposition, §4.1), and eviction follows the paper's "Think Before you
+Evict" (TBE, §4.3): every new transition segment demotes all earlier segments one step down a
+retention schedule, the oldest segments of the least important type are demoted further while the
+cache is over budget, and within a segment the kept tokens are K-means representatives of its
+post-RoPE keys. Everything the policy reads is the recorded newest-query attention row
+(``Needs(attention_last=True)``) and, at eviction, the stored keys; the model is never asked for
+attention weights. ThinKV's quantisation half (TBQ, §4.2) and its paged-memory kernel (§5) are
+not part of an eviction policy and are not reproduced.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from reasonkv import select
+from reasonkv.observe import Needs
+from reasonkv.policies import register
+from reasonkv.policies.base import Policy
+from reasonkv.policies.common import PositionTable
+
+__all__ = ["ThinKV", "THOUGHT_TYPES", "attention_sparsity", "kde_thresholds", "tertile_thresholds"]
+
+THOUGHT_TYPES = ("reasoning", "execution", "transition")
+PAPER_RETENTION = (64, 32, 16, 8, 4)
+KDE_POINTS = 201  # grid on [0, 1] for the density of the sparsity (step 0.005)
+MODE_FLOOR = 0.01  # a local maximum counts as a mode only above this fraction of the highest one
+
+
+def attention_sparsity(rows: torch.Tensor, key_valid: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Fraction of near-zero weights in attention rows: ``[batch, heads, slots] -> [batch, heads]``.
+
+    A weight is near zero when it is below ``threshold`` times the largest weight of its row
+    (ThinKV §4.1 uses 1% of the row maximum). Only real keys (``key_valid``, ``[batch, slots]``)
+    count.
+    """
+    valid = key_valid.unsqueeze(1)
+    rows = rows.float().masked_fill(~valid, 0.0)
+    peak = rows.amax(-1, keepdim=True)
+    small = (rows < threshold * peak) & valid
+    return small.sum(-1).float() / valid.sum(-1).clamp(min=1).float()
+
+
+def kde_thresholds(samples: torch.Tensor, points: int = KDE_POINTS) -> torch.Tensor:
+    """The two sparsity thresholds between the three modes of a kernel density estimate.
+
+    ThinKV's offline calibration (§4.1): estimate the density of the per-step attention sparsity
+    with a Gaussian kernel, and put a threshold at the lowest point between each pair of adjacent
+    modes. ``samples`` is ``[rows, n]`` (NaN marks a missing sample); each row is estimated on
+    its own. Returns ``[rows, 2]`` thresholds, NaN for a row whose density has fewer than three
+    modes. Pool the samples of several calibration prompts (or average their thresholds, as the
+    paper does over prompts and layers) to get a ``thresholds`` option.
+
+    Details (the paper does not give them): samples are binned onto ``points`` grid points on
+    ``[0, 1]``; the bandwidth is Silverman's rule ``0.9 * min(std, IQR / 1.34) * n ** -0.2``
+    (``std`` alone when the IQR is 0), at least one grid step; a mode is a grid point higher than
+    its left neighbour and at least as high as its right one (the ends count, with nothing beyond
+    them) and at least ``MODE_FLOOR`` of the highest density; of more than three modes the three
+    highest are used; a threshold is the first grid point of lowest density strictly between two
+    modes.
+    """
+    x = samples.double()
+    present = ~torch.isnan(x)
+    values = x.nan_to_num(0.0).clamp(0.0, 1.0)
+    n = present.sum(-1).double()
+    step = 1.0 / (points - 1)
+    grid = torch.linspace(0.0, 1.0, points, dtype=torch.float64, device=x.device)
+    bins = torch.round(values / step).long()
+    hist = torch.zeros((x.shape[0], points), dtype=torch.float64, device=x.device)
+    hist.scatter_add_(1, bins, present.double())
+    mean = (values * present).sum(-1) / n.clamp(min=1)
+    var = (((values - mean.unsqueeze(1)) ** 2) * present).sum(-1) / (n - 1).clamp(min=1)
+    std = var.sqrt()
+    if x.shape[1] > 0:
+        quartiles = torch.nanquantile(x, torch.tensor([0.25, 0.75], dtype=x.dtype, device=x.device), dim=-1)
+        iqr = (quartiles[1] - quartiles[0]).nan_to_num(0.0)
+    else:
+        iqr = torch.zeros_like(std)
+    spread = torch.minimum(std, iqr / 1.34)
+    spread = torch.where(spread > 0, spread, std)
+    bandwidth = (0.9 * spread * n.clamp(min=1) ** -0.2).clamp(min=step)
+    offsets = (grid.view(1, points, 1) - grid.view(1, 1, points)) / bandwidth.view(-1, 1, 1)
+    density = (torch.exp(-0.5 * offsets**2) * hist.unsqueeze(1)).sum(-1)  # [rows, points]
+    left = F.pad(density, (1, 0), value=-math.inf)[:, :-1]
+    right = F.pad(density, (0, 1), value=-math.inf)[:, 1:]
+    floor = MODE_FLOOR * density.amax(-1, keepdim=True)
+    mode = (density > left) & (density >= right) & (density >= floor) & (density > 0)
+    height = density.masked_fill(~mode, -math.inf)
+    top = torch.sort(height, dim=-1, descending=True, stable=True).indices[:, :3]
+    top = torch.sort(top, dim=-1).values  # three highest modes, left to right
+    index = torch.arange(points, device=x.device)
+    out = []
+    for a, b in ((0, 1), (1, 2)):
+        between = (index.view(1, -1) > top[:, a : a + 1]) & (index.view(1, -1) < top[:, b : b + 1])
+        out.append(grid[density.masked_fill(~between, math.inf).argmin(-1)])
+    thresholds = torch.stack(out, dim=-1)
+    ok = (mode.sum(-1) >= 3) & (n >= 3)
+    return thresholds.masked_fill(~ok.unsqueeze(1), math.nan).to(samples.dtype)
+
+
+def tertile_thresholds(samples: torch.Tensor) -> torch.Tensor:
+    """The 1/3 and 2/3 quantiles (linear interpolation) of each row of ``samples`` ``[rows, n]``
+    (NaN = missing): ``[rows, 2]``, NaN for rows with fewer than three samples."""
+    n = (~torch.isnan(samples)).sum(-1)
+    if samples.shape[1] == 0:
+        return samples.new_full((samples.shape[0], 2), math.nan)
+    q = torch.tensor([1.0 / 3.0, 2.0 / 3.0], dtype=samples.dtype, device=samples.device)
+    thresholds = torch.nanquantile(samples, q, dim=-1).transpose(0, 1)
+    return thresholds.masked_fill((n < 3).unsqueeze(1), math.nan)
+
+
+def _is_permutation(value) -> bool:
+    return isinstance(value, (tuple, list)) and len(value) == 3 and sorted(value) == sorted(THOUGHT_TYPES)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+TIE_TOLERANCE = 1e-5  # distances within this fraction of the group's spread count as ties
+
+
+def _first_near_min(values: torch.Tensor, tolerance: torch.Tensor) -> torch.Tensor:
+    """Index of the first entry (last dim) within ``tolerance`` of the minimum: ties that only float
+    noise separates (a prompt decoded in a batch or alone) resolve to the first candidate."""
+    lowest = values.min(-1, keepdim=True).values
+    return (values <= lowest + tolerance).float().argmax(-1)
+
+
+def _kmeans_representatives(x: torch.Tensor, present: torch.Tensor, k: int, iters: int) -> torch.Tensor:
+    """Batched K-means over the present members of each group, then one real token per cluster.
+
+    ``x`` ``[groups, members, features]``, ``present`` ``[groups, members]`` (every group has more
+    than ``k`` present members). Centroids start at ``k`` present members evenly spaced in order
+    (member of present-rank ``floor((i + 0.5) * m / k)``), then ``iters`` Lloyd steps (nearest
+    centroid by squared Euclidean distance; an empty cluster keeps its centroid). Returns the mask
+    of the representatives: the member nearest to each non-empty cluster's centroid. Ties (within
+    ``TIE_TOLERANCE`` times the group's mean squared distance to its mean) go to the first
+    centroid, and to the first (oldest) member: a two-member cluster is an exact tie.
+    """
+    groups, members, _ = x.shape
+    x = x.float()
+    weight = present.float().unsqueeze(-1)
+    count = present.sum(-1)
+    center = (x * weight).sum(1, keepdim=True) / count.clamp(min=1).view(-1, 1, 1).float()
+    x = (x - center) * weight  # centring keeps the expanded distances accurate
+    norms = (x * x).sum(-1)
+    tolerance = (TIE_TOLERANCE * norms.sum(-1) / count.clamp(min=1)).view(-1, 1, 1) + 1e-30
+    rank = present.long().cumsum(-1) - 1
+    target = ((torch.arange(k, device=x.device, dtype=torch.float64) + 0.5).view(1, -1) * count.view(-1, 1) / k).long()
+    match = (rank.unsqueeze(1) == target.unsqueeze(2)) & present.unsqueeze(1)  # [groups, k, members]
+    centroids = x.gather(1, match.float().argmax(-1).unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+
+    def distances(c: torch.Tensor) -> torch.Tensor:
+        d = norms.unsqueeze(-1) - 2.0 * torch.bmm(x, c.transpose(1, 2)) + (c * c).sum(-1).unsqueeze(1)
+        return d.clamp(min=0.0)
+
+    for _ in range(iters):
+        assign = _first_near_min(distances(centroids), tolerance)
+        onehot = F.one_hot(assign, k).float() * weight
+        sums = torch.bmm(onehot.transpose(1, 2), x)
+        sizes = onehot.sum(1).unsqueeze(-1)
+        centroids = torch.where(sizes > 0, sums / sizes.clamp(min=1.0), centroids)
+    d2 = distances(centroids)
+    assign = _first_near_min(d2, tolerance)
+    own = d2.gather(-1, assign.unsqueeze(-1)).squeeze(-1)
+    member_of = (assign.unsqueeze(1) == torch.arange(k, device=x.device).view(1, -1, 1)) & present.unsqueeze(1)
+    candidate = own.unsqueeze(1).masked_fill(~member_of, math.inf)  # [groups, k, members]
+    best = _first_near_min(candidate, tolerance)
+    reps = torch.zeros((groups, members), dtype=torch.long, device=x.device)
+    reps.scatter_add_(1, best, member_of.any(-1).long())
+    return (reps > 0) & present
+
+
+@register
+@dataclass
+class ThinKV(Policy):
+    """ThinKV (Ramachandran et al., ICLR 2026): thought-typed segments, evicted by "Think Before you Evict".
+
+    **Thought decomposition (paper §4.1).** The generated tokens are cut into segments of
+    ``refresh`` tokens (the paper's refresh interval τ = 128: the thought type is re-detected once
+    every τ decode steps, and TBE's retention schedule is per 128-token segment). When a segment's
+    first token is decoded, the attention row of that step's (newest) query gives the *sparsity*:
+    per layer and query head, the fraction of stored keys whose weight is below
+    ``sparsity_threshold`` (1%) of the row maximum; averaged over query heads and ``layers``. It
+    is compared with two thresholds: below the first the segment is an *execution* thought
+    (densest attention), between them *reasoning*, at or above the second *transition* (sparsest;
+    the paper's sparsity order is T > R > E). Prompt tokens are not a thought (the paper leaves the
+    prompt uncompressed, Mem ∝ I + b·L_gen). The per-step sparsity is recorded for every decoded
+    token (one float per token) for the adaptive thresholds and for calibration.
+
+    **Thresholds.** The paper calibrates them offline per model: a kernel density estimate of the
+    per-step sparsity on 100 s1K prompts, the local minima between its three modes, averaged over
+    prompts and over the four layers (``L*``) whose density shows exactly three modes. Pass such
+    values as ``thresholds`` (:func:`kde_thresholds` implements the estimator; collect samples with
+    :meth:`sparsity_history`). Without them (default) the same estimator runs online on the row's
+    own sparsity history at every refresh; while that density has fewer than three modes the
+    tertiles of the history are used, and with fewer than three samples the segment is reasoning.
+
+    **TBE (paper §4.3).** Importance is R > E > T (the paper's counterfactual importance, Figure 4);
+    each transition weakens the influence of every earlier thought (Figure 5). Eviction, whenever a
+    row reaches ``K + B`` and must shrink to ``K``:
+
+    1. *Trajectory change (scenario 1).* Every segment typed ``trigger`` (transition) demotes all
+       earlier segments one step down ``retention`` (64, 32, 16, 8, 4): a segment followed by
+       ``n`` transition segments may keep ``retention[min(n, len) - 1]`` tokens
+       (``|S*| = min(|S|, R_n)``). Tokens above these caps go first.
+    2. *Over budget (scenario 2).* Then the oldest segment of the least important type is demoted
+       step by step to the floor ``retention[-1]``, then the next one, until the budget holds.
+    3. Beyond the paper (which never has to go further): the prompt, in ``refresh``-token chunks
+       oldest first, then the current (unfinished) segment are demoted to the floor the same way;
+       last, floor tokens go in the same group order (completed segments, prompt, current).
+
+    Which tokens a segment keeps at ``c`` tokens: K-means on the post-RoPE keys with ``c``
+    clusters, keeping the real token nearest each centroid (§4.3). The paper clusters the
+    survivors again at each demotion (``K = min(|S|, R_n)``), so the kept sets are nested; here the
+    levels are recomputed at each eviction by clustering each group's present tokens to
+    ``retention[0]``, those representatives to ``retention[1]``, and so on. Inside a level the
+    older token goes first; this only decides how many extra tokens the last demoted group keeps,
+    because the kept set must fill ``K`` exactly. Granularity ``token``: one kept set for every
+    layer and head, clustered on the keys of ``cluster_layers`` concatenated (the paper's segments
+    carry a layer index, ``S^l``, and cluster each layer's keys on its own).
+
+    **Not reproduced.** TBQ ("Think Before you Quantize", §4.2: R4E4T2, i.e. NVFP4 keys/values for
+    reasoning and execution tokens and 2-bit ternary for transition tokens, group size 16 with FP8
+    scales) changes precision, not which tokens are kept: this policy keeps full-precision KV. The
+    Continuous Thinking kernel (§5: in-place reuse of evicted PagedAttention slots) is a memory
+    layout, not an eviction decision.
+
+    Parameters
+    ----------
+    sparsity_threshold
+        A weight below this fraction of its row's maximum counts as near zero. Default 0.01 (§4.1).
+    thresholds
+        ``(low, high)`` sparsity thresholds calibrated offline for the model (execution below
+        ``low``, transition at or above ``high``). Default ``None``: online KDE on the row's own
+        history, see above. The paper's values are per model and not published.
+    layers
+        Layers whose attention rows give the sparsity (default ``None``: all layers). The paper
+        uses the 4 layers selected at calibration (``|L*| = 4``); pass them here when known.
+    refresh
+        Segment length and type-refresh interval τ in tokens. Default 128 (§4.1; the paper's
+        ablation, Figure 10c, finds it the best trade-off).
+    retention
+        TBE's retention schedule, strictly decreasing; its last entry is the per-segment floor
+        (the paper keeps at least 4 tokens per segment: evicting a segment entirely made models
+        loop). Default ``(64, 32, 16, 8, 4)``.
+    importance
+        Thought types from most to least important. Default ``("reasoning", "execution",
+        "transition")`` (R > E > T).
+    sparsity_order
+        Thought type of the dense, middle and sparse levels. Default ``("execution", "reasoning",
+        "transition")`` (sparsity T > R > E).
+    trigger
+        Thought type whose segments demote every earlier segment (scenario 1). Default
+        ``"transition"``; ``None`` keeps only scenario 2.
+    cluster_layers
+        Layers whose keys feed the K-means (default ``None``: all layers, concatenated).
+    kmeans_iters
+        Lloyd iterations per clustering (default 10; the paper does not say; 0 keeps evenly
+        spaced tokens).
+    sinks, window, protect_prompt
+        As for every policy (defaults 4, 0, False): sinks are kept, ``window`` is 0 because the
+        current segment already ranks above every earlier one.
+
+    Choices where the paper leaves room
+    -----------------------------------
+    - **Schedule.** The paper evicts proactively, at the refresh that detects a transition, even
+      below the budget; here eviction runs when a row reaches ``K + B`` and keeps exactly ``K``
+      tokens, so scenario 1's demotions take effect at the next eviction, and spare budget (caps
+      summing to less than ``K``) goes back to tokens that scenario 1 would have dropped, in the
+      reverse of the eviction order above (most important type, newest segment first).
+    - **Segments.** Fixed ``refresh``-token chunks of the generation, typed when their first token
+      is decoded (the type is needed as tokens arrive, for TBQ's per-type precision). Every
+      transition segment is a trigger, consecutive ones included. A forward of several tokens has
+      one newest query, so all segments starting in it share its type (``chunk_exact`` is False).
+    - **Scenario 2 order.** "Oldest and least important": least important type first, oldest
+      first within a type.
+    - **One token set.** See ``cluster_layers``; sparsity is averaged over query heads.
+    - **Sparsity** is recorded at every decoded token (the paper computes it only at refreshes)
+      because the online thresholds need the history; with fixed thresholds only refresh steps
+      matter.
+    """
+
+    name = "thinkv"
+    granularity = "token"
+    chunk_exact = False
+    summary = (
+        "ThinKV: attention-sparsity thought segments; transitions demote older segments, K-means keeps representatives"
+    )
+    paper = "https://arxiv.org/abs/2510.01290"
+
+    sparsity_threshold: float = 0.01
+    thresholds: tuple[float, float] | None = None
+    layers: tuple[int, ...] | None = None
+    refresh: int = 128
+    retention: tuple[int, ...] = PAPER_RETENTION
+    importance: tuple[str, str, str] = THOUGHT_TYPES
+    sparsity_order: tuple[str, str, str] = ("execution", "reasoning", "transition")
+    trigger: str | None = "transition"
+    cluster_layers: tuple[int, ...] | None = None
+    kmeans_iters: int = 10
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        t = self.sparsity_threshold
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 < t < 1.0:
+            raise ValueError(f"thinkv: sparsity_threshold must be a number in (0, 1), got {t!r}")
+        if self.thresholds is not None:
+            pair = self.thresholds
+            numbers = isinstance(pair, (tuple, list)) and len(pair) == 2
+            numbers = numbers and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in pair)
+            if not numbers or not 0.0 <= pair[0] <= pair[1] <= 1.0:
+                raise ValueError(
+                    f"thinkv: thresholds must be None or (low, high) with 0 <= low <= high <= 1, got {pair!r}"
+                )
+            self.thresholds = (float(pair[0]), float(pair[1]))
+        self.layers = self._layer_tuple("layers", self.layers)
+        self.cluster_layers = self._layer_tuple("cluster_layers", self.cluster_layers)
+        if not _is_int(self.refresh) or self.refresh < 1:
+            raise ValueError(f"thinkv: refresh must be a positive integer, got {self.refresh!r}")
+        r = self.retention
+        ok = isinstance(r, (tuple, list)) and len(r) > 0 and all(_is_int(x) and x >= 1 for x in r)
+        if not ok or any(a <= b for a, b in zip(r[:-1], r[1:], strict=True)):
+            raise ValueError(
+                f"thinkv: retention must be a non-empty, strictly decreasing tuple of positive integers, got {r!r}"
+            )
+        self.retention = tuple(r)
+        for name in ("importance", "sparsity_order"):
+            value = getattr(self, name)
+            if not _is_permutation(value):
+                raise ValueError(
+                    f"thinkv: {name} must order all of {', '.join(THOUGHT_TYPES)} exactly once, got {value!r}"
+                )
+            setattr(self, name, tuple(value))
+        if self.trigger is not None and self.trigger not in THOUGHT_TYPES:
+            raise ValueError(f"thinkv: trigger must be None or one of {', '.join(THOUGHT_TYPES)}, got {self.trigger!r}")
+        if not _is_int(self.kmeans_iters) or self.kmeans_iters < 0:
+            raise ValueError(f"thinkv: kmeans_iters must be a non-negative integer, got {self.kmeans_iters!r}")
+
+    @staticmethod
+    def _layer_tuple(name: str, layers):
+        if layers is None:
+            return None
+        ok = isinstance(layers, (tuple, list)) and len(layers) > 0
+        ok = ok and all(_is_int(x) and x >= 0 for x in layers)
+        if not ok:
+            raise ValueError(f"thinkv: {name} must be None or a non-empty tuple of layer indices, got {layers!r}")
+        return tuple(sorted(set(layers)))
+
+    def needs(self, info) -> Needs:
+        return Needs(attention_last=True)
+
+    # -- state -----------------------------------------------------------------------------------
+    def reset(self, info, batch: int, device) -> None:
+        for name in ("layers", "cluster_layers"):
+            layers = getattr(self, name)
+            if layers is not None and max(layers) >= info.num_layers:
+                raise ValueError(
+                    f"thinkv: {name}: layer {max(layers)} out of range: the model has {info.num_layers} layers"
+                )
+        self._prompt: torch.Tensor | None = None
+        self._types = PositionTable(batch, fill=-1.0, device=device)  # indexed by segment number
+        self._sparsity = PositionTable(batch, fill=math.nan, device=device)  # indexed by position
+        self._level_type = torch.tensor([THOUGHT_TYPES.index(t) for t in self.sparsity_order], device=device)
+        # eviction order of the types: 0 = least important; index -1 (untyped) = most important
+        rank = [len(THOUGHT_TYPES) - 1 - self.importance.index(t) for t in THOUGHT_TYPES]
+        self._type_rank = torch.tensor([*rank, len(THOUGHT_TYPES) - 1], device=device)
+
+    def observe(self, step) -> None:
+        if self._prompt is None:  # the first forward is the prompt: not a thought
+            self._prompt = step.input_valid.sum(-1)
+            return
+        if not step.attention_last:
+            return
+        chosen = [layer for layer in (self.layers or sorted(step.attention_last)) if layer in step.attention_last]
+        sparsity = torch.stack(
+            [
+                attention_sparsity(
+                    step.attention_last[layer], step.slot_positions[layer][:, 0] >= 0, self.sparsity_threshold
+                ).mean(1)
+                for layer in chosen
+            ]
+        ).mean(0)
+        valid = step.input_valid
+        active = valid[:, -1]
+        newest = step.input_positions[:, -1].masked_fill(~active, -1)
+        self._sparsity.set(newest.unsqueeze(1), sparsity.unsqueeze(1))
+        generated = step.input_positions - self._prompt.to(valid.device).unsqueeze(1)
+        starts = valid & (generated >= 0) & (generated % self.refresh == 0)
+        if not bool(starts.any()):
+            return
+        level = self._levels(sparsity, active)
+        kind = self._level_type[level.to(self._level_type.device)]
+        segments = torch.where(starts, generated.div(self.refresh, rounding_mode="floor"), -1)
+        self._types.set(segments, kind.unsqueeze(1).float())
+
+    def _levels(self, sparsity: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+        """Sparsity level (0 dense, 1 middle, 2 sparse) of each row's newest query."""
+        if self.thresholds is not None:
+            thresholds = torch.tensor(self.thresholds, device=sparsity.device).expand(sparsity.shape[0], 2)
+        else:
+            history = self._sparsity.values.to(sparsity.device)
+            thresholds = kde_thresholds(history)
+            missing = torch.isnan(thresholds).any(-1, keepdim=True)
+            thresholds = torch.where(missing, tertile_thresholds(history), thresholds)
+        s = sparsity.to(thresholds.dtype)
+        level = (s >= thresholds[:, 0]).long() + (s >= thresholds[:, 1]).long()
+        undecided = torch.isnan(thresholds).any(-1) | ~active
+        return level.masked_fill(undecided, 1)
+
+    # -- inspection ------------------------------------------------------------------------------
+    def segmentation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Thought type (index into ``THOUGHT_TYPES``; -1: prompt or not yet typed) and segment number
+        (-1: prompt) of logical positions ``[batch, n]`` of every row of the batch."""
+        rows = torch.arange(positions.shape[0], device=self._types.data.device)
+        positions = positions.to(rows.device)
+        generated = positions - self._prompt.to(rows.device).unsqueeze(1)
+        segments = torch.where(
+            (positions >= 0) & (generated >= 0), generated.div(self.refresh, rounding_mode="floor"), -1
+        )
+        types = self._types.lookup(rows, segments).long()
+        return types, segments
+
+    def sparsity_history(self) -> torch.Tensor:
+        """Per-position sparsity of every decoded step, ``[batch, positions]`` (NaN: prompt or none),
+        the samples for :func:`kde_thresholds` calibration."""
+        return self._sparsity.values.clone()
+
+    # -- eviction ----------------------------------------------------------------------------------
+    def keep(self, view) -> torch.Tensor:
+        return select.keep_top(
+            self.eviction_rank(view), valid=view.valid_mask(), protected=view.protected(), k=view.budget
+        )
+
+    def eviction_rank(self, view) -> torch.Tensor:
+        """Each slot's place in TBE's eviction order, ``[rows, slots]``: higher is evicted later."""
+        positions = view.token_positions()
+        device = positions.device
+        valid = view.valid.to(device) & (positions >= 0)
+        n_rows, slots = positions.shape
+        rows = view.rows.to(device)
+        prompt = view.prompt_lengths.to(device)
+        newest = view.newest.to(device)
+        tau, levels = self.refresh, len(self.retention)
+
+        generated = positions - prompt.unsqueeze(1)
+        is_gen = valid & (generated >= 0)
+        is_prompt = valid & ~is_gen
+        segment = torch.where(is_gen, generated.clamp(min=0) // tau, -1)
+        chunk = torch.where(is_prompt, positions.clamp(min=0) // tau, -1)
+        current = torch.where(newest >= prompt, (newest - prompt).clamp(min=0) // tau, -1)
+        start = torch.where(is_gen, prompt.unsqueeze(1) + segment * tau, chunk * tau)
+        offset = (positions - start).clamp(0, tau - 1)
+
+        # -- groups: prompt chunks and generated segments, each a row of [groups, tau] members
+        local = torch.where(is_gen, 2 * segment + 1, 2 * chunk)
+        span = int(local.max()) + 1 if bool(valid.any()) else 1
+        key = (torch.arange(n_rows, device=device).unsqueeze(1) * span + local)[valid]
+        _, group = torch.unique(key, return_inverse=True)
+        n_groups = int(group.max()) + 1 if group.numel() else 0
+        member = offset[valid]
+        depth = torch.zeros((n_groups, tau), dtype=torch.long, device=device)
+        if n_groups:
+            layers = self.cluster_layers or tuple(range(view.info.num_layers))
+            features = []
+            for layer in layers:
+                k = view.keys(layer)  # [rows, kv_heads, slots, head_dim]
+                features.append(k.permute(0, 2, 1, 3).reshape(n_rows, slots, -1)[valid].float())
+            flat = torch.cat(features, dim=-1)
+            x = flat.new_zeros((n_groups, tau, flat.shape[-1]))
+            x[group, member] = flat
+            active = torch.zeros((n_groups, tau), dtype=torch.bool, device=device)
+            active[group, member] = True
+            for size in self.retention:
+                clustered = active.sum(-1) > size
+                survivors = active & ~clustered.unsqueeze(1)
+                if bool(clustered.any()):
+                    which = clustered.nonzero().squeeze(1)
+                    survivors[which] = _kmeans_representatives(x[which], active[which], size, self.kmeans_iters)
+                active = survivors
+                depth += active.long()
+        slot_depth = torch.zeros_like(positions)
+        slot_depth[valid] = depth[group, member]
+
+        # -- scenario 1: each trigger segment demotes every earlier segment one retention step
+        kinds = self._types.lookup(rows, segment).long().to(device)
+        type_rank = self._type_rank.to(device)[kinds.masked_fill(kinds < 0, len(THOUGHT_TYPES))]
+        if self.trigger is not None and bool(is_gen.any()):
+            width = int(current.max()) + 1
+            table = self._types.lookup(rows, torch.arange(width, device=device).expand(n_rows, -1)).long()
+            fires = (table == THOUGHT_TYPES.index(self.trigger)) & (
+                torch.arange(width, device=device).unsqueeze(0) <= current.unsqueeze(1)
+            )
+            after = fires.flip(-1).cumsum(-1).flip(-1) - fires.long()  # trigger segments strictly later
+            demotions = after.gather(1, segment.clamp(min=0, max=width - 1))
+        else:
+            demotions = torch.zeros_like(positions)
+        cap = demotions.clamp(max=levels)
+
+        # -- the order: stage, then group, then retention depth, then position (older first)
+        completed = is_gen & (segment < current.unsqueeze(1))
+        is_current = is_gen & ~completed
+        floor = slot_depth >= levels
+        stage = torch.full_like(positions, -1)
+        stage = torch.where(completed & (slot_depth < cap), 0, stage)
+        stage = torch.where(completed & (slot_depth >= cap) & ~floor, 1, stage)
+        stage = torch.where(is_prompt & ~floor, 2, stage)
+        stage = torch.where(is_current & ~floor, 3, stage)
+        stage = torch.where(valid & floor, 4, stage)
+        big = span + 1
+        group_key = torch.where(completed, type_rank * big + segment, 0)
+        group_key = torch.where(is_prompt, (len(THOUGHT_TYPES) + 1) * big + chunk, group_key)
+        group_key = torch.where(is_current, (len(THOUGHT_TYPES) + 2) * big, group_key)
+
+        order = torch.arange(slots, device=device).expand(n_rows, slots)
+        for sort_key in (positions, slot_depth, group_key, stage):  # least significant first
+            index = torch.sort(sort_key.gather(1, order), dim=1, stable=True).indices
+            order = order.gather(1, index)
+        rank = torch.empty_like(order)
+        rank.scatter_(1, order, torch.arange(slots, device=device).expand(n_rows, slots))
+        return rank.float()
