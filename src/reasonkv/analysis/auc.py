@@ -1,0 +1,89 @@
+"""Signal comparison: how well each score tells a trace's most important chunks from the rest.
+
+For every trace the chunks with a defined label are split into positives, the ``fraction``
+(default 20%) with the largest label (at least one; ties broken by position), and the rest. A
+score's AUC on that trace is the probability that a random positive chunk scores higher than a
+random other chunk (ties count one half): 0.5 is chance, 1 is a perfect ranking, below 0.5 means
+the score prefers the unimportant chunks. The table reports, per score, the mean of the per-trace
+AUCs (within-trace, like an eviction decision) with a bootstrap interval over traces, and the mean
+per-trace Spearman correlation of the score with the label.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from reasonkv.analysis.stats import auc, bootstrap_indices, interval, nanmean_rows, spearman, top_fraction
+
+__all__ = ["AucRow", "auc_table", "trace_auc"]
+
+
+def trace_auc(scores: np.ndarray, labels: np.ndarray, fraction: float = 0.2) -> float:
+    """AUC of one trace's chunk scores for its top-``fraction`` chunks by label (``NaN`` if undefined)."""
+    scores, labels = np.asarray(scores, dtype=float), np.asarray(labels, dtype=float)
+    defined = ~np.isnan(labels)
+    if defined.sum() < 2:
+        return float("nan")
+    positives = top_fraction(labels[defined], fraction)
+    return auc(scores[defined], positives)
+
+
+@dataclass(frozen=True)
+class AucRow:
+    """One score's result: mean per-trace AUC with its interval, mean Spearman, traces used."""
+
+    name: str
+    auc: float
+    low: float
+    high: float
+    spearman: float
+    traces: int
+
+    def to_dict(self) -> dict[str, object]:
+        def clean(v: float) -> float | None:
+            return None if np.isnan(v) else round(float(v), 6)
+
+        return {
+            "name": self.name,
+            "auc": clean(self.auc),
+            "low": clean(self.low),
+            "high": clean(self.high),
+            "spearman": clean(self.spearman),
+            "traces": self.traces,
+        }
+
+
+def auc_table(
+    scores: Sequence[Mapping[str, np.ndarray]],
+    labels: Sequence[np.ndarray],
+    *,
+    fraction: float = 0.2,
+    replicates: int = 1000,
+    level: float = 0.95,
+    seed: int = 0,
+) -> list[AucRow]:
+    """One :class:`AucRow` per score name (in the order of the first trace's mapping), best AUC first.
+
+    ``scores[i]`` maps names to trace ``i``'s chunk scores; ``labels[i]`` are its chunk labels.
+    """
+    if not 0 < fraction < 1:
+        raise ValueError(f"fraction must be in (0, 1), got {fraction}")
+    if len(scores) != len(labels):
+        raise ValueError(f"{len(scores)} score sets for {len(labels)} label arrays")
+    if not scores:
+        return []
+    names = list(scores[0])
+    indices = bootstrap_indices(len(labels), replicates, seed)
+    rows = []
+    for name in names:
+        aucs = np.array([trace_auc(s[name], y, fraction) for s, y in zip(scores, labels, strict=True)])
+        rhos = np.array([spearman(s[name], y) for s, y in zip(scores, labels, strict=True)])
+        used = ~np.isnan(aucs)
+        mean = float(aucs[used].mean()) if used.any() else float("nan")
+        low, high = interval(nanmean_rows(aucs[:, None], indices), level)
+        rho = float(np.nanmean(rhos)) if (~np.isnan(rhos)).any() else float("nan")
+        rows.append(AucRow(name, mean, float(low[0]), float(high[0]), rho, int(used.sum())))
+    return sorted(rows, key=lambda r: (-np.nan_to_num(r.auc, nan=-1.0), r.name))

@@ -1,0 +1,174 @@
+"""Band discovery: the layers whose change marks important chunks (A) and filler (B).
+
+The rule, applied to a :class:`~reasonkv.analysis.profile.Profile` (per-layer mean correlation
+``rho_l`` with a bootstrap interval):
+
+1. A layer is *significant* for band A when its whole interval lies above 0, for band B when it
+   lies below 0.
+2. Candidates are the maximal runs of consecutive significant layers. Runs shorter than
+   ``min_width`` layers (default 3) are dropped: with one interval per layer and sign, isolated
+   significant layers turn up by chance; the paper's bands are 7 and 8 layers of 32.
+3. A run longer than ``max_width`` (default 8) is cut to its ``max_width``-layer window with the
+   largest mean ``|rho|``.
+4. The band is the candidate with the largest mean ``|rho|`` (the earlier one on a tie); its own
+   interval, the bootstrap of the mean over its layers, is reported with it.
+5. The representative layer (``a`` for A, ``b`` for B, the layer EPIKV's two-layer score reads) is
+   the band's layer with the strongest correlation of the band's sign.
+
+No candidate: no band is found for that side. The calibration file then keeps the depth-scaled
+default for that side and says so (``band_a_found``/``band_b_found`` false), so EPIKV still loads it;
+layers of the band that *was* found are taken out of that default (both sides reading the same
+layer would cancel in ``z_a - z_b``), and its representative moves to the nearest remaining layer.
+If nothing remains, the side falls back to the ``min_width`` layers outside the found band with the
+strongest correlation of its sign, significant or not (and to the plain default when the found band
+covers every layer).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from reasonkv.analysis.profile import Profile
+
+__all__ = ["Band", "find_band", "discover_bands", "write_band_calibration"]
+
+
+@dataclass(frozen=True)
+class Band:
+    """A contiguous band of layers with its representative layer and mean correlation."""
+
+    layers: tuple[int, ...]
+    representative: int
+    rho: float
+    low: float
+    high: float
+
+    @property
+    def first(self) -> int:
+        return self.layers[0]
+
+    @property
+    def last(self) -> int:
+        return self.layers[-1]
+
+    def describe(self) -> str:
+        return (
+            f"layers {self.first}..{self.last} (representative {self.representative}): "
+            f"mean rho {self.rho:+.3f} [{self.low:+.3f}, {self.high:+.3f}]"
+        )
+
+
+def _runs(flags: np.ndarray) -> list[tuple[int, int]]:
+    runs, start = [], None
+    for i, flag in enumerate([*flags.tolist(), False]):
+        if flag and start is None:
+            start = i
+        elif not flag and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
+def find_band(profile: Profile, sign: int, *, min_width: int = 3, max_width: int = 8) -> Band | None:
+    """The band of one sign (+1: A, -1: B) by the module's rule, or ``None``."""
+    if sign not in (1, -1):
+        raise ValueError(f"sign must be +1 or -1, got {sign!r}")
+    if not 1 <= min_width <= max_width:
+        raise ValueError(f"need 1 <= min_width <= max_width, got min_width={min_width}, max_width={max_width}")
+    rho = profile.rho * sign
+    with np.errstate(invalid="ignore"):
+        significant = (profile.low > 0) if sign > 0 else (profile.high < 0)
+    significant = significant & ~np.isnan(profile.rho)
+    best: tuple[float, int, int] | None = None
+    for start, end in _runs(significant):
+        if end - start < min_width:
+            continue
+        width = min(end - start, max_width)
+        windows = [(float(rho[s : s + width].mean()), s) for s in range(start, end - width + 1)]
+        strength, s = max(windows, key=lambda w: (w[0], -w[1]))
+        if best is None or strength > best[0]:
+            best = (strength, s, s + width)
+    if best is None:
+        return None
+    layers = tuple(range(best[1], best[2]))
+    representative = max(layers, key=lambda layer: (rho[layer], -layer))
+    mean, low, high = profile.band(layers)
+    return Band(layers, int(representative), mean, low, high)
+
+
+def discover_bands(profile: Profile, *, min_width: int = 3, max_width: int = 8) -> tuple[Band | None, Band | None]:
+    """``(band A, band B)`` of a profile."""
+    return (
+        find_band(profile, 1, min_width=min_width, max_width=max_width),
+        find_band(profile, -1, min_width=min_width, max_width=max_width),
+    )
+
+
+def write_band_calibration(
+    path: str | os.PathLike,
+    *,
+    model: str,
+    profile: Profile,
+    band_a: Band | None,
+    band_b: Band | None,
+    extra: dict[str, object] | None = None,
+    min_width: int = 3,
+):
+    """Write the calibration file EPIKV loads; a side without a band keeps the depth-scaled default.
+
+    Returns the :class:`reasonkv.calibration.Calibration` written. Besides the required keys the file
+    records whether each band was found, the rule's inputs and the per-layer profile.
+    """
+    from reasonkv.calibration import default_anatomy, write_calibration
+
+    default = default_anatomy(profile.num_layers)
+    a, layers_a = _side(band_a, default.a, default.band_a, band_b, profile, 1, min_width)
+    b, layers_b = _side(band_b, default.b, default.band_b, band_a, profile, -1, min_width)
+    info: dict[str, object] = {
+        "band_a_found": band_a is not None,
+        "band_b_found": band_b is not None,
+        "signal": profile.signal,
+        "target": profile.target,
+        "traces": profile.n_traces,
+        "profile": profile.to_dict(),
+    }
+    for name, band in (("band_a", band_a), ("band_b", band_b)):
+        if band is not None:
+            info[f"{name}_rho"] = [round(band.rho, 6), round(band.low, 6), round(band.high, 6)]
+    info.update(extra or {})
+    return write_calibration(
+        path,
+        model=model,
+        num_layers=profile.num_layers,
+        a=a,
+        b=b,
+        band_a=layers_a,
+        band_b=layers_b,
+        extra=info,
+    )
+
+
+def _side(
+    band: Band | None,
+    default_layer: int,
+    default_band: tuple[int, ...],
+    other: Band | None,
+    profile: Profile,
+    sign: int,
+    min_width: int,
+) -> tuple[int, tuple[int, ...]]:
+    """``(representative, layers)`` of one side of the calibration file (see the module docstring)."""
+    if band is not None:
+        return band.representative, band.layers
+    taken = set(other.layers) if other is not None else set()
+    layers = tuple(layer for layer in default_band if layer not in taken)
+    if not layers:
+        free = [layer for layer in range(profile.num_layers) if layer not in taken]
+        ranked = sorted(free, key=lambda layer: (-np.nan_to_num(sign * profile.rho[layer], nan=-np.inf), layer))
+        layers = tuple(sorted(ranked[: max(1, min_width)])) or tuple(default_band)  # no free layer: overlap
+    if default_layer in layers:
+        return default_layer, layers
+    return min(layers, key=lambda layer: (abs(layer - default_layer), layer)), layers

@@ -1,0 +1,293 @@
+"""Counterfactual importance labels: how much hiding a chunk of the trace hurts what follows.
+
+For a trace of ``T`` tokens (prompt + trace, logical positions ``0..T-1``) the trace part is cut into
+consecutive chunks of ``chunk_size`` tokens. Hiding chunk ``[s, e)`` means: every query at a position
+``>= e`` is forbidden to attend to the keys at ``s..e-1``. The chunk's own tokens still run (they
+see each other and everything before them, so their keys and values are those of the full pass) and
+no token moves, so RoPE positions are unchanged; this is exactly the state an evicted chunk leaves
+behind during decoding. The hiding is done through a 4-D additive attention mask handed to the
+model (a per-layer-type mapping for models that mix sliding-window and full layers), so it works
+with the model's own SDPA or eager kernel.
+
+With ``lp(t) = log p(x_t | x_<t)`` teacher-forced, a chunk's labels are
+
+``later``
+    the mean of ``lp_full(t) - lp_hidden(t)`` over the scored targets: the trace tokens
+    ``t in [e + 1, e + 1 + horizon)`` (all later trace tokens when ``horizon`` is ``None``). Target
+    ``e`` is predicted from position ``e - 1``, a chunk token that still sees the chunk, so its
+    likelihood cannot change and it is not scored.
+``later_sum``
+    the same differences summed (it grows with the number of scored tokens, so it favours early
+    chunks; ``later`` does not).
+``answer``
+    the summed drop over the final answer's tokens; defined only for chunks that end before the
+    position that predicts the first answer token.
+
+A label is ``NaN`` where nothing is scored (the last chunk has no later tokens). Positive = the
+chunk mattered.
+
+Speed: the queries before a chunk's end are untouched by hiding it, so the key/value cache of the
+full pass is reused for that prefix and only the rest is recomputed; ``batch_size`` chunks are
+hidden at once, one per batch row, sharing the prefix that precedes the first of them.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from reasonkv.analysis.traces import Trace
+from reasonkv.decode import cache_kwarg
+
+__all__ = [
+    "MASKED_IMPLEMENTATIONS",
+    "LabelSettings",
+    "TARGETS",
+    "attention_masks",
+    "chunk_bounds",
+    "label_trace",
+    "occlusion_mask",
+    "token_logprobs",
+]
+
+#: The label kinds every record holds.
+TARGETS = ("later", "later_sum", "answer")
+#: Attention implementations that honour a 4-D additive mask (FlashAttention kernels take none).
+MASKED_IMPLEMENTATIONS = ("sdpa", "eager")
+
+
+@dataclass(frozen=True)
+class LabelSettings:
+    """Options of the occlusion labels.
+
+    Parameters
+    ----------
+    chunk_size : int
+        Tokens hidden at once (default 8: a GSM8K reference solution of ~100 tokens gives ~12
+        chunks, enough to rank within a trace, at ~12 recomputed suffixes per trace).
+    horizon : int or None
+        Score only the ``horizon`` trace tokens after a chunk (default ``None``: all later tokens).
+    batch_size : int
+        Chunks hidden per batched forward (default 8). Memory grows with it (logits are
+        ``batch x tokens x vocab``); results do not depend on it.
+    """
+
+    chunk_size: int = 8
+    horizon: int | None = None
+    batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("chunk_size", "batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.horizon is not None and (
+            isinstance(self.horizon, bool) or not isinstance(self.horizon, int) or self.horizon < 1
+        ):
+            raise ValueError(f"horizon must be a positive integer or None, got {self.horizon!r}")
+
+    def record_settings(self) -> dict[str, Any]:
+        """The settings that change the labels (``batch_size`` does not)."""
+        settings = asdict(self)
+        settings.pop("batch_size")
+        return settings
+
+
+def chunk_bounds(prompt_length: int, total_length: int, chunk_size: int) -> list[tuple[int, int]]:
+    """``[start, end)`` positions of the trace chunks (the last one may be shorter)."""
+    return [(s, min(s + chunk_size, total_length)) for s in range(prompt_length, total_length, chunk_size)]
+
+
+# --------------------------------------------------------------------------- masks
+
+
+def _layer_types(model: Any) -> list[str] | None:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    types = getattr(config, "layer_types", None)
+    return list(types) if types else None
+
+
+def _sliding_window(model: Any) -> int | None:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return getattr(config, "sliding_window", None)
+
+
+def occlusion_mask(
+    query_positions: torch.Tensor,
+    key_length: int,
+    hidden: list[tuple[int, int] | None],
+    *,
+    dtype: torch.dtype,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Additive mask ``[len(hidden), 1, q, key_length]``: causal, minus one hidden chunk per row.
+
+    Row ``b`` hides keys ``hidden[b] = (s, e)`` from queries at positions ``>= e`` (``None``: hide
+    nothing). ``window`` adds a sliding window (a query sees the ``window`` most recent keys,
+    itself included). Allowed entries are 0, forbidden ones the dtype's most negative value.
+    """
+    device = query_positions.device
+    keys = torch.arange(key_length, device=device)
+    q = query_positions.view(1, 1, -1, 1)
+    k = keys.view(1, 1, 1, -1)
+    allowed = k <= q
+    if window is not None:
+        allowed = allowed & (q - k < window)
+    starts = torch.tensor([h[0] if h else 0 for h in hidden], device=device).view(-1, 1, 1, 1)
+    ends = torch.tensor([h[1] if h else 0 for h in hidden], device=device).view(-1, 1, 1, 1)
+    blocked = (k >= starts) & (k < ends) & (q >= ends)
+    allowed = allowed & ~blocked
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    return mask.masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def attention_masks(
+    model: Any, query_positions: torch.Tensor, key_length: int, hidden: list[tuple[int, int] | None], dtype: torch.dtype
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """:func:`occlusion_mask` in the form the model takes: one tensor, or one per layer type when the
+    config lists ``layer_types`` (sliding-window layers then get their window)."""
+    types = _layer_types(model)
+    full = occlusion_mask(query_positions, key_length, hidden, dtype=dtype)
+    if types is None:
+        return full
+    window = _sliding_window(model)
+    masks = {}
+    for kind in set(types):
+        sliding = "sliding" in kind and window is not None
+        masks[kind] = (
+            occlusion_mask(query_positions, key_length, hidden, dtype=dtype, window=window) if sliding else full
+        )
+    return masks
+
+
+# --------------------------------------------------------------------------- forwards
+
+
+def _new_cache():
+    from transformers import DynamicCache
+
+    # No config: every layer keeps every key, so prefixes can be copied between caches as they are;
+    # sliding windows are applied by the masks instead.
+    return DynamicCache()
+
+
+def _layer_kv(cache: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    entry = cache.layers[layer]
+    return entry.keys, entry.values
+
+
+def _num_cache_layers(cache: Any) -> int:
+    return len(cache.layers)
+
+
+def token_logprobs(
+    model: Any,
+    ids: torch.Tensor,
+    start: int,
+    hidden: list[tuple[int, int] | None],
+    prefix_cache: Any | None = None,
+    *,
+    keep_cache: bool = False,
+) -> tuple[torch.Tensor, Any]:
+    """``log p(x_t | x_<t)`` for ``t in [start + 1, T)``, one row per entry of ``hidden``.
+
+    ``ids`` is ``[T]``. Positions ``< start`` are taken from ``prefix_cache`` (a cache of the
+    unhidden sequence holding at least ``start`` positions; required when ``start > 0``), which is
+    left untouched. Returns ``([len(hidden), T - start - 1] float32, cache)``; the cache of this
+    forward is returned only when ``keep_cache``.
+    """
+    implementation = model.config._attn_implementation
+    if implementation not in MASKED_IMPLEMENTATIONS:
+        raise ValueError(
+            f"occlusion labels need an attention implementation that applies an arbitrary mask "
+            f"({', '.join(MASKED_IMPLEMENTATIONS)}); the model uses {implementation!r}"
+        )
+    total = ids.shape[0]
+    rows = len(hidden)
+    device = ids.device
+    cache = _new_cache()
+    if start > 0:
+        if prefix_cache is None:
+            raise ValueError("start > 0 needs the prefix cache of the unhidden sequence")
+        for layer in range(_num_cache_layers(prefix_cache)):
+            keys, values = _layer_kv(prefix_cache, layer)
+            cache.update(
+                keys[:1, :, :start].expand(rows, -1, -1, -1), values[:1, :, :start].expand(rows, -1, -1, -1), layer
+            )
+    inputs = ids[start:].unsqueeze(0).expand(rows, -1)
+    positions = torch.arange(start, total, device=device)
+    dtype = next(model.parameters()).dtype
+    mask = attention_masks(model, positions, total, hidden, dtype)
+    out = model(
+        input_ids=inputs,
+        attention_mask=mask,
+        position_ids=positions.unsqueeze(0).expand(rows, -1),
+        use_cache=True,
+        **{cache_kwarg(model): cache},
+    )
+    logits = out.logits[:, :-1].float()
+    targets = inputs[:, 1:]
+    logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return logprobs, (cache if keep_cache else None)
+
+
+@torch.inference_mode()
+def label_trace(model: Any, trace: Trace, settings: LabelSettings | None = None) -> dict[str, Any]:
+    """Occlusion labels of one trace.
+
+    Returns
+    -------
+    dict
+        ``chunks`` (``[start, end)`` logical positions), ``labels`` (``later``, ``later_sum``,
+        ``answer``: one float per chunk, ``nan`` where undefined), ``scored`` (number of ``later``
+        targets per chunk), ``answer_positions`` (``[start, end)`` logical positions or ``None``),
+        ``full_logprob`` (mean log-likelihood of the trace tokens and summed one of the answer under
+        the full context) and ``seconds``.
+    """
+    settings = settings or LabelSettings()
+    started = time.perf_counter()
+    device = next(model.parameters()).device
+    ids = torch.tensor(trace.ids, dtype=torch.long, device=device)
+    total, prompt = ids.shape[0], trace.prompt_length
+    chunks = chunk_bounds(prompt, total, settings.chunk_size)
+    answer = None if trace.answer_span is None else (prompt + trace.answer_span[0], prompt + trace.answer_span[1])
+
+    full, full_cache = token_logprobs(model, ids, 0, [None], keep_cache=True)
+    full = full[0]  # full[t - 1] = lp(t)
+
+    later = [math.nan] * len(chunks)
+    later_sum = [math.nan] * len(chunks)
+    answer_drop = [math.nan] * len(chunks)
+    scored = [0] * len(chunks)
+    for first in range(0, len(chunks), settings.batch_size):
+        group = list(range(first, min(first + settings.batch_size, len(chunks))))
+        start = chunks[group[0]][1]  # no query before the first chunk's end is affected
+        if start + 1 >= total:
+            continue  # only the last chunk, which has nothing after it
+        hidden_lp, _ = token_logprobs(model, ids, start, [chunks[c] for c in group], full_cache)
+        drops = full[start:].unsqueeze(0) - hidden_lp  # drops[:, j] is target t = start + 1 + j
+        for row, c in enumerate(group):
+            end = chunks[c][1]
+            stop = total if settings.horizon is None else min(total, end + 1 + settings.horizon)
+            if end + 1 < stop:
+                window = drops[row, end - start : stop - start - 1]
+                later_sum[c] = float(window.sum())
+                later[c] = later_sum[c] / window.numel()
+                scored[c] = window.numel()
+            if answer is not None and answer[0] - 1 >= end:
+                answer_drop[c] = float(drops[row, answer[0] - start - 1 : answer[1] - start - 1].sum())
+    return {
+        "chunks": [list(c) for c in chunks],
+        "labels": {"later": later, "later_sum": later_sum, "answer": answer_drop},
+        "scored": scored,
+        "answer_positions": None if answer is None else list(answer),
+        "full_logprob": {
+            "trace_mean": float(full[prompt - 1 :].mean()),
+            "answer": math.nan if answer is None else float(full[answer[0] - 1 : answer[1] - 1].sum()),
+        },
+        "seconds": time.perf_counter() - started,
+    }

@@ -1,0 +1,216 @@
+"""Collect the per-trace records (labels, signals) into resumable files, then analyse them.
+
+:func:`collect` walks the problems, builds each trace, labels it and records its signals, appending
+one line per trace to ``labels.jsonl`` and ``signals.jsonl``; traces already in the files are
+skipped, so an interrupted run continues where it stopped. :func:`analyse` reads the records back
+and computes the profiles, the bands and the AUC table; it needs no model.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from reasonkv.analysis.auc import AucRow, auc_table
+from reasonkv.analysis.bands import Band, discover_bands
+from reasonkv.analysis.labels import TARGETS, LabelSettings, label_trace
+from reasonkv.analysis.profile import Profile, layer_profile
+from reasonkv.analysis.scores import chunk_scores
+from reasonkv.analysis.signals import SignalSettings, trace_signals
+from reasonkv.analysis.stats import spearman
+from reasonkv.analysis.store import RecordStore
+from reasonkv.analysis.traces import SOURCES, generated_trace, reference_trace
+
+__all__ = ["LABELS_FILE", "SIGNALS_FILE", "Analysis", "analyse", "auc_for", "collect", "open_stores"]
+
+LABELS_FILE = "labels.jsonl"
+SIGNALS_FILE = "signals.jsonl"
+SIGNALS = ("z", "g")
+
+
+def open_stores(
+    out_dir: str | Path, run_settings: dict[str, Any], labels: LabelSettings, signals: SignalSettings
+) -> tuple[RecordStore, RecordStore]:
+    """The label store (refuses other settings) and the signal store (recomputed when they change)."""
+    out_dir = Path(out_dir)
+    label_settings = {**run_settings, **labels.record_settings()}
+    label_store = RecordStore(out_dir / LABELS_FILE, label_settings, on_mismatch="error")
+    signal_store = RecordStore(
+        out_dir / SIGNALS_FILE, {**label_settings, **signals.record_settings()}, on_mismatch="replace"
+    )
+    return label_store, signal_store
+
+
+def collect(
+    model: Any,
+    tokenizer: Any,
+    problems: Sequence[Any],
+    label_store: RecordStore,
+    signal_store: RecordStore,
+    *,
+    labels: LabelSettings,
+    signals: SignalSettings,
+    source: str = "reference",
+    max_trace_tokens: int | None = None,
+    max_new_tokens: int = 512,
+    progress: bool = True,
+) -> list[str]:
+    """Label and record every problem not yet in the stores; returns the ids in problem order."""
+    from tqdm.auto import tqdm
+
+    if source not in SOURCES:
+        raise ValueError(f"source must be one of {', '.join(SOURCES)}, got {source!r}")
+    ids = []
+    bar = tqdm(problems, desc="calibrate", unit="trace", disable=not progress)
+    for problem in bar:
+        ids.append(problem.id)
+        if problem.id in label_store and problem.id in signal_store:
+            continue
+        if problem.id not in label_store:
+            started, cpu = time.perf_counter(), time.process_time()
+            if source == "reference":
+                trace = reference_trace(tokenizer, problem, max_tokens=max_trace_tokens)
+            else:
+                trace = generated_trace(model, tokenizer, problem, max_new_tokens=max_new_tokens)
+            result = label_trace(model, trace, labels)
+            label_store.append(
+                {
+                    "id": trace.id,
+                    "source": trace.source,
+                    "prompt_length": trace.prompt_length,
+                    "ids": trace.ids,
+                    "text": trace.text,
+                    **result,
+                    "seconds": time.perf_counter() - started,
+                    "cpu_seconds": time.process_time() - cpu,
+                }
+            )
+        record = label_store.records[problem.id]
+        cpu = time.process_time()
+        result = trace_signals(model, record["ids"], record["chunks"], signals, seed_key=problem.id)
+        signal_store.append({"id": problem.id, **result, "cpu_seconds": time.process_time() - cpu})
+        bar.set_postfix(chunks=len(record["chunks"]), tokens=len(record["ids"]))
+    return ids
+
+
+@dataclass
+class Analysis:
+    """Everything the outputs are made from."""
+
+    num_layers: int
+    traces: int
+    chunks: int
+    profiles: dict[tuple[str, str], Profile]  # (signal, target) -> profile
+    band_a: Band | None
+    band_b: Band | None
+    signal: str
+    target: str
+    control: str
+    label_position: dict[str, float]  # target -> mean per-trace Spearman of the labels with chunk index
+    auc: dict[str, list[AucRow]] = field(default_factory=dict)  # target -> rows
+    seconds_per_trace: float = float("nan")
+    cpu_seconds_per_trace: float = float("nan")
+
+
+def _arrays(label_records, signal_records, target: str, kind: str):
+    labels = [np.asarray(r["labels"][target], dtype=float) for r in label_records]
+    signals = [np.asarray(s[kind], dtype=float) for s in signal_records]
+    return signals, labels
+
+
+def analyse(
+    label_store: RecordStore,
+    signal_store: RecordStore,
+    ids: Sequence[str],
+    *,
+    signal: str = "z",
+    target: str = "later",
+    control: str = "position",
+    min_width: int = 3,
+    max_width: int = 8,
+    replicates: int = 1000,
+    level: float = 0.95,
+    seed: int = 0,
+) -> Analysis:
+    """Profiles for every signal x label kind and the bands of ``(signal, target)``.
+
+    The AUC tables need the calibrated layers: :func:`auc_for` adds them once they are chosen.
+    """
+    if signal not in SIGNALS:
+        raise ValueError(f"signal must be one of {', '.join(SIGNALS)}, got {signal!r}")
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
+    missing = [i for i in ids if i not in label_store or i not in signal_store]
+    if missing:
+        raise ValueError(f"{len(missing)} traces have no records yet (first: {missing[0]!r})")
+    if not ids:
+        raise ValueError("no traces to analyse")
+    label_records = [label_store.records[i] for i in ids]
+    signal_records = [signal_store.records[i] for i in ids]
+    profiles = {}
+    for kind in SIGNALS:
+        for label_kind in TARGETS:
+            signals, labels = _arrays(label_records, signal_records, label_kind, kind)
+            profiles[(kind, label_kind)] = layer_profile(
+                signals,
+                labels,
+                signal=kind,
+                target=label_kind,
+                control=control,
+                replicates=replicates,
+                level=level,
+                seed=seed,
+            )
+    label_position = {}
+    for label_kind in TARGETS:
+        rhos = [spearman(np.arange(len(r["chunks"])), r["labels"][label_kind]) for r in label_records]
+        label_position[label_kind] = float(np.nanmean(rhos)) if not np.isnan(rhos).all() else float("nan")
+    main = profiles[(signal, target)]
+    band_a, band_b = discover_bands(main, min_width=min_width, max_width=max_width)
+    return Analysis(
+        num_layers=main.num_layers,
+        traces=len(ids),
+        chunks=sum(len(r["chunks"]) for r in label_records),
+        profiles=profiles,
+        band_a=band_a,
+        band_b=band_b,
+        signal=signal,
+        target=target,
+        control=control,
+        label_position=label_position,
+        seconds_per_trace=_mean(label_records, "seconds") + _mean(signal_records, "seconds"),
+        cpu_seconds_per_trace=_mean(label_records, "cpu_seconds") + _mean(signal_records, "cpu_seconds"),
+    )
+
+
+def _mean(records: Sequence[dict[str, Any]], key: str) -> float:
+    values = [r[key] for r in records if r.get(key) is not None]
+    return float(np.mean(values)) if values else float("nan")
+
+
+def auc_for(
+    analysis: Analysis,
+    label_store: RecordStore,
+    signal_store: RecordStore,
+    ids: Sequence[str],
+    calibrations: dict[str, Any],
+    *,
+    targets: Sequence[str] = ("later", "answer"),
+    fraction: float = 0.2,
+    replicates: int = 1000,
+    level: float = 0.95,
+    seed: int = 0,
+) -> dict[str, list[AucRow]]:
+    """AUC tables per label kind for every score, EPIKV scored with each of ``calibrations``."""
+    scores = [chunk_scores(signal_store.records[i], calibrations) for i in ids]
+    tables = {}
+    for target in targets:
+        labels = [np.asarray(label_store.records[i]["labels"][target], dtype=float) for i in ids]
+        tables[target] = auc_table(scores, labels, fraction=fraction, replicates=replicates, level=level, seed=seed)
+    analysis.auc = tables
+    return tables

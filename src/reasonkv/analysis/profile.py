@@ -1,0 +1,150 @@
+"""Per-layer signal profile: how well each layer's chunk signal ranks the chunks by importance.
+
+For every trace and every layer ``l``, the Spearman correlation between the layer's chunk signal
+(``g_l`` or its z-score, averaged over each chunk's tokens) and the chunks' labels; the profile is
+the mean of these per-trace correlations over the traces, with a percentile bootstrap interval that
+resamples whole traces.
+
+Why within-trace correlations, averaged: an eviction policy only ever compares tokens of the same
+sequence, so what matters is whether a layer *ranks* a trace's chunks like the labels do. Pooling
+chunks of different traces would also reward signals that merely track how long or how hard a
+trace is, and the raw ``g`` scale changes from one trace to the next.
+
+Position control (``control="position"``, the default of ``reasonkv calibrate``): the labels depend
+on where a chunk sits (a late chunk's later tokens are few and close to it; the answer is near the
+end), and raw ``g`` drifts with position too, so a layer can correlate with the labels only because
+both follow position. The partial Spearman correlation with the chunk's index partialled out asks
+whether the layer knows more than the position does. ``control="none"`` gives the plain correlation.
+
+A trace with fewer than three (four with the control) chunks that have both a label and a signal
+contributes no correlation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from reasonkv.analysis.stats import bootstrap_indices, interval, nanmean_rows, partial_spearman, spearman
+
+__all__ = ["CONTROLS", "Profile", "layer_profile", "per_trace_correlations"]
+
+CONTROLS = ("position", "none")
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Per-layer correlation of one signal with one label kind.
+
+    Attributes
+    ----------
+    signal, target : str
+        What was correlated (``"g"``/``"z"``; ``"later"``/``"later_sum"``/``"answer"``).
+    control : str
+        ``"position"`` (partial correlation given the chunk index) or ``"none"``.
+    rho, low, high : ndarray ``[layers]``
+        Mean per-trace Spearman correlation and its bootstrap interval.
+    per_trace : ndarray ``[traces, layers]``
+        The per-trace correlations (``NaN`` where undefined).
+    replicates : ndarray ``[replicates, layers]``
+        Bootstrap means (the same trace resamples for every layer, so band means can be
+        bootstrapped from them).
+    level : float
+        Coverage of the interval.
+    """
+
+    signal: str
+    target: str
+    control: str
+    rho: np.ndarray
+    low: np.ndarray
+    high: np.ndarray
+    per_trace: np.ndarray
+    replicates: np.ndarray
+    level: float
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.rho.shape[0])
+
+    @property
+    def n_traces(self) -> int:
+        """Traces that contribute a correlation."""
+        return int((~np.isnan(self.per_trace)).any(1).sum())
+
+    def band(self, layers: Sequence[int]) -> tuple[float, float, float]:
+        """Mean correlation over ``layers`` and its bootstrap interval."""
+        layers = list(layers)
+        replicates = self.replicates[:, layers].mean(1)
+        low, high = interval(replicates[:, None], self.level)
+        return float(self.rho[layers].mean()), float(low[0]), float(high[0])
+
+    def to_dict(self) -> dict[str, object]:
+        def clean(values: np.ndarray) -> list[float | None]:
+            return [None if np.isnan(v) else round(float(v), 6) for v in values]
+
+        return {
+            "signal": self.signal,
+            "target": self.target,
+            "control": self.control,
+            "traces": self.n_traces,
+            "level": self.level,
+            "rho": clean(self.rho),
+            "low": clean(self.low),
+            "high": clean(self.high),
+        }
+
+
+def per_trace_correlations(
+    signals: Sequence[np.ndarray], labels: Sequence[np.ndarray], control: str = "position"
+) -> np.ndarray:
+    """``[traces, layers]`` correlations of ``signals[i] [layers, chunks]`` with ``labels[i] [chunks]``
+    (partial Spearman given the chunk index for ``control="position"``, plain Spearman for ``"none"``)."""
+    if control not in CONTROLS:
+        raise ValueError(f"control must be one of {', '.join(CONTROLS)}, got {control!r}")
+    if len(signals) != len(labels):
+        raise ValueError(f"{len(signals)} signal arrays for {len(labels)} label arrays")
+    if not signals:
+        raise ValueError("no traces to correlate")
+    num_layers = np.asarray(signals[0]).shape[0]
+    out = np.full((len(signals), num_layers), np.nan)
+    for i, (signal, label) in enumerate(zip(signals, labels, strict=True)):
+        signal, label = np.asarray(signal, dtype=float), np.asarray(label, dtype=float)
+        if signal.shape != (num_layers, label.shape[0]):
+            raise ValueError(
+                f"trace {i}: signal shape {signal.shape} does not match {num_layers} layers x {label.shape[0]} chunks"
+            )
+        position = np.arange(label.shape[0], dtype=float)
+        for layer in range(num_layers):
+            if control == "position":
+                out[i, layer] = partial_spearman(signal[layer], label, position)
+            else:
+                out[i, layer] = spearman(signal[layer], label)
+    return out
+
+
+def layer_profile(
+    signals: Sequence[np.ndarray],
+    labels: Sequence[np.ndarray],
+    *,
+    signal: str = "z",
+    target: str = "later",
+    control: str = "position",
+    replicates: int = 1000,
+    level: float = 0.95,
+    seed: int = 0,
+) -> Profile:
+    """The per-layer profile with bootstrap intervals (``replicates`` trace resamples, seeded)."""
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    if replicates < 1:
+        raise ValueError(f"replicates must be a positive integer, got {replicates}")
+    per_trace = per_trace_correlations(signals, labels, control)
+    defined = ~np.isnan(per_trace)
+    with np.errstate(invalid="ignore"):
+        rho = np.where(defined.any(0), np.where(defined, per_trace, 0).sum(0) / np.maximum(defined.sum(0), 1), np.nan)
+    boot = nanmean_rows(per_trace, bootstrap_indices(per_trace.shape[0], replicates, seed))
+    low, high = interval(boot, level)
+    return Profile(signal, target, control, rho, np.asarray(low), np.asarray(high), per_trace, boot, level)

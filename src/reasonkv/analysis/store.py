@@ -1,0 +1,109 @@
+"""Append-only JSONL files of per-trace records that a killed run resumes from.
+
+Every record carries the ``settings`` it was computed with and an ``id``. Opening a store reads the
+records already there; a run skips the ids it finds and appends the rest, one flushed line per
+record, so an interruption loses at most the record being written (a torn last line is dropped when
+the file is next opened). Records written with other settings are never mixed with new ones: the
+store refuses them (``on_mismatch="error"``, for expensive records) or starts the file afresh
+(``on_mismatch="replace"``, for records that are cheap to recompute).
+
+Floats that are not finite are written as ``null`` (JSON has no NaN); ``numpy.asarray(values,
+dtype=float)`` reads them back as ``nan``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = ["RecordStore", "json_safe"]
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float (also inside lists and dicts) replaced by ``None``."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+class RecordStore:
+    """One JSONL file of records keyed by ``id``, all computed with the same ``settings``.
+
+    Parameters
+    ----------
+    path : path
+        The file (created with its folder on the first append).
+    settings : mapping
+        JSON-serialisable settings the records depend on; compared with every stored record.
+    on_mismatch : {"error", "replace"}
+        What to do with a file whose records have other settings.
+    """
+
+    def __init__(self, path: str | os.PathLike, settings: Mapping[str, Any], *, on_mismatch: str = "error"):
+        if on_mismatch not in ("error", "replace"):
+            raise ValueError(f"on_mismatch must be 'error' or 'replace', got {on_mismatch!r}")
+        self.path = Path(path)
+        self.settings = json.loads(json.dumps(dict(settings)))  # normalised as it will be read back
+        self.records: dict[str, dict[str, Any]] = {}
+        self._load(on_mismatch)
+
+    def _load(self, on_mismatch: str) -> None:
+        if not self.path.exists():
+            return
+        lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True)
+        kept = []
+        for number, line in enumerate(lines, start=1):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                if number == len(lines):  # torn by an interruption: recompute that record
+                    break
+                raise ValueError(f"{self.path}, line {number}: not a JSON record") from None
+            if record.get("settings") != self.settings:
+                if on_mismatch == "replace":
+                    self.path.unlink()
+                    self.records = {}
+                    return
+                raise ValueError(
+                    f"{self.path} holds records computed with other settings "
+                    f"({_difference(record.get('settings'), self.settings)}); "
+                    "use another output folder or delete the file"
+                )
+            self.records[str(record["id"])] = record
+            kept.append(line if line.endswith("\n") else line + "\n")
+        if len(kept) != len(lines):
+            self.path.write_text("".join(kept), encoding="utf-8")
+
+    def __contains__(self, trace_id: str) -> bool:
+        return trace_id in self.records
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def append(self, record: Mapping[str, Any]) -> dict[str, Any]:
+        """Write one record (its ``settings`` are set here) and flush it to disk."""
+        record = json_safe({**record, "settings": self.settings})
+        line = json.dumps(record, allow_nan=False, separators=(",", ":"))
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a", encoding="utf-8") as handle:
+            handle.write(line + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        stored = json.loads(line)
+        self.records[str(stored["id"])] = stored
+        return stored
+
+
+def _difference(old: Any, new: Mapping[str, Any]) -> str:
+    if not isinstance(old, Mapping):
+        return "no settings recorded"
+    keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    return ", ".join(f"{k}: {old.get(k)!r} there, {new.get(k)!r} now" for k in keys)

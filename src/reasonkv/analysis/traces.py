@@ -1,0 +1,219 @@
+r"""The token sequences the anatomy is measured on, with the span of their final answer.
+
+A :class:`Trace` is a prompt (the problem, chat-formatted by :func:`~reasonkv.eval.prompts.build_prompt`)
+followed by a reasoning trace, both as token ids. Two sources:
+
+``reference`` (:func:`reference_trace`)
+    The dataset's reference solution, teacher-forced after the prompt. GSM8K solutions are tidied
+    first (:func:`tidy_reference`): the calculator annotations ``<<16-3-4=9>>`` are removed (a model
+    never writes them) and the closing ``#### 18`` becomes ``The final answer is \boxed{18}.``, the
+    format the prompt asks for.
+``generated`` (:func:`generated_trace`)
+    The model's own greedy continuation of the prompt (full cache), without its end-of-turn token.
+
+The answer span is the content of the last ``\boxed{...}``; failing that, the text after a
+``####`` marker; failing that, the last number. It is ``None`` when none is found or the trace was
+cut before it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import Any
+
+__all__ = [
+    "SOURCES",
+    "Trace",
+    "answer_char_span",
+    "encode_prompt",
+    "generated_trace",
+    "reference_trace",
+    "tidy_reference",
+    "token_span",
+]
+
+SOURCES = ("reference", "generated")
+
+_CALCULATOR = re.compile(r"<<[^<>]*>>")
+_HASH_ANSWER = re.compile(r"(?m)^[ \t]*####[ \t]*(.+?)[ \t]*$")
+_BOXED = re.compile(r"\\boxed\s*\{")
+_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+
+
+@dataclass(frozen=True)
+class Trace:
+    """One prompt + trace as token ids.
+
+    Attributes
+    ----------
+    id : str
+        The problem id (unique within a run).
+    prompt_ids, trace_ids : list of int
+        The prompt (special tokens included) and the trace that follows it.
+    answer_span : tuple of int or None
+        ``[start, end)`` of the final answer, as indices into ``trace_ids``.
+    source : {"reference", "generated"}
+    text : str
+        The trace text (for people reading the cache).
+    """
+
+    id: str
+    prompt_ids: list[int]
+    trace_ids: list[int]
+    answer_span: tuple[int, int] | None
+    source: str
+    text: str = ""
+
+    @property
+    def ids(self) -> list[int]:
+        return [*self.prompt_ids, *self.trace_ids]
+
+    @property
+    def prompt_length(self) -> int:
+        return len(self.prompt_ids)
+
+
+def tidy_reference(solution: str) -> str:
+    r"""GSM8K-style solution -> plain text: drop ``<<...>>``, turn ``#### X`` into ``\boxed{X}``."""
+    text = _CALCULATOR.sub("", solution)
+    matches = list(_HASH_ANSWER.finditer(text))
+    if matches:
+        match = matches[-1]
+        text = f"{text[: match.start()]}The final answer is \\boxed{{{match.group(1)}}}.{text[match.end() :]}"
+    return text.strip()
+
+
+def answer_char_span(text: str) -> tuple[int, int] | None:
+    r"""``[start, end)`` of the final answer in ``text`` (last ``\boxed{}`` content, ``####``, last number)."""
+    last = None
+    for match in _BOXED.finditer(text):
+        depth, pos = 1, match.end()
+        while pos < len(text) and depth:
+            depth += {"{": 1, "}": -1}.get(text[pos], 0)
+            pos += 1
+        if depth == 0 and text[match.end() : pos - 1].strip():
+            last = (match.end(), pos - 1)
+    if last is not None:
+        return _strip_span(text, last)
+    hashes = list(_HASH_ANSWER.finditer(text))
+    if hashes:
+        return hashes[-1].span(1)
+    numbers = list(_NUMBER.finditer(text))
+    return numbers[-1].span() if numbers else None
+
+
+def _strip_span(text: str, span: tuple[int, int]) -> tuple[int, int]:
+    start, end = span
+    while start < end and text[start].isspace():
+        start += 1
+    while end > start and text[end - 1].isspace():
+        end -= 1
+    return start, end
+
+
+def encode_prompt(tokenizer: Any, problem: Any) -> list[int]:
+    """The chat-formatted prompt of a problem as token ids (the chat template's own BOS is not doubled)."""
+    from reasonkv.eval.prompts import build_prompt
+
+    text = build_prompt(tokenizer, problem)
+    bos = getattr(tokenizer, "bos_token", None)
+    add_special = not (bos and text.startswith(bos))
+    return list(tokenizer(text, add_special_tokens=add_special)["input_ids"])
+
+
+def token_span(tokenizer: Any, text: str, span: tuple[int, int] | None) -> tuple[list[int], tuple[int, int] | None]:
+    """Tokenize ``text`` (no special tokens) and map a character span to ``[start, end)`` token indices.
+
+    Uses the tokenizer's offset mapping when it has one; otherwise the tokens shared by the encodings
+    of ``text[:start]`` and ``text`` mark where the span begins.
+    """
+    try:
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        offsets = encoded.get("offset_mapping")
+    except (TypeError, NotImplementedError, ValueError):
+        encoded, offsets = tokenizer(text, add_special_tokens=False), None
+    ids = list(encoded["input_ids"])
+    if span is None:
+        return ids, None
+    start_char, end_char = span
+    if offsets is not None:
+        hits = [i for i, (a, b) in enumerate(offsets) if a < end_char and b > start_char]
+        return ids, (hits[0], hits[-1] + 1) if hits else None
+    start = _common_prefix(ids, tokenizer(text[:start_char], add_special_tokens=False)["input_ids"])
+    head = tokenizer(text[:end_char], add_special_tokens=False)["input_ids"]
+    shared = _common_prefix(ids, head)
+    end = shared + (shared < len(head))  # a token that straddles the end belongs to the span
+    return ids, (start, min(max(end, start + 1), len(ids)))
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _cut(trace_ids: list[int], span: tuple[int, int] | None, max_tokens: int | None):
+    if max_tokens is None or len(trace_ids) <= max_tokens:
+        return trace_ids, span
+    kept = trace_ids[:max_tokens]
+    return kept, span if span is not None and span[1] <= max_tokens else None
+
+
+def reference_trace(tokenizer: Any, problem: Any, *, max_tokens: int | None = None, tidy: bool = True) -> Trace:
+    """The problem's reference solution after its prompt.
+
+    Parameters
+    ----------
+    tokenizer : transformers tokenizer
+    problem : Problem
+        Must have a ``solution``.
+    max_tokens : int, optional
+        Cut the trace to this many tokens (the answer span is dropped if it is cut).
+    tidy : bool
+        Apply :func:`tidy_reference` (default True).
+
+    Raises
+    ------
+    ValueError
+        The problem has no reference solution.
+    """
+    if not problem.solution:
+        raise ValueError(f"problem {problem.id!r} has no reference solution; use source='generated'")
+    text = tidy_reference(problem.solution) if tidy else problem.solution.strip()
+    trace_ids, span = token_span(tokenizer, text, answer_char_span(text))
+    trace_ids, span = _cut(trace_ids, span, max_tokens)
+    if not trace_ids:
+        raise ValueError(f"problem {problem.id!r}: the reference solution is empty")
+    return Trace(problem.id, encode_prompt(tokenizer, problem), trace_ids, span, "reference", text)
+
+
+def generated_trace(model: Any, tokenizer: Any, problem: Any, *, max_new_tokens: int = 512) -> Trace:
+    """The model's greedy answer to the problem (full cache), its end-of-sequence token dropped."""
+    from reasonkv.decode import generate
+
+    prompt_ids = encode_prompt(tokenizer, problem)
+    [result] = generate(model, tokenizer, [prompt_ids], policy="full", max_new_tokens=max_new_tokens)
+    trace_ids = list(result.token_ids[:-1] if result.finish_reason == "eos" else result.token_ids)
+    if not trace_ids:
+        raise ValueError(f"problem {problem.id!r}: the model generated nothing")
+    text, ends = _decoded_ends(tokenizer, trace_ids)
+    char_span = answer_char_span(text)
+    span = None
+    if char_span is not None:
+        starts = [0, *ends[:-1]]
+        hits = [i for i, (a, b) in enumerate(zip(starts, ends, strict=True)) if a < char_span[1] and b > char_span[0]]
+        span = (hits[0], hits[-1] + 1) if hits else None
+    return Trace(problem.id, prompt_ids, trace_ids, span, "generated", text)
+
+
+def _decoded_ends(tokenizer: Any, ids: list[int]) -> tuple[str, list[int]]:
+    """The decoded text and, per token, the text length once it is decoded (prefix decodes)."""
+    ends = [len(tokenizer.decode(ids[: i + 1], skip_special_tokens=False)) for i in range(len(ids))]
+    ends = list(accumulate(ends, max))  # an incomplete UTF-8 sequence can shorten a prefix
+    return tokenizer.decode(ids, skip_special_tokens=False), ends

@@ -1,0 +1,120 @@
+"""Traces (tidying, answer spans, token spans) and the resumable record store."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from conftest import NoEosTokenizer
+from reasonkv.analysis.store import RecordStore
+from reasonkv.analysis.traces import answer_char_span, reference_trace, tidy_reference, token_span
+from reasonkv.eval.datasets import Problem
+
+SOLUTION = (
+    "Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 duck eggs a day.\nShe makes 9 * 2 = $<<9*2=18>>18 every day.\n#### 18"
+)
+
+
+def test_tidy_reference_drops_calculator_notes_and_boxes_the_answer():
+    text = tidy_reference(SOLUTION)
+    assert "<<" not in text and "####" not in text
+    assert text.endswith("every day.\nThe final answer is \\boxed{18}.")
+    start, end = answer_char_span(text)
+    assert text[start:end] == "18" and text[end] == "}"
+
+
+@pytest.mark.parametrize(
+    ("text", "answer"),
+    [
+        ("so \\boxed{1} then \\boxed{ \\frac{1}{2} }.", "\\frac{1}{2}"),
+        ("steps\n#### 1,234", "1,234"),
+        ("it is 12 then 40.5 apples", "40.5"),
+    ],
+)
+def test_answer_char_span(text, answer):
+    start, end = answer_char_span(text)
+    assert text[start:end] == answer
+
+
+def test_answer_char_span_none():
+    assert answer_char_span("no answer here") is None
+
+
+def test_token_span_without_offsets_uses_prefix_encodings():
+    tokenizer = NoEosTokenizer()  # one token per character, no offset mapping
+    text = "abc \\boxed{42}."
+    ids, span = token_span(tokenizer, text, answer_char_span(text))
+    assert len(ids) == len(text) and span == (11, 13)
+
+
+def test_reference_trace_and_cut():
+    problem = Problem(id="p", problem="What?", answer="18", source="t", solution=SOLUTION)
+    tokenizer = NoEosTokenizer()
+    trace = reference_trace(tokenizer, problem)
+    assert (
+        trace.prompt_ids
+        == tokenizer("Problem: What?\n\nPlease reason step by step, and put the final answer in \\boxed{}.\nSolution:")[
+            "input_ids"
+        ]
+    )
+    assert tokenizer.decode(trace.trace_ids[slice(*trace.answer_span)]) == "18"
+    assert trace.ids == trace.prompt_ids + trace.trace_ids
+    cut = reference_trace(tokenizer, problem, max_tokens=10)
+    assert len(cut.trace_ids) == 10 and cut.answer_span is None
+    with pytest.raises(ValueError, match="has no reference solution"):
+        reference_trace(tokenizer, Problem(id="q", problem="x", answer="1", source="t"))
+
+
+def test_record_store_resumes_and_checks_settings(tmp_path):
+    path = tmp_path / "r.jsonl"
+    store = RecordStore(path, {"a": 1})
+    store.append({"id": "x", "values": [1.0, math.nan]})
+    store.append({"id": "y", "values": [2.0]})
+    assert json.loads(path.read_text().splitlines()[0])["values"] == [1.0, None]
+    with path.open("a") as handle:
+        handle.write('{"id": "z", "val')  # torn by an interruption
+    again = RecordStore(path, {"a": 1})
+    assert sorted(again.records) == ["x", "y"] and "z" not in again
+    assert len(path.read_text().splitlines()) == 2
+    with pytest.raises(ValueError, match="other settings .*a: 1 there, 2 now"):
+        RecordStore(path, {"a": 2})
+    replaced = RecordStore(path, {"a": 2}, on_mismatch="replace")
+    assert len(replaced) == 0 and not path.exists()
+
+
+def test_generated_trace_is_the_models_greedy_continuation():
+    import reasonkv
+    from conftest import tiny_llama
+    from reasonkv.analysis.traces import generated_trace
+
+    model, tokenizer = tiny_llama(), NoEosTokenizer()
+    problem = Problem(id="g", problem="1+1?", answer="2", source="t")
+    trace = generated_trace(model, tokenizer, problem, max_new_tokens=12)
+    [result] = reasonkv.generate(model, tokenizer, [trace.prompt_ids], policy="full", max_new_tokens=12)
+    assert trace.trace_ids == result.token_ids and trace.source == "generated"
+    text = tokenizer.decode(trace.trace_ids)
+    span = answer_char_span(text)
+    if span is None:
+        assert trace.answer_span is None
+    else:  # one character per token: the token span is the character span
+        assert trace.answer_span == span
+
+
+def test_generated_trace_maps_the_answer_to_tokens(monkeypatch):
+    import reasonkv.decode
+    from reasonkv.analysis.traces import generated_trace
+    from reasonkv.decode import GenerationResult
+
+    tokenizer = NoEosTokenizer()
+    text = "so \\boxed{42}."
+    ids = tokenizer(text)["input_ids"] + [2]  # ends with the end-of-sequence token
+
+    def fake_generate(model, tok, prompts, **kwargs):
+        return [GenerationResult(text=text, token_ids=ids, prompt_tokens=len(prompts[0]), finish_reason="eos")]
+
+    monkeypatch.setattr(reasonkv.decode, "generate", fake_generate)
+    problem = Problem(id="g", problem="1+1?", answer="2", source="t")
+    trace = generated_trace(None, tokenizer, problem, max_new_tokens=12)
+    assert trace.trace_ids == ids[:-1] and trace.answer_span == (10, 12)
