@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# Speed and memory of an 8B model's shape on one GPU (random weights: shapes decide speed, not weights).
+#
+# Part 1, lengths: Llama-3.1-8B / R1-Distill-Llama-8B shape, bf16, SDPA, batch 1, budget K = 4096,
+#   buffer B = 128; full, epikv, vase-dkv, h2o (streaming runs as the reference). Each length
+#   L in 8k/16k/32k/64k is reached by a prefill of L - n - 2 tokens (a 32-token prompt, then the
+#   rest as if generated, in chunks of 8192; an evicting policy is evicted to K after each chunk
+#   once due), 2 untimed decode steps, then n = 128 timed decode steps (one eviction cycle), so the
+#   steady state at L is measured without decoding 64k tokens one by one.
+#   Goals: 65,536 tokens within the weights + 2 GB (peak allocated during the decode);
+#   step time flat beyond K + B; eviction overhead a few % of a full step.
+# Part 2, max batch: the largest batch each policy fits in MEMORY_LIMIT at 16k tokens (KV per row
+#   computed, the rest measured) and the tokens/s measured at that batch (R-KV's comparison).
+#   Goal: >= 3x the full cache's tokens/s at 16k.
+#
+# Sized for <= 9 minutes on one H200; each part has a time limit, and a part stopped by it keeps
+# every entry it finished (results.jsonl, bench.json, bench.md). Results: $OUT/lengths and
+# $OUT/max-batch, then a goal summary on stdout.
+#
+# Environment overrides: PYTHON, OUT (default bench-gpu), MODEL, DEVICE, POLICIES, BATCH_POLICIES,
+# BUDGET, BUFFER, LENGTHS, DECODE_STEPS, PREFILL_CHUNK, MEMORY_LIMIT, BATCH_LENGTH, BATCH_STEPS,
+# MAX_MEASURED_BATCH, PART1_SECONDS, PART2_SECONDS, BENCH_ARGS (extra arguments for both commands).
+# SMOKE=1 runs the same two commands on the tiny shape on the CPU (a check of the recipe itself,
+# well under a minute; needs only the built-in policies).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY="${PYTHON:-.venv/bin/python}"
+if [[ "${SMOKE:-0}" == "1" ]]; then
+  : "${MODEL:=shape:tiny}" "${DEVICE:=cpu}" "${POLICIES:=full,random}" "${BATCH_POLICIES:=full,random}"
+  : "${BUDGET:=32}" "${BUFFER:=16}" "${LENGTHS:=64,128,256}" "${DECODE_STEPS:=16}" "${PREFILL_CHUNK:=128}"
+  : "${MEMORY_LIMIT:=1GiB}" "${BATCH_LENGTH:=128}" "${BATCH_STEPS:=8}" "${MAX_MEASURED_BATCH:=8}"
+  : "${OUT:=bench-gpu-smoke}" "${BENCH_ARGS:=--threads 1}"
+fi
+MODEL="${MODEL:-shape:llama-3.1-8b}"
+DEVICE="${DEVICE:-cuda}"
+POLICIES="${POLICIES:-full,epikv,vase-dkv,h2o}"
+BATCH_POLICIES="${BATCH_POLICIES:-full,epikv,vase-dkv}"
+BUDGET="${BUDGET:-4096}"
+BUFFER="${BUFFER:-128}"
+LENGTHS="${LENGTHS:-8192,16384,32768,65536}"
+DECODE_STEPS="${DECODE_STEPS:-128}"
+PREFILL_CHUNK="${PREFILL_CHUNK:-8192}"
+MEMORY_LIMIT="${MEMORY_LIMIT:-32GiB}"
+BATCH_LENGTH="${BATCH_LENGTH:-16384}"
+BATCH_STEPS="${BATCH_STEPS:-32}"
+MAX_MEASURED_BATCH="${MAX_MEASURED_BATCH:-512}"
+OUT="${OUT:-bench-gpu}"
+PART1_SECONDS="${PART1_SECONDS:-330}"
+PART2_SECONDS="${PART2_SECONDS:-180}"
+
+# shellcheck disable=SC2206  # BENCH_ARGS: extra bench arguments, split on spaces on purpose
+common=(--model "$MODEL" --dtype bf16 --device "$DEVICE" --attn sdpa --budget "$BUDGET" --buffer "$BUFFER"
+  --no-progress ${BENCH_ARGS:-})
+status=0
+
+echo "== part 1: step time and memory at $LENGTHS (batch 1)" >&2
+timeout --signal=TERM "$PART1_SECONDS" "$PY" -m reasonkv.cli bench "${common[@]}" --policies "$POLICIES" \
+  --lengths "$LENGTHS" --prefill-to-length --decode-steps "$DECODE_STEPS" --prefill-chunk "$PREFILL_CHUNK" \
+  --batch-sizes 1 --out "$OUT/lengths" || status=$?
+
+echo "== part 2: largest batch in $MEMORY_LIMIT at $BATCH_LENGTH tokens" >&2
+# Tokens per prefill forward, summed over the batch: big batches are prefilled in slices of rows' tokens.
+timeout --signal=TERM "$PART2_SECONDS" "$PY" -m reasonkv.cli bench "${common[@]}" --policies "$BATCH_POLICIES" \
+  --max-batch --memory-limit "$MEMORY_LIMIT" --length "$BATCH_LENGTH" --decode-steps "$BATCH_STEPS" \
+  --max-measured-batch "$MAX_MEASURED_BATCH" --prefill-chunk $((PREFILL_CHUNK * 8)) --out "$OUT/max-batch" \
+  || status=$?
+
+"$PY" - "$OUT" "$BATCH_LENGTH" <<'EOF'
+import json
+import sys
+from pathlib import Path
+
+out, batch_length = Path(sys.argv[1]), int(sys.argv[2])
+print("== goals (reported, not asserted)")
+lengths = out / "lengths" / "bench.json"
+if lengths.is_file():
+    doc = json.loads(lengths.read_text())
+    weights = doc.get("weight_bytes") or 0
+    print(f"weights: {weights / 2**30:.2f} GiB; peak allocated during decode minus weights (goal: <= 2 GB):")
+    for record in doc["records"]:
+        windows = sorted(record["windows"], key=lambda w: w["length"])
+        cells = []
+        for w in windows:
+            peak = w.get("peak_memory_bytes")
+            if peak is not None:
+                cells.append(f"{w['length']}: {(peak - weights) / 1e9:.2f} GB")
+        print(f"  {record['policy']:>10}  " + ", ".join(cells))
+    for batch, summary in doc["summary"]["sweep"].items():
+        for name, s in summary["policies"].items():
+            flat = s.get("flatness") or {}
+            ratio = flat.get("ratio")
+            over = s.get("overhead_pct_steady")
+            print(
+                f"  {name:>10}  flatness {'-' if ratio is None else f'{ratio:.3f}'}"
+                f"  overhead {'-' if over is None else f'{over:.2f}%'} of a full step"
+            )
+batches = out / "max-batch" / "bench.json"
+if batches.is_file():
+    doc = json.loads(batches.read_text())
+    ratios = (doc["summary"].get("max_batch") or {}).get("tokens_per_s_vs_full", {})
+    print(f"tokens/s relative to full at {batch_length} tokens, each at its largest batch (goal: >= 3x):")
+    for record in doc["records"]:
+        ratio = ratios.get(record["policy"])
+        notes = "; ".join(record.get("notes", []))
+        print(
+            f"  {record['policy']:>10}  batch {record['measured_batch']} (fits {record['max_batch']})"
+            f"  {'-' if ratio is None else f'{ratio:.2f}x'}  {notes}"
+        )
+EOF
+exit "$status"

@@ -1,0 +1,45 @@
+"""Speed and memory benchmark of the eviction policies (``reasonkv bench``).
+
+Modules, one job each:
+
+- :mod:`~reasonkv.bench.measure`: per-step timing through ``on_step``, windows around a length,
+  the split of a step into forward / record / observe / score / gather; decode sweeps and the
+  prefill-to-length mode;
+- :mod:`~reasonkv.bench.eviction`: the cost of one eviction with ``N`` cached tokens;
+- :mod:`~reasonkv.bench.memory`: exact KV bytes, weights, peak-memory readers, the max-batch model;
+- :mod:`~reasonkv.bench.maxbatch`: largest batch within a memory limit and its throughput;
+- :mod:`~reasonkv.bench.plan`: argument checking; :mod:`~reasonkv.bench.store`: results on disk,
+  resume; :mod:`~reasonkv.bench.report`: overhead summary and markdown;
+  :mod:`~reasonkv.bench.plots`: PNGs; :mod:`~reasonkv.bench.cli`: the command.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "MemoryModel",
+    "kv_bytes_per_token",
+    "measure_eviction_cost",
+    "measure_max_batch",
+    "measure_prefilled",
+    "measure_sweep",
+    "summarise",
+]
+
+_EXPORTS = {
+    "MemoryModel": "reasonkv.bench.memory",
+    "kv_bytes_per_token": "reasonkv.bench.memory",
+    "measure_eviction_cost": "reasonkv.bench.eviction",
+    "measure_max_batch": "reasonkv.bench.maxbatch",
+    "measure_prefilled": "reasonkv.bench.measure",
+    "measure_sweep": "reasonkv.bench.measure",
+    "summarise": "reasonkv.bench.report",
+}
+
+
+def __getattr__(name: str):
+    import importlib
+
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'reasonkv.bench' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,100 @@
+"""The cost of one eviction when the cache holds ``N`` tokens.
+
+With ``K = N - B``, a prefill of ``N`` tokens (a short prompt, then the rest as if generated)
+makes the cache due exactly once (a warm-up eviction, not counted); each repetition then feeds
+``B`` new tokens in one forward, which brings the cache back to ``N`` and triggers one eviction.
+The evictor's stopwatch times that eviction:
+``score`` (the policy's scoring and the selection of the kept indices) and ``gather``
+(compacting the cache). The per-token work a policy does in ``record``/``observe`` is not part of
+an eviction; the sweep's overhead figure amortises it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from reasonkv.bench.measure import _forward_parameters, _sync, make_prompts, model_device, prefill_chunks
+
+__all__ = ["measure_eviction_cost"]
+
+
+def measure_eviction_cost(
+    model,
+    *,
+    policy: str,
+    options: dict,
+    cached: int,
+    buffer: int,
+    repeats: int = 5,
+    batch: int = 1,
+    prefill_chunk: int = 0,
+    prompt_length: int = 32,
+    seed: int = 0,
+) -> dict:
+    """Time ``repeats`` evictions of a cache holding ``cached`` tokens per row (budget ``cached - buffer``).
+
+    Returns per-eviction seconds (``eviction_s``, ``score_s``, ``gather_s``) and their mean,
+    median, standard deviation and minimum.
+    """
+    from reasonkv.cache import EvictingCache
+    from reasonkv.decode import cache_kwarg
+
+    budget = cached - buffer
+    if buffer < 1 or budget < 1:
+        raise ValueError(f"eviction cost needs 1 <= buffer < cached, got buffer {buffer} and cached {cached}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    device = model_device(model)
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.tensor(make_prompts(vocab, batch, cached + buffer * repeats, seed), device=device)
+    cache = EvictingCache(
+        budget, buffer, model=model, policy=policy, seed=seed, sync_timing=device.type == "cuda", **options
+    )
+    evictor = cache.evictor
+    key = cache_kwarg(model)
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in _forward_parameters(model) else {}
+    score, gather, forward = [], [], []
+    try:
+        with torch.inference_mode():
+            offset = 0
+            chunks = prefill_chunks(cached, cached, batch, prefill_chunk, prompt_length=prompt_length, grows=False)
+            for size in chunks:
+                model(input_ids=ids[:, offset : offset + size], use_cache=True, **{key: cache}, **extra)
+                offset += size
+            if evictor.eviction_count != 1:
+                raise RuntimeError(f"expected one warm-up eviction after the prefill, got {evictor.eviction_count}")
+            for _ in range(repeats):
+                before, count = evictor.timings, evictor.eviction_count
+                _sync(device)
+                start = time.perf_counter()
+                model(input_ids=ids[:, offset : offset + buffer], use_cache=True, **{key: cache}, **extra)
+                _sync(device)
+                forward.append(time.perf_counter() - start)
+                offset += buffer
+                after = evictor.timings
+                if evictor.eviction_count != count + 1:
+                    raise RuntimeError("a refill of the buffer did not trigger exactly one eviction")
+                score.append(after.get("score", 0.0) - before.get("score", 0.0))
+                gather.append(after.get("gather", 0.0) - before.get("gather", 0.0))
+    finally:
+        cache.detach()
+    total = [s + g for s, g in zip(score, gather, strict=True)]
+    return {
+        "cached": cached,
+        "budget": budget,
+        "batch": batch,
+        "repeats": repeats,
+        "eviction_s": total,
+        "score_s": score,
+        "gather_s": gather,
+        "refill_forward_s": forward,
+        "mean_s": statistics.fmean(total),
+        "median_s": statistics.median(total),
+        "std_s": statistics.pstdev(total),
+        "min_s": min(total),
+        "score_mean_s": statistics.fmean(score),
+        "gather_mean_s": statistics.fmean(gather),
+    }

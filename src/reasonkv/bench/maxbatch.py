@@ -1,0 +1,139 @@
+"""Largest batch per policy within a memory limit at a given length, and its measured throughput.
+
+This is the comparison R-KV makes: a fixed budget leaves room for more rows than the full cache,
+and more rows give more tokens per second.
+
+1. Probe (measured): decode a few steps at length ``L`` with two small batch sizes and record the
+   decode's peak memory and the KV bytes the cache allocated. What is not KV, per row, is the
+   activation and policy-state overhead; what does not grow with the batch is the fixed part.
+2. Compute: KV bytes per row from the exact formula (``L`` tokens for the full cache, ``K + B`` for
+   an evicting policy) plus the measured overhead give :class:`~reasonkv.bench.memory.MemoryModel`,
+   whose ``max_batch(limit)`` is the batch that fits.
+3. Measure: decode at that batch and record tokens/s. When the machine (or ``max_measured_batch``)
+   cannot hold that batch, the largest batch that does is measured instead and the record says
+   so; when a batch runs out of memory it is halved and retried, and that is recorded too.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from reasonkv.bench.measure import measure_prefilled, model_device, model_dtype
+from reasonkv.bench.memory import MemoryModel, kv_bytes_per_token, machine_memory_bytes
+
+__all__ = ["kv_tokens_per_row", "measure_max_batch"]
+
+
+def kv_tokens_per_row(evicts: bool, length: int, budget: int, buffer: int) -> int:
+    """Tokens of K/V one row must hold at ``length``: all of them, or at most ``K + B`` when evicting."""
+    return min(length, budget + buffer) if evicts else length
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _is_oom(error: BaseException) -> bool:
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+
+
+def measure_max_batch(
+    model,
+    *,
+    policy: str,
+    options: dict,
+    budget: int,
+    buffer: int,
+    length: int,
+    memory_limit: int,
+    decode_steps: int,
+    probe_batches: tuple[int, int] = (1, 2),
+    probe_steps: int = 4,
+    max_measured_batch: int = 256,
+    prefill_chunk: int = 0,
+    prompt_length: int = 32,
+    seed: int = 0,
+) -> dict:
+    """Probe, compute the batch that fits ``memory_limit`` at ``length``, measure its throughput."""
+    from reasonkv.policies import policy_class
+
+    device = model_device(model)
+    evicts = policy_class(policy).evicts
+    per_token = kv_bytes_per_token(model.config, model_dtype(model))
+    kv_row = kv_tokens_per_row(evicts, length, budget, buffer) * per_token
+    # No phase synchronisation: only whole steps are timed here, and they should run undisturbed.
+    common = dict(
+        policy=policy,
+        options=options,
+        budget=budget,
+        buffer=buffer,
+        length=length,
+        prefill_chunk=prefill_chunk,
+        prompt_length=prompt_length,
+        sync_timing=False,
+    )
+
+    probes = []
+    for batch in probe_batches:
+        _free(device)
+        result = measure_prefilled(model, batch=batch, decode_steps=probe_steps, seed=seed, **common)
+        if result["peak_memory_bytes"] is None:
+            raise RuntimeError("this machine cannot reset its peak-memory counter; the max-batch probe needs it")
+        probes.append(
+            {
+                "batch": batch,
+                "peak_bytes": result["peak_memory_bytes"],
+                "kv_bytes": result["kv_bytes"],
+                "step_mean_s": result["step_mean_s"],
+            }
+        )
+    memory = MemoryModel.fit(probes, kv_row=kv_row)
+    found = memory.max_batch(memory_limit)
+
+    # What the machine itself can hold, with the KV bytes the cache really allocates per row.
+    allocated_row = max(p["kv_bytes"] / p["batch"] for p in probes)
+    machine = machine_memory_bytes(device)
+    machine_model = MemoryModel(fixed=memory.fixed, kv_row=allocated_row, other_row=memory.other_row)
+    machine_batch = machine_model.max_batch(0.95 * machine)
+    target = min(found, machine_batch, max_measured_batch)
+    notes = []
+    if found == 0:
+        notes.append(f"not even one row fits {memory_limit} bytes at length {length}")
+    elif target < found:
+        why = "the machine's memory" if machine_batch <= max_measured_batch else "--max-measured-batch"
+        notes.append(f"measured at batch {target}, not the {found} that fit the limit: capped by {why}")
+
+    attempts, measured = [], None
+    batch = target
+    while batch >= 1 and measured is None:
+        _free(device)
+        try:
+            measured = measure_prefilled(model, batch=batch, decode_steps=decode_steps, seed=seed, **common)
+        except (torch.OutOfMemoryError, RuntimeError) as error:
+            if not _is_oom(error):
+                raise
+            attempts.append({"batch": batch, "error": "out of memory"})
+            notes.append(f"batch {batch} ran out of memory; halved")
+            batch //= 2
+    if measured is not None:
+        measured.pop("step_s", None)
+    return {
+        "length": length,
+        "memory_limit_bytes": memory_limit,
+        "kv_tokens_per_row": kv_tokens_per_row(evicts, length, budget, buffer),
+        "kv_bytes_per_token": per_token,
+        "probes": probes,
+        "memory_model": memory.as_dict(),
+        "max_batch": found,
+        "machine_bytes": machine,
+        "machine_batch": machine_batch,
+        "measured_batch": batch if measured is not None else 0,
+        "attempts": attempts,
+        "measured": measured,
+        "tokens_per_s": measured["tokens_per_s"] if measured is not None else None,
+        "notes": notes,
+    }

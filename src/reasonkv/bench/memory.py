@@ -1,0 +1,240 @@
+"""Memory accounting for the benchmark: exact KV bytes, weights, peak readers, the max-batch model.
+
+What is computed and what is measured:
+
+- KV bytes per token are exact: ``layers x 2 (K and V) x kv_heads x head_dim x dtype size``.
+  A row of the full cache at length ``L`` needs ``L`` of them; a row of an evicting policy never
+  more than ``K + B``.
+- Peak memory is measured: on CUDA the allocator's ``max_memory_allocated``; on CPU the kernel's
+  peak resident set (``VmHWM``, reset through ``/proc/self/clear_refs``), an approximation that
+  also counts memory the C allocator keeps after a free.
+- :class:`MemoryModel` turns two measured batch sizes into ``fixed + batch x per_row`` and answers
+  "how many rows fit in this limit"; the KV part of ``per_row`` comes from the formula, the rest
+  (activations, recorded signals, per-row policy state) from the measurement.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import resource
+from dataclasses import asdict, dataclass
+
+import torch
+
+__all__ = [
+    "MemoryModel",
+    "PeakTracker",
+    "format_bytes",
+    "kv_bytes_per_token",
+    "machine_memory_bytes",
+    "parse_bytes",
+    "rss_bytes",
+    "weight_bytes",
+]
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(text: str) -> int:
+    """``"24GiB"``, ``"48GB"``, ``"512MiB"``, ``"1.5TiB"``, ``"1000000"`` -> bytes.
+
+    ``K``/``M``/``G``/``T`` and ``KB``/``MB``/... are powers of 1000, ``KiB``/``MiB``/... powers of 1024.
+    """
+    match = _SIZE.match(str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"memory size {text!r} is not a number with a unit like 24GiB, 48GB or 512MiB")
+    value = float(match.group(1)) * _UNITS[unit]
+    if value < 1:
+        raise ValueError(f"memory size {text!r} must be positive")
+    return int(value)
+
+
+def format_bytes(value: float | None) -> str:
+    """Bytes as MiB below 1 GiB, GiB above (``"-"`` for None)."""
+    if value is None:
+        return "-"
+    if abs(value) < 1024**3:
+        return f"{value / 1024**2:.1f} MiB"
+    return f"{value / 1024**3:.2f} GiB"
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """Bytes of K and V one token occupies in one row: ``layers x 2 x kv_heads x head_dim x size``."""
+    from reasonkv.models import head_dim, kv_heads, model_layers
+
+    size = torch.empty((), dtype=dtype).element_size()
+    return model_layers(config) * 2 * kv_heads(config) * head_dim(config) * size
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters and buffers (tied weights counted once)."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.device.type == "meta":
+            continue
+        key = tensor.untyped_storage().data_ptr()
+        if key in seen:
+            continue
+        seen.add(key)
+        total += tensor.untyped_storage().nbytes()
+    return total
+
+
+def rss_bytes() -> int:
+    """Resident memory of this process now (Linux ``/proc``; elsewhere the peak from ``getrusage``)."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return _maxrss()
+
+
+def _maxrss() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if os.uname().sysname == "Darwin" else peak * 1024
+
+
+def _vm_hwm() -> int | None:
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+class PeakTracker:
+    """Peak memory since the last :meth:`reset`: CUDA max allocated, or the CPU's peak resident set."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._cpu_resettable: bool | None = None
+
+    @property
+    def kind(self) -> str:
+        """``"cuda-allocated"`` or ``"cpu-rss"`` (what :meth:`peak` reports)."""
+        return "cuda-allocated" if self.device.type == "cuda" else "cpu-rss"
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        if self._cpu_resettable is False:
+            return
+        try:
+            with open("/proc/self/clear_refs", "w", encoding="ascii") as clear:
+                clear.write("5")  # resets VmHWM to the current resident set
+            self._cpu_resettable = True
+        except OSError:
+            self._cpu_resettable = False
+
+    def peak(self) -> int | None:
+        """Peak bytes since the last reset (None on a CPU whose peak cannot be reset)."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        if not self._cpu_resettable:
+            return None
+        return _vm_hwm()
+
+    def current(self) -> int:
+        """Bytes in use now: CUDA allocated, or the resident set."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.memory_allocated(self.device))
+        return rss_bytes()
+
+
+def machine_memory_bytes(device: torch.device) -> int:
+    """Memory this process could use on ``device``: the GPU's total, or available RAM plus our own RSS."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return int(min(total, free + torch.cuda.memory_reserved(device)))
+    available = None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    if available is None:
+        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    return int(available + rss_bytes())
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Memory needed by ``batch`` rows: ``fixed + batch x (kv_row + other_row)``.
+
+    Attributes
+    ----------
+    fixed
+        Bytes independent of the batch (weights and per-step buffers that do not grow with rows).
+    kv_row
+        K/V bytes one row holds (exact formula).
+    other_row
+        Everything else that grows with the batch, per row (activations, recorded signals, policy state).
+    """
+
+    fixed: float
+    kv_row: float
+    other_row: float
+
+    @property
+    def per_row(self) -> float:
+        return self.kv_row + self.other_row
+
+    def required(self, batch: int) -> float:
+        return self.fixed + batch * self.per_row
+
+    def max_batch(self, limit: float) -> int:
+        """The largest batch with ``required(batch) <= limit`` (0 if not even one row fits)."""
+        if self.per_row <= 0:
+            raise ValueError(f"per-row memory must be positive, got {self.per_row}")
+        batch = max(0, math.floor((limit - self.fixed) / self.per_row))
+        while self.required(batch + 1) <= limit:  # guard against rounding either way
+            batch += 1
+        while batch > 0 and self.required(batch) > limit:
+            batch -= 1
+        return batch
+
+    @classmethod
+    def fit(cls, probes: list[dict], kv_row: float) -> MemoryModel:
+        """Fit from measured probes ``{"batch", "peak_bytes", "kv_bytes"}`` at two or more batch sizes.
+
+        The KV bytes the cache actually allocated are taken out of each peak; the slope of what
+        remains over the batch is ``other_row``, its intercept (plus nothing of the KV) ``fixed``.
+        ``kv_row`` (the formula) is then put back per row.
+        """
+        points = sorted((int(p["batch"]), float(p["peak_bytes"]) - float(p["kv_bytes"])) for p in probes)
+        if len({b for b, _ in points}) < 2:
+            raise ValueError("the memory model needs probes at two different batch sizes")
+        (b1, m1), (b2, m2) = points[0], points[-1]
+        other_row = max(0.0, (m2 - m1) / (b2 - b1))
+        fixed = m1 - b1 * other_row
+        return cls(fixed=fixed, kv_row=float(kv_row), other_row=other_row)
+
+    def as_dict(self) -> dict[str, float]:
+        return {**asdict(self), "per_row": self.per_row}

@@ -1,0 +1,467 @@
+"""From records to the overhead summary and the markdown report.
+
+The summary compares policies measured side by side in one run (ratios, never absolute claims):
+
+(a) eviction overhead: ``record + observe + score + gather`` per decode step, as a percentage of a
+    full-cache step at ``K + B/2`` tokens (the cache size an evicting policy averages);
+(b) step time relative to ``streaming`` at each length (the same eviction schedule with trivial
+    scoring, so the ratio is the price of the policy's scoring and recording);
+(c) flatness: step time at ``8 K`` over step time at ``K`` (or at the largest length if ``8 K`` was
+    not reached);
+(d) tokens/s relative to the full cache at each length.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from reasonkv.bench.memory import format_bytes
+
+__all__ = ["TRIVIAL_POLICIES", "markdown", "summarise", "summary_text"]
+
+TRIVIAL_POLICIES = ("full", "streaming", "random")
+FLAT_TOLERANCE = 0.10  # |step at 8 K / step at K - 1|
+OVERHEAD_TARGET_PCT = 5.0
+
+
+def _by_length(record: dict) -> dict[int, dict]:
+    return {int(w["length"]): w for w in record.get("windows", [])}
+
+
+def _nearest(windows: dict[int, dict], length: int) -> tuple[int, dict] | None:
+    if not windows:
+        return None
+    best = min(windows, key=lambda tokens: (abs(tokens - length), tokens))
+    return best, windows[best]
+
+
+def _ratio(a, b):
+    return a / b if a is not None and b not in (None, 0) else None
+
+
+def _sweep_summary(records: list[dict]) -> dict:
+    config = records[0]["config"]
+    budget, buffer = config["budget"], config["buffer"]
+    by_policy = {r["policy"]: r for r in records}
+    full = by_policy.get("full")
+    streaming = by_policy.get("streaming")
+    full_windows = _by_length(full) if full else {}
+    streaming_windows = _by_length(streaming) if streaming else {}
+    reference_length = budget + buffer // 2
+    reference = _nearest(full_windows, reference_length)
+    full_step = reference[1]["step_median_s"] if reference else None
+    lengths = list(config["lengths"])
+    out: dict = {
+        "budget": budget,
+        "buffer": buffer,
+        "lengths": lengths,
+        "full_reference": None
+        if reference is None
+        else {"length": reference[0], "wanted_length": reference_length, "step_median_s": full_step},
+        "policies": {},
+    }
+    for name, record in by_policy.items():
+        windows = _by_length(record)
+        per_token = record.get("kv_bytes_per_token")
+        batch = record["batch"]
+        summary: dict = {"evicts": record.get("evicts", name != "full")}
+        summary["overhead_pct"] = {
+            tokens: _pct(windows[tokens]["eviction_overhead_s"], full_step) for tokens in lengths if tokens in windows
+        }
+        steady = [
+            tokens for tokens in lengths if tokens in windows and windows[tokens]["window_start"] >= budget + buffer
+        ]
+        if not steady and windows:
+            steady = [max(tokens for tokens in lengths if tokens in windows)]
+        values = [
+            summary["overhead_pct"][tokens] for tokens in steady if summary["overhead_pct"].get(tokens) is not None
+        ]
+        summary["overhead_pct_steady"] = max(values) if values else None
+        summary["steady_lengths"] = steady
+        summary["step_vs_streaming"] = {
+            tokens: _ratio(windows[tokens]["step_mean_s"], streaming_windows[tokens]["step_mean_s"])
+            for tokens in lengths
+            if tokens in windows and tokens in streaming_windows
+        }
+        summary["tokens_per_s"] = {tokens: windows[tokens]["tokens_per_s"] for tokens in lengths if tokens in windows}
+        summary["tokens_per_s_vs_full"] = {
+            tokens: _ratio(windows[tokens]["tokens_per_s"], full_windows[tokens]["tokens_per_s"])
+            for tokens in lengths
+            if tokens in windows and tokens in full_windows
+        }
+        summary["cumulative_tokens_per_s_vs_full"] = {
+            tokens: _ratio(
+                windows[tokens].get("cumulative_tokens_per_s"), full_windows[tokens].get("cumulative_tokens_per_s")
+            )
+            for tokens in lengths
+            if tokens in windows
+            and tokens in full_windows
+            and windows[tokens].get("cumulative_tokens_per_s") is not None
+        }
+        if summary["evicts"]:
+            short = windows.get(budget)
+            long_pick = _nearest({tokens: w for tokens, w in windows.items() if tokens <= 8 * budget}, 8 * budget)
+            if short is not None and long_pick is not None and long_pick[0] > budget:
+                summary["flatness"] = {
+                    "ratio": _ratio(long_pick[1]["step_mean_s"], short["step_mean_s"]),
+                    "long_length": long_pick[0],
+                    "short_length": budget,
+                }
+            else:
+                summary["flatness"] = None
+            if per_token:
+                bound = (budget + buffer) * per_token * batch
+                held = max((w["kv_bytes"] for w in windows.values()), default=0)
+                summary["kv_bytes_max"] = held
+                summary["kv_bytes_bound"] = bound
+                summary["kv_within_bound"] = held <= bound
+        out["policies"][name] = summary
+    out["targets"] = _sweep_targets(out)
+    return out
+
+
+def _pct(part, whole):
+    return None if part is None or whole in (None, 0) else 100.0 * part / whole
+
+
+def _sweep_targets(summary: dict) -> dict:
+    policies = {n: s for n, s in summary["policies"].items() if s["evicts"]}
+    flat = {n: s["flatness"]["ratio"] for n, s in policies.items() if s.get("flatness") and s["flatness"]["ratio"]}
+    overhead = {n: s["overhead_pct_steady"] for n, s in policies.items() if s["overhead_pct_steady"] is not None}
+    bound = {n: s["kv_within_bound"] for n, s in policies.items() if "kv_within_bound" in s}
+    nontrivial = {n: v for n, v in overhead.items() if n not in TRIVIAL_POLICIES}
+    cheapest = min(nontrivial, key=nontrivial.get) if nontrivial else None
+    return {
+        "flat_within_10pct": {n: abs(v - 1.0) <= FLAT_TOLERANCE + 1e-12 for n, v in flat.items()},
+        "overhead_within_5pct": {n: v <= OVERHEAD_TARGET_PCT for n, v in overhead.items()},
+        "kv_within_bound": bound,
+        "cheapest_nontrivial": cheapest,
+        "epikv_cheapest": _epikv_cheapest(cheapest, nontrivial),
+    }
+
+
+def _epikv_cheapest(cheapest: str | None, candidates: dict) -> bool | None:
+    """Whether the cheapest candidate is EPIKV or one of its variants (None: EPIKV not measured)."""
+    if cheapest is None or not any(n.startswith("epikv") for n in candidates):
+        return None
+    return cheapest.startswith("epikv")
+
+
+def summarise(records: list[dict]) -> dict:
+    """Overhead summary, eviction-cost and max-batch comparisons of every finished record."""
+    out: dict = {"sweep": {}, "eviction_cost": None, "max_batch": None}
+    sweeps: dict[int, list[dict]] = defaultdict(list)
+    for record in records:
+        if record.get("mode") == "sweep":
+            sweeps[record["batch"]].append(record)
+    for batch, group in sorted(sweeps.items()):
+        out["sweep"][str(batch)] = _sweep_summary(group)
+
+    evictions = [r for r in records if r.get("mode") == "eviction-cost"]
+    if evictions:
+        costs = {r["policy"]: r["mean_s"] for r in evictions}
+        nontrivial = {n: v for n, v in costs.items() if n not in TRIVIAL_POLICIES}
+        cheapest = min(nontrivial, key=nontrivial.get) if nontrivial else None
+        out["eviction_cost"] = {
+            "mean_s": costs,
+            "cheapest_nontrivial": cheapest,
+            "epikv_cheapest": _epikv_cheapest(cheapest, nontrivial),
+        }
+
+    batches = [r for r in records if r.get("mode") == "max-batch"]
+    if batches:
+        full = next((r for r in batches if r["policy"] == "full"), None)
+        full_tps = full.get("tokens_per_s") if full else None
+        out["max_batch"] = {
+            "tokens_per_s_vs_full": {r["policy"]: _ratio(r.get("tokens_per_s"), full_tps) for r in batches},
+            "max_batch_vs_full": {
+                r["policy"]: _ratio(r.get("max_batch"), full.get("max_batch") if full else None) for r in batches
+            },
+        }
+    return out
+
+
+# --------------------------------------------------------------------------- markdown
+
+
+def _ms(seconds) -> str:
+    return "-" if seconds is None else f"{1000 * seconds:.2f}"
+
+
+def _num(value, fmt: str = "{:.2f}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return lines + [""]
+
+
+def _mark(ok) -> str:
+    return "-" if ok is None else ("yes" if ok else "NO")
+
+
+def _policy_order(names) -> list[str]:
+    names = list(dict.fromkeys(names))
+    first = [n for n in ("full", "streaming") if n in names]
+    return first + [n for n in names if n not in first]
+
+
+def _sweep_markdown(records: list[dict], summary: dict, meta: dict) -> list[str]:
+    config = records[0]["config"]
+    budget, buffer = config["budget"], config["buffer"]
+    if config.get("prefill_to_length"):
+        n = config["decode_steps"]
+        chunk = config.get("prefill_chunk") or 0
+        how = (
+            f"each length L reached by a prefill of L - {n} - 2 tokens (a {config['prompt_length']}-token prompt, "
+            "then the rest as if generated"
+            + (f", at most {chunk} tokens per forward)" if chunk else " in one forward)")
+            + f", 2 untimed decode steps, then {n} timed decode steps ending at L; an evicting policy is "
+            "evicted to K by the prefill, so it is measured in its steady state"
+        )
+    else:
+        how = f"decoded from a {config['prompt_length']}-token prompt up to {max(config['lengths'])} tokens"
+    lines = [f"## Length sweep (K = {budget}, B = {buffer})", "", f"{how}; window {config['window']} steps.", ""]
+    peak_kind = "CUDA max allocated" if meta.get("device", "cpu").startswith("cuda") else "process peak RSS"
+    by_batch: dict[int, list[dict]] = defaultdict(list)
+    for record in records:
+        by_batch[record["batch"]].append(record)
+    for batch in sorted(by_batch):
+        group = {r["policy"]: r for r in by_batch[batch]}
+        batch_summary = summary["sweep"].get(str(batch), {})
+        lines += [f"### Batch {batch}", ""]
+        rows = []
+        for name in _policy_order(group):
+            windows = _by_length(group[name])
+            for tokens in config["lengths"]:
+                w = windows.get(tokens)
+                if w is None:
+                    continue
+                split = w["split_s"]
+                rows.append(
+                    [
+                        name,
+                        str(tokens),
+                        f"{w['tokens_per_s']:.1f}",
+                        _ms(w["step_median_s"]),
+                        _ms(w["step_mean_s"]),
+                        *(_ms(split[p]) for p in ("forward", "record", "observe", "score", "gather")),
+                        str(w["evictions"]),
+                        str(w["slots"]),
+                        format_bytes(w["kv_bytes"]),
+                        format_bytes(w.get("peak_memory_bytes")),
+                    ]
+                )
+        header = ["policy", "length", "tok/s", "step ms (median)", "step ms (mean)", "forward", "record"]
+        header += ["observe", "score", "gather", "evictions", "slots", "KV held", f"peak ({peak_kind})"]
+        lines += _table(header, rows)
+        lines += _summary_markdown(batch, batch_summary)
+    return lines
+
+
+def _summary_markdown(batch: int, summary: dict) -> list[str]:
+    if not summary:
+        return []
+    lengths = summary["lengths"]
+    policies = summary["policies"]
+    order = _policy_order(policies)
+    ref = summary.get("full_reference")
+    ref_text = (
+        "no full-cache run to compare with"
+        if ref is None
+        else f"full-cache step at {ref['length']} tokens = {_ms(ref['step_median_s'])} ms"
+    )
+    lines = [f"#### Overhead summary (batch {batch})", ""]
+    lines += [
+        "(a) Eviction overhead: record + observe + score + gather per decode step, as % of a full-cache step "
+        f"at K + B/2 ({ref_text}). *steady* = the largest value over lengths whose window starts after the "
+        "first eviction.",
+        "",
+    ]
+    rows = [
+        [n, *(_num(policies[n]["overhead_pct"].get(tokens), "{:.2f}") for tokens in lengths)]
+        + [_num(policies[n]["overhead_pct_steady"], "{:.2f}")]
+        for n in order
+    ]
+    lines += _table(["policy", *(f"@{tokens}" for tokens in lengths), "steady"], rows)
+    if "streaming" in policies:
+        lines += ["(b) Step time relative to streaming (same eviction schedule, trivial scoring):", ""]
+        rows = [
+            [n, *(_num(policies[n]["step_vs_streaming"].get(tokens), "{:.3f}") for tokens in lengths)] for n in order
+        ]
+        lines += _table(["policy", *(f"@{tokens}" for tokens in lengths)], rows)
+    lines += [
+        "(c) Flatness (step time at 8 K over step time at K) and the KV bytes held against (K + B) x "
+        "layers x 2 x kv_heads x head_dim x dtype size x batch:",
+        "",
+    ]
+    rows = []
+    for n in order:
+        s = policies[n]
+        if not s["evicts"]:
+            continue
+        flat = s.get("flatness")
+        flat_text = (
+            "-" if not flat else f"{_num(flat['ratio'], '{:.3f}')} ({flat['long_length']}/{flat['short_length']})"
+        )
+        rows.append(
+            [
+                n,
+                flat_text,
+                format_bytes(s.get("kv_bytes_max")),
+                format_bytes(s.get("kv_bytes_bound")),
+                _mark(s.get("kv_within_bound")),
+            ]
+        )
+    lines += _table(["policy", "flatness", "KV held (max)", "bound", "within"], rows)
+    if "full" in policies:
+        lines += ["(d) Tokens/s relative to full (window at L; in brackets: from the first decode step to L):", ""]
+        rows = []
+        for n in order:
+            s = policies[n]
+            cells = []
+            for tokens in lengths:
+                cell = _num(s["tokens_per_s_vs_full"].get(tokens), "{:.2f}")
+                cumulative = s["cumulative_tokens_per_s_vs_full"].get(tokens)
+                if cumulative is not None:
+                    cell += f" ({cumulative:.2f})"
+                cells.append(cell)
+            rows.append([n, *cells])
+        lines += _table(["policy", *(f"@{tokens}" for tokens in lengths)], rows)
+    lines += _targets_markdown(summary["targets"])
+    return lines
+
+
+def _failures(flags: dict) -> str:
+    if not flags:
+        return "not measured"
+    bad = [n for n, ok in flags.items() if not ok]
+    return "all met" if not bad else "missed by " + ", ".join(bad)
+
+
+def _targets_markdown(targets: dict) -> list[str]:
+    cheapest = targets.get("cheapest_nontrivial")
+    epikv = targets.get("epikv_cheapest")
+    epikv_text = "epikv not measured" if epikv is None else ("yes" if epikv else "no")
+    return [
+        "Targets (reported, not asserted):",
+        "",
+        f"- step time flat beyond K + B (8 K within +-10% of K): {_failures(targets['flat_within_10pct'])}",
+        f"- eviction overhead <= 5% of a full step (steady): {_failures(targets['overhead_within_5pct'])}",
+        f"- KV bytes held within (K + B) per row: {_failures(targets['kv_within_bound'])}",
+        f"- cheapest non-trivial policy: {cheapest or '-'} (EPIKV or a variant the cheapest: {epikv_text})",
+        "",
+    ]
+
+
+def _eviction_markdown(records: list[dict], summary: dict | None) -> list[str]:
+    config = records[0]["config"]
+    lines = [
+        f"## Eviction cost ({config['cached']} cached tokens, K = {config['cached'] - config['buffer']}, "
+        f"B = {config['buffer']})",
+        "",
+        "One eviction (score + select + gather), mean over repeats after a warm-up eviction.",
+        "",
+    ]
+    rows = []
+    for record in sorted(records, key=lambda r: r["mean_s"]):
+        rows.append(
+            [
+                record["policy"],
+                str(record["batch"]),
+                _ms(record["mean_s"]),
+                _ms(record["median_s"]),
+                _ms(record["std_s"]),
+                _ms(record["min_s"]),
+                _ms(record["score_mean_s"]),
+                _ms(record["gather_mean_s"]),
+                str(record["repeats"]),
+            ]
+        )
+    lines += _table(["policy", "batch", "mean ms", "median ms", "std ms", "min ms", "score ms", "gather ms", "n"], rows)
+    if summary and summary.get("cheapest_nontrivial"):
+        lines += [f"Cheapest non-trivial policy: {summary['cheapest_nontrivial']}.", ""]
+    return lines
+
+
+def _max_batch_markdown(records: list[dict], summary: dict | None) -> list[str]:
+    config = records[0]["config"]
+    lines = [
+        f"## Max batch (memory limit {format_bytes(config['memory_limit_bytes'])}, length {config['length']}, "
+        f"K = {config['budget']}, B = {config['buffer']})",
+        "",
+        "KV per row is computed (exact formula); the other per-row bytes and the fixed part are measured "
+        f"from two probe batches {tuple(config['probe_batches'])}; tokens/s is measured at the batch shown.",
+        "",
+    ]
+    ratios = (summary or {}).get("tokens_per_s_vs_full", {})
+    rows = []
+    by_policy = {r["policy"]: r for r in records}
+    for name in _policy_order(by_policy):
+        record = by_policy[name]
+        model = record["memory_model"]
+        rows.append(
+            [
+                record["policy"],
+                format_bytes(model["kv_row"]),
+                format_bytes(model["other_row"]),
+                format_bytes(model["fixed"]),
+                str(record["max_batch"]),
+                str(record["measured_batch"]),
+                _num(record.get("tokens_per_s"), "{:.1f}"),
+                _num(ratios.get(record["policy"]), "{:.2f}"),
+                "; ".join(record.get("notes", [])) or "-",
+            ]
+        )
+    header = ["policy", "KV/row (computed)", "other/row (measured)", "fixed (measured)", "fits", "measured at"]
+    lines += _table(header + ["tok/s", "vs full", "notes"], rows)
+    return lines
+
+
+def markdown(records: list[dict], summary: dict, meta: dict) -> str:
+    """The whole report as markdown."""
+    machine = meta.get("machine", {})
+    hardware = machine.get("gpu") or machine.get("cpu") or "?"
+    lines = [
+        "# reasonkv bench",
+        "",
+        f"- command: `{meta.get('command', '')}`",
+        f"- date: {meta.get('date', '')}",
+        f"- model: {meta.get('model')} ({meta.get('dtype')}, {meta.get('device')}, {meta.get('attn')}); "
+        f"weights {format_bytes(meta.get('weight_bytes'))}; KV {meta.get('kv_bytes_per_token')} bytes per token "
+        "per row",
+        f"- machine: {hardware} ({machine.get('cpu_count')} CPUs, {machine.get('torch_threads')} torch threads); "
+        f"torch {machine.get('torch')}, transformers {machine.get('transformers')}",
+        "",
+    ]
+    sweeps = [r for r in records if r.get("mode") == "sweep"]
+    if sweeps:
+        lines += _sweep_markdown(sweeps, summary, meta)
+    evictions = [r for r in records if r.get("mode") == "eviction-cost"]
+    if evictions:
+        lines += _eviction_markdown(evictions, summary.get("eviction_cost"))
+    batches = [r for r in records if r.get("mode") == "max-batch"]
+    if batches:
+        lines += _max_batch_markdown(batches, summary.get("max_batch"))
+    errors = meta.get("errors") or []
+    if errors:
+        lines += ["## Entries that failed", ""]
+        lines += [f"- {e['mode']} {e['policy']} batch {e.get('batch')}: {e['error']}" for e in errors]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def summary_text(records: list[dict], summary: dict, meta: dict) -> str:
+    """What the command prints at the end: the summaries without the per-length tables."""
+    lines: list[str] = []
+    for batch, batch_summary in summary["sweep"].items():
+        lines += _summary_markdown(int(batch), batch_summary)
+    evictions = [r for r in records if r.get("mode") == "eviction-cost"]
+    if evictions:
+        lines += _eviction_markdown(evictions, summary.get("eviction_cost"))
+    batches = [r for r in records if r.get("mode") == "max-batch"]
+    if batches:
+        lines += _max_batch_markdown(batches, summary.get("max_batch"))
+    return "\n".join(lines)

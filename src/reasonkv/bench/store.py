@@ -1,0 +1,178 @@
+"""Where results go: one JSON line per finished (mode, policy, batch) entry, appended as measured.
+
+A killed run keeps every entry it finished; a rerun with the same output folder skips them. The
+configuration of a mode (model, budget, lengths, ...) is stored in every record: resuming with a
+different one is refused, so one folder never mixes numbers from two set-ups.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import tempfile
+from pathlib import Path
+
+__all__ = ["RESULTS_FILE", "ResultStore", "entry_key", "json_safe", "machine_info", "now_iso", "write_atomic"]
+
+RESULTS_FILE = "results.jsonl"
+
+
+def now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def entry_key(mode: str, policy: str, batch: int | None, options: dict) -> tuple:
+    return (mode, policy, batch, json.dumps(options, sort_keys=True, default=str))
+
+
+def json_safe(value):
+    """JSON-safe copy: NaN/inf become None, tuples lists, unknown objects strings."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if value is None or isinstance(value, (str, int, bool)):
+        return value
+    return str(value)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename (never a half-written file)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the usual permissions
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class ResultStore:
+    """The records of one output folder (``results.jsonl``)."""
+
+    def __init__(self, out: Path):
+        self.out = Path(out)
+        if self.out.exists() and not self.out.is_dir():
+            raise ValueError(f"--out {str(self.out)!r} exists and is not a folder")
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.path = self.out / RESULTS_FILE
+        self.records: list[dict] = []
+        if self.path.is_file():
+            for line in self.path.read_text(encoding="utf-8").splitlines():
+                if not line.strip():
+                    continue
+                try:
+                    self.records.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue  # the last line of a run killed while writing it
+
+    def ok(self, mode: str | None = None) -> list[dict]:
+        """Finished records (optionally of one mode), the latest per entry."""
+        latest: dict[tuple, dict] = {}
+        for record in self.records:
+            if record.get("status") == "ok" and (mode is None or record.get("mode") == mode):
+                latest[entry_key(record["mode"], record["policy"], record.get("batch"), record.get("options", {}))] = (
+                    record
+                )
+        return list(latest.values())
+
+    def done(self, mode: str, policy: str, batch: int | None, options: dict) -> bool:
+        key = entry_key(mode, policy, batch, options)
+        return any(
+            entry_key(r["mode"], r["policy"], r.get("batch"), r.get("options", {})) == key for r in self.ok(mode)
+        )
+
+    def check_config(self, mode: str, config: dict, *, force: bool, rerun: list[tuple] = ()) -> int:
+        """Refuse to mix configurations of ``mode``.
+
+        With ``force``: records of ``mode`` from another configuration are dropped, and so are the
+        records of the entries in ``rerun`` (keys from :func:`entry_key`), which will be measured
+        again; the other entries of the same configuration are kept. Returns how many were dropped.
+        """
+        config = json_safe(config)
+        mine = [r for r in self.records if r.get("mode") == mode]
+        differing = [r for r in mine if r.get("status") == "ok" and r.get("config", {}) != config]
+        if differing and not force:
+            old = differing[0].get("config", {})
+            differences = ", ".join(
+                f"{k}: {old.get(k)!r} there, {config.get(k)!r} now"
+                for k in sorted(set(old) | set(config))
+                if old.get(k) != config.get(k)
+            )
+            raise ValueError(
+                f"{self.out} holds {mode} results measured with another configuration ({differences}); "
+                "pass --force to re-measure them, or use another --out"
+            )
+        if not force:
+            return 0
+        rerun = set(rerun)
+
+        def dropped(record: dict) -> bool:
+            if record.get("mode") != mode:
+                return False
+            key = entry_key(mode, record["policy"], record.get("batch"), record.get("options", {}))
+            return record.get("config", {}) != config or key in rerun
+
+        before = len(self.records)
+        self.records = [r for r in self.records if not dropped(r)]
+        if len(self.records) != before:
+            self._rewrite()
+        return before - len(self.records)
+
+    def add(self, record: dict) -> dict:
+        record = json_safe(record)
+        self.records.append(record)
+        with self.path.open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record, separators=(",", ":")) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        return record
+
+    def _rewrite(self) -> None:
+        write_atomic(self.path, "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in self.records))
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info(device) -> dict:
+    """CPU, GPU, library versions: what the numbers were measured on."""
+    import torch
+    import transformers
+
+    import reasonkv
+
+    info = {
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "reasonkv": reasonkv.__version__,
+        "cuda": torch.version.cuda,
+        "gpu": None,
+        "gpu_memory_bytes": None,
+    }
+    if getattr(device, "type", None) == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(gpu=props.name, gpu_memory_bytes=int(props.total_memory))
+    return info
