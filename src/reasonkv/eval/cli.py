@@ -1,0 +1,128 @@
+"""``reasonkv eval``: run (or resume) a benchmark grid, appending one JSON record per result.
+
+Example::
+
+    reasonkv eval --dataset gsm8k:40,math500:20 --policies full,streaming,epikv \\
+        --budgets 128,256 --buffer 128 --max-new-tokens 512 --out results.jsonl
+
+Rerun the same command after an interruption: records already in ``--out`` are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from reasonkv.commands.common import add_model_arguments, add_policy_options
+
+
+def _int_list(text: str) -> list[int]:
+    values = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            values.append(int(part))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one integer")
+    return values
+
+
+EPILOG = (
+    "Policy options: -o KEY=VALUE goes to every listed policy that has the option KEY (an error if none "
+    "has it); -o POLICY.KEY=VALUE to that policy only. Records already in --out are skipped, so rerunning "
+    "the same command resumes an interrupted run. full runs once per problem whatever the budgets, and "
+    "gets no fidelity records (it is the reference)."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = EPILOG
+    add_model_arguments(parser)
+    grid = parser.add_argument_group("grid")
+    grid.add_argument(
+        "--dataset",
+        required=True,
+        help="gsm8k | math500 | aime24 | aime25 | hmmt25 | gpqa | a .jsonl file; several comma-separated, "
+        "each optionally NAME:LIMIT (e.g. gsm8k:40,math500:20)",
+    )
+    grid.add_argument("--policies", default="full,streaming", help="comma-separated policies (default full,streaming)")
+    grid.add_argument(
+        "--budgets", type=_int_list, default=[256], help="comma-separated K values (default 256); full ignores them"
+    )
+    grid.add_argument("--buffer", type=int, default=128, help="B: tokens added between evictions (default 128)")
+    add_policy_options(grid)
+    grid.add_argument("--limit", type=int, default=None, help="first N problems of each dataset (default all)")
+    grid.add_argument(
+        "--samples",
+        type=int,
+        default=1,
+        help="samples per problem (default 1); at temperature 0 only stochastic policies run more than one",
+    )
+    sampling = parser.add_argument_group("decoding")
+    sampling.add_argument("--max-new-tokens", type=int, default=512, help="default 512")
+    sampling.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    sampling.add_argument("--top-p", type=float, default=1.0)
+    sampling.add_argument("--top-k", type=int, default=0)
+    sampling.add_argument(
+        "--seed", type=int, default=0, help="base seed; sample s of problem p uses a hash of (seed, p, s)"
+    )
+    sampling.add_argument("--batch-size", type=int, default=8, help="prompts decoded together (default 8)")
+    sampling.add_argument(
+        "--thinking",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="enable_thinking for Qwen3-style chat templates (default: the template's own default)",
+    )
+    output = parser.add_argument_group("output")
+    output.add_argument(
+        "--out", default="results.jsonl", help="JSONL results file, appended to (default results.jsonl)"
+    )
+    output.add_argument(
+        "--fidelity",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also measure fidelity to the full cache (default: on when the dataset has reference solutions)",
+    )
+    output.add_argument(
+        "--fidelity-tokens",
+        type=int,
+        default=None,
+        help="length of the full-cache greedy trace replayed for fidelity (default --max-new-tokens)",
+    )
+    output.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def run(args: argparse.Namespace) -> int:
+    from reasonkv.eval.runner import run_grid
+
+    thinking = {"auto": None, "on": True, "off": False}[args.thinking]
+    result = run_grid(
+        args.model,
+        dataset=args.dataset,
+        out=args.out,
+        policies=args.policies,
+        budgets=args.budgets,
+        buffer=args.buffer,
+        limit=args.limit,
+        samples=args.samples,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        options=args.option,
+        fidelity=args.fidelity,
+        fidelity_tokens=args.fidelity_tokens,
+        thinking=thinking,
+        dtype=args.dtype,
+        device=args.device,
+        attn_implementation=args.attn,
+        progress=not args.no_progress,
+    )
+    print(result.summary(), file=sys.stderr)
+    return 0

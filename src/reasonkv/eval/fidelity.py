@@ -1,0 +1,530 @@
+r"""Fidelity to the full cache: how far an evicting cache moves the model's next-token distributions.
+
+Accuracy needs a model strong enough to solve the problems; fidelity works even for a small one.
+Two measurements, both teacher-forced (known tokens are fed, nothing is sampled):
+
+1. **Trace fidelity** (:func:`trace_fidelity`). Take the full cache's greedy trace of a problem and
+   feed it, after the prompt, through the model twice: with the full cache and with the evicting
+   cache. At every step compare the two next-token distributions: *top-1 agreement* is the fraction
+   of steps where the evicting cache's argmax is the trace's next token (the full cache's greedy
+   choice), and the mean *KL(full || evicting)*. ``top1_full_replay`` is the same agreement for the
+   replayed full cache itself: the numerical floor (1.0 in fp32; slightly less in bf16, where a
+   chunked forward and a one-token step round differently).
+2. **Reference-answer log-probability** (:func:`answer_logprob`). Feed a reference solution (the
+   dataset's ``solution`` field) after the prompt and sum the log-probabilities of its final-answer
+   tokens (the ``#### N`` number of GSM8K, the last ``\boxed{}`` content of MATH, else the last
+   occurrence of the reference answer) with each cache. The deltas (evicting minus full; summed,
+   and per token) say how much eviction made the right answer less likely.
+
+Replaying through the evicting cache
+------------------------------------
+The evicting cache evicts after the forward pass in which a row reaches ``budget + buffer``
+tokens; between two evictions it only grows. For a policy whose ``observe`` is invariant to
+chunking (``type(policy).chunk_exact``), feeding the tokens up to the next eviction point in one
+forward pass is therefore exactly equivalent to that many decode steps: each chunk ends where the
+next eviction is due, so evictions happen at the same points and see the same state. Other
+policies are stepped one token at a time (their per-step signals, e.g. the attention of every
+new query, depend on it). The prompt is always one forward pass, as in generation. The full cache
+side is always chunked. Rows of a batch each evict on their own schedule; a chunk stops at the
+earliest due row, so every row's evictions happen where they would alone.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from reasonkv.cache import EvictingCache
+from reasonkv.decode import cache_kwarg
+from reasonkv.eval.datasets import Problem
+from reasonkv.policies import Policy, get_policy
+
+__all__ = [
+    "AnswerFidelity",
+    "Replay",
+    "TraceFidelity",
+    "answer_logprob",
+    "answer_span",
+    "reference_continuation",
+    "replay_logits",
+    "trace_fidelity",
+]
+
+DEFAULT_MAX_CHUNK = 64  # tokens per forward pass: bounds the [batch, chunk, vocab] logits held
+
+
+@dataclass
+class Replay:
+    """Teacher-forced logits of one row: ``evicting[i]`` and ``full[i]`` predict ``continuation[i]``."""
+
+    evicting: torch.Tensor  # [n, vocab], float32
+    full: torch.Tensor  # [n, vocab], float32
+    evictions: int
+
+
+@dataclass
+class TraceFidelity:
+    """Trace fidelity of one row (see the module docstring)."""
+
+    steps: int
+    top1_agreement: float
+    top1_full_replay: float
+    kl_mean: float
+    kl_max: float
+    evictions: int
+    chunked: bool
+
+
+@dataclass
+class AnswerFidelity:
+    """Log-probability of the reference answer tokens with each cache, and their differences."""
+
+    reference_tokens: int  # tokens of the solution fed up to the end of the answer
+    answer_tokens: int
+    logprob_full: float
+    logprob_evicting: float
+    delta_sum: float  # logprob_evicting - logprob_full
+    delta_mean: float  # the same, per answer token
+    evictions: int
+
+
+# ---------------------------------------------------------------------------------- replay core
+
+
+def _is_chunk_exact(policy: Policy) -> bool:
+    return bool(getattr(type(policy), "chunk_exact", False))
+
+
+def _left_pad(rows: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :] = torch.tensor(list(row), dtype=torch.long)
+        mask[i, width - len(row) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+# consume(start, evicting_logits [B, s, V], full_logits [B, s, V], active rows): column t of row r
+# predicts continuation[r][start + t].
+Consumer = Callable[[int, torch.Tensor, torch.Tensor, list[int]], None]
+
+
+@torch.inference_mode()
+def _replay(
+    model,
+    prompts: Sequence[Sequence[int]],
+    continuations: Sequence[Sequence[int]],
+    *,
+    policy: str | Policy,
+    budget: int | None,
+    buffer: int,
+    seeds: int | list[int],
+    chunked: bool | None,
+    max_chunk: int,
+    pad_id: int,
+    consume: Consumer,
+    policy_kwargs: dict | None = None,
+) -> list[int]:
+    """Feed ``prompt + continuation`` rows through an evicting and a full cache in lockstep.
+
+    Returns the evictions each row had when its last token was fed.
+    """
+    if len(prompts) != len(continuations) or not prompts:
+        raise ValueError("need one continuation per prompt, and at least one row")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("empty prompt")
+    if max_chunk < 1:
+        raise ValueError(f"max_chunk must be >= 1, got {max_chunk}")
+    policy = get_policy(policy, **(policy_kwargs or {}))
+    if chunked is None:
+        chunked = _is_chunk_exact(policy)
+    device = next(model.parameters()).device
+    key = cache_kwarg(model)
+    last_only = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    batch = len(prompts)
+    lengths = [len(c) for c in continuations]
+    evicting = EvictingCache(budget if policy.evicts else None, buffer, model=model, policy=policy, seed=seeds)
+    full = EvictingCache(None, buffer, model=model, policy="full")
+    evictions = [0] * batch
+    try:
+        ids, mask = _left_pad(prompts, pad_id, device)
+        out_e = model(input_ids=ids, attention_mask=mask, use_cache=True, **{key: evicting}, **last_only)
+        out_f = model(input_ids=ids, attention_mask=mask, use_cache=True, **{key: full}, **last_only)
+        started = [r for r in range(batch) if lengths[r] > 0]
+        if started:
+            consume(0, out_e.logits[:, -1:], out_f.logits[:, -1:], started)
+        for r in range(batch):
+            if lengths[r] <= 1:
+                evictions[r] = int(evicting.row_evictions[r])
+        fed = 0
+        limit = None if evicting.budget is None else evicting.budget + evicting.buffer
+        while True:
+            active = [r for r in range(batch) if fed < lengths[r] - 1]
+            if not active:
+                break
+            span = min(min(lengths[r] - 1 - fed for r in active), max_chunk)
+            if chunked and limit is not None:
+                room = limit - evicting.row_lengths()
+                span = min(span, max(1, int(room[active].min())))
+            tokens = torch.full((batch, span), pad_id, dtype=torch.long)
+            for r in active:
+                tokens[r] = torch.tensor(list(continuations[r][fed : fed + span]), dtype=torch.long)
+            tokens = tokens.to(device)
+            if chunked:
+                logits_e = model(input_ids=tokens, use_cache=True, **{key: evicting}).logits
+            else:
+                logits_e = torch.cat(
+                    [
+                        model(input_ids=tokens[:, t : t + 1], use_cache=True, **{key: evicting}).logits
+                        for t in range(span)
+                    ],
+                    dim=1,
+                )
+            logits_f = model(input_ids=tokens, use_cache=True, **{key: full}).logits
+            consume(fed + 1, logits_e, logits_f, active)
+            fed += span
+            for r in active:
+                if fed >= lengths[r] - 1:
+                    evictions[r] = int(evicting.row_evictions[r])
+    finally:
+        evicting.detach()
+        full.detach()
+    return evictions
+
+
+def _pad_id(tokenizer) -> int:
+    pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+    return 0 if pad is None else int(pad)
+
+
+def replay_logits(
+    model,
+    prompt_ids: Sequence[int],
+    continuation_ids: Sequence[int],
+    *,
+    policy: str | Policy = "full",
+    budget: int | None = None,
+    buffer: int = 128,
+    seed: int = 0,
+    chunked: bool | None = None,
+    max_chunk: int = DEFAULT_MAX_CHUNK,
+    pad_id: int = 0,
+    **policy_kwargs,
+) -> Replay:
+    """Teacher-force one ``prompt + continuation`` through the evicting and the full cache.
+
+    Parameters
+    ----------
+    chunked
+        ``None`` (default): chunk between evictions when the policy class has ``chunk_exact``,
+        else step token by token. ``True``/``False`` force one or the other (forcing chunks on a
+        policy that is not chunk-exact gives a different, cheaper approximation).
+    max_chunk
+        Most tokens per forward pass.
+
+    Returns
+    -------
+    Replay
+        ``evicting[i]`` and ``full[i]`` (float32 logits) predict ``continuation_ids[i]``.
+    """
+    n = len(continuation_ids)
+    pieces_e: list[torch.Tensor] = []
+    pieces_f: list[torch.Tensor] = []
+
+    def consume(start, logits_e, logits_f, active):
+        pieces_e.append(logits_e[0].float().cpu())
+        pieces_f.append(logits_f[0].float().cpu())
+
+    [evictions] = _replay(
+        model,
+        [list(prompt_ids)],
+        [list(continuation_ids)],
+        policy=policy,
+        budget=budget,
+        buffer=buffer,
+        seeds=[seed],
+        chunked=chunked,
+        max_chunk=max_chunk,
+        pad_id=pad_id,
+        consume=consume,
+        policy_kwargs=policy_kwargs,
+    )
+    evicting = torch.cat(pieces_e)[:n] if pieces_e else torch.empty(0)
+    full = torch.cat(pieces_f)[:n] if pieces_f else torch.empty(0)
+    return Replay(evicting=evicting, full=full, evictions=evictions)
+
+
+# ---------------------------------------------------------------------------------- trace fidelity
+
+
+def _kl(logp_full: torch.Tensor, logp_evicting: torch.Tensor) -> torch.Tensor:
+    """``KL(full || evicting)`` over the last dimension (0 where the full probability is 0)."""
+    p = logp_full.exp()
+    terms = torch.where(p > 0, p * (logp_full - logp_evicting), torch.zeros_like(p))
+    return terms.sum(-1)
+
+
+def trace_fidelity(
+    model,
+    prompts: Sequence[Sequence[int]],
+    traces: Sequence[Sequence[int]],
+    *,
+    policy: str | Policy,
+    budget: int | None,
+    buffer: int = 128,
+    seeds: int | list[int] = 0,
+    chunked: bool | None = None,
+    max_chunk: int = DEFAULT_MAX_CHUNK,
+    pad_id: int = 0,
+    **policy_kwargs,
+) -> list[TraceFidelity]:
+    """Top-1 agreement and KL of the evicting cache against the full cache along greedy traces.
+
+    Parameters
+    ----------
+    prompts, traces
+        Token ids, one row each: the prompt and the full cache's greedy output for it (EOS
+        included if it stopped there). Rows are replayed as one batch.
+    seeds
+        Eviction seeds (stochastic policies), one per row or one for all.
+
+    Returns
+    -------
+    list of TraceFidelity, one per row (``steps`` = trace length; a row with an empty trace gets
+    ``nan`` metrics).
+    """
+    batch = len(prompts)
+    agree = [0] * batch
+    agree_full = [0] * batch
+    kl_sum = [0.0] * batch
+    kl_max = [0.0] * batch
+    seeds = [seeds] * batch if isinstance(seeds, int) else list(seeds)
+
+    def consume(start, logits_e, logits_f, active):
+        span = logits_e.shape[1]
+        for r in active:
+            target = torch.tensor(list(traces[r][start : start + span]), device=logits_e.device)
+            le, lf = logits_e[r].float(), logits_f[r].float()
+            agree[r] += int((le.argmax(-1) == target).sum())
+            agree_full[r] += int((lf.argmax(-1) == target).sum())
+            kl = _kl(lf.log_softmax(-1), le.log_softmax(-1))
+            kl_sum[r] += float(kl.sum())
+            kl_max[r] = max(kl_max[r], float(kl.max()))
+
+    evictions = _replay(
+        model,
+        prompts,
+        traces,
+        policy=policy,
+        budget=budget,
+        buffer=buffer,
+        seeds=seeds,
+        chunked=chunked,
+        max_chunk=max_chunk,
+        pad_id=pad_id,
+        consume=consume,
+        policy_kwargs=policy_kwargs,
+    )
+    chunk_flag = _is_chunk_exact(get_policy(policy, **policy_kwargs)) if chunked is None else chunked
+    results = []
+    for r in range(batch):
+        n = len(traces[r])
+        nan = float("nan")
+        results.append(
+            TraceFidelity(
+                steps=n,
+                top1_agreement=agree[r] / n if n else nan,
+                top1_full_replay=agree_full[r] / n if n else nan,
+                kl_mean=kl_sum[r] / n if n else nan,
+                kl_max=kl_max[r] if n else nan,
+                evictions=evictions[r],
+                chunked=chunk_flag,
+            )
+        )
+    return results
+
+
+# ---------------------------------------------------------------------------------- reference answers
+
+_GSM8K_CALC_RE = re.compile(r"<<[^<>]*>>")
+_GSM8K_FINAL_RE = re.compile(r"####\s*(\S(?:.*\S)?)\s*$", re.DOTALL)
+_BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])\s*\{")
+
+
+def clean_solution(solution: str) -> str:
+    """The reference solution as fed to the model: GSM8K's ``<<a*b=c>>`` calculator notes removed."""
+    return _GSM8K_CALC_RE.sub("", solution).strip()
+
+
+def _last_boxed_span(text: str) -> tuple[int, int] | None:
+    spans = []
+    for match in _BOX_RE.finditer(text):
+        depth, i = 1, match.end()
+        while i < len(text) and depth:
+            if text[i] == "\\":
+                i += 2
+                continue
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            i += 1
+        if depth == 0:
+            start, end = match.end(), i - 1
+            inner = text[start:end]
+            if inner.strip():
+                lead = len(inner) - len(inner.lstrip())
+                spans.append((start + lead, start + len(inner.rstrip())))
+    return spans[-1] if spans else None
+
+
+def answer_span(solution: str, answer: str | None = None) -> tuple[int, int] | None:
+    r"""Character span ``[start, end)`` of the final answer inside a reference solution.
+
+    In order: the text after GSM8K's ``####``; the content of the last ``\boxed{}``/``\fbox{}``;
+    the last occurrence of ``answer`` (as a whole number when it is one). ``None`` if none is found.
+    """
+    match = _GSM8K_FINAL_RE.search(solution)
+    if match:
+        return match.start(1), match.end(1)
+    boxed = _last_boxed_span(solution)
+    if boxed:
+        return boxed
+    if answer and answer.strip():
+        needle = answer.strip()
+        if re.fullmatch(r"[-+]?\d+(?:\.\d+)?", needle):
+            found = list(re.finditer(rf"(?<![\d.]){re.escape(needle)}(?![\d])", solution))
+            if found:
+                return found[-1].span()
+        else:
+            index = solution.rfind(needle)
+            if index >= 0:
+                return index, index + len(needle)
+    return None
+
+
+def _encode_plain(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _token_span(tokenizer, text: str, start: int, end: int) -> tuple[list[int], int, int]:
+    """Token ids of ``text`` and the token range ``[a, b)`` covering characters ``[start, end)``."""
+    try:
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        offsets = encoded["offset_mapping"]
+        ids = list(encoded["input_ids"])
+    except (TypeError, KeyError, NotImplementedError, ValueError):
+        offsets = None
+        ids = _encode_plain(tokenizer, text)
+    if offsets is not None and len(offsets) == len(ids):
+        covering = [i for i, (s, e) in enumerate(offsets) if e > start and s < end]
+        if covering:
+            return ids, covering[0], covering[-1] + 1
+    # No offsets: the answer starts where the tokens of the text before it stop being a prefix.
+    first = _common_prefix(_encode_plain(tokenizer, text[:start]), ids)
+    upto = _encode_plain(tokenizer, text[:end])
+    last = _common_prefix(upto, ids)
+    if last < len(upto):
+        last += 1  # the answer's last characters merged with what follows
+    return ids, first, max(last, first + 1)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def reference_continuation(tokenizer, problem: Problem) -> tuple[list[int], int, int] | None:
+    """Token ids of ``problem``'s reference solution, cut after its answer, and the answer's range.
+
+    Returns ``(ids, a, b)`` with the answer at ``ids[a:b]`` (``b == len(ids)``), or ``None`` when the
+    problem has no solution or no answer can be located in it.
+    """
+    if not problem.solution or not problem.solution.strip():
+        return None
+    text = clean_solution(problem.solution)
+    span = answer_span(text, problem.answer)
+    if span is None:
+        return None
+    ids, a, b = _token_span(tokenizer, text, *span)
+    if not 0 <= a < b <= len(ids):
+        return None
+    return ids[:b], a, b
+
+
+def answer_logprob(
+    model,
+    prompts: Sequence[Sequence[int]],
+    references: Sequence[tuple[Sequence[int], int, int]],
+    *,
+    policy: str | Policy,
+    budget: int | None,
+    buffer: int = 128,
+    seeds: int | list[int] = 0,
+    chunked: bool | None = None,
+    max_chunk: int = DEFAULT_MAX_CHUNK,
+    pad_id: int = 0,
+    **policy_kwargs,
+) -> list[AnswerFidelity]:
+    """Log-probability of each reference answer, teacher-forced after its prompt, with both caches.
+
+    Parameters
+    ----------
+    references
+        ``(ids, a, b)`` per row as returned by :func:`reference_continuation`: the solution tokens
+        and the answer's token range ``[a, b)``.
+    """
+    batch = len(prompts)
+    logp_e = [0.0] * batch
+    logp_f = [0.0] * batch
+    seeds = [seeds] * batch if isinstance(seeds, int) else list(seeds)
+    continuations = [list(ids)[:b] for ids, _, b in references]
+
+    def consume(start, logits_e, logits_f, active):
+        span = logits_e.shape[1]
+        for r in active:
+            _, a, b = references[r]
+            lo, hi = max(a, start), min(b, start + span)
+            if lo >= hi:
+                continue
+            target = torch.tensor(continuations[r][lo:hi], device=logits_e.device).unsqueeze(-1)
+            cols = slice(lo - start, hi - start)
+            logp_e[r] += float(logits_e[r, cols].float().log_softmax(-1).gather(-1, target).sum())
+            logp_f[r] += float(logits_f[r, cols].float().log_softmax(-1).gather(-1, target).sum())
+
+    evictions = _replay(
+        model,
+        prompts,
+        continuations,
+        policy=policy,
+        budget=budget,
+        buffer=buffer,
+        seeds=seeds,
+        chunked=chunked,
+        max_chunk=max_chunk,
+        pad_id=pad_id,
+        consume=consume,
+        policy_kwargs=policy_kwargs,
+    )
+    results = []
+    for r in range(batch):
+        _, a, b = references[r]
+        delta = logp_e[r] - logp_f[r]
+        results.append(
+            AnswerFidelity(
+                reference_tokens=b,
+                answer_tokens=b - a,
+                logprob_full=logp_f[r],
+                logprob_evicting=logp_e[r],
+                delta_sum=delta,
+                delta_mean=delta / (b - a),
+                evictions=evictions[r],
+            )
+        )
+    return results
