@@ -67,26 +67,29 @@ def test_calibration_round_trip(tmp_path):
     assert data["band_a_found"] and data["band_b_found"] and len(data["profile"]["rho"]) == LAYERS
 
 
-def test_missing_band_keeps_the_scaled_default(tmp_path):
-    profile = layer_profile(*_synthetic({layer: 1.0 for layer in (0, 1, 2)}, seed=3), replicates=200)
-    band_a, band_b = discover_bands(profile)
-    assert band_a.layers == (0, 1, 2) and band_b is None
+def test_no_band_found_keeps_the_scaled_default(tmp_path):
+    profile = layer_profile(*_synthetic({}, seed=3), replicates=200)
+    assert discover_bands(profile) == (None, None)
     path = tmp_path / "c.json"
-    write_band_calibration(path, model="m", profile=profile, band_a=band_a, band_b=band_b)
+    write_band_calibration(path, model="m", profile=profile, band_a=None, band_b=None)
     loaded = load_calibration(path)
     default = default_anatomy(LAYERS)  # 16 layers: A 4..7 (a = 5), B 9..13 (b = 11)
-    assert loaded.band_b == default.band_b == (9, 10, 11, 12, 13) and loaded.b == default.b == 11
-    assert loaded.extra["band_b_found"] is False and loaded.extra["band_a_found"] is True
+    assert (loaded.a, loaded.b, loaded.band_a, loaded.band_b) == (default.a, default.b, default.band_a, default.band_b)
+    assert loaded.extra["band_a_found"] is False and loaded.extra["band_b_found"] is False
 
 
-def test_fallback_never_reads_the_found_band(tmp_path):
-    # band A found inside the default band B: B keeps the rest of its default, b moves off layer 11
-    profile = layer_profile(*_synthetic({layer: 1.0 for layer in (10, 11, 12)}, seed=4), replicates=200)
+@pytest.mark.parametrize("planted", [(0, 1, 2), (10, 11, 12)])
+def test_one_missing_side_takes_its_best_signed_layers_outside_the_found_band(tmp_path, planted):
+    profile = layer_profile(*_synthetic({layer: 1.0 for layer in planted}, seed=4), replicates=200)
     band_a, band_b = discover_bands(profile)
-    assert band_a.layers == (10, 11, 12) and band_b is None
+    assert band_a.layers == planted and band_b is None
     path = tmp_path / "c.json"
     calibration = write_band_calibration(path, model="m", profile=profile, band_a=band_a, band_b=band_b)
-    assert calibration.band_b == (9, 13) and calibration.b == 9 and calibration.a in (10, 11, 12)
+    outside = [layer for layer in range(LAYERS) if layer not in planted]
+    most_negative = sorted(outside, key=lambda layer: profile.rho[layer])[:3]
+    assert calibration.band_b == tuple(sorted(most_negative)) and calibration.b == most_negative[0]
+    assert calibration.a in planted and not set(calibration.band_b) & set(planted)
+    assert calibration.extra["band_b_found"] is False
 
 
 def test_calibration_file_drives_epikv(tmp_path):

@@ -15,13 +15,14 @@ The rule, applied to a :class:`~reasonkv.analysis.profile.Profile` (per-layer me
 5. The representative layer (``a`` for A, ``b`` for B, the layer EPIKV's two-layer score reads) is
    the band's layer with the strongest correlation of the band's sign.
 
-No candidate: no band is found for that side. The calibration file then keeps the depth-scaled
-default for that side and says so (``band_a_found``/``band_b_found`` false), so EPIKV still loads it;
-layers of the band that *was* found are taken out of that default (both sides reading the same
-layer would cancel in ``z_a - z_b``), and its representative moves to the nearest remaining layer.
-If nothing remains, the side falls back to the ``min_width`` layers outside the found band with the
-strongest correlation of its sign, significant or not (and to the plain default when the found band
-covers every layer).
+No candidate: no band is found for that side, and the calibration file says so
+(``band_a_found``/``band_b_found`` false) while still naming layers, so EPIKV loads it:
+
+- neither side found: both keep the depth-scaled default (nothing was learned about this model);
+- one side found: the other side takes the ``min_width`` layers outside the found band with the
+  strongest correlation of its sign, significant or not. The default layers are not kept there: once
+  the measured anatomy departs from the default, those layers may well correlate with the *wrong*
+  sign (subtracting an importance signal), while the best-ranked remaining layers at worst add noise.
 """
 
 from __future__ import annotations
@@ -163,12 +164,11 @@ def _side(
     """``(representative, layers)`` of one side of the calibration file (see the module docstring)."""
     if band is not None:
         return band.representative, band.layers
-    taken = set(other.layers) if other is not None else set()
-    layers = tuple(layer for layer in default_band if layer not in taken)
-    if not layers:
-        free = [layer for layer in range(profile.num_layers) if layer not in taken]
-        ranked = sorted(free, key=lambda layer: (-np.nan_to_num(sign * profile.rho[layer], nan=-np.inf), layer))
-        layers = tuple(sorted(ranked[: max(1, min_width)])) or tuple(default_band)  # no free layer: overlap
-    if default_layer in layers:
-        return default_layer, layers
-    return min(layers, key=lambda layer: (abs(layer - default_layer), layer)), layers
+    if other is None:
+        return default_layer, tuple(default_band)
+    free = [layer for layer in range(profile.num_layers) if layer not in set(other.layers)]
+    if not free:  # the found band covers every layer
+        return default_layer, tuple(default_band)
+    strength = {layer: float(np.nan_to_num(sign * profile.rho[layer], nan=-np.inf)) for layer in free}
+    ranked = sorted(free, key=lambda layer: (-strength[layer], layer))
+    return ranked[0], tuple(sorted(ranked[: max(1, min_width)]))

@@ -44,7 +44,11 @@ def _band_line(
 ) -> str:
     if band is None:
         mean, low, high = main.band(list(default))
-        kept = "keeps the scaled default" if list(written) == list(default) else "falls back to"
+        kept = (
+            "keeps the scaled default"
+            if list(written) == list(default)
+            else "takes the best-signed layers outside the other band,"
+        )
         return (
             f"- **Band {name}** ({meaning}): **not found** by the rule (the scaled default {_span(default)} has mean "
             f"rho {_fmt(mean, low, high)} here). The calibration file {kept} layers {list(written)} for this side."
