@@ -45,23 +45,8 @@ def test_demo_runs(capsys):
 
 
 def test_generate_command(capsys):
-    code = main(
-        [
-            "generate",
-            "--prompt",
-            "What is 2 + 3?",
-            "--policy",
-            "random",
-            "--budget",
-            "24",
-            "--buffer",
-            "8",
-            "--max-new-tokens",
-            "30",
-            "--json",
-            "-o",
-            "sinks=2",
-        ]
-    )
-    assert code == 0
-    assert '"policy": "random"' in capsys.readouterr().out
+    # `temperature` is both a sampling argument and a VASE option: the option must reach the policy
+    args = ["generate", "--prompt", "What is 2 + 3?", "--policy", "vase-attnv", "--budget", "24", "--buffer", "8"]
+    args += ["--max-new-tokens", "30", "--json", "-o", "sinks=2", "-o", "window=4", "-o", "temperature=0.5"]
+    assert main(args) == 0
+    assert '"policy": "vase-attnv"' in capsys.readouterr().out

@@ -148,7 +148,9 @@ def generate(
     prompts
         Text (already chat-formatted if the model expects it) or token-id lists.
     policy
-        A registered policy name (see :func:`reasonkv.list_policies`) or instance.
+        A registered policy name (see :func:`reasonkv.list_policies`) or instance. Pass an instance
+        (``reasonkv.get_policy("vase-attnv", temperature=0.5)``) when a policy option shares its name
+        with an argument of this function.
     budget, buffer
         ``K`` and ``B``: each row is shrunk to ``K`` tokens whenever it holds ``K + B``.
         Ignored by ``full``; required by every other policy.
@@ -179,8 +181,6 @@ def generate(
     stop = list(stop or [])
     if stop and tokenizer is None:
         raise ValueError("stop strings need a tokenizer")
-    if budget is None and policy not in ("full",) and getattr(policy, "name", policy) != "full":
-        raise ValueError(f"policy {getattr(policy, 'name', policy)!r} needs a budget")
 
     cache = EvictingCache(
         budget, buffer, model=model, policy=policy, seed=seed, sync_timing=sync_timing, **policy_kwargs

@@ -62,7 +62,7 @@ class Evictor:
         if not self.policy.evicts:
             cache.budget = None
         elif cache.budget is None:
-            raise ValueError(f"policy {self.policy.name!r} evicts: give the cache a budget")
+            raise ValueError(f"policy {self.policy.name!r} needs a budget (it evicts)")
         else:
             reserved = self.policy.sinks + self.policy.window
             if reserved > cache.budget:

@@ -31,23 +31,22 @@ def run(args: argparse.Namespace) -> int:
     import reasonkv
 
     policy = args.policy or ("epikv" if "epikv" in reasonkv.list_policies() else "streaming")
-    options = parse_options(policy, args.option)
+    evicting = reasonkv.get_policy(policy, **parse_options(policy, args.option))
     model, tokenizer = load(args)
     text = chat_format(tokenizer, args.prompt)
     runs = {}
-    for name, budget in (("full", None), (policy, args.budget)):
+    for name, chosen, budget in (("full", "full", None), (policy, evicting, args.budget)):
         trace: list[int] = []
         [result] = reasonkv.generate(
             model,
             tokenizer,
             text,
-            policy=name,
+            policy=chosen,
             budget=budget,
             buffer=args.buffer,
             max_new_tokens=args.max_new_tokens,
             progress=True,
             on_step=lambda step, cache, trace=trace: trace.append(cache.slots),
-            **(options if name == policy else {}),
         )
         runs[name] = (result, trace)
     print(report(args.prompt, runs, tokenizer, policy, args.budget, args.buffer))

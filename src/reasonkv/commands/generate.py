@@ -51,14 +51,15 @@ def run(args: argparse.Namespace) -> int:
     import reasonkv
 
     prompts = read_prompts(args)
-    options = parse_options(args.policy, args.option)
+    # An instance, not keyword options: a policy option may share a name with a sampling argument.
+    policy = reasonkv.get_policy(args.policy, **parse_options(args.policy, args.option))
     model, tokenizer = load(args)
     inputs = prompts if args.no_chat else [chat_format(tokenizer, p) for p in prompts]
     results = reasonkv.generate(
         model,
         tokenizer,
         inputs,
-        policy=args.policy,
+        policy=policy,
         budget=None if args.policy == "full" else args.budget,
         buffer=args.buffer,
         max_new_tokens=args.max_new_tokens,
@@ -68,7 +69,6 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop=args.stop,
         progress=sys.stderr.isatty(),
-        **options,
     )
     for prompt, result in zip(prompts, results, strict=True):
         if args.json:
