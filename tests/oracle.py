@@ -33,9 +33,7 @@ AttentionInterface.register("oracle_masked", _masked_attention)
 
 
 @torch.inference_mode()
-def run_and_check(
-    model, policy: str, prompt: list[int], *, budget: int, buffer: int, steps: int, atol=1e-4, **kw
-):
+def run_and_check(model, policy: str, prompt: list[int], *, budget: int, buffer: int, steps: int, atol=1e-4, **kw):
     """Decode greedily with eviction, then check every step's logits against the masked reference.
 
     Returns the evicting cache (for further assertions) and the number of evictions.

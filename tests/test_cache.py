@@ -81,9 +81,7 @@ def test_bad_sizes_are_clear_errors(llama):
         EvictingCache(-3, 4)
     with pytest.raises(ValueError, match="buffer must be a non-negative integer, got -1"):
         EvictingCache(8, -1)
-    with pytest.raises(
-        ValueError, match=r"sinks \(4\) \+ window \(10\) = 14 protected tokens exceed the budget 8"
-    ):
+    with pytest.raises(ValueError, match=r"sinks \(4\) \+ window \(10\) = 14 protected tokens exceed the budget 8"):
         EvictingCache(8, 4, model=llama, policy="streaming", window=10)
     with pytest.raises(ValueError, match="unknown policy 'nope'; valid policies: .*streaming"):
         EvictingCache(8, 4, model=llama, policy="nope")
@@ -95,9 +93,7 @@ def test_bad_sizes_are_clear_errors(llama):
 
 def test_protect_prompt_longer_than_budget_is_a_clear_error(llama):
     cache = EvictingCache(8, 2, model=llama, policy="streaming", protect_prompt=True)
-    with pytest.raises(
-        ValueError, match="protect_prompt keeps a prompt of 12 tokens, more than the budget 8"
-    ):
+    with pytest.raises(ValueError, match="protect_prompt keeps a prompt of 12 tokens, more than the budget 8"):
         _decode(llama, cache, [[3] * 12], steps=0)
 
 

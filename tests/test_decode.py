@@ -24,10 +24,7 @@ def test_batch_gives_each_prompt_the_tokens_it_gets_alone(factory, policy, token
         assert together.stats["evictions"] == alone.stats["evictions"]
     if policy != "full":
         assert all(r.stats["evictions"] > 0 for r in batched)
-        assert (
-            max(r.stats["peak_slots"] for r in batched) <= 12 + 5
-            or len(tokenizer(PROMPTS[0])["input_ids"]) > 17
-        )
+        assert max(r.stats["peak_slots"] for r in batched) <= 12 + 5 or len(tokenizer(PROMPTS[0])["input_ids"]) > 17
 
 
 def test_full_equals_plain_model_generate(tokenizer):
@@ -53,9 +50,7 @@ def test_model_generate_with_evicting_cache_equals_reasonkv_generate(policy, tok
 
 def test_model_generate_batched_with_left_padding(tokenizer):
     model = tiny_llama()
-    ours = reasonkv.generate(
-        model, tokenizer, PROMPTS[:2], policy="streaming", budget=10, buffer=4, max_new_tokens=20
-    )
+    ours = reasonkv.generate(model, tokenizer, PROMPTS[:2], policy="streaming", budget=10, buffer=4, max_new_tokens=20)
     rows = [tokenizer(p)["input_ids"] for p in PROMPTS[:2]]
     width = max(map(len, rows))
     ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
@@ -95,9 +90,7 @@ def test_eos_and_stop_strings_end_a_row():
 
 def test_result_stats(tokenizer):
     model = tiny_llama()
-    [r] = reasonkv.generate(
-        model, tokenizer, PROMPTS[0], policy="streaming", budget=10, buffer=4, max_new_tokens=12
-    )
+    [r] = reasonkv.generate(model, tokenizer, PROMPTS[0], policy="streaming", budget=10, buffer=4, max_new_tokens=12)
     assert r.num_tokens == 12 and r.finish_reason == "length"
     for key in (
         "evictions",

@@ -61,9 +61,7 @@ def test_seed_reproducibility(name):
     model, tokenizer = tiny_llama(), NoEosTokenizer()
     kept = []
     for seed in (1, 1, 2):
-        with reasonkv.EvictingCache(
-            16, 4, model=model, policy=name, seed=seed, **_small_options(name)
-        ) as cache:
+        with reasonkv.EvictingCache(16, 4, model=model, policy=name, seed=seed, **_small_options(name)) as cache:
             ids = torch.tensor([tokenizer(PROMPTS[0])["input_ids"]])
             model.generate(ids, max_new_tokens=12, do_sample=False, **{cache_kwarg(model): cache})
             kept.append(torch.stack([cache.positions(layer) for layer in range(len(cache.layers))]))

@@ -13,9 +13,7 @@ def test_protected_mask_sinks_window_prompt_and_padding():
     newest = torch.tensor([11])
     mask = select.protected_mask(positions, sinks=2, window=2, newest=newest)
     assert mask.tolist() == [[False, False, True, True, False, False, False, True, True]]
-    with_prompt = select.protected_mask(
-        positions, sinks=0, window=0, newest=newest, prompt_lengths=torch.tensor([6])
-    )
+    with_prompt = select.protected_mask(positions, sinks=0, window=0, newest=newest, prompt_lengths=torch.tensor([6]))
     assert with_prompt.tolist() == [[False, False, True, True, True, True, False, False, False]]
 
 
@@ -83,9 +81,9 @@ def test_temperature_flattens_the_distribution():
         return sum(
             int(
                 1
-                in select.keep_sampled(
-                    weights, valid=valid, protected=none, k=1, generators=_gens(s), temperature=t
-                )[0].tolist()
+                in select.keep_sampled(weights, valid=valid, protected=none, k=1, generators=_gens(s), temperature=t)[
+                    0
+                ].tolist()
             )
             for s in range(200)
         )
