@@ -5,9 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from conftest import NoEosTokenizer, tiny_llama
-
 import reasonkv
+from conftest import NoEosTokenizer, tiny_llama
 from reasonkv.policies import _REGISTRY
 
 README = Path(__file__).resolve().parents[1] / "README.md"
