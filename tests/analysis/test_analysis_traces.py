@@ -9,8 +9,10 @@ import pytest
 
 from conftest import NoEosTokenizer
 from reasonkv.analysis.store import RecordStore
-from reasonkv.analysis.traces import answer_char_span, reference_trace, tidy_reference, token_span
+from reasonkv.analysis.traces import reference_trace, tidy_reference
 from reasonkv.eval.datasets import Problem
+from reasonkv.eval.references import answer_span as answer_char_span
+from reasonkv.eval.references import token_span
 
 SOLUTION = (
     "Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 duck eggs a day.\nShe makes 9 * 2 = $<<9*2=18>>18 every day.\n#### 18"

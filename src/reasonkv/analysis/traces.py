@@ -18,29 +18,22 @@ cut before it.
 
 from __future__ import annotations
 
-import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
 
+from reasonkv.eval.references import answer_span, box_final_answer, clean_solution, token_span
+
 __all__ = [
     "SOURCES",
     "Trace",
-    "answer_char_span",
     "encode_prompt",
     "generated_trace",
     "reference_trace",
     "tidy_reference",
-    "token_span",
 ]
 
 SOURCES = ("reference", "generated")
-
-_CALCULATOR = re.compile(r"<<[^<>]*>>")
-_HASH_ANSWER = re.compile(r"(?m)^[ \t]*####[ \t]*(.+?)[ \t]*$")
-_BOXED = re.compile(r"\\boxed\s*\{")
-_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
 
 
 @dataclass(frozen=True)
@@ -78,40 +71,7 @@ class Trace:
 
 def tidy_reference(solution: str) -> str:
     r"""GSM8K-style solution -> plain text: drop ``<<...>>``, turn ``#### X`` into ``\boxed{X}``."""
-    text = _CALCULATOR.sub("", solution)
-    matches = list(_HASH_ANSWER.finditer(text))
-    if matches:
-        match = matches[-1]
-        text = f"{text[: match.start()]}The final answer is \\boxed{{{match.group(1)}}}.{text[match.end() :]}"
-    return text.strip()
-
-
-def answer_char_span(text: str) -> tuple[int, int] | None:
-    r"""``[start, end)`` of the final answer in ``text`` (last ``\boxed{}`` content, ``####``, last number)."""
-    last = None
-    for match in _BOXED.finditer(text):
-        depth, pos = 1, match.end()
-        while pos < len(text) and depth:
-            depth += {"{": 1, "}": -1}.get(text[pos], 0)
-            pos += 1
-        if depth == 0 and text[match.end() : pos - 1].strip():
-            last = (match.end(), pos - 1)
-    if last is not None:
-        return _strip_span(text, last)
-    hashes = list(_HASH_ANSWER.finditer(text))
-    if hashes:
-        return hashes[-1].span(1)
-    numbers = list(_NUMBER.finditer(text))
-    return numbers[-1].span() if numbers else None
-
-
-def _strip_span(text: str, span: tuple[int, int]) -> tuple[int, int]:
-    start, end = span
-    while start < end and text[start].isspace():
-        start += 1
-    while end > start and text[end - 1].isspace():
-        end -= 1
-    return start, end
+    return box_final_answer(clean_solution(solution))
 
 
 def encode_prompt(tokenizer: Any, problem: Any) -> list[int]:
@@ -122,40 +82,6 @@ def encode_prompt(tokenizer: Any, problem: Any) -> list[int]:
     bos = getattr(tokenizer, "bos_token", None)
     add_special = not (bos and text.startswith(bos))
     return list(tokenizer(text, add_special_tokens=add_special)["input_ids"])
-
-
-def token_span(tokenizer: Any, text: str, span: tuple[int, int] | None) -> tuple[list[int], tuple[int, int] | None]:
-    """Tokenize ``text`` (no special tokens) and map a character span to ``[start, end)`` token indices.
-
-    Uses the tokenizer's offset mapping when it has one; otherwise the tokens shared by the encodings
-    of ``text[:start]`` and ``text`` mark where the span begins.
-    """
-    try:
-        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        offsets = encoded.get("offset_mapping")
-    except (TypeError, NotImplementedError, ValueError):
-        encoded, offsets = tokenizer(text, add_special_tokens=False), None
-    ids = list(encoded["input_ids"])
-    if span is None:
-        return ids, None
-    start_char, end_char = span
-    if offsets is not None:
-        hits = [i for i, (a, b) in enumerate(offsets) if a < end_char and b > start_char]
-        return ids, (hits[0], hits[-1] + 1) if hits else None
-    start = _common_prefix(ids, tokenizer(text[:start_char], add_special_tokens=False)["input_ids"])
-    head = tokenizer(text[:end_char], add_special_tokens=False)["input_ids"]
-    shared = _common_prefix(ids, head)
-    end = shared + (shared < len(head))  # a token that straddles the end belongs to the span
-    return ids, (start, min(max(end, start + 1), len(ids)))
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _cut(trace_ids: list[int], span: tuple[int, int] | None, max_tokens: int | None):
@@ -186,7 +112,7 @@ def reference_trace(tokenizer: Any, problem: Any, *, max_tokens: int | None = No
     if not problem.solution:
         raise ValueError(f"problem {problem.id!r} has no reference solution; use source='generated'")
     text = tidy_reference(problem.solution) if tidy else problem.solution.strip()
-    trace_ids, span = token_span(tokenizer, text, answer_char_span(text))
+    trace_ids, span = token_span(tokenizer, text, answer_span(text))
     trace_ids, span = _cut(trace_ids, span, max_tokens)
     if not trace_ids:
         raise ValueError(f"problem {problem.id!r}: the reference solution is empty")
@@ -203,7 +129,7 @@ def generated_trace(model: Any, tokenizer: Any, problem: Any, *, max_new_tokens:
     if not trace_ids:
         raise ValueError(f"problem {problem.id!r}: the model generated nothing")
     text, ends = _decoded_ends(tokenizer, trace_ids)
-    char_span = answer_char_span(text)
+    char_span = answer_span(text)
     span = None
     if char_span is not None:
         starts = [0, *ends[:-1]]

@@ -32,7 +32,6 @@ earliest due row, so every row's evictions happen where they would alone.
 from __future__ import annotations
 
 import inspect
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -41,6 +40,7 @@ import torch
 from reasonkv.cache import EvictingCache
 from reasonkv.decode import cache_kwarg
 from reasonkv.eval.datasets import Problem
+from reasonkv.eval.references import answer_span, clean_solution, token_span
 from reasonkv.policies import Policy, get_policy
 
 __all__ = [
@@ -351,94 +351,6 @@ def trace_fidelity(
 
 # ---------------------------------------------------------------------------------- reference answers
 
-_GSM8K_CALC_RE = re.compile(r"<<[^<>]*>>")
-_GSM8K_FINAL_RE = re.compile(r"####\s*(\S(?:.*\S)?)\s*$", re.DOTALL)
-_BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])\s*\{")
-
-
-def clean_solution(solution: str) -> str:
-    """The reference solution as fed to the model: GSM8K's ``<<a*b=c>>`` calculator notes removed."""
-    return _GSM8K_CALC_RE.sub("", solution).strip()
-
-
-def _last_boxed_span(text: str) -> tuple[int, int] | None:
-    spans = []
-    for match in _BOX_RE.finditer(text):
-        depth, i = 1, match.end()
-        while i < len(text) and depth:
-            if text[i] == "\\":
-                i += 2
-                continue
-            depth += {"{": 1, "}": -1}.get(text[i], 0)
-            i += 1
-        if depth == 0:
-            start, end = match.end(), i - 1
-            inner = text[start:end]
-            if inner.strip():
-                lead = len(inner) - len(inner.lstrip())
-                spans.append((start + lead, start + len(inner.rstrip())))
-    return spans[-1] if spans else None
-
-
-def answer_span(solution: str, answer: str | None = None) -> tuple[int, int] | None:
-    r"""Character span ``[start, end)`` of the final answer inside a reference solution.
-
-    In order: the text after GSM8K's ``####``; the content of the last ``\boxed{}``/``\fbox{}``;
-    the last occurrence of ``answer`` (as a whole number when it is one). ``None`` if none is found.
-    """
-    match = _GSM8K_FINAL_RE.search(solution)
-    if match:
-        return match.start(1), match.end(1)
-    boxed = _last_boxed_span(solution)
-    if boxed:
-        return boxed
-    if answer and answer.strip():
-        needle = answer.strip()
-        if re.fullmatch(r"[-+]?\d+(?:\.\d+)?", needle):
-            found = list(re.finditer(rf"(?<![\d.]){re.escape(needle)}(?![\d])", solution))
-            if found:
-                return found[-1].span()
-        else:
-            index = solution.rfind(needle)
-            if index >= 0:
-                return index, index + len(needle)
-    return None
-
-
-def _encode_plain(tokenizer, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def _token_span(tokenizer, text: str, start: int, end: int) -> tuple[list[int], int, int]:
-    """Token ids of ``text`` and the token range ``[a, b)`` covering characters ``[start, end)``."""
-    try:
-        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        offsets = encoded["offset_mapping"]
-        ids = list(encoded["input_ids"])
-    except (TypeError, KeyError, NotImplementedError, ValueError):
-        offsets = None
-        ids = _encode_plain(tokenizer, text)
-    if offsets is not None and len(offsets) == len(ids):
-        covering = [i for i, (s, e) in enumerate(offsets) if e > start and s < end]
-        if covering:
-            return ids, covering[0], covering[-1] + 1
-    # No offsets: the answer starts where the tokens of the text before it stop being a prefix.
-    first = _common_prefix(_encode_plain(tokenizer, text[:start]), ids)
-    upto = _encode_plain(tokenizer, text[:end])
-    last = _common_prefix(upto, ids)
-    if last < len(upto):
-        last += 1  # the answer's last characters merged with what follows
-    return ids, first, max(last, first + 1)
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
 
 def reference_continuation(tokenizer, problem: Problem) -> tuple[list[int], int, int] | None:
     """Token ids of ``problem``'s reference solution, cut after its answer, and the answer's range.
@@ -449,12 +361,10 @@ def reference_continuation(tokenizer, problem: Problem) -> tuple[list[int], int,
     if not problem.solution or not problem.solution.strip():
         return None
     text = clean_solution(problem.solution)
-    span = answer_span(text, problem.answer)
+    ids, span = token_span(tokenizer, text, answer_span(text, problem.answer))
     if span is None:
         return None
-    ids, a, b = _token_span(tokenizer, text, *span)
-    if not 0 <= a < b <= len(ids):
-        return None
+    a, b = span
     return ids[:b], a, b
 
 

@@ -1,0 +1,113 @@
+r"""Reference solutions as token sequences: clean them, find their final answer, map it to tokens.
+
+Shared by fidelity (log-probability of the reference answer) and layer anatomy (reference traces).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["clean_solution", "box_final_answer", "answer_span", "token_span"]
+
+_CALCULATOR = re.compile(r"<<[^<>]*>>")
+_HASH_ANSWER = re.compile(r"(?m)^[ \t]*####[ \t]*(.+?)[ \t]*$")
+_BOXED = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])\s*\{")
+_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+
+
+def clean_solution(solution: str) -> str:
+    """The solution as fed to a model: GSM8K's ``<<a*b=c>>`` calculator notes removed."""
+    return _CALCULATOR.sub("", solution).strip()
+
+
+def box_final_answer(text: str) -> str:
+    r"""Turn GSM8K's final ``#### X`` line into ``The final answer is \boxed{X}.`` (what a model writes)."""
+    matches = list(_HASH_ANSWER.finditer(text))
+    if not matches:
+        return text
+    match = matches[-1]
+    return f"{text[: match.start()]}The final answer is \\boxed{{{match.group(1)}}}.{text[match.end() :]}".strip()
+
+
+def _last_boxed_span(text: str) -> tuple[int, int] | None:
+    spans = []
+    for match in _BOXED.finditer(text):
+        depth, i = 1, match.end()
+        while i < len(text) and depth:
+            if text[i] == "\\":
+                i += 2
+                continue
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            i += 1
+        if depth == 0:
+            start, end = match.end(), i - 1
+            inner = text[start:end]
+            if inner.strip():
+                lead = len(inner) - len(inner.lstrip())
+                spans.append((start + lead, start + len(inner.rstrip())))
+    return spans[-1] if spans else None
+
+
+def answer_span(text: str, answer: str | None = None) -> tuple[int, int] | None:
+    r"""Character span ``[start, end)`` of the final answer inside a solution.
+
+    In order: the text after the last ``####``; the content of the last ``\boxed{}``/``\fbox{}``;
+    the last occurrence of ``answer`` when given (as a whole number when it is one), otherwise the
+    last number. ``None`` if none is found.
+    """
+    hashes = list(_HASH_ANSWER.finditer(text))
+    if hashes:
+        return hashes[-1].span(1)
+    boxed = _last_boxed_span(text)
+    if boxed:
+        return boxed
+    if answer is None or not answer.strip():
+        numbers = list(_NUMBER.finditer(text))
+        return numbers[-1].span() if numbers else None
+    needle = answer.strip()
+    if re.fullmatch(r"[-+]?\d+(?:\.\d+)?", needle):
+        found = list(re.finditer(rf"(?<![\d.]){re.escape(needle)}(?![\d])", text))
+        return found[-1].span() if found else None
+    index = text.rfind(needle)
+    return (index, index + len(needle)) if index >= 0 else None
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def token_span(tokenizer: Any, text: str, span: tuple[int, int] | None) -> tuple[list[int], tuple[int, int] | None]:
+    """Tokenize ``text`` (no special tokens) and map a character span to ``[start, end)`` token indices.
+
+    Uses the tokenizer's offset mapping when it has one; otherwise the span begins where the tokens of
+    ``text[:start]`` stop being a prefix of the tokens of ``text`` (a token that straddles the end of
+    the span belongs to it).
+    """
+    try:
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        offsets = encoded.get("offset_mapping")
+    except (TypeError, NotImplementedError, ValueError):
+        encoded, offsets = tokenizer(text, add_special_tokens=False), None
+    ids = list(encoded["input_ids"])
+    if span is None:
+        return ids, None
+    start_char, end_char = span
+    if offsets is not None and len(offsets) == len(ids):
+        hits = [i for i, (a, b) in enumerate(offsets) if a < end_char and b > start_char]
+        return ids, (hits[0], hits[-1] + 1) if hits else None
+    start = _common_prefix(ids, _encode(tokenizer, text[:start_char]))
+    head = _encode(tokenizer, text[:end_char])
+    shared = _common_prefix(ids, head)
+    end = shared + (shared < len(head))
+    return ids, (start, min(max(end, start + 1), len(ids)))
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
