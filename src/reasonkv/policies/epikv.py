@@ -36,13 +36,13 @@ class EPIKV(Policy):
 
     The signal of layer ``l`` at logical position ``t`` is ``g_l(t) = ||h_l(t) - h_l(t-1)||_2``, ``h_l``
     the output of decoder layer ``l``. It is computed in :meth:`observe` from the hidden states of the
-    layers in use only (two vector norms per token and layer). State per row: the previous hidden
-    vector of each used layer, one float per token and used layer plus the token's score (a
-    :class:`~reasonkv.policies.common.PositionTable`), and a ring of the last ``W`` signals per used
-    layer so that a decode step updates the rolling statistics in ``O(W)`` without gathering. Never
-    all hidden states, never attention: it runs unchanged with SDPA and FlashAttention. Every score
-    is causal and computed once, when its token is produced (``lag``: when the chunk after it is
-    complete).
+    layers in use only (one vector norm per token and used layer). State per row: the previous hidden
+    vector of each used layer, and one float per token and used layer plus the token's score (a
+    :class:`~reasonkv.policies.common.PositionTable`). Never all hidden states, never attention: it
+    runs unchanged with SDPA and FlashAttention. Every score is causal, so it depends only on tokens
+    up to its own (``lag``: up to the end of the chunk after it); scores are computed in one
+    vectorised pass when they are first needed, at eviction, which gives the same values as
+    computing each when its token arrives while a decode step pays only for its norms.
 
     Parameters
     ----------
@@ -201,7 +201,6 @@ class EPIKV(Policy):
             side_a, side_b = anatomy.band_a, anatomy.band_b
         else:
             side_a, side_b = (anatomy.a,), (anatomy.b,)
-        history = {"raw": self.smooth - 1, "lag": 0}.get(self.variant, self.stats_window)
         self._state = _State(
             layers=used,
             a=[column[layer] for layer in side_a],
@@ -210,26 +209,23 @@ class EPIKV(Policy):
             has_previous=torch.zeros(batch, dtype=torch.bool, device=device),
             seen=torch.zeros(batch, dtype=torch.long, device=device),
             table=PositionTable(batch, (len(used) + 1,), fill=float("nan"), device=device),
-            recent=torch.full((batch, len(used), history), float("nan"), device=device),
+            scored=torch.zeros(batch, dtype=torch.long, device=device),
         )
 
     def observe(self, step: Step) -> None:
+        """Record ``g`` of this forward's tokens; scores follow lazily (see :meth:`_score_pending`)."""
         state = self._state
         if state is None:
             raise RuntimeError(f"{self.name}: observe() before reset()")
         missing = [layer for layer in state.layers if layer not in step.hidden]
         if missing:
             raise RuntimeError(f"{self.name}: the step carries no hidden states of layers {missing}")
-        seen_before = state.seen
-        if step.input_valid.shape[1] == 1:
-            self._observe_one(step)
-        else:
-            self._observe_many(step)
-        if self.variant == "lag":
-            self._finalise_chunks(seen_before, state.seen)
+        g = self._distances_one(step) if step.input_valid.shape[1] == 1 else self._distances_many(step)
+        unscored = g.new_full((g.shape[0], 1, g.shape[2]), float("nan"))
+        state.table.set(step.input_positions, torch.cat([g, unscored], dim=1))
 
-    def _observe_one(self, step: Step) -> None:
-        """A decode step: two norms, then the window statistics from the ring of recent signals."""
+    def _distances_one(self, step: Step) -> torch.Tensor:
+        """A decode step: one norm per used layer. Returns ``g`` ``[batch, used, 1]``."""
         state = self._state
         valid = step.input_valid[:, 0]
         current = torch.stack([step.hidden[layer][:, -1] for layer in state.layers], dim=1).float()
@@ -240,25 +236,12 @@ class EPIKV(Policy):
         state.previous = torch.where(valid.view(-1, 1, 1), current, state.previous)
         state.has_previous |= valid
         state.seen = state.seen + valid
-        if self.variant == "lag":
-            s = torch.full_like(g[:, 0], float("nan"))  # scored when the next chunk is complete
-        elif self.variant == "raw":
-            gbar = window_mean(torch.cat([state.recent, g.unsqueeze(-1)], dim=-1))
-            s = (_side(gbar, state.a) - _side(gbar, state.b)).nan_to_num(0.0)
-        else:
-            z = rolling_zscore(g, state.recent, self.eps)
-            s = _side(z, state.a) - _side(z, state.b)
-        state.table.set(step.input_positions, torch.cat([g, s.unsqueeze(1)], dim=1).unsqueeze(-1))
-        ring = state.recent.shape[-1]
-        if ring:  # position t lives in slot t % ring; padding rows keep their ring
-            slot = step.input_positions[:, 0].clamp(min=0).remainder(ring).view(-1, 1, 1).expand(-1, g.shape[1], 1)
-            old = state.recent.gather(-1, slot)
-            state.recent.scatter_(-1, slot, torch.where(valid.view(-1, 1, 1), g.unsqueeze(-1), old))
+        return g.unsqueeze(-1)
 
-    def _observe_many(self, step: Step) -> None:
-        """A prefill (or any multi-token forward): vectorised over its tokens, windows read from the table."""
+    def _distances_many(self, step: Step) -> torch.Tensor:
+        """A prefill (or any multi-token forward), vectorised over its tokens: ``g`` ``[batch, used, q]``."""
         state = self._state
-        valid, positions = step.input_valid, step.input_positions
+        valid = step.input_valid
         signals, lasts = [], []
         for i, layer in enumerate(state.layers):
             hidden = step.hidden[layer]
@@ -269,20 +252,36 @@ class EPIKV(Policy):
             g, last = step_distances(hidden, valid, state.previous[:, i], state.has_previous)
             signals.append(g)
             lasts.append(last)
-        g = torch.stack(signals, dim=1)  # [batch, used, q]
         state.previous = torch.stack(lasts, dim=1)
         state.has_previous |= valid.any(dim=1)
         state.seen = state.seen + valid.sum(dim=1)
-        unscored = g.new_full((g.shape[0], 1, g.shape[2]), float("nan"))
-        state.table.set(positions, torch.cat([g, unscored], dim=1))
-        if self.variant != "lag":
+        return torch.stack(signals, dim=1)
+
+    def _score_pending(self) -> None:
+        """Score every token that can be scored but is not yet: all observed tokens (``lag``: those
+        whose following chunk is complete). Scores are causal, so computing them here, in one
+        vectorised pass at eviction time, gives exactly what computing each as it arrived would;
+        a decode step then costs only its norms."""
+        state = self._state
+        ready = state.seen if self.variant != "lag" else (state.seen // self.lag - 1).clamp(min=0) * self.lag
+        count = ready - state.scored
+        width = int(count.max())
+        if width <= 0:
+            return
+        offsets = torch.arange(width, device=ready.device)
+        positions = (state.scored.unsqueeze(1) + offsets).masked_fill(offsets >= count.unsqueeze(1), -1)
+        used = len(state.layers)
+        g = state.table.get(positions)[:, :used]
+        if self.variant == "lag":  # whole chunks: positions start on a chunk boundary
+            batch, lag = positions.shape[0], self.lag
+            following = (positions + lag).masked_fill(positions < 0, -1)
+            reference = state.table.get(following)[:, :used].reshape(batch, used, -1, lag)
+            z = lag_normalise(g.reshape(batch, used, -1, lag), reference, self.eps).flatten(-2)
+            s = _side(z, state.a) - _side(z, state.b)
+        else:
             s = self._causal_scores(positions, g)
-            state.table.set(positions, torch.cat([g, s.unsqueeze(1)], dim=1))
-        ring = state.recent.shape[-1]
-        if ring:  # refill the ring with the newest `ring` signals, position t in slot t % ring
-            start = (state.seen - ring).unsqueeze(1)
-            recent = start + (torch.arange(ring, device=start.device) - start).remainder(ring)
-            state.recent = state.table.get(recent.masked_fill(recent < 0, -1))[:, :-1].contiguous()
+        state.table.set(positions, torch.cat([g, s.unsqueeze(1)], dim=1))
+        state.scored = ready.clone()
 
     def _causal_scores(self, positions: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         """Scores of the tokens at ``positions`` ``[batch, q]`` whose signals ``g`` ``[batch, used, q]``
@@ -307,27 +306,6 @@ class EPIKV(Policy):
             parts.append(_side(z, state.a) - _side(z, state.b))
         return torch.cat(parts, dim=-1)
 
-    def _finalise_chunks(self, seen_before: torch.Tensor, seen_after: torch.Tensor) -> None:
-        """Score every chunk whose following chunk became complete during this forward."""
-        lag = self.lag
-        done_before = (seen_before // lag - 1).clamp(min=0)  # chunks finalised so far, per row
-        done_after = (seen_after // lag - 1).clamp(min=0)
-        if not bool((done_after > done_before).any()):
-            return
-        state = self._state
-        new_chunks = done_after - done_before
-        n = int(new_chunks.max()) * lag
-        offsets = torch.arange(n, device=seen_after.device)
-        positions = (done_before * lag).unsqueeze(1) + offsets
-        positions = positions.masked_fill(offsets >= (new_chunks * lag).unsqueeze(1), -1)
-        following = (positions + lag).masked_fill(positions < 0, -1)
-        batch, used = positions.shape[0], len(state.layers)
-        g = state.table.get(positions)[:, :used]
-        reference = state.table.get(following)[:, :used].reshape(batch, used, -1, lag)
-        z = lag_normalise(g.reshape(batch, used, -1, lag), reference, self.eps).flatten(-2)
-        s = _side(z, state.a) - _side(z, state.b)
-        state.table.set(positions, torch.cat([g, s.unsqueeze(1)], dim=1))
-
     # -- eviction -----------------------------------------------------------------------------------
     def token_scores(self, positions: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The stored scores ``s`` of the tokens at ``positions`` ``[rows, S]`` (``-1``: padding).
@@ -338,13 +316,10 @@ class EPIKV(Policy):
         state = self._state
         if state is None:
             raise RuntimeError(f"{self.name}: no generation observed yet (reset() not called)")
-        data = state.table.data[:, -1]
-        if rows is not None:
-            data = data.index_select(0, rows.to(data.device))
-        capacity = data.shape[-1]
-        index = positions.clamp(min=0, max=capacity - 1)
-        unscored = (positions < 0) | (positions >= capacity)  # beyond the table: nothing written yet
-        return data.gather(-1, index).masked_fill(unscored, float("nan"))
+        self._score_pending()
+        if rows is None:
+            rows = torch.arange(positions.shape[0], device=positions.device)
+        return state.table.lookup(rows, positions, len(state.layers))
 
     def score(self, view) -> torch.Tensor:
         positions = view.token_positions()
@@ -387,4 +362,4 @@ class _State:
     has_previous: torch.Tensor  # [batch] bool
     seen: torch.Tensor  # [batch] real tokens observed per row
     table: PositionTable  # [batch, used + 1, positions]: g_l(t) per used layer, then s(t); NaN = missing
-    recent: torch.Tensor  # [batch, used, R] ring of the last R signals (position t in slot t % R)
+    scored: torch.Tensor  # [batch] positions 0 .. scored - 1 of each row carry their final score
