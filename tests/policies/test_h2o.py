@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
-from transformers.modeling_utils import AttentionInterface
+from attention_reference import drive, eager_attentions, masked_attentions
 
 import reasonkv
 from conftest import TINY_MODELS, tiny_llama
@@ -15,77 +17,7 @@ TOKENS = [7 + (29 * i) % 80 for i in range(30)]
 
 
 # ---------------------------------------------------------------------------------------- helpers
-def _drive(model, prompt, tokens, *, budget, buffer, **options):
-    """Prefill ``prompt``, then feed ``tokens`` one at a time (teacher forcing).
-
-    Returns the cache and, per decode step, per layer, the positions held before that step.
-    """
-    cache = reasonkv.EvictingCache(budget, buffer, model=model, policy="h2o", **options)
-    key, layers = cache_kwarg(model), model.config.num_hidden_layers
-    held = []
-    with torch.inference_mode():
-        model(input_ids=torch.tensor([prompt]), use_cache=True, **{key: cache})
-        for token in tokens:
-            held.append([cache.positions(layer)[0].clone() for layer in range(layers)])
-            model(input_ids=torch.tensor([[token]]), use_cache=True, **{key: cache})
-    cache.detach()
-    return cache, held
-
-
-def _eager_attentions(model, ids):
-    """Per layer ``[query_heads, T, T]``: the model's own eager attention weights, no cache."""
-    original = model.config._attn_implementation
-    model.config._attn_implementation = "eager"
-    try:
-        with torch.inference_mode():
-            out = model(input_ids=torch.tensor([ids]), use_cache=False, output_attentions=True)
-    finally:
-        model.config._attn_implementation = original
-    return [a[0].double() for a in out.attentions]
-
-
-_MASKS: dict[int, torch.Tensor] = {}
-_PROBS: dict[int, torch.Tensor] = {}
-
-
-def _probe(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention where query ``t`` of kv head ``h`` sees exactly ``_MASKS[layer][h, t]``; records the weights."""
-    groups = query.shape[1] // key.shape[1]
-    allowed = _MASKS[module.layer_idx].repeat_interleave(groups, dim=0)
-    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    logits = torch.matmul(query.double(), key.double().transpose(2, 3)) * scaling
-    probs = logits.masked_fill(~allowed, float("-inf")).softmax(-1)
-    _PROBS[module.layer_idx] = probs[0]
-    out = torch.matmul(probs, value.double()).to(query.dtype)
-    return out.transpose(1, 2).contiguous(), probs
-
-
-AttentionInterface.register("h2o_test_probe", _probe)
-
-
-def _masked_attentions(model, ids, prompt_len, held):
-    """Per layer ``[query_heads, T, T]``: attention rows over exactly what the evicting cache held."""
-    total, layers = len(ids), model.config.num_hidden_layers
-    for layer in range(layers):
-        kv_heads = held[0][layer].shape[0] if held else model.config.num_key_value_heads
-        allowed = torch.tril(torch.ones(total, total, dtype=torch.bool)).expand(kv_heads, -1, -1).clone()
-        for step, positions in enumerate(held):
-            t = prompt_len + step
-            row = torch.zeros(kv_heads, total, dtype=torch.bool)
-            row.scatter_(1, positions[layer].clamp(min=0), positions[layer] >= 0)
-            row[:, t] = True
-            allowed[:, t] = row
-        _MASKS[layer] = allowed
-    original = model.config._attn_implementation
-    model.config._attn_implementation = "h2o_test_probe"
-    try:
-        with torch.inference_mode():
-            model(input_ids=torch.tensor([ids]), use_cache=False)
-        return [_PROBS[layer].clone() for layer in range(layers)]
-    finally:
-        model.config._attn_implementation = original
-        _MASKS.clear()
-        _PROBS.clear()
+_drive = partial(drive, policy="h2o")
 
 
 def _group_mean(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -104,11 +36,11 @@ def test_scores_equal_column_sums_of_eager_attention(model_name):
     """No eviction: after prefill + 20 steps, every score is the column sum of the eager rows."""
     model = TINY_MODELS[model_name]()
     tokens = TOKENS[:20]
-    cache, _ = _drive(model, PROMPT, tokens, budget=500, buffer=8)
+    cache, _, _ = _drive(model, PROMPT, tokens, budget=500, buffer=8)
     assert cache.evictions == 0
     ids = PROMPT + tokens
     kv_heads = model.config.num_key_value_heads
-    want = torch.stack([_group_mean(a.sum(1), kv_heads) for a in _eager_attentions(model, ids)])
+    want = torch.stack([_group_mean(a.sum(1), kv_heads) for a in eager_attentions(model, ids)])
     got = _table(cache, len(ids))
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
     # A token's score is the mass of every query since it arrived: token 0 collects the most rows.
@@ -117,8 +49,8 @@ def test_scores_equal_column_sums_of_eager_attention(model_name):
 
 def test_prefill_scores_are_the_prompt_column_sums():
     model = tiny_llama()
-    cache, _ = _drive(model, PROMPT, [], budget=500, buffer=8)
-    want = torch.stack([_group_mean(a.sum(1), 2) for a in _eager_attentions(model, PROMPT)])
+    cache, _, _ = _drive(model, PROMPT, [], budget=500, buffer=8)
+    want = torch.stack([_group_mean(a.sum(1), 2) for a in eager_attentions(model, PROMPT)])
     torch.testing.assert_close(_table(cache, len(PROMPT)), want, atol=2e-5, rtol=1e-5)
 
 
@@ -126,10 +58,10 @@ def test_scores_with_eviction_equal_masked_column_sums_and_kept_sets_follow_them
     """With eviction every score equals the column sum of the rows over what the cache held, and
     at each eviction the dropped tokens are the lowest-scoring unprotected ones."""
     model, budget, buffer = tiny_llama(), 16, 4
-    cache, held = _drive(model, PROMPT, TOKENS, budget=budget, buffer=buffer)
+    cache, held, _ = _drive(model, PROMPT, TOKENS, budget=budget, buffer=buffer)
     assert cache.evictions >= 5
     ids = PROMPT + TOKENS
-    probs = _masked_attentions(model, ids, len(PROMPT), held)
+    probs = masked_attentions(model, ids, len(PROMPT), held)
     want = torch.stack([_group_mean(p.sum(1), 2) for p in probs])  # evicted tokens stop collecting
     torch.testing.assert_close(_table(cache, len(ids)), want, atol=2e-5, rtol=1e-5)
 
@@ -162,7 +94,7 @@ def test_batch_rows_accumulate_as_if_alone():
     """Left padding never leaks into scores: a padded row's scores equal its scores alone."""
     model = tiny_llama()
     short, long = PROMPT[:7], PROMPT
-    alone, _ = _drive(model, short, TOKENS[:6], budget=500, buffer=8)
+    alone, _, _ = _drive(model, short, TOKENS[:6], budget=500, buffer=8)
     cache = reasonkv.EvictingCache(500, 8, model=model, policy="h2o")
     key = cache_kwarg(model)
     ids = torch.tensor([long, [0] * (len(long) - len(short)) + short])

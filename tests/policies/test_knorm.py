@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
-from transformers.modeling_utils import AttentionInterface
+from attention_reference import drive, masked_hidden_states
 
 import reasonkv
 from conftest import TINY_MODELS, tiny_llama
-from reasonkv.decode import cache_kwarg
 from reasonkv.view import EvictionView
 
 PROMPT = [3 + (23 * i) % 87 for i in range(14)]
@@ -16,17 +17,7 @@ TOKENS = [11 + (41 * i) % 77 for i in range(30)]
 
 
 # ---------------------------------------------------------------------------------------- helpers
-def _drive(model, prompt, tokens, *, budget, buffer, **options):
-    cache = reasonkv.EvictingCache(budget, buffer, model=model, policy="knorm", **options)
-    key, layers = cache_kwarg(model), model.config.num_hidden_layers
-    held = []
-    with torch.inference_mode():
-        model(input_ids=torch.tensor([prompt]), use_cache=True, **{key: cache})
-        for token in tokens:
-            held.append([cache.positions(layer)[0].clone() for layer in range(layers)])
-            model(input_ids=torch.tensor([[token]]), use_cache=True, **{key: cache})
-    cache.detach()
-    return cache, held
+_drive = partial(drive, policy="knorm")
 
 
 def _key_norms(model, hidden_states):
@@ -50,50 +41,12 @@ def _full_hidden_states(model, ids):
         return model(input_ids=torch.tensor([ids]), use_cache=False, output_hidden_states=True).hidden_states
 
 
-_MASKS: dict[int, torch.Tensor] = {}
-
-
-def _masked(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention where query ``t`` of kv head ``h`` sees exactly ``_MASKS[layer][h, t]``."""
-    groups = query.shape[1] // key.shape[1]
-    allowed = _MASKS[module.layer_idx].repeat_interleave(groups, dim=0)
-    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    logits = torch.matmul(query.float(), key.float().transpose(2, 3)) * scaling
-    probs = logits.masked_fill(~allowed, float("-inf")).softmax(-1)
-    out = torch.matmul(probs, value.float()).to(query.dtype)
-    return out.transpose(1, 2).contiguous(), probs
-
-
-AttentionInterface.register("knorm_test_masked", _masked)
-
-
-def _masked_hidden_states(model, ids, prompt_len, held):
-    """Hidden states of a forward in which each query saw exactly what the evicting cache held."""
-    total = len(ids)
-    kv_heads = model.config.num_key_value_heads
-    for layer in range(model.config.num_hidden_layers):
-        allowed = torch.tril(torch.ones(total, total, dtype=torch.bool)).expand(kv_heads, -1, -1).clone()
-        for step, positions in enumerate(held):
-            row = torch.zeros(kv_heads, total, dtype=torch.bool)
-            row.scatter_(1, positions[layer].clamp(min=0), positions[layer] >= 0)
-            row[:, prompt_len + step] = True
-            allowed[:, prompt_len + step] = row
-        _MASKS[layer] = allowed
-    original = model.config._attn_implementation
-    model.config._attn_implementation = "knorm_test_masked"
-    try:
-        return _full_hidden_states(model, ids)
-    finally:
-        model.config._attn_implementation = original
-        _MASKS.clear()
-
-
 # ------------------------------------------------------------------------------------------ tests
 @pytest.mark.parametrize("model_name", ["llama-gqa", "llama-mqa", "qwen3-gqa"])
 def test_scores_equal_minus_key_norms(model_name):
     model = TINY_MODELS[model_name]()
     tokens = TOKENS[:10]
-    cache, _ = _drive(model, PROMPT, tokens, budget=500, buffer=8)
+    cache, _, _ = _drive(model, PROMPT, tokens, budget=500, buffer=8)
     ids = PROMPT + tokens
     want = _key_norms(model, _full_hidden_states(model, ids))
     evictor = cache.evictor
@@ -117,7 +70,7 @@ def test_first_eviction_keeps_sinks_and_lowest_norms():
     the sinks and the K - sinks tokens with the smallest key norm."""
     model, budget, buffer, sinks = tiny_llama(), 12, 6, 4
     prompt = [3 + (23 * i) % 87 for i in range(budget + buffer)]
-    cache, _ = _drive(model, prompt, [], budget=budget, buffer=buffer, sinks=sinks)
+    cache, _, _ = _drive(model, prompt, [], budget=budget, buffer=buffer, sinks=sinks)
     assert cache.evictions == 1
     norms = _key_norms(model, _full_hidden_states(model, prompt))
     for layer, layer_norms in enumerate(norms):
@@ -130,10 +83,10 @@ def test_first_eviction_keeps_sinks_and_lowest_norms():
 
 def test_every_eviction_drops_the_largest_norms():
     model, budget, buffer, sinks = tiny_llama(), 14, 4, 4
-    cache, held = _drive(model, PROMPT, TOKENS, budget=budget, buffer=buffer, sinks=sinks)
+    cache, held, _ = _drive(model, PROMPT, TOKENS, budget=budget, buffer=buffer, sinks=sinks)
     assert cache.evictions >= 5
     ids = PROMPT + TOKENS
-    norms = _key_norms(model, _masked_hidden_states(model, ids, len(PROMPT), held))
+    norms = _key_norms(model, masked_hidden_states(model, ids, len(PROMPT), held, dtype=torch.float32))
     checked = 0
     for step in range(len(held) - 1):
         t = len(PROMPT) + step

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
-from transformers.modeling_utils import AttentionInterface
+from attention_reference import drive, eager_attentions, masked_attentions
 
 import reasonkv
 from conftest import TINY_MODELS, tiny_llama
@@ -16,76 +18,7 @@ THRESHOLD = 0.03  # the tiny model spreads ~1/40 per token: some tokens pass, ma
 
 
 # ---------------------------------------------------------------------------------------- helpers
-def _drive(model, prompt, tokens, *, budget, buffer, **options):
-    """Prefill, then feed ``tokens`` one at a time; returns the cache, the positions held before
-    each decode step (per layer) and the timestamp table after every forward pass."""
-    cache = reasonkv.EvictingCache(budget, buffer, model=model, policy="raas", **options)
-    key, layers = cache_kwarg(model), model.config.num_hidden_layers
-    held, tables = [], []
-    with torch.inference_mode():
-        model(input_ids=torch.tensor([prompt]), use_cache=True, **{key: cache})
-        tables.append(cache.evictor.policy.timestamps.data[0].clone())
-        for token in tokens:
-            held.append([cache.positions(layer)[0].clone() for layer in range(layers)])
-            model(input_ids=torch.tensor([[token]]), use_cache=True, **{key: cache})
-            tables.append(cache.evictor.policy.timestamps.data[0].clone())
-    cache.detach()
-    return cache, held, tables
-
-
-def _eager_attentions(model, ids):
-    """Per layer ``[query_heads, T, T]``: the model's own eager attention weights, no cache."""
-    original = model.config._attn_implementation
-    model.config._attn_implementation = "eager"
-    try:
-        with torch.inference_mode():
-            out = model(input_ids=torch.tensor([ids]), use_cache=False, output_attentions=True)
-    finally:
-        model.config._attn_implementation = original
-    return [a[0].double() for a in out.attentions]
-
-
-_MASKS: dict[int, torch.Tensor] = {}
-_PROBS: dict[int, torch.Tensor] = {}
-
-
-def _probe(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention where query ``t`` of kv head ``h`` sees exactly ``_MASKS[layer][h, t]``; records the weights."""
-    groups = query.shape[1] // key.shape[1]
-    allowed = _MASKS[module.layer_idx].repeat_interleave(groups, dim=0)
-    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    logits = torch.matmul(query.double(), key.double().transpose(2, 3)) * scaling
-    probs = logits.masked_fill(~allowed, float("-inf")).softmax(-1)
-    _PROBS[module.layer_idx] = probs[0]
-    out = torch.matmul(probs, value.double()).to(query.dtype)
-    return out.transpose(1, 2).contiguous(), probs
-
-
-AttentionInterface.register("raas_test_probe", _probe)
-
-
-def _masked_attentions(model, ids, prompt_len, held):
-    """Per layer ``[query_heads, T, T]``: attention rows over exactly what the evicting cache held."""
-    total, layers = len(ids), model.config.num_hidden_layers
-    kv_heads = model.config.num_key_value_heads
-    for layer in range(layers):
-        allowed = torch.tril(torch.ones(total, total, dtype=torch.bool)).expand(kv_heads, -1, -1).clone()
-        for step, positions in enumerate(held):
-            row = torch.zeros(kv_heads, total, dtype=torch.bool)
-            row.scatter_(1, positions[layer].clamp(min=0), positions[layer] >= 0)
-            row[:, prompt_len + step] = True
-            allowed[:, prompt_len + step] = row
-        _MASKS[layer] = allowed
-    original = model.config._attn_implementation
-    model.config._attn_implementation = "raas_test_probe"
-    try:
-        with torch.inference_mode():
-            model(input_ids=torch.tensor([ids]), use_cache=False)
-        return [_PROBS[layer].clone() for layer in range(layers)]
-    finally:
-        model.config._attn_implementation = original
-        _MASKS.clear()
-        _PROBS.clear()
+_drive = partial(drive, policy="raas", snapshot=lambda policy: policy.timestamps.data[0])
 
 
 def _reference_timestamps(probs, prompt_len, kv_heads, threshold, reduce="max"):
@@ -127,7 +60,7 @@ def test_timestamps_equal_a_reference_loop_over_eager_rows(model_name, reduce):
     assert cache.evictions == 0
     ids = PROMPT + tokens
     kv_heads = model.config.num_key_value_heads
-    want, margin = _reference_timestamps(_eager_attentions(model, ids), len(PROMPT), kv_heads, THRESHOLD, reduce)
+    want, margin = _reference_timestamps(eager_attentions(model, ids), len(PROMPT), kv_heads, THRESHOLD, reduce)
     assert margin > 1e-6, "an attention value sits on the threshold: pick another one"
     for forward, table in enumerate(tables):
         t = len(PROMPT) - 1 + forward
@@ -145,7 +78,7 @@ def test_timestamps_with_eviction_follow_the_masked_rows_and_evict_least_recentl
     cache, held, tables = _drive(model, PROMPT, TOKENS, budget=budget, buffer=buffer, threshold=THRESHOLD)
     assert cache.evictions >= 5
     ids = PROMPT + TOKENS
-    probs = _masked_attentions(model, ids, len(PROMPT), held)
+    probs = masked_attentions(model, ids, len(PROMPT), held)
     want, margin = _reference_timestamps(probs, len(PROMPT), 2, THRESHOLD)
     assert margin > 1e-6
     for forward, table in enumerate(tables):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
-from transformers.modeling_utils import AttentionInterface
+from attention_reference import drive, eager_attentions, masked_attentions
 
 import reasonkv
 from conftest import TINY_MODELS, tiny_llama
@@ -15,76 +17,7 @@ TOKENS = [9 + (31 * i) % 80 for i in range(30)]
 
 
 # ---------------------------------------------------------------------------------------- helpers
-def _drive(model, prompt, tokens, *, budget, buffer, **options):
-    """Prefill, then feed ``tokens`` one at a time; returns the cache, the positions held before
-    each decode step (per layer), and the policy's table after every forward pass."""
-    cache = reasonkv.EvictingCache(budget, buffer, model=model, policy="tova", **options)
-    key, layers = cache_kwarg(model), model.config.num_hidden_layers
-    held, tables = [], []
-    with torch.inference_mode():
-        model(input_ids=torch.tensor([prompt]), use_cache=True, **{key: cache})
-        tables.append(cache.evictor.policy.last_attention.data[0].clone())
-        for token in tokens:
-            held.append([cache.positions(layer)[0].clone() for layer in range(layers)])
-            model(input_ids=torch.tensor([[token]]), use_cache=True, **{key: cache})
-            tables.append(cache.evictor.policy.last_attention.data[0].clone())
-    cache.detach()
-    return cache, held, tables
-
-
-def _eager_attentions(model, ids):
-    """Per layer ``[query_heads, T, T]``: the model's own eager attention weights, no cache."""
-    original = model.config._attn_implementation
-    model.config._attn_implementation = "eager"
-    try:
-        with torch.inference_mode():
-            out = model(input_ids=torch.tensor([ids]), use_cache=False, output_attentions=True)
-    finally:
-        model.config._attn_implementation = original
-    return [a[0].double() for a in out.attentions]
-
-
-_MASKS: dict[int, torch.Tensor] = {}
-_PROBS: dict[int, torch.Tensor] = {}
-
-
-def _probe(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention where query ``t`` of kv head ``h`` sees exactly ``_MASKS[layer][h, t]``; records the weights."""
-    groups = query.shape[1] // key.shape[1]
-    allowed = _MASKS[module.layer_idx].repeat_interleave(groups, dim=0)
-    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    logits = torch.matmul(query.double(), key.double().transpose(2, 3)) * scaling
-    probs = logits.masked_fill(~allowed, float("-inf")).softmax(-1)
-    _PROBS[module.layer_idx] = probs[0]
-    out = torch.matmul(probs, value.double()).to(query.dtype)
-    return out.transpose(1, 2).contiguous(), probs
-
-
-AttentionInterface.register("tova_test_probe", _probe)
-
-
-def _masked_attentions(model, ids, prompt_len, held):
-    """Per layer ``[query_heads, T, T]``: attention rows over exactly what the evicting cache held."""
-    total, layers = len(ids), model.config.num_hidden_layers
-    kv_heads = model.config.num_key_value_heads
-    for layer in range(layers):
-        allowed = torch.tril(torch.ones(total, total, dtype=torch.bool)).expand(kv_heads, -1, -1).clone()
-        for step, positions in enumerate(held):
-            row = torch.zeros(kv_heads, total, dtype=torch.bool)
-            row.scatter_(1, positions[layer].clamp(min=0), positions[layer] >= 0)
-            row[:, prompt_len + step] = True
-            allowed[:, prompt_len + step] = row
-        _MASKS[layer] = allowed
-    original = model.config._attn_implementation
-    model.config._attn_implementation = "tova_test_probe"
-    try:
-        with torch.inference_mode():
-            model(input_ids=torch.tensor([ids]), use_cache=False)
-        return [_PROBS[layer].clone() for layer in range(layers)]
-    finally:
-        model.config._attn_implementation = original
-        _MASKS.clear()
-        _PROBS.clear()
+_drive = partial(drive, policy="tova", snapshot=lambda policy: policy.last_attention.data[0])
 
 
 # ------------------------------------------------------------------------------------------ tests
@@ -97,7 +30,7 @@ def test_scores_equal_eager_newest_row_averaged_over_heads(model_name):
     cache, _, tables = _drive(model, PROMPT, tokens, budget=500, buffer=8)
     assert cache.evictions == 0
     ids = PROMPT + tokens
-    eager = _eager_attentions(model, ids)
+    eager = eager_attentions(model, ids)
     kv_heads = model.config.num_key_value_heads
     for forward, table in enumerate(tables):
         t = len(PROMPT) - 1 + forward  # the newest query of this forward
@@ -112,7 +45,7 @@ def test_per_kv_group_option_averages_each_group():
     _, _, tables = _drive(model, PROMPT, tokens, budget=500, buffer=8, layerwise=False)
     ids = PROMPT + tokens
     t = len(ids) - 1
-    want = torch.stack([a[:, t].reshape(2, 2, -1).mean(1) for a in _eager_attentions(model, ids)])
+    want = torch.stack([a[:, t].reshape(2, 2, -1).mean(1) for a in eager_attentions(model, ids)])
     torch.testing.assert_close(tables[-1][..., : t + 1].double(), want, atol=2e-6, rtol=1e-5)
     assert not torch.allclose(want[:, 0], want[:, 1])  # the groups really differ
 
@@ -123,7 +56,7 @@ def test_buffer_zero_is_tova_one_token_per_step():
     model, budget = tiny_llama(), 14
     cache, held, _ = _drive(model, PROMPT, TOKENS, budget=budget, buffer=0, sinks=2)
     ids = PROMPT + TOKENS
-    probs = _masked_attentions(model, ids, len(PROMPT), held)
+    probs = masked_attentions(model, ids, len(PROMPT), held)
     checked = 0
     for step in range(len(held) - 1):
         t = len(PROMPT) + step
@@ -150,7 +83,7 @@ def test_scores_with_eviction_equal_masked_newest_rows():
     cache, held, tables = _drive(model, PROMPT, TOKENS, budget=16, buffer=4)
     assert cache.evictions >= 5
     ids = PROMPT + TOKENS
-    probs = _masked_attentions(model, ids, len(PROMPT), held)
+    probs = masked_attentions(model, ids, len(PROMPT), held)
     for step in range(len(held)):
         t = len(PROMPT) + step
         table = tables[step + 1]
