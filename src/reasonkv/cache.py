@@ -88,9 +88,7 @@ class _EvictingLayer(CacheLayerMixin):
     def gather(self, index: torch.Tensor, valid: torch.Tensor) -> None:
         """Keep slots ``index`` ``[batch, heads, new_slots]``; where ``valid`` is False, padding."""
         n = index.shape[-1]
-        dim_index = index.unsqueeze(-1)
-        keys = self.keys.gather(2, dim_index.expand(-1, -1, -1, self._keys.shape[3]))
-        values = self.values.gather(2, dim_index.expand(-1, -1, -1, self._values.shape[3]))
+        keys, values = _take_slots(self._keys, index), _take_slots(self._values, index)
         positions = self.positions.gather(2, index).masked_fill(~valid.unsqueeze(1), -1)
         self._keys[:, :, :n] = keys
         self._values[:, :, :n] = values
@@ -342,6 +340,15 @@ class EvictingCache(Cache):
 
     def __repr__(self) -> str:
         return f"EvictingCache(budget={self.budget}, buffer={self.buffer}, slots={self.slots}, seen={self.seen})"
+
+
+def _take_slots(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``buffer[b, h, index[b, h, i]]`` as ``[batch, heads, n, dim]``: whole head_dim rows picked by one
+    ``index_select`` over the flattened slots, many times faster than an element-wise ``gather``."""
+    batch, heads, capacity, dim = buffer.shape
+    first_slot = torch.arange(batch * heads, device=index.device).view(batch, heads, 1) * capacity
+    rows = buffer.reshape(batch * heads * capacity, dim).index_select(0, (first_slot + index).flatten())
+    return rows.view(batch, heads, index.shape[-1], dim)
 
 
 def _check_sizes(budget: int | None, buffer: int) -> None:
