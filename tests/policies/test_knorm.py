@@ -6,9 +6,9 @@ from functools import partial
 
 import pytest
 import torch
-from attention_reference import drive, masked_hidden_states
 
 import reasonkv
+from attention_reference import drive, masked_hidden_states
 from conftest import TINY_MODELS, tiny_llama
 from reasonkv.view import EvictionView
 

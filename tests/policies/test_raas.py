@@ -6,9 +6,9 @@ from functools import partial
 
 import pytest
 import torch
-from attention_reference import drive, eager_attentions, masked_attentions
 
 import reasonkv
+from attention_reference import drive, eager_attentions, masked_attentions
 from conftest import TINY_MODELS, tiny_llama
 from reasonkv.decode import cache_kwarg
 

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import reasonkv
+from attention_reference import eager_attentions
 from conftest import TINY_MODELS, tiny_llama
 from reasonkv.decode import cache_kwarg
 from reasonkv.observe import Needs
@@ -19,17 +20,10 @@ PROMPTS = [[5 + (13 * i) % 80 for i in range(40)], [7 + (29 * i) % 80 for i in r
 
 def _eager_window_reference(model, prompt: list[int]) -> list[torch.Tensor]:
     """Per layer: eager softmax weights of the last W queries, summed over them, mean per kv group."""
-    original = model.config._attn_implementation
-    model.config._attn_implementation = "eager"
-    try:
-        with torch.no_grad():
-            out = model(input_ids=torch.tensor([prompt]), output_attentions=True, use_cache=False)
-    finally:
-        model.config._attn_implementation = original
     kv_heads = model.config.num_key_value_heads
     reference = []
-    for attention in out.attentions:  # [1, heads, T, T]
-        summed = attention[0, :, -W:, :].sum(1)  # [heads, T]
+    for attention in eager_attentions(model, prompt):  # [heads, T, T]
+        summed = attention[:, -W:, :].sum(1).float()  # [heads, T]
         reference.append(summed.view(kv_heads, -1, summed.shape[-1]).mean(1))
     return reference
 
