@@ -76,6 +76,15 @@ class NoEosTokenizer(CharTokenizer):
 
 
 @pytest.fixture
+def one_torch_thread():
+    """Run a test on one torch thread: the tiny models are far faster so, above all on a shared machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
 def tokenizer():
     return NoEosTokenizer()
 

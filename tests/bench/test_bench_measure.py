@@ -10,13 +10,7 @@ from reasonkv.bench.eviction import measure_eviction_cost
 from reasonkv.bench.measure import make_prompts, measure_prefilled, measure_sweep, prefill_chunks, window_stats
 from reasonkv.bench.memory import kv_bytes_per_token
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_window_stats_split_sums_to_the_mean_step():

@@ -15,12 +15,7 @@ from reasonkv.models import shape_config
 GIB = 1024**3
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # Per-token K+V bytes of one row, worked out by hand from the published configs:

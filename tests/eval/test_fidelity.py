@@ -19,14 +19,7 @@ from reasonkv.eval.fidelity import (
     trace_fidelity,
 )
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    # The tiny models are far faster on one thread, above all on a shared machine.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _ids(n: int, seed: int, low: int = 3, high: int = 96) -> list[int]:
