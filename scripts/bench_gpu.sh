@@ -2,7 +2,7 @@
 # Speed and memory of an 8B model's shape on one GPU (random weights: shapes decide speed, not weights).
 #
 # Part 1, lengths: Llama-3.1-8B / R1-Distill-Llama-8B shape, bf16, SDPA, batch 1, budget K = 4096,
-#   buffer B = 128; full, epikv, vase-dkv, h2o (streaming runs as the reference). Each length
+#   buffer B = 128; full, epikv, vase-dkv, h2o, tova (streaming runs as the reference). Each length
 #   L in 8k/16k/32k/64k is reached by a prefill of L - n - 2 tokens (a 32-token prompt, then the
 #   rest as if generated, in chunks of 8192; an evicting policy is evicted to K after each chunk
 #   once due), 2 untimed decode steps, then n = 128 timed decode steps (one eviction cycle), so the
@@ -10,12 +10,16 @@
 #   Goals: 65,536 tokens within the weights + 2 GB (peak allocated during the decode);
 #   step time flat beyond K + B; eviction overhead a few % of a full step.
 # Part 2, max batch: the largest batch each policy fits in MEMORY_LIMIT at 16k tokens (KV per row
-#   computed, the rest measured) and the tokens/s measured at that batch (R-KV's comparison).
-#   Goal: >= 3x the full cache's tokens/s at 16k.
+#   computed, the rest measured) and the tokens/s measured at that batch (R-KV's comparison), over
+#   BUFFER + 16 decode steps, so the timed window holds an eviction (B steps after the one that
+#   started it). Goal: >= 3x the full cache's tokens/s at 16k.
 #
-# Sized for <= 9 minutes on one H200; each part has a time limit, and a part stopped by it keeps
-# every entry it finished (results.jsonl, bench.json, bench.md). Results: $OUT/lengths and
-# $OUT/max-batch, then a goal summary on stdout.
+# Runs as is on a bare copy of the repository: it uses $PYTHON, else ./.venv/bin/python if there is
+# one, else python3, with the package taken from src/ (PYTHONPATH), and needs only torch and
+# transformers (no gguf, no math-verify, no plots). Sized for <= 9 minutes on one H200 by
+# construction: each part has a time limit (PART1_SECONDS + PART2_SECONDS = 8.5 minutes), and a part
+# stopped by it keeps every entry it finished. Results: $OUT/lengths and $OUT/max-batch (bench.json,
+# bench.md, results.jsonl each: 6 result files), then a goal summary on stdout.
 #
 # Environment overrides: PYTHON, OUT (default bench-gpu), MODEL, DEVICE, POLICIES, BATCH_POLICIES,
 # BUDGET, BUFFER, LENGTHS, DECODE_STEPS, PREFILL_CHUNK, MEMORY_LIMIT, BATCH_LENGTH, BATCH_STEPS,
@@ -25,16 +29,23 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PY="${PYTHON:-.venv/bin/python}"
+if [[ -n "${PYTHON:-}" ]]; then
+  PY="$PYTHON"
+elif [[ -x .venv/bin/python ]]; then
+  PY=.venv/bin/python
+else
+  PY=python3
+fi
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 if [[ "${SMOKE:-0}" == "1" ]]; then
-  : "${MODEL:=shape:tiny}" "${DEVICE:=cpu}" "${POLICIES:=full,random}" "${BATCH_POLICIES:=full,random}"
+  : "${MODEL:=shape:tiny}" "${DEVICE:=cpu}" "${POLICIES:=full,h2o,tova}" "${BATCH_POLICIES:=full,random}"
   : "${BUDGET:=32}" "${BUFFER:=16}" "${LENGTHS:=64,128,256}" "${DECODE_STEPS:=16}" "${PREFILL_CHUNK:=128}"
-  : "${MEMORY_LIMIT:=1GiB}" "${BATCH_LENGTH:=128}" "${BATCH_STEPS:=8}" "${MAX_MEASURED_BATCH:=8}"
+  : "${MEMORY_LIMIT:=1GiB}" "${BATCH_LENGTH:=128}" "${MAX_MEASURED_BATCH:=8}"
   : "${OUT:=bench-gpu-smoke}" "${BENCH_ARGS:=--threads 1}"
 fi
 MODEL="${MODEL:-shape:llama-3.1-8b}"
 DEVICE="${DEVICE:-cuda}"
-POLICIES="${POLICIES:-full,epikv,vase-dkv,h2o}"
+POLICIES="${POLICIES:-full,epikv,vase-dkv,h2o,tova}"
 BATCH_POLICIES="${BATCH_POLICIES:-full,epikv,vase-dkv}"
 BUDGET="${BUDGET:-4096}"
 BUFFER="${BUFFER:-128}"
@@ -43,7 +54,7 @@ DECODE_STEPS="${DECODE_STEPS:-128}"
 PREFILL_CHUNK="${PREFILL_CHUNK:-8192}"
 MEMORY_LIMIT="${MEMORY_LIMIT:-32GiB}"
 BATCH_LENGTH="${BATCH_LENGTH:-16384}"
-BATCH_STEPS="${BATCH_STEPS:-32}"
+BATCH_STEPS="${BATCH_STEPS:-$((BUFFER + 16))}"
 MAX_MEASURED_BATCH="${MAX_MEASURED_BATCH:-512}"
 OUT="${OUT:-bench-gpu}"
 PART1_SECONDS="${PART1_SECONDS:-330}"
@@ -51,7 +62,7 @@ PART2_SECONDS="${PART2_SECONDS:-180}"
 
 # shellcheck disable=SC2206  # BENCH_ARGS: extra bench arguments, split on spaces on purpose
 common=(--model "$MODEL" --dtype bf16 --device "$DEVICE" --attn sdpa --budget "$BUDGET" --buffer "$BUFFER"
-  --no-progress ${BENCH_ARGS:-})
+  --no-progress --no-plots ${BENCH_ARGS:-})
 status=0
 
 echo "== part 1: step time and memory at $LENGTHS (batch 1)" >&2

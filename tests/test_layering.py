@@ -82,7 +82,7 @@ _ENGINE_FREE = textwrap.dedent(
     sys.modules["transformers"] = None  # any import of transformers now fails
     import torch
     import reasonkv.select, reasonkv.policies
-    from reasonkv.contract import ModelInfo, Needs, Step
+    from reasonkv.contract import AttentionChunk, ModelInfo, Needs, Step
     from reasonkv.policies import get_policy, list_policies
     from reasonkv.recorded import Recorded
     from reasonkv.view import EvictionView
@@ -119,23 +119,28 @@ _ENGINE_FREE = textwrap.dedent(
         recorded = Recorded(needs.query_window)
         policy.reset(info, batch, torch.device("cpu"))
         positions = torch.arange(slots).expand(batch, slots)
-        prompt = Step(input_valid=torch.ones(batch, slots, dtype=torch.bool), input_positions=positions)
-        for layer in range(3):
-            if needs.query_window:
-                queries = torch.randn(batch, 4, slots, 8)
-                recorded.push_queries(layer, queries, positions, torch.ones(batch, slots, dtype=torch.bool))
-            if needs.attention_last or needs.attention_sum:
-                rows = torch.softmax(torch.randn(batch, 4, slots), -1)
-                prompt.slot_positions[layer] = storage.positions(layer)
-                prompt.attention_last[layer] = rows
-                prompt.attention_sum[layer] = rows
+        valid = torch.ones(batch, slots, dtype=torch.bool)
+        prompt = Step(input_valid=valid, input_positions=positions, position_bound=slots)
         for layer in needs.hidden_layers:
             prompt.hidden[layer] = torch.randn(batch, slots, 16)
         policy.observe(prompt)
-        generators = [torch.Generator().manual_seed(i) for i in range(batch)]
-        view = EvictionView(
-            cache=storage, recorded=recorded, policy=policy, rows=torch.arange(batch), generators=generators, info=info
-        )
+        for layer in range(3):
+            if needs.query_window:
+                recorded.push_queries(layer, torch.randn(batch, 4, slots, 8), positions, valid)
+            if needs.attention_last or needs.attention_sum:
+                rows = torch.softmax(torch.randn(batch, 4, 2, slots), -1)  # two recorded queries
+                chunk = AttentionChunk(
+                    layer=layer,
+                    slot_positions=storage.positions(layer),
+                    query_positions=torch.tensor([[slots - 2, slots - 1]] * batch),
+                    visible=torch.ones(batch, 2, slots, dtype=torch.bool),
+                    position_bound=slots,
+                    rows=rows,
+                    column_sums=rows.sum(2),
+                )
+                policy.observe_attention(chunk)
+        rows = torch.arange(batch)
+        view = EvictionView(cache=storage, recorded=recorded, policy=policy, rows=rows, row_seeds=rows, info=info)
         if policy.granularity == "token":
             kept = [policy.keep(view)]
         else:

@@ -45,13 +45,13 @@ def test_renumbered_positions_would_break_the_oracle(llama, monkeypatch):
     """The oracle is sensitive: renumbering positions to slot indices makes it fail."""
     from reasonkv.cache import EvictingCache
 
-    original = EvictingCache.announce
+    original = EvictingCache.begin_forward
 
-    def renumbered(self, incoming_valid):
-        positions = original(self, incoming_valid)
-        return torch.full_like(positions, self.slots) if self.slots else positions
+    def renumbered(self, *args):
+        positions, step_positions, mask = original(self, *args)
+        return (torch.full_like(positions, self.slots) if self.slots else positions), step_positions, mask
 
-    monkeypatch.setattr(EvictingCache, "announce", renumbered)
+    monkeypatch.setattr(EvictingCache, "begin_forward", renumbered)
     with pytest.raises(AssertionError):
         run_and_check(llama, "streaming", PROMPT, budget=12, buffer=5, steps=10)
 
@@ -71,7 +71,8 @@ class _PerHeadRandom(Policy):
             valid=view.valid_mask(),
             protected=view.protected(),
             k=view.budget,
-            generators=view.generators,
+            seeds=view.seeds,
+            positions=view.positions(),
         )
 
 

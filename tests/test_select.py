@@ -42,8 +42,9 @@ def test_too_many_protected_tokens_is_a_clear_error():
         )
 
 
-def _gens(seed: int, rows: int = 1):
-    return [torch.Generator().manual_seed(seed + r) for r in range(rows)]
+def _draws(seed: int, rows: int = 1, slots: int = 50):
+    """Keyword arguments for keep_sampled: one seed per row, slots at positions 0..slots-1."""
+    return {"seeds": torch.arange(seed, seed + rows), "positions": torch.arange(slots).expand(rows, slots)}
 
 
 def test_sampling_is_exact_count_unique_and_reproducible():
@@ -51,9 +52,9 @@ def test_sampling_is_exact_count_unique_and_reproducible():
     valid = torch.ones(2, 50, dtype=torch.bool)
     protected = torch.zeros(2, 50, dtype=torch.bool)
     protected[:, 0] = True
-    a = select.keep_sampled(weights, valid=valid, protected=protected, k=10, generators=_gens(1, 2))
-    b = select.keep_sampled(weights, valid=valid, protected=protected, k=10, generators=_gens(1, 2))
-    c = select.keep_sampled(weights, valid=valid, protected=protected, k=10, generators=_gens(7, 2))
+    a = select.keep_sampled(weights, valid=valid, protected=protected, k=10, **_draws(1, 2))
+    b = select.keep_sampled(weights, valid=valid, protected=protected, k=10, **_draws(1, 2))
+    c = select.keep_sampled(weights, valid=valid, protected=protected, k=10, **_draws(7, 2))
     assert a.shape == (2, 10)
     assert all(len(set(row.tolist())) == 10 for row in a)
     assert (a[:, 0] == 0).all()  # protected kept (indices are sorted)
@@ -66,7 +67,7 @@ def test_sampling_frequency_increases_with_weight():
     none = torch.zeros(1, 6, dtype=torch.bool)
     counts = torch.zeros(6)
     for seed in range(400):
-        kept = select.keep_sampled(weights, valid=valid, protected=none, k=2, generators=_gens(seed))
+        kept = select.keep_sampled(weights, valid=valid, protected=none, k=2, **_draws(seed, slots=6))
         counts[kept[0]] += 1
     assert counts[5] == 0  # zero weight is never drawn while positive weights remain
     assert all(counts[i] < counts[i + 1] for i in range(4)), counts
@@ -81,9 +82,9 @@ def test_temperature_flattens_the_distribution():
         return sum(
             int(
                 1
-                in select.keep_sampled(weights, valid=valid, protected=none, k=1, generators=_gens(s), temperature=t)[
-                    0
-                ].tolist()
+                in select.keep_sampled(
+                    weights, valid=valid, protected=none, k=1, **_draws(s, slots=weights.shape[-1]), temperature=t
+                )[0].tolist()
             )
             for s in range(200)
         )
@@ -94,3 +95,24 @@ def test_temperature_flattens_the_distribution():
 def test_value_range():
     values = torch.tensor([[[0.0, 1.0], [-5.0, 5.0], [2.0, 2.5]]])
     assert select.value_range(values).tolist() == [[1.0, 10.0, 0.5]]
+
+
+def test_ties_go_to_the_most_recent_token_the_same_way_every_time():
+    """Max-pooled scores have runs of equal values: the kept set must not depend on how a device's topk
+    orders ties, so among equal scores the higher slot (the more recent token) is kept."""
+    scores = torch.tensor([[5.0, 1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 7.0]])
+    valid = torch.ones(1, 8, dtype=torch.bool)
+    none = torch.zeros(1, 8, dtype=torch.bool)
+    assert select.keep_top(scores, valid=valid, protected=none, k=4).tolist() == [[0, 4, 6, 7]]
+    ranges = torch.tensor([[3.0, 3.0, 3.0, 1.0, 3.0, 0.0]])
+    reserved = select.reserve_top(ranges, valid=torch.ones(1, 6, dtype=torch.bool), protected=none[:, :6], n=2, k=4)
+    assert reserved.tolist() == [[False, False, True, False, True, False]]
+    assert select.top_indices(torch.zeros(2, 5), 3).tolist() == [[2, 3, 4], [2, 3, 4]]
+
+
+def test_attention_logits_keep_the_cache_dtype_on_cuda_only():
+    from reasonkv.attention import logit_dtype
+
+    assert logit_dtype(torch.device("cuda", 0), torch.bfloat16) == torch.bfloat16
+    assert logit_dtype(torch.device("cuda"), torch.float16) == torch.float16
+    assert logit_dtype(torch.device("cpu"), torch.bfloat16) == torch.float32

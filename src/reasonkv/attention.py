@@ -12,16 +12,24 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["column_sums", "grouped_logits", "masked_softmax", "newest_row", "window_attention"]
+__all__ = ["column_sums", "grouped_logits", "logit_dtype", "masked_softmax", "newest_row", "window_attention"]
+
+
+def logit_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The dtype the ``q . K^T`` product runs in: the cache's own on CUDA (its matmuls accumulate in
+    float32, and upcasting every cached key would move the whole cache once more), float32 on the CPU
+    (whose half-precision matmuls are slow)."""
+    return dtype if device.type == "cuda" else torch.float32
 
 
 def grouped_logits(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Attention logits in float32, grouped by kv head: ``[B, Hkv, g, w, S]`` with ``g = Hq // Hkv``."""
+    """Attention logits, upcast to float32, grouped by kv head: ``[B, Hkv, g, w, S]`` with ``g = Hq // Hkv``."""
     b, hq, w, d = queries.shape
     hkv, s = keys.shape[1], keys.shape[2]
     g = hq // hkv
-    grouped = queries.reshape(b, hkv, g * w, d)  # query head h -> kv head h // g
-    logits = torch.matmul(grouped.float(), keys.float().transpose(2, 3)) * scaling
+    dtype = logit_dtype(keys.device, keys.dtype)
+    grouped = queries.reshape(b, hkv, g * w, d).to(dtype)  # query head h -> kv head h // g
+    logits = torch.matmul(grouped, keys.to(dtype).transpose(2, 3)).float() * scaling
     return logits.view(b, hkv, g, w, s)
 
 

@@ -17,12 +17,15 @@ as transformers' generation utilities expect; ``get_mask_sizes``/``get_query_off
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 __all__ = ["EvictingCache"]
+
+GROWTH = 1.25  # capacity growth factor when the run's length is not known (never more than 25% spare)
 
 
 class _EvictingLayer(CacheLayerMixin):
@@ -132,14 +135,18 @@ class EvictingCache(Cache):
         ``B``: tokens that may accumulate after an eviction before the next one. A row is due for
         eviction once it holds ``K + B`` tokens, and is then shrunk to exactly ``K``.
     model, policy, seed, policy_kwargs
-        Optional: given a ``model`` (and a policy name or instance), the cache attaches an
+        Given a ``model`` (and a policy name or instance), the cache attaches an
         :class:`~reasonkv.evictor.Evictor` so that ``model.generate(..., past_key_values=cache)``
         (``cache=`` on newer transformers) evicts on its own. Call :meth:`detach` (or use the
-        cache as a context manager) when done to remove the model hooks.
+        cache as a context manager) when done to remove the model hooks. A cache with a budget
+        refuses a forward pass it cannot evict in (no ``model=``, another model, or detached).
     num_layers
         Number of decoder layers, when known up front (layers are otherwise created on first use).
     sync_timing
-        Synchronise CUDA around each timed eviction phase, for an exact split in benchmarks.
+        Time the eviction phases exactly on CUDA (with events read once per step), for benchmarks.
+
+    One cache holds one generation. A second ``model.generate`` call on a filled cache is refused
+    (it would continue from the evicted state); call :meth:`reset` first, or build a new cache.
     """
 
     def __init__(
@@ -164,15 +171,8 @@ class EvictingCache(Cache):
             super().__init__(layer_class_to_replicate=partial(_EvictingLayer, self))
         else:
             super().__init__(layers=[_EvictingLayer(self) for _ in range(num_layers)])
-        self.slots = 0  # stored slots (the same in every layer between forward passes)
-        self.seen = 0  # logical tokens seen, padding included (what transformers calls the seq length)
-        self.peak_slots = 0
-        self._valid: torch.Tensor | None = None  # [batch, capacity] bool
-        self.next_position: torch.Tensor | None = None  # [batch] real tokens seen per row
-        self.prompt_lengths: torch.Tensor | None = None  # [batch] real prompt tokens per row
-        self.row_evictions: torch.Tensor | None = None  # [batch] evictions per row
-        self._incoming: torch.Tensor | None = None  # validity of the next forward's tokens
-        self._step_positions: torch.Tensor | None = None  # [batch, q] positions of the open step
+        self.expected_tokens: int | None = None  # the most tokens a row can reach, when known (see reserve)
+        self._clear()
         self.evictor = None
         if model is not None:
             from reasonkv.evictor import Evictor  # the one place storage is handed its wiring
@@ -187,6 +187,21 @@ class EvictingCache(Cache):
             )
         elif policy is not None or policy_kwargs:
             raise ValueError("a policy needs the model: pass model=... to EvictingCache")
+
+    def _clear(self) -> None:
+        self.slots = 0  # stored slots (the same in every layer between forward passes)
+        self.seen = 0  # logical tokens seen, padding included (what transformers calls the seq length)
+        self.peak_slots = 0
+        self._valid: torch.Tensor | None = None  # [batch, capacity] bool
+        self.next_position: torch.Tensor | None = None  # [batch] real tokens seen per row
+        self.prompt_lengths: torch.Tensor | None = None  # [batch] real prompt tokens per row
+        self.row_evictions: torch.Tensor | None = None  # [batch] evictions per row
+        # Host-side facts, so that a decode step never reads a device value:
+        self.longest = 0  # no row holds more real tokens than this
+        self.maybe_padded = False  # whether a slot may hold padding
+        self.decoded = False  # whether a single-token step followed the first forward
+        self._announced: tuple[int, torch.Tensor] | None = None  # (q, positions [batch, q]) of the next forward
+        self._step_positions: torch.Tensor | None = None  # [batch, q] positions of the forward in progress
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -206,6 +221,11 @@ class EvictingCache(Cache):
     def evictions(self) -> int:
         """Row evictions so far, summed over the batch."""
         return 0 if self.row_evictions is None else int(self.row_evictions.sum())
+
+    @property
+    def capacity(self) -> int:
+        """Slots allocated per row (what the buffers can hold before they grow)."""
+        return 0 if self._valid is None else self._valid.shape[1]
 
     def kv_bytes(self) -> int:
         """Bytes of K/V storage held (allocated capacity, not just the used slots)."""
@@ -230,47 +250,64 @@ class EvictingCache(Cache):
         return -1
 
     # ------------------------------------------------------------------ writing
-    def announce(self, incoming_valid: torch.Tensor) -> torch.Tensor:
-        """Declare which tokens of the next forward are real (``[batch, q]`` bool).
+    def reserve(self, tokens: int) -> None:
+        """Declare the most tokens a row can reach in this run (prompt + new tokens), so buffers are
+        allocated once at the size the run needs instead of growing (an evicting cache needs at most
+        ``max(prompt, K + B)``)."""
+        self.expected_tokens = int(tokens)
 
-        Returns their logical positions (``[batch, q]``, 0 for padding), which the caller feeds to
-        the model as ``position_ids``. Without an announcement every incoming token counts as real.
+    def begin_forward(
+        self, batch: int, q: int, incoming: torch.Tensor | None, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Announce the next forward: ``q`` tokens per row, ``incoming`` ``[batch, q]`` True where real
+        (``None``: all real).
+
+        Returns the tokens' logical positions for RoPE (``[batch, q]``, 0 at padding), the same with -1 at
+        padding, and the slot-space attention mask for the forward (``None`` when no slot is padding).
         """
-        self._incoming = incoming_valid.bool()
-        next_position = self.next_position
-        if next_position is None:
-            next_position = torch.zeros(incoming_valid.shape[0], dtype=torch.long, device=incoming_valid.device)
-        positions = next_position.unsqueeze(1) + self._incoming.long().cumsum(1) - 1
-        return positions.clamp(min=0)
-
-    def mask_for(self, incoming_valid: torch.Tensor) -> torch.Tensor | None:
-        """The 2-D slot-space attention mask for a forward with these incoming tokens (None: no padding)."""
+        if self._valid is not None and (q < 1 or (incoming is not None and q > 1 and self.decoded)):
+            raise ValueError(
+                "this EvictingCache already holds a generation: a new generate call would continue from its "
+                "evicted state. Call cache.reset() or build a new EvictingCache for each generation."
+            )
+        if q < 1:
+            raise ValueError("a forward with an EvictingCache needs at least one new token")
         if self._valid is None:
-            return None if bool(incoming_valid.all()) else incoming_valid.long()
-        mask = torch.cat([self.valid, incoming_valid.bool()], dim=1)
-        return None if bool(mask.all()) else mask.long()
-
-    def _open_step(self, batch: int, q: int, device: torch.device) -> None:
-        incoming = self._incoming
-        if incoming is None or incoming.shape != (batch, q):
-            incoming = torch.ones((batch, q), dtype=torch.bool, device=device)
-        self._incoming = None
-        if self._valid is None:
-            self._valid = torch.zeros((batch, 0), dtype=torch.bool, device=device)
-            self.next_position = torch.zeros(batch, dtype=torch.long, device=device)
-            self.prompt_lengths = incoming.sum(-1)
-            self.row_evictions = torch.zeros(batch, dtype=torch.long, device=device)
-        positions = self.next_position.unsqueeze(1) + incoming.long().cumsum(1) - 1
-        self._step_positions = positions.masked_fill(~incoming, -1)
-        self.next_position = self.next_position + incoming.sum(-1)
-        if self.slots + q > self._valid.shape[1]:
-            grown = self._valid.new_zeros((batch, self._grown_capacity(self.slots + q, self._valid.shape[1])))
-            grown[:, : self.slots] = self.valid
+            self._start(batch, q, incoming, device)
+        elif q == 1:
+            self.decoded = True
+        if incoming is None:
+            positions = self.next_position.unsqueeze(1) + torch.arange(q, device=device)
+            self.next_position = self.next_position + q
+            step_positions = positions
+        else:
+            positions = self.next_position.unsqueeze(1) + incoming.long().cumsum(1) - 1
+            self.next_position = self.next_position + incoming.sum(-1)
+            step_positions = positions.masked_fill(~incoming, -1)
+            positions = positions.clamp(min=0)
+            # A multi-token forward may hold padding; say so only if it does (one read per such forward).
+            self.maybe_padded = self.maybe_padded or (q == 1 or not bool(incoming.all()))
+        start = self.slots
+        if start + q > self._valid.shape[1]:
+            grown = self._valid.new_zeros((batch, self._grown_capacity(start + q, self._valid.shape[1])))
+            grown[:, :start] = self._valid[:, :start]
             self._valid = grown
-        self._valid[:, self.slots : self.slots + q] = incoming
-        self.slots += q
-        self.seen += q
-        self.peak_slots = max(self.peak_slots, self.slots)
+        if incoming is None:
+            self._valid[:, start : start + q] = True
+        else:
+            self._valid[:, start : start + q] = incoming
+        self._announced = (q, step_positions)
+        self.longest += q
+        mask = self._valid[:, : start + q] if self.maybe_padded else None
+        return positions, step_positions, mask
+
+    def _start(self, batch: int, q: int, incoming: torch.Tensor | None, device: torch.device) -> None:
+        self._valid = torch.zeros((batch, self._grown_capacity(q, 0)), dtype=torch.bool, device=device)
+        self.next_position = torch.zeros(batch, dtype=torch.long, device=device)
+        self.prompt_lengths = (
+            torch.full((batch,), q, dtype=torch.long, device=device) if incoming is None else incoming.sum(-1)
+        )
+        self.row_evictions = torch.zeros(batch, dtype=torch.long, device=device)
 
     def _append(self, layer: _EvictingLayer, key_states: torch.Tensor, value_states: torch.Tensor):
         batch, _, q, _ = key_states.shape
@@ -279,17 +316,41 @@ class EvictingCache(Cache):
         layer.write(key_states, value_states, self._step_positions)
         return layer.keys, layer.values
 
+    def _open_step(self, batch: int, q: int, device: torch.device) -> None:
+        if self._announced is None or self._announced[0] != q:
+            if self.budget is not None:
+                raise RuntimeError(
+                    f"EvictingCache(budget={self.budget}) was used by a forward pass it cannot evict in: it was "
+                    "built without model=..., for another model, or its `with` block has exited (detach). Build "
+                    "it with model=<the model that runs it> and keep it attached while generating."
+                )
+            self.begin_forward(batch, q, None, device)  # storage without eviction: every token is real
+        self._step_positions, self._announced = self._announced[1], None
+        self.slots += q
+        self.seen += q
+        self.peak_slots = max(self.peak_slots, self.slots)
+
     def _grown_capacity(self, needed: int, current: int) -> int:
-        if self.budget is not None:
-            needed = max(needed, self.budget + self.buffer)
-        return max(needed, 2 * current)
+        steady = None if self.budget is None else self.budget + self.buffer
+        if self.expected_tokens is not None:
+            most = self.expected_tokens if steady is None else min(self.expected_tokens, steady)
+            return max(needed, most)
+        if steady is not None:
+            return max(needed, steady)
+        return max(needed, math.ceil(current * GROWTH))
 
     # ------------------------------------------------------------------ eviction
-    def due_rows(self) -> torch.Tensor:
-        """Indices of the rows holding ``K + B`` tokens or more (empty when nothing is due)."""
-        if self.budget is None or self._valid is None:
-            return torch.empty(0, dtype=torch.long)
-        return torch.nonzero(self.row_lengths() >= self.budget + self.buffer).flatten()
+    def due_rows(self) -> torch.Tensor | None:
+        """Indices of the rows holding ``K + B`` tokens or more; ``None`` when none is (read from the
+        device only when the host-side bound says a row may be due)."""
+        if self.budget is None or self._valid is None or self.longest < self.budget + self.buffer:
+            return None
+        lengths = self.row_lengths()
+        due = torch.nonzero(lengths >= self.budget + self.buffer).flatten()
+        if due.numel() == 0:
+            self.longest = int(lengths.max())
+            return None
+        return due
 
     def compact(self, rows: torch.Tensor, keep: list[torch.Tensor]) -> None:
         """Shrink ``rows`` to the slots in ``keep`` (one ``[len(rows), kv_heads, K]`` tensor per layer).
@@ -317,6 +378,7 @@ class EvictingCache(Cache):
             layer.gather(index, new_valid)
         self._valid[:, :new_slots] = new_valid
         self.slots = new_slots
+        self.longest = new_slots
         self.row_evictions[rows] += 1
         self._release_spare_capacity()
 
@@ -329,6 +391,14 @@ class EvictingCache(Cache):
                 layer.resize(limit)
 
     # ------------------------------------------------------------------ lifetime
+    def reset(self) -> None:
+        """Forget the stored generation (storage, positions, policy state): the cache is as new, still attached."""
+        for layer in self.layers:
+            layer.reset()
+        self._clear()
+        if self.evictor is not None:
+            self.evictor.restart()
+
     def detach(self) -> None:
         """Remove the model hooks installed by ``model=...`` (no-op otherwise)."""
         if self.evictor is not None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["LAYER_KINDS", "ModelInfo", "Needs", "Step"]
+__all__ = ["LAYER_KINDS", "AttentionChunk", "ModelInfo", "Needs", "Step"]
 
 # What a decoder layer keeps: "full" attention (the layers a policy evicts in), a "sliding" window,
 # "chunked" attention (a window that restarts at chunk boundaries), or "linear" attention / other
@@ -48,12 +48,19 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class Needs:
-    """What a policy reads. Nothing else is recorded."""
+    """What a policy reads. Nothing else is recorded.
+
+    ``attention_last`` and ``attention_sum`` are delivered to ``Policy.observe_attention`` as
+    :class:`AttentionChunk` s. They are computed when they are needed, not at every step: the queries
+    are recorded as they come and their attention over the keys they could see is recomputed in one
+    batched pass before the next eviction (a multi-token forward's column sums are computed at once).
+    Between two evictions keys are only appended, so this is exactly the attention each query had.
+    """
 
     hidden_layers: tuple[int, ...] = ()  # residual-stream outputs of these decoder layers
     query_window: int = 0  # keep the most recent `query_window` post-RoPE queries of every layer
     attention_last: bool = False  # attention row of each forward's newest query, every layer
-    attention_sum: bool = False  # attention column sums over all queries of each forward, every layer
+    attention_sum: bool = False  # attention each stored key received from every query, every layer
 
     @property
     def taps_attention(self) -> bool:
@@ -62,19 +69,31 @@ class Needs:
 
 @dataclass
 class Step:
-    """What one forward pass (a prefill or a decode step) produced, handed to ``Policy.observe``.
-
-    Attention tensors are ``[batch, query_heads, slots]`` over the slots stored during that
-    forward (the cache layout before any eviction that follows it); padding slots get 0.
-    """
+    """What one forward pass (a prefill or a decode step) produced, handed to ``Policy.observe``."""
 
     input_valid: torch.Tensor  # [batch, q] real (True) vs padding tokens of this forward
     input_positions: torch.Tensor  # [batch, q] their logical positions (-1 for padding)
-    slot_positions: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [batch, kv_heads, slots]
+    position_bound: int = 0  # every logical position seen so far is below this (sizes tables, no device read)
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [batch, q, hidden]
-    attention_last: dict[int, torch.Tensor] = field(default_factory=dict)
-    attention_sum: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def is_prefill(self) -> bool:
         return self.input_valid.shape[1] > 1
+
+
+@dataclass
+class AttentionChunk:
+    """Recomputed attention of some recorded queries over one layer's stored keys.
+
+    Queries are in the order they came (oldest first). ``rows`` are present when the policy needs
+    ``attention_last`` (each query was the newest of its forward), ``column_sums`` when it needs
+    ``attention_sum``. Padding keys and padding queries carry zero attention.
+    """
+
+    layer: int
+    slot_positions: torch.Tensor  # [batch, kv_heads, slots] logical positions of the stored keys (-1: padding)
+    query_positions: torch.Tensor  # [batch, n] logical positions of the queries (-1: padding)
+    visible: torch.Tensor | None  # [batch, n, slots] the keys each query could see (with ``rows``)
+    position_bound: int  # every position in this chunk is below it
+    rows: torch.Tensor | None = None  # [batch, query_heads, n, slots] softmax rows
+    column_sums: torch.Tensor | None = None  # [batch, query_heads, slots] rows summed over the valid queries

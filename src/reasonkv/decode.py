@@ -14,11 +14,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from reasonkv import noise
 from reasonkv.cache import EvictingCache
-from reasonkv.evictor import row_generators
 from reasonkv.hf import Forward, left_pad, synchronize
 
 __all__ = ["GenerationResult", "generate"]
+
+_SAMPLING_STREAM = 2  # keeps token sampling's draws apart from the eviction's
 
 
 @dataclass
@@ -69,8 +71,10 @@ def _encode(tokenizer, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list
 
 
 def _sample(
-    logits: torch.Tensor, temperature: float, top_p: float, top_k: int, generators: list[torch.Generator]
+    logits: torch.Tensor, temperature: float, top_p: float, top_k: int, seeds: torch.Tensor, step: int
 ) -> torch.Tensor:
+    """One token per row. Row ``i``'s draw is keyed by ``seeds[i]`` and ``step`` alone (inverse CDF of one
+    uniform number), so it does not depend on the batch, and no per-row call or host read is needed."""
     if temperature == 0:
         return logits.argmax(-1)
     logits = logits.float() / temperature
@@ -82,8 +86,9 @@ def _sample(
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
         drop = cumulative - sorted_logits.softmax(-1) > top_p  # keep the smallest set reaching top_p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = logits.softmax(-1)
-    return torch.stack([torch.multinomial(probs[i], 1, generator=g)[0] for i, g in enumerate(generators)])
+    cdf = logits.softmax(-1).double().cumsum(-1)
+    draw = noise.uniform(noise.mix(seeds, step), torch.float64).unsqueeze(1) * cdf[:, -1:]
+    return torch.searchsorted(cdf, draw).clamp(max=logits.shape[-1] - 1).squeeze(1)
 
 
 def _check_sampling(max_new_tokens: int, temperature: float, top_p: float, top_k: int) -> None:
@@ -164,7 +169,9 @@ def generate(
     cache = EvictingCache(
         budget, buffer, model=model, policy=policy, seed=seed, sync_timing=sync_timing, **policy_kwargs
     )
-    sampling_generators = row_generators(seed, batch, device, salt=2)
+    cache.reserve(ids.shape[1] + max_new_tokens)
+    sampling_seeds = noise.mix(noise.seed_tensor(seed, batch, device), _SAMPLING_STREAM)
+    alive = torch.ones(batch, dtype=torch.bool, device=device)  # rows still generating
     forward = Forward(model)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -187,8 +194,8 @@ def generate(
             steps = tqdm(steps, desc=f"{cache.evictor.policy.name} decode", unit="tok", leave=False)
         for step in steps:
             peak_kv = max(peak_kv, cache.kv_bytes())
-            next_ids = _sample(out.logits[:, -1], temperature, top_p, top_k, sampling_generators)
-            for i, token in enumerate(next_ids.tolist()):
+            next_ids = _sample(out.logits[:, -1], temperature, top_p, top_k, sampling_seeds, step)
+            for i, token in enumerate(next_ids.tolist()):  # the one read of each step: the tokens
                 if finish[i] is not None:
                     continue
                 generated[i].append(token)
@@ -196,10 +203,15 @@ def generate(
                     finish[i] = "eos"
                 elif stop and _hit_stop(tokenizer, generated[i], stop):
                     finish[i] = "stop"
+                if finish[i] is not None:
+                    alive[i] = False
             if all(f is not None for f in finish) or step == max_new_tokens - 1:
                 break
-            next_ids = next_ids.masked_fill(torch.tensor([f is not None for f in finish], device=device), pad_id)
-            out = forward(next_ids.unsqueeze(1), cache, last_logits_only=True)
+            # A finished row is fed padding, which the cache neither stores as a token nor evicts for.
+            done = any(f is not None for f in finish)
+            next_ids = next_ids.masked_fill(~alive, pad_id) if done else next_ids
+            mask = alive.unsqueeze(1) if done else None
+            out = forward(next_ids.unsqueeze(1), cache, attention_mask=mask, last_logits_only=True)
             if on_step is not None:
                 on_step(step + 1, cache)
         synchronize(device)

@@ -5,7 +5,11 @@ Two hooks on the model do everything, so ``reasonkv.generate`` and ``model.gener
 - before a forward that uses this cache: announce which incoming tokens are real, give the model
   their logical ``position_ids`` and the slot-space attention mask, start recording;
 - after it: hand the recorded step to the policy, then evict every row that reached ``K + B``:
-  the policy scores, ``select`` picks the kept indices, the cache gathers.
+  the owed attention is handed over, the policy scores, ``select`` picks the kept indices, the
+  cache gathers.
+
+A decode step that evicts nothing reads no device value (the cache keeps host-side bounds), so it
+costs the host no synchronisation; an eviction costs a fixed few, whatever the batch and the layers.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import weakref
 
 import torch
 
+from reasonkv import noise, select
 from reasonkv.hf import model_info
 from reasonkv.observe import Observer
 from reasonkv.policies import get_policy
@@ -21,21 +26,6 @@ from reasonkv.timing import Stopwatch
 from reasonkv.view import EvictionView
 
 __all__ = ["Evictor"]
-
-_SEED_STRIDE = 0x9E3779B1  # decorrelates the streams of consecutive row seeds
-
-
-def row_generators(seed: int | list[int], batch: int, device: torch.device, salt: int = 0) -> list[torch.Generator]:
-    """One generator per row; a row's stream depends only on its own seed, not on the batch."""
-    seeds = [seed] * batch if isinstance(seed, int) else list(seed)
-    if len(seeds) != batch:
-        raise ValueError(f"got {len(seeds)} seeds for a batch of {batch}")
-    generators = []
-    for s in seeds:
-        g = torch.Generator(device=device)
-        g.manual_seed((int(s) * _SEED_STRIDE + salt) % (2**63))
-        generators.append(g)
-    return generators
 
 
 class Evictor:
@@ -66,8 +56,10 @@ class Evictor:
         self.needs = self.policy.needs(self.info)
         self.stopwatch = Stopwatch(sync=sync_timing)
         self.observer = Observer(model, cache, self.needs, stopwatch=self.stopwatch)
-        self.generators: list[torch.Generator] = []
+        self.observer.policy = self.policy
+        self.row_seeds: torch.Tensor | None = None  # [batch] int64, set at the first forward
         self.eviction_count = 0
+        self._started = False
         me = weakref.ref(self)
         self._hooks = [
             model.register_forward_pre_hook(_weak(me, "_before_forward"), with_kwargs=True),
@@ -77,9 +69,16 @@ class Evictor:
         weakref.finalize(self, _remove_handles, self._hooks + self.observer.handles)
 
     def detach(self) -> None:
-        """Remove the hooks from the model."""
+        """Remove the hooks from the model, handing the policy any attention still owed (so that its state
+        reflects every step), unless a forward pass broke off."""
+        if self._started and not self.observer.active:
+            self.observer.flush()
         _remove_handles(self._hooks)
         self.observer.detach()
+
+    def restart(self) -> None:
+        """The cache was reset: the next forward starts a new generation."""
+        self._started = False
 
     # ------------------------------------------------------------------ hooks
     def _uses_my_cache(self, kwargs) -> bool:
@@ -95,14 +94,14 @@ class Evictor:
         mask = kwargs.get("attention_mask")
         if mask is not None and mask.dim() != 2:
             raise ValueError("EvictingCache builds its own attention mask: pass a 2-D padding mask or none")
-        incoming = mask[:, -q:].bool() if mask is not None else torch.ones(batch, q, dtype=torch.bool)
-        incoming = incoming.to(tokens.device)
-        if self.cache.seen == 0:
+        incoming = None if mask is None else mask[:, -q:].to(device=tokens.device, dtype=torch.bool)
+        if not self._started:
             self._start(batch, tokens.device)
-        positions = self.cache.announce(incoming)
-        kwargs["attention_mask"] = self.cache.mask_for(incoming)
+        positions, step_positions, slot_mask = self.cache.begin_forward(batch, q, incoming, tokens.device)
+        kwargs["attention_mask"] = slot_mask
         kwargs["position_ids"] = positions
-        self.observer.begin(incoming, positions)
+        valid = step_positions >= 0 if incoming is None else incoming
+        self.observer.begin(valid, step_positions, position_bound=self.cache.seen + q)
         return args, kwargs
 
     def _after_forward(self, module, args, kwargs, output):
@@ -111,19 +110,21 @@ class Evictor:
         step = self.observer.end()
         with self.stopwatch("observe"):
             self.policy.observe(step)
+        self.observer.settle()
         self.evict_due()
         return None
 
     def _start(self, batch: int, device: torch.device) -> None:
         self.policy.reset(self.info, batch, device)
         self.observer.reset()
-        self.generators = row_generators(self.seed, batch, device, salt=1)
+        self.row_seeds = noise.seed_tensor(self.seed, batch, device)
+        self._started = True
 
     # ------------------------------------------------------------------ eviction
     def evict_due(self) -> None:
         cache = self.cache
         rows = cache.due_rows()
-        if rows.numel() == 0:
+        if rows is None:
             return
         if self.policy.protect_prompt:
             longest = int(cache.prompt_lengths[rows].max())
@@ -131,7 +132,8 @@ class Evictor:
                 raise ValueError(
                     f"protect_prompt keeps a prompt of {longest} tokens, more than the budget {cache.budget}"
                 )
-        with self.stopwatch("score"):
+        self.observer.flush()  # the attention the policy is owed, before it scores
+        with self.stopwatch("score"), select.checks_at_exit():
             keep = self._kept_indices(rows)
         with self.stopwatch("gather"):
             cache.compact(rows, keep)
@@ -149,13 +151,13 @@ class Evictor:
             recorded=self.observer.recorded,
             policy=self.policy,
             rows=rows,
-            generators=[self.generators[int(r)] for r in rows],
+            row_seeds=self.row_seeds.index_select(0, rows.to(self.row_seeds.device)),
             info=self.info,
         )
         if self.policy.granularity == "token":
             kept = self.policy.keep(view)
             return [kept.unsqueeze(1).expand(-1, layer.keys.shape[1], -1) for layer in cache.layers]
-        return [self.policy.keep(view.at(layer)) for layer in range(len(cache.layers))]
+        return self.policy.keep_layers(view)
 
 
 def _describe(layers: list[tuple[int, str]]) -> str:

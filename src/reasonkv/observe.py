@@ -1,12 +1,20 @@
 """Signal recording: only what the active policy declares it needs.
 
 - residual-stream hidden states of named decoder layers (forward hooks on the decoder layers);
-- the most recent ``w`` post-RoPE query vectors of every layer (kept in :class:`~reasonkv.recorded.Recorded`);
-- the attention of each forward's newest query (or the column sums over a forward's queries),
-  recomputed from the query and the cached keys (:mod:`reasonkv.attention`).
+- the most recent ``w`` post-RoPE queries of every layer (kept in :class:`~reasonkv.recorded.Recorded`);
+- attention rows and column sums for the attention readers (H2O, RaaS, ThinKV), recomputed from
+  recorded queries and the cached keys (:mod:`reasonkv.attention`) and handed to the policy as
+  :class:`~reasonkv.contract.AttentionChunk` s.
 
 Queries come from the attention tap (:class:`reasonkv.hf.AttentionTap`), which shows them on their
 way into the model's own kernel: SDPA / FlashAttention still do the attention.
+
+Attention is owed, not paid, at each step: a decode step only keeps a reference to its query; the
+rows are computed in one batched, chunked pass per layer by :meth:`Observer.flush`, which the
+evictor calls before an eviction (and the observer itself when the log grows long). Until the next
+eviction keys are only appended, so each recorded query sees exactly the keys it saw when it was
+made (slots at or before its own). A forward of several tokens (a prefill) hands over its column sums
+at once, since holding all its queries would cost more memory than computing them.
 """
 
 from __future__ import annotations
@@ -16,12 +24,15 @@ import weakref
 import torch
 
 from reasonkv import attention
-from reasonkv.contract import Needs, Step
+from reasonkv.contract import AttentionChunk, Needs, Step
 from reasonkv.hf import AttentionTap, decoder_layers
 from reasonkv.recorded import Recorded
 from reasonkv.timing import Stopwatch
 
 __all__ = ["Observer"]
+
+LOG_LIMIT = 64  # recorded queries per layer before the observer flushes on its own (bounds their memory)
+CHUNK_ELEMENTS = 1 << 24  # attention logits computed at once in a flush (bounds its memory)
 
 
 def _hidden_hook(ref: weakref.ReferenceType, index: int):
@@ -34,37 +45,50 @@ def _hidden_hook(ref: weakref.ReferenceType, index: int):
 
 
 class Observer:
-    """Records the signals of ``needs`` for one model and one cache while ``active``."""
+    """Records the signals of ``needs`` for one model and one cache while ``active``.
+
+    ``defer`` (default True) computes owed attention at flushes; False computes it after every forward
+    (the per-step schedule, kept to check the deferred one against).
+    """
 
     def __init__(self, model: torch.nn.Module, cache, needs: Needs, stopwatch: Stopwatch | None = None):
         self.cache, self.needs = cache, needs
         self.stopwatch = stopwatch or Stopwatch()
         self.active = False
+        self.defer = True
+        self.policy = None  # receives the attention chunks (set by the evictor)
         self.recorded = Recorded(needs.query_window)
         self.handles = []  # hook handles held by the model; the hooks hold this observer weakly
         self._step: Step | None = None
+        self._logged = False  # whether this forward's newest query was logged already
         layers = decoder_layers(model)
         for index in needs.hidden_layers:
             if not 0 <= index < len(layers):
                 raise ValueError(f"hidden layer {index} out of range: the model has {len(layers)} layers")
             self.handles.append(layers[index].register_forward_hook(_hidden_hook(weakref.ref(self), index)))
+        self.reads_attention = needs.attention_last or needs.attention_sum
         self.tap = AttentionTap(model, self.on_attention) if needs.taps_attention else None
 
     def record_hidden(self, index: int, output) -> None:
         if self.active:
             self._step.hidden[index] = output[0] if isinstance(output, tuple) else output
 
-    def begin(self, input_valid: torch.Tensor, input_positions: torch.Tensor) -> None:
+    def begin(self, input_valid: torch.Tensor, input_positions: torch.Tensor, position_bound: int) -> None:
         if self.tap is not None:  # another cache on the same model may have claimed the modules since
             self.tap.claim()
-        positions = input_positions.masked_fill(~input_valid, -1)
-        self._step = Step(input_valid=input_valid, input_positions=positions)
+        self._step = Step(input_valid=input_valid, input_positions=input_positions, position_bound=position_bound)
+        self._logged = False
         self.active = True
 
     def end(self) -> Step:
         self.active = False
         step, self._step = self._step, None
         return step
+
+    def settle(self) -> None:
+        """After the policy has seen a forward's step: flush now if not deferring, or if the log is long."""
+        if self.reads_attention and (not self.defer or len(self.recorded.log) >= LOG_LIMIT):
+            self.flush()
 
     def reset(self) -> None:
         self.recorded.reset()
@@ -82,23 +106,60 @@ class Observer:
         if not self.active:
             return
         with self.stopwatch("record"):
-            self._record_attention(layer, query, key, kwargs.get("scaling"))
+            self._record(layer, query, key, kwargs.get("scaling"))
 
-    def _record_attention(self, layer: int, query: torch.Tensor, key: torch.Tensor, scaling: float | None) -> None:
-        step, needs = self._step, self.needs
-        scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-        self.recorded.scalings[layer] = scaling
+    def _record(self, layer: int, query: torch.Tensor, key: torch.Tensor, scaling: float | None) -> None:
+        step, needs, recorded = self._step, self.needs, self.recorded
+        recorded.scalings[layer] = scaling if scaling is not None else query.shape[-1] ** -0.5
         if needs.query_window:
-            self.recorded.push_queries(layer, query, step.input_positions, step.input_valid)
-        if not (needs.attention_last or needs.attention_sum):
+            recorded.push_queries(layer, query, step.input_positions, step.input_valid)
+        if not self.reads_attention:
             return
-        key_valid = self.cache.valid  # includes this forward's tokens
-        step.slot_positions[layer] = self.cache.positions(layer)
-        if needs.attention_last:
-            step.attention_last[layer] = attention.newest_row(query[:, :, -1:], key, key_valid, scaling)
-        if needs.attention_sum:
-            step.attention_sum[layer] = (
-                step.attention_last[layer]
-                if query.shape[2] == 1 and needs.attention_last
-                else attention.column_sums(query, key, key_valid, step.input_valid, scaling)
-            )
+        q, slots = query.shape[2], key.shape[2]
+        if needs.attention_sum and q > 1:
+            sums = attention.column_sums(query, key, self.cache.valid, step.input_valid, recorded.scalings[layer])
+            self.policy.observe_attention(self._chunk(layer, step.input_positions, None, None, sums))
+            if not needs.attention_last:
+                return
+        if not self._logged:  # the first layer of this forward logs its slot, position and validity
+            recorded.log.add_forward(slots - 1, step.input_positions[:, -1:], step.input_valid[:, -1:])
+            self._logged = True
+        recorded.log.add_query(layer, query[:, :, -1:])
+
+    # ---------------------------------------------------------------- the owed attention
+    def flush(self) -> None:
+        """Hand the policy the attention of every logged query, one batched pass per layer."""
+        if not len(self.recorded.log):
+            return
+        with self.stopwatch("observe"), torch.inference_mode():
+            queries, query_slots, positions, valid = self.recorded.log.take()
+            key_valid = self.cache.valid
+            slots = key_valid.shape[1]
+            visible = torch.arange(slots, device=key_valid.device) <= query_slots.view(-1, 1)  # [n, slots]
+            visible = visible & key_valid.unsqueeze(1) & valid.unsqueeze(2)  # [batch, n, slots]
+            for layer, layer_queries in queries.items():
+                keys = self.cache.layers[layer].keys
+                b, hq, n, _ = layer_queries.shape
+                scaling = self.recorded.scalings[layer]
+                step = max(1, CHUNK_ELEMENTS // max(1, b * hq * slots))
+                for start in range(0, n, step):
+                    part = layer_queries[:, :, start : start + step]
+                    seen = visible[:, start : start + step]
+                    logits = attention.grouped_logits(part, keys, scaling).view(b, hq, part.shape[2], slots)
+                    rows = attention.masked_softmax(logits, seen.unsqueeze(1))
+                    sums = rows.sum(2) if self.needs.attention_sum else None
+                    chunk_rows = rows if self.needs.attention_last else None
+                    self.policy.observe_attention(
+                        self._chunk(layer, positions[:, start : start + step], seen, chunk_rows, sums)
+                    )
+
+    def _chunk(self, layer, query_positions, visible, rows, sums) -> AttentionChunk:
+        return AttentionChunk(
+            layer=layer,
+            slot_positions=self.cache.positions(layer),
+            query_positions=query_positions,
+            visible=visible,
+            position_bound=self.cache.seen,
+            rows=rows,
+            column_sums=sums,
+        )

@@ -7,21 +7,35 @@ Conventions: the last dimension of every tensor is the stored-slot axis ``S``; l
 are free (``[rows, S]`` for per-token selection, ``[rows, heads, S]`` for per-head selection).
 ``valid`` marks slots that hold a real token (not padding); ``protected`` marks tokens that must
 survive. Returned indices are sorted ascending, so kept tokens stay in their original order.
+
+Ties are broken by position, the same way on every device: among equal scores the more recent token
+(the higher slot; slots are in logical-position order) is kept. Random draws are keyed by logical
+position (:mod:`reasonkv.noise`), so they do not depend on padding, batch or device.
+
+Budget checks (protected tokens within ``k``, rows holding at least ``k``) need the host to read a
+device value; inside :func:`checks_at_exit` they are collected and read once when the block ends, so
+an eviction of every layer and head costs one synchronisation, not one per call.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import math
+from collections.abc import Iterator
 
 import torch
 
+from reasonkv import noise
+
 __all__ = [
-    "protected_mask",
-    "keep_top",
-    "keep_sampled",
+    "checks_at_exit",
     "gumbel_noise",
-    "value_range",
+    "keep_sampled",
+    "keep_top",
+    "protected_mask",
     "reserve_top",
+    "top_indices",
+    "value_range",
 ]
 
 # Keys for "must keep" and "never keep" slots. Finite so that arithmetic on them stays NaN-free.
@@ -67,16 +81,49 @@ def _selection_keys(scores: torch.Tensor, valid: torch.Tensor, protected: torch.
     return keys.masked_fill(~valid, _NEVER)
 
 
-def _check_capacity(valid: torch.Tensor, protected: torch.Tensor, k: int) -> None:
-    n_protected = int((protected & valid).sum(-1).max()) if protected.numel() else 0
+_PENDING: list[list[tuple[torch.Tensor, int]]] = []  # open checks_at_exit blocks, innermost last
+
+
+@contextlib.contextmanager
+def checks_at_exit() -> Iterator[None]:
+    """Collect the budget checks of the selections made inside the block; raise after it, reading once."""
+    pending: list[tuple[torch.Tensor, int]] = []
+    _PENDING.append(pending)
+    try:
+        yield
+    finally:
+        _PENDING.pop()
+    if pending:
+        counts = torch.stack([c.to(pending[0][0].device) for c, _ in pending]).tolist()
+        for (n_protected, n_valid), (_, k) in zip(counts, pending, strict=True):
+            _raise_if_short(n_protected, n_valid, k)
+
+
+def _raise_if_short(n_protected: int, n_valid: int, k: int) -> None:
     if n_protected > k:
         raise ValueError(
             f"{n_protected} protected tokens exceed the budget of {k}: lower sinks/window, "
             "turn off protect_prompt, or raise the budget"
         )
-    n_valid = int(valid.sum(-1).min()) if valid.numel() else 0
     if n_valid < k:
         raise ValueError(f"cannot keep {k} tokens from a row holding only {n_valid}")
+
+
+def _check_capacity(valid: torch.Tensor, protected: torch.Tensor, k: int) -> None:
+    if not valid.numel():
+        return
+    counts = torch.stack([(protected & valid).sum(-1).amax(), valid.sum(-1).amin()])
+    if _PENDING:
+        _PENDING[-1].append((counts, k))
+    else:
+        _raise_if_short(*counts.tolist(), k)
+
+
+def top_indices(keys: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` largest ``keys`` along the last axis, ascending; ties go to the higher index."""
+    n = keys.shape[-1]
+    order = torch.sort(keys.flip(-1), dim=-1, descending=True, stable=True).indices[..., :k]
+    return (n - 1 - order).sort(dim=-1).values
 
 
 def keep_top(scores: torch.Tensor, *, valid: torch.Tensor, protected: torch.Tensor, k: int) -> torch.Tensor:
@@ -87,26 +134,23 @@ def keep_top(scores: torch.Tensor, *, valid: torch.Tensor, protected: torch.Tens
     valid, protected = torch.broadcast_tensors(valid, protected)
     scores, valid, protected = torch.broadcast_tensors(scores, valid, protected)
     _check_capacity(valid, protected, k)
-    keys = _selection_keys(scores, valid, protected)
-    return keys.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
+    return top_indices(_selection_keys(scores, valid, protected), k)
 
 
-def gumbel_noise(valid: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
-    """Standard Gumbel noise shaped like ``valid`` ``[rows, ..., S]``; each row from its own generator.
+def gumbel_noise(valid: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Standard Gumbel noise shaped like ``valid`` ``[rows, ..., S]``; ``-inf`` at padding.
 
-    A row draws exactly one value per real (valid) slot, in slot order, so its draws do not depend
-    on how much padding the batch adds around it: a prompt decoded in a batch makes the same random
-    choices as when decoded alone. Padding slots get ``-inf``.
+    The value at a slot is keyed by the row's seed (``seeds`` ``[rows]``, int64), the slot's inner
+    index (head) and the token's logical position (``positions``, broadcast to ``valid``), so a row's
+    draws never depend on the batch, on padding or on the device.
     """
-    if len(generators) != valid.shape[0]:
-        raise ValueError(f"need one generator per row: got {len(generators)} for {valid.shape[0]} rows")
-    noise = torch.full(valid.shape, float("-inf"), device=valid.device)
-    for row, generator in enumerate(generators):
-        mask = valid[row]
-        uniform = torch.rand(int(mask.sum()), generator=generator, device=valid.device)
-        uniform = uniform.clamp_(min=1e-20, max=1.0 - 1e-7)
-        noise[row][mask] = -torch.log(-torch.log(uniform))
-    return noise
+    if seeds.shape[0] != valid.shape[0]:
+        raise ValueError(f"need one seed per row: got {seeds.shape[0]} for {valid.shape[0]} rows")
+    rows, *inner, slots = valid.shape
+    inner_index = torch.arange(math.prod(inner), dtype=torch.int64, device=valid.device).view(1, *inner, 1)
+    seeds = seeds.to(valid.device).view(rows, *([1] * len(inner)), 1)
+    hashed = noise.mix(seeds, inner_index, positions.to(valid.device).expand(valid.shape))
+    return noise.gumbel(hashed).masked_fill(~valid, float("-inf"))
 
 
 def keep_sampled(
@@ -115,14 +159,16 @@ def keep_sampled(
     valid: torch.Tensor,
     protected: torch.Tensor,
     k: int,
-    generators: Sequence[torch.Generator],
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
     temperature: float = 1.0,
 ) -> torch.Tensor:
     """Keep the protected tokens, then sample the rest without replacement, ``P ∝ weight``.
 
     Gumbel-top-k: the ``k`` largest ``log(weight) / temperature + Gumbel`` are an exact sample
     without replacement from the weights tempered by ``temperature``. Tokens of zero weight are
-    taken only when nothing else is left. Returns sorted indices ``[..., k]``.
+    taken only when nothing else is left. The noise comes from :func:`gumbel_noise` (``seeds``
+    ``[rows]``, ``positions`` the slots' logical positions). Returns sorted indices ``[..., k]``.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -130,11 +176,10 @@ def keep_sampled(
     weights, valid, protected = torch.broadcast_tensors(weights, valid, protected)
     _check_capacity(valid, protected, k)
     logw = weights.float().clamp(min=0).log() / temperature
-    noise = gumbel_noise(valid, generators)
+    draws = gumbel_noise(valid, seeds, positions)
     # Zero-weight tokens sort below every positive one but above padding.
-    perturbed = torch.where(torch.isfinite(logw), logw + noise, torch.full_like(logw, -1e30) + noise)
-    keys = _selection_keys(perturbed, valid, protected)
-    return keys.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
+    perturbed = torch.where(torch.isfinite(logw), logw + draws, torch.full_like(logw, -1e30) + draws)
+    return top_indices(_selection_keys(perturbed, valid, protected), k)
 
 
 def value_range(values: torch.Tensor) -> torch.Tensor:
@@ -162,6 +207,8 @@ def reserve_top(scores: torch.Tensor, *, valid: torch.Tensor, protected: torch.T
     keys = scores.float().nan_to_num(nan=float("-inf"), posinf=float("-inf"))
     keys = keys.masked_fill(~candidates, float("-inf"))
     room = (k - (protected & valid).sum(-1, keepdim=True)).clamp(min=0, max=m)
-    top = keys.topk(m, dim=-1, sorted=True)
-    take = (torch.arange(m, device=scores.device) < room) & torch.isfinite(top.values)
-    return mask.scatter_(-1, top.indices, take)
+    # Best first; ties go to the more recent token, as in top_indices.
+    flipped = torch.sort(keys.flip(-1), dim=-1, descending=True, stable=True)
+    values, indices = flipped.values[..., :m], scores.shape[-1] - 1 - flipped.indices[..., :m]
+    take = (torch.arange(m, device=scores.device) < room) & torch.isfinite(values)
+    return mask.scatter_(-1, indices, take)

@@ -10,7 +10,7 @@ import copy
 
 import torch
 
-from reasonkv import attention, select
+from reasonkv import attention, noise, select
 from reasonkv.contract import ModelInfo
 from reasonkv.recorded import Recorded
 
@@ -25,11 +25,11 @@ class EvictionView:
     """
 
     def __init__(
-        self, *, cache, recorded: Recorded, policy, rows, generators, info: ModelInfo, layer: int | None = None
+        self, *, cache, recorded: Recorded, policy, rows, row_seeds, info: ModelInfo, layer: int | None = None
     ):
         self.cache, self.recorded, self.policy = cache, recorded, policy
         self.rows = rows
-        self.generators = generators  # one torch.Generator per evicted row
+        self.row_seeds = row_seeds  # [rows] int64: the run's seed of each evicted row
         self.info = info
         self.layer = layer
         self.budget: int = cache.budget
@@ -74,6 +74,17 @@ class EvictionView:
         """``[rows, slots]``: real tokens (False: padding)."""
         return self._take(self.cache.valid)
 
+    @property
+    def seeds(self) -> torch.Tensor:
+        """Seeds for this eviction's random draws, ``[rows]`` int64: the row's seed mixed with how many
+        evictions the row had and the layer (see :mod:`reasonkv.noise`)."""
+        layer = -1 if self.layer is None else self.layer
+        return noise.mix(self.row_seeds, self.evictions_so_far, layer)
+
+    def slot_positions(self) -> torch.Tensor:
+        """Logical positions shaped like this view's scores: ``[rows, slots]`` or ``[rows, kv_heads, slots]``."""
+        return self.token_positions() if self.layer is None else self.positions()
+
     def valid_mask(self) -> torch.Tensor:
         """``valid`` shaped to broadcast against this view's scores."""
         return self.valid if self.layer is None else self.valid.unsqueeze(1)
@@ -94,7 +105,7 @@ class EvictionView:
 
     def protected(self) -> torch.Tensor:
         """Slots the policy's sinks / window / prompt protection keep, shaped like the scores."""
-        positions = self.token_positions() if self.layer is None else self.positions()
+        positions = self.slot_positions()
         p = self.policy
         return select.protected_mask(
             positions,
@@ -112,9 +123,10 @@ class EvictionView:
     def recent_queries(self, layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The last ``w`` queries: ``([rows, heads, w, head_dim], positions [rows, w], valid [rows, w])``."""
         window = self.recorded.windows.get(self._layer(layer))
-        if window is None or window.queries is None:
+        recorded = None if window is None else window.tensors()
+        if recorded is None:
             raise RuntimeError("no queries recorded: the policy must declare query_window in needs()")
-        return self._take(window.queries), self._take(window.positions), self._take(window.valid)
+        return tuple(self._take(t) for t in recorded)
 
     def window_attention(self, layer: int | None = None) -> torch.Tensor:
         """Attention of the recorded recent queries over the stored keys, ``[rows, heads, w, slots]``."""

@@ -37,26 +37,28 @@ def drive(
     policy: str,
     budget: int,
     buffer: int,
-    snapshot: Callable[[object], torch.Tensor] | None = None,
+    snapshot: Callable[[reasonkv.EvictingCache], torch.Tensor] | None = None,
     **options,
 ):
     """Prefill ``prompt``, then feed ``tokens`` one at a time (teacher forcing) through an evicting cache.
 
     ``policy`` and ``options`` go to :class:`reasonkv.EvictingCache`. ``snapshot``, if given, maps the
-    cache's policy to a tensor (say, row 0 of a score table); a clone of it is taken after the prefill
-    and after every decode step.
+    cache to a tensor (say, row 0 of its policy's score table); a clone of it is taken after the prefill
+    and after every decode step, so the owed attention is then handed over after every forward (the
+    per-step schedule) instead of before each eviction. Either way it is all handed over at detach.
 
     Returns ``(cache, held, snapshots)``: the detached cache; ``held[step][layer]``, the positions
     ``[kv_heads, slots]`` of row 0 held before decode step ``step`` (-1: padding); and the snapshots,
     one per forward pass (``len(tokens) + 1``; empty without ``snapshot``).
     """
     cache = reasonkv.EvictingCache(budget, buffer, model=model, policy=policy, **options)
+    cache.evictor.observer.defer = snapshot is None
     key, layers = cache_keyword(model), model.config.num_hidden_layers
     held, snapshots = [], []
 
     def record():
         if snapshot is not None:
-            snapshots.append(snapshot(cache.evictor.policy).clone())
+            snapshots.append(snapshot(cache).clone())
 
     with torch.inference_mode():
         model(input_ids=torch.tensor([prompt]), use_cache=True, **{key: cache})

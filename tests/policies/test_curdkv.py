@@ -123,12 +123,14 @@ def _column_leverage(y: torch.Tensor) -> torch.Tensor:
 
 
 def test_gaussian_projection_scale_and_per_row_streams():
-    generators = [torch.Generator().manual_seed(s) for s in (10, 11)]
-    g = gaussian_projection(generators, heads=4, dim=32, rank=20)
+    g = gaussian_projection(torch.tensor([10, 11]), heads=4, dim=32, rank=20)
     assert g.shape == (2, 4, 32, 20)
     assert abs(float(g.std()) - 1 / math.sqrt(20)) < 0.02
-    alone = gaussian_projection([torch.Generator().manual_seed(11)], heads=4, dim=32, rank=20)
+    assert abs(float(g.mean())) < 0.01
+    alone = gaussian_projection(torch.tensor([11]), heads=4, dim=32, rank=20)
     assert torch.equal(g[1], alone[0])  # a row's sketch does not depend on the batch around it
+    assert not torch.equal(g[0], g[1])
+    assert not torch.equal(g, gaussian_projection(torch.tensor([10, 11]), heads=4, dim=32, rank=20, stream=1))
 
 
 # --------------------------------------------------------------------------- the sketch's lifetime

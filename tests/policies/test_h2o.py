@@ -115,7 +115,7 @@ def test_recent_part_follows_the_budget_and_window():
     assert reasonkv.get_policy("h2o", window=12).recent(16) == 12
     assert reasonkv.get_policy("h2o", recent_ratio=0.0).recent(16) == 0
     needs = policy.needs(None)
-    assert needs.attention_last and needs.attention_sum and needs.query_window == 0
+    assert needs.attention_sum and not needs.attention_last and needs.query_window == 0
 
 
 @pytest.mark.parametrize("bad", [-0.1, 1.0, 2, "half", True, None])

@@ -55,7 +55,7 @@ def test_scores_equal_minus_key_norms(model_name):
         recorded=evictor.observer.recorded,
         policy=evictor.policy,
         rows=torch.tensor([0]),
-        generators=[],
+        row_seeds=torch.zeros(1, dtype=torch.long),
         info=evictor.info,
     )
     for layer, norms in enumerate(want):

@@ -91,7 +91,12 @@ def _prefilled(model, policy):
 def _view(cache, layer, budget):
     ev = cache.evictor
     view = EvictionView(
-        cache=cache, recorded=ev.observer.recorded, policy=ev.policy, rows=torch.arange(1), generators=[], info=ev.info
+        cache=cache,
+        recorded=ev.observer.recorded,
+        policy=ev.policy,
+        rows=torch.arange(1),
+        row_seeds=torch.zeros(1, dtype=torch.long),
+        info=ev.info,
     ).at(layer)
     view.budget = budget
     return view

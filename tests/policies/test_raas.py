@@ -18,7 +18,7 @@ THRESHOLD = 0.03  # the tiny model spreads ~1/40 per token: some tokens pass, ma
 
 
 # ---------------------------------------------------------------------------------------- helpers
-_drive = partial(drive, policy="raas", snapshot=lambda policy: policy.timestamps.data[0])
+_drive = partial(drive, policy="raas", snapshot=lambda cache: cache.evictor.policy.timestamps.data[0])
 
 
 def _reference_timestamps(probs, prompt_len, kv_heads, threshold, reduce="max"):

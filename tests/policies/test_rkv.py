@@ -36,7 +36,7 @@ def _view(cache, layer, budget=None):
         recorded=ev.observer.recorded,
         policy=ev.policy,
         rows=torch.arange(1),
-        generators=ev.generators,
+        row_seeds=ev.row_seeds,
         info=ev.info,
         layer=layer,
     )
@@ -165,6 +165,37 @@ def test_redundancy_equals_direct_loop_with_padding_and_chunks(retain):
         torch.testing.assert_close(got[1, head, 5:].double(), want1, atol=1e-6, rtol=1e-5)
     assert torch.all(got[1, :, :5] == 0)
     torch.testing.assert_close(got.sum(-1), torch.ones(2, 2))
+
+
+@pytest.mark.parametrize("retain", ["last", "first"])
+def test_redundancy_searched_in_small_blocks_equals_the_direct_loop(retain):
+    """Several doubling blocks of keys (2, 4, 8, 16 of 30), rows resolving at different blocks."""
+    keys = _planted_keys(slots=30)
+    keys[:, :, 25] = keys[:, :, 2] + 0.05 * torch.randn(2, 2, 8)  # a duplicate far from its twin
+    valid = torch.ones(2, 30, dtype=torch.bool)
+    valid[1, :3] = False
+    got = key_redundancy(keys, valid, threshold=0.5, retain=retain, block=2, chunk_elements=50)
+    for head in range(2):
+        torch.testing.assert_close(
+            got[0, head].double(), _redundancy_loop(keys[0, head], 0.5, retain), atol=1e-6, rtol=1e-5
+        )
+        torch.testing.assert_close(
+            got[1, head, 3:].double(), _redundancy_loop(keys[1, head, 3:], 0.5, retain), atol=1e-6, rtol=1e-5
+        )
+
+
+def test_a_duplicate_window_only_searches_the_most_recent_keys():
+    dim = 8
+    base = torch.eye(dim)
+    keys = torch.cat([base, base[2:3]]).view(1, 1, 9, dim)  # key 2 and its copy at slot 8, 6 slots apart
+    valid = torch.ones(1, 9, dtype=torch.bool)
+    exact = key_redundancy(keys, valid, retain="last")[0, 0]
+    near = key_redundancy(keys, valid, retain="last", duplicate_window=4, block=2)[0, 0]
+    far = key_redundancy(keys, valid, retain="last", duplicate_window=7, block=2)[0, 0]
+    assert torch.equal(far, exact)  # slot 2 is within the 7 newest keys of slot 8's search
+    assert near[2] > exact[2]  # slot 8's duplicate (slot 2) lies outside the 4 newest keys: no discount
+    with pytest.raises(ValueError, match="duplicate_window must be None or a positive integer"):
+        reasonkv.get_policy("rkv", duplicate_window=0)
 
 
 def test_the_most_recent_of_near_duplicates_is_least_redundant():

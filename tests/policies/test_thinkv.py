@@ -15,7 +15,7 @@ import reasonkv
 from conftest import tiny_llama
 from oracle import run_and_check
 from reasonkv import select
-from reasonkv.contract import ModelInfo, Step
+from reasonkv.contract import AttentionChunk, ModelInfo, Step
 from reasonkv.policies.thinkv import THOUGHT_TYPES, ThinKV, attention_sparsity, kde_thresholds, tertile_thresholds
 
 INFO = ModelInfo(num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4)
@@ -157,30 +157,44 @@ def _run_trace(policy: ThinKV, fractions: list[list[float]], layer_fractions: di
     policy.reset(INFO, 2, torch.device("cpu"))
     pad = max(PROMPTS) - min(PROMPTS)
     positions = torch.tensor([list(range(PROMPTS[0])), [-1] * pad + list(range(PROMPTS[1]))])
-    step = Step(input_valid=positions >= 0, input_positions=positions)
+    step = Step(input_valid=positions >= 0, input_positions=positions, position_bound=max(PROMPTS))
     uniform = (positions >= 0).float() / (positions >= 0).sum(-1, keepdim=True)
-    for layer in range(INFO.num_layers):
-        step.slot_positions[layer] = positions.unsqueeze(1)
-        step.attention_last[layer] = uniform.unsqueeze(1).expand(-1, 2, -1)
-    policy.observe(step)
+    _observe(policy, step, positions, [uniform] * INFO.num_layers)
     measured = [[], []]
     for per_row in fractions:
         newest = positions.amax(-1, keepdim=True) + 1
         positions = torch.cat([positions, newest], dim=1)
         valid = positions >= 0
-        step = Step(input_valid=torch.ones(2, 1, dtype=torch.bool), input_positions=newest)
+        step = Step(
+            input_valid=torch.ones(2, 1, dtype=torch.bool), input_positions=newest, position_bound=int(newest.max()) + 1
+        )
+        layer_rows = []
         for layer in range(INFO.num_layers):
             rows = torch.zeros(2, positions.shape[1])
             for r, fraction in enumerate(per_row):
                 fraction = (layer_fractions or {}).get(layer, fraction)
                 weights = torch.tensor(_row(fraction, int(valid[r].sum())))
                 rows[r, valid[r]] = weights / weights.sum()
-            step.slot_positions[layer] = positions.unsqueeze(1)
-            step.attention_last[layer] = rows.unsqueeze(1).expand(-1, 2, -1)
+            layer_rows.append(rows)
         for r, fraction in enumerate(per_row):
             measured[r].append(ref_sparsity(_row(fraction, int(valid[r].sum()))))
-        policy.observe(step)
+        _observe(policy, step, positions, layer_rows)
     return positions, measured
+
+
+def _observe(policy: ThinKV, step: Step, positions: torch.Tensor, layer_rows: list[torch.Tensor]) -> None:
+    """Hand the policy one forward: its step, then each layer's newest-query row ``[2, slots]``."""
+    policy.observe(step)
+    for layer, rows in enumerate(layer_rows):
+        chunk = AttentionChunk(
+            layer=layer,
+            slot_positions=positions.unsqueeze(1),
+            query_positions=step.input_positions[:, -1:].masked_fill(~step.input_valid[:, -1:], -1),
+            visible=(positions >= 0).unsqueeze(1),
+            position_bound=step.position_bound,
+            rows=rows.view(2, 1, 1, -1).expand(-1, 2, -1, -1),
+        )
+        policy.observe_attention(chunk)
 
 
 def _expected_types(measured: list[float], refresh: int, thresholds) -> list[int]:
@@ -201,7 +215,7 @@ def test_sparsity_counts_near_zero_weights_of_real_keys():
     generator = torch.Generator().manual_seed(0)
     rows = torch.rand(3, 4, 9, generator=generator) ** 6
     valid = torch.rand(3, 9, generator=generator) > 0.3
-    got = attention_sparsity(rows, valid, 0.05)
+    got = attention_sparsity(rows, valid.unsqueeze(1), 0.05)
     for b in range(3):
         for h in range(4):
             weights = [float(rows[b, h, s]) for s in range(9) if valid[b, s]]

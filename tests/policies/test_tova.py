@@ -11,13 +11,35 @@ import reasonkv
 from attention_reference import drive, eager_attentions, masked_attentions
 from conftest import TINY_MODELS, tiny_llama
 from reasonkv.hf import cache_keyword
+from reasonkv.view import EvictionView
 
 PROMPT = [4 + (17 * i) % 85 for i in range(12)]
 TOKENS = [9 + (31 * i) % 80 for i in range(30)]
 
 
 # ---------------------------------------------------------------------------------------- helpers
-_drive = partial(drive, policy="tova", snapshot=lambda policy: policy.last_attention.data[0])
+def _scores_by_position(cache) -> torch.Tensor:
+    """What TOVA would score row 0's held tokens now, by logical position: ``[layers, kv_heads, positions]``
+    (0 where nothing is held)."""
+    evictor = cache.evictor
+    view = EvictionView(
+        cache=cache,
+        recorded=evictor.observer.recorded,
+        policy=evictor.policy,
+        rows=torch.tensor([0]),
+        row_seeds=evictor.row_seeds[:1],
+        info=evictor.info,
+    )
+    layers = []
+    for layer in range(len(cache.layers)):
+        positions = cache.positions(layer)[0]  # [kv_heads, slots]
+        score = evictor.policy.score(view.at(layer))[0]
+        table = torch.zeros(positions.shape[0], cache.seen + 1)
+        layers.append(table.scatter(1, positions.clamp(min=0), torch.where(positions >= 0, score, 0.0)))
+    return torch.stack(layers)
+
+
+_drive = partial(drive, policy="tova", snapshot=_scores_by_position)
 
 
 # ------------------------------------------------------------------------------------------ tests
@@ -78,25 +100,31 @@ def test_buffer_zero_is_tova_one_token_per_step():
 
 
 def test_scores_with_eviction_equal_masked_newest_rows():
-    """With eviction the table, on the positions held, equals the newest masked row (mean over heads)."""
+    """With eviction, the score of each held position equals the newest masked row (mean over heads).
+    (Checked after the forwards that did not evict: after an eviction the cache holds less.)"""
     model = tiny_llama()
     cache, held, tables = _drive(model, PROMPT, TOKENS, budget=16, buffer=4)
     assert cache.evictions >= 5
     ids = PROMPT + TOKENS
     probs = masked_attentions(model, ids, len(PROMPT), held)
-    for step in range(len(held)):
+    checked = 0
+    for step in range(len(held) - 1):
         t = len(PROMPT) + step
         table = tables[step + 1]
         for layer, p in enumerate(probs):
             positions = held[step][layer][0].tolist() + [t]
+            if sorted(held[step + 1][layer][0].tolist()) != sorted(positions):
+                continue  # this forward evicted
             want = p[:, t, positions].mean(0)
             torch.testing.assert_close(table[layer, 0, positions].double(), want, atol=2e-6, rtol=1e-5)
             torch.testing.assert_close(table[layer, 1, positions], table[layer, 0, positions])
+            checked += 1
+    assert checked >= 3 * 15
 
 
-def test_needs_only_the_newest_row():
+def test_needs_only_the_newest_query():
     needs = reasonkv.get_policy("tova").needs(None)
-    assert needs.attention_last and not needs.attention_sum and needs.query_window == 0
+    assert needs.query_window == 1 and not needs.attention_last and not needs.attention_sum
 
 
 @pytest.mark.parametrize("bad", [1, "yes", None])
@@ -109,7 +137,7 @@ def test_chunked_forward_equals_single_steps():
     """``chunk_exact``: feeding tokens in one forward leaves the same scores as one at a time."""
     model = tiny_llama()
     tokens = TOKENS[:10]
-    single, *_ = _drive(model, PROMPT, tokens, budget=500, buffer=8)
+    single, *_ = _drive(model, PROMPT, tokens, budget=500, buffer=8, snapshot=None)
     chunked = reasonkv.EvictingCache(500, 8, model=model, policy="tova")
     key = cache_keyword(model)
     with torch.inference_mode():
@@ -119,8 +147,5 @@ def test_chunked_forward_equals_single_steps():
     total = len(PROMPT) + len(tokens)
     assert chunked.evictor.policy.chunk_exact
     torch.testing.assert_close(
-        chunked.evictor.policy.last_attention.data[..., :total],
-        single.evictor.policy.last_attention.data[..., :total],
-        atol=1e-6,
-        rtol=1e-5,
+        _scores_by_position(chunked)[..., :total], _scores_by_position(single)[..., :total], atol=1e-6, rtol=1e-5
     )

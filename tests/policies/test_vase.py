@@ -29,7 +29,7 @@ class FakeView:
         rows, heads, slots = weights.shape
         self.policy, self.budget, self.layer = policy, budget, 0
         self.rows = torch.arange(rows)
-        self.generators = [torch.Generator().manual_seed(s) for s in seeds]
+        self.seeds = torch.tensor(list(seeds), dtype=torch.int64)
         self.info = ModelInfo(num_layers=1, num_heads=heads, num_kv_heads=heads, head_dim=4)
         self.valid = torch.ones(rows, slots, dtype=torch.bool)
         for row, n in enumerate(padding or []):

@@ -378,6 +378,7 @@ def measure_prefilled(
         sync_timing=sync_timing and device.type == "cuda",
         **options,
     )
+    cache.reserve(length)  # as reasonkv.generate does: the buffers are allocated once, at the size the run needs
     forward = Forward(model)
     try:
         with torch.inference_mode():

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 import torch
 
 from reasonkv import select
-from reasonkv.contract import ModelInfo, Needs, Step
+from reasonkv.contract import AttentionChunk, ModelInfo, Needs, Step
 
 if TYPE_CHECKING:
     from reasonkv.view import EvictionView
@@ -72,6 +72,10 @@ class Policy:
     def observe(self, step: Step) -> None:
         """After every forward pass (stateful policies accumulate here)."""
 
+    def observe_attention(self, chunk: AttentionChunk) -> None:
+        """Attention owed for ``Needs.attention_last`` / ``attention_sum``, per layer, in the order the
+        queries came; always before the eviction that follows them (see :mod:`reasonkv.observe`)."""
+
     # -- eviction -------------------------------------------------------------------------------
     def score(self, view: EvictionView) -> torch.Tensor:
         """Scores of the stored slots, higher = keep: ``[rows, slots]`` or ``[rows, kv_heads, slots]``."""
@@ -80,6 +84,11 @@ class Policy:
     def keep(self, view: EvictionView) -> torch.Tensor:
         """Indices of the slots to keep, ``[rows, budget]`` or ``[rows, kv_heads, budget]``."""
         return select.keep_top(self.score(view), valid=view.valid_mask(), protected=view.protected(), k=view.budget)
+
+    def keep_layers(self, view: EvictionView) -> list[torch.Tensor]:
+        """Head granularity: the kept indices of every layer, ``keep(view.at(layer))`` each. A policy may
+        override it to do work for all layers at once (one batched pass instead of one per layer)."""
+        return [self.keep(view.at(layer)) for layer in range(view.info.num_layers)]
 
     # -- description ----------------------------------------------------------------------------
     @classmethod

@@ -15,6 +15,9 @@ class PositionTable:
     attention mass, a timestamp) here rather than aligned to cache slots: eviction reorders slots
     but never changes a token's logical position, so nothing has to follow the cache's gathers.
     Memory is O(tokens) scalars per inner index. Capacity grows by doubling.
+
+    Writers pass ``bound``, a host-side number above every position written (``Step.position_bound``),
+    so that sizing the table never reads a device value; without it the largest position is read.
     """
 
     def __init__(self, batch: int, inner: tuple[int, ...] = (), *, fill: float = 0.0, device=None):
@@ -40,33 +43,51 @@ class PositionTable:
         grown[..., :capacity] = self.data[..., :capacity]
         self.data = grown
 
-    def _index(self, positions: torch.Tensor, padding_to: int = 0) -> torch.Tensor:
-        """Broadcast ``positions`` to the table's leading dims; padding (-1) maps to ``padding_to``."""
-        index = torch.where(positions < 0, padding_to, positions)
-        while index.dim() < self.data.dim():
-            index = index.unsqueeze(1)
-        return index.expand(*self.data.shape[:-1], index.shape[-1])
+    def _target(self, at: tuple[int, ...]) -> torch.Tensor:
+        """The table, or the view of it at leading inner indices ``at`` (a layer, say)."""
+        return self.data[(slice(None), *at)] if at else self.data
 
-    def get(self, positions: torch.Tensor) -> torch.Tensor:
-        """Values at ``positions`` (``[batch, S]`` or ``[batch, *inner, S]``); padding reads ``fill``."""
-        self._reserve(int(positions.max()) + 1 if positions.numel() else 1)
-        values = self.data.gather(-1, self._index(positions))
+    @staticmethod
+    def _index(target: torch.Tensor, positions: torch.Tensor, padding_to: int = 0) -> torch.Tensor:
+        """Broadcast ``positions`` to ``target``'s leading dims; padding (-1) maps to ``padding_to``."""
+        index = torch.where(positions < 0, padding_to, positions)
+        while index.dim() < target.dim():
+            index = index.unsqueeze(1)
+        return index.expand(*target.shape[:-1], index.shape[-1])
+
+    def _bound(self, positions: torch.Tensor, bound: int | None) -> None:
+        self._reserve(bound if bound is not None else int(positions.max()) + 1 if positions.numel() else 1)
+
+    def get(self, positions: torch.Tensor, bound: int | None = None, at: tuple[int, ...] = ()) -> torch.Tensor:
+        """Values at ``positions`` (``[batch, S]`` or ``[batch, *inner, S]``); padding reads ``fill``.
+
+        ``at`` fixes leading inner indices first (``at=(layer,)`` on a ``[batch, layers, heads, T]`` table).
+        """
+        self._bound(positions, bound)
+        target = self._target(at)
+        values = target.gather(-1, self._index(target, positions))
         pad = positions < 0
         while pad.dim() < values.dim():
             pad = pad.unsqueeze(1)
         return values.masked_fill(pad, self.fill)
 
-    def set(self, positions: torch.Tensor, values: torch.Tensor) -> None:
+    def set(
+        self, positions: torch.Tensor, values: torch.Tensor, bound: int | None = None, at: tuple[int, ...] = ()
+    ) -> None:
         """Write ``values`` at ``positions``; entries at padding positions (-1) are not written."""
-        self._reserve(int(positions.max()) + 1 if positions.numel() else 1)
-        index = self._index(positions, padding_to=self.capacity)
-        self.data.scatter_(-1, index, values.float().expand(index.shape))
+        self._bound(positions, bound)
+        target = self._target(at)
+        index = self._index(target, positions, padding_to=self.capacity)
+        target.scatter_(-1, index, values.float().expand(index.shape))
 
-    def add(self, positions: torch.Tensor, values: torch.Tensor) -> None:
+    def add(
+        self, positions: torch.Tensor, values: torch.Tensor, bound: int | None = None, at: tuple[int, ...] = ()
+    ) -> None:
         """Add ``values`` at ``positions`` (padding ignored; repeated positions accumulate)."""
-        self._reserve(int(positions.max()) + 1 if positions.numel() else 1)
-        index = self._index(positions, padding_to=self.capacity)
-        self.data.scatter_add_(-1, index, values.float().expand(index.shape))
+        self._bound(positions, bound)
+        target = self._target(at)
+        index = self._index(target, positions, padding_to=self.capacity)
+        target.scatter_add_(-1, index, values.float().expand(index.shape))
 
     def lookup(self, rows: torch.Tensor, positions: torch.Tensor, *inner: int) -> torch.Tensor:
         """Values for some batch ``rows`` at ``positions``, after fixing leading inner indices.

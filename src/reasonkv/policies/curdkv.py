@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from reasonkv import noise
 from reasonkv.policies import register
 from reasonkv.policies.base import Policy
 from reasonkv.policies.leverage import COMBINE_METHODS, LEVERAGE_METHODS, dkv_scores, gaussian_projection
@@ -37,8 +38,8 @@ class CurDKV(Policy):
     ``N(0, 1/r)``. Each token's key leverage and value leverage (see ``leverage``) are normalised
     within local windows of ``local_window`` tokens, multiplied, and the top-scoring tokens fill what
     the protected ones leave of the budget. The policy reads only the cached K/V: no queries, no
-    attention. ``G`` is fixed for the run: each row draws one ``G`` per (layer, kv head) from its
-    own seeded generator at its first eviction and reuses it at every later one (VASE's
+    attention. ``G`` is fixed for the run: one ``G`` per (row, layer, kv head), keyed by the row's
+    seed and the layer (:mod:`reasonkv.noise`), the same at every eviction (VASE's
     "CUR fixed"; ``vase-dkv`` redraws it at every eviction). The kept set therefore depends on the
     seed unless ``rank=0``.
 
@@ -103,45 +104,25 @@ class CurDKV(Policy):
     def _clear(self) -> None:
         # layer -> the (G_k, G_v) of the latest eviction, [rows, kv_heads, d, r] each (for inspection)
         self.projections: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
-        self._fixed: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # layer -> (G_k, G_v, drawn)
 
     def reset(self, info, batch: int, device: torch.device) -> None:
         self._clear()
 
     # -- the sketch ------------------------------------------------------------------------------
-    def _draw(self, generators, heads: int, d_key: int, d_value: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A fresh ``(G_k, G_v)`` per generator (row), ``[rows, kv_heads, d, r]`` each; shared when d agrees."""
-        key_projection = gaussian_projection(generators, heads, d_key, self.rank)
+    def _draw(self, seeds: torch.Tensor, heads: int, d_key: int, d_value: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(G_k, G_v)`` keyed by ``seeds`` (one per row), ``[rows, kv_heads, d, r]`` each; shared when d agrees."""
+        key_projection = gaussian_projection(seeds, heads, d_key, self.rank, stream=0)
         if d_value == d_key:
             return key_projection, key_projection
-        return key_projection, gaussian_projection(generators, heads, d_value, self.rank)
+        return key_projection, gaussian_projection(seeds, heads, d_value, self.rank, stream=1)
 
     def projection(self, view) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(G_k, G_v)`` for this eviction's rows: drawn at each row's first eviction, then reused."""
+        """``(G_k, G_v)`` for this eviction's rows: the same at every eviction (keyed by the row's seed and layer)."""
         if self.rank == 0:
             return None
         keys, values = view.keys(), view.values()
-        heads, d_key, d_value = keys.shape[1], keys.shape[-1], values.shape[-1]
-        rows = view.rows.cpu()
-        g_key, g_value, drawn = self._fixed.get(view.layer, (None, None, torch.zeros(0, dtype=torch.bool)))
-        if drawn.shape[0] <= int(rows.max()):  # first eviction of this run (or a larger batch): make room
-            size = int(rows.max()) + 1
-            grown_key = keys.new_zeros((size, heads, d_key, self.rank), dtype=torch.float32)
-            grown_value = keys.new_zeros((size, heads, d_value, self.rank), dtype=torch.float32)
-            grown_drawn = torch.zeros(size, dtype=torch.bool)
-            if g_key is not None:
-                grown_key[: drawn.shape[0]], grown_value[: drawn.shape[0]] = g_key, g_value
-                grown_drawn[: drawn.shape[0]] = drawn
-            g_key, g_value, drawn = grown_key, grown_value, grown_drawn
-            self._fixed[view.layer] = (g_key, g_value, drawn)
-        fresh = ~drawn[rows]
-        if bool(fresh.any()):
-            generators = [g for g, new in zip(view.generators, fresh.tolist(), strict=True) if new]
-            target = rows[fresh].to(g_key.device)
-            g_key[target], g_value[target] = self._draw(generators, heads, d_key, d_value)
-            drawn[rows[fresh]] = True
-        index = rows.to(g_key.device)
-        return g_key[index], g_value[index]
+        seeds = noise.mix(view.row_seeds, view.layer)
+        return self._draw(seeds, keys.shape[1], keys.shape[-1], values.shape[-1])
 
     # -- scoring ---------------------------------------------------------------------------------
     def score(self, view) -> torch.Tensor:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from reasonkv import select
-from reasonkv.contract import Needs, Step
+from reasonkv.contract import AttentionChunk, Needs
 from reasonkv.policies import register
 from reasonkv.policies.base import Policy
 from reasonkv.policies.common import PositionTable, group_mean
@@ -22,12 +22,12 @@ class H2O(Policy):
     has accumulated from every query since it arrived, and splits the budget between the
     highest-scoring tokens (heavy hitters) and a window of the most recent tokens.
 
-    How the score is computed here: the observer recomputes, after each forward pass, the
-    attention of that pass's queries over the stored keys (``Needs.attention_sum``: the column
-    sums over all prompt queries at prefill, causal; the newest query's row at each decode step),
-    from the recorded query and the cached keys. The model itself runs SDPA / FlashAttention and
-    is never asked for attention weights. The sums are added into a table indexed by logical
-    position, one per (layer, kv-head), so eviction never has to move them.
+    How the score is computed here: the attention every query paid to the stored keys
+    (``Needs.attention_sum``: the column sums over all prompt queries at prefill, causal; each
+    decode step's query row, recomputed in one batched pass before the next eviction with exactly
+    the keys it saw), from the recorded queries and the cached keys. The model itself runs SDPA /
+    FlashAttention and is never asked for attention weights. The sums are added into a table
+    indexed by logical position, one per (layer, kv-head), so eviction never has to move them.
 
     Choices where the paper leaves room
     -----------------------------------
@@ -87,23 +87,18 @@ class H2O(Policy):
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio < 1:
             raise ValueError(f"{self.name}: recent_ratio must be a number in [0, 1), got {ratio!r}")
         self.accumulated: PositionTable | None = None
-        self._layers = 0
         self._kv_heads = 0
 
     def needs(self, info) -> Needs:
-        return Needs(attention_last=True, attention_sum=True)
+        return Needs(attention_sum=True)
 
     def reset(self, info, batch: int, device: torch.device) -> None:
-        self._layers, self._kv_heads = info.num_layers, info.num_kv_heads
+        self._kv_heads = info.num_kv_heads
         self.accumulated = PositionTable(batch, (info.num_layers, info.num_kv_heads), device=device)
 
-    def observe(self, step: Step) -> None:
-        if not step.attention_sum:
-            return
-        layers = range(self._layers)
-        mass = torch.stack([group_mean(step.attention_sum[i], self._kv_heads) for i in layers], 1)
-        positions = torch.stack([step.slot_positions[i] for i in layers], 1)
-        self.accumulated.add(positions, mass)  # [batch, layers, kv_heads, slots]
+    def observe_attention(self, chunk: AttentionChunk) -> None:
+        mass = group_mean(chunk.column_sums, self._kv_heads)  # [batch, kv_heads, slots]
+        self.accumulated.add(chunk.slot_positions, mass, bound=chunk.position_bound, at=(chunk.layer,))
 
     def recent(self, budget: int) -> int:
         """How many of the most recent tokens are protected under budget ``K``."""

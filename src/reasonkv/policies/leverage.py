@@ -14,9 +14,10 @@ Everything here works on ``[rows, heads, slots, dim]`` tensors plus a ``[rows, s
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import torch
+
+from reasonkv import noise
 
 __all__ = [
     "LEVERAGE_METHODS",
@@ -32,14 +33,13 @@ LEVERAGE_METHODS = ("columns", "orthonormal", "norm")
 COMBINE_METHODS = ("product", "mean", "key", "value")
 
 
-def gaussian_projection(generators: Sequence[torch.Generator], heads: int, dim: int, rank: int) -> torch.Tensor:
+def gaussian_projection(seeds: torch.Tensor, heads: int, dim: int, rank: int, stream: int = 0) -> torch.Tensor:
     """One Gaussian sketch per row and head, ``[rows, heads, dim, rank]``, entries ``N(0, 1/rank)``.
 
-    Row ``i`` draws its ``heads * dim * rank`` numbers from ``generators[i]`` alone, so a row's
-    projection depends only on its own seed and history, not on the batch around it.
+    Row ``i``'s numbers are keyed by ``seeds[i]`` (int64) and ``stream`` alone, so a row's projection
+    depends only on its own seed, not on the batch around it (nor on the device).
     """
-    draws = [torch.randn(heads, dim, rank, generator=g, device=g.device) for g in generators]
-    return torch.stack(draws) / math.sqrt(rank)
+    return noise.normal(seeds, (heads, dim, rank), stream) / math.sqrt(rank)
 
 
 def sketch(x: torch.Tensor, projection: torch.Tensor | None) -> torch.Tensor:

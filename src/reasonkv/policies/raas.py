@@ -26,11 +26,12 @@ class RaaS(Policy):
     is full evicts the tokens with the oldest timestamps (least recently useful: LRU). Prefill
     tokens are all kept, because the question keeps being consulted throughout the reasoning.
 
-    How the signal is computed here: after every forward pass the observer recomputes the
-    attention row of that pass's newest query over the stored keys (``Needs.attention_last``),
-    from the recorded query and the cached keys; the model runs SDPA / FlashAttention and is never
-    asked for attention weights. The timestamps live in a table indexed by logical position, per
-    (layer, kv-head), so eviction never has to move them.
+    How the signal is computed here: the attention row of every forward's newest query over the
+    keys it saw (``Needs.attention_last``), recomputed from the recorded queries and the cached keys
+    in one batched pass before the next eviction (the refreshes are applied in the order the
+    queries came, which leaves the same timestamps as refreshing at every step); the model runs
+    SDPA / FlashAttention and is never asked for attention weights. The timestamps live in a table
+    indexed by logical position, per (layer, kv-head), so eviction never has to move them.
 
     Choices where the paper leaves room
     -----------------------------------
@@ -106,35 +107,34 @@ class RaaS(Policy):
         if not isinstance(self.protect_prompt, bool):
             raise ValueError(f"{self.name}: protect_prompt must be True or False, got {self.protect_prompt!r}")
         self.timestamps: PositionTable | None = None
-        self._layers = 0
         self._kv_heads = 0
 
     def needs(self, info) -> Needs:
         return Needs(attention_last=True)
 
     def reset(self, info, batch: int, device: torch.device) -> None:
-        self._layers, self._kv_heads = info.num_layers, info.num_kv_heads
+        self._kv_heads = info.num_kv_heads
         self.timestamps = PositionTable(batch, (info.num_layers, info.num_kv_heads), fill=-1.0, device=device)
 
     def _per_kv_head(self, attention: torch.Tensor) -> torch.Tensor:
-        """``[batch, query_heads, slots] -> [batch, kv_heads, slots]``, following ``repeat_kv``'s head order."""
-        b, hq, s = attention.shape
-        grouped = attention.view(b, self._kv_heads, hq // self._kv_heads, s)
+        """``[batch, query_heads, n, slots] -> [batch, kv_heads, n, slots]``, following ``repeat_kv``'s head order."""
+        b, hq = attention.shape[:2]
+        grouped = attention.view(b, self._kv_heads, hq // self._kv_heads, *attention.shape[2:])
         return grouped.amax(2) if self.group_reduce == "max" else grouped.mean(2)
 
     def observe(self, step: Step) -> None:
-        table = self.timestamps
         arriving = step.input_positions  # [batch, q], -1 for padding
-        table.add(arriving, arriving.float()[:, None, None, :] + 1.0)  # unseen positions hold -1: now their own
-        if not step.attention_last:
-            return
-        layers = range(self._layers)
-        attention = torch.stack([self._per_kv_head(step.attention_last[i]) for i in layers], 1)
-        positions = torch.stack([step.slot_positions[i] for i in layers], 1)  # [batch, layers, kv_heads, slots]
-        now = step.input_positions[:, -1].view(-1, 1, 1, 1)  # the newest query's position (-1: padding)
-        used = (attention > self.threshold) & (positions >= 0) & (now >= 0)
-        refresh = torch.where(used, now.float() - table.get(positions), torch.zeros_like(attention))
-        table.add(positions, refresh)
+        # Unseen positions hold -1: arriving is a use, at the token's own position.
+        self.timestamps.add(arriving, arriving.float()[:, None, None, :] + 1.0, bound=step.position_bound)
+
+    def observe_attention(self, chunk) -> None:
+        attention = self._per_kv_head(chunk.rows)  # [batch, kv_heads, n, slots]
+        now = chunk.query_positions.view(chunk.query_positions.shape[0], 1, -1, 1)  # -1: padding query
+        used = (attention > self.threshold) & (now >= 0)
+        latest = torch.where(used, now.float(), -1.0).amax(2)  # [batch, kv_heads, slots]: last use of each key
+        at, bound = (chunk.layer,), chunk.position_bound
+        stamps = self.timestamps.get(chunk.slot_positions, bound=bound, at=at)
+        self.timestamps.set(chunk.slot_positions, torch.maximum(stamps, latest), bound=bound, at=at)
 
     def score(self, view) -> torch.Tensor:
         positions = view.positions()

@@ -24,5 +24,10 @@ class Random(Policy):
     def keep(self, view) -> torch.Tensor:
         weights = torch.ones_like(view.valid, dtype=torch.float32)
         return select.keep_sampled(
-            weights, valid=view.valid, protected=view.protected(), k=view.budget, generators=view.generators
+            weights,
+            valid=view.valid,
+            protected=view.protected(),
+            k=view.budget,
+            seeds=view.seeds,
+            positions=view.token_positions(),
         )

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from reasonkv import select
 from reasonkv.attention import grouped_logits, masked_softmax
 from reasonkv.contract import Needs
 from reasonkv.policies import register
@@ -76,44 +77,92 @@ def key_redundancy(
     *,
     threshold: float = 0.5,
     retain: str = "last",
+    duplicate_window: int | None = None,
+    block: int = 128,
     chunk_elements: int = 1 << 24,
 ) -> torch.Tensor:
-    """R-KV redundancy of every stored key: ``[rows, kv_heads, slots]`` (a distribution over valid slots).
+    """R-KV redundancy of every stored key: ``[rows, heads, slots]`` (a distribution over valid slots).
 
     For each head: ``S = cos(k_i, k_j)`` with the diagonal set to 0. For each token ``i``, among the
     tokens ``j`` with ``S_ij > threshold``, the most recent (``retain="last"``; ``"first"``: the
     oldest; ``"none"``: no discount) has ``S_ij`` set to 0, so that of several near-duplicates the
     retained copy collects less redundancy. Redundancy is ``softmax_j(mean_i S_ij)`` over the real
     tokens. Padding slots (``valid == False``, ``valid`` is ``[rows, slots]``) take no part and get 0.
+    Slots are assumed to be in position order (the cache keeps them so).
 
-    Rows of ``S`` are built ``chunk_elements`` entries at a time, so memory stays ``O(chunk)``
-    instead of ``O(slots^2)``. Slots are assumed to be in position order (the cache keeps them so).
+    Computed without the ``slots x slots`` matrix: the column sums ``sum_i S_ij`` are
+    ``u_j . sum_i u_i`` of the unit keys (``O(slots)``), and each row's discounted duplicate is
+    searched block by block of keys, most recent first (oldest first for ``"first"``), blocks
+    doubling from ``block``, for only the rows still without one (keys of real models mostly find one
+    in the first blocks; unrelated keys make this the full ``O(slots^2)`` search). Memory stays
+    ``O(chunk_elements)``; the host reads one count per block.
+
+    ``duplicate_window`` (default ``None``: exact) searches only that many of the most recent keys:
+    a row whose duplicate is older gets no discount. An approximation, for a bounded cost.
     """
     b, h, s, _ = keys.shape
     unit = keys.float()
     unit = unit / (unit.norm(dim=-1, keepdim=True) + 1e-8)
-    slot = torch.arange(s, device=keys.device)
-    key_valid = valid.view(b, 1, 1, s)
-    column = unit.new_zeros((b, h, s))
-    chunk = max(1, chunk_elements // max(1, b * h * s))
-    for start in range(0, s, chunk):
-        rows = unit[:, :, start : start + chunk]
-        c = rows.shape[2]
-        row_slot = slot[start : start + c].view(1, 1, c, 1)
-        usable = key_valid & valid[:, start : start + c].view(b, 1, c, 1) & (row_slot != slot.view(1, 1, 1, s))
-        sim = torch.matmul(rows, unit.transpose(2, 3)).masked_fill(~usable, 0.0)
-        if retain != "none":
-            match = usable & (sim > threshold)
-            if retain == "last":
-                pick = torch.where(match, slot.view(1, 1, 1, s), -1).argmax(-1, keepdim=True)
-            else:
-                pick = torch.where(match, slot.view(1, 1, 1, s), s).argmin(-1, keepdim=True)
-            found = match.any(-1, keepdim=True)
-            sim = sim.scatter(-1, pick, torch.where(found, 0.0, sim.gather(-1, pick)))
-        column += sim.sum(2)
+    unit = unit * valid.view(b, 1, s, 1)  # padding takes no part, as a row or as a column
+    column = torch.einsum("bhsd,bhd->bhs", unit, unit.sum(2)) - (unit * unit).sum(-1)  # sum over i != j
+    if retain != "none":
+        reach = s if duplicate_window is None else min(s, duplicate_window)
+        column = column - _duplicate_discount(unit, valid, threshold, retain == "last", reach, block, chunk_elements)
     count = valid.sum(-1).clamp(min=1).view(b, 1, 1)
     mean = (column / count).masked_fill(~valid.view(b, 1, s), float("-inf"))
     return mean.softmax(-1).nan_to_num(0.0)
+
+
+def _duplicate_discount(
+    unit: torch.Tensor, valid: torch.Tensor, threshold: float, last: bool, reach: int, block: int, chunk_elements: int
+) -> torch.Tensor:
+    """``[rows, heads, slots]``: per column ``j``, the sum of ``S_ij`` over the rows ``i`` whose discounted
+    near-duplicate is ``j`` (the most recent ``j != i`` with ``S_ij > threshold``, or the oldest), searched
+    among the ``reach`` most recent (or oldest) keys."""
+    b, h, s, d = unit.shape
+    flat = unit.reshape(b * h, s, d)
+    key_valid = valid.repeat_interleave(h, dim=0)  # [b * h, s]
+    pending = key_valid.clone()  # rows still looking for their duplicate
+    pick = torch.full((b * h, s), -1, dtype=torch.long, device=unit.device)
+    pick_sim = unit.new_zeros((b * h, s))
+    everyone = torch.arange(s, device=unit.device).expand(b * h, s)
+    near, width = 0, block
+    while near < reach:
+        far = min(reach, near + width)
+        lo, hi = (s - far, s - near) if last else (near, far)
+        near, width = far, 2 * width
+        count = int(pending.sum(-1).max())  # the one host read of a block
+        if count == 0:
+            break
+        # The rows still looking come first (all of them at the first block, in slot order).
+        rows = everyone if count == s else torch.sort((~pending).to(torch.int8), dim=-1, stable=True).indices[:, :count]
+        # Keys in the order of preference (the most recent first for "last"), so that the first match wins.
+        keys = flat[:, lo:hi].flip(1) if last else flat[:, lo:hi]
+        if threshold < 0:  # padding keys (zero vectors) would match a negative threshold
+            valid_keys = key_valid[:, lo:hi].flip(1) if last else key_valid[:, lo:hi]
+            keys = keys.masked_fill(~valid_keys.unsqueeze(-1), float("nan"))
+        step = max(1, chunk_elements // max(1, b * h * (hi - lo)))
+        for start in range(0, count, step):
+            part = rows[:, start : start + step]  # [b * h, c]
+            queries = (
+                flat[:, start : start + step] if count == s else flat.gather(1, part.unsqueeze(-1).expand(-1, -1, d))
+            )
+            sim = torch.bmm(queries, keys.transpose(1, 2))
+            own = (hi - 1 - part) if last else (part - lo)  # a row's own key (if in this block) never matches
+            inside = (own >= 0) & (own < hi - lo)
+            own = own.clamp(0, hi - lo - 1).unsqueeze(-1)
+            sim.scatter_(-1, own, torch.where(inside.unsqueeze(-1), -2.0, sim.gather(-1, own)))
+            match = sim > threshold
+            best = match.view(torch.uint8).argmax(-1)  # the first match in order of preference
+            hit = match.gather(-1, best.unsqueeze(-1)).squeeze(-1) & pending.gather(1, part)
+            found_sim = sim.gather(-1, best.unsqueeze(-1)).squeeze(-1)
+            column = (hi - 1 - best) if last else (lo + best)
+            pick.scatter_(1, part, torch.where(hit, column, pick.gather(1, part)))
+            pick_sim.scatter_(1, part, torch.where(hit, found_sim, pick_sim.gather(1, part)))
+            pending.scatter_(1, part, pending.gather(1, part) & ~hit)
+    discount = unit.new_zeros((b * h, s))
+    discount.scatter_add_(1, pick.clamp(min=0), torch.where(pick >= 0, pick_sim, 0.0))
+    return discount.view(b, h, s)
 
 
 @register
@@ -145,6 +194,12 @@ class RKV(Policy):
     pooling
         How the query heads of a GQA group are merged: ``"max"`` (code default) or ``"mean"`` of
         the logits.
+    duplicate_window
+        Search each token's near-duplicate among this many most recent keys only (default ``None``:
+        all, exact). An approximation that bounds an eviction's cost: the exact search is
+        ``O(slots^2)`` per head when keys have no near-duplicate, seconds on a CPU for a few
+        thousand cached tokens; with 256 it stays ``O(256 slots)``. Rows whose only duplicates
+        are older get no discount.
     sinks, protect_prompt
         As for every policy. ``sinks`` defaults to 4 (METHODS.md); R-KV itself has no sinks, set
         ``sinks=0`` to reproduce it exactly.
@@ -163,8 +218,9 @@ class RKV(Policy):
       similarities below the threshold still count towards the mean, as in the code. One deviation:
       when a token has no near-duplicate the code discounts slot 0 (an artefact of its index
       arithmetic); here nothing is discounted, so padding or slot order cannot change a score.
-    - Computed in float32 whatever the cache dtype; the similarity matrix is built in row chunks
-      (memory ``O(chunk)``, time ``O(slots^2 * head_dim)`` per head, once per eviction).
+    - Computed in float32 whatever the cache dtype, exactly, without building the similarity matrix
+      (see :func:`key_redundancy`): column sums in ``O(slots)``, each row's near-duplicate searched
+      in blocks of the most recent keys, for all layers at once (memory ``O(chunk)``).
     - Budget: every head keeps exactly ``K`` tokens (the code keeps ``budget - window`` scored
       tokens plus the window, the same thing).
     """
@@ -182,6 +238,7 @@ class RKV(Policy):
     threshold: float = 0.5
     retain: str = "last"
     pooling: str = "max"
+    duplicate_window: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -201,6 +258,9 @@ class RKV(Policy):
             raise ValueError(f"rkv: retain must be one of {', '.join(_RETAIN)}, got {self.retain!r}")
         if self.pooling not in _POOLINGS:
             raise ValueError(f"rkv: pooling must be one of {', '.join(_POOLINGS)}, got {self.pooling!r}")
+        window = self.duplicate_window
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"rkv: duplicate_window must be None or a positive integer, got {window!r}")
 
     def needs(self, info) -> Needs:
         return Needs(query_window=self.query_window)
@@ -227,8 +287,32 @@ class RKV(Policy):
 
     def redundancy(self, view) -> torch.Tensor:
         """Key redundancy, ``[rows, kv_heads, slots]`` (a distribution over each head's real tokens)."""
-        return key_redundancy(view.keys(), view.valid, threshold=self.threshold, retain=self.retain)
+        return key_redundancy(
+            view.keys(),
+            view.valid,
+            threshold=self.threshold,
+            retain=self.retain,
+            duplicate_window=self.duplicate_window,
+        )
 
     def score(self, view) -> torch.Tensor:
+        return self._combine(self.importance(view), self.redundancy(view))
+
+    def _combine(self, importance: torch.Tensor, redundancy: torch.Tensor) -> torch.Tensor:
         lam = float(self.mix_lambda)
-        return lam * self.importance(view) - (1.0 - lam) * self.redundancy(view)
+        return lam * importance - (1.0 - lam) * redundancy
+
+    def keep_layers(self, view) -> list[torch.Tensor]:
+        """Every layer's kept set, the redundancy of all layers' keys computed in one pass."""
+        layers = range(view.info.num_layers)
+        keys = torch.cat([view.keys(layer) for layer in layers], dim=1)  # [rows, layers x kv_heads, slots, dim]
+        redundancy = key_redundancy(
+            keys, view.valid, threshold=self.threshold, retain=self.retain, duplicate_window=self.duplicate_window
+        )
+        redundancy = redundancy.unflatten(1, (len(layers), -1))
+        kept = []
+        for layer in layers:
+            at = view.at(layer)
+            scores = self._combine(self.importance(at), redundancy[:, layer])
+            kept.append(select.keep_top(scores, valid=at.valid_mask(), protected=at.protected(), k=at.budget))
+        return kept

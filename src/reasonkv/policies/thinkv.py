@@ -34,14 +34,14 @@ KDE_POINTS = 201  # grid on [0, 1] for the density of the sparsity (step 0.005)
 MODE_FLOOR = 0.01  # a local maximum counts as a mode only above this fraction of the highest one
 
 
-def attention_sparsity(rows: torch.Tensor, key_valid: torch.Tensor, threshold: float) -> torch.Tensor:
-    """Fraction of near-zero weights in attention rows: ``[batch, heads, slots] -> [batch, heads]``.
+def attention_sparsity(rows: torch.Tensor, visible: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Fraction of near-zero weights in attention rows: ``[..., slots] -> [...]``.
 
     A weight is near zero when it is below ``threshold`` times the largest weight of its row
-    (ThinKV §4.1 uses 1% of the row maximum). Only real keys (``key_valid``, ``[batch, slots]``)
-    count.
+    (ThinKV §4.1 uses 1% of the row maximum). Only the keys the query saw (``visible``, broadcast
+    against ``rows``) count.
     """
-    valid = key_valid.unsqueeze(1)
+    valid = visible
     rows = rows.float().masked_fill(~valid, 0.0)
     peak = rows.amax(-1, keepdim=True)
     small = (rows < threshold * peak) & valid
@@ -134,47 +134,54 @@ def _first_near_min(values: torch.Tensor, tolerance: torch.Tensor) -> torch.Tens
     return (values <= lowest + tolerance).float().argmax(-1)
 
 
-def _kmeans_representatives(x: torch.Tensor, present: torch.Tensor, k: int, iters: int) -> torch.Tensor:
+def _kmeans_representatives(gram: torch.Tensor, present: torch.Tensor, k: int, iters: int) -> torch.Tensor:
     """Batched K-means over the present members of each group, then one real token per cluster.
 
-    ``x`` ``[groups, members, features]``, ``present`` ``[groups, members]`` (every group has more
-    than ``k`` present members). Centroids start at ``k`` present members evenly spaced in order
-    (member of present-rank ``floor((i + 0.5) * m / k)``), then ``iters`` Lloyd steps (nearest
-    centroid by squared Euclidean distance; an empty cluster keeps its centroid). Returns the mask
-    of the representatives: the member nearest to each non-empty cluster's centroid. Ties (within
-    ``TIE_TOLERANCE`` times the group's mean squared distance to its mean) go to the first
-    centroid, and to the first (oldest) member: a two-member cluster is an exact tie.
-    """
-    groups, members, _ = x.shape
-    x = x.float()
-    weight = present.float().unsqueeze(-1)
-    count = present.sum(-1)
-    center = (x * weight).sum(1, keepdim=True) / count.clamp(min=1).view(-1, 1, 1).float()
-    x = (x - center) * weight  # centring keeps the expanded distances accurate
-    norms = (x * x).sum(-1)
-    tolerance = (TIE_TOLERANCE * norms.sum(-1) / count.clamp(min=1)).view(-1, 1, 1) + 1e-30
-    rank = present.long().cumsum(-1) - 1
-    target = ((torch.arange(k, device=x.device, dtype=torch.float64) + 0.5).view(1, -1) * count.view(-1, 1) / k).long()
-    match = (rank.unsqueeze(1) == target.unsqueeze(2)) & present.unsqueeze(1)  # [groups, k, members]
-    centroids = x.gather(1, match.float().argmax(-1).unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+    ``gram`` ``[groups, members, members]`` holds the members' feature dot products, ``present``
+    ``[groups, members]`` which members take part (a group with ``k`` or fewer present members
+    gets a meaningless answer, which the caller ignores). Centroids start at ``k`` present members
+    evenly spaced in order (member of present-rank ``floor((i + 0.5) * m / k)``), then ``iters``
+    Lloyd steps (nearest centroid by squared Euclidean distance; an empty cluster keeps its
+    centroid). Returns the mask of the representatives: the member nearest to each non-empty
+    cluster's centroid. Ties (within ``TIE_TOLERANCE`` times the group's mean squared distance to
+    its mean) go to the first centroid, and to the first (oldest) member: a two-member cluster is an
+    exact tie.
 
-    def distances(c: torch.Tensor) -> torch.Tensor:
-        d = norms.unsqueeze(-1) - 2.0 * torch.bmm(x, c.transpose(1, 2)) + (c * c).sum(-1).unsqueeze(1)
-        return d.clamp(min=0.0)
+    A centroid is a mean of members, so it is kept as member weights ``W`` (``[groups, k, members]``)
+    and every distance comes from the Gram matrix: ``|x_i - c_j|^2 = G_ii - 2 (G W^T)_ij + (W G W^T)_jj``.
+    This is Lloyd's algorithm exactly, at ``O(members^2 k)`` per step instead of ``O(members k features)``.
+    """
+    groups, members, _ = gram.shape
+    weight = present.float()
+    count = present.sum(-1).clamp(min=1).float()
+    # Centre on the present members' mean: the expanded distances stay accurate.
+    mean_dot = (gram * weight.unsqueeze(1)).sum(-1) / count.unsqueeze(-1)  # [groups, members]
+    grand = (mean_dot * weight).sum(-1) / count
+    g = gram - mean_dot.unsqueeze(-1) - mean_dot.unsqueeze(-2) + grand.view(-1, 1, 1)
+    g = g * (weight.unsqueeze(-1) * weight.unsqueeze(-2))
+    norms = torch.diagonal(g, dim1=-2, dim2=-1)
+    tolerance = (TIE_TOLERANCE * norms.sum(-1) / count).view(-1, 1, 1) + 1e-30
+    rank = present.long().cumsum(-1) - 1
+    target = ((torch.arange(k, device=g.device, dtype=torch.float64) + 0.5).view(1, -1) * count.view(-1, 1) / k).long()
+    centroids = ((rank.unsqueeze(1) == target.unsqueeze(2)) & present.unsqueeze(1)).float()  # [groups, k, members]
+
+    def distances(w: torch.Tensor) -> torch.Tensor:
+        cross = torch.bmm(g, w.transpose(1, 2))  # [groups, members, k]
+        spread = (torch.bmm(w, g) * w).sum(-1)  # [groups, k]
+        return (norms.unsqueeze(-1) - 2.0 * cross + spread.unsqueeze(1)).clamp(min=0.0)
 
     for _ in range(iters):
         assign = _first_near_min(distances(centroids), tolerance)
-        onehot = F.one_hot(assign, k).float() * weight
-        sums = torch.bmm(onehot.transpose(1, 2), x)
-        sizes = onehot.sum(1).unsqueeze(-1)
-        centroids = torch.where(sizes > 0, sums / sizes.clamp(min=1.0), centroids)
+        onehot = F.one_hot(assign, k).float() * weight.unsqueeze(-1)  # [groups, members, k]
+        sizes = onehot.sum(1).unsqueeze(-1)  # [groups, k, 1]
+        centroids = torch.where(sizes > 0, onehot.transpose(1, 2) / sizes.clamp(min=1.0), centroids)
     d2 = distances(centroids)
     assign = _first_near_min(d2, tolerance)
     own = d2.gather(-1, assign.unsqueeze(-1)).squeeze(-1)
-    member_of = (assign.unsqueeze(1) == torch.arange(k, device=x.device).view(1, -1, 1)) & present.unsqueeze(1)
+    member_of = (assign.unsqueeze(1) == torch.arange(k, device=g.device).view(1, -1, 1)) & present.unsqueeze(1)
     candidate = own.unsqueeze(1).masked_fill(~member_of, math.inf)  # [groups, k, members]
     best = _first_near_min(candidate, tolerance)
-    reps = torch.zeros((groups, members), dtype=torch.long, device=x.device)
+    reps = torch.zeros((groups, members), dtype=torch.long, device=g.device)
     reps.scatter_add_(1, best, member_of.any(-1).long())
     return (reps > 0) & present
 
@@ -367,8 +374,13 @@ class ThinKV(Policy):
                     f"thinkv: {name}: layer {max(layers)} out of range: the model has {info.num_layers} layers"
                 )
         self._prompt: torch.Tensor | None = None
+        self._previous: torch.Tensor | None = None
+        self._chosen = list(self.layers or range(info.num_layers))
         self._types = PositionTable(batch, fill=-1.0, device=device)  # indexed by segment number
         self._sparsity = PositionTable(batch, fill=math.nan, device=device)  # indexed by position
+        self._per_layer = PositionTable(batch, (len(self._chosen),), fill=math.nan, device=device)
+        self._pending: list[torch.Tensor] = []  # query positions delivered but not settled yet
+        self._bound = 0
         self._level_type = torch.tensor([THOUGHT_TYPES.index(t) for t in self.sparsity_order], device=device)
         # eviction order of the types: 0 = least important; index -1 (untyped) = most important
         rank = [len(THOUGHT_TYPES) - 1 - self.importance.index(t) for t in THOUGHT_TYPES]
@@ -377,30 +389,50 @@ class ThinKV(Policy):
     def observe(self, step) -> None:
         if self._prompt is None:  # the first forward is the prompt: not a thought
             self._prompt = step.input_valid.sum(-1)
+            self._previous = self._prompt - 1  # each row's newest position already typed
+
+    def observe_attention(self, chunk) -> None:
+        chosen = self._chosen
+        if chunk.layer not in chosen:
             return
-        if not step.attention_last:
+        # Sparsity of each recorded query's row over the keys it saw, averaged over query heads.
+        sparsity = attention_sparsity(chunk.rows, chunk.visible.unsqueeze(1), self.sparsity_threshold).mean(1)
+        self._bound = max(self._bound, chunk.position_bound)
+        at = (chosen.index(chunk.layer),)
+        self._per_layer.set(chunk.query_positions, sparsity, bound=chunk.position_bound, at=at)
+        if chunk.layer == chosen[0]:
+            self._pending.append(chunk.query_positions)
+
+    def _settle(self) -> None:
+        """Record the sparsity of the queries delivered since the last call and type the segments they
+        start, in the order the queries came (a segment's type uses the sparsity history up to it)."""
+        if not self._pending:
             return
-        chosen = [layer for layer in (self.layers or sorted(step.attention_last)) if layer in step.attention_last]
-        sparsity = torch.stack(
-            [
-                attention_sparsity(
-                    step.attention_last[layer], step.slot_positions[layer][:, 0] >= 0, self.sparsity_threshold
-                ).mean(1)
-                for layer in chosen
-            ]
-        ).mean(0)
-        valid = step.input_valid
-        active = valid[:, -1]
-        newest = step.input_positions[:, -1].masked_fill(~active, -1)
-        self._sparsity.set(newest.unsqueeze(1), sparsity.unsqueeze(1))
-        generated = step.input_positions - self._prompt.to(valid.device).unsqueeze(1)
-        starts = valid & (generated >= 0) & (generated % self.refresh == 0)
-        if not bool(starts.any()):
-            return
-        level = self._levels(sparsity, active)
-        kind = self._level_type[level.to(self._level_type.device)]
-        segments = torch.where(starts, generated.div(self.refresh, rounding_mode="floor"), -1)
-        self._types.set(segments, kind.unsqueeze(1).float())
+        positions, self._pending = torch.cat(self._pending, dim=1), []  # [batch, n], -1: padding
+        prompt = self._prompt.to(positions.device).unsqueeze(1)
+        layers = self._per_layer.get(positions.unsqueeze(1), bound=self._bound)  # [batch, layers, n]
+        sparsity = layers.mean(1)
+        generated = positions - prompt
+        decoded = (positions >= 0) & (generated >= 0)
+        recorded = torch.where(decoded, positions, -1)
+        # A forward's newest query types every segment that starts among that forward's tokens.
+        previous = torch.cat([self._previous.to(positions.device).unsqueeze(1), positions[:, :-1]], dim=1)
+        first = torch.div(previous - prompt, self.refresh, rounding_mode="floor") + 1
+        last = torch.div(generated, self.refresh, rounding_mode="floor")
+        starts = decoded & (last >= first)
+        self._previous = torch.where(positions[:, -1] >= 0, positions[:, -1], self._previous.to(positions.device))
+        done = 0
+        for i, any_start in enumerate(starts.any(0).tolist()):
+            if not any_start:
+                continue
+            self._sparsity.set(recorded[:, done : i + 1], sparsity[:, done : i + 1], bound=self._bound)
+            done = i + 1
+            kind = self._level_type[self._levels(sparsity[:, i], starts[:, i]).to(self._level_type.device)]
+            for extra in range(int((last[:, i] - first[:, i]).max()) + 1):
+                segment = first[:, i] + extra
+                target = torch.where(starts[:, i] & (segment <= last[:, i]), segment, -1)
+                self._types.set(target.unsqueeze(1), kind.unsqueeze(1).float(), bound=self._bound)
+        self._sparsity.set(recorded[:, done:], sparsity[:, done:], bound=self._bound)
 
     def _levels(self, sparsity: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
         """Sparsity level (0 dense, 1 middle, 2 sparse) of each row's newest query."""
@@ -420,6 +452,7 @@ class ThinKV(Policy):
     def segmentation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Thought type (index into ``THOUGHT_TYPES``; -1: prompt or not yet typed) and segment number
         (-1: prompt) of logical positions ``[batch, n]`` of every row of the batch."""
+        self._settle()
         rows = torch.arange(positions.shape[0], device=self._types.data.device)
         positions = positions.to(rows.device)
         generated = positions - self._prompt.to(rows.device).unsqueeze(1)
@@ -432,6 +465,7 @@ class ThinKV(Policy):
     def sparsity_history(self) -> torch.Tensor:
         """Per-position sparsity of every decoded step, ``[batch, positions]`` (NaN: prompt or none),
         the samples for :func:`kde_thresholds` calibration."""
+        self._settle()
         return self._sparsity.values.clone()
 
     # -- eviction ----------------------------------------------------------------------------------
@@ -442,6 +476,7 @@ class ThinKV(Policy):
 
     def eviction_rank(self, view) -> torch.Tensor:
         """Each slot's place in TBE's eviction order, ``[rows, slots]``: higher is evicted later."""
+        self._settle()
         positions = view.token_positions()
         device = positions.device
         valid = view.valid.to(device) & (positions >= 0)
@@ -479,13 +514,13 @@ class ThinKV(Policy):
             x[group, member] = flat
             active = torch.zeros((n_groups, tau), dtype=torch.bool, device=device)
             active[group, member] = True
+            count = active.sum(-1, keepdim=True).clamp(min=1)
+            x = (x - x.sum(1, keepdim=True) / count.unsqueeze(-1)) * active.unsqueeze(-1)  # centred per group
+            gram = torch.bmm(x, x.transpose(1, 2))  # every distance below comes from it
             for size in self.retention:
-                clustered = active.sum(-1) > size
-                survivors = active & ~clustered.unsqueeze(1)
-                if bool(clustered.any()):
-                    which = clustered.nonzero().squeeze(1)
-                    survivors[which] = _kmeans_representatives(x[which], active[which], size, self.kmeans_iters)
-                active = survivors
+                clustered = active.sum(-1, keepdim=True) > size
+                kept = _kmeans_representatives(gram, active, size, self.kmeans_iters)
+                active = torch.where(clustered, kept, active)
                 depth += active.long()
         slot_depth = torch.zeros_like(positions)
         slot_depth[valid] = depth[group, member]

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
-from reasonkv.contract import Needs, Step
+from reasonkv.contract import Needs
 from reasonkv.policies import register
 from reasonkv.policies.base import Policy
-from reasonkv.policies.common import PositionTable, group_mean
+from reasonkv.policies.common import group_mean
 
 
 @register
@@ -22,11 +22,10 @@ class TOVA(Policy):
     query attends to least, with the attention *averaged over the heads of the layer*. It keeps
     no history: only the newest query's attention counts.
 
-    How the score is computed here: after every forward pass the observer recomputes the
-    attention row of that pass's newest query over the stored keys (``Needs.attention_last``),
-    from the recorded query and the cached keys; the model runs SDPA / FlashAttention and is never
-    asked for attention weights. The row (averaged over heads) is written into a table indexed by
-    logical position, overwriting the previous step's row, and read back at eviction.
+    How the score is computed here: at eviction, the attention row of the newest query over the
+    stored keys, recomputed from that query (recorded as a window of one, ``Needs.query_window``)
+    and the cached keys; the model runs SDPA / FlashAttention and is never asked for attention
+    weights, and nothing is computed at the steps between evictions.
 
     Choices where the paper leaves room
     -----------------------------------
@@ -54,11 +53,6 @@ class TOVA(Policy):
     protect_prompt
         Never evict prompt tokens (default off: the budget covers prompt and output).
 
-    Attributes
-    ----------
-    last_attention
-        The newest query's attention per token, a :class:`PositionTable`
-        ``[batch, layers, kv_heads, positions]`` (set by :meth:`reset`).
     """
 
     layerwise: bool = True
@@ -75,32 +69,13 @@ class TOVA(Policy):
         super().__post_init__()
         if not isinstance(self.layerwise, bool):
             raise ValueError(f"{self.name}: layerwise must be True or False, got {self.layerwise!r}")
-        self.last_attention: PositionTable | None = None
-        self._layers = 0
-        self._kv_heads = 0
 
     def needs(self, info) -> Needs:
-        return Needs(attention_last=True)
-
-    def reset(self, info, batch: int, device: torch.device) -> None:
-        self._layers, self._kv_heads = info.num_layers, info.num_kv_heads
-        self.last_attention = PositionTable(batch, (info.num_layers, info.num_kv_heads), device=device)
-
-    def _per_kv_head(self, attention: torch.Tensor) -> torch.Tensor:
-        """``[batch, query_heads, slots] -> [batch, kv_heads, slots]``."""
-        if self.layerwise:
-            return attention.mean(1, keepdim=True).expand(-1, self._kv_heads, -1)
-        return group_mean(attention, self._kv_heads)
-
-    def observe(self, step: Step) -> None:
-        if not step.attention_last:
-            return
-        layers = range(self._layers)
-        attention = torch.stack([self._per_kv_head(step.attention_last[i]) for i in layers], 1)
-        positions = torch.stack([step.slot_positions[i] for i in layers], 1)
-        table = self.last_attention
-        # Overwrite by adding the difference: ``add`` ignores padding slots cleanly.
-        table.add(positions, attention - table.get(positions))
+        return Needs(query_window=1)
 
     def score(self, view) -> torch.Tensor:
-        return self.last_attention.lookup(view.rows, view.positions(), view.layer)
+        attention = view.window_attention()[:, :, -1]  # the newest query's row, [rows, query_heads, slots]
+        kv_heads = view.info.num_kv_heads
+        if self.layerwise:
+            return attention.mean(1, keepdim=True).expand(-1, kv_heads, -1)
+        return group_mean(attention, kv_heads)

@@ -60,7 +60,7 @@ def value_aware_keep(policy, view, weights: torch.Tensor) -> torch.Tensor:
     unprotected tokens of each head by ``max(v) - min(v)`` over ``head_dim`` and keeps the top
     ``N_v`` (fewer if the protected tokens leave less room). The rest of the budget is sampled
     without replacement with probability proportional to ``weight ** (1 / temperature)``
-    (Gumbel-top-k, one generator per row, one draw per real token and head), or taken top-k when
+    (Gumbel-top-k, draws keyed by row seed, eviction, layer, head and position), or taken top-k when
     ``policy.sample`` is False.
     """
     valid = view.valid_mask()
@@ -76,7 +76,8 @@ def value_aware_keep(policy, view, weights: torch.Tensor) -> torch.Tensor:
             valid=valid,
             protected=protected,
             k=k,
-            generators=view.generators,
+            seeds=view.seeds,
+            positions=view.positions(),
             temperature=float(policy.temperature),
         )
     return select.keep_top(weights, valid=valid, protected=protected, k=k)
@@ -95,8 +96,9 @@ _SELECTION_DOC = """
     temperature
         Sampling keeps token ``i`` with probability following ``weight_i ** (1 / temperature)``
         (Gumbel-top-k on ``log(weight) / temperature``; default 1: proportional to the base score).
-        The draws come from the run's seed (one generator per row), so the same seed keeps the same
-        sets and a prompt makes the same draws in a batch as alone.
+        The draws are keyed by the run's seed, the eviction, the layer, the head and the token's
+        position, so the same seed keeps the same sets, on every device, and a prompt makes the same
+        draws in a batch as alone.
 """
 
 
@@ -160,8 +162,9 @@ class VaseDKV(CurDKV):
     tokens with the largest value range; fill the rest by sampling without replacement, weighted by
     CurDKV's score (key leverage x value leverage of the Gaussian sketches ``K G``, ``V G``, each
     normalised within local windows; see ``curdkv`` for the exact definition and the choices made).
-    Unlike ``curdkv``, ``G`` is drawn anew at every eviction (from the row's seeded generator, so a
-    run is reproducible from its seed), so no token is scored low by the same projection every time.
+    Unlike ``curdkv``, ``G`` is drawn anew at every eviction (keyed by the row's seed, the eviction
+    and the layer, so a run is reproducible from its seed), so no token is scored low by the same
+    projection every time.
     Reads only the cached K/V. Ablations: ``sample=False`` (top-k), ``reserve=0``.
 
     Parameters
@@ -198,11 +201,11 @@ class VaseDKV(CurDKV):
         check_vase_options(self)
 
     def projection(self, view) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """A fresh ``(G_k, G_v)`` for every eviction and layer, from each row's generator."""
+        """A fresh ``(G_k, G_v)`` for every eviction and layer, keyed by each row's seed, eviction and layer."""
         if self.rank == 0:
             return None
         keys, values = view.keys(), view.values()
-        return self._draw(view.generators, keys.shape[1], keys.shape[-1], values.shape[-1])
+        return self._draw(view.seeds, keys.shape[1], keys.shape[-1], values.shape[-1])
 
     def keep(self, view) -> torch.Tensor:
         return value_aware_keep(self, view, self.score(view))
