@@ -227,3 +227,14 @@ def test_hub_ids_without_a_reachable_hub(tmp_path: Path) -> None:
     assert report["cached_ids"] == [3, 4, 5]
     assert "the hub cannot be reached and the local cache does not hold it" in report["unknown_error"]
     assert report["cached_s"] < 10 and report["unknown_s"] < 10, report
+
+
+def test_check_finite_is_not_fooled_by_an_fp16_sum_that_overflows() -> None:
+    model = tiny_llama(dtype=torch.float16)
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.fill_(60000.0)  # finite, but its sum overflows fp16
+    check_finite(model, "a model with large fp16 weights")
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight[0, 0] = float("nan")
+    with pytest.raises(CorruptModelError, match="up_proj"):
+        check_finite(model, "this model")
