@@ -8,6 +8,7 @@ import torch
 
 import reasonkv
 from conftest import CharTokenizer, tiny_llama, tiny_qwen3
+from reasonkv.commands.demo import first_difference
 from reasonkv.hf import cache_keyword
 
 PROMPTS = ["Let us think step by step about it.", "Why?", "Two plus three is five, so"]
@@ -233,3 +234,33 @@ def test_peak_row_tokens_is_what_the_cache_held(policy, budget, tokenizer):
     )
     # prefill holds the prompt; each later forward holds what the previous one left plus its new token
     assert r.stats["peak_row_tokens"] == max([r.prompt_tokens] + [n + 1 for n in held[:-1]])
+
+
+def _generate_with_logits(model, tokenizer, prompts, **kwargs):
+    """``reasonkv.generate``, plus the last-position logits of every forward it runs."""
+    logits: list[torch.Tensor] = []
+    hook = model.register_forward_hook(lambda module, args, out: logits.append(out.logits[:, -1].float().clone()))
+    try:
+        return reasonkv.generate(model, tokenizer, prompts, **kwargs), logits
+    finally:
+        hook.remove()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("policy", ["full", "streaming", "h2o"])
+def test_batch_equals_alone_up_to_rounding(dtype, policy, tokenizer):
+    """What the README claims: a padded batch sums in another order than a lone row, so logits differ by
+    rounding only (float32: about 1e-7; bf16: a few units in the last place), until the tokens part."""
+    model = tiny_llama(dtype=dtype)
+    kwargs = dict(policy=policy, budget=None if policy == "full" else 16, buffer=4, max_new_tokens=30)
+    batched, batch_logits = _generate_with_logits(model, tokenizer, PROMPTS, **kwargs)
+    for i, prompt in enumerate(PROMPTS):
+        [alone], alone_logits = _generate_with_logits(model, tokenizer, [prompt], **kwargs)
+        if dtype == torch.float32:
+            assert batched[i].token_ids == alone.token_ids
+        same = first_difference(batched[i].token_ids, alone.token_ids)
+        steps = len(alone.token_ids) if same is None else same + 1  # the inputs agree up to there
+        for step in range(steps):
+            got, want = batch_logits[step][i], alone_logits[step][0]
+            tolerance = 1e-5 if dtype == torch.float32 else 4 * torch.finfo(dtype).eps * float(want.abs().max())
+            assert float((got - want).abs().max()) <= tolerance, (prompt, step)

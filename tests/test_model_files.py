@@ -99,6 +99,7 @@ def test_gguf_header_is_checked_before_loading(tmp_path: Path, content: bytes, m
         load_model(path)
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(not HAS_SMOLLM2, reason=f"needs `{models.SMOLLM2_INSTALL_COMMAND}`")
 def test_truncated_gguf_is_reported_as_truncated(tmp_path: Path) -> None:
     path = tmp_path / "smollm2.gguf"

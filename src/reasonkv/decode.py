@@ -2,7 +2,9 @@
 
 The eviction itself happens in the hooks of :class:`~reasonkv.evictor.Evictor`; this loop only
 feeds tokens, samples, and measures. Batches are left-padded; padding never occupies budget, and
-each row evicts on its own schedule, so a prompt gives the same tokens in a batch as alone.
+each row evicts on its own schedule, so a row's result does not depend on its batch up to rounding:
+a padded batch sums in another order than a lone row (logits differ by about 1e-7 in float32, a unit
+or two in the last place in bf16, where a near-tie can then send a greedy decode another way).
 """
 
 from __future__ import annotations
