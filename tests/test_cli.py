@@ -142,12 +142,19 @@ def test_a_model_too_large_for_memory_is_one_line():
     )
 
 
-def test_a_bug_keeps_its_traceback(monkeypatch):
+@pytest.mark.parametrize(
+    "bug",
+    [
+        TypeError("unsupported operand"),
+        ImportError("cannot import name 'gone' from 'reasonkv.decode'", name="reasonkv.decode"),
+    ],
+)
+def test_a_bug_keeps_its_traceback(bug, monkeypatch):
     def run(args):
-        raise TypeError("unsupported operand")  # not the user's doing
+        raise bug  # not the user's doing
 
     monkeypatch.setattr("reasonkv.commands.generate.run", run)
-    with pytest.raises(TypeError, match="unsupported operand"):
+    with pytest.raises(type(bug), match=str(bug)):
         main(["generate", "--prompt", "x"])
 
 

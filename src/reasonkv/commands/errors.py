@@ -32,10 +32,11 @@ def user_message(error: BaseException, args: argparse.Namespace) -> str | None:
     """The one line to print for ``error``, or ``None`` if it is a bug (whose traceback should show)."""
     if is_out_of_memory(error):
         return memory_message(error, args)
-    if isinstance(error, ModuleNotFoundError) and error.name:
-        if error.name.split(".")[0] == "reasonkv":
-            return None  # a module of ours that is missing is a broken install or a bug: keep the traceback
-        return f"the Python package {error.name.split('.')[0]!r} is not installed ({one_line(error)})"
+    package = (getattr(error, "name", None) or "").split(".")[0] if isinstance(error, ImportError) else ""
+    if package == "reasonkv":
+        return None  # one of our own modules failing to import is a bug or a broken install: keep the traceback
+    if isinstance(error, ModuleNotFoundError) and package:
+        return f"the Python package {package!r} is not installed ({one_line(error)})"
     if isinstance(error, USER_ERRORS):
         return one_line(error)
     return None
