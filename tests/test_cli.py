@@ -183,3 +183,14 @@ def test_a_command_whose_package_is_missing_says_what_to_install(capsys, monkeyp
     assert error_line(capsys).startswith(
         "reasonkv plot: error: the Python package 'reasonkv_no_such_package' is not installed"
     )
+
+
+def test_unwritable_output_is_one_line(capsys, tmp_path):
+    results = tmp_path / "results.jsonl"
+    committed = Path(__file__).resolve().parents[1] / "docs" / "results" / "results.jsonl"
+    results.write_text("".join(committed.read_text(encoding="utf-8").splitlines(keepends=True)[:20]))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    assert main(["report", str(results), "--out", str(blocker / "report")]) == 2
+    assert str(blocker) in error_line(capsys)
+    assert blocker.read_text() == "not a directory"
