@@ -208,7 +208,7 @@ print(json.dumps(report))
 
 
 def test_hub_ids_without_a_reachable_hub(tmp_path: Path) -> None:
-    """A hub id in the local cache loads, an unknown one fails, both in seconds, with no hub to ask."""
+    """A hub id in the local cache loads, an unknown one fails, both without retrying a hub that is not there."""
     hub_cache = tmp_path / "hub"
     repo = hub_cache / "models--reasonkv-test-org--cached-model"
     commit = "0" * 40
@@ -227,7 +227,10 @@ def test_hub_ids_without_a_reachable_hub(tmp_path: Path) -> None:
     report = json.loads(done.stdout.splitlines()[-1])
     assert report["cached_ids"] == [3, 4, 5]
     assert "the hub cannot be reached and the local cache does not hold it" in report["unknown_error"]
-    assert report["cached_s"] < 10 and report["unknown_s"] < 10, report
+    # The hub client waits 1 + 2 + 4 + 8 + 8 s between its retries of each file: none may happen. The
+    # times are only a loose check, since a busy machine slows the loads themselves.
+    assert "Retrying in" not in done.stderr, done.stderr[-3000:]
+    assert report["cached_s"] < 60 and report["unknown_s"] < 20, report
 
 
 def test_check_finite_is_not_fooled_by_an_fp16_sum_that_overflows() -> None:
