@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
-import pytest
+import importlib.metadata
+import importlib.util
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
 
-from reasonkv.cli import main
+import pytest
+import torch
+
+from reasonkv.cli import COMMANDS, main
 from reasonkv.policies import parse_options
+
+SRC = Path(__file__).resolve().parents[1] / "src"
 
 
 def test_policies_lists_every_policy(capsys):
@@ -36,10 +47,150 @@ def test_bad_options_are_clear_errors(pairs, message):
         parse_options("streaming", pairs)
 
 
+def error_line(capsys) -> str:
+    """The one line a user error prints (after, at most, the line announcing the model load)."""
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if not line.startswith("loading ")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
 def test_errors_exit_with_a_message(capsys, tmp_path):
     assert main(["generate", "--prompt-file", str(tmp_path / "missing.txt")]) == 2
-    assert "prompt file not found" in capsys.readouterr().err
+    assert "prompt file not found" in error_line(capsys)
     assert main(["generate", "--prompt", "x", "--policy", "nope"]) == 2
-    assert "unknown policy 'nope'; valid policies:" in capsys.readouterr().err
+    assert "unknown policy 'nope'; valid policies:" in error_line(capsys)
     assert main(["generate", "--prompt", "x", "--model", str(tmp_path / "no-such-model")]) == 2
-    assert "no-such-model" in capsys.readouterr().err
+    assert "no-such-model" in error_line(capsys)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--stop", ""], "stop strings must not be empty: '' would end every row at its first token"),
+        (["--temperature", "nan"], "temperature must be a finite number >= 0 (0 = greedy), got nan"),
+        (["--top-p", "inf"], "top_p must be a number in (0, 1], got inf"),
+        (["--top-k", "-3"], "top_k must be a non-negative integer (0 = off), got -3"),
+        (["--max-new-tokens", "0"], "max_new_tokens must be a positive integer, got 0"),
+    ],
+)
+def test_bad_generation_settings_are_refused_before_the_model_loads(args, message, capsys, monkeypatch):
+    monkeypatch.setattr("reasonkv.commands.generate.load_model_from", lambda args: pytest.fail("the model was loaded"))
+    assert main(["generate", "--prompt", "x", *args]) == 2
+    assert error_line(capsys) == f"reasonkv generate: error: {message}"
+
+
+def test_demo_refuses_bad_settings_before_the_model_loads(capsys, monkeypatch):
+    monkeypatch.setattr("reasonkv.commands.demo.load_model_from", lambda args: pytest.fail("the model was loaded"))
+    assert main(["demo", "--max-new-tokens", "-1"]) == 2
+    assert "max_new_tokens must be a positive integer, got -1" in error_line(capsys)
+
+
+def test_prompt_file_that_is_not_text(capsys, tmp_path):
+    path = tmp_path / "prompts.txt"
+    path.write_bytes(b"\xff\xfe\x00binary")
+    assert main(["generate", "--prompt-file", str(path)]) == 2
+    assert error_line(capsys) == f"reasonkv generate: error: prompt file {path} is not UTF-8 text"
+    assert main(["generate", "--prompt-file", str(tmp_path)]) == 2
+    assert "is a directory, not a file" in error_line(capsys)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash_attn is installed")
+def test_attention_implementation_not_installed(capsys):
+    assert main(["generate", "--prompt", "x", "--attn", "flash_attention_2"]) == 2
+    assert "needs the flash_attn package, which is not installed" in error_line(capsys)
+
+
+def test_damaged_model_files_are_one_line(capsys, tmp_path):
+    (tmp_path / "model.gguf").write_bytes(b"<html>a login page saved instead of the model</html>")
+    assert main(["generate", "--prompt", "x", "--model", str(tmp_path / "model.gguf")]) == 2
+    assert "is not a GGUF file: it starts with b'<htm'" in error_line(capsys)
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text('{"model_type": "llama", ')
+    assert main(["generate", "--prompt", "x", "--model", str(tmp_path / "ckpt")]) == 2
+    assert "config.json" in error_line(capsys)
+
+
+def test_out_of_memory_names_what_to_lower(capsys, monkeypatch):
+    def run(args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has 1.5 GiB free.")
+
+    monkeypatch.setattr("reasonkv.commands.generate.run", run)
+    assert main(["generate", "--prompt", "x"]) == 2
+    assert error_line(capsys) == (
+        "reasonkv generate: error: out of memory (tried to allocate 2.00 GiB); lower the number of prompts or "
+        "--max-new-tokens, or use --dtype bf16 or a smaller --model"
+    )
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="address-space limits as on Linux")
+def test_a_model_too_large_for_memory_is_one_line():
+    """A real allocation failure, in a process whose memory is limited: one line, exit 2, no traceback."""
+    limit = 1_500_000_000  # bytes of address space: enough for torch, far too little for 14B parameters
+    command = [sys.executable, "-m", "reasonkv.cli", "generate", "--model", "shape:qwen3-14b", "--prompt", "x"]
+    done = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(SRC)},
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)),
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert done.stderr.splitlines()[-1].startswith(
+        "reasonkv generate: error: out of memory (tried to allocate 2.9 GiB); lower the number of prompts"
+    )
+
+
+@pytest.mark.parametrize(
+    "bug",
+    [
+        TypeError("unsupported operand"),
+        ImportError("cannot import name 'gone' from 'reasonkv.decode'", name="reasonkv.decode"),
+    ],
+)
+def test_a_bug_keeps_its_traceback(bug, monkeypatch):
+    def run(args):
+        raise bug  # not the user's doing
+
+    monkeypatch.setattr("reasonkv.commands.generate.run", run)
+    with pytest.raises(type(bug), match=str(bug)):
+        main(["generate", "--prompt", "x"])
+
+
+@pytest.mark.parametrize("argv", [["--debug", "generate"], ["generate", "--debug"]])
+def test_debug_shows_the_traceback_of_user_errors(argv, tmp_path):
+    with pytest.raises(FileNotFoundError, match="prompt file not found"):
+        main([*argv, "--prompt-file", str(tmp_path / "missing.txt")])
+
+
+def test_missing_dependencies_are_named_at_start_up(capsys, monkeypatch):
+    declared = ["torch>=2.4", "reasonkv-no-such-package>=1.2", "pytest>=8; extra == 'test'"]
+    monkeypatch.setattr(importlib.metadata, "requires", lambda name: declared if name == "reasonkv" else None)
+    monkeypatch.setattr("reasonkv.commands.policies.run", lambda args: pytest.fail("ran without its dependencies"))
+    assert main(["policies"]) == 2
+    assert error_line(capsys) == (
+        "reasonkv policies: error: reasonkv's dependencies are not all installed; "
+        "pip install 'reasonkv-no-such-package>=1.2'"
+    )
+
+
+def test_a_command_whose_package_is_missing_says_what_to_install(capsys, monkeypatch, tmp_path):
+    (tmp_path / "needs_a_package.py").write_text("import reasonkv_no_such_package\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(COMMANDS, "plot", ("needs_a_package", "a command whose dependency is not installed"))
+    assert main(["plot", "--any", "arguments"]) == 2
+    assert error_line(capsys).startswith(
+        "reasonkv plot: error: the Python package 'reasonkv_no_such_package' is not installed"
+    )
+
+
+def test_unwritable_output_is_one_line(capsys, tmp_path):
+    results = tmp_path / "results.jsonl"
+    committed = Path(__file__).resolve().parents[1] / "docs" / "results" / "results.jsonl"
+    results.write_text("".join(committed.read_text(encoding="utf-8").splitlines(keepends=True)[:20]))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    assert main(["report", str(results), "--out", str(blocker / "report")]) == 2
+    assert str(blocker) in error_line(capsys)
+    assert blocker.read_text() == "not a directory"

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 import reasonkv
 from conftest import CharTokenizer, tiny_llama, tiny_qwen3
+from reasonkv.commands.demo import first_difference
 from reasonkv.hf import cache_keyword
 
 PROMPTS = ["Let us think step by step about it.", "Why?", "Two plus three is five, so"]
@@ -114,13 +116,73 @@ def test_result_stats(tokenizer):
         (dict(policy="streaming"), "policy 'streaming' needs a budget"),
         (dict(policy="h2o2", budget=8), "unknown policy 'h2o2'; valid policies:"),
         (dict(max_new_tokens=0), "max_new_tokens must be a positive integer, got 0"),
-        (dict(temperature=-1.0), "temperature must be >= 0"),
-        (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+        (dict(max_new_tokens=8.0), "max_new_tokens must be a positive integer, got 8.0"),
+        (dict(max_new_tokens="8"), "max_new_tokens must be a positive integer, got '8'"),
+        (dict(temperature=-1.0), "temperature must be a finite number >= 0 .*got -1.0"),
+        (dict(temperature=float("nan")), "temperature must be a finite number >= 0 .*got nan"),
+        (dict(temperature=float("inf")), "temperature must be a finite number >= 0 .*got inf"),
+        (dict(temperature="0.7"), "temperature must be a finite number >= 0 .*got '0.7'"),
+        (dict(top_p=0.0), r"top_p must be a number in \(0, 1\], got 0.0"),
+        (dict(top_p=float("nan")), r"top_p must be a number in \(0, 1\], got nan"),
+        (dict(top_p="0.9"), r"top_p must be a number in \(0, 1\], got '0.9'"),
+        (dict(top_k=2.5), r"top_k must be a non-negative integer \(0 = off\), got 2.5"),
+        (dict(top_k=True), "top_k must be a non-negative integer .*got True"),
+        (dict(top_k=-1), "top_k must be a non-negative integer .*got -1"),
+        (dict(seed=1.5), r"seed must be an integer or a list of 1 integers \(one per prompt\), got 1.5"),
+        (dict(seed="7"), "seed must be an integer or a list of 1 integers .*got '7'"),
+        (dict(seed=[1, 2]), "seed has 2 values for 1 prompts"),
+        (dict(seed=[1.0]), r"seed must be an integer or a list of 1 integers .*got \[1.0\]"),
+        (dict(stop=""), "stop strings must not be empty"),
+        (dict(stop=["x", ""]), "stop strings must not be empty"),
+        (dict(stop=[3]), r"stop must be a string or a list of strings, got \[3\]"),
+        (dict(ignore_eos="False"), "ignore_eos must be True or False, got 'False'"),
+        (dict(progress=1), "progress must be True or False, got 1"),
+        (dict(on_step=5), "on_step must be a function"),
     ],
 )
 def test_bad_input_is_a_clear_error(kwargs, message, tokenizer):
     with pytest.raises(ValueError, match=message):
         reasonkv.generate(tiny_llama(), tokenizer, "hi", **kwargs)
+
+
+@pytest.mark.parametrize(
+    "prompts, message",
+    [
+        ([], "prompts is empty: pass at least one prompt"),
+        (None, "prompts must be a string, a list of strings or a list of token-id lists, got None"),
+        ([[5, 6], []], r"prompts\[1\] is empty"),
+        ([[5, 2.5]], r"prompts\[0\] must be a string or a list of integer token ids, got \[5, 2.5\]"),
+        ([[5, True]], r"prompts\[0\] must be a string or a list of integer token ids"),
+        ([[5, 96]], r"prompts\[0\] holds token id 96, outside the vocabulary \(the model's vocabulary is 0..95\)"),
+        ([5, -1], r"prompts\[0\] holds token id -1, outside the vocabulary"),
+        (["fine", [5, 500]], r"prompts\[1\] holds token id 500"),
+    ],
+)
+def test_bad_prompts_are_clear_errors(prompts, message, tokenizer):
+    with pytest.raises(ValueError, match=message):
+        reasonkv.generate(tiny_llama(), tokenizer, prompts, max_new_tokens=2)
+
+
+def test_token_ids_may_be_numpy_or_torch_integers(tokenizer):
+    model = tiny_llama()
+    [plain] = reasonkv.generate(model, tokenizer, [[5, 6, 7]], max_new_tokens=4)
+    [from_tensor] = reasonkv.generate(model, tokenizer, torch.tensor([5, 6, 7]), max_new_tokens=4)
+    [from_numpy] = reasonkv.generate(model, tokenizer, [np.array([5, 6, 7])], max_new_tokens=4)
+    assert plain.token_ids == from_tensor.token_ids == from_numpy.token_ids
+
+
+def test_one_stop_string_is_one_string_not_its_characters():
+    model = tiny_llama()
+    tok = CharTokenizer()
+    [free] = reasonkv.generate(model, tok, "abc", max_new_tokens=15, ignore_eos=True)
+    stop_text = tok.decode(free.token_ids[6:8])
+    as_list = reasonkv.generate(model, tok, "abc", max_new_tokens=15, ignore_eos=True, stop=[stop_text])
+    as_string = reasonkv.generate(model, tok, "abc", max_new_tokens=15, ignore_eos=True, stop=stop_text)
+    assert as_string[0].token_ids == as_list[0].token_ids and as_string[0].finish_reason == "stop"
+    # the output's first character followed by one it never writes: taken as characters, it would stop at once
+    unseen = next(c for c in "~}|{`_^]" if c not in free.text)
+    [never] = reasonkv.generate(model, tok, "abc", max_new_tokens=15, ignore_eos=True, stop=free.text[0] + unseen)
+    assert never.finish_reason == "length" and never.token_ids == free.token_ids
 
 
 def test_token_id_prompts_without_tokenizer():
@@ -129,3 +191,76 @@ def test_token_id_prompts_without_tokenizer():
     assert r.num_tokens == 12 and r.text == "" and r.stats["evictions"] > 0
     with pytest.raises(ValueError, match="text prompts need a tokenizer"):
         reasonkv.generate(model, None, "hi")
+
+
+def test_per_row_stats_count_only_while_the_row_is_live():
+    """A row that hits EOS early stops counting: its stats equal the ones it gets alone."""
+    model = tiny_llama()
+    tok = CharTokenizer()
+    kwargs = dict(policy="streaming", budget=6, buffer=3, max_new_tokens=40)
+    free = reasonkv.generate(model, tok, PROMPTS, ignore_eos=True, **kwargs)
+    # an EOS token that ends one row early, while another row decodes on for many steps
+    row, eos = next(
+        (i, r.token_ids[k]) for i, r in enumerate(free) for k in range(3, 15) if r.token_ids[k] not in r.token_ids[:k]
+    )
+    tok.eos_token_id = eos
+    batched = reasonkv.generate(model, tok, PROMPTS, **kwargs)
+    ended = batched[row]
+    assert ended.finish_reason == "eos" and ended.num_tokens <= 15
+    assert max(r.num_tokens for r in batched) >= ended.num_tokens + 9  # three more evictions' worth of steps
+    for prompt, together in zip(PROMPTS, batched, strict=True):
+        [alone] = reasonkv.generate(model, tok, [prompt], **kwargs)
+        assert together.token_ids == alone.token_ids
+        for key in ("evictions", "peak_row_tokens"):
+            assert together.stats[key] == alone.stats[key], key
+    longest = max(batched, key=lambda r: r.num_tokens)
+    assert ended.stats["decode_seconds"] < longest.stats["decode_seconds"]
+    assert ended.stats["tokens_per_second"] == (ended.num_tokens - 1) / ended.stats["decode_seconds"]
+
+
+@pytest.mark.parametrize("policy, budget", [("full", None), ("streaming", 8), ("streaming", 40)])
+def test_peak_row_tokens_is_what_the_cache_held(policy, budget, tokenizer):
+    model = tiny_llama()
+    held: list[int] = []  # real tokens after each forward, evictions done
+    [r] = reasonkv.generate(
+        model,
+        tokenizer,
+        PROMPTS[0],
+        policy=policy,
+        budget=budget,
+        buffer=4,
+        max_new_tokens=30,
+        on_step=lambda step, cache: held.append(int(cache.row_lengths()[0])),
+    )
+    # prefill holds the prompt; each later forward holds what the previous one left plus its new token
+    assert r.stats["peak_row_tokens"] == max([r.prompt_tokens] + [n + 1 for n in held[:-1]])
+
+
+def _generate_with_logits(model, tokenizer, prompts, **kwargs):
+    """``reasonkv.generate``, plus the last-position logits of every forward it runs."""
+    logits: list[torch.Tensor] = []
+    hook = model.register_forward_hook(lambda module, args, out: logits.append(out.logits[:, -1].float().clone()))
+    try:
+        return reasonkv.generate(model, tokenizer, prompts, **kwargs), logits
+    finally:
+        hook.remove()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("policy", ["full", "streaming", "h2o"])
+def test_batch_equals_alone_up_to_rounding(dtype, policy, tokenizer):
+    """What the README claims: a padded batch sums in another order than a lone row, so logits differ by
+    rounding only (float32: about 1e-7; bf16: a few units in the last place), until the tokens part."""
+    model = tiny_llama(dtype=dtype)
+    kwargs = dict(policy=policy, budget=None if policy == "full" else 16, buffer=4, max_new_tokens=30)
+    batched, batch_logits = _generate_with_logits(model, tokenizer, PROMPTS, **kwargs)
+    for i, prompt in enumerate(PROMPTS):
+        [alone], alone_logits = _generate_with_logits(model, tokenizer, [prompt], **kwargs)
+        if dtype == torch.float32:
+            assert batched[i].token_ids == alone.token_ids
+        same = first_difference(batched[i].token_ids, alone.token_ids)
+        steps = len(alone.token_ids) if same is None else same + 1  # the inputs agree up to there
+        for step in range(steps):
+            got, want = batch_logits[step][i], alone_logits[step][0]
+            tolerance = 1e-5 if dtype == torch.float32 else 4 * torch.finfo(dtype).eps * float(want.abs().max())
+            assert float((got - want).abs().max()) <= tolerance, (prompt, step)

@@ -166,11 +166,12 @@ def test_failed_conversion_leaves_no_cache(monkeypatch: pytest.MonkeyPatch, tmp_
 
 
 @needs_smollm2
-def test_incomplete_cache_is_rebuilt(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_outdated_cache_is_rebuilt(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("REASONKV_CACHE_DIR", str(tmp_path))
     target = tmp_path / "models" / models.DEFAULT_MODEL
     target.mkdir(parents=True)
-    (target / "config.json").write_text("{}")  # a copy without the completion marker
+    (target / "config.json").write_text("{}")
+    (target / models._CONVERSION_MARKER).write_text('{"format": 0}')  # written by an older layout
     calls: list[Path] = []
 
     def fake_convert(gguf: Path, out_dir: Path) -> None:

@@ -45,15 +45,19 @@ def test_oracle_budget_and_protection(name):
             assert must_hold <= set(head.tolist()), f"{name} evicted a protected token"
 
 
+@pytest.mark.parametrize("sampling", [{}, dict(temperature=0.8, top_p=0.9, top_k=20)], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("name", EVICTING)
-def test_batch_of_different_lengths_equals_each_alone(name):
+def test_batch_of_different_lengths_equals_each_alone(name, sampling):
+    """The README's claim, in fp32: a prompt gets bit-identical tokens and per-row stats in a batch."""
     model, tokenizer = tiny_llama(), NoEosTokenizer()
-    kw = dict(policy=name, budget=16, buffer=4, max_new_tokens=30, seed=7)
+    kw = dict(policy=name, budget=16, buffer=4, max_new_tokens=30, seed=[7, 8, 9], **sampling)
     kw.update(_small_options(name))
     together = reasonkv.generate(model, tokenizer, PROMPTS, **kw)
-    for prompt, result in zip(PROMPTS, together, strict=True):
-        [alone] = reasonkv.generate(model, tokenizer, prompt, **kw)
+    for i, (prompt, result) in enumerate(zip(PROMPTS, together, strict=True)):
+        [alone] = reasonkv.generate(model, tokenizer, prompt, **{**kw, "seed": kw["seed"][i]})
         assert result.token_ids == alone.token_ids, name
+        assert result.stats["evictions"] == alone.stats["evictions"] > 0, name
+        assert result.stats["peak_row_tokens"] == alone.stats["peak_row_tokens"], name
 
 
 @pytest.mark.parametrize("name", EVICTING)

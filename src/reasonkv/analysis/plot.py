@@ -34,7 +34,7 @@ def plot_profiles(
     Raises
     ------
     ImportError
-        matplotlib is not installed (it comes with the ``eval`` extra).
+        matplotlib is not installed (a dependency of reasonkv, so only in a broken install).
     """
     import matplotlib
 

@@ -30,10 +30,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import reasonkv
+    from reasonkv.decode import check_sampling
 
+    check_sampling(args.max_new_tokens, 0.0, 1.0, 0)  # before the model loads, not after
     policy = args.policy or ("epikv" if "epikv" in reasonkv.list_policies() else "streaming")
     evicting = reasonkv.get_policy(policy, **parse_options(policy, args.option))
     model, tokenizer = load_model_from(args)
+    with reasonkv.EvictingCache(args.budget, args.buffer, model=model, policy=evicting):
+        pass  # refuses a bad budget, buffer or option now, not after the full-cache run
     text = chat_format(tokenizer, args.prompt)
     runs = {}
     for name, chosen, budget in (("full", "full", None), (policy, evicting, args.budget)):

@@ -33,9 +33,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def read_prompts(args: argparse.Namespace) -> list[str]:
     if args.prompt:
         return args.prompt
-    if not args.prompt_file.is_file():
-        raise FileNotFoundError(f"prompt file not found: {args.prompt_file}")
-    prompts = [line for line in args.prompt_file.read_text(encoding="utf-8").splitlines() if line.strip()]
+    path = args.prompt_file
+    if path.is_dir():
+        raise IsADirectoryError(f"prompt file {path} is a directory, not a file")
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file not found: {path}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"prompt file {path} is not UTF-8 text") from None
+    prompts = [line for line in text.splitlines() if line.strip()]
     if not prompts:
         raise ValueError(f"no prompts in {args.prompt_file}")
     return prompts
@@ -50,8 +57,12 @@ def chat_format(tokenizer, prompt: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     import reasonkv
+    from reasonkv.decode import check_sampling, stop_strings
 
     prompts = read_prompts(args)
+    # Refuse bad sampling settings before the model loads, not after.
+    check_sampling(args.max_new_tokens, args.temperature, args.top_p, args.top_k)
+    stop_strings(args.stop)
     # An instance, not keyword options: a policy option may share a name with a sampling argument.
     policy = reasonkv.get_policy(args.policy, **parse_options(args.policy, args.option))
     model, tokenizer = load_model_from(args)

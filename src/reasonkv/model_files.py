@@ -1,0 +1,103 @@
+"""Whether a model's files are intact: a GGUF file's structure, readable checkpoint files, finite weights.
+
+A truncated or damaged file must be reported as such, never loaded into a model whose NaN weights
+generate empty text.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import struct
+from pathlib import Path
+
+import torch
+
+__all__ = ["CorruptModelError", "check_finite", "check_gguf_header", "gguf_damage", "is_corrupt_file_error"]
+
+GGUF_MAGIC = b"GGUF"
+_GGUF_HEADER = struct.Struct("<4sIQQ")  # magic, version, tensor count, metadata count
+
+
+class CorruptModelError(ValueError):
+    """A model file is truncated or damaged, or its weights hold NaN or inf values."""
+
+
+def is_corrupt_file_error(error: BaseException) -> bool:
+    """Whether a loader's exception means a file it read is truncated or damaged."""
+    kinds: tuple[type[BaseException], ...] = (
+        CorruptModelError,
+        json.JSONDecodeError,
+        UnicodeDecodeError,
+        pickle.UnpicklingError,
+        EOFError,
+    )
+    try:
+        from safetensors import SafetensorError
+
+        kinds += (SafetensorError,)
+    except ImportError:
+        pass
+    return isinstance(error, kinds)
+
+
+def check_gguf_header(path: Path) -> None:
+    """Refuse a file that does not start like a GGUF file (cheap: reads 24 bytes).
+
+    Raises
+    ------
+    CorruptModelError
+        The file is shorter than a GGUF header or lacks the GGUF magic bytes.
+    """
+    with open(path, "rb") as file:
+        head = file.read(_GGUF_HEADER.size)
+    if not head.startswith(GGUF_MAGIC[: len(head)]) or not head:
+        raise CorruptModelError(f"{str(path)!r} is not a GGUF file: it starts with {head[:4]!r}, not {GGUF_MAGIC!r}")
+    if len(head) < _GGUF_HEADER.size:
+        raise CorruptModelError(f"GGUF file {str(path)!r} is truncated: {len(head)} bytes, shorter than its header")
+    _, version, tensors, _ = _GGUF_HEADER.unpack(head)
+    if tensors == 0:
+        raise CorruptModelError(f"GGUF file {str(path)!r} holds no tensors (format version {version})")
+
+
+def gguf_damage(path: Path) -> str | None:
+    """What is wrong with a GGUF file's structure, or ``None`` if every tensor lies inside the file.
+
+    Reads the whole header and tensor table, so it takes seconds: for diagnosing a failed load.
+    """
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+    except Exception as error:  # the reader fails in many ways on a damaged file; all mean "unreadable"
+        return f"its header or tensor table cannot be read ({type(error).__name__}: {error})"
+    size = path.stat().st_size
+    end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
+    if end > size:
+        return f"its tensors need {end} bytes but the file has {size}"
+    return None
+
+
+def check_finite(model: torch.nn.Module, source: str) -> None:
+    """Refuse a model whose floating-point weights hold NaN or inf (about one sum per tensor).
+
+    Raises
+    ------
+    CorruptModelError
+        Naming ``source`` and the first damaged tensors.
+    """
+    named = [(n, p) for n, p in model.named_parameters() if p.is_floating_point() and p.device.type != "meta"]
+    if not named:
+        return
+    with torch.no_grad():
+        # A sum is NaN or inf when an element is; summing in the weights' own dtype is many times faster
+        # than an element-wise test. Only an fp16 sum may overflow on healthy weights: such a tensor is
+        # then tested element by element.
+        sums = torch.stack([p.sum().float().to(named[0][1].device) for _, p in named])
+        suspects = [i for i, finite in enumerate(torch.isfinite(sums).tolist()) if not finite]
+        bad = [named[i][0] for i in suspects if not bool(torch.isfinite(named[i][1]).all())]
+    if bad:
+        shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        raise CorruptModelError(
+            f"{source} is corrupt: {len(bad)} of {len(named)} weight tensors hold NaN or inf values ({shown})"
+        )
