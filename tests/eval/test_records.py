@@ -97,7 +97,7 @@ FOREIGN = {
     "notes.txt": "my notes\nthe last line matters\n",
     "notes-no-newline.txt": "my notes\nthe last line matters",
     "pretty.json": json.dumps({"a": [1, 2, 3], "b": {"c": 4}}, indent=2),
-    "problems.jsonl": '{"id": "p1", "problem": "2+2?", "answer": "4"}\n{"id": "p2", "problem": "3+3?", "answer": "6"}\n',
+    "problems.jsonl": '{"id": "p1", "problem": "2+2?", "answer": "4"}\n{"id": "p2", "problem": "3+3?", "answer": "6"}',
     "empty.jsonl": "",
     "other-tool.jsonl": '{"kind": "manifest", "tool": "elsewhere", "id": "x"}\n',
     "odd-kind.jsonl": json.dumps(MANIFEST) + '\n{"kind": "note", "text": "mine"}\n',

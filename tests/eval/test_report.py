@@ -239,7 +239,8 @@ def test_a_cell_that_failed_shows_as_errors_not_zeros(tmp_path):
         record = _gen(problem, "raas", budget, None, None, None, None)
         return {**record, "kind": "error", "unit": "generation", "error": reason}
 
-    records = RECORDS[:4] + [error(p, 16) for p in "abcd"] + [error("a", 64), _gen("a", "raas", 64, True, 9, 1.0, False)]
+    records = RECORDS[:4] + [error(p, 16) for p in "abcd"]
+    records += [error("a", 64), _gen("a", "raas", 64, True, 9, 1.0, False)]
     path = tmp_path / "results.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
     rows = {(r.policy, r.budget): r for r in summarize(load_results(path))}
@@ -291,7 +292,16 @@ def test_the_report_reads_a_run_from_its_shard_files_and_prints_its_manifest(tmp
     assert summarize(load_results(tmp_path / "results.jsonl")) == summarize(load_results(whole))
 
 
-def test_the_report_folder_is_never_written_over_a_file_that_is_not_its_own(results, tmp_path):
+@pytest.fixture
+def small(tmp_path):
+    """One section, one row: a report with few plots."""
+    path = tmp_path / "small.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in RECORDS[:4]), encoding="utf-8")
+    return path
+
+
+def test_the_report_folder_is_never_written_over_a_file_that_is_not_its_own(small, tmp_path):
+    results = small
     out = tmp_path / "report"
     out.mkdir()
     (out / "report.md").write_text("my own notes\n", encoding="utf-8")
@@ -322,7 +332,8 @@ def test_the_report_folder_is_never_written_over_a_file_that_is_not_its_own(resu
         write_report(inside / "summary.json", inside)
 
 
-def test_a_report_folder_from_before_markers_is_adopted(results, tmp_path):
+def test_a_report_folder_from_before_markers_is_adopted(small, tmp_path):
+    results = small
     out = tmp_path / "old"
     write_report(results, out)
     (out / ".reasonkv.json").unlink()
