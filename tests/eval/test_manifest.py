@@ -129,3 +129,11 @@ def test_another_environment_is_accepted_with_a_warning_and_its_own_manifest(dat
     assert f"torch: '1.0.0' there, '{torch.__version__}' now" in capsys.readouterr().err
     manifests = [r for r in read_records(out) if r["kind"] == "manifest"]
     assert [m["environment"]["torch"] for m in manifests] == ["1.0.0", torch.__version__]
+
+
+def test_a_shard_of_another_setup_is_refused_too(dataset, tmp_path):
+    out = tmp_path / "r.jsonl"
+    run_grid(tiny_llama(), NoEosTokenizer(), **_grid(dataset, out), shard=(0, 2))
+    with pytest.raises(ValueError, match="r.shard-0-of-2.jsonl holds results of another setup .*dtype"):
+        run_grid(tiny_llama(dtype=torch.bfloat16), NoEosTokenizer(), **_grid(dataset, out), shard=(1, 2))
+    assert not (tmp_path / "r.shard-1-of-2.jsonl").exists()

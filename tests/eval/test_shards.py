@@ -310,3 +310,35 @@ def test_the_command_line_takes_its_shard_from_the_launcher(dataset, tmp_path, m
     assert [p.name for p, _ in shard_files(out)] == ["results.shard-1-of-2.jsonl"] and not out.exists()
     assert main([*argv, "--shard", "0/2", "--out", str(out)]) == 2
     assert "the launcher already splits the grid" in capsys.readouterr().err
+
+
+def test_a_merge_killed_halfway_is_simply_done_again(dataset, tmp_path, model, reference, monkeypatch):
+    from reasonkv.eval import records, runner
+
+    out = tmp_path / "results.jsonl"
+    for index in range(2):
+        with monkeypatch.context() as patch:
+            patch.setattr(runner, "merge_shards", lambda out: None)  # both shards done, no merge yet
+            run_grid(model, NoEosTokenizer(), out=str(out), shard=(index, 2), **_grid(dataset))
+    append = records.ResultsFile.append
+    appended = []
+
+    def dies_while_merging(self, record):
+        append(self, record)
+        appended.append(record)
+        if len(appended) == 5:
+            with open(self.path, "a", encoding="utf-8") as handle:
+                handle.write('{"kind": "generation", "mod')  # and a torn line, as a kill mid-write leaves
+            raise Crash
+
+    with monkeypatch.context() as patch:
+        patch.setattr(records.ResultsFile, "append", dies_while_merging)
+        with pytest.raises(Crash):
+            merge_shards(out)
+    assert len(shard_files(out)) == 2  # nothing is deleted before the merge is complete
+    partial = [r for r in read_records(out) if r["kind"] != "manifest"]
+    assert len(partial) == 5
+    result = run_grid(model, NoEosTokenizer(), out=str(out), **_grid(dataset))  # any rerun merges again
+    assert result.generated == result.fidelity == 0 and result.merged == len(reference) - 5
+    assert not shard_files(out)
+    _same_results(_units(out), reference)
