@@ -674,6 +674,7 @@ def run_grid(
 
     result = GridResult(path=out, written_to=target, shard=plan.shard)
     mine = plan.mine()
+    out.parent.mkdir(parents=True, exist_ok=True)
     lock = lock_for_writing(out, plan.shard)
     try:
         for path in _run_files(out):
