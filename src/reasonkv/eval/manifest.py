@@ -236,7 +236,8 @@ def describe(manifest: Mapping[str, Any]) -> list[str]:
     revision = f", revision {setup['model_revision']}" if setup.get("model_revision") else ""
     sampling = f"temperature {setup.get('temperature')}, top-p {setup.get('top_p')}, top-k {setup.get('top_k')}"
     datasets = ", ".join(
-        f"{d.get('name')} ({d.get('problems')} problems x {d.get('samples')} samples, sha256 {short(d.get('sha256'))})"
+        f"{d.get('name')} ({d.get('problems')} problems x {d.get('samples')} "
+        f"sample{'' if d.get('samples') == 1 else 's'}, sha256 {short(d.get('sha256'))})"
         for d in grid.get("datasets", [])
     )
     policies = ", ".join(
