@@ -12,7 +12,7 @@ import torch
 from transformers.modeling_utils import AttentionInterface
 
 import reasonkv
-from reasonkv.decode import cache_kwarg
+from reasonkv.hf import cache_keyword
 
 _MASKS: dict[int, torch.Tensor] = {}  # layer -> [1, kv_heads, T, T] bool
 
@@ -40,7 +40,7 @@ def run_and_check(model, policy: str, prompt: list[int], *, budget: int, buffer:
     """
     num_layers = model.config.num_hidden_layers
     cache = reasonkv.EvictingCache(budget, buffer, model=model, policy=policy, **kw)
-    key = cache_kwarg(model)
+    key = cache_keyword(model)
     tokens = list(prompt)
     held_before: list[list[torch.Tensor]] = []  # per decode step, per layer: [kv_heads, slots] positions
     logits = []

@@ -8,11 +8,11 @@ import torch
 import reasonkv
 from conftest import TINY_MODELS
 from reasonkv.cache import EvictingCache
-from reasonkv.decode import cache_kwarg
+from reasonkv.hf import cache_keyword
 
 
 def _decode(model, cache, prompt_ids, steps, mask=None):
-    key = cache_kwarg(model)
+    key = cache_keyword(model)
     ids = torch.tensor(prompt_ids)
     out = model(input_ids=ids, attention_mask=mask, use_cache=True, **{key: cache})
     history = [cache.slots]
@@ -63,7 +63,7 @@ def test_padding_never_occupies_budget_and_rows_evict_on_their_own_schedule(llam
     mask = torch.tensor([[1] * 10, [0] * 7 + [1] * 3])
     _decode(llama, cache, ids.tolist(), steps=0, mask=mask)
     assert cache.row_lengths().tolist() == [10, 3] and cache.slots == width
-    key = cache_kwarg(llama)
+    key = cache_keyword(llama)
     for _ in range(2):
         llama(input_ids=torch.tensor([[7], [7]]), use_cache=True, **{key: cache})
     # row 0 reached 12 = K + B and was shrunk to 8; row 1 holds its 5 real tokens, left-padded
@@ -117,7 +117,7 @@ def test_sliding_window_models_are_refused():
         sliding_window=16,
     )
     model = MistralForCausalLM(config)
-    with pytest.raises(ValueError, match="sliding-window layers"):
+    with pytest.raises(ValueError, match=r"not full attention \(sliding: layers \[0, 1\]\)"):
         EvictingCache(8, 4, model=model, policy="streaming")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from reasonkv.cli import main
-from reasonkv.commands.common import parse_options
+from reasonkv.policies import parse_options
 
 
 def test_policies_lists_every_policy(capsys):

@@ -7,7 +7,7 @@ import torch
 
 import reasonkv
 from conftest import CharTokenizer, tiny_llama, tiny_qwen3
-from reasonkv.decode import cache_kwarg
+from reasonkv.hf import cache_keyword
 
 PROMPTS = ["Let us think step by step about it.", "Why?", "Two plus three is five, so"]
 
@@ -43,7 +43,7 @@ def test_model_generate_with_evicting_cache_equals_reasonkv_generate(policy, tok
     )
     ids = torch.tensor([tokenizer(PROMPTS[0])["input_ids"]])
     with reasonkv.EvictingCache(10, 4, model=model, policy=policy, seed=5) as cache:
-        out = model.generate(ids, max_new_tokens=30, do_sample=False, **{cache_kwarg(model): cache})
+        out = model.generate(ids, max_new_tokens=30, do_sample=False, **{cache_keyword(model): cache})
     assert out[0, ids.shape[1] :].tolist() == ours.token_ids
     assert cache.evictions == ours.stats["evictions"] > 0
 
@@ -57,7 +57,7 @@ def test_model_generate_batched_with_left_padding(tokenizer):
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
     with reasonkv.EvictingCache(10, 4, model=model, policy="streaming") as cache:
         out = model.generate(
-            ids, attention_mask=mask, max_new_tokens=20, do_sample=False, **{cache_kwarg(model): cache}
+            ids, attention_mask=mask, max_new_tokens=20, do_sample=False, **{cache_keyword(model): cache}
         )
     assert [out[i, width:].tolist() for i in range(2)] == [r.token_ids for r in ours]
 

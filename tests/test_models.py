@@ -6,24 +6,20 @@ import importlib.util
 import json
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
 from reasonkv import models
+from reasonkv.hf import model_info
 from reasonkv.models import (
     SMOLLM2_INSTALL_COMMAND,
     cache_dir,
-    head_dim,
-    kv_heads,
     list_shapes,
     load_model,
-    model_layers,
     random_model,
     shape_config,
-    sliding_window_layers,
 )
 
 HAS_SMOLLM2 = importlib.util.find_spec(models.SMOLLM2_PACKAGE) is not None
@@ -265,7 +261,7 @@ def test_every_shape_builds_on_meta(shape: str) -> None:
     assert all(p.device.type == "meta" and p.dtype == torch.bfloat16 for p in params)
     if shape in PARAMS_B:
         assert sum(p.numel() for p in params) / 1e9 == pytest.approx(PARAMS_B[shape], rel=2e-3)
-    assert sliding_window_layers(model) == []
+    assert set(model_info(model).layer_kinds) == {"full"}
 
 
 def test_every_shape_json_is_valid() -> None:
@@ -277,7 +273,8 @@ def test_every_shape_json_is_valid() -> None:
 def test_tiny_forward_is_finite() -> None:
     model, tokenizer = load_model("shape:tiny")
     assert tokenizer is None and not model.training
-    assert (model_layers(model), kv_heads(model), head_dim(model)) == (4, 2, 32)
+    info = model_info(model)
+    assert (info.num_layers, info.num_kv_heads, info.head_dim) == (4, 2, 32)
     weight = model.model.layers[0].mlp.up_proj.weight
     assert weight.std().item() == pytest.approx(0.02, rel=0.05)
     ids = torch.randint(0, model.config.vocab_size, (2, 12))
@@ -304,38 +301,6 @@ def test_random_model_dtype_and_eager() -> None:
     assert model.config._attn_implementation == "eager"
     with torch.no_grad():
         assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
-
-
-# --------------------------------------------------------------------------- config helpers
-
-
-def test_helpers_on_configs() -> None:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
-
-    llama = LlamaConfig(num_hidden_layers=3, hidden_size=96, num_attention_heads=6, num_key_value_heads=2)
-    assert (model_layers(llama), kv_heads(llama), head_dim(llama)) == (3, 2, 16)
-    assert sliding_window_layers(llama) == []
-    mha = SimpleNamespace(num_hidden_layers=2, hidden_size=64, num_attention_heads=4)
-    assert (kv_heads(mha), head_dim(mha)) == (4, 16)  # no GQA fields, no head_dim
-    assert head_dim(SimpleNamespace(head_dim=None, hidden_size=64, num_attention_heads=2)) == 32
-
-    mistral = MistralConfig(num_hidden_layers=4, sliding_window=4096)
-    assert sliding_window_layers(mistral) == [0, 1, 2, 3]
-    qwen2 = Qwen2Config(num_hidden_layers=4, use_sliding_window=True, sliding_window=512, max_window_layers=2)
-    assert sliding_window_layers(qwen2) == [2, 3]
-    assert sliding_window_layers(Qwen2Config(num_hidden_layers=4, use_sliding_window=False)) == []
-    off = SimpleNamespace(num_hidden_layers=4, sliding_window=4096, use_sliding_window=False)
-    assert sliding_window_layers(off) == []
-    legacy = SimpleNamespace(num_hidden_layers=4, sliding_window=256, use_sliding_window=True, max_window_layers=1)
-    assert sliding_window_layers(legacy) == [1, 2, 3]
-
-
-def test_sliding_window_from_layer_types() -> None:
-    from transformers import Gemma3TextConfig
-
-    config = Gemma3TextConfig(num_hidden_layers=12, sliding_window=512)
-    assert sliding_window_layers(config) == [i for i in range(12) if (i + 1) % 6 != 0]
-    assert model_layers(config) == 12
 
 
 # --------------------------------------------------------------------------- the bundled model
@@ -418,8 +383,9 @@ def test_bundled_tokenizer(bundled: dict[str, Any]) -> None:
 @pytest.mark.integration
 def test_bundled_architecture(bundled: dict[str, Any]) -> None:
     model = bundled["model"]
-    assert (model_layers(model), kv_heads(model), head_dim(model)) == (30, 3, 64)
-    assert sliding_window_layers(model) == []
+    info = model_info(model)
+    assert (info.num_layers, info.num_kv_heads, info.head_dim) == (30, 3, 64)
+    assert set(info.layer_kinds) == {"full"}
     assert not model.training and model.config._attn_implementation == "sdpa"
     assert next(model.parameters()).dtype == torch.float32
     assert model.generation_config.pad_token_id == 2

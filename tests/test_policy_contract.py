@@ -11,7 +11,7 @@ from transformers.modeling_utils import AttentionInterface
 import reasonkv
 from conftest import NoEosTokenizer, tiny_llama
 from oracle import run_and_check
-from reasonkv.decode import cache_kwarg
+from reasonkv.hf import cache_keyword
 from reasonkv.policies import policy_class
 
 POLICIES = reasonkv.list_policies()
@@ -63,7 +63,7 @@ def test_seed_reproducibility(name):
     for seed in (1, 1, 2):
         with reasonkv.EvictingCache(16, 4, model=model, policy=name, seed=seed, **_small_options(name)) as cache:
             ids = torch.tensor([tokenizer(PROMPTS[0])["input_ids"]])
-            model.generate(ids, max_new_tokens=12, do_sample=False, **{cache_kwarg(model): cache})
+            model.generate(ids, max_new_tokens=12, do_sample=False, **{cache_keyword(model): cache})
             kept.append(torch.stack([cache.positions(layer) for layer in range(len(cache.layers))]))
     assert torch.equal(kept[0], kept[1])
     if policy_class(name).stochastic:

@@ -91,13 +91,6 @@ def test_temperature_flattens_the_distribution():
     assert hits(1.0) > hits(100.0)
 
 
-def test_value_range_and_top_mask():
+def test_value_range():
     values = torch.tensor([[[0.0, 1.0], [-5.0, 5.0], [2.0, 2.5]]])
     assert select.value_range(values).tolist() == [[1.0, 10.0, 0.5]]
-    mask = select.top_mask(
-        torch.tensor([[3.0, 1.0, 2.0, 5.0]]),
-        valid=torch.ones(1, 4, dtype=torch.bool),
-        exclude=torch.tensor([[False, False, False, True]]),
-        n=2,
-    )
-    assert mask.tolist() == [[True, False, True, False]]

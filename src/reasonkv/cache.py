@@ -157,7 +157,9 @@ class EvictingCache(Cache):
         _check_sizes(budget, buffer)
         self.budget, self.buffer = budget, buffer
         if model is not None and num_layers is None:
-            num_layers = model.config.get_text_config().num_hidden_layers
+            from reasonkv.hf import model_info
+
+            num_layers = model_info(model).num_layers
         if num_layers is None:
             super().__init__(layer_class_to_replicate=partial(_EvictingLayer, self))
         else:

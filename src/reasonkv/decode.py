@@ -7,7 +7,6 @@ each row evicts on its own schedule, so a prompt gives the same tokens in a batc
 
 from __future__ import annotations
 
-import inspect
 import resource
 import time
 from collections.abc import Callable, Sequence
@@ -17,8 +16,9 @@ import torch
 
 from reasonkv.cache import EvictingCache
 from reasonkv.evictor import row_generators
+from reasonkv.hf import Forward, left_pad, synchronize
 
-__all__ = ["GenerationResult", "generate", "cache_kwarg"]
+__all__ = ["GenerationResult", "generate"]
 
 
 @dataclass
@@ -40,12 +40,6 @@ class GenerationResult:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
-
-
-def cache_kwarg(model) -> str:
-    """The name under which ``model.forward`` takes its cache (renamed in transformers 5.2x)."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
 
 
 def _eos_ids(model, tokenizer) -> set[int]:
@@ -72,16 +66,6 @@ def _encode(tokenizer, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list
         if not encoded[-1]:
             raise ValueError("empty prompt")
     return encoded
-
-
-def _left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
-        mask[i, width - len(r) :] = 1
-    return ids.to(device), mask.to(device)
 
 
 def _sample(
@@ -111,11 +95,6 @@ def _check_sampling(max_new_tokens: int, temperature: float, top_p: float, top_k
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if top_k < 0:
         raise ValueError(f"top_k must be >= 0, got {top_k}")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @torch.inference_mode()
@@ -175,7 +154,7 @@ def generate(
     device = next(model.parameters()).device
     pad_id = getattr(tokenizer, "pad_token_id", None)
     pad_id = 0 if pad_id is None else pad_id
-    ids, mask = _left_pad(prompt_ids, pad_id, device)
+    ids, mask = left_pad(prompt_ids, pad_id, device)
     batch = ids.shape[0]
     eos = set() if ignore_eos else _eos_ids(model, tokenizer)
     stop = list(stop or [])
@@ -186,8 +165,7 @@ def generate(
         budget, buffer, model=model, policy=policy, seed=seed, sync_timing=sync_timing, **policy_kwargs
     )
     sampling_generators = row_generators(seed, batch, device, salt=2)
-    key = cache_kwarg(model)
-    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    forward = Forward(model)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -195,10 +173,10 @@ def generate(
     finish = [None] * batch
     peak_kv = 0
     try:
-        _sync(device)
+        synchronize(device)
         t0 = time.perf_counter()
-        out = model(input_ids=ids, attention_mask=mask, use_cache=True, **{key: cache}, **extra)
-        _sync(device)
+        out = forward(ids, cache, attention_mask=mask, last_logits_only=True)
+        synchronize(device)
         t1 = time.perf_counter()
         if on_step is not None:
             on_step(0, cache)
@@ -221,10 +199,10 @@ def generate(
             if all(f is not None for f in finish) or step == max_new_tokens - 1:
                 break
             next_ids = next_ids.masked_fill(torch.tensor([f is not None for f in finish], device=device), pad_id)
-            out = model(input_ids=next_ids.unsqueeze(1), use_cache=True, **{key: cache}, **extra)
+            out = forward(next_ids.unsqueeze(1), cache, last_logits_only=True)
             if on_step is not None:
                 on_step(step + 1, cache)
-        _sync(device)
+        synchronize(device)
         t2 = time.perf_counter()
     finally:
         cache.detach()

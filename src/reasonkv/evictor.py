@@ -14,24 +14,15 @@ import weakref
 
 import torch
 
+from reasonkv.hf import model_info
 from reasonkv.observe import Observer
 from reasonkv.policies import get_policy
 from reasonkv.timing import Stopwatch
-from reasonkv.view import EvictionView, ModelInfo
+from reasonkv.view import EvictionView
 
 __all__ = ["Evictor"]
 
 _SEED_STRIDE = 0x9E3779B1  # decorrelates the streams of consecutive row seeds
-
-
-def sliding_window_layers(config) -> list[int]:
-    config = config.get_text_config()
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types:
-        return [i for i, kind in enumerate(layer_types) if "sliding" in kind or "chunked" in kind]
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        return list(range(config.num_hidden_layers))
-    return []
 
 
 def row_generators(seed: int | list[int], batch: int, device: torch.device, salt: int = 0) -> list[torch.Generator]:
@@ -51,14 +42,15 @@ class Evictor:
     """Observe → score → select → gather, after every forward pass of ``model`` with ``cache``."""
 
     def __init__(self, model, cache, policy, *, seed: int | list[int] = 0, sync_timing: bool = False, **policy_kwargs):
+        # A fresh instance: the policy's generation state belongs to this cache alone.
         self.policy = get_policy(policy, **policy_kwargs)
-        sliding = sliding_window_layers(model.config)
-        if sliding:
+        self.info = model_info(model)
+        other = [(i, kind) for i, kind in enumerate(self.info.layer_kinds) if kind != "full"]
+        if other:
             raise ValueError(
-                f"{type(model).__name__} has sliding-window layers {sliding}; EvictingCache supports "
-                "full-attention models only (those layers would need to keep their own window)"
+                f"{type(model).__name__} has layers that are not full attention ({_describe(other)}); "
+                "EvictingCache supports full-attention models only"
             )
-        self.info = ModelInfo.from_config(model.config)
         if not self.policy.evicts:
             cache.budget = None
         elif cache.budget is None:
@@ -154,7 +146,7 @@ class Evictor:
         cache = self.cache
         view = EvictionView(
             cache=cache,
-            observer=self.observer,
+            recorded=self.observer.recorded,
             policy=self.policy,
             rows=rows,
             generators=[self.generators[int(r)] for r in rows],
@@ -164,6 +156,13 @@ class Evictor:
             kept = self.policy.keep(view)
             return [kept.unsqueeze(1).expand(-1, layer.keys.shape[1], -1) for layer in cache.layers]
         return [self.policy.keep(view.at(layer)) for layer in range(len(cache.layers))]
+
+
+def _describe(layers: list[tuple[int, str]]) -> str:
+    kinds: dict[str, list[int]] = {}
+    for index, kind in layers:
+        kinds.setdefault(kind, []).append(index)
+    return "; ".join(f"{kind}: layers {indices}" for kind, indices in kinds.items())
 
 
 def _weak(ref: weakref.ReferenceType, method: str):

@@ -35,17 +35,13 @@ __all__ = [
     "DEFAULT_MODEL",
     "SMOLLM2_INSTALL_COMMAND",
     "cache_dir",
-    "head_dim",
-    "kv_heads",
     "list_shapes",
     "load_model",
-    "model_layers",
     "random_model",
     "resolve_attn_implementation",
     "resolve_device",
     "resolve_dtype",
     "shape_config",
-    "sliding_window_layers",
 ]
 
 logger = logging.getLogger(__name__)
@@ -325,60 +321,6 @@ def random_model(
                 torch.cuda.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, attn_implementation=attn)
     return model.eval()
-
-
-# --------------------------------------------------------------------------- config helpers
-
-
-def _text_config(model_or_config: PreTrainedModel | PretrainedConfig) -> PretrainedConfig:
-    config = getattr(model_or_config, "config", model_or_config)
-    # Multimodal wrappers keep the decoder's fields in a text sub-config.
-    get_text_config = getattr(config, "get_text_config", None)
-    return get_text_config() if callable(get_text_config) else config
-
-
-def model_layers(model: PreTrainedModel | PretrainedConfig) -> int:
-    """Number of decoder layers (``num_hidden_layers``) of a model or config."""
-    config = _text_config(model)
-    for attr in ("num_hidden_layers", "n_layer", "num_layers"):
-        value = getattr(config, attr, None)
-        if value is not None:
-            return int(value)
-    raise ValueError(f"Cannot find the number of layers in config of type {type(config).__name__}.")
-
-
-def kv_heads(model: PreTrainedModel | PretrainedConfig) -> int:
-    """Number of key/value heads per layer (``num_attention_heads`` for models without GQA)."""
-    config = _text_config(model)
-    value = getattr(config, "num_key_value_heads", None)
-    return int(value if value is not None else config.num_attention_heads)
-
-
-def head_dim(model: PreTrainedModel | PretrainedConfig) -> int:
-    """Dimension of one attention head (``head_dim``, else ``hidden_size // num_attention_heads``)."""
-    config = _text_config(model)
-    value = getattr(config, "head_dim", None)
-    return int(value if value is not None else config.hidden_size // config.num_attention_heads)
-
-
-def sliding_window_layers(model: PreTrainedModel | PretrainedConfig) -> list[int]:
-    """Indices of the layers that use sliding-window attention (empty for full-attention models).
-
-    ``layer_types`` decides when the config has it. Otherwise a set ``sliding_window`` makes every
-    layer sliding unless ``use_sliding_window`` is false; with ``use_sliding_window`` true, layers
-    before ``max_window_layers`` keep full attention (the older Qwen2 convention).
-    """
-    config = _text_config(model)
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        return [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
-    if getattr(config, "sliding_window", None) is None:
-        return []
-    use_flag = getattr(config, "use_sliding_window", None)
-    if use_flag is False:
-        return []
-    start = int(getattr(config, "max_window_layers", 0) or 0) if use_flag else 0
-    return list(range(min(start, model_layers(config)), model_layers(config)))
 
 
 # --------------------------------------------------------------------------- the bundled model

@@ -21,9 +21,7 @@ __all__ = [
     "keep_sampled",
     "gumbel_noise",
     "value_range",
-    "top_mask",
     "reserve_top",
-    "broadcast_rows",
 ]
 
 # Keys for "must keep" and "never keep" slots. Finite so that arithmetic on them stays NaN-free.
@@ -144,18 +142,6 @@ def value_range(values: torch.Tensor) -> torch.Tensor:
     return values.amax(dim=-1).float() - values.amin(dim=-1).float()
 
 
-def top_mask(scores: torch.Tensor, *, valid: torch.Tensor, exclude: torch.Tensor, n: int) -> torch.Tensor:
-    """Boolean mask of the ``n`` highest-scoring valid slots outside ``exclude`` (per leading index)."""
-    mask = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
-    if n <= 0:
-        return mask
-    candidates = valid & ~exclude
-    keys = scores.float().masked_fill(~candidates, float("-inf"))
-    top = keys.topk(min(n, scores.shape[-1]), dim=-1).indices
-    mask.scatter_(-1, top, True)
-    return mask & candidates
-
-
 def reserve_top(scores: torch.Tensor, *, valid: torch.Tensor, protected: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """Mask of the slots to reserve before filling a budget of ``k``: the ``n`` highest-scoring
     valid, unprotected slots, capped so that protected + reserved never exceed ``k``.
@@ -179,8 +165,3 @@ def reserve_top(scores: torch.Tensor, *, valid: torch.Tensor, protected: torch.T
     top = keys.topk(m, dim=-1, sorted=True)
     take = (torch.arange(m, device=scores.device) < room) & torch.isfinite(top.values)
     return mask.scatter_(-1, top.indices, take)
-
-
-def broadcast_rows(indices: torch.Tensor, heads: int) -> torch.Tensor:
-    """Per-token indices ``[rows, k]`` as per-head indices ``[rows, heads, k]`` (no copy)."""
-    return indices.unsqueeze(1).expand(-1, heads, -1)

@@ -1,53 +1,33 @@
 """What a policy may read at eviction time: the rows being evicted, their stored K/V, positions and
-the recorded signals. A serving engine that reuses ``policies/`` implements this same interface.
+the recorded signals. Torch only: a serving engine that reuses ``policies/`` builds this same view over
+its own storage (anything with ``layers[i].keys/values``, ``positions(i)``, ``valid``, ``next_position``,
+``prompt_lengths``, ``row_evictions`` and ``budget``) and a :class:`~reasonkv.recorded.Recorded`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
 
 import torch
 
-from reasonkv import select
+from reasonkv import attention, select
+from reasonkv.contract import ModelInfo
+from reasonkv.recorded import Recorded
 
-__all__ = ["ModelInfo", "EvictionView"]
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """The attention shape of a model."""
-
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-
-    @property
-    def scaling(self) -> float:
-        return self.head_dim**-0.5
-
-    @property
-    def group_size(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
-    @classmethod
-    def from_config(cls, config) -> ModelInfo:
-        config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        return cls(config.num_hidden_layers, heads, kv_heads, head_dim)
+__all__ = ["EvictionView"]
 
 
 class EvictionView:
-    """The evicted rows' view of the cache and the observer, for one eviction.
+    """The evicted rows' view of the cache and the recorded signals, for one eviction.
 
     ``layer`` is ``None`` for token-granularity policies (one call for all layers) and the layer
     being scored for head-granularity ones. Tensors have the evicted rows as their first dimension.
     """
 
-    def __init__(self, *, cache, observer, policy, rows, generators, info: ModelInfo, layer: int | None = None):
-        self.cache, self.observer, self.policy = cache, observer, policy
+    def __init__(
+        self, *, cache, recorded: Recorded, policy, rows, generators, info: ModelInfo, layer: int | None = None
+    ):
+        self.cache, self.recorded, self.policy = cache, recorded, policy
         self.rows = rows
         self.generators = generators  # one torch.Generator per evicted row
         self.info = info
@@ -59,15 +39,9 @@ class EvictionView:
 
     def at(self, layer: int) -> EvictionView:
         """The same eviction, seen from one layer (head-granularity scoring)."""
-        return EvictionView(
-            cache=self.cache,
-            observer=self.observer,
-            policy=self.policy,
-            rows=self.rows,
-            generators=self.generators,
-            info=self.info,
-            layer=layer,
-        )
+        view = copy.copy(self)
+        view.layer = layer
+        return view
 
     def _take(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor if self._all_rows else tensor.index_select(0, self.rows.to(tensor.device))
@@ -131,20 +105,21 @@ class EvictionView:
         )
 
     # -- recorded signals -------------------------------------------------------------------------
+    def scaling(self, layer: int | None = None) -> float:
+        """The attention scaling the model's kernel used in ``layer`` (``1/sqrt(head_dim)`` until seen)."""
+        return self.recorded.scalings.get(self._layer(layer), self.info.scaling)
+
     def recent_queries(self, layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The last ``w`` queries: ``([rows, heads, w, head_dim], positions [rows, w], valid [rows, w])``."""
-        window = self.observer.windows.get(self._layer(layer))
+        window = self.recorded.windows.get(self._layer(layer))
         if window is None or window.queries is None:
             raise RuntimeError("no queries recorded: the policy must declare query_window in needs()")
         return self._take(window.queries), self._take(window.positions), self._take(window.valid)
 
     def window_attention(self, layer: int | None = None) -> torch.Tensor:
         """Attention of the recorded recent queries over the stored keys, ``[rows, heads, w, slots]``."""
-        from reasonkv.observe import recent_window_attention
-
         layer = self._layer(layer)
         queries, q_pos, q_valid = self.recent_queries(layer)
-        scaling = self.observer.scalings.get(layer, self.info.scaling)
-        return recent_window_attention(
-            queries, q_pos, q_valid, self.keys(layer), self.positions(layer), self.valid, scaling
+        return attention.window_attention(
+            queries, q_pos, q_valid, self.keys(layer), self.positions(layer), self.valid, self.scaling(layer)
         )

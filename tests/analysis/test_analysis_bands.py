@@ -97,7 +97,7 @@ def test_calibration_file_drives_epikv(tmp_path):
 
     if "epikv" not in reasonkv.list_policies():
         pytest.skip("the epikv policy is not installed")
-    from reasonkv.view import ModelInfo
+    from reasonkv.contract import ModelInfo
 
     profile = layer_profile(*_synthetic(PLANTED), replicates=200)
     band_a, band_b = discover_bands(profile)

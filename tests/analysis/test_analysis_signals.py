@@ -124,8 +124,8 @@ def test_epikv_scores_match_the_policy(variant):
     import reasonkv
     from reasonkv.analysis.scores import epikv_scores
     from reasonkv.calibration import Calibration
-    from reasonkv.observe import Step, decoder_layers
-    from reasonkv.view import ModelInfo
+    from reasonkv.contract import Step
+    from reasonkv.hf import decoder_layers, model_info
 
     if "epikv" not in reasonkv.list_policies():
         pytest.skip("the epikv policy is not installed")
@@ -142,7 +142,7 @@ def test_epikv_scores_match_the_policy(variant):
         model(ids.unsqueeze(0))
     for handle in handles:
         handle.remove()
-    info = ModelInfo.from_config(model.config)
+    info = model_info(model.config)
     policy.reset(info, 1, torch.device("cpu"))
     positions = torch.arange(48).unsqueeze(0)
     policy.observe(Step(input_valid=torch.ones(1, 48, dtype=torch.bool), input_positions=positions, hidden=hidden))

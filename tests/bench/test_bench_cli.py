@@ -190,9 +190,9 @@ def _plan(argv):
             ["--prefill-to-length", "--decode-steps", "64", "--lengths", "64,128"],
             "must exceed --decode-steps 64 plus 2 warm-up steps",
         ),
-        (["-o", "nope=3"], "no benchmarked policy has an option 'nope'"),
-        (["-o", "random:sinks=-1"], "sinks must be a non-negative integer"),
-        (["-o", "knorm:sinks=1"], "not benchmarked"),
+        (["-o", "nope=3"], "no selected policy has an option 'nope'"),
+        (["-o", "random.sinks=-1"], "sinks must be a non-negative integer"),
+        (["-o", "knorm.sinks=1"], "names policy 'knorm', which is not selected"),
         (["--budget", "2", "--lengths", "64"], "exceed the budget 2"),
     ],
 )

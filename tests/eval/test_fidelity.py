@@ -9,7 +9,6 @@ import torch
 
 import reasonkv
 from conftest import CharTokenizer, tiny_llama, tiny_qwen3
-from reasonkv.decode import cache_kwarg
 from reasonkv.eval.datasets import Problem
 from reasonkv.eval.fidelity import (
     answer_logprob,
@@ -18,6 +17,7 @@ from reasonkv.eval.fidelity import (
     replay_logits,
     trace_fidelity,
 )
+from reasonkv.hf import cache_keyword
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -35,7 +35,7 @@ TRACE = _ids(40, 2)
 def _manual_stepwise(model, prompt, continuation, policy, budget, buffer, seed):
     """Independent reference: prefill, then one token per forward, as generation does."""
     cache = reasonkv.EvictingCache(budget, buffer, model=model, policy=policy, seed=seed)
-    key = cache_kwarg(model)
+    key = cache_keyword(model)
     out = model(input_ids=torch.tensor([prompt]), use_cache=True, **{key: cache})
     logits = [out.logits[0, -1]]
     for token in continuation[:-1]:

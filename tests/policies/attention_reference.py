@@ -22,7 +22,7 @@ import torch
 from transformers.modeling_utils import AttentionInterface
 
 import reasonkv
-from reasonkv.decode import cache_kwarg
+from reasonkv.hf import cache_keyword
 
 __all__ = ["drive", "eager_attentions", "masked_attentions", "masked_hidden_states"]
 
@@ -51,7 +51,7 @@ def drive(
     one per forward pass (``len(tokens) + 1``; empty without ``snapshot``).
     """
     cache = reasonkv.EvictingCache(budget, buffer, model=model, policy=policy, **options)
-    key, layers = cache_kwarg(model), model.config.num_hidden_layers
+    key, layers = cache_keyword(model), model.config.num_hidden_layers
     held, snapshots = [], []
 
     def record():

@@ -9,7 +9,7 @@ import torch
 
 import reasonkv
 from conftest import NoEosTokenizer, tiny_llama
-from reasonkv.decode import cache_kwarg
+from reasonkv.hf import cache_keyword
 from reasonkv.policies.leverage import dkv_scores, gaussian_projection, leverage_scores, local_normalise
 
 # --------------------------------------------------------------------------- leverage maths
@@ -151,7 +151,7 @@ def _projections_per_eviction(name: str, seed: int, **options) -> list[torch.Ten
 
         policy.keep = keep
         ids = torch.tensor([tokenizer("A prompt for sketching.")["input_ids"]])
-        model.generate(ids, max_new_tokens=24, do_sample=False, **{cache_kwarg(model): cache})
+        model.generate(ids, max_new_tokens=24, do_sample=False, **{cache_keyword(model): cache})
     assert len(seen) >= 4
     return seen
 
@@ -201,7 +201,7 @@ def test_curdkv_matches_top_k_of_its_reference_scores(leverage):
 
         policy.keep = keep
         ids = torch.tensor([tokenizer("Reference scores, please.")["input_ids"]])
-        model.generate(ids, max_new_tokens=8, do_sample=False, **{cache_kwarg(model): cache})
+        model.generate(ids, max_new_tokens=8, do_sample=False, **{cache_keyword(model): cache})
     assert checked
 
 

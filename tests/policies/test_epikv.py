@@ -18,10 +18,9 @@ from conftest import NoEosTokenizer, tiny_llama
 from oracle import run_and_check
 from reasonkv import select
 from reasonkv.calibration import default_anatomy, load_calibration, scale_layer, write_calibration
-from reasonkv.observe import Step
+from reasonkv.contract import ModelInfo, Step
 from reasonkv.policies import get_policy
 from reasonkv.policies.epikv import EPIKV, EPIKVLag
-from reasonkv.view import ModelInfo
 
 LAYERS = 6
 DIM = 8
@@ -522,9 +521,9 @@ def test_calibration_round_trip_and_use(tmp_path):
 
 
 def _cache_key(model) -> str:
-    from reasonkv.decode import cache_kwarg
+    from reasonkv.hf import cache_keyword
 
-    return cache_kwarg(model)
+    return cache_keyword(model)
 
 
 def _write(tmp_path, data, name="bad.json") -> str:

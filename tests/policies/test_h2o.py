@@ -10,7 +10,7 @@ import torch
 import reasonkv
 from attention_reference import drive, eager_attentions, masked_attentions
 from conftest import TINY_MODELS, tiny_llama
-from reasonkv.decode import cache_kwarg
+from reasonkv.hf import cache_keyword
 
 PROMPT = [5 + (13 * i) % 83 for i in range(12)]
 TOKENS = [7 + (29 * i) % 80 for i in range(30)]
@@ -96,7 +96,7 @@ def test_batch_rows_accumulate_as_if_alone():
     short, long = PROMPT[:7], PROMPT
     alone, _, _ = _drive(model, short, TOKENS[:6], budget=500, buffer=8)
     cache = reasonkv.EvictingCache(500, 8, model=model, policy="h2o")
-    key = cache_kwarg(model)
+    key = cache_keyword(model)
     ids = torch.tensor([long, [0] * (len(long) - len(short)) + short])
     mask = torch.tensor([[1] * len(long), [0] * (len(long) - len(short)) + [1] * len(short)])
     with torch.inference_mode():
@@ -136,7 +136,7 @@ def test_chunked_forward_equals_single_steps():
     tokens = TOKENS[:10]
     single, *_ = _drive(model, PROMPT, tokens, budget=500, buffer=8)
     chunked = reasonkv.EvictingCache(500, 8, model=model, policy="h2o")
-    key = cache_kwarg(model)
+    key = cache_keyword(model)
     with torch.inference_mode():
         model(input_ids=torch.tensor([PROMPT]), use_cache=True, **{key: chunked})
         model(input_ids=torch.tensor([tokens]), use_cache=True, **{key: chunked})

@@ -52,7 +52,7 @@ def test_scores_equal_minus_key_norms(model_name):
     evictor = cache.evictor
     view = EvictionView(
         cache=cache,
-        observer=evictor.observer,
+        recorded=evictor.observer.recorded,
         policy=evictor.policy,
         rows=torch.tensor([0]),
         generators=[],

@@ -11,7 +11,7 @@ import torch
 import reasonkv
 from conftest import NoEosTokenizer, tiny_llama
 from oracle import run_and_check
-from reasonkv.decode import cache_kwarg
+from reasonkv.hf import cache_keyword
 from reasonkv.policies.lagkv import LagKV, lag_relative_scores
 from reasonkv.view import EvictionView
 
@@ -83,7 +83,7 @@ def test_too_short_rows_score_nothing_and_flat_channels_do_not_divide_by_zero():
 def _prefilled(model, policy):
     cache = reasonkv.EvictingCache(1000, 8, model=model, policy=policy)
     with torch.no_grad():
-        model(input_ids=torch.tensor([TOKENS]), use_cache=True, **{cache_kwarg(model): cache})
+        model(input_ids=torch.tensor([TOKENS]), use_cache=True, **{cache_keyword(model): cache})
     cache.detach()
     return cache
 
@@ -91,7 +91,7 @@ def _prefilled(model, policy):
 def _view(cache, layer, budget):
     ev = cache.evictor
     view = EvictionView(
-        cache=cache, observer=ev.observer, policy=ev.policy, rows=torch.arange(1), generators=[], info=ev.info
+        cache=cache, recorded=ev.observer.recorded, policy=ev.policy, rows=torch.arange(1), generators=[], info=ev.info
     ).at(layer)
     view.budget = budget
     return view

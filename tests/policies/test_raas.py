@@ -10,7 +10,7 @@ import torch
 import reasonkv
 from attention_reference import drive, eager_attentions, masked_attentions
 from conftest import TINY_MODELS, tiny_llama
-from reasonkv.decode import cache_kwarg
+from reasonkv.hf import cache_keyword
 
 PROMPT = [6 + (19 * i) % 81 for i in range(10)]
 TOKENS = [8 + (37 * i) % 79 for i in range(32)]
@@ -125,7 +125,7 @@ def test_batch_rows_stamp_as_if_alone():
     short, long = PROMPT[:6], PROMPT
     alone, _, _ = _drive(model, short, TOKENS[:8], budget=500, buffer=8, threshold=THRESHOLD)
     cache = reasonkv.EvictingCache(500, 8, model=model, policy="raas", threshold=THRESHOLD)
-    key = cache_kwarg(model)
+    key = cache_keyword(model)
     ids = torch.tensor([long, [0] * (len(long) - len(short)) + short])
     mask = torch.tensor([[1] * len(long), [0] * (len(long) - len(short)) + [1] * len(short)])
     with torch.inference_mode():

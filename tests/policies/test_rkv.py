@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import reasonkv
 from conftest import tiny_llama
 from reasonkv import select
-from reasonkv.decode import cache_kwarg
+from reasonkv.hf import cache_keyword
 from reasonkv.policies.rkv import RKV, key_redundancy, window_importance
 from reasonkv.view import EvictionView
 
@@ -24,7 +24,7 @@ def _prefilled(model, policy, tokens=TOKENS, decoded=0):
     split = len(tokens) - decoded
     with torch.no_grad():
         for chunk in [tokens[:split]] + [[t] for t in tokens[split:]]:
-            model(input_ids=torch.tensor([chunk]), use_cache=True, **{cache_kwarg(model): cache})
+            model(input_ids=torch.tensor([chunk]), use_cache=True, **{cache_keyword(model): cache})
     cache.detach()
     return cache
 
@@ -33,7 +33,7 @@ def _view(cache, layer, budget=None):
     ev = cache.evictor
     view = EvictionView(
         cache=cache,
-        observer=ev.observer,
+        recorded=ev.observer.recorded,
         policy=ev.policy,
         rows=torch.arange(1),
         generators=ev.generators,
@@ -93,7 +93,7 @@ def test_gqa_max_pooling_equals_a_loop_over_the_recorded_queries():
     view = _view(cache, 1)
     queries, positions, _ = view.recent_queries()
     keys = view.keys()[0].double()
-    scaling = view.observer.scalings[1]
+    scaling = view.recorded.scalings[1]
     t, w, g = len(TOKENS), 8, 2
     n = t - 8
     want = torch.zeros(2, n, dtype=torch.float64)

@@ -9,10 +9,9 @@ import torch.nn.functional as F
 import reasonkv
 from attention_reference import eager_attentions
 from conftest import TINY_MODELS, tiny_llama
-from reasonkv.decode import cache_kwarg
-from reasonkv.observe import Needs
+from reasonkv.contract import ModelInfo, Needs
+from reasonkv.hf import cache_keyword
 from reasonkv.policies.snapkv import pool_valid, window_scores
-from reasonkv.view import ModelInfo
 
 W = 32  # the default query window
 PROMPTS = [[5 + (13 * i) % 80 for i in range(40)], [7 + (29 * i) % 80 for i in range(35)]]
@@ -56,7 +55,7 @@ def _policy_scores(model, prompts: list[list[int]], budget: int, buffer: int) ->
 
         policy.score = score
         with torch.no_grad():
-            model(input_ids=ids, attention_mask=mask, use_cache=True, **{cache_kwarg(model): cache})
+            model(input_ids=ids, attention_mask=mask, use_cache=True, **{cache_keyword(model): cache})
     assert sorted(captured) == list(range(model.config.num_hidden_layers)), "no eviction after the prefill"
     return captured
 
@@ -128,7 +127,7 @@ def test_snapkv_keeps_the_top_pooled_scores():
 
         policy.keep = keep
         with torch.no_grad():
-            model(input_ids=torch.tensor(PROMPTS[:1]), use_cache=True, **{cache_kwarg(model): cache})
+            model(input_ids=torch.tensor(PROMPTS[:1]), use_cache=True, **{cache_keyword(model): cache})
     assert checked == [0, 1, 2]
 
 

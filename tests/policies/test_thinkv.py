@@ -15,9 +15,8 @@ import reasonkv
 from conftest import tiny_llama
 from oracle import run_and_check
 from reasonkv import select
-from reasonkv.observe import Step
+from reasonkv.contract import ModelInfo, Step
 from reasonkv.policies.thinkv import THOUGHT_TYPES, ThinKV, attention_sparsity, kde_thresholds, tertile_thresholds
-from reasonkv.view import ModelInfo
 
 INFO = ModelInfo(num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4)
 PROMPTS = (6, 4)  # real prompt tokens of row 0 and row 1 (row 1 is left-padded by 2)

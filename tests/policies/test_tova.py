@@ -10,7 +10,7 @@ import torch
 import reasonkv
 from attention_reference import drive, eager_attentions, masked_attentions
 from conftest import TINY_MODELS, tiny_llama
-from reasonkv.decode import cache_kwarg
+from reasonkv.hf import cache_keyword
 
 PROMPT = [4 + (17 * i) % 85 for i in range(12)]
 TOKENS = [9 + (31 * i) % 80 for i in range(30)]
@@ -111,7 +111,7 @@ def test_chunked_forward_equals_single_steps():
     tokens = TOKENS[:10]
     single, *_ = _drive(model, PROMPT, tokens, budget=500, buffer=8)
     chunked = reasonkv.EvictingCache(500, 8, model=model, policy="tova")
-    key = cache_kwarg(model)
+    key = cache_keyword(model)
     with torch.inference_mode():
         model(input_ids=torch.tensor([PROMPT]), use_cache=True, **{key: chunked})
         model(input_ids=torch.tensor([tokens]), use_cache=True, **{key: chunked})

@@ -10,10 +10,10 @@ import torch
 import reasonkv
 from conftest import tiny_llama
 from reasonkv import select
-from reasonkv.decode import cache_kwarg
+from reasonkv.contract import ModelInfo
+from reasonkv.hf import cache_keyword
 from reasonkv.models import SMOLLM2_INSTALL_COMMAND, SMOLLM2_PACKAGE
 from reasonkv.policies.vase import reserve_count
-from reasonkv.view import ModelInfo
 
 # --------------------------------------------------------------------------- a view over synthetic tensors
 
@@ -184,7 +184,7 @@ def test_bad_selection_options_are_clear_errors(options, match):
 
 
 def test_cli_ablation_options_parse():
-    from reasonkv.commands.common import parse_options
+    from reasonkv.policies import parse_options
 
     for name in ("vase-attnv", "vase-dkv"):
         options = parse_options(name, ["sample=false", "reserve=0"])
@@ -229,7 +229,7 @@ def _run_with_planted_values(name: str, seed: int, **options) -> tuple[int, int]
 
         policy.keep = keep
         ids = torch.tensor([PROMPT])
-        model.generate(ids, max_new_tokens=44, do_sample=False, **{cache_kwarg(model): cache})
+        model.generate(ids, max_new_tokens=44, do_sample=False, **{cache_keyword(model): cache})
         assert cache.evictions >= 3
     return tally["checks"], tally["evicted"]
 

@@ -15,7 +15,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from reasonkv.commands.common import add_model_arguments
+from reasonkv.arguments import add_model_arguments
 
 __all__ = ["add_arguments", "run"]
 
@@ -161,9 +161,9 @@ def _run(args: argparse.Namespace) -> int:
         todo = sum(1 for i in ids if i not in label_store or i not in signal_store)
         print(f"calibrate: {len(ids) - todo} of {len(ids)} traces already in {out}", file=sys.stderr)
         if todo:
-            from reasonkv.commands.common import load
+            from reasonkv.arguments import load_model_from
 
-            model, tokenizer = load(args)
+            model, tokenizer = load_model_from(args)
             collect(
                 model,
                 tokenizer,

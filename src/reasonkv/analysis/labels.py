@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from reasonkv.analysis.traces import Trace
-from reasonkv.decode import cache_kwarg
+from reasonkv.hf import Forward, attention_implementation, cached_kv, masks_per_layer_type, plain_cache
 
 __all__ = [
     "MASKED_IMPLEMENTATIONS",
@@ -105,17 +105,6 @@ def chunk_bounds(prompt_length: int, total_length: int, chunk_size: int) -> list
 # --------------------------------------------------------------------------- masks
 
 
-def _layer_types(model: Any) -> list[str] | None:
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    types = getattr(config, "layer_types", None)
-    return list(types) if types else None
-
-
-def _sliding_window(model: Any) -> int | None:
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return getattr(config, "sliding_window", None)
-
-
 def occlusion_mask(
     query_positions: torch.Tensor,
     key_length: int,
@@ -150,38 +139,12 @@ def attention_masks(
 ) -> torch.Tensor | dict[str, torch.Tensor]:
     """:func:`occlusion_mask` in the form the model takes: one tensor, or one per layer type when the
     config lists ``layer_types`` (sliding-window layers then get their window)."""
-    types = _layer_types(model)
-    full = occlusion_mask(query_positions, key_length, hidden, dtype=dtype)
-    if types is None:
-        return full
-    window = _sliding_window(model)
-    masks = {}
-    for kind in set(types):
-        sliding = "sliding" in kind and window is not None
-        masks[kind] = (
-            occlusion_mask(query_positions, key_length, hidden, dtype=dtype, window=window) if sliding else full
-        )
-    return masks
+    return masks_per_layer_type(
+        model, lambda window: occlusion_mask(query_positions, key_length, hidden, dtype=dtype, window=window)
+    )
 
 
 # --------------------------------------------------------------------------- forwards
-
-
-def _new_cache():
-    from transformers import DynamicCache
-
-    # No config: every layer keeps every key, so prefixes can be copied between caches as they are;
-    # sliding windows are applied by the masks instead.
-    return DynamicCache()
-
-
-def _layer_kv(cache: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    entry = cache.layers[layer]
-    return entry.keys, entry.values
-
-
-def _num_cache_layers(cache: Any) -> int:
-    return len(cache.layers)
 
 
 def token_logprobs(
@@ -200,7 +163,7 @@ def token_logprobs(
     left untouched. Returns ``([len(hidden), T - start - 1] float32, cache)``; the cache of this
     forward is returned only when ``keep_cache``.
     """
-    implementation = model.config._attn_implementation
+    implementation = attention_implementation(model)
     if implementation not in MASKED_IMPLEMENTATIONS:
         raise ValueError(
             f"occlusion labels need an attention implementation that applies an arbitrary mask "
@@ -209,12 +172,14 @@ def token_logprobs(
     total = ids.shape[0]
     rows = len(hidden)
     device = ids.device
-    cache = _new_cache()
+    # Every layer keeps every key, so prefixes can be copied between caches as they are; sliding
+    # windows are applied by the masks instead.
+    cache = plain_cache()
     if start > 0:
         if prefix_cache is None:
             raise ValueError("start > 0 needs the prefix cache of the unhidden sequence")
-        for layer in range(_num_cache_layers(prefix_cache)):
-            keys, values = _layer_kv(prefix_cache, layer)
+        for layer in range(len(prefix_cache.layers)):
+            keys, values = cached_kv(prefix_cache, layer)
             cache.update(
                 keys[:1, :, :start].expand(rows, -1, -1, -1), values[:1, :, :start].expand(rows, -1, -1, -1), layer
             )
@@ -222,13 +187,7 @@ def token_logprobs(
     positions = torch.arange(start, total, device=device)
     dtype = next(model.parameters()).dtype
     mask = attention_masks(model, positions, total, hidden, dtype)
-    out = model(
-        input_ids=inputs,
-        attention_mask=mask,
-        position_ids=positions.unsqueeze(0).expand(rows, -1),
-        use_cache=True,
-        **{cache_kwarg(model): cache},
-    )
+    out = Forward(model)(inputs, cache, attention_mask=mask, position_ids=positions.unsqueeze(0).expand(rows, -1))
     logits = out.logits[:, :-1].float()
     targets = inputs[:, 1:]
     logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)

@@ -29,11 +29,10 @@ averaged over every layer and head so that each is one number per token:
 ``random``
     uniform noise seeded by the trace id, the chance reference.
 
-Attention probabilities come from this offline pass only (analysis, not decoding): the pass runs
-with a probe registered as an attention function that computes softmax attention itself, with the
-same additive mask the labels use (sliding-window layers get their window), reduces it to the
-scores above and returns the attention output. The model is handed back with its own attention
-implementation.
+Attention probabilities come from this offline pass only (analysis, not decoding): a probe listens
+on the attention tap (:class:`reasonkv.hf.AttentionTap`), recomputes each layer's softmax attention
+from the post-RoPE queries and keys with the same additive mask the labels use (sliding-window layers
+get their window) and reduces it to the scores above, while the model's own kernel runs as usual.
 """
 
 from __future__ import annotations
@@ -47,8 +46,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from reasonkv.analysis.labels import attention_masks
-from reasonkv.observe import decoder_layers
+from reasonkv.analysis.labels import MASKED_IMPLEMENTATIONS, attention_masks
+from reasonkv.hf import AttentionTap, attention_implementation, decoder_layers
 
 __all__ = [
     "BASELINE_SCORES",
@@ -61,7 +60,6 @@ __all__ = [
 ]
 
 BASELINE_SCORES = ("knorm", "h2o", "tova", "snapkv", "recency", "random")
-_PROBE = "reasonkv_analysis_probe"
 _POOLINGS = ("max", "avg")
 
 
@@ -165,7 +163,7 @@ def _pool(scores: torch.Tensor, kernel: int, mode: str) -> torch.Tensor:
 
 
 class _Probe:
-    """Attention function that reduces the probabilities of each layer to the baseline scores."""
+    """Tap listener that reduces the attention probabilities of each layer to the baseline scores."""
 
     def __init__(self, settings: SignalSettings, num_layers: int):
         self.settings = settings
@@ -173,21 +171,22 @@ class _Probe:
             name: [None] * num_layers for name in ("knorm", "h2o", "tova", "snapkv")
         }
 
-    def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        layer = module.layer_idx
+    def __call__(self, layer: int, query, key, attention_mask, kwargs: dict) -> None:
         _, hq, _, dim = query.shape
         hkv = key.shape[1]
         groups = hq // hkv
-        scaling = dim**-0.5 if scaling is None else scaling
+        scaling = kwargs.get("scaling") or dim**-0.5
         keys = key.float().repeat_interleave(groups, dim=1)
         logits = torch.matmul(query.float(), keys.transpose(-1, -2)) * scaling
         softcap = kwargs.get("softcap")
         if softcap:
             logits = torch.tanh(logits / softcap) * softcap
         if attention_mask is not None:
-            logits = logits + attention_mask.float()
+            if attention_mask.dtype == torch.bool:
+                logits = logits.masked_fill(~attention_mask, float("-inf"))
+            else:
+                logits = logits + attention_mask.float()
         probs = logits.softmax(-1)  # [1, Hq, T, T]
-        output = torch.matmul(probs.to(value.dtype), value.repeat_interleave(groups, dim=1))
 
         p = probs[0]
         s = self.settings
@@ -197,16 +196,6 @@ class _Probe:
         window = p[:, -s.query_window :].sum(1)  # [Hq, T]
         grouped = window.view(hkv, groups, -1).mean(1)
         self.per_layer["snapkv"][layer] = _pool(grouped, s.kernel, s.pooling).mean(0)
-        return output.transpose(1, 2).contiguous(), probs.to(query.dtype)
-
-
-def _set_implementation(model: Any, name: str) -> None:
-    configs = [model.config]
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else None
-    if text is not None and text is not model.config:
-        configs.append(text)
-    for config in configs:
-        config._attn_implementation = name
 
 
 @torch.inference_mode()
@@ -217,9 +206,13 @@ def token_signals(
 
     ``seed_key`` seeds the ``random`` score (the trace id, so a trace always gets the same noise).
     """
-    from transformers.modeling_utils import AttentionInterface
-
     settings = settings or SignalSettings()
+    implementation = attention_implementation(model)
+    if implementation not in MASKED_IMPLEMENTATIONS:
+        raise ValueError(
+            f"token signals need an attention implementation that applies an arbitrary mask "
+            f"({', '.join(MASKED_IMPLEMENTATIONS)}); the model uses {implementation!r}"
+        )
     device = next(model.parameters()).device
     ids = torch.as_tensor(ids, dtype=torch.long, device=device).view(-1)
     total = ids.shape[0]
@@ -233,18 +226,14 @@ def token_signals(
         return record
 
     probe = _Probe(settings, len(layers))
-    AttentionInterface.register(_PROBE, probe)
-    original = model.config._attn_implementation
     handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(layers)]
     dtype = next(model.parameters()).dtype
     positions = torch.arange(total, device=device)
     try:
-        _set_implementation(model, _PROBE)
-        mask = attention_masks(model, positions, total, [None], dtype)
-        model(input_ids=ids.unsqueeze(0), attention_mask=mask, position_ids=positions.unsqueeze(0), use_cache=False)
+        with AttentionTap(model, probe):
+            mask = attention_masks(model, positions, total, [None], dtype)
+            model(input_ids=ids.unsqueeze(0), attention_mask=mask, position_ids=positions.unsqueeze(0), use_cache=False)
     finally:
-        _set_implementation(model, original)
-        AttentionInterface._global_mapping.pop(_PROBE, None)  # the probe holds this pass's scores
         for handle in handles:
             handle.remove()
 

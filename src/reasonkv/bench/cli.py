@@ -26,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+from reasonkv.arguments import add_policy_options
 from reasonkv.bench.plan import DEFAULT_LENGTHS, EVICTION, SWEEP, Plan, build_plan
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -56,14 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated policy names, or 'all' (default: every registered policy); full and streaming "
         "always run as references",
     )
-    policy.add_argument(
-        "-o",
-        "--option",
-        action="append",
-        default=[],
-        metavar="[POLICY:]KEY=VALUE",
-        help="a policy hyper-parameter, for one policy (epikv:variant=lag) or every policy that has it (sinks=8)",
-    )
+    add_policy_options(policy)
     policy.add_argument(
         "--budget", type=int, default=512, help="K: tokens kept per head after an eviction (default 512)"
     )
@@ -339,7 +333,7 @@ def _run(args: argparse.Namespace, plan: Plan) -> int:
 
     model = _load(plan)
     meta["weight_bytes"] = weight_bytes(model)
-    meta["kv_bytes_per_token"] = kv_bytes_per_token(model.config, model_dtype(model))
+    meta["kv_bytes_per_token"] = kv_bytes_per_token(model, model_dtype(model))
     warm_up(model)
     previous_handler = None
     with contextlib.suppress(ValueError):  # not the main thread: no handler, SIGTERM just kills

@@ -16,7 +16,8 @@ import time
 
 import torch
 
-from reasonkv.bench.measure import _forward_parameters, _sync, make_prompts, model_device, prefill_chunks
+from reasonkv.bench.measure import make_prompts, model_device, prefill_chunks
+from reasonkv.hf import Forward, synchronize, vocab_size
 
 __all__ = ["measure_eviction_cost"]
 
@@ -40,7 +41,6 @@ def measure_eviction_cost(
     median, standard deviation and minimum.
     """
     from reasonkv.cache import EvictingCache
-    from reasonkv.decode import cache_kwarg
 
     budget = cached - buffer
     if buffer < 1 or budget < 1:
@@ -48,31 +48,30 @@ def measure_eviction_cost(
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     device = model_device(model)
-    vocab = model.config.get_text_config().vocab_size
+    vocab = vocab_size(model)
     ids = torch.tensor(make_prompts(vocab, batch, cached + buffer * repeats, seed), device=device)
     cache = EvictingCache(
         budget, buffer, model=model, policy=policy, seed=seed, sync_timing=device.type == "cuda", **options
     )
     evictor = cache.evictor
-    key = cache_kwarg(model)
-    extra = {"logits_to_keep": 1} if "logits_to_keep" in _forward_parameters(model) else {}
-    score, gather, forward = [], [], []
+    forward = Forward(model)
+    score, gather, forward_s = [], [], []
     try:
         with torch.inference_mode():
             offset = 0
             chunks = prefill_chunks(cached, cached, batch, prefill_chunk, prompt_length=prompt_length, grows=False)
             for size in chunks:
-                model(input_ids=ids[:, offset : offset + size], use_cache=True, **{key: cache}, **extra)
+                forward(ids[:, offset : offset + size], cache, last_logits_only=True)
                 offset += size
             if evictor.eviction_count != 1:
                 raise RuntimeError(f"expected one warm-up eviction after the prefill, got {evictor.eviction_count}")
             for _ in range(repeats):
                 before, count = evictor.timings, evictor.eviction_count
-                _sync(device)
+                synchronize(device)
                 start = time.perf_counter()
-                model(input_ids=ids[:, offset : offset + buffer], use_cache=True, **{key: cache}, **extra)
-                _sync(device)
-                forward.append(time.perf_counter() - start)
+                forward(ids[:, offset : offset + buffer], cache, last_logits_only=True)
+                synchronize(device)
+                forward_s.append(time.perf_counter() - start)
                 offset += buffer
                 after = evictor.timings
                 if evictor.eviction_count != count + 1:
@@ -90,7 +89,7 @@ def measure_eviction_cost(
         "eviction_s": total,
         "score_s": score,
         "gather_s": gather,
-        "refill_forward_s": forward,
+        "refill_forward_s": forward_s,
         "mean_s": statistics.fmean(total),
         "median_s": statistics.median(total),
         "std_s": statistics.pstdev(total),

@@ -63,7 +63,7 @@ def measure_max_batch(
 
     device = model_device(model)
     evicts = policy_class(policy).evicts
-    per_token = kv_bytes_per_token(model.config, model_dtype(model))
+    per_token = kv_bytes_per_token(model, model_dtype(model))
     kv_row = kv_tokens_per_row(evicts, length, budget, buffer) * per_token
     # No phase synchronisation: only whole steps are timed here, and they should run undisturbed.
     common = dict(

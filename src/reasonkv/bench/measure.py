@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import torch
 
 from reasonkv.bench.memory import PeakTracker, kv_bytes_per_token
+from reasonkv.hf import Forward, synchronize, vocab_size
 
 __all__ = [
     "PHASES",
@@ -52,11 +53,6 @@ def model_device(model) -> torch.device:
 
 def model_dtype(model) -> torch.dtype:
     return next(model.parameters()).dtype
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def make_prompts(vocab_size: int, batch: int, length: int, seed: int) -> list[list[int]]:
@@ -140,7 +136,7 @@ class StepRecorder:
         self._per_token: int | None = None
 
     def __call__(self, step: int, cache) -> None:
-        _sync(self.device)
+        synchronize(self.device)
         now = time.perf_counter()
         if step == 0:
             self.prefill_done = now
@@ -199,7 +195,7 @@ def warm_up(model, steps: int = 8) -> None:
     """A short full-cache decode, so one-time costs (kernels, allocator) stay out of the first entry."""
     import reasonkv
 
-    vocab = model.config.get_text_config().vocab_size
+    vocab = vocab_size(model)
     reasonkv.generate(model, None, make_prompts(vocab, 1, 16, seed=12345), max_new_tokens=steps, ignore_eos=True)
 
 
@@ -239,7 +235,7 @@ def measure_sweep(
     lengths = sorted(set(lengths))
     if lengths[0] <= prompt_length:
         raise ValueError(f"every length must exceed the prompt length {prompt_length}, got {lengths[0]}")
-    vocab = model.config.get_text_config().vocab_size
+    vocab = vocab_size(model)
     prompts = make_prompts(vocab, batch, prompt_length, seed)
     steps = lengths[-1] - prompt_length
     bar = _progress_bar(steps, f"{policy} batch {batch}", progress)
@@ -277,7 +273,7 @@ def measure_sweep(
         windows.append(entry)
     return {
         "prompt_length": prompt_length,
-        "kv_bytes_per_token": kv_bytes_per_token(model.config, model_dtype(model)),
+        "kv_bytes_per_token": kv_bytes_per_token(model, model_dtype(model)),
         "windows": windows,
         "trace": {"first_length": prompt_length + 1, "step_s": [round(s, 7) for s in recorder.step_seconds]},
         "totals": {
@@ -356,7 +352,6 @@ def measure_prefilled(
     ``prefill_s``, ``prefill_chunks``, ``prefilled_tokens`` and the timed steps' ``step_s``.
     """
     from reasonkv.cache import EvictingCache
-    from reasonkv.decode import cache_kwarg
 
     if decode_steps < 1 or length - decode_steps - WARMUP_STEPS < 1:
         raise ValueError(
@@ -365,7 +360,7 @@ def measure_prefilled(
     device = model_device(model)
     prefilled = length - decode_steps - WARMUP_STEPS
     window = decode_steps if window is None else min(window, decode_steps)
-    vocab = model.config.get_text_config().vocab_size
+    vocab = vocab_size(model)
     ids = torch.tensor(make_prompts(vocab, batch, prefilled, seed), device=device)
     evict_budget = _evicting_budget(policy, budget)
     chunks = prefill_chunks(
@@ -383,22 +378,21 @@ def measure_prefilled(
         sync_timing=sync_timing and device.type == "cuda",
         **options,
     )
-    key = cache_kwarg(model)
-    extra = {"logits_to_keep": 1} if "logits_to_keep" in _forward_parameters(model) else {}
+    forward = Forward(model)
     try:
         with torch.inference_mode():
-            _sync(device)
+            synchronize(device)
             start = time.perf_counter()
             offset = 0
             for size in chunks:
-                out = model(input_ids=ids[:, offset : offset + size], use_cache=True, **{key: cache}, **extra)
+                out = forward(ids[:, offset : offset + size], cache, last_logits_only=True)
                 offset += size
-            _sync(device)
+            synchronize(device)
             prefill_s = time.perf_counter() - start
             recorder(0, cache)
             for step in range(1, decode_steps + WARMUP_STEPS + 1):
                 next_ids = out.logits[:, -1].argmax(-1, keepdim=True)
-                out = model(input_ids=next_ids, use_cache=True, **{key: cache}, **extra)
+                out = forward(next_ids, cache, last_logits_only=True)
                 recorder(step, cache)
     finally:
         cache.detach()
@@ -412,12 +406,6 @@ def measure_prefilled(
         step_s=[round(s, 7) for s in recorder.step_seconds[WARMUP_STEPS:]],
     )
     return result
-
-
-def _forward_parameters(model) -> set[str]:
-    import inspect
-
-    return set(inspect.signature(model.forward).parameters)
 
 
 def measure_prefilled_sweep(
@@ -466,7 +454,7 @@ def measure_prefilled_sweep(
             bar.close()
     decode_s = sum(w["step_mean_s"] * w["window_steps"] for w in windows)
     return {
-        "kv_bytes_per_token": kv_bytes_per_token(model.config, model_dtype(model)),
+        "kv_bytes_per_token": kv_bytes_per_token(model, model_dtype(model)),
         "windows": windows,
         "totals": {
             "prefill_s": sum(w["prefill_s"] for w in windows),

@@ -77,12 +77,13 @@ def format_bytes(value: float | None) -> str:
     return f"{value / 1024**3:.2f} GiB"
 
 
-def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+def kv_bytes_per_token(model_or_config, dtype: torch.dtype) -> int:
     """Bytes of K and V one token occupies in one row: ``layers x 2 x kv_heads x head_dim x size``."""
-    from reasonkv.models import head_dim, kv_heads, model_layers
+    from reasonkv.hf import model_info
 
+    info = model_info(model_or_config)
     size = torch.empty((), dtype=dtype).element_size()
-    return model_layers(config) * 2 * kv_heads(config) * head_dim(config) * size
+    return info.num_layers * 2 * info.num_kv_heads * info.head_dim * size
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

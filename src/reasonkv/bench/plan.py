@@ -121,26 +121,9 @@ def _policies(text: str) -> tuple[list[str], list[str], bool]:
 
 
 def _options(pairs: list[str], policies: list[str]) -> dict[str, dict]:
-    import dataclasses
+    from reasonkv.policies import options_by_policy
 
-    from reasonkv.commands.common import parse_options
-    from reasonkv.policies import policy_class
-
-    options: dict[str, dict] = {p: {} for p in policies}
-    for pair in pairs:
-        target, sep, rest = pair.partition(":")
-        if sep and "=" not in target:
-            if target not in options:
-                raise ValueError(f"option {pair!r} names policy {target!r}, which is not benchmarked")
-            options[target].update(parse_options(target, [rest]))
-            continue
-        key = pair.partition("=")[0].strip().replace("-", "_")
-        owners = [p for p in policies if key in {f.name for f in dataclasses.fields(policy_class(p))}]
-        if not owners:
-            raise ValueError(f"option {pair!r}: no benchmarked policy has an option {key!r} (use POLICY:KEY=VALUE)")
-        for policy in owners:
-            options[policy].update(parse_options(policy, [pair]))
-    return options
+    return options_by_policy(policies, pairs)
 
 
 def _fits(policy, budget: int) -> str | None:

@@ -189,9 +189,9 @@ def _cpu_model() -> str:
 def machine_info(device) -> dict:
     """CPU, GPU, library versions: what the numbers were measured on."""
     import torch
-    import transformers
 
     import reasonkv
+    from reasonkv.hf import transformers_version
 
     info = {
         "cpu": _cpu_model(),
@@ -200,7 +200,7 @@ def machine_info(device) -> dict:
         "platform": platform.platform(),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "transformers": transformers.__version__,
+        "transformers": transformers_version(),
         "reasonkv": reasonkv.__version__,
         "cuda": torch.version.cuda,
         "gpu": None,

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from reasonkv.commands.common import add_model_arguments, add_policy_options, load, parse_options
+from reasonkv.arguments import add_model_arguments, add_policy_options, load_model_from
 from reasonkv.commands.generate import chat_format
+from reasonkv.policies import parse_options
 
 PROMPT = (
     "A bakery sells muffins for $3 each and cookies for $2 each. On Monday it sold 14 muffins and "
@@ -32,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
 
     policy = args.policy or ("epikv" if "epikv" in reasonkv.list_policies() else "streaming")
     evicting = reasonkv.get_policy(policy, **parse_options(policy, args.option))
-    model, tokenizer = load(args)
+    model, tokenizer = load_model_from(args)
     text = chat_format(tokenizer, args.prompt)
     runs = {}
     for name, chosen, budget in (("full", "full", None), (policy, evicting, args.budget)):

@@ -7,7 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from reasonkv.commands.common import add_model_arguments, add_policy_options, budget_argument, load, parse_options
+from reasonkv.arguments import add_model_arguments, add_policy_options, budget_argument, load_model_from
+from reasonkv.policies import parse_options
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = read_prompts(args)
     # An instance, not keyword options: a policy option may share a name with a sampling argument.
     policy = reasonkv.get_policy(args.policy, **parse_options(args.policy, args.option))
-    model, tokenizer = load(args)
+    model, tokenizer = load_model_from(args)
     inputs = prompts if args.no_chat else [chat_format(tokenizer, p) for p in prompts]
     results = reasonkv.generate(
         model,

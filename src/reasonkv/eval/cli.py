@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from reasonkv.commands.common import add_model_arguments, add_policy_options
+from reasonkv.arguments import add_model_arguments, add_policy_options
 
 
 def _int_list(text: str) -> list[int]:

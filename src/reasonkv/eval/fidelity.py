@@ -31,16 +31,15 @@ earliest due row, so every row's evictions happen where they would alone.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from reasonkv.cache import EvictingCache
-from reasonkv.decode import cache_kwarg
 from reasonkv.eval.datasets import Problem
 from reasonkv.eval.references import answer_span, clean_solution, token_span
+from reasonkv.hf import Forward, left_pad
 from reasonkv.policies import Policy, get_policy
 
 __all__ = [
@@ -99,16 +98,6 @@ def _is_chunk_exact(policy: Policy) -> bool:
     return bool(getattr(type(policy), "chunk_exact", False))
 
 
-def _left_pad(rows: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row) :] = torch.tensor(list(row), dtype=torch.long)
-        mask[i, width - len(row) :] = 1
-    return ids.to(device), mask.to(device)
-
-
 # consume(start, evicting_logits [B, s, V], full_logits [B, s, V], active rows): column t of row r
 # predicts continuation[r][start + t].
 Consumer = Callable[[int, torch.Tensor, torch.Tensor, list[int]], None]
@@ -144,17 +133,16 @@ def _replay(
     if chunked is None:
         chunked = _is_chunk_exact(policy)
     device = next(model.parameters()).device
-    key = cache_kwarg(model)
-    last_only = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    forward = Forward(model)
     batch = len(prompts)
     lengths = [len(c) for c in continuations]
     evicting = EvictingCache(budget if policy.evicts else None, buffer, model=model, policy=policy, seed=seeds)
     full = EvictingCache(None, buffer, model=model, policy="full")
     evictions = [0] * batch
     try:
-        ids, mask = _left_pad(prompts, pad_id, device)
-        out_e = model(input_ids=ids, attention_mask=mask, use_cache=True, **{key: evicting}, **last_only)
-        out_f = model(input_ids=ids, attention_mask=mask, use_cache=True, **{key: full}, **last_only)
+        ids, mask = left_pad(prompts, pad_id, device)
+        out_e = forward(ids, evicting, attention_mask=mask, last_logits_only=True)
+        out_f = forward(ids, full, attention_mask=mask, last_logits_only=True)
         started = [r for r in range(batch) if lengths[r] > 0]
         if started:
             consume(0, out_e.logits[:, -1:], out_f.logits[:, -1:], started)
@@ -176,16 +164,13 @@ def _replay(
                 tokens[r] = torch.tensor(list(continuations[r][fed : fed + span]), dtype=torch.long)
             tokens = tokens.to(device)
             if chunked:
-                logits_e = model(input_ids=tokens, use_cache=True, **{key: evicting}).logits
+                logits_e = forward(tokens, evicting).logits
             else:
                 logits_e = torch.cat(
-                    [
-                        model(input_ids=tokens[:, t : t + 1], use_cache=True, **{key: evicting}).logits
-                        for t in range(span)
-                    ],
+                    [forward(tokens[:, t : t + 1], evicting).logits for t in range(span)],
                     dim=1,
                 )
-            logits_f = model(input_ids=tokens, use_cache=True, **{key: full}).logits
+            logits_f = forward(tokens, full).logits
             consume(fed + 1, logits_e, logits_f, active)
             fed += span
             for r in active:

@@ -136,9 +136,9 @@ def _device_name(device: str) -> str:
 
 def environment(device: str) -> dict[str, Any]:
     import torch
-    import transformers
 
     import reasonkv
+    from reasonkv.hf import transformers_version
 
     commit, dirty = git_commit()
     return {
@@ -147,7 +147,7 @@ def environment(device: str) -> dict[str, Any]:
         "git_dirty": dirty,
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "transformers": transformers.__version__,
+        "transformers": transformers_version(),
         "cuda": torch.version.cuda,
         "device": device.split(":")[0],
         "device_name": _device_name(device),

@@ -67,7 +67,6 @@ Error records (``"kind": "error"``), one per unit that could not be computed
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import os
 import re
@@ -173,33 +172,11 @@ def _split_names(value: str | Sequence[str]) -> list[str]:
 
 
 def policy_options(policies: Sequence[str], pairs: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """Typed options per policy from ``KEY=VALUE`` strings.
+    """Typed options per policy from ``KEY=VALUE`` / ``POLICY.KEY=VALUE`` strings (see
+    :func:`reasonkv.policies.options_by_policy`)."""
+    from reasonkv.policies import options_by_policy
 
-    ``KEY=VALUE`` goes to every selected policy that has the option ``KEY`` (it is an error if none
-    has it); ``POLICY.KEY=VALUE`` goes to that policy only. ``full`` takes no options.
-    """
-    from reasonkv.commands.common import parse_options
-    from reasonkv.policies import policy_class
-
-    evicting = [p for p in policies if policy_class(p).evicts]
-    out: dict[str, dict[str, Any]] = {p: {} for p in policies}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise ValueError(f"policy option {pair!r} is not KEY=VALUE")
-        target, dot, option = key.strip().rpartition(".")
-        if dot:
-            if target not in policies:
-                raise ValueError(f"option {pair!r} names policy {target!r}, which is not in --policies")
-            out[target].update(parse_options(target, [f"{option}={value}"]))
-            continue
-        name = key.strip().replace("-", "_")
-        takers = [p for p in evicting if name in {f.name for f in dataclasses.fields(policy_class(p))}]
-        if not takers:
-            raise ValueError(f"no selected policy has option {name!r} (policies: {', '.join(policies)})")
-        for p in takers:
-            out[p].update(parse_options(p, [f"{name}={value}"]))
-    return out
+    return options_by_policy(policies, pairs)
 
 
 def make_cells(

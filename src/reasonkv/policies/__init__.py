@@ -1,10 +1,18 @@
-"""Eviction policies: one file per method, each a dataclass registered under its name."""
+"""Eviction policies: one file per method, each a dataclass registered under its name.
+
+A policy instance is configuration (its fields); generation state lives in the copy each cache makes
+(:func:`get_policy` always returns a fresh instance). Everything here and below (``select``,
+``attention``, ``contract``, ``view``, ``recorded``) is torch only: no engine import.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 
+from reasonkv.contract import ModelInfo, Needs, Step
 from reasonkv.policies.base import Policy
+from reasonkv.policies.options import check_fields, options_by_policy, parse_options
+from reasonkv.view import EvictionView
 
 _REGISTRY: dict[str, type[Policy]] = {}
 
@@ -33,17 +41,19 @@ def policy_class(name: str) -> type[Policy]:
 
 
 def get_policy(name: str | Policy, **options) -> Policy:
-    """A policy instance by name, with its hyper-parameters overridden by ``options``.
+    """A new policy instance by name (or a fresh copy of an instance), hyper-parameters overridden by ``options``.
 
-    Raises ``ValueError`` naming the bad name (and listing the valid ones) or the bad option
-    (and listing the policy's options).
+    Option values are typed by the policy's fields (strings are parsed: ``protect_prompt="False"``
+    is ``False``). Raises ``ValueError`` naming the bad name (and listing the valid ones) or the bad
+    option (and listing the policy's options, or the type it expects).
     """
     if isinstance(name, Policy):
-        if options:
-            return dataclasses.replace(name, **_checked(type(name), options))
-        return name
-    cls = policy_class(name)
-    return cls(**_checked(cls, options))
+        policy = dataclasses.replace(name, **_checked(type(name), options))
+    else:
+        cls = policy_class(name)
+        policy = cls(**_checked(cls, options))
+    check_fields(policy)
+    return policy
 
 
 def _checked(cls: type[Policy], options: dict) -> dict:
@@ -62,8 +72,20 @@ def _load_builtin() -> None:
     import pkgutil
 
     for module in pkgutil.iter_modules(__path__):
-        if not module.name.startswith("_") and module.name not in ("base", "common"):
+        if not module.name.startswith("_") and module.name not in ("base", "common", "options"):
             importlib.import_module(f"{__name__}.{module.name}")
 
 
-__all__ = ["Policy", "register", "get_policy", "list_policies", "policy_class"]
+__all__ = [
+    "EvictionView",
+    "ModelInfo",
+    "Needs",
+    "Policy",
+    "Step",
+    "get_policy",
+    "list_policies",
+    "options_by_policy",
+    "parse_options",
+    "policy_class",
+    "register",
+]

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 import torch
 
 from reasonkv import select
-from reasonkv.observe import Needs, Step
+from reasonkv.contract import ModelInfo, Needs, Step
 
 if TYPE_CHECKING:
-    from reasonkv.view import EvictionView, ModelInfo
+    from reasonkv.view import EvictionView
 
 Granularity = Literal["token", "head"]
 
@@ -57,6 +57,8 @@ class Policy:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{self.name}: {name} must be a non-negative integer, got {value!r}")
+        if not isinstance(self.protect_prompt, bool):
+            raise ValueError(f"{self.name}: protect_prompt must be True or False, got {self.protect_prompt!r}")
 
     # -- what the policy reads ---------------------------------------------------------------
     def needs(self, info: ModelInfo) -> Needs:

@@ -9,7 +9,7 @@ from typing import ClassVar
 import torch
 
 from reasonkv.calibration import Calibration, check_layers, default_anatomy, load_calibration
-from reasonkv.observe import Needs, Step
+from reasonkv.contract import Needs, Step
 from reasonkv.policies import register
 from reasonkv.policies.base import Policy
 from reasonkv.policies.common import PositionTable

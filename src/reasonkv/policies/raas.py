@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from reasonkv.observe import Needs, Step
+from reasonkv.contract import Needs, Step
 from reasonkv.policies import register
 from reasonkv.policies.base import Policy
 from reasonkv.policies.common import PositionTable

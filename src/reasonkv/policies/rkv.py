@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from reasonkv.observe import Needs
+from reasonkv.attention import grouped_logits, masked_softmax
+from reasonkv.contract import Needs
 from reasonkv.policies import register
 from reasonkv.policies.base import Policy
 from reasonkv.policies.common import pool1d
@@ -59,15 +60,12 @@ def window_importance(
     A query sees the candidate keys at or before its own position. The result is the mean over the
     valid queries of each query's softmax distribution over the candidates.
     """
-    b, hq, w, d = queries.shape
-    hkv, s = keys.shape[1], keys.shape[2]
-    g = hq // hkv
-    grouped = queries.float().reshape(b, hkv, g * w, d)  # query head h reads kv head h // g
-    logits = torch.matmul(grouped, keys.float().transpose(2, 3)).view(b, hkv, g, w, s) * scaling
+    b, w = query_positions.shape
+    logits = grouped_logits(queries, keys, scaling)  # [rows, kv_heads, group, w, slots]
     logits = logits.amax(2) if pooling == "max" else logits.mean(2)
     visible = candidates.unsqueeze(2) & (key_positions.unsqueeze(2) <= query_positions.view(b, 1, w, 1))
     visible &= query_valid.view(b, 1, w, 1)
-    probs = logits.masked_fill(~visible, float("-inf")).softmax(-1).nan_to_num(0.0)
+    probs = masked_softmax(logits, visible)
     count = query_valid.sum(-1).clamp(min=1).view(b, 1, 1)
     return probs.sum(2) / count
 
@@ -220,9 +218,8 @@ class RKV(Policy):
         """Pooled window-attention importance, ``[rows, kv_heads, slots]`` (0 outside the candidates)."""
         queries, q_positions, q_valid = view.recent_queries()
         candidates = self.candidates(view)
-        scaling = view.observer.scalings.get(view.layer, view.info.scaling)
         raw = window_importance(
-            queries, q_positions, q_valid, view.keys(), view.positions(), candidates, scaling, self.pooling
+            queries, q_positions, q_valid, view.keys(), view.positions(), candidates, view.scaling(), self.pooling
         )
         # Non-candidates hold 0, which never wins a max against attention weights; the mask keeps the
         # pooled values of the last candidates from spilling into the window.

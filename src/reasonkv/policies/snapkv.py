@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from reasonkv.observe import Needs
+from reasonkv.contract import Needs
 from reasonkv.policies import register
 from reasonkv.policies.base import Policy
 from reasonkv.policies.common import group_mean, pool1d

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from reasonkv import select
-from reasonkv.observe import Needs
+from reasonkv.contract import Needs
 from reasonkv.policies import register
 from reasonkv.policies.base import Policy
 from reasonkv.policies.common import PositionTable

@@ -1,0 +1,48 @@
+"""Command-line arguments shared by every command that loads a model or takes policy options."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, *, dtype: str = "fp32") -> None:
+    group = parser.add_argument_group("model")
+    group.add_argument(
+        "--model", default=DEFAULT_MODEL, help=f"hub id, local directory, .gguf file, or {DEFAULT_MODEL} (default)"
+    )
+    group.add_argument("--dtype", default=dtype, help=f"fp32 | bf16 | fp16 (default {dtype})")
+    group.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
+    group.add_argument("--attn", default="sdpa", help="sdpa (default) | flash_attention_2 | eager")
+
+
+def add_policy_options(parser) -> None:
+    """Add `-o KEY=VALUE` to a parser or an argument group."""
+    parser.add_argument(
+        "-o",
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a policy hyper-parameter, e.g. -o sinks=8 -o window=32, or POLICY.KEY=VALUE for one policy "
+        "(repeatable; see `reasonkv policies`)",
+    )
+
+
+def load_model_from(args: argparse.Namespace):
+    from reasonkv.models import load_model
+
+    print(f"loading {args.model} ({args.dtype}, {args.device}, {args.attn}) ...", file=sys.stderr, flush=True)
+    return load_model(args.model, dtype=args.dtype, device=args.device, attn_implementation=args.attn)
+
+
+def budget_argument(text: str) -> int | None:
+    """``--budget`` accepts a positive integer or ``none`` (no eviction)."""
+    if text.lower() in ("none", "full"):
+        return None
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"budget must be a positive integer, got {value}")
+    return value

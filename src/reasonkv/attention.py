@@ -1,0 +1,94 @@
+"""Attention recomputed for a few recorded queries: ``softmax(q · Kᵀ · scaling)`` over stored keys.
+
+Policies that read attention never ask the model for an attention matrix; they recompute the rows
+they need from recorded post-RoPE queries and the cached keys, in ``O(queries x slots)`` memory,
+while the model's own kernel (SDPA, FlashAttention) does the real attention. Torch only.
+
+Shapes: queries ``[B, Hq, w, D]``, keys ``[B, Hkv, S, D]``. Query head ``h`` reads kv head
+``h // (Hq // Hkv)``, the head order of transformers' ``repeat_kv``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["column_sums", "grouped_logits", "masked_softmax", "newest_row", "window_attention"]
+
+
+def grouped_logits(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Attention logits in float32, grouped by kv head: ``[B, Hkv, g, w, S]`` with ``g = Hq // Hkv``."""
+    b, hq, w, d = queries.shape
+    hkv, s = keys.shape[1], keys.shape[2]
+    g = hq // hkv
+    grouped = queries.reshape(b, hkv, g * w, d)  # query head h -> kv head h // g
+    logits = torch.matmul(grouped.float(), keys.float().transpose(2, 3)) * scaling
+    return logits.view(b, hkv, g, w, s)
+
+
+def masked_softmax(logits: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Softmax over the visible entries of the last axis; rows that see nothing are 0."""
+    return logits.masked_fill(~visible, float("-inf")).softmax(-1).nan_to_num(0.0)
+
+
+def window_attention(
+    queries: torch.Tensor,
+    query_positions: torch.Tensor,
+    query_valid: torch.Tensor,
+    keys: torch.Tensor,
+    key_positions: torch.Tensor,
+    key_valid: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """Attention of recorded queries over the stored keys, ``[B, Hq, w, S]`` probabilities.
+
+    ``query_positions``/``query_valid`` are ``[B, w]``; ``key_positions`` ``[B, Hkv, S]`` and
+    ``key_valid`` ``[B, S]``. A query sees the keys at or before its own logical position (causal);
+    rows of padding queries are 0.
+    """
+    b, hq, w, _ = queries.shape
+    hkv, s = keys.shape[1], keys.shape[2]
+    logits = grouped_logits(queries, keys, scaling)
+    visible = key_positions.view(b, hkv, 1, 1, s) <= query_positions.view(b, 1, 1, w, 1)
+    visible = visible & key_valid.view(b, 1, 1, 1, s) & query_valid.view(b, 1, 1, w, 1)
+    return masked_softmax(logits, visible).view(b, hq, w, s)
+
+
+def newest_row(query: torch.Tensor, keys: torch.Tensor, key_valid: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Attention row of one query per row (``[B, Hq, 1, D]``) over every valid stored key: ``[B, Hq, S]``.
+
+    The query is the newest token, so every stored key is at or before it; ``key_valid`` ``[B, S]``.
+    """
+    b, hq = query.shape[:2]
+    s = keys.shape[2]
+    logits = grouped_logits(query, keys, scaling).view(b, hq, s)
+    return masked_softmax(logits, key_valid.view(b, 1, s))
+
+
+def column_sums(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    key_valid: torch.Tensor,
+    query_valid: torch.Tensor,
+    scaling: float,
+    chunk_elements: int = 1 << 24,
+) -> torch.Tensor:
+    """Attention each stored key received from the ``q`` queries of one forward, summed: ``[B, Hq, S]``.
+
+    The queries are the newest ``q`` slots (query ``i`` sits at slot ``S - q + i`` and sees the slots
+    up to its own, causal); padding queries (``query_valid`` ``[B, q]`` False) add nothing. Built
+    ``chunk_elements`` logits at a time, so memory stays ``O(chunk)``, never ``O(q x S)`` at once.
+    """
+    b, hq, q, _ = queries.shape
+    s = keys.shape[2]
+    total = queries.new_zeros((b, hq, s), dtype=torch.float32)
+    chunk = max(1, chunk_elements // max(1, b * hq * s))
+    slot = torch.arange(s, device=queries.device)
+    for start in range(0, q, chunk):
+        part = queries[:, :, start : start + chunk]
+        c = part.shape[2]
+        logits = grouped_logits(part, keys, scaling).view(b, hq, c, s)
+        query_slot = s - q + start + torch.arange(c, device=queries.device)
+        visible = (slot.view(1, 1, 1, s) <= query_slot.view(1, 1, c, 1)) & key_valid.view(b, 1, 1, s)
+        probs = masked_softmax(logits, visible) * query_valid[:, start : start + c].view(b, 1, c, 1)
+        total += probs.sum(2)
+    return total

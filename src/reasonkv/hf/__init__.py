@@ -1,0 +1,42 @@
+"""The one place reasonkv meets transformers at run time: the cache keyword and ``logits_to_keep``
+(:mod:`~reasonkv.hf.forward`), decoder-layer and attention-module discovery, layer kinds and model
+facts (:mod:`~reasonkv.hf.model`), and the attention tap (:mod:`~reasonkv.hf.tap`).
+
+``cache.py`` subclasses transformers' ``Cache`` (the extension point transformers offers) and
+``models.py`` loads checkpoints; nothing else in reasonkv imports transformers.
+"""
+
+from reasonkv.hf.forward import Forward, cache_keyword, cached_kv, left_pad, plain_cache, synchronize
+from reasonkv.hf.model import (
+    attention_implementation,
+    attention_modules,
+    decoder_layers,
+    layer_kinds,
+    masks_per_layer_type,
+    model_info,
+    sliding_window,
+    text_config,
+    transformers_version,
+    vocab_size,
+)
+from reasonkv.hf.tap import AttentionTap
+
+__all__ = [
+    "AttentionTap",
+    "Forward",
+    "attention_implementation",
+    "attention_modules",
+    "cache_keyword",
+    "cached_kv",
+    "decoder_layers",
+    "layer_kinds",
+    "left_pad",
+    "masks_per_layer_type",
+    "model_info",
+    "plain_cache",
+    "sliding_window",
+    "synchronize",
+    "text_config",
+    "transformers_version",
+    "vocab_size",
+]

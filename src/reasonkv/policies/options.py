@@ -1,0 +1,173 @@
+"""Policy options, typed by the policy dataclass's own field annotations.
+
+Text from a command line (``-o KEY=VALUE`` on any command) is parsed by the field's type:
+``"false"`` is ``False``, ``"8"`` is ``8``, ``"1,2"`` is ``(1, 2)``, ``"none"`` is ``None`` where
+allowed; text that does not parse is refused with an error naming the option and the type it expects.
+In Python, values must already have their field's type: ``get_policy(..., protect_prompt="False")``
+is refused, never taken as true (the policy's own checks, then :func:`check_fields`, which
+``get_policy`` runs and through which every cache builds its policy).
+
+Command-line spelling, the same for ``generate``, ``demo``, ``eval`` and ``bench``:
+``-o KEY=VALUE`` sets ``KEY`` for every selected policy that has it; ``-o POLICY.KEY=VALUE`` for
+``POLICY`` alone. The older ``POLICY:KEY=VALUE`` still works, with a deprecation warning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import types
+import typing
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["check_fields", "options_by_policy", "parse_options", "parse_value"]
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+_NONE = ("none", "null")
+
+
+@functools.cache
+def _field_types(cls: type) -> dict[str, Any]:
+    try:
+        hints = typing.get_type_hints(cls)
+    except (NameError, TypeError):  # annotations naming something out of reach: take values as they come
+        hints = {}
+    return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(cls)}
+
+
+def _arms(hint: Any) -> tuple[Any, ...]:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return typing.get_args(hint)
+    return (hint,)
+
+
+def _describe(hint: Any) -> str:
+    return " or ".join("None" if arm is type(None) else getattr(arm, "__name__", str(arm)) for arm in _arms(hint))
+
+
+def _as(arm: Any, value: Any, parse: bool) -> Any:
+    """``value`` as type ``arm`` (text parsed only when ``parse``), or raise ``TypeError``/``ValueError``."""
+    text = value.strip() if isinstance(value, str) and parse else None
+    if arm is type(None):
+        if value is None or (text is not None and text.lower() in _NONE):
+            return None
+    elif arm is bool:
+        if isinstance(value, bool):
+            return value
+        if text is not None and text.lower() in _TRUE + _FALSE:
+            return text.lower() in _TRUE
+    elif arm is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if text is not None:
+            return int(text)
+    elif arm is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return value  # an int stays an int: some options read a count where a fraction is < 1
+        if text is not None:
+            number = float(text)
+            return int(number) if math.isfinite(number) and text.lstrip("+-").isdigit() else number
+    elif arm is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, os.PathLike):
+            return os.fspath(value)
+    elif typing.get_origin(arm) is tuple:
+        items = [part for part in text.split(",") if part.strip()] if text is not None else value
+        if isinstance(items, (list, tuple)):
+            args = typing.get_args(arm)
+            if len(args) == 2 and args[1] is Ellipsis:
+                return tuple(_as(args[0], item, parse) for item in items)
+            if len(items) == len(args):
+                return tuple(_as(a, item, parse) for a, item in zip(args, items, strict=True))
+    raise ValueError
+
+
+def parse_value(cls: type, name: str, value: Any, *, parse: bool = True) -> Any:
+    """``value`` for the option ``name`` of policy class ``cls``, typed; text is parsed when ``parse``."""
+    hint = _field_types(cls)[name]
+    if hint is Any:
+        return value
+    arms = _arms(hint)
+    # None first, so "none" never reaches str; strings last, so "8" is an int where both are allowed.
+    for arm in sorted(arms, key=lambda a: (a is not type(None), a is str)):
+        try:
+            return _as(arm, value, parse)
+        except (TypeError, ValueError):
+            continue
+    policy = getattr(cls, "name", "") or cls.__name__
+    raise ValueError(f"{policy}: option {name}={value!r}: expected {_describe(hint)}")
+
+
+def check_fields(policy: Any) -> None:
+    """Refuse any field whose value is not of the field's type (the error names the option and type)."""
+    cls = type(policy)
+    for name in _field_types(cls):
+        parse_value(cls, name, getattr(policy, name), parse=False)
+
+
+def _split(pair: str) -> tuple[str, str]:
+    key, sep, value = pair.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"policy option {pair!r} is not KEY=VALUE")
+    return key.strip(), value.strip()
+
+
+def _scope(key: str) -> tuple[str | None, str]:
+    """``"POLICY.KEY"`` -> ``(POLICY, KEY)``; ``"KEY"`` -> ``(None, KEY)``; old ``"POLICY:KEY"`` with a warning."""
+    target, dot, option = key.rpartition(".")
+    if not dot:
+        target, colon, option = key.partition(":")
+        if not colon:
+            return None, key.replace("-", "_")
+        warnings.warn(
+            f"-o {key}=...: POLICY:KEY is deprecated, write {target}.{option}=...", FutureWarning, stacklevel=3
+        )
+    return target.strip(), option.strip().replace("-", "_")
+
+
+def parse_options(policy: str, pairs: Sequence[str]) -> dict[str, Any]:
+    """``["sinks=8", "protect_prompt=false"]`` -> typed keyword arguments for ``get_policy(policy, ...)``.
+
+    ``POLICY.KEY=VALUE`` is accepted when ``POLICY`` is ``policy``.
+    """
+    return options_by_policy([policy], pairs)[policy]
+
+
+def options_by_policy(policies: Sequence[str], pairs: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Typed options per policy from ``KEY=VALUE`` / ``POLICY.KEY=VALUE`` strings.
+
+    ``KEY=VALUE`` goes to every listed policy that has the option (an error if none has it; the
+    full cache, which evicts nothing, takes it only when it is the one policy listed);
+    ``POLICY.KEY=VALUE`` goes to that policy, which must be listed.
+    """
+    from reasonkv.policies import policy_class
+
+    classes = {name: policy_class(name) for name in policies}
+    out: dict[str, dict[str, Any]] = {name: {} for name in policies}
+    for pair in pairs:
+        key, value = _split(pair)
+        target, option = _scope(key)
+        if target is not None:
+            if target not in classes:
+                raise ValueError(
+                    f"option {pair!r} names policy {target!r}, which is not selected ({', '.join(policies)})"
+                )
+            takers = [target]
+        elif len(classes) == 1:
+            takers = list(classes)
+        else:
+            takers = [name for name, cls in classes.items() if option in _field_types(cls) and cls.evicts]
+        for name in takers:
+            if option not in _field_types(classes[name]):
+                known = ", ".join(sorted(_field_types(classes[name])))
+                raise ValueError(f"policy {name!r} has no option {option!r}; options: {known}")
+            out[name][option] = parse_value(classes[name], option, value)
+        if not takers:
+            raise ValueError(f"no selected policy has an option {option!r} (policies: {', '.join(policies)})")
+    return out
