@@ -7,7 +7,15 @@ import math
 
 import pytest
 
-from reasonkv.eval.report import load_results, markdown, summarize, wilson_interval, write_report
+from reasonkv.eval.report import (
+    load_results,
+    markdown,
+    paired_interval,
+    pass_at_k,
+    summarize,
+    wilson_interval,
+    write_report,
+)
 
 SETTINGS = {"model": "m", "dtype": "fp32", "max_new_tokens": 100, "temperature": 0.0, "top_p": 1.0, "top_k": 0}
 
@@ -110,13 +118,18 @@ def test_rows_hold_the_right_numbers(results):
 def test_markdown_table(results):
     text = markdown(summarize(load_results(results)), source="results.jsonl")
     lo, hi = _wilson_by_quadratic(1, 4)
+    # streaming@128 against the full cache, problem by problem: a 0, b -1, c 0, d -1
+    d_lo, d_hi = paired_interval([0.0, -1.0, 0.0, -1.0])
     assert "## gsm8k · m (max 100 new tokens; temperature 0), buffer B=64" in text
-    assert "| full | — | 4 | 0.750 [0.301, 0.954] | 25.0 | 25.0 | 0.250 | — | — | — | — |" in text
+    assert "| full | — | 4 | 0 | 0.750 [0.301, 0.954] | 0.750 | — | — | 25.0 | 25.0 | 0.250 | — | — | — | — |" in text
     assert (
-        f"| streaming | 128 | 4 | 0.250 [{lo:.3f}, {hi:.3f}] | 65.0 | 2.5 | 0.500 | 0.700 | 0.2 | -1.000 | -0.500 |"
-        in text
+        f"| streaming | 128 | 4 | 0 | 0.250 [{lo:.3f}, {hi:.3f}] | 0.250 | — | -0.500 [{d_lo:+.3f}, {d_hi:+.3f}] "
+        "| 65.0 | 2.5 | 0.500 | 0.700 | 0.2 | -1.000 | -0.500 |" in text
     )
-    assert "| streaming | 256 | 2 | 1.000 [0.342, 1.000] | 95.0 | 5.0 | 0.000 | 1.000 | 0 | +0.000 | +0.000 |" in text
+    assert (
+        "| streaming | 256 | 2 | 0 | 1.000 [0.342, 1.000] | 1.000 | — | +0.000 [+0.000, +0.000] "
+        "| 95.0 | 5.0 | 0.000 | 1.000 | 0 | +0.000 | +0.000 |" in text
+    )
     assert "## math500 · m" in text
     assert text.count("| full |") == 2
 
@@ -171,3 +184,163 @@ def test_report_imports_without_torch():
         "sys.exit(1 if 'torch' in sys.modules else 0)"
     )
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
+
+
+# ---------------------------------------------------------------------------------- pass@k, pairing, errors
+
+
+def test_pass_at_k_is_the_unbiased_estimator():
+    from itertools import combinations
+
+    for n, c in [(1, 0), (1, 1), (4, 1), (5, 2), (8, 3), (8, 8)]:
+        outcomes = [True] * c + [False] * (n - c)
+        for k in range(1, n + 1):
+            subsets = list(combinations(outcomes, k))
+            want = sum(any(s) for s in subsets) / len(subsets)  # chance that k of the n samples hold a correct one
+            assert pass_at_k(n, c, k) == pytest.approx(want)
+    with pytest.raises(ValueError, match="0 < k <= n"):
+        pass_at_k(2, 1, 3)
+
+
+def _sampled(problem, policy, budget, sample, correct, temperature=0.6):
+    return _gen(problem, policy, budget, correct, 10, 1.0, False, sample=sample, temperature=temperature)
+
+
+def test_sampled_rows_have_pass_at_k_and_a_difference_paired_by_sample():
+    full = {("a", 0): 1, ("a", 1): 1, ("a", 2): 0, ("a", 3): 1, ("b", 0): 0, ("b", 1): 0, ("b", 2): 0, ("b", 3): 1}
+    mine = {("a", 0): 1, ("a", 1): 0, ("a", 2): 0, ("a", 3): 0, ("b", 0): 1, ("b", 1): 0, ("b", 2): 0, ("b", 3): 0}
+    records = [_sampled(p, "full", None, s, bool(v)) for (p, s), v in full.items()]
+    records += [_sampled(p, "streaming", 128, s, bool(v)) for (p, s), v in mine.items()]
+    rows = {r.policy: r for r in summarize(records)}
+    row = rows["streaming"]
+    assert row.samples == 4 and sorted(row.pass_at) == [1, 2, 4]
+    assert row.pass_at[1] == pytest.approx((1 / 4 + 1 / 4) / 2)
+    assert row.pass_at[2] == pytest.approx((pass_at_k(4, 1, 2) + pass_at_k(4, 1, 2)) / 2)
+    assert row.pass_at[4] == 1.0
+    # per problem: a: (0 + -1 + 0 + -1) / 4 = -0.5; b: (1 + 0 + 0 + -1) / 4 = 0
+    assert row.paired_problems == 2 and row.delta == pytest.approx(-0.25)
+    assert (row.delta_low, row.delta_high) == pytest.approx(paired_interval([-0.5, 0.0]))
+    assert rows["full"].pass_at[1] == pytest.approx((3 / 4 + 1 / 4) / 2) and math.isnan(rows["full"].delta)
+    text = markdown(list(rows.values()))
+    assert f"| {row.pass_at[1]:.3f} | 1.000 (k=4) | -0.250 [" in text
+
+
+def test_at_temperature_zero_every_sample_pairs_with_the_one_full_cache_answer():
+    records = [_sampled("a", "full", None, 0, True, 0.0), _sampled("b", "full", None, 0, False, 0.0)]
+    records += [_sampled("a", "random", 64, s, s == 0, 0.0) for s in range(2)]
+    records += [_sampled("b", "random", 64, s, True, 0.0) for s in range(2)]
+    row = next(r for r in summarize(records) if r.policy == "random")
+    # a: (0 + -1) / 2; b: (1 + 1) / 2
+    assert row.paired_problems == 2 and row.delta == pytest.approx((-0.5 + 1.0) / 2)
+
+
+def test_a_cell_that_failed_shows_as_errors_not_zeros(tmp_path):
+    def error(problem, budget, reason="ValueError: protect_prompt keeps the whole prompt"):
+        record = _gen(problem, "raas", budget, None, None, None, None)
+        return {**record, "kind": "error", "unit": "generation", "error": reason}
+
+    records = RECORDS[:4] + [error(p, 16) for p in "abcd"]
+    records += [error("a", 64), _gen("a", "raas", 64, True, 9, 1.0, False)]
+    path = tmp_path / "results.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    rows = {(r.policy, r.budget): r for r in summarize(load_results(path))}
+    failed = rows["raas", 16]
+    assert (failed.n, failed.errors) == (0, 4) and math.isnan(failed.accuracy)
+    recovered = rows["raas", 64]  # a later result replaces the error of the same unit
+    assert (recovered.n, recovered.errors, recovered.accuracy) == (1, 0, 1.0)
+    text = markdown(list(rows.values()))
+    assert "| raas | 16 | 0 | 4 | error | — |" in text
+    assert "- raas@16: 4 units: ValueError: protect_prompt keeps the whole prompt" in text
+    summary = json.loads(write_report(path, tmp_path / "report")["summary"].read_text(encoding="utf-8"))
+    assert [(r["policy"], r["budget"], r["n"], r["errors"]) for r in summary if r["policy"] == "raas"] == [
+        ("raas", 16, 0, 4),
+        ("raas", 64, 1, 0),
+    ]
+
+
+# ---------------------------------------------------------------------------------- runs, shards, the folder
+
+
+MANIFEST = {
+    "kind": "manifest",
+    "tool": "reasonkv",
+    "id": "0123456789abcdef",
+    "created": "2026-01-01T00:00:00+00:00",
+    "setup": {"model": "m", "dtype": "fp32", "weights_sha256": "ab" * 32, "temperature": 0.0, "max_new_tokens": 100},
+    "environment": {"reasonkv": "0.1.0", "git_commit": "c0ffee" * 6, "torch": "2.13.0", "transformers": "5.24.0"},
+    "grid": {"datasets": [{"name": "gsm8k", "problems": 4, "samples": 1, "sha256": "cd" * 32}], "policies": []},
+    "command": ["reasonkv", "eval", "--dataset", "gsm8k:4", "--out", "results.jsonl"],
+    "launch": {"world_size": 2},
+}
+
+
+def test_the_report_reads_a_run_from_its_shard_files_and_prints_its_manifest(tmp_path, capsys):
+    from reasonkv.cli import main
+
+    halves = [RECORDS[:6], RECORDS[6:]]
+    for index, part in enumerate(halves):
+        shard = tmp_path / f"results.shard-{index}-of-2.jsonl"
+        shard.write_text("".join(json.dumps(r) + "\n" for r in [MANIFEST, *part]), encoding="utf-8")
+    assert main(["report", str(tmp_path / "results.jsonl"), "--out", str(tmp_path / "r")]) == 0
+    out = capsys.readouterr().out
+    assert "## Runs" in out and "run `0123456789abcdef`" in out and "2 processes" in out
+    assert "model m, weights sha256 abababababab" in out and "git c0ffeec0ffee" in out
+    assert "command: `reasonkv eval --dataset gsm8k:4 --out results.jsonl`" in out
+    assert out.count("## Runs") == 1 and out.count("run `0123456789abcdef`") == 1  # one run, two shard files
+    whole = tmp_path / "whole.jsonl"
+    whole.write_text("".join(json.dumps(r) + "\n" for r in [MANIFEST, *RECORDS]), encoding="utf-8")
+    assert summarize(load_results(tmp_path / "results.jsonl")) == summarize(load_results(whole))
+
+
+@pytest.fixture
+def small(tmp_path):
+    """One section, one row: a report with few plots."""
+    path = tmp_path / "small.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in RECORDS[:4]), encoding="utf-8")
+    return path
+
+
+def test_the_report_folder_is_never_written_over_a_file_that_is_not_its_own(small, tmp_path):
+    results = small
+    out = tmp_path / "report"
+    out.mkdir()
+    (out / "report.md").write_text("my own notes\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="report.md exists and was not written by `reasonkv report`"):
+        write_report(results, out)
+    assert (out / "report.md").read_text(encoding="utf-8") == "my own notes\n"
+    assert sorted(p.name for p in out.iterdir()) == ["report.md"]
+
+    file = tmp_path / "a-file"
+    file.write_text("x", encoding="utf-8")
+    with pytest.raises(ValueError, match="exists and is not a folder"):
+        write_report(results, file)
+    assert file.read_text(encoding="utf-8") == "x"
+
+    shared = tmp_path / "shared"  # other files may share the folder: they are left alone
+    shared.mkdir()
+    (shared / "README.md").write_text("about these results\n", encoding="utf-8")
+    write_report(results, shared)
+    write_report(results, shared)  # its own files are rewritten
+    assert (shared / "README.md").read_text(encoding="utf-8") == "about these results\n"
+    marker = json.loads((shared / ".reasonkv.json").read_text(encoding="utf-8"))
+    assert marker["command"] == "report" and "report.md" in marker["files"] and "README.md" not in marker["files"]
+
+    inside = tmp_path / "inputs"  # an input is never an output
+    inside.mkdir()
+    (inside / "summary.json").write_text(results.read_text(encoding="utf-8"), encoding="utf-8")
+    with pytest.raises(ValueError, match="input"):
+        write_report(inside / "summary.json", inside)
+
+
+def test_a_report_folder_from_before_markers_is_adopted(small, tmp_path):
+    results = small
+    out = tmp_path / "old"
+    write_report(results, out)
+    (out / ".reasonkv.json").unlink()
+    write_report(results, out)
+    assert json.loads((out / ".reasonkv.json").read_text(encoding="utf-8"))["command"] == "report"
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    (bench / ".reasonkv.json").write_text(json.dumps({"tool": "reasonkv", "command": "bench", "files": []}))
+    with pytest.raises(ValueError, match="holds the output of `reasonkv bench`"):
+        write_report(results, bench)

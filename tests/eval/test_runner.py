@@ -57,13 +57,20 @@ def _keys(records):
     return [record_key(r) for r in records]
 
 
+def results_of(path) -> list[dict]:
+    """The records of a results file after its manifest (each run writes one first)."""
+    records = read_records(path)
+    assert records[0]["kind"] == "manifest"
+    return [r for r in records if r["kind"] != "manifest"]
+
+
 # ---------------------------------------------------------------------------------- records
 
 
 def test_grid_writes_one_record_per_problem_policy_budget_sample(dataset, tmp_path):
     out = tmp_path / "results.jsonl"
     result = run_grid(tiny_llama(), NoEosTokenizer(), **_grid(dataset, out, samples=2, fidelity=True))
-    records = read_records(out)
+    records = results_of(out)
     generations = [r for r in records if r["kind"] == "generation"]
     fidelity = [r for r in records if r["kind"] == "fidelity"]
     # temperature 0: full and streaming are deterministic (1 sample), random is stochastic (2 samples)
@@ -127,7 +134,7 @@ def test_records_hold_the_grade_of_the_output(dataset, tmp_path, monkeypatch):
     monkeypatch.setattr(reasonkv, "generate", fake_generate)
     out = tmp_path / "r.jsonl"
     run_grid(tiny_llama(), NoEosTokenizer(), **_grid(dataset, out, policies="full", fidelity=False))
-    by_id = {r["problem_id"]: r for r in read_records(out)}
+    by_id = {r["problem_id"]: r for r in results_of(out)}
     p1, p2, p3 = by_id["p1"], by_id["p2"], by_id["p3"]
     assert (p1["correct"], p1["extracted_answer"], p1["grading_method"]) == (True, "4", "boxed")
     assert (p2["correct"], p2["extracted_answer"], p2["grading_method"]) == (False, "6", "answer_is")
@@ -141,12 +148,12 @@ def test_batch_size_does_not_change_any_output(dataset, tmp_path):
     kwargs = dict(temperature=0.8, top_k=20, samples=2, fidelity=False)
     run_grid(model, NoEosTokenizer(), **_grid(dataset, tmp_path / "a.jsonl", batch_size=1, **kwargs))
     run_grid(model, NoEosTokenizer(), **_grid(dataset, tmp_path / "b.jsonl", batch_size=5, **kwargs))
-    alone = {record_key(r): r["output_ids"] for r in read_records(tmp_path / "a.jsonl")}
-    batched = {record_key(r): r["output_ids"] for r in read_records(tmp_path / "b.jsonl")}
+    alone = {record_key(r): r["output_ids"] for r in results_of(tmp_path / "a.jsonl")}
+    batched = {record_key(r): r["output_ids"] for r in results_of(tmp_path / "b.jsonl")}
     assert alone == batched
     assert len(alone) == 3 * 5 * 2
     samples = [
-        r["output_ids"] for r in read_records(tmp_path / "a.jsonl") if (r["problem_id"], r["policy"]) == ("p1", "full")
+        r["output_ids"] for r in results_of(tmp_path / "a.jsonl") if (r["problem_id"], r["policy"]) == ("p1", "full")
     ]
     assert len(samples) == 2 and samples[0] != samples[1]  # the two samples differ
 
@@ -184,20 +191,20 @@ def test_a_killed_run_resumes_without_losing_or_duplicating(dataset, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     child = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert child.returncode == -9, child.stderr[-2000:]
-    before = read_records(out)
+    before = results_of(out)
     assert len(before) == 7  # every record written before the kill is on disk
 
     model = tiny_llama()
     result = run_grid(model, NoEosTokenizer(), **kwargs)
     assert result.skipped == 7
-    after = read_records(out)
+    after = results_of(out)
     assert after[:7] == before
     keys = _keys(after)
     assert len(keys) == len(set(keys)) == 3 * 5 * 2 + 3 * 4
 
     reference = tmp_path / "uninterrupted.jsonl"
     run_grid(model, NoEosTokenizer(), **{**kwargs, "out": str(reference)})
-    want = {record_key(r): r for r in read_records(reference)}
+    want = {record_key(r): r for r in results_of(reference)}
     assert set(want) == set(keys)
     for r in after:
         w = want[record_key(r)]
@@ -225,14 +232,14 @@ def test_an_interrupted_fidelity_phase_and_a_torn_last_line_resume_cleanly(datas
 
     with pytest.raises(Boom):
         run_grid(model, NoEosTokenizer(), on_record=explode, **kwargs)
-    assert [r["kind"] for r in read_records(out)] == ["generation"] * 6 + ["fidelity"]
+    assert [r["kind"] for r in results_of(out)] == ["generation"] * 6 + ["fidelity"]
 
     torn = '{"kind": "fidelity", "model": "LlamaForCausalLM", "problem_id": "p3", "top1_agr'
     with open(out, "a", encoding="utf-8") as handle:
         handle.write(torn)
-    assert len(read_records(out)) == 7  # the torn line is not a record
+    assert len(results_of(out)) == 7  # the torn line is not a record
     result = run_grid(model, NoEosTokenizer(), **kwargs)
-    records = read_records(out)
+    records = results_of(out)
     assert (result.skipped, result.generated, result.fidelity) == (7, 0, 2)
     assert torn not in out.read_text()
     assert len(records) == len(set(_keys(records))) == 9
@@ -250,7 +257,7 @@ def test_changed_settings_are_new_work_not_skipped(dataset, tmp_path):
     )
     # sinks=2 is a different policy configuration: all of it runs
     assert again.skipped == 0 and again.generated == 6
-    labels = {r["policy_label"] for r in read_records(out)}
+    labels = {r["policy_label"] for r in results_of(out)}
     assert labels == {"streaming", "streaming[sinks=2]"}
 
 
@@ -271,7 +278,7 @@ def test_a_policy_option_named_like_a_sampling_argument_reaches_the_policy(datas
     options = ["vase-attnv.temperature=0.5", "query_window=4", "window=4"]
     kwargs = _grid(dataset, out, policies="vase-attnv", budgets=[40], limit=1, max_new_tokens=8, options=options)
     run_grid(tiny_llama(), NoEosTokenizer(), **kwargs)
-    records = read_records(out)
+    records = results_of(out)
     assert {r["kind"] for r in records} == {"generation", "fidelity"}
     for r in records:
         assert r["policy_config"]["temperature"] == 0.5 and r["policy_config"]["query_window"] == 4
@@ -342,7 +349,7 @@ def test_reasonkv_eval_and_report_on_the_bundled_model(tmp_path, capsys):
         "--buffer", "16", "--max-new-tokens", "48", "--out", str(out), "--no-progress",
     ]  # fmt: skip
     assert main(argv) == 0
-    records = read_records(out)
+    records = results_of(out)
     generations = [r for r in records if r["kind"] == "generation"]
     fidelity = [r for r in records if r["kind"] == "fidelity"]
     assert len(generations) == 4 and len(fidelity) == 2

@@ -3,7 +3,8 @@
 Writes into ``--out``: ``labels.jsonl`` and ``signals.jsonl`` (one record per trace, appended as
 they are computed: rerunning the same command resumes, and a larger ``--traces`` adds traces),
 ``calibration.json`` (the file EPIKV loads), ``correlation.png``, ``results.json`` (every number)
-and ``summary.md``.
+and ``summary.md``. The folder must be calibrate's own (or new, or free of these files); it is locked
+while the command runs (:func:`reasonkv.analysis.store.claim_output`).
 """
 
 from __future__ import annotations
@@ -124,6 +125,15 @@ def _problems(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    from reasonkv.analysis.store import claim_output
+
+    if args.min_width > args.max_width:
+        raise ValueError(f"--min-width {args.min_width} is larger than --max-width {args.max_width}")
+    with claim_output(args.out, inputs=[args.dataset]):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from reasonkv.analysis.bands import write_band_calibration
     from reasonkv.analysis.labels import LabelSettings
     from reasonkv.analysis.pipeline import analyse, auc_for, collect, open_stores
@@ -131,8 +141,6 @@ def run(args: argparse.Namespace) -> int:
     from reasonkv.analysis.summary import render_summary
     from reasonkv.calibration import default_anatomy
 
-    if args.min_width > args.max_width:
-        raise ValueError(f"--min-width {args.min_width} is larger than --max-width {args.max_width}")
     label_settings = LabelSettings(chunk_size=args.chunk_size, horizon=args.horizon, batch_size=args.batch_size)
     signal_settings = SignalSettings(window=args.window, query_window=args.query_window)
     run_settings = {

@@ -9,6 +9,9 @@ store refuses them (``on_mismatch="error"``, for expensive records) or starts th
 
 Floats that are not finite are written as ``null`` (JSON has no NaN); ``numpy.asarray(values,
 dtype=float)`` reads them back as ``nan``.
+
+The stores live in the ``calibrate --out`` folder, which is claimed and locked first
+(:func:`claim_output`, see :mod:`reasonkv.outputs`): only then may a store rewrite or replace its file.
 """
 
 from __future__ import annotations
@@ -20,7 +23,30 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RecordStore", "json_safe"]
+__all__ = ["OUTPUT_FILES", "RecordStore", "claim_output", "json_safe"]
+
+#: Every file ``reasonkv calibrate`` writes into its folder.
+OUTPUT_FILES = ("labels.jsonl", "signals.jsonl", "calibration.json", "correlation.png", "summary.md", "results.json")
+
+
+def _is_old_calibrate_folder(folder: Path) -> bool:
+    """A calibrate folder from before output markers (or its copied stores): a store starts with a trace record."""
+    for name in ("labels.jsonl", "signals.jsonl"):
+        try:
+            with open(folder / name, encoding="utf-8") as handle:
+                first = json.loads(handle.readline())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            continue
+        if isinstance(first, dict) and {"id", "settings"} <= set(first):
+            return True
+    return False
+
+
+def claim_output(out: str | os.PathLike, inputs=()):
+    """Claim and lock the ``calibrate --out`` folder (a :class:`reasonkv.outputs.ClaimedFolder`)."""
+    from reasonkv.outputs import claim_folder
+
+    return claim_folder(out, "calibrate", OUTPUT_FILES, recognise=_is_old_calibrate_folder, inputs=inputs)
 
 
 def json_safe(value: Any) -> Any:
@@ -67,6 +93,8 @@ class RecordStore:
                 if number == len(lines):  # torn by an interruption: recompute that record
                     break
                 raise ValueError(f"{self.path}, line {number}: not a JSON record") from None
+            if not isinstance(record, dict) or "id" not in record:
+                raise ValueError(f"{self.path}, line {number}: not a record of reasonkv calibrate")
             if record.get("settings") != self.settings:
                 if on_mismatch == "replace":
                     self.path.unlink()

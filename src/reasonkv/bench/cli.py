@@ -11,7 +11,8 @@ Three measurements, combinable in one run (one model load):
 
 Outputs in ``--out``: ``results.jsonl`` (one record per finished entry, appended as measured),
 ``bench.json`` (everything, with the command line, date, machine and versions), ``bench.md`` and
-PNG plots. Rerunning with the same ``--out`` skips finished entries unless ``--force``.
+PNG plots. Rerunning with the same ``--out`` skips finished entries unless ``--force``. The folder
+must be the bench's own (or new); it is locked while the bench runs (:func:`reasonkv.bench.store.claim_output`).
 """
 
 from __future__ import annotations
@@ -273,13 +274,20 @@ def _interrupt(signum, frame):
 
 
 def run(args: argparse.Namespace) -> int:
+    from reasonkv.bench.store import claim_output
+
+    plan = build_plan(args)  # bad arguments fail before the folder is touched
+    with claim_output(args.out):
+        return _run(args, plan)
+
+
+def _run(args: argparse.Namespace, plan: Plan) -> int:
     import torch
 
     from reasonkv.bench.measure import model_dtype, warm_up
     from reasonkv.bench.memory import kv_bytes_per_token, weight_bytes
     from reasonkv.bench.store import ResultStore, entry_key, machine_info, now_iso
 
-    plan = build_plan(args)
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads must be at least 1, got {args.threads}")

@@ -3,6 +3,10 @@
 A killed run keeps every entry it finished; a rerun with the same output folder skips them. The
 configuration of a mode (model, budget, lengths, ...) is stored in every record: resuming with a
 different one is refused, so one folder never mixes numbers from two set-ups.
+
+The folder is claimed first (:func:`claim_output`): it must be a bench folder of this tool (its
+marker, or a ``results.jsonl`` of bench records from before markers existed), a new folder, or one
+without any of the files a bench writes; it stays locked while the bench runs (see :mod:`reasonkv.outputs`).
 """
 
 from __future__ import annotations
@@ -15,9 +19,39 @@ import platform
 import tempfile
 from pathlib import Path
 
-__all__ = ["RESULTS_FILE", "ResultStore", "entry_key", "json_safe", "machine_info", "now_iso", "write_atomic"]
+__all__ = [
+    "OUTPUT_FILES",
+    "RESULTS_FILE",
+    "ResultStore",
+    "claim_output",
+    "entry_key",
+    "json_safe",
+    "machine_info",
+    "now_iso",
+    "write_atomic",
+]
 
 RESULTS_FILE = "results.jsonl"
+#: Every file a bench writes into its folder.
+OUTPUT_FILES = (RESULTS_FILE, "bench.json", "bench.md")
+OUTPUT_FILES += ("step_time.png", "memory.png", "throughput.png", "eviction_cost.png")  # bench.plots
+
+
+def _is_old_bench_folder(folder: Path) -> bool:
+    """A bench folder from before output markers: its results.jsonl starts with a bench record."""
+    try:
+        with open(folder / RESULTS_FILE, encoding="utf-8") as handle:
+            first = json.loads(handle.readline())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(first, dict) and {"mode", "policy", "status"} <= set(first)
+
+
+def claim_output(out: str | os.PathLike[str]):
+    """Claim and lock the bench's ``--out`` folder (a :class:`reasonkv.outputs.ClaimedFolder`)."""
+    from reasonkv.outputs import claim_folder
+
+    return claim_folder(out, "bench", OUTPUT_FILES, recognise=_is_old_bench_folder)
 
 
 def now_iso() -> str:

@@ -5,7 +5,13 @@ Example::
     reasonkv eval --dataset gsm8k:40,math500:20 --policies full,streaming,epikv \\
         --budgets 128,256 --buffer 128 --max-new-tokens 512 --out results.jsonl
 
-Rerun the same command after an interruption: records already in ``--out`` are skipped.
+Rerun the same command after an interruption: records already in ``--out`` (and its shard files)
+are skipped. Across processes, one launcher command::
+
+    torchrun --nproc_per_node 8 -m reasonkv eval --device cuda ... --out results.jsonl
+
+or one job per shard (``--shard I/N``, e.g. a Slurm array): each process writes
+``results.shard-I-of-N.jsonl``, and the last to finish merges them into ``--out``.
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ EPILOG = (
     "Policy options: -o KEY=VALUE goes to every listed policy that has the option KEY (an error if none "
     "has it); -o POLICY.KEY=VALUE to that policy only. Records already in --out are skipped, so rerunning "
     "the same command resumes an interrupted run. full runs once per problem whatever the budgets, and "
-    "gets no fidelity records (it is the reference)."
+    "gets no fidelity records (it is the reference). Under torchrun each process takes one shard of the grid "
+    "(and cuda:LOCAL_RANK with --device cuda); the last to finish merges the shard files into --out."
 )
 
 
@@ -58,9 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     grid.add_argument("--limit", type=int, default=None, help="first N problems of each dataset (default all)")
     grid.add_argument(
         "--samples",
-        type=int,
-        default=1,
-        help="samples per problem (default 1); at temperature 0 only stochastic policies run more than one",
+        default="1",
+        help="samples per problem (default 1), or per dataset: aime25=64,math500=8 (a bare N is the default of "
+        "the others); at temperature 0 only stochastic policies run more than one",
     )
     sampling = parser.add_argument_group("decoding")
     sampling.add_argument("--max-new-tokens", type=int, default=512, help="default 512")
@@ -94,12 +101,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="length of the full-cache greedy trace replayed for fidelity (default --max-new-tokens)",
     )
     output.add_argument("--no-progress", action="store_true", help="no progress bars")
+    run = parser.add_argument_group("processes")
+    run.add_argument(
+        "--shard",
+        default=None,
+        metavar="I/N",
+        help="run shard I of N (counted from 0) of the grid, into OUT's shard file; for schedulers that start "
+        "independent jobs (torchrun sets it by itself)",
+    )
+    run.add_argument("--retry-errors", action="store_true", help="run again the units whose record is an error")
+    run.add_argument(
+        "--plan",
+        action="store_true",
+        help="print the grid's units, the most tokens they may generate and each shard's share; load nothing",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    from reasonkv.eval.runner import run_grid
+    from reasonkv.eval.manifest import command_line
+    from reasonkv.eval.runner import plan_grid, run_grid
 
     thinking = {"auto": None, "on": True, "off": False}[args.thinking]
+    if args.plan:
+        plan = plan_grid(
+            dataset=args.dataset, policies=args.policies, budgets=args.budgets, buffer=args.buffer, limit=args.limit,
+            samples=args.samples, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed, options=args.option,
+            fidelity=args.fidelity, fidelity_tokens=args.fidelity_tokens, shard=args.shard,
+        )  # fmt: skip
+        print(plan.summary())
+        return 0
     result = run_grid(
         args.model,
         dataset=args.dataset,
@@ -123,6 +154,9 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         attn_implementation=args.attn,
         progress=not args.no_progress,
+        shard=args.shard,
+        retry_errors=args.retry_errors,
+        command=command_line(),
     )
     print(result.summary(), file=sys.stderr)
-    return 0
+    return 1 if result.complete and result.failed else 0

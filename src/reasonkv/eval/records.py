@@ -1,11 +1,20 @@
-"""Results files: one JSON object per line, appended and flushed record by record, resumable.
+"""Results files: one JSON object per line, a run manifest first, appended and flushed record by record.
 
-A run that is killed leaves at worst one truncated last line. :func:`read_records` skips it and
-:func:`ResultsFile` cuts it off before appending, so the next run continues cleanly. A malformed
-line anywhere else is an error (the file was edited or two writers collided), never skipped silently.
+Record kinds
+    ``manifest`` (what the records after it were computed with; the first line of every results
+    file, see :mod:`reasonkv.eval.manifest`), ``generation`` and ``fidelity`` (the results of one unit
+    of work each, see :mod:`reasonkv.eval.runner`), and ``error``: a unit that could not be computed,
+    with the unit's identity fields, ``unit`` (the kind of record it would have been) and ``error``
+    (the reason).
 
-Every record has a ``kind`` (``"generation"`` or ``"fidelity"``); :func:`record_key` names the unit
-of work a record completes, so a rerun skips exactly the work already on disk.
+A file is this tool's own when its first line is a manifest and every other complete line is a record
+of one of these kinds (:func:`scan_results`); nothing else is ever written to (see
+:mod:`reasonkv.outputs`). A run that is killed leaves at worst one torn last line (no newline):
+readers skip it and :class:`ResultsFile` cuts it off before appending. A malformed line anywhere else
+is an error (the file was edited or two writers collided), never skipped silently.
+
+:func:`unit_key` names the unit of work a record completes (or failed), so a rerun skips exactly the
+work already on disk.
 """
 
 from __future__ import annotations
@@ -13,11 +22,22 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["KEY_FIELDS", "ResultsFile", "read_records", "record_key"]
+from reasonkv.outputs import OutputLock, create_exclusive
+
+__all__ = [
+    "KEY_FIELDS",
+    "KINDS",
+    "ResultsFile",
+    "iter_records",
+    "read_records",
+    "record_key",
+    "scan_results",
+    "unit_key",
+]
 
 #: The fields that identify a unit of work, per record kind. Two records with the same key are the
 #: same work: a rerun skips it. Everything that changes the result is in the key.
@@ -52,6 +72,9 @@ KEY_FIELDS: dict[str, tuple[str, ...]] = {
     ),
 }
 
+#: Every record kind a results file may hold.
+KINDS = ("manifest", "generation", "fidelity", "error")
+
 
 def _canonical(value: Any) -> Any:
     """A hashable form of a JSON value (dicts sorted, lists as tuples, floats normalised)."""
@@ -67,12 +90,19 @@ def _canonical(value: Any) -> Any:
 def record_key(record: Mapping[str, Any]) -> tuple:
     """The unit of work ``record`` completes: ``(kind, *values of KEY_FIELDS[kind])``.
 
-    Missing fields count as ``None``. Raises ``ValueError`` for an unknown ``kind``.
+    Missing fields count as ``None``. Raises ``ValueError`` for a kind without a key (manifest, unknown).
     """
     kind = record.get("kind")
     if kind not in KEY_FIELDS:
         raise ValueError(f"record kind must be one of {sorted(KEY_FIELDS)}, got {kind!r}")
     return (kind, *(_canonical(_jsonable(record.get(name))) for name in KEY_FIELDS[kind]))
+
+
+def unit_key(record: Mapping[str, Any]) -> tuple:
+    """The unit a generation, fidelity or error record is about (an error record names it in ``unit``)."""
+    if record.get("kind") == "error":
+        return record_key({**record, "kind": record.get("unit")})
+    return record_key(record)
 
 
 def _jsonable(value: Any) -> Any:
@@ -81,99 +111,199 @@ def _jsonable(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
 
-def read_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """All complete records of a results file (``[]`` when it does not exist).
+def iter_records(path: str | os.PathLike[str], *, raw: bool = False) -> Iterator[Any]:
+    """The complete records of a results file, one at a time (nothing when it does not exist).
 
-    A last line that is not valid JSON (a run killed mid-write) is ignored; an invalid line
-    before the last one raises ``ValueError`` naming the file and line.
+    A last line without a newline that is not valid JSON (a run killed mid-write) is skipped; any
+    other line that is not a JSON object raises ``ValueError`` naming the file and line. With ``raw``
+    each item is ``(record, line_bytes)``.
     """
     path = Path(path)
     if not path.exists():
+        return
+    with open(path, "rb") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError) as error:
+                if not line.endswith(b"\n"):
+                    return  # the tail of an interrupted write (only the last line can lack its newline)
+                raise ValueError(f"{path}, line {number}: not a JSON record ({error})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}, line {number}: expected a JSON object, got {type(record).__name__}")
+            yield (record, line if line.endswith(b"\n") else line + b"\n") if raw else record
+
+
+def read_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """All complete records of a results file (``[]`` when it does not exist); see :func:`iter_records`."""
+    return list(iter_records(path))
+
+
+def _not_ours(path: Path, why: str) -> ValueError:
+    return ValueError(f"{path} is not a reasonkv results file ({why}): nothing was written to it; use another --out")
+
+
+def scan_results(
+    path: str | os.PathLike[str],
+    visit: Callable[[dict[str, Any]], None] | None = None,
+    *,
+    first_only: bool = False,
+    include_manifests: bool = False,
+) -> list[dict[str, Any]]:
+    """Check that ``path`` is this tool's results file and read it; returns its manifests.
+
+    ``visit`` is called with every other record in file order. Raises ``ValueError`` for a file that
+    is not a results file (its first record is not a manifest, or a line is not a record of
+    :data:`KINDS`), naming the reason; a file written before run manifests existed is named as such.
+    A missing file is an empty run (``[]``). ``first_only`` checks the first record only (quick);
+    ``include_manifests`` passes the manifests to ``visit`` too.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"--out {path} is a folder: name a results file (e.g. {path / 'results.jsonl'})")
+    if not path.exists():
         return []
-    lines = path.read_bytes().split(b"\n")
-    records = []
-    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
+    if path.stat().st_size == 0:
+        raise _not_ours(path, "it is empty")
+    manifests: list[dict[str, Any]] = []
+    records = iter_records(path)
+    number = 0
+    while True:
         try:
-            record = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            if i == last:
-                break  # the tail of an interrupted write
-            raise ValueError(f"{path}, line {i + 1}: not a JSON record ({error})") from None
-        if not isinstance(record, dict):
-            raise ValueError(f"{path}, line {i + 1}: expected a JSON object, got {type(record).__name__}")
-        records.append(record)
-    return records
+            record = next(records)
+        except StopIteration:
+            break
+        except ValueError as error:
+            raise _not_ours(path, str(error).removeprefix(f"{path}, ")) from None
+        number += 1
+        kind = record.get("kind")
+        if number == 1 and kind in KEY_FIELDS:
+            raise ValueError(
+                f"{path} holds records written before run manifests existed: reasonkv report reads it, "
+                "but a run appends only to a results file that starts with a manifest; use another --out"
+            )
+        if number == 1 and kind != "manifest":
+            raise _not_ours(path, "its first record is not a run manifest")
+        if kind not in KINDS:
+            raise _not_ours(path, f"record {number} has kind {kind!r}, not one of {', '.join(KINDS)}")
+        if kind == "manifest":
+            if record.get("tool") != "reasonkv":
+                raise _not_ours(path, f"record {number} is a manifest of {record.get('tool')!r}")
+            manifests.append(record)
+        if visit is not None and (include_manifests or kind != "manifest"):
+            visit(record)
+        if first_only:
+            break
+    if not manifests:
+        raise _not_ours(path, "it holds no complete record")
+    return manifests
 
 
 class ResultsFile:
-    """Append-only JSONL writer that knows which work is already done.
+    """The results file one process appends to: owned, locked, its manifest first.
 
-    Opening it reads the existing records (``records``, ``done``) and cuts off an incomplete last
-    line. :meth:`append` writes one record, flushes it to the operating system and marks its key
-    done, so a process killed at any point afterwards keeps it.
+    Opening it takes the lock (see :mod:`reasonkv.outputs`), checks that an existing file is a results
+    file (:func:`scan_results`; ``visit`` sees its records), hands its manifests to ``check``
+    (which raises to refuse them), cuts off a torn last line, and writes ``manifest`` (a new file is
+    created holding it; an existing one gets it appended unless a manifest with its ``id`` is there).
+    :meth:`append` writes one record, flushed to the operating system, so a process killed at any point
+    afterwards keeps it.
 
     Parameters
     ----------
     path
-        The results file; its directory is created if needed.
+        The results file; its folder is created if needed.
+    manifest
+        The manifest record of this run (``kind`` ``"manifest"``, with an ``id``).
+    visit
+        Called with every record already in the file.
+    check
+        Called with the file's manifests (oldest first) before anything is written.
+    lock
+        Take the file's lock (default); ``False`` when the caller already holds it.
     fsync
         Also force each record to disk (survives a machine crash, not only a killed process).
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, fsync: bool = False):
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        manifest: Mapping[str, Any],
+        *,
+        visit: Callable[[dict[str, Any]], None] | None = None,
+        check: Callable[[list[dict[str, Any]]], None] | None = None,
+        lock: bool = True,
+        fsync: bool = False,
+    ):
         self.path = Path(path)
         self.fsync = fsync
+        if manifest.get("kind") != "manifest" or not manifest.get("id"):
+            raise ValueError("a results file starts with a manifest record (kind 'manifest', with an id)")
+        scan_results(self.path, first_only=True)  # refuse a foreign file before creating its lock file
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._drop_incomplete_tail()
-        self.records = read_records(self.path)
-        self.done: set[tuple] = set()
-        for record in self.records:
-            if record.get("kind") in KEY_FIELDS:
-                self.done.add(record_key(record))
-        self._handle = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self._lock = OutputLock(self.path, "eval").acquire() if lock else None
+        try:
+            manifests = scan_results(self.path, visit)
+            if check is not None and manifests:
+                check(manifests)
+            self.manifests = list(manifests) or [json.loads(json.dumps(dict(manifest), default=str))]
+            line = (json.dumps(dict(manifest), ensure_ascii=False, default=str) + "\n").encode("utf-8")
+            if not self.path.exists():
+                create_exclusive(self.path, line)
+            else:
+                self._drop_incomplete_tail()
+                if manifest["id"] not in {m.get("id") for m in manifests}:
+                    with open(self.path, "ab") as handle:
+                        handle.write(line)
+                    self.manifests.append(json.loads(line))
+            self._handle = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        except BaseException:
+            self.release_lock()
+            raise
 
     def _drop_incomplete_tail(self) -> None:
-        if not self.path.exists():
-            return
-        data = self.path.read_bytes()
-        if not data or data.endswith(b"\n"):
-            return
-        cut = data.rfind(b"\n") + 1
-        tail = data[cut:]
-        try:
-            json.loads(tail)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            with open(self.path, "r+b") as handle:
-                handle.truncate(cut)
-            return
-        with open(self.path, "ab") as handle:  # a complete record that only lacks its newline
-            handle.write(b"\n")
-
-    def is_done(self, record: Mapping[str, Any]) -> bool:
-        """Whether the work ``record`` describes (only its key fields matter) is already in the file."""
-        return record_key(record) in self.done
+        with open(self.path, "r+b") as handle:
+            size = handle.seek(0, os.SEEK_END)
+            tail = b""
+            while len(tail) < size and b"\n" not in tail:  # read back to the last newline
+                step = min(1 << 20, size - len(tail))
+                handle.seek(size - len(tail) - step)
+                tail = handle.read(step) + tail
+            if not tail or tail.endswith(b"\n"):
+                return
+            cut = tail.rfind(b"\n") + 1
+            try:
+                json.loads(tail[cut:])
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                handle.truncate(size - len(tail) + cut)
+                return
+            handle.seek(0, os.SEEK_END)
+            handle.write(b"\n")  # a complete record that only lacks its newline
 
     def append(self, record: Mapping[str, Any]) -> None:
-        """Write one record as a line, flush it, and mark its key done."""
+        """Write one record as a line and flush it."""
+        if record.get("kind") not in KINDS:
+            raise ValueError(f"record kind must be one of {KINDS}, got {record.get('kind')!r}")
         line = json.dumps(record, ensure_ascii=False, default=str, allow_nan=True)
         self._handle.write(line + "\n")
         self._handle.flush()
         if self.fsync:
             os.fsync(self._handle.fileno())
-        self.records.append(json.loads(line))
-        if record.get("kind") in KEY_FIELDS:
-            self.done.add(record_key(record))
 
-    def extend(self, records: Iterable[Mapping[str, Any]]) -> None:
-        for record in records:
-            self.append(record)
+    def release_lock(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
 
     def close(self) -> None:
-        if not self._handle.closed:
-            self._handle.close()
+        """Close the file and release its lock."""
+        handle = getattr(self, "_handle", None)
+        if handle is not None and not handle.closed:
+            handle.flush()
+            os.fsync(handle.fileno())
+            handle.close()
+        self.release_lock()
 
     def __enter__(self) -> ResultsFile:
         return self

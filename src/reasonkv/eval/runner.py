@@ -7,10 +7,22 @@ policy, budget) (see :mod:`reasonkv.eval.fidelity`). Rerunning the same command 
 record already in the file (:func:`reasonkv.eval.records.record_key` says which fields identify
 one), so a killed run resumes where it stopped and loses nothing.
 
-Work order: problems are taken in groups of about ``batch_size``; for each group every cell
-(policy, budget) runs in turn, the group's (problem, sample) pairs decoded together in batches of
-``batch_size``. A partial run therefore covers every cell on its first problems, and batching is
-safe because ``reasonkv.generate`` gives each prompt the same tokens in a batch as alone.
+Work order: round by round, one batch of ``batch_size`` (problem, sample) units of every cell
+(policy, budget) in turn, so a partial run covers every cell on its first problems; batching is
+safe because ``reasonkv.generate`` gives each prompt the same tokens in a batch as alone. A unit
+that cannot run gets an error record instead, and the rest of the grid runs (see
+:mod:`reasonkv.eval.phases`).
+
+Many processes: the grid's units are split deterministically across ``N`` shards, balanced by
+expected cost (:mod:`reasonkv.eval.units`); each process writes its own shard file next to ``out``
+and the last to finish merges them into ``out`` (:mod:`reasonkv.eval.shards`). Launch them with
+``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``; ``cuda`` becomes ``cuda:LOCAL_RANK``) or give
+each its ``shard="I/N"``. Every run reads ``out`` and all its shard files, so it resumes with any
+number of processes; each unit ends up exactly once in ``out``.
+
+The first record of a results file is the run manifest (:mod:`reasonkv.eval.manifest`): a run
+with another setup (model, weights, dtype, sampling, ...) is refused, and an existing file that is
+not a results file is never written to (:mod:`reasonkv.outputs`).
 
 Seeds: sample ``s`` of problem ``p`` uses ``sample_seed(seed, p.id, s)`` (the first 31 bits of
 ``sha256(f"{seed}/{p.id}/{s}")``) for both its sampling and its eviction randomness, whatever the
@@ -35,7 +47,8 @@ Generation records (``"kind": "generation"``)
     decode time), ``batch_size``, ``evictions`` (this row), ``peak_cache_slots`` (the batch's cache),
     ``peak_row_tokens`` (most tokens this row held), ``peak_kv_bytes``, ``peak_memory_bytes`` (CUDA max
     allocated, or the process's peak RSS on CPU), ``policy_seconds`` (the batch's time in the
-    policy: ``observe``, ``score``, ``gather``), ``reasonkv_version``, ``time``.
+    policy: ``observe``, ``score``, ``gather``), ``reasonkv_version``, ``run`` (the id of the
+    manifest of the run that wrote it), ``time``.
 
 Fidelity records (``"kind": "fidelity"``), one per (problem, evicting policy, budget)
     The identity fields above (no sampling settings; ``fidelity_tokens`` instead), then
@@ -44,8 +57,12 @@ Fidelity records (``"kind": "fidelity"``), one per (problem, evicting policy, bu
     ``evictions``, ``chunked``, and for problems with a reference solution ``reference_tokens``,
     ``answer_tokens``, ``answer_logprob_full``, ``answer_logprob_evicting``, ``answer_logprob_delta``
     (evicting minus full, summed over the answer tokens), ``answer_logprob_delta_mean`` (per token),
-    ``answer_evictions`` (all ``null`` without a reference); ``seconds`` (per record), ``time``.
+    ``answer_evictions`` (all ``null`` without a reference); ``seconds`` (per record), ``run``, ``time``.
     The eviction seed is that of sample 0. ``full`` gets no fidelity records (it is the reference).
+
+Error records (``"kind": "error"``), one per unit that could not be computed
+    The identity fields of the unit, ``unit`` (``generation`` or ``fidelity``), ``seed``, ``stage``,
+    ``error`` (the reason), ``run``, ``time``.
 """
 
 from __future__ import annotations
@@ -54,24 +71,24 @@ import hashlib
 import os
 import re
 import sys
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from reasonkv.eval.collapse import collapse_flags
 from reasonkv.eval.datasets import Problem, load_dataset
-from reasonkv.eval.grading import grade
-from reasonkv.eval.prompts import build_prompt
-from reasonkv.eval.records import ResultsFile, record_key
+from reasonkv.eval.records import ResultsFile, scan_results, unit_key
+from reasonkv.eval.shards import Shard, lock_for_writing, merge_shards, shard_files, writer_path
+from reasonkv.eval.units import Unit, assign, grid_units
 
 __all__ = [
     "Cell",
+    "GridPlan",
     "GridResult",
     "make_cells",
     "parse_dataset_spec",
+    "parse_samples",
+    "plan_grid",
     "policy_options",
     "run_grid",
     "sample_seed",
@@ -216,6 +233,168 @@ def make_cells(
     return cells
 
 
+# ---------------------------------------------------------------------------------- the plan
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def parse_samples(samples: int | str | Mapping[str, int], datasets: Sequence[str]) -> dict[str, int]:
+    """Samples per dataset from ``8``, ``"aime25=64,math500=8,gpqa=16"`` or ``"4,aime25=64"`` (a bare
+    number is the default for the datasets not named; without one they get 1)."""
+    default, named = 1, {}
+    if isinstance(samples, Mapping):
+        named = dict(samples)
+    elif isinstance(samples, str):
+        for item in (part.strip() for part in samples.split(",")):
+            if not item:
+                continue
+            name, sep, value = item.rpartition("=")
+            try:
+                count = int(value)
+            except ValueError:
+                raise ValueError(f"samples: expected N or DATASET=N, got {item!r}") from None
+            if sep:
+                named[name.strip()] = count
+            else:
+                default = count
+    else:
+        default = samples
+    _check_int("samples", default, 1)
+    unknown = sorted(set(named) - set(datasets))
+    if unknown:
+        raise ValueError(f"samples given for {', '.join(unknown)}, which is not in --dataset ({', '.join(datasets)})")
+    for name, count in named.items():
+        _check_int(f"samples for {name}", count, 1)
+    return {name: named.get(name, default) for name in datasets}
+
+
+def _dataset_file(name: str) -> Path:
+    """The file a dataset name reads: the bundled file, or the path itself."""
+    from reasonkv.eval.datasets import dataset_path
+
+    try:
+        return dataset_path(name)
+    except ValueError:
+        return Path(name)
+
+
+@dataclass
+class GridPlan:
+    """A validated grid, its units and their split across shards: everything but the model."""
+
+    datasets: list[tuple[str, list[Problem]]]
+    limits: dict[str, int | None]
+    cells: list[Cell]
+    samples: dict[str, int]  # per dataset (deterministic cells run 1 at temperature 0)
+    temperature: float
+    max_new_tokens: int
+    fidelity: bool
+    fidelity_tokens: int
+    shard: Shard
+    units: list[Unit]
+    owner: dict[Unit, int]
+
+    def samples_for(self, dataset: str, index: int) -> int:
+        cell = self.cells[index]
+        return self.samples[dataset] if (self.temperature > 0 or cell.stochastic) else 1
+
+    def mine(self) -> set[Unit]:
+        return {u for u in self.units if self.owner[u] == self.shard.index}
+
+    def dataset_files(self) -> list[Path]:
+        return [_dataset_file(name) for name, _ in self.datasets]
+
+    def summary(self) -> str:
+        """Units, the most tokens they may generate, and each shard's share of the expected cost."""
+        from reasonkv.eval.units import _cost
+
+        generations = [u for u in self.units if u.kind == "generation"]
+        lines = [
+            f"{len(generations)} generation units (at most {len(generations) * self.max_new_tokens:,} new tokens, "
+            f"every one running to {self.max_new_tokens}) and {len(self.units) - len(generations)} fidelity replays"
+        ]
+        for name, problems in self.datasets:
+            count = sum(1 for u in generations if u.dataset == name)
+            lines.append(f"  {name}: {len(problems)} problems, {count} generation units")
+        if self.shard.count > 1:
+            cost = [0.0] * self.shard.count
+            units = [0] * self.shard.count
+            for unit in self.units:
+                cost[self.owner[unit]] += _cost(unit, self.cells, self.max_new_tokens, self.fidelity_tokens)
+                units[self.owner[unit]] += 1
+            total = sum(cost) or 1.0
+            for rank in range(self.shard.count):
+                share = f"{cost[rank] / total:.1%}"
+                lines.append(f"  shard {rank}/{self.shard.count}: {units[rank]} units, {share} of the expected cost")
+        return "\n".join(lines)
+
+
+def plan_grid(
+    *,
+    dataset: str | Sequence[str],
+    policies: str | Sequence[str] = ("full", "streaming"),
+    budgets: Sequence[int] = (256,),
+    buffer: int = 128,
+    limit: int | None = None,
+    samples: int | str | Mapping[str, int] = 1,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    max_new_tokens: int = 512,
+    batch_size: int = 8,
+    seed: int = 0,
+    options: Mapping[str, Mapping[str, Any]] | Sequence[str] | None = None,
+    fidelity: bool | None = None,
+    fidelity_tokens: int | None = None,
+    max_chunk: int | None = None,
+    shard: Shard | str | tuple[int, int] | None = None,
+) -> GridPlan:
+    """Validate a grid and split its units across shards (see :func:`run_grid` for the arguments)."""
+    specs = parse_dataset_spec(dataset, limit)
+    datasets = [(name, load_dataset(name, limit=n)) for name, n in specs]
+    per_dataset = parse_samples(samples, [name for name, _ in datasets])
+    _check_int("batch_size", batch_size, 1)
+    _check_int("max_new_tokens", max_new_tokens, 1)
+    _check_int("top_k", top_k, 0)
+    _check_int("seed", seed, 0)
+    if fidelity_tokens is not None:
+        _check_int("fidelity_tokens", fidelity_tokens, 1)
+    if max_chunk is not None:
+        _check_int("max_chunk", max_chunk, 1)
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    cells = make_cells(_split_names(policies), list(budgets), buffer, options)
+    if all(len(problems) == 0 for _, problems in datasets):
+        raise ValueError("the datasets hold no problems")
+    if fidelity is None:
+        fidelity = any(p.solution for _, problems in datasets for p in problems)
+    shard = Shard.resolve(shard)
+    plan = GridPlan(
+        datasets=datasets,
+        limits=dict(specs),
+        cells=cells,
+        samples=per_dataset,
+        temperature=float(temperature),
+        max_new_tokens=max_new_tokens,
+        fidelity=bool(fidelity),
+        fidelity_tokens=fidelity_tokens or max_new_tokens,
+        shard=shard,
+        units=[],
+        owner={},
+    )
+    counts = {(name, i): plan.samples_for(name, i) for name, _ in datasets for i in range(len(cells))}
+    plan.units = grid_units(datasets, cells, counts, plan.fidelity)
+    plan.owner = assign(
+        plan.units, cells, shard.count, max_new_tokens=max_new_tokens, fidelity_tokens=plan.fidelity_tokens
+    )
+    return plan
+
+
 # ---------------------------------------------------------------------------------- results
 
 
@@ -223,20 +402,37 @@ def make_cells(
 class GridResult:
     """What :func:`run_grid` did."""
 
-    path: Path
-    generated: int = 0  # generation records written by this run
-    fidelity: int = 0  # fidelity records written by this run
-    skipped: int = 0  # records already in the file
+    path: Path  # the run's results file (--out)
+    written_to: Path | None = None  # the file this process wrote: path, or its shard file
+    shard: Shard = field(default_factory=Shard)
+    generated: int = 0  # generation records written by this process
+    fidelity: int = 0  # fidelity records written by this process
+    errors: int = 0  # error records written by this process
+    skipped: int = 0  # units of this process already in the run's files
     accuracy: dict[str, tuple[int, int]] = field(default_factory=dict)  # "dataset cell" -> (correct, total)
+    complete: bool = False  # every unit of the grid has a record (result or error)
+    missing: int = 0  # units of the grid without a record (other shards still running)
+    failed: int = 0  # units of the grid whose record is an error (known once complete)
+    merged: int | None = None  # records merged from shard files into path (None: no merge by this process)
 
     def summary(self) -> str:
+        where = f"{self.written_to}" + (f" (shard {self.shard.label} of {self.path})" if self.shard.count > 1 else "")
         lines = [
-            f"{self.path}: {self.generated} generation and {self.fidelity} fidelity records written, "
-            f"{self.skipped} already there"
+            f"{where}: {self.generated} generation, {self.fidelity} fidelity and {self.errors} error records "
+            f"written, {self.skipped} already there"
         ]
         for name, (correct, total) in self.accuracy.items():
             rate = f"{correct / total:.3f}" if total else "-"
             lines.append(f"  {name:<40} accuracy {correct}/{total} = {rate}")
+        if not self.complete:
+            lines.append(
+                f"{self.missing} units of other shards are not done yet: the last shard to finish merges every "
+                f"shard into {self.path} (reasonkv report reads the shards meanwhile)"
+            )
+        elif self.merged is not None:
+            lines.append(f"the grid is complete: {self.merged} records of the shard files merged into {self.path}")
+        if self.complete and self.failed:
+            lines.append(f"{self.failed} units failed (error records; rerun with --retry-errors to try them again)")
         return "\n".join(lines)
 
 
@@ -252,42 +448,51 @@ def _model_name(model) -> str:
     return str(name) or type(model).__name__
 
 
-def encode_prompt(tokenizer, text: str) -> list[int]:
-    """Token ids of a rendered prompt (no second BOS when the chat template already holds one)."""
-    bos = getattr(tokenizer, "bos_token", None)
-    add_special = not (bos and text.startswith(bos))
-    ids = list(tokenizer(text, add_special_tokens=add_special)["input_ids"])
-    if not ids:
-        raise ValueError("empty prompt")
-    return ids
-
-
 def _prompt_format(tokenizer, thinking: bool | None) -> str:
     base = "chat" if getattr(tokenizer, "chat_template", None) else "plain"
     return base if thinking is None else f"{base}:thinking={'on' if thinking else 'off'}"
 
 
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+def _manifest(ctx, plan: GridPlan, model, top_p: float, top_k: int, batch_size: int, command) -> dict[str, Any]:
+    from reasonkv.eval.manifest import build_manifest, file_sha256, tokenizer_sha256, weights_sha256
 
-
-def _chunks(items: Sequence, size: int):
-    for i in range(0, len(items), size):
-        yield items[i : i + size]
-
-
-def _check_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-
-
-def _progress(total: int, desc: str, enabled: bool):
-    from tqdm.auto import tqdm
-
-    # Redrawn often on a terminal; every 30 s in a log file.
-    interval = 0.5 if sys.stderr.isatty() else 30.0
-    return tqdm(
-        total=total, desc=desc, unit="rec", dynamic_ncols=True, mininterval=interval, disable=not enabled or total == 0
+    config = getattr(model, "config", None)
+    setup = {
+        "model": ctx.model_name,
+        "model_revision": getattr(config, "_commit_hash", None),
+        "weights_sha256": weights_sha256(model),
+        "tokenizer_sha256": tokenizer_sha256(ctx.tokenizer),
+        "dtype": ctx.dtype,
+        "attn_implementation": getattr(config, "_attn_implementation", None),
+        "prompt_format": ctx.prompt_format,
+        "max_new_tokens": plan.max_new_tokens,
+        "temperature": plan.temperature,
+        "top_p": float(top_p),
+        "top_k": top_k,
+        "seed": ctx.base_seed,
+    }
+    datasets = [
+        {
+            "name": name,
+            "file": str(path),
+            "sha256": file_sha256(path),
+            "limit": plan.limits[name],
+            "problems": len(problems),
+            "samples": plan.samples[name],
+        }
+        for (name, problems), path in zip(plan.datasets, plan.dataset_files(), strict=True)
+    ]
+    policies = [{"label": c.label, "budget": c.budget, "buffer": c.buffer, "config": c.config} for c in plan.cells]
+    return build_manifest(
+        setup=setup,
+        device=ctx.device,
+        datasets=datasets,
+        policies=policies,
+        fidelity=plan.fidelity,
+        fidelity_tokens=plan.fidelity_tokens,
+        batch_size=batch_size,
+        command=command,
+        world_size=plan.shard.count,
     )
 
 
@@ -304,7 +509,7 @@ def run_grid(
     budgets: Sequence[int] = (256,),
     buffer: int = 128,
     limit: int | None = None,
-    samples: int = 1,
+    samples: int | str | Mapping[str, int] = 1,
     temperature: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
@@ -322,8 +527,11 @@ def run_grid(
     progress: bool = True,
     on_record: Callable[[dict], None] | None = None,
     max_chunk: int | None = None,
+    shard: Shard | str | tuple[int, int] | None = None,
+    retry_errors: bool = False,
+    command: Sequence[str] | None = None,
 ) -> GridResult:
-    """Run (or resume) an evaluation grid and append its records to ``out``.
+    """Run (or resume) an evaluation grid, or this process's shard of it, and append its records.
 
     Parameters
     ----------
@@ -334,13 +542,15 @@ def run_grid(
         A bundled benchmark (``gsm8k``, ``math500``, ``aime24``, ``aime25``, ``hmmt25``, ``gpqa``) or a
         JSONL path; several comma-separated, each optionally with its own limit (``gsm8k:40``).
     out
-        The JSONL results file (appended to; existing records are skipped).
+        The JSONL results file of the run (a shard writes ``<out stem>.shard-I-of-N<suffix>`` next to it;
+        see :mod:`reasonkv.eval.shards`). Records already in the run's files are skipped.
     policies, budgets, buffer
         The grid. ``full`` runs once per problem whatever the budgets.
     limit
         First ``limit`` problems of each dataset (``None``: all).
     samples
-        Samples per problem (deterministic policies at temperature 0 run one).
+        Samples per problem: a number, or per dataset (``"aime25=64,math500=8"``, see
+        :func:`parse_samples`). Deterministic policies at temperature 0 run one.
     temperature, top_p, top_k, max_new_tokens
         Sampling settings for :func:`reasonkv.generate`.
     batch_size
@@ -364,43 +574,46 @@ def run_grid(
         Called with each record right after it is written.
     max_chunk
         Most tokens per forward pass in fidelity replays (default 64).
+    shard
+        This process's share: ``"I/N"`` or ``(I, N)``; default: from a ``torch.distributed`` launcher
+        (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``), else the whole grid.
+    retry_errors
+        Run again the units whose record is an error.
+    command
+        The command line, for the manifest.
 
     Returns
     -------
     GridResult
     """
+    from reasonkv.eval.manifest import check_compatible
+    from reasonkv.eval.phases import Context, Ledger, run_fidelity, run_generation
+    from reasonkv.outputs import refuse_inputs
+
     # Validate everything that does not need the model before loading it.
-    specs = parse_dataset_spec(dataset, limit)
-    datasets = [(name, load_dataset(name, limit=n)) for name, n in specs]
-    _check_int("samples", samples, 1)
-    _check_int("batch_size", batch_size, 1)
-    _check_int("max_new_tokens", max_new_tokens, 1)
-    _check_int("top_k", top_k, 0)
-    _check_int("seed", seed, 0)
-    if fidelity_tokens is not None:
-        _check_int("fidelity_tokens", fidelity_tokens, 1)
-    if max_chunk is not None:
-        _check_int("max_chunk", max_chunk, 1)
-    if not temperature >= 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    cells = make_cells(_split_names(policies), list(budgets), buffer, options)
-    if all(len(problems) == 0 for _, problems in datasets):
-        raise ValueError("the datasets hold no problems")
-    if fidelity is None:
-        fidelity = any(p.solution for _, problems in datasets for p in problems)
+    plan = plan_grid(
+        dataset=dataset, policies=policies, budgets=budgets, buffer=buffer, limit=limit, samples=samples,
+        temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, batch_size=batch_size,
+        seed=seed, options=options, fidelity=fidelity, fidelity_tokens=fidelity_tokens, max_chunk=max_chunk,
+        shard=shard,
+    )  # fmt: skip
+    out = Path(out)
+    target = writer_path(out, plan.shard)
+    refuse_inputs([out, target], plan.dataset_files())
+    for path in _run_files(out):
+        scan_results(path, first_only=True)  # a file that is not ours is refused before the model loads
 
     if isinstance(model, (str, os.PathLike)):
         from reasonkv.models import load_model
 
         model_name = model_name or os.fspath(model)
+        device = plan.shard.device(device)
         print(f"loading {model_name} ({dtype}, {device}, {attn_implementation}) ...", file=sys.stderr, flush=True)
         model, tokenizer = load_model(model, dtype=dtype, device=device, attn_implementation=attn_implementation)
     if tokenizer is None:
         raise ValueError("the eval needs a tokenizer (shape: models have none)")
 
-    context = _Context(
+    ctx = Context(
         model=model,
         tokenizer=tokenizer,
         model_name=model_name or _model_name(model),
@@ -409,338 +622,83 @@ def run_grid(
         prompt_format=_prompt_format(tokenizer, thinking),
         thinking=thinking,
         base_seed=seed,
-        samples=samples,
-        temperature=float(temperature),
+        samples=plan.samples,
+        temperature=plan.temperature,
         top_p=float(top_p),
         top_k=top_k,
         max_new_tokens=max_new_tokens,
         batch_size=batch_size,
-        fidelity_tokens=fidelity_tokens or max_new_tokens,
+        fidelity_tokens=plan.fidelity_tokens,
         max_chunk=max_chunk,
         progress=progress,
         on_record=on_record,
+        label=f"[{plan.shard.label}] " if plan.shard.count > 1 else "",
+        ledger=Ledger(retry_errors=retry_errors),
     )
-    result = GridResult(path=Path(out))
-    with ResultsFile(out) as results:
-        for name, problems in datasets:
-            _run_generation(context, results, result, name, problems, cells)
-            if fidelity:
-                _run_fidelity(context, results, result, name, problems, [c for c in cells if c.evicts])
+    manifest = _manifest(ctx, plan, model, top_p, top_k, batch_size, command)
+    ctx.run_id = manifest["id"]
+    warned: list[str] = []
+
+    def compatible(path: Path, manifests: list[dict]) -> None:
+        differences = check_compatible(path, manifests, manifest)
+        if differences and not warned:
+            warned.append(path.name)
+            print(
+                f"warning: {path} was written in another environment ({'; '.join(differences)}); "
+                "this run's manifest is added",
+                file=sys.stderr,
+            )
+
+    result = GridResult(path=out, written_to=target, shard=plan.shard)
+    mine = plan.mine()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lock = lock_for_writing(out, plan.shard)
+    try:
+        for path in _run_files(out):
+            if path != target:
+                manifests = scan_results(path, ctx.ledger.note)
+                compatible(path, manifests)
+        ctx.results = ResultsFile(
+            target, manifest, visit=ctx.ledger.note, check=lambda ms: compatible(target, ms), lock=False
+        )
+        with ctx.results:
+            for name, problems in plan.datasets:
+                run_generation(ctx, name, problems, plan.cells, mine)
+                if plan.fidelity:
+                    run_fidelity(ctx, name, problems, plan.cells, mine)
+        ledger = ctx.ledger if plan.shard.count == 1 else None  # a single process knows the whole run
+    finally:
+        lock.release()
+    result.generated, result.fidelity = ctx.counts["generation"], ctx.counts["fidelity"]
+    result.errors, result.skipped = ctx.counts["error"], ctx.counts["skipped"]
+    result.accuracy = {name: tuple(tally) for name, tally in ctx.tally.items()}
+    _finish(result, plan, ctx, ledger)
     return result
 
 
-@dataclass
-class _Context:
-    model: Any
-    tokenizer: Any
-    model_name: str
-    dtype: str
-    device: str
-    prompt_format: str
-    thinking: bool | None
-    base_seed: int
-    samples: int
-    temperature: float
-    top_p: float
-    top_k: int
-    max_new_tokens: int
-    batch_size: int
-    fidelity_tokens: int
-    max_chunk: int | None
-    progress: bool
-    on_record: Callable[[dict], None] | None
-    _prompts: dict = field(default_factory=dict)
-
-    def samples_for(self, cell: Cell) -> int:
-        return self.samples if (self.temperature > 0 or cell.stochastic) else 1
-
-    def prompt_ids(self, problem: Problem) -> list[int]:
-        key = (problem.id, problem.kind, problem.problem)  # ids may repeat across user files
-        if key not in self._prompts:
-            text = build_prompt(self.tokenizer, problem, thinking=self.thinking)
-            self._prompts[key] = encode_prompt(self.tokenizer, text)
-        return self._prompts[key]
-
-    def base(self, kind: str, dataset: str, problem: Problem, cell: Cell) -> dict[str, Any]:
-        return {
-            "kind": kind,
-            "model": self.model_name,
-            "dtype": self.dtype,
-            "device": self.device,
-            "dataset": dataset,
-            "problem_id": problem.id,
-            "policy": cell.policy,
-            "policy_label": cell.label,
-            "policy_config": cell.config,
-            "budget": cell.budget,
-            "buffer": cell.buffer,
-            "base_seed": self.base_seed,
-            "prompt_format": self.prompt_format,
-        }
-
-    def generation_key(self, dataset: str, problem: Problem, cell: Cell, sample: int) -> dict[str, Any]:
-        return {
-            **self.base("generation", dataset, problem, cell),
-            "sample": sample,
-            "max_new_tokens": self.max_new_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-        }
-
-    def emit(self, results: ResultsFile, record: dict) -> None:
-        results.append(record)
-        if self.on_record is not None:
-            self.on_record(record)
+def _run_files(out: Path) -> list[Path]:
+    """``out`` (when it exists) and its shard files: every file of the run."""
+    return [p for p in [out] if p.exists()] + [p for p, _ in shard_files(out)]
 
 
-def _peak_row_tokens(prompt_tokens: int, output_tokens: int, evictions: int, cell: Cell) -> int:
-    """Most tokens the row's cache held at once (exact for this cache's schedule).
+def _finish(result: GridResult, plan: GridPlan, ctx, ledger) -> None:
+    """Whether the grid is complete; if so, merge the shard files into ``--out``."""
+    from reasonkv.eval.phases import Ledger
 
-    The last sampled token is never fed back, so a row stores ``prompt + output - 1`` tokens in
-    all; once evicted it peaked at ``K + B`` (or at the whole prompt, if that was longer).
-    """
-    stored = prompt_tokens + max(output_tokens - 1, 0)
-    if evictions == 0 or cell.budget is None:
-        return stored
-    return max(prompt_tokens, cell.budget + cell.buffer)
-
-
-def _run_generation(ctx: _Context, results: ResultsFile, result: GridResult, dataset: str, problems, cells) -> None:
-    import reasonkv
-
-    by_key = {record_key(r): r for r in results.records if r.get("kind") == "generation"}
-    pending: list[tuple[Cell, Problem, int]] = []
-    tally: dict[Cell, list[int]] = {cell: [0, 0] for cell in cells}
-    for cell in cells:
-        for problem in problems:
-            for s in range(ctx.samples_for(cell)):
-                done = by_key.get(record_key(ctx.generation_key(dataset, problem, cell, s)))
-                if done is None:
-                    pending.append((cell, problem, s))
-                else:
-                    result.skipped += 1
-                    tally[cell][0] += bool(done.get("correct"))
-                    tally[cell][1] += 1
-    todo = {(cell, problem.id, s) for cell, problem, s in pending}
-    most_samples = max(ctx.samples_for(c) for c in cells)
-    group_size = max(1, ctx.batch_size // most_samples)
-    bar = _progress(len(pending), f"{dataset} generate", ctx.progress)
-    try:
-        for group in _chunks(problems, group_size):
-            for cell in cells:
-                items = [(p, s) for p in group for s in range(ctx.samples_for(cell)) if (cell, p.id, s) in todo]
-                for batch in _chunks(items, ctx.batch_size):
-                    bar.set_postfix_str(_running(dataset, cell, tally[cell]), refresh=False)
-                    for record in _generate_batch(ctx, reasonkv, dataset, cell, batch):
-                        ctx.emit(results, record)
-                        result.generated += 1
-                        tally[cell][0] += bool(record["correct"])
-                        tally[cell][1] += 1
-                        bar.set_postfix_str(_running(dataset, cell, tally[cell]), refresh=False)
-                        bar.update(1)
-    finally:
-        bar.close()
-    for cell in cells:
-        result.accuracy[f"{dataset} {cell.name}"] = tuple(tally[cell])
-
-
-def _running(dataset: str, cell: Cell, tally: list[int]) -> str:
-    correct, total = tally
-    acc = f"{correct / total:.2f} ({correct}/{total})" if total else "-"
-    return f"{cell.name}: acc {acc}"
-
-
-def _generate_batch(ctx: _Context, reasonkv, dataset: str, cell: Cell, batch) -> list[dict]:
-    seeds = [sample_seed(ctx.base_seed, p.id, s) for p, s in batch]
-    outputs = reasonkv.generate(
-        ctx.model,
-        ctx.tokenizer,
-        [ctx.prompt_ids(p) for p, _ in batch],
-        policy=cell.make(),
-        budget=cell.budget,
-        buffer=cell.buffer if cell.buffer is not None else 128,
-        max_new_tokens=ctx.max_new_tokens,
-        temperature=ctx.temperature,
-        top_p=ctx.top_p,
-        top_k=ctx.top_k,
-        seed=seeds,
-    )
-    records = []
-    for (problem, s), seed, out in zip(batch, seeds, outputs, strict=True):
-        stats = out.stats
-        eos_hit = out.finish_reason == "eos"
-        ids = out.token_ids[:-1] if eos_hit else out.token_ids
-        verdict = grade(out.text, problem)
-        flags = collapse_flags(out.text, ids, max_new_tokens=ctx.max_new_tokens, eos_hit=eos_hit, kind=problem.kind)
-        seconds = stats["prefill_seconds"] + stats["decode_seconds"]
-        record = ctx.generation_key(dataset, problem, cell, s)
-        record.update(
-            seed=seed,
-            prompt_tokens=out.prompt_tokens,
-            output_tokens=out.num_tokens,
-            output_text=out.text,
-            output_ids=list(out.token_ids),
-            reference_answer=problem.answer,
-            extracted_answer=verdict.extracted,
-            correct=verdict.correct,
-            grading_method=verdict.method,
-            answer_from_thinking=verdict.from_thinking,
-            finish_reason=out.finish_reason,
-            collapse=flags,
-            collapsed=flags["collapsed"],
-            seconds=seconds,
-            prefill_seconds=stats["prefill_seconds"],
-            decode_seconds=stats["decode_seconds"],
-            tokens_per_second=stats["tokens_per_second"],
-            batch_size=stats["batch_size"],
-            evictions=stats["evictions"],
-            peak_cache_slots=stats["peak_slots"],
-            peak_row_tokens=_peak_row_tokens(out.prompt_tokens, out.num_tokens, stats["evictions"], cell),
-            peak_kv_bytes=stats["peak_kv_bytes"],
-            peak_memory_bytes=stats["peak_memory_bytes"],
-            policy_seconds={k: float(v) for k, v in stats.get("timings", {}).items()},
-            reasonkv_version=reasonkv.__version__,
-            time=_now(),
-        )
-        records.append(record)
-    return records
-
-
-# ---------------------------------------------------------------------------------- fidelity
-
-
-def _fidelity_key(ctx: _Context, dataset: str, problem: Problem, cell: Cell) -> dict[str, Any]:
-    return {**ctx.base("fidelity", dataset, problem, cell), "fidelity_tokens": ctx.fidelity_tokens}
-
-
-def _full_trace_from_records(ctx: _Context, results: ResultsFile, dataset: str) -> dict[str, list[int]]:
-    """Greedy full-cache outputs already in the file, cut to ``fidelity_tokens``."""
-    traces: dict[str, list[int]] = {}
-    for r in results.records:
-        if (
-            r.get("kind") == "generation"
-            and r.get("policy") == "full"
-            and r.get("temperature") == 0
-            and r.get("sample") == 0
-            and r.get("model") == ctx.model_name
-            and r.get("dtype") == ctx.dtype
-            and r.get("dataset") == dataset
-            and r.get("prompt_format") == ctx.prompt_format
-            and isinstance(r.get("output_ids"), list)
-            and r["output_ids"]
-        ):
-            ids = r["output_ids"]
-            # A shorter greedy run is a prefix of a longer one only if it stopped on its own.
-            if len(ids) >= ctx.fidelity_tokens or r.get("finish_reason") != "length":
-                traces[r["problem_id"]] = ids[: ctx.fidelity_tokens]
-    return traces
-
-
-def _run_fidelity(ctx: _Context, results: ResultsFile, result: GridResult, dataset: str, problems, cells) -> None:
-    import reasonkv
-    from reasonkv.eval import fidelity as fid
-
-    pending: list[tuple[Cell, Problem]] = []
-    for cell in cells:
-        for problem in problems:
-            if results.is_done(_fidelity_key(ctx, dataset, problem, cell)):
-                result.skipped += 1
-            else:
-                pending.append((cell, problem))
-    if not pending:
-        return
-    needed = {p.id: p for _, p in pending}
-    traces = _full_trace_from_records(ctx, results, dataset)
-    sources = {pid: "generation" for pid in traces}
-    missing = [p for p in problems if p.id in needed and p.id not in traces]
-    bar = _progress(len(missing), f"{dataset} full-cache traces", ctx.progress)
-    try:
-        for batch in _chunks(missing, ctx.batch_size):
-            outs = reasonkv.generate(
-                ctx.model,
-                ctx.tokenizer,
-                [ctx.prompt_ids(p) for p in batch],
-                policy="full",
-                max_new_tokens=ctx.fidelity_tokens,
-            )
-            for p, out in zip(batch, outs, strict=True):
-                traces[p.id] = list(out.token_ids)
-                sources[p.id] = "regenerated"
-                bar.update(1)
-    finally:
-        bar.close()
-    references = {pid: fid.reference_continuation(ctx.tokenizer, p) for pid, p in needed.items()}
-    pad_id = fid._pad_id(ctx.tokenizer)
-    chunk = ctx.max_chunk or fid.DEFAULT_MAX_CHUNK
-    bar = _progress(len(pending), f"{dataset} fidelity", ctx.progress)
-    try:
-        for cell in cells:
-            cell_problems = [p for c, p in pending if c == cell]
-            cell_problems.sort(key=lambda p: len(ctx.prompt_ids(p)) + len(traces[p.id]))
-            for batch in _chunks(cell_problems, ctx.batch_size):
-                bar.set_postfix_str(cell.name, refresh=False)
-                for record in _fidelity_batch(ctx, dataset, cell, batch, traces, sources, references, pad_id, chunk):
-                    ctx.emit(results, record)
-                    result.fidelity += 1
-                    bar.update(1)
-    finally:
-        bar.close()
-
-
-def _fidelity_batch(ctx, dataset, cell, batch, traces, sources, references, pad_id, chunk) -> list[dict]:
-    from reasonkv.eval import fidelity as fid
-
-    seeds = [sample_seed(ctx.base_seed, p.id, 0) for p in batch]
-    common = dict(budget=cell.budget, buffer=cell.buffer, max_chunk=chunk, pad_id=pad_id)
-    t0 = time.perf_counter()
-    trace_rows = fid.trace_fidelity(
-        ctx.model,
-        [ctx.prompt_ids(p) for p in batch],
-        [traces[p.id] for p in batch],
-        policy=cell.make(),
-        seeds=seeds,
-        **common,
-    )
-    with_ref = [i for i, p in enumerate(batch) if references[p.id] is not None]
-    answers: dict[int, Any] = {}
-    if with_ref:
-        rows = fid.answer_logprob(
-            ctx.model,
-            [ctx.prompt_ids(batch[i]) for i in with_ref],
-            [references[batch[i].id] for i in with_ref],
-            policy=cell.make(),
-            seeds=[seeds[i] for i in with_ref],
-            **common,
-        )
-        answers = dict(zip(with_ref, rows, strict=True))
-    seconds = (time.perf_counter() - t0) / len(batch)
-    records = []
-    for i, problem in enumerate(batch):
-        tf = trace_rows[i]
-        ans = answers.get(i)
-        record = _fidelity_key(ctx, dataset, problem, cell)
-        record.update(
-            seed=seeds[i],
-            prompt_tokens=len(ctx.prompt_ids(problem)),
-            trace_tokens=tf.steps,
-            trace_source=sources[problem.id],
-            top1_agreement=tf.top1_agreement,
-            top1_full_replay=tf.top1_full_replay,
-            kl_mean=tf.kl_mean,
-            kl_max=tf.kl_max,
-            evictions=tf.evictions,
-            chunked=tf.chunked,
-            reference_tokens=ans.reference_tokens if ans else None,
-            answer_tokens=ans.answer_tokens if ans else None,
-            answer_logprob_full=ans.logprob_full if ans else None,
-            answer_logprob_evicting=ans.logprob_evicting if ans else None,
-            answer_logprob_delta=ans.delta_sum if ans else None,
-            answer_logprob_delta_mean=ans.delta_mean if ans else None,
-            answer_evictions=ans.evictions if ans else None,
-            seconds=seconds,
-            batch_size=len(batch),
-            time=_now(),
-        )
-        records.append(record)
-    return records
+    if ledger is None:  # other shards wrote too: read what the run's files hold now
+        ledger = Ledger()
+        for path in _run_files(result.path):
+            scan_results(path, ledger.note)
+    problems = {(name, p.id): p for name, problems in plan.datasets for p in problems}
+    missing = failed = 0
+    for unit in plan.units:
+        problem, cell = problems[(unit.dataset, unit.problem)], plan.cells[unit.cell]
+        if unit.kind == "generation":
+            key = unit_key(ctx.generation_key(unit.dataset, problem, cell, unit.sample))
+        else:
+            key = unit_key(ctx.fidelity_key(unit.dataset, problem, cell))
+        missing += not ledger.recorded(key)
+        failed += ledger.failed(key)
+    result.complete, result.missing, result.failed = missing == 0, missing, failed
+    if result.complete and shard_files(result.path):
+        result.merged = merge_shards(result.path)

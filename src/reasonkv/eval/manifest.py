@@ -1,0 +1,269 @@
+"""The run manifest: what the records of a results file were computed with, to reproduce and compare them.
+
+A manifest is a record (``"kind": "manifest"``), the first line of every results file and shard file;
+a later run into the same file appends its own when it differs. Its fields:
+
+``setup``
+    What every record in the file shares. A run whose setup differs is refused, naming what differs:
+    ``model`` (as given), ``model_revision`` (the hub commit, when known), ``weights_sha256`` (SHA-256
+    of every parameter's name, dtype, shape and bytes, as loaded), ``tokenizer_sha256`` (its class,
+    vocabulary, special tokens and chat template), ``dtype``, ``attn_implementation``,
+    ``prompt_format``, ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k`` and ``seed`` (the base seed).
+``environment``
+    ``reasonkv`` version, ``git_commit`` and ``git_dirty`` of the reasonkv sources when they are a git
+    checkout, ``python``, ``torch``, ``transformers``, ``cuda``, ``device`` (``cpu``/``cuda``) and
+    ``device_name``. A run in another environment is accepted (with a warning) and appends its manifest.
+``grid``
+    ``datasets`` (name, ``file``, ``sha256`` of the file, ``limit``, ``problems``, ``samples``),
+    ``policies`` (label, budget, buffer, config of every cell), ``fidelity``, ``fidelity_tokens``,
+    ``batch_size``. A dataset name whose file hash differs from an earlier manifest is refused.
+``id``
+    16 hex digits of a SHA-256 over setup, environment and grid: the ranks of one launch and a rerun of
+    the same command share one manifest. Records name theirs in ``run``.
+``command``, ``launch``, ``created``
+    The command line (when run from it), the launch (``world_size``), the date: context, not identity.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "SETUP_FIELDS",
+    "build_manifest",
+    "check_compatible",
+    "describe",
+    "file_sha256",
+    "git_commit",
+    "manifest_id",
+    "tokenizer_sha256",
+    "weights_sha256",
+]
+
+SETUP_FIELDS = (
+    "model",
+    "model_revision",
+    "weights_sha256",
+    "tokenizer_sha256",
+    "dtype",
+    "attn_implementation",
+    "prompt_format",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+)
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def weights_sha256(model) -> str:
+    """SHA-256 of every parameter's name, dtype, shape and bytes, in the model's order, as loaded."""
+    import torch
+
+    digest = hashlib.sha256()
+    for name, param in model.named_parameters():
+        digest.update(f"{name}|{param.dtype}|{tuple(param.shape)}\n".encode())
+        data = param.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        digest.update(data.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def tokenizer_sha256(tokenizer) -> str:
+    """SHA-256 of what turns a problem into prompt tokens: class, vocabulary, special tokens, chat template."""
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    vocab = sorted(get_vocab().items()) if callable(get_vocab) else None
+    facts = {
+        "class": type(tokenizer).__name__,
+        "vocab": vocab,
+        "special": {
+            name: str(getattr(tokenizer, name, None)) for name in ("bos_token", "eos_token", "pad_token", "unk_token")
+        },
+        "chat_template": getattr(tokenizer, "chat_template", None),
+    }
+    return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def git_commit() -> tuple[str | None, bool | None]:
+    """``(commit, dirty)`` of the reasonkv sources when they are tracked in a git checkout, else ``(None, None)``."""
+    package = Path(__file__).resolve().parent.parent
+    try:
+
+        def git(*args: str) -> str:
+            done = subprocess.run(
+                ["git", "-C", str(package), *args], capture_output=True, text=True, timeout=10, check=True
+            )
+            return done.stdout.strip()
+
+        git("ls-files", "--error-unmatch", "__init__.py")  # the package itself is in this repository
+        commit = git("rev-parse", "HEAD")
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no", "--", "."))
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+    return commit, dirty
+
+
+def _device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.get_device_name(torch.device(device))
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment(device: str) -> dict[str, Any]:
+    import torch
+
+    import reasonkv
+    from reasonkv.hf import transformers_version
+
+    commit, dirty = git_commit()
+    return {
+        "reasonkv": reasonkv.__version__,
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers_version(),
+        "cuda": torch.version.cuda,
+        "device": device.split(":")[0],
+        "device_name": _device_name(device),
+    }
+
+
+def manifest_id(manifest: Mapping[str, Any]) -> str:
+    identity = {k: manifest.get(k) for k in ("setup", "environment", "grid")}
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def build_manifest(
+    *,
+    setup: Mapping[str, Any],
+    device: str,
+    datasets: Sequence[Mapping[str, Any]],
+    policies: Sequence[Mapping[str, Any]],
+    fidelity: bool,
+    fidelity_tokens: int,
+    batch_size: int,
+    command: Sequence[str] | None,
+    world_size: int,
+) -> dict[str, Any]:
+    """The manifest record of a run (``setup`` holds :data:`SETUP_FIELDS`)."""
+    missing = [k for k in SETUP_FIELDS if k not in setup]
+    if missing:
+        raise ValueError(f"manifest setup lacks {', '.join(missing)}")
+    manifest: dict[str, Any] = {
+        "kind": "manifest",
+        "tool": "reasonkv",
+        "format": 1,
+        "id": "",
+        "setup": {k: setup[k] for k in SETUP_FIELDS},
+        "environment": environment(device),
+        "grid": {
+            "datasets": [dict(d) for d in datasets],
+            "policies": [dict(p) for p in policies],
+            "fidelity": bool(fidelity),
+            "fidelity_tokens": fidelity_tokens,
+            "batch_size": batch_size,
+        },
+        "command": None if command is None else list(command),
+        "launch": {"world_size": world_size},
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    manifest = json.loads(json.dumps(manifest, default=str))  # as it will be read back
+    manifest["id"] = manifest_id(manifest)
+    return manifest
+
+
+def _differences(old: Mapping[str, Any], new: Mapping[str, Any], fields: Sequence[str]) -> list[str]:
+    return [f"{k}: {old.get(k)!r} there, {new.get(k)!r} now" for k in fields if old.get(k) != new.get(k)]
+
+
+def check_compatible(
+    path: str | os.PathLike[str], manifests: Sequence[Mapping[str, Any]], new: Mapping[str, Any]
+) -> list[str]:
+    """Refuse ``new`` for a file holding ``manifests`` when its setup or a dataset file differs.
+
+    Returns the environment differences from the file's latest manifest (for a warning).
+    """
+    first = manifests[0]
+    problems = _differences(first.get("setup", {}), new["setup"], SETUP_FIELDS)
+    hashes = {d.get("name"): d.get("sha256") for m in manifests for d in m.get("grid", {}).get("datasets", [])}
+    for dataset in new["grid"]["datasets"]:
+        old = hashes.get(dataset["name"])
+        if old is not None and old != dataset["sha256"]:
+            problems.append(f"dataset {dataset['name']} sha256: {old[:12]}... there, {dataset['sha256'][:12]}... now")
+    if problems:
+        raise ValueError(
+            f"{path} holds results of another setup ({'; '.join(problems)}): results of two setups never share "
+            "a file; use another --out, or the same settings to resume"
+        )
+    latest = manifests[-1].get("environment", {})
+    return _differences(latest, new["environment"], sorted(set(latest) | set(new["environment"])))
+
+
+def describe(manifest: Mapping[str, Any]) -> list[str]:
+    """The manifest as markdown bullet lines (for ``reasonkv report``)."""
+    setup, env, grid = manifest.get("setup", {}), manifest.get("environment", {}), manifest.get("grid", {})
+
+    def short(value: Any) -> str:
+        return "—" if value is None else str(value)[:12]
+
+    git = short(env.get("git_commit")) + (" (uncommitted changes)" if env.get("git_dirty") else "")
+    revision = f", revision {setup['model_revision']}" if setup.get("model_revision") else ""
+    sampling = f"temperature {setup.get('temperature')}, top-p {setup.get('top_p')}, top-k {setup.get('top_k')}"
+    datasets = ", ".join(
+        f"{d.get('name')} ({d.get('problems')} problems x {d.get('samples')} "
+        f"sample{'' if d.get('samples') == 1 else 's'}, sha256 {short(d.get('sha256'))})"
+        for d in grid.get("datasets", [])
+    )
+    policies = ", ".join(
+        p.get("label", "?") + ("" if p.get("budget") is None else f"@{p['budget']}") for p in grid.get("policies", [])
+    )
+    command = manifest.get("command")
+    world = manifest.get("launch", {}).get("world_size", 1)
+    lines = [
+        f"- run `{manifest.get('id')}`, {manifest.get('created')}" + (f", {world} processes" if world > 1 else ""),
+        f"  - model {setup.get('model')}{revision}, weights sha256 {short(setup.get('weights_sha256'))}, "
+        f"tokenizer sha256 {short(setup.get('tokenizer_sha256'))}, {setup.get('dtype')}, "
+        f"attention {setup.get('attn_implementation')}, prompt {setup.get('prompt_format')}",
+        f"  - decoding: max {setup.get('max_new_tokens')} new tokens, {sampling}, seed {setup.get('seed')}",
+        f"  - datasets: {datasets}",
+        f"  - policies: {policies}; fidelity {'on' if grid.get('fidelity') else 'off'}",
+        f"  - reasonkv {env.get('reasonkv')} (git {git}), torch {env.get('torch')}, "
+        f"transformers {env.get('transformers')}, python {env.get('python')}, {env.get('device_name')}",
+    ]
+    if command:
+        import shlex
+
+        lines.append(f"  - command: `{shlex.join(command)}`")
+    return lines
+
+
+def command_line(argv: Sequence[str] | None = None) -> list[str]:
+    """``reasonkv <arguments>`` as this process was started (whatever the launcher or entry point)."""
+    argv = list(sys.argv if argv is None else argv)
+    return ["reasonkv", *argv[1:]]

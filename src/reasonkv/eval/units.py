@@ -1,0 +1,120 @@
+"""Units of work of an evaluation grid, their expected cost, and their split across processes.
+
+A *unit* is one record's worth of work: a generation (dataset, problem, cell, sample) or a fidelity
+replay (dataset, problem, evicting cell). :func:`assign` gives each unit to one of ``count`` shards,
+deterministically (every process computes the same split from the grid alone, without talking to the
+others), balanced by expected cost:
+
+- Units are grouped in *strata* of equal settings: the generations of one (dataset, cell). Every
+  stratum is dealt evenly across shards (their counts differ by at most one), so each shard gets its
+  share of every dataset and budget whatever their true lengths turn out to be: long-answer datasets
+  and big budgets are spread, not only counted.
+- The remainders of each stratum go to the shards with the least expected cost so far, taking the
+  costliest strata first. A unit's expected cost (:func:`decode_cost`) is that of decoding its token
+  limit with a cache capped at ``K + B`` (the full cache is uncapped): each step costs as much as
+  :data:`STEP_COST` cached tokens (the weights) plus the tokens it attends to.
+- The fidelity replays of a problem follow its greedy full-cache generation (sample 0 of ``full``)
+  when the grid has one, so they reuse its trace exactly as a single process would; otherwise they
+  travel together as one item (one trace to regenerate per problem).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["STEP_COST", "Unit", "assign", "decode_cost", "grid_units"]
+
+#: The cost of a decode step apart from attention, in cached tokens attended to (an assumption: a
+#: step reads the weights once; what differs between units is how many tokens it attends to).
+STEP_COST = 1024
+
+
+@dataclass(frozen=True, order=True)
+class Unit:
+    """One record's worth of work; ``cell`` indexes the grid's cells."""
+
+    kind: str  # "generation" | "fidelity"
+    dataset: str
+    problem: str
+    cell: int
+    sample: int = 0
+
+
+def decode_cost(tokens: int, cap: int | None) -> float:
+    """Expected cost of decoding ``tokens`` tokens with a cache of at most ``cap`` tokens (``None``: no cap)."""
+    if cap is None or tokens <= cap:
+        return tokens * STEP_COST + tokens * (tokens + 1) / 2
+    return tokens * STEP_COST + cap * (cap + 1) / 2 + (tokens - cap) * cap
+
+
+def _cap(cell: Any) -> int | None:
+    return None if cell.budget is None else cell.budget + (cell.buffer or 0)
+
+
+def grid_units(
+    datasets: Sequence[tuple[str, Sequence[Any]]],
+    cells: Sequence[Any],
+    samples: Mapping[tuple[str, int], int],
+    fidelity: bool,
+) -> list[Unit]:
+    """Every unit of the grid, in grid order; ``samples[(dataset, cell index)]`` samples per problem."""
+    units = []
+    for name, problems in datasets:
+        for index in range(len(cells)):
+            for problem in problems:
+                for s in range(samples[(name, index)]):
+                    units.append(Unit("generation", name, problem.id, index, s))
+        if fidelity:
+            for index, cell in enumerate(cells):
+                if cell.evicts:
+                    units.extend(Unit("fidelity", name, problem.id, index) for problem in problems)
+    return units
+
+
+def _cost(unit: Unit, cells: Sequence[Any], max_new_tokens: int, fidelity_tokens: int) -> float:
+    cell = cells[unit.cell]
+    if unit.kind == "generation":
+        return decode_cost(max_new_tokens, _cap(cell))
+    return decode_cost(fidelity_tokens, None) + decode_cost(fidelity_tokens, _cap(cell))  # both caches replay
+
+
+def assign(
+    units: Sequence[Unit], cells: Sequence[Any], count: int, *, max_new_tokens: int, fidelity_tokens: int
+) -> dict[Unit, int]:
+    """The shard (``0 .. count - 1``) of every unit; the same for every process that asks."""
+    if count < 1:
+        raise ValueError(f"shard count must be at least 1, got {count}")
+    if count == 1:
+        return dict.fromkeys(units, 0)
+    full = {index for index, cell in enumerate(cells) if not cell.evicts}
+    heads = {(u.dataset, u.problem): u for u in units if u.kind == "generation" and u.cell in full and u.sample == 0}
+    # items: (stratum, members, cost); a fidelity replay joins its problem's full-cache generation
+    items: dict[Unit, list[Unit]] = {}
+    loose: dict[tuple[str, str], list[Unit]] = {}
+    for unit in units:
+        head = heads.get((unit.dataset, unit.problem)) if unit.kind == "fidelity" else None
+        if unit.kind == "generation":
+            items.setdefault(unit, []).insert(0, unit)
+        elif head is not None:
+            items.setdefault(head, []).append(unit)
+        else:
+            loose.setdefault((unit.dataset, unit.problem), []).append(unit)
+    strata: dict[tuple, list[tuple[list[Unit], float]]] = {}
+    for first, members in [*items.items(), *((group[0], group) for group in loose.values())]:
+        stratum = (first.dataset, first.kind, first.cell)
+        cost = sum(_cost(u, cells, max_new_tokens, fidelity_tokens) for u in members)
+        strata.setdefault(stratum, []).append((members, cost))
+    load = [0.0] * count
+    owner: dict[Unit, int] = {}
+    ordered = sorted(strata.values(), key=lambda group: -sum(cost for _, cost in group))  # stable: grid order on ties
+    for group in ordered:
+        dealt = [0] * count
+        for members, cost in sorted(group, key=lambda item: -item[1]):
+            rank = min(range(count), key=lambda r: (dealt[r], load[r], r))
+            dealt[rank] += 1
+            load[rank] += cost
+            for unit in members:
+                owner[unit] = rank
+    return owner

@@ -1,0 +1,343 @@
+"""One grid across processes: the split, shard files, the merge, resuming with another process count, locks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from conftest import NoEosTokenizer, tiny_llama
+from reasonkv.eval.records import read_records, unit_key
+from reasonkv.eval.runner import make_cells, plan_grid, run_grid
+from reasonkv.eval.shards import Shard, merge_shards, shard_files, shard_path
+from reasonkv.eval.units import Unit, assign, decode_cost, grid_units
+from reasonkv.outputs import OutputLocked
+
+TESTS_DIR = Path(__file__).resolve().parents[1]
+REPO = TESTS_DIR.parent
+
+PROBLEMS = [
+    {"id": "p1", "problem": "What is 2+2?", "answer": "4", "solution": "2+2 = <<2+2=4>>4.\n#### 4"},
+    {"id": "p2", "problem": "Half of 10?", "answer": "5", "solution": "Half of ten is \\boxed{5}."},
+    {"id": "p3", "problem": "Say seven.", "answer": "7"},
+]
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture
+def dataset(tmp_path) -> str:
+    path = tmp_path / "problems.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in PROBLEMS), encoding="utf-8")
+    return str(path)
+
+
+def _grid(dataset: str, **overrides) -> dict:
+    kwargs = dict(
+        dataset=dataset,
+        policies="full,streaming,random",
+        budgets=[10, 16],
+        buffer=4,
+        max_new_tokens=12,
+        batch_size=4,
+        temperature=0.7,
+        samples=2,
+        fidelity=True,
+        progress=False,
+    )
+    kwargs.update(overrides)
+    return kwargs
+
+
+def _units(path) -> dict[tuple, dict]:
+    """Result records by unit; fails if a unit appears twice."""
+    records = [r for r in read_records(path) if r["kind"] != "manifest"]
+    keys = Counter(unit_key(r) for r in records)
+    assert max(keys.values()) == 1, "a unit was recorded twice"
+    return {unit_key(r): r for r in records}
+
+
+def _same_results(got: dict, want: dict) -> None:
+    assert set(got) == set(want)
+    for key, r in got.items():
+        w = want[key]
+        if r["kind"] == "generation":
+            assert (r["output_ids"], r["extracted_answer"], r["correct"]) == (
+                w["output_ids"],
+                w["extracted_answer"],
+                w["correct"],
+            )
+        else:
+            assert (r["top1_agreement"], r["trace_source"]) == (w["top1_agreement"], w["trace_source"])
+            assert r["kl_mean"] == pytest.approx(w["kl_mean"], rel=1e-4, abs=1e-7)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama()
+
+
+@pytest.fixture
+def reference(dataset, tmp_path, model) -> dict:
+    out = tmp_path / "one-process.jsonl"
+    run_grid(model, NoEosTokenizer(), out=str(out), **_grid(dataset))
+    return _units(out)
+
+
+# ---------------------------------------------------------------------------------- the split
+
+
+def test_the_split_covers_every_unit_once_deals_every_stratum_evenly_and_balances_cost():
+    cells = make_cells(["full", "streaming", "random"], [64, 1024], 16)
+
+    class P:
+        def __init__(self, i):
+            self.id = f"q{i}"
+
+    datasets = [("long", [P(i) for i in range(7)]), ("short", [P(i) for i in range(23)])]
+    samples = {(name, i): 3 if cells[i].stochastic else 1 for name, _ in datasets for i in range(len(cells))}
+    units = grid_units(datasets, cells, samples, fidelity=True)
+    owner = assign(units, cells, 4, max_new_tokens=2048, fidelity_tokens=2048)
+    assert owner == assign(list(units), cells, 4, max_new_tokens=2048, fidelity_tokens=2048)  # deterministic
+    assert set(owner) == set(units) and set(owner.values()) == {0, 1, 2, 3}
+    generations = [u for u in units if u.kind == "generation"]
+    for stratum in {(u.dataset, u.cell) for u in generations}:
+        counts = Counter(owner[u] for u in generations if (u.dataset, u.cell) == stratum)
+        per_shard = [counts.get(r, 0) for r in range(4)]
+        assert max(per_shard) - min(per_shard) <= 1, (stratum, per_shard)  # long answers, big budgets spread
+    for u in units:  # a problem's fidelity replays run where its greedy full-cache answer is decoded
+        if u.kind == "fidelity":
+            assert owner[u] == owner[Unit("generation", u.dataset, u.problem, 0, 0)]
+    cost = Counter()
+    for u in units:
+        cell = cells[u.cell]
+        cap = None if cell.budget is None else cell.budget + cell.buffer
+        cost[owner[u]] += decode_cost(2048, cap) * (1 if u.kind == "generation" else 0) + (
+            decode_cost(2048, None) + decode_cost(2048, cap) if u.kind == "fidelity" else 0
+        )
+    biggest = decode_cost(2048, None) + 4 * (decode_cost(2048, None) + decode_cost(2048, 64 + 16))
+    assert max(cost.values()) - min(cost.values()) <= biggest
+    assert decode_cost(100, None) > decode_cost(100, 50) > decode_cost(100, 10)
+
+
+def test_a_plan_needs_no_model_and_shows_each_shards_share(dataset, capsys):
+    plan = plan_grid(**{k: v for k, v in _grid(dataset).items() if k != "progress"}, shard="1/3")
+    assert plan.shard == Shard(1, 3) and len(plan.units) == 3 * 5 * 2 + 3 * 4  # at temperature 0.7 all sample twice
+    from reasonkv.cli import main
+
+    argv = ["eval", "--dataset", dataset, "--policies", "full,streaming", "--budgets", "10", "--max-new-tokens", "64"]
+    assert main([*argv, "--plan", "--shard", "0/2", "--model", "no-such-model"]) == 0
+    out = capsys.readouterr().out
+    assert "6 generation units (at most 384 new tokens" in out
+    assert "shard 0/2: " in out and "shard 1/2: " in out
+
+
+def test_the_shard_comes_from_the_launcher_or_the_flag_never_both():
+    assert Shard.resolve(None, {}) == Shard(0, 1)
+    env = {"WORLD_SIZE": "8", "RANK": "5", "LOCAL_RANK": "1"}
+    launched = Shard.resolve(None, env)
+    assert (launched.index, launched.count, launched.local_rank) == (5, 8, 1)
+    assert launched.device("cuda") == "cuda:1" and launched.device("cpu") == "cpu"
+    with pytest.raises(ValueError, match="names one GPU"):
+        launched.device("cuda:0")
+    assert Shard.resolve("2/3", {}) == Shard(2, 3) and Shard.resolve((0, 2), {"WORLD_SIZE": "1"}) == Shard(0, 2)
+    with pytest.raises(ValueError, match="the launcher already splits"):
+        Shard.resolve("0/2", env)
+    for bad, message in [("3/3", "must be in 0..2"), ("1-2", "takes I/N"), ("0/0", "N >= 1")]:
+        with pytest.raises(ValueError, match=message):
+            Shard.parse(bad)
+    with pytest.raises(ValueError, match="must be integers"):
+        Shard.from_env({"WORLD_SIZE": "two"})
+    assert shard_path("runs/results.jsonl", Shard(1, 4)) == Path("runs/results.shard-1-of-4.jsonl")
+    assert shard_path("runs/results", Shard(0, 2)) == Path("runs/results.shard-0-of-2")
+
+
+# ---------------------------------------------------------------------------------- shards and the merge
+
+
+def test_shards_run_one_after_another_give_the_records_of_one_process(dataset, tmp_path, model, reference):
+    out = tmp_path / "runs" / "results.jsonl"  # its folder is created
+    counts = []
+    for index in range(3):
+        result = run_grid(model, NoEosTokenizer(), out=str(out), shard=(index, 3), **_grid(dataset))
+        counts.append(result.generated + result.fidelity)
+        assert result.written_to == shard_path(out, Shard(index, 3))
+        assert result.complete == (index == 2) and (result.merged is not None) == (index == 2)
+    assert min(counts) > 0 and sum(counts) == len(reference)
+    assert not shard_files(out) and [p.name for p in out.parent.iterdir()] == ["results.jsonl"]  # no lock left
+    _same_results(_units(out), reference)
+    manifests = [r for r in read_records(out) if r["kind"] == "manifest"]
+    assert len(manifests) == 1 and read_records(out)[0] == manifests[0]  # the same run: one manifest
+    assert all(r["run"] == manifests[0]["id"] for r in read_records(out)[1:])
+
+
+class Crash(BaseException):
+    """A process dying mid-run (not an Exception: nothing may catch it)."""
+
+
+def _crashed(model, kwargs: dict, after: int) -> None:
+    written = []
+
+    def crash(record):
+        written.append(record)
+        if len(written) == after:
+            raise Crash
+
+    with pytest.raises(Crash):
+        run_grid(model, NoEosTokenizer(), on_record=crash, **kwargs)
+
+
+def test_a_killed_shard_resumes_with_another_number_of_processes(dataset, tmp_path, model, reference):
+    out = tmp_path / "results.jsonl"
+    grid = _grid(dataset)
+    _crashed(model, {**grid, "out": str(out), "shard": (1, 2)}, after=4)  # shard 1 of 2 dies after 4 records
+    # (a rank killed by SIGKILL under torchrun: tests/eval/test_torchrun.py)
+    killed = shard_path(out, Shard(1, 2))
+    survivors = [r for r in read_records(killed) if r["kind"] != "manifest"]
+    assert len(survivors) == 4
+    first = run_grid(model, NoEosTokenizer(), out=str(out), shard=(0, 2), **grid)
+    assert not first.complete and first.missing > 0 and first.merged is None  # shard 1 is not done: no merge
+    assert not out.exists()
+
+    done = [run_grid(model, NoEosTokenizer(), out=str(out), shard=(i, 3), **grid) for i in range(3)]
+    assert sum(r.skipped for r in done) == len(survivors) + first.generated + first.fidelity
+    assert done[-1].complete and done[-1].merged == len(reference)
+    assert not shard_files(out)
+    merged = _units(out)
+    _same_results(merged, reference)
+    for record in survivors:  # what the killed process wrote is kept as it was
+        assert merged[unit_key(record)] == record
+
+
+def test_a_single_process_finishes_a_sharded_run_and_merges_it(dataset, tmp_path, model, reference):
+    out = tmp_path / "results.jsonl"
+    run_grid(model, NoEosTokenizer(), out=str(out), shard="1/2", **_grid(dataset))
+    result = run_grid(model, NoEosTokenizer(), out=str(out), **_grid(dataset))
+    assert result.skipped > 0 and result.complete and result.merged is not None
+    assert not shard_files(out)
+    _same_results(_units(out), reference)
+    assert merge_shards(out) == 0  # nothing left: a merge is idempotent
+
+
+# ---------------------------------------------------------------------------------- locks
+
+
+_HOLDER = """
+import sys, time
+from reasonkv.outputs import OutputLock
+OutputLock(sys.argv[1], "eval", path=sys.argv[2]).acquire()
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+class Holder:
+    """A process holding the lock of ``target`` (lock file ``path``) until stopped or killed."""
+
+    def __init__(self, target: Path, path: Path):
+        env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", _HOLDER, str(target), str(path)], env=env, stdout=subprocess.PIPE, text=True
+        )
+        assert self.process.stdout.readline().strip() == "held"
+
+    def kill(self) -> None:
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=30)
+
+
+def test_a_second_writer_fails_at_once_naming_the_file_and_the_holder(dataset, tmp_path, model):
+    out = tmp_path / "results.jsonl"
+    grid = _grid(dataset, policies="full", fidelity=False, samples=1)
+    run_grid(model, NoEosTokenizer(), out=str(out), **grid)
+    before = out.read_bytes()
+    holder = Holder(out, tmp_path / "results.jsonl.lock")
+    try:
+        start = time.monotonic()
+        with pytest.raises(OutputLocked, match=rf"{out} is in use by pid {holder.process.pid} \(reasonkv eval"):
+            run_grid(model, NoEosTokenizer(), out=str(out), **grid)
+        assert time.monotonic() - start < 5  # at once, not after a wait
+        with pytest.raises(OutputLocked, match=f"pid {holder.process.pid}"):  # nor may a sharded launch start
+            run_grid(model, NoEosTokenizer(), out=str(out), shard=(0, 2), **grid)
+    finally:
+        holder.kill()
+    assert out.read_bytes() == before and not shard_files(out)
+    assert (tmp_path / "results.jsonl.lock").exists()  # left by the killed holder: stale, and harmless
+    again = run_grid(model, NoEosTokenizer(), out=str(out), **{**grid, "samples": 2})  # a second sample each
+    assert again.generated == 3 and again.skipped == 3 and not (tmp_path / "results.jsonl.lock").exists()
+
+
+def test_shard_locks_keep_launches_of_another_size_and_a_single_process_out(dataset, tmp_path, model):
+    out = tmp_path / "results.jsonl"
+    grid = _grid(dataset, policies="full", fidelity=False, samples=1)
+    holder = Holder(shard_path(out, Shard(0, 2)), tmp_path / "results.shard-0-of-2.jsonl.lock")
+    try:
+        with pytest.raises(OutputLocked, match=f"results.shard-0-of-2.jsonl is in use by pid {holder.process.pid}"):
+            run_grid(model, NoEosTokenizer(), out=str(out), shard=(0, 2), **grid)
+        with pytest.raises(OutputLocked, match="split into 2 shards"):
+            run_grid(model, NoEosTokenizer(), out=str(out), shard=(1, 3), **grid)
+        with pytest.raises(OutputLocked, match="split into 2 shards"):
+            run_grid(model, NoEosTokenizer(), out=str(out), **grid)
+        sibling = run_grid(model, NoEosTokenizer(), out=str(out), shard=(1, 2), **grid)  # the same launch: fine
+        assert sibling.generated > 0 and not sibling.complete
+    finally:
+        holder.kill()
+    assert not out.exists()
+    result = run_grid(model, NoEosTokenizer(), out=str(out), shard=(0, 2), **grid)  # the stale lock is no obstacle
+    assert result.complete and result.merged == 3 and not shard_files(out)
+
+
+def test_the_command_line_takes_its_shard_from_the_launcher(dataset, tmp_path, monkeypatch, capsys):
+    from reasonkv.cli import main
+    from reasonkv.eval import runner
+
+    real = runner.run_grid
+    monkeypatch.setattr(runner, "run_grid", lambda name, **kw: real(tiny_llama(), NoEosTokenizer(), **kw))
+    for name, value in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(name, value)
+    out = tmp_path / "results.jsonl"
+    argv = ["eval", "--dataset", dataset, "--policies", "full", "--max-new-tokens", "4", "--no-fidelity"]
+    assert main([*argv, "--no-progress", "--out", str(out)]) == 0
+    assert "shard 1/2 of" in capsys.readouterr().err
+    assert [p.name for p, _ in shard_files(out)] == ["results.shard-1-of-2.jsonl"] and not out.exists()
+    assert main([*argv, "--shard", "0/2", "--out", str(out)]) == 2
+    assert "the launcher already splits the grid" in capsys.readouterr().err
+
+
+def test_a_merge_killed_halfway_is_simply_done_again(dataset, tmp_path, model, reference, monkeypatch):
+    from reasonkv.eval import records, runner
+
+    out = tmp_path / "results.jsonl"
+    for index in range(2):
+        with monkeypatch.context() as patch:
+            patch.setattr(runner, "merge_shards", lambda out: None)  # both shards done, no merge yet
+            run_grid(model, NoEosTokenizer(), out=str(out), shard=(index, 2), **_grid(dataset))
+    append = records.ResultsFile.append
+    appended = []
+
+    def dies_while_merging(self, record):
+        append(self, record)
+        appended.append(record)
+        if len(appended) == 5:
+            with open(self.path, "a", encoding="utf-8") as handle:
+                handle.write('{"kind": "generation", "mod')  # and a torn line, as a kill mid-write leaves
+            raise Crash
+
+    with monkeypatch.context() as patch:
+        patch.setattr(records.ResultsFile, "append", dies_while_merging)
+        with pytest.raises(Crash):
+            merge_shards(out)
+    assert len(shard_files(out)) == 2  # nothing is deleted before the merge is complete
+    partial = [r for r in read_records(out) if r["kind"] != "manifest"]
+    assert len(partial) == 5
+    result = run_grid(model, NoEosTokenizer(), out=str(out), **_grid(dataset))  # any rerun merges again
+    assert result.generated == result.fidelity == 0 and result.merged == len(reference) - 5
+    assert not shard_files(out)
+    _same_results(_units(out), reference)

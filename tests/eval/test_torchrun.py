@@ -1,0 +1,124 @@
+"""``torchrun -m reasonkv eval``: processes on CPU give the records of one process; a killed rank resumes
+with another number of processes. Each test launches torchrun (marked ``torchrun``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from reasonkv.eval.records import read_records, unit_key
+from reasonkv.eval.runner import run_grid
+from reasonkv.eval.shards import shard_files
+
+HERE = Path(__file__).resolve().parent
+SRC = HERE.parents[1] / "src"
+
+pytestmark = [pytest.mark.torchrun, pytest.mark.usefixtures("one_torch_thread")]
+
+
+def torchrun(processes: int, *args: str, entry: list[str] | None = None, env: dict | None = None):
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
+    command += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0"]  # a free port: tests may overlap
+    command += entry or ["-m", "reasonkv"]
+    environment = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([*command, *args], env=environment, capture_output=True, text=True, timeout=600)
+
+
+def _units(path) -> dict[tuple, dict]:
+    records = [r for r in read_records(path) if r["kind"] != "manifest"]
+    counts = Counter(unit_key(r) for r in records)
+    assert max(counts.values()) == 1, "a unit was recorded twice"
+    return {unit_key(r): r for r in records}
+
+
+def _same(got: dict, want: dict) -> None:
+    assert set(got) == set(want)
+    for key, r in got.items():
+        w = want[key]
+        if r["kind"] == "generation":
+            fields = ("output_ids", "output_text", "extracted_answer", "correct", "seed", "evictions")
+            assert {f: r[f] for f in fields} == {f: w[f] for f in fields}
+        else:  # the same replay, batched differently: equal up to float rounding
+            assert (r["top1_agreement"], r["trace_source"]) == (w["top1_agreement"], w["trace_source"])
+            assert r["kl_mean"] == pytest.approx(w["kl_mean"], rel=1e-4, abs=1e-7)
+
+
+@pytest.mark.integration
+def test_two_processes_write_exactly_the_records_of_one(tmp_path, smollm2):
+    grid = ["--dataset", "gsm8k:3", "--policies", "full,streaming", "--budgets", "48", "--buffer", "8"]
+    grid += ["--max-new-tokens", "8", "--no-fidelity", "--no-progress"]
+    out = tmp_path / "two.jsonl"
+    done = torchrun(2, "eval", *grid, "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "the grid is complete" in done.stderr and not shard_files(out)
+
+    model, tokenizer = smollm2
+    one = tmp_path / "one.jsonl"
+    run_grid(
+        model, tokenizer, model_name="smollm2-135m", dataset="gsm8k:3", out=str(one), policies="full,streaming",
+        budgets=[48], buffer=8, max_new_tokens=8, fidelity=False, progress=False,
+    )  # fmt: skip
+    _same(_units(out), _units(one))
+    assert len(_units(one)) == 6
+    assert read_records(out)[0]["id"] == read_records(one)[0]["id"]  # the same run, whatever the process count
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A 2-layer Llama with a byte-level tokenizer, saved as a checkpoint the command line can load."""
+    path = tmp_path_factory.mktemp("tiny-model")
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    vocab["<eos>"] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", pad_token="<eos>").save_pretrained(path)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, eos_token_id=None, pad_token_id=vocab["<eos>"],
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def test_a_killed_rank_resumes_with_three_processes_every_unit_once(tmp_path, tiny_dir):
+    dataset = tmp_path / "problems.jsonl"
+    problems = [{"id": f"p{i}", "problem": f"What is {i}+{i}?", "answer": str(2 * i)} for i in range(4)]
+    problems[0]["solution"] = "0+0 = \\boxed{0}"
+    dataset.write_text("".join(json.dumps(p) + "\n" for p in problems), encoding="utf-8")
+    grid = ["--model", str(tiny_dir), "--dataset", str(dataset), "--policies", "full,streaming,random"]
+    grid += ["--budgets", "24", "--buffer", "4", "--max-new-tokens", "10", "--temperature", "0.8", "--samples", "2"]
+    grid += ["--fidelity", "--batch-size", "3", "--no-progress"]
+    out = tmp_path / "results.jsonl"
+
+    dies = torchrun(2, "eval", *grid, "--out", str(out), entry=[str(HERE / "rank_that_dies.py")],
+                    env={"DIE_RANK": "1", "DIE_AFTER": "3"})  # fmt: skip
+    assert dies.returncode != 0 and not out.exists()
+    killed = [r for r in read_records(tmp_path / "results.shard-1-of-2.jsonl") if r["kind"] != "manifest"]
+    assert len(killed) == 3  # what it wrote before it died is on disk
+
+    resumed = torchrun(3, "eval", *grid, "--out", str(out))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "the grid is complete" in resumed.stderr and not shard_files(out)
+    merged = _units(out)
+    for record in killed:
+        assert merged[unit_key(record)] == record  # kept as written, not redone
+
+    one = tmp_path / "one.jsonl"
+    run_grid(
+        str(tiny_dir), dataset=str(dataset), out=str(one), policies="full,streaming,random", budgets=[24], buffer=4,
+        max_new_tokens=10, temperature=0.8, samples=2, fidelity=True, batch_size=3, progress=False,
+    )  # fmt: skip
+    _same(merged, _units(one))
+    assert len(merged) == 4 * 3 * 2 + 4 * 2
