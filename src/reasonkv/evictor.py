@@ -14,7 +14,7 @@ import weakref
 
 import torch
 
-from reasonkv.hf import model_info
+from reasonkv.hf import LayerMasks, model_info
 from reasonkv.observe import Observer
 from reasonkv.policies import get_policy
 from reasonkv.timing import Stopwatch
@@ -45,12 +45,6 @@ class Evictor:
         # A fresh instance: the policy's generation state belongs to this cache alone.
         self.policy = get_policy(policy, **policy_kwargs)
         self.info = model_info(model)
-        other = [(i, kind) for i, kind in enumerate(self.info.layer_kinds) if kind != "full"]
-        if other:
-            raise ValueError(
-                f"{type(model).__name__} has layers that are not full attention ({_describe(other)}); "
-                "EvictingCache supports full-attention models only"
-            )
         if not self.policy.evicts:
             cache.budget = None
         elif cache.budget is None:
@@ -66,6 +60,8 @@ class Evictor:
         self.needs = self.policy.needs(self.info)
         self.stopwatch = Stopwatch(sync=sync_timing)
         self.observer = Observer(model, cache, self.needs, stopwatch=self.stopwatch)
+        # Sliding-window layers hold other keys than the evicting ones: one mask per layer type.
+        self.masks = LayerMasks(model, cache) if cache.window is not None else None
         self.generators: list[torch.Generator] = []
         self.eviction_count = 0
         me = weakref.ref(self)
@@ -100,7 +96,7 @@ class Evictor:
         if self.cache.seen == 0:
             self._start(batch, tokens.device)
         positions = self.cache.announce(incoming)
-        kwargs["attention_mask"] = self.cache.mask_for(incoming)
+        kwargs["attention_mask"] = self.masks(incoming, positions) if self.masks else self.cache.mask_for(incoming)
         kwargs["position_ids"] = positions
         self.observer.begin(incoming, positions)
         return args, kwargs
@@ -154,15 +150,8 @@ class Evictor:
         )
         if self.policy.granularity == "token":
             kept = self.policy.keep(view)
-            return [kept.unsqueeze(1).expand(-1, layer.keys.shape[1], -1) for layer in cache.layers]
-        return [self.policy.keep(view.at(layer)) for layer in range(len(cache.layers))]
-
-
-def _describe(layers: list[tuple[int, str]]) -> str:
-    kinds: dict[str, list[int]] = {}
-    for index, kind in layers:
-        kinds.setdefault(kind, []).append(index)
-    return "; ".join(f"{kind}: layers {indices}" for kind, indices in kinds.items())
+            return [kept.unsqueeze(1).expand(-1, cache.layers[i].keys.shape[1], -1) for i in cache.full_layers]
+        return [self.policy.keep(view.at(layer)) for layer in cache.full_layers]
 
 
 def _weak(ref: weakref.ReferenceType, method: str):

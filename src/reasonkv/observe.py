@@ -43,6 +43,7 @@ class Observer:
         self.recorded = Recorded(needs.query_window)
         self.handles = []  # hook handles held by the model; the hooks hold this observer weakly
         self._step: Step | None = None
+        self.attention_layers = frozenset(cache.full_layers)  # only the evicting layers' attention counts
         layers = decoder_layers(model)
         for index in needs.hidden_layers:
             if not 0 <= index < len(layers):
@@ -79,15 +80,20 @@ class Observer:
 
     # ---------------------------------------------------------------- attention tap
     def on_attention(self, layer: int, query: torch.Tensor, key: torch.Tensor, mask, kwargs: dict) -> None:
-        if not self.active:
+        if not self.active or layer not in self.attention_layers:
             return
         with self.stopwatch("record"):
-            self._record_attention(layer, query, key, kwargs.get("scaling"))
+            self._record_attention(layer, query, key, kwargs)
 
-    def _record_attention(self, layer: int, query: torch.Tensor, key: torch.Tensor, scaling: float | None) -> None:
+    def _record_attention(self, layer: int, query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> None:
         step, needs = self._step, self.needs
-        scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+        scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
+        softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux", kwargs.get("sinks"))
         self.recorded.scalings[layer] = scaling
+        if softcap is not None:
+            self.recorded.softcaps[layer] = softcap
+        if sinks is not None:
+            self.recorded.sinks[layer] = sinks.detach()
         if needs.query_window:
             self.recorded.push_queries(layer, query, step.input_positions, step.input_valid)
         if not (needs.attention_last or needs.attention_sum):
@@ -95,10 +101,12 @@ class Observer:
         key_valid = self.cache.valid  # includes this forward's tokens
         step.slot_positions[layer] = self.cache.positions(layer)
         if needs.attention_last:
-            step.attention_last[layer] = attention.newest_row(query[:, :, -1:], key, key_valid, scaling)
+            step.attention_last[layer] = attention.newest_row(query[:, :, -1:], key, key_valid, scaling, softcap, sinks)
         if needs.attention_sum:
             step.attention_sum[layer] = (
                 step.attention_last[layer]
                 if query.shape[2] == 1 and needs.attention_last
-                else attention.column_sums(query, key, key_valid, step.input_valid, scaling)
+                else attention.column_sums(
+                    query, key, key_valid, step.input_valid, scaling, softcap=softcap, sinks=sinks
+                )
             )

@@ -1,5 +1,6 @@
 """Signals kept across forward passes for one cache, read by policies at eviction time: the most
-recent post-RoPE queries of every layer and each layer's attention scaling. Torch only."""
+recent post-RoPE queries of every layer and the arguments each layer's attention kernel was called
+with (scaling, logit soft-cap, learned sinks). Torch only."""
 
 from __future__ import annotations
 
@@ -44,6 +45,8 @@ class Recorded:
         self.query_window = query_window
         self.windows: dict[int, QueryWindow] = {}  # layer -> its recent queries
         self.scalings: dict[int, float] = {}  # layer -> the scaling its attention kernel used
+        self.softcaps: dict[int, float] = {}  # layer -> its logit soft-cap, where the model uses one
+        self.sinks: dict[int, torch.Tensor] = {}  # layer -> its learned sink logits [query_heads], if any
 
     def push_queries(self, layer: int, queries: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> None:
         window = self.windows.get(layer)

@@ -5,6 +5,11 @@ evicted, either scores (higher = keep; the default :meth:`Policy.keep` turns the
 ``select.keep_top``) or, by overriding :meth:`Policy.keep`, the kept indices themselves.
 Granularity ``"token"`` scores ``[rows, slots]`` once and the same tokens survive in every layer
 and head; ``"head"`` scores ``[rows, kv_heads, slots]`` for one layer at a time.
+
+On a hybrid model only the full-attention layers are evicted (``ModelInfo.full_layers``): a
+``"head"`` policy scores those layers only, a ``"token"`` kept set applies to each of them, and
+attention signals are recorded in those layers only. Sliding-window and linear-attention layers
+keep their model's own rules.
 """
 
 from __future__ import annotations

@@ -49,6 +49,11 @@ class H2O(Policy):
     - **Schedule**: H2O evicts one token per step; here eviction runs when a row reaches
       ``K + B`` and shrinks it to ``K``. ``buffer=0`` gives H2O's one-token-per-step greedy
       eviction exactly.
+    - **Hybrid models**: H2O accumulates, per layer, the attention that layer's queries pay to the
+      tokens of its own cache. Only full-attention layers are evicted, so the attention is
+      recomputed and read in those layers only (their cache is what the scores rank); sliding-window
+      and linear-attention layers keep their model's own rules. Learned attention sinks and logit
+      soft-capping enter the recomputed softmax as in the model's kernel.
 
     Parameters
     ----------
@@ -67,7 +72,7 @@ class H2O(Policy):
     Attributes
     ----------
     accumulated
-        The running scores, a :class:`PositionTable` ``[batch, layers, kv_heads, positions]``
+        The running scores, a :class:`PositionTable` ``[batch, full-attention layers, kv_heads, positions]``
         (set by :meth:`reset`).
     """
 
@@ -87,20 +92,20 @@ class H2O(Policy):
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio < 1:
             raise ValueError(f"{self.name}: recent_ratio must be a number in [0, 1), got {ratio!r}")
         self.accumulated: PositionTable | None = None
-        self._layers = 0
+        self._layers: tuple[int, ...] = ()  # the full-attention layers, in table order
         self._kv_heads = 0
 
     def needs(self, info) -> Needs:
         return Needs(attention_last=True, attention_sum=True)
 
     def reset(self, info, batch: int, device: torch.device) -> None:
-        self._layers, self._kv_heads = info.num_layers, info.num_kv_heads
-        self.accumulated = PositionTable(batch, (info.num_layers, info.num_kv_heads), device=device)
+        self._layers, self._kv_heads = info.full_layers, info.num_kv_heads
+        self.accumulated = PositionTable(batch, (len(self._layers), info.num_kv_heads), device=device)
 
     def observe(self, step: Step) -> None:
         if not step.attention_sum:
             return
-        layers = range(self._layers)
+        layers = self._layers
         mass = torch.stack([group_mean(step.attention_sum[i], self._kv_heads) for i in layers], 1)
         positions = torch.stack([step.slot_positions[i] for i in layers], 1)
         self.accumulated.add(positions, mass)  # [batch, layers, kv_heads, slots]
@@ -110,7 +115,7 @@ class H2O(Policy):
         return max(self.window, int(self.recent_ratio * budget))
 
     def score(self, view) -> torch.Tensor:
-        return self.accumulated.lookup(view.rows, view.positions(), view.layer)
+        return self.accumulated.lookup(view.rows, view.positions(), self._layers.index(view.layer))
 
     def keep(self, view) -> torch.Tensor:
         protected = select.protected_mask(

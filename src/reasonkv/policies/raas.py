@@ -58,6 +58,11 @@ class RaaS(Policy):
       here the budget ``K`` covers everything held, prompt included, so ``K = L + prompt length``
       reproduces a paper budget ``L`` and a prompt longer than ``K`` is an error. Set
       ``protect_prompt=False`` to let the prompt compete on timestamps like any other token.
+    - **Hybrid models**: RaaS stamps a token when a layer's newest query attends to it in that
+      layer's cache. Only full-attention layers are evicted, so the attention is recomputed and read
+      in those layers only (their cache is what the scores rank); sliding-window and linear-
+      attention layers keep their model's own rules. Learned attention sinks and logit soft-capping
+      enter the recomputed softmax as in the model's kernel.
 
     Parameters
     ----------
@@ -78,7 +83,7 @@ class RaaS(Policy):
     Attributes
     ----------
     timestamps
-        Last-useful step per token, a :class:`PositionTable` ``[batch, layers, kv_heads, positions]``
+        Last-useful step per token, a :class:`PositionTable` ``[batch, full-attention layers, kv_heads, positions]``
         (-1 for positions not seen yet; set by :meth:`reset`).
     """
 
@@ -106,15 +111,15 @@ class RaaS(Policy):
         if not isinstance(self.protect_prompt, bool):
             raise ValueError(f"{self.name}: protect_prompt must be True or False, got {self.protect_prompt!r}")
         self.timestamps: PositionTable | None = None
-        self._layers = 0
+        self._layers: tuple[int, ...] = ()  # the full-attention layers, in table order
         self._kv_heads = 0
 
     def needs(self, info) -> Needs:
         return Needs(attention_last=True)
 
     def reset(self, info, batch: int, device: torch.device) -> None:
-        self._layers, self._kv_heads = info.num_layers, info.num_kv_heads
-        self.timestamps = PositionTable(batch, (info.num_layers, info.num_kv_heads), fill=-1.0, device=device)
+        self._layers, self._kv_heads = info.full_layers, info.num_kv_heads
+        self.timestamps = PositionTable(batch, (len(self._layers), info.num_kv_heads), fill=-1.0, device=device)
 
     def _per_kv_head(self, attention: torch.Tensor) -> torch.Tensor:
         """``[batch, query_heads, slots] -> [batch, kv_heads, slots]``, following ``repeat_kv``'s head order."""
@@ -128,7 +133,7 @@ class RaaS(Policy):
         table.add(arriving, arriving.float()[:, None, None, :] + 1.0)  # unseen positions hold -1: now their own
         if not step.attention_last:
             return
-        layers = range(self._layers)
+        layers = self._layers
         attention = torch.stack([self._per_kv_head(step.attention_last[i]) for i in layers], 1)
         positions = torch.stack([step.slot_positions[i] for i in layers], 1)  # [batch, layers, kv_heads, slots]
         now = step.input_positions[:, -1].view(-1, 1, 1, 1)  # the newest query's position (-1: padding)
@@ -138,7 +143,7 @@ class RaaS(Policy):
 
     def score(self, view) -> torch.Tensor:
         positions = view.positions()
-        stamps = self.timestamps.lookup(view.rows, positions, view.layer)
+        stamps = self.timestamps.lookup(view.rows, positions, self._layers.index(view.layer))
         # Lexicographic (timestamp, position) as exact ranks: no ties, so no dependence on slot order.
         key = ((stamps.long() + 1) << 32) + (positions + 1)
         return key.argsort(-1).argsort(-1).float()

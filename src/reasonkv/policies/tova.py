@@ -41,6 +41,11 @@ class TOVA(Policy):
     - **Protection**: the paper protects nothing (it observes that the first token is kept on its
       own). This project's defaults apply (``sinks = 4``, ``window = 0``); ``sinks=0``
       reproduces the paper.
+    - **Hybrid models**: TOVA reads each layer's newest-query attention over that layer's cache.
+      Only full-attention layers are evicted, so the attention is recomputed and read in those
+      layers only (their cache is what the scores rank); sliding-window and linear-attention layers
+      keep their model's own rules. Learned attention sinks and logit soft-capping enter the
+      recomputed softmax as in the model's kernel.
 
     Parameters
     ----------
@@ -58,7 +63,7 @@ class TOVA(Policy):
     ----------
     last_attention
         The newest query's attention per token, a :class:`PositionTable`
-        ``[batch, layers, kv_heads, positions]`` (set by :meth:`reset`).
+        ``[batch, full-attention layers, kv_heads, positions]`` (set by :meth:`reset`).
     """
 
     layerwise: bool = True
@@ -76,15 +81,15 @@ class TOVA(Policy):
         if not isinstance(self.layerwise, bool):
             raise ValueError(f"{self.name}: layerwise must be True or False, got {self.layerwise!r}")
         self.last_attention: PositionTable | None = None
-        self._layers = 0
+        self._layers: tuple[int, ...] = ()  # the full-attention layers, in table order
         self._kv_heads = 0
 
     def needs(self, info) -> Needs:
         return Needs(attention_last=True)
 
     def reset(self, info, batch: int, device: torch.device) -> None:
-        self._layers, self._kv_heads = info.num_layers, info.num_kv_heads
-        self.last_attention = PositionTable(batch, (info.num_layers, info.num_kv_heads), device=device)
+        self._layers, self._kv_heads = info.full_layers, info.num_kv_heads
+        self.last_attention = PositionTable(batch, (len(self._layers), info.num_kv_heads), device=device)
 
     def _per_kv_head(self, attention: torch.Tensor) -> torch.Tensor:
         """``[batch, query_heads, slots] -> [batch, kv_heads, slots]``."""
@@ -95,7 +100,7 @@ class TOVA(Policy):
     def observe(self, step: Step) -> None:
         if not step.attention_last:
             return
-        layers = range(self._layers)
+        layers = self._layers
         attention = torch.stack([self._per_kv_head(step.attention_last[i]) for i in layers], 1)
         positions = torch.stack([step.slot_positions[i] for i in layers], 1)
         table = self.last_attention
@@ -103,4 +108,4 @@ class TOVA(Policy):
         table.add(positions, attention - table.get(positions))
 
     def score(self, view) -> torch.Tensor:
-        return self.last_attention.lookup(view.rows, view.positions(), view.layer)
+        return self.last_attention.lookup(view.rows, view.positions(), self._layers.index(view.layer))
