@@ -239,7 +239,11 @@ PARAMS_B = {
     "gemma-3-27b": 27.01,  # the language model of the 27B release (its vision tower is not part of it)
 }
 # Hybrid shapes: which layer is full attention (the rest slide), and the window.
-HYBRID_SHAPES = {"gpt-oss-20b": (lambda i: i % 2 == 1, 128), "gemma-3-27b": (lambda i: i % 6 == 5, 1024)}
+HYBRID_SHAPES = {
+    "gpt-oss-20b": (lambda i: i % 2 == 1, 128),
+    "gemma-3-27b": (lambda i: i % 6 == 5, 1024),
+    "tiny-hybrid": (lambda i: i % 2 == 1, 16),
+}
 
 
 def test_list_shapes() -> None:
