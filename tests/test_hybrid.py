@@ -155,3 +155,15 @@ def test_all_sliding_model_is_refused_with_any_policy():
     for policy in ("full", "h2o"):
         with pytest.raises(ValueError, match=r"Mistral\w+ has no full-attention layer \(sliding: layers \[0, 1\]\)"):
             EvictingCache(None if policy == "full" else 8, 4, model=tiny_mistral(), policy=policy)
+
+
+def test_epikv_counts_every_decoder_layer_on_a_hybrid_model(one_torch_thread):
+    """EPIKV's layers index the residual stream of every layer: sliding layers 0 and 2 are valid a and b."""
+    model = tiny_gemma3()
+    cache = run_and_check(model, "epikv", PROMPT, budget=12, buffer=5, steps=12, a=0, b=2)
+    assert cache.evictor.needs.hidden_layers == (0, 2) and cache.evictions >= 2
+
+
+def test_attention_layer_options_must_name_full_attention_layers(one_torch_thread):
+    with pytest.raises(ValueError, match=r"thinkv: layers: layers \[0\] are not full-attention layers; .*\[1, 3\]"):
+        reasonkv.generate(tiny_gemma3(), NoEosTokenizer(), "a prompt", policy="thinkv", budget=16, layers=(0, 1))
