@@ -3,7 +3,11 @@
 - residual-stream hidden states of named decoder layers (forward hooks on the decoder layers);
 - the most recent ``w`` post-RoPE query vectors of every layer (kept in :class:`~reasonkv.recorded.Recorded`);
 - the attention of each forward's newest query (or the column sums over a forward's queries),
-  recomputed from the query and the cached keys (:mod:`reasonkv.attention`).
+  recomputed from the query and the cached keys (:mod:`reasonkv.attention`), with the kernel's
+  soft-cap and learned sinks when the model has them.
+
+Queries and attention are recorded for the evicting (full-attention) layers only: on a hybrid
+model the sliding-window and linear layers are not evicted, so nothing reads their attention.
 
 Queries come from the attention tap (:class:`reasonkv.hf.AttentionTap`), which shows them on their
 way into the model's own kernel: SDPA / FlashAttention still do the attention.
