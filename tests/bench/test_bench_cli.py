@@ -61,10 +61,11 @@ def test_tiny_run_writes_json_markdown_and_plots(tmp_path, capsys):
     assert len(_lines(out)) == 3
 
 
-def test_hybrid_shape_reports_kv_per_layer_kind(tmp_path, capsys):
+@pytest.mark.parametrize("mode", [[], ["--prefill-to-length", "--decode-steps", "8"]], ids=["decoded", "prefilled"])
+def test_hybrid_shape_reports_kv_per_layer_kind(mode, tmp_path, capsys):
     """Full-attention layers hold at most K + B tokens, sliding layers their window, at every length."""
     out = tmp_path / "hybrid"
-    args = [*SWEEP, "--policies", "h2o", "--out", str(out)]
+    args = [*SWEEP, *mode, "--policies", "h2o", "--out", str(out)]
     assert main([arg if arg != "shape:tiny" else "shape:tiny-hybrid" for arg in args]) == 0
     assert "sliding layers (max)" in capsys.readouterr().out
     document = json.loads((out / "bench.json").read_text())

@@ -459,6 +459,7 @@ def measure_prefilled_sweep(
     decode_s = sum(w["step_mean_s"] * w["window_steps"] for w in windows)
     return {
         "kv_bytes_per_token": kv_bytes_per_token(model, model_dtype(model)),
+        "window_kv_bytes": window_kv_bytes(model, model_dtype(model)),
         "windows": windows,
         "totals": {
             "prefill_s": sum(w["prefill_s"] for w in windows),
