@@ -47,6 +47,100 @@ def tiny_qwen3(kv_heads: int = 2, heads: int = 4, layers: int = 3, dtype=torch.f
     return Qwen3ForCausalLM(config).to(dtype).eval()
 
 
+def _tiny(config, cls, attn: str, dtype, seed: int):
+    torch.manual_seed(seed)
+    config._attn_implementation = attn
+    model = cls(config).eval()
+    with torch.no_grad():  # norms initialised to one scale every key alike: make key norms differ
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.add_(0.3 * torch.randn_like(parameter))
+    return model.to(dtype)
+
+
+SHARED = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=1024,
+    pad_token_id=0,
+    eos_token_id=None,
+    bos_token_id=None,
+)
+WINDOW = 6  # the tiny hybrid models' sliding window: shorter than the tests' prompts and budgets
+
+
+def tiny_gemma3(dtype=torch.float32, seed: int = 0, softcap: float | None = None):
+    """Gemma 3 style: sliding-window and full-attention layers (sliding first), per-kind RoPE."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    layer_types = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+    config = Gemma3TextConfig(
+        **SHARED,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        layer_types=layer_types,
+        sliding_window=WINDOW,
+        query_pre_attn_scalar=16,
+        attn_logit_softcapping=softcap,
+    )
+    return _tiny(config, Gemma3ForCausalLM, "sdpa", dtype, seed)
+
+
+def tiny_gpt_oss(dtype=torch.float32, seed: int = 0):
+    """GPT-OSS style: alternating sliding/full layers with learned attention sinks (eager only), MoE."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    config = GptOssConfig(
+        **SHARED,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        sliding_window=WINDOW,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    model = _tiny(config, GptOssForCausalLM, "eager", dtype, seed)
+    with torch.no_grad():  # sinks strong enough to matter (the default init leaves them near 0)
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(2.0 * torch.randn_like(layer.self_attn.sinks))
+    return model
+
+
+def tiny_qwen3_next(dtype=torch.float32, seed: int = 0):
+    """Qwen3-Next style: linear-attention (gated delta rule, recurrent state) and full-attention layers."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    config = Qwen3NextConfig(
+        **SHARED,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        linear_num_value_heads=2,
+        linear_num_key_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+    )
+    return _tiny(config, Qwen3NextForCausalLM, "sdpa", dtype, seed)
+
+
+def tiny_mistral(dtype=torch.float32, seed: int = 0):
+    """Mistral style: every layer slides (nothing to evict)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(**SHARED, intermediate_size=128, num_hidden_layers=2, sliding_window=WINDOW)
+    return _tiny(config, MistralForCausalLM, "sdpa", dtype, seed)
+
+
+# name -> factory: models whose layers are not all full attention
+HYBRID_MODELS = {"gemma3": tiny_gemma3, "gpt-oss": tiny_gpt_oss, "qwen3-next": tiny_qwen3_next}
+
 # name -> factory: GQA, MHA and MQA on two architectures
 TINY_MODELS = {
     "llama-gqa": lambda **kw: tiny_llama(kv_heads=2, **kw),

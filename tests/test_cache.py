@@ -104,21 +104,11 @@ def test_protect_prompt_keeps_every_prompt_token(llama):
     assert set(range(9)) <= held and cache.evictions > 0
 
 
-def test_sliding_window_models_are_refused():
-    from transformers import MistralConfig, MistralForCausalLM
+def test_models_without_full_attention_are_refused():
+    from conftest import tiny_mistral
 
-    config = MistralConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        sliding_window=16,
-    )
-    model = MistralForCausalLM(config)
-    with pytest.raises(ValueError, match=r"not full attention \(sliding: layers \[0, 1\]\)"):
-        EvictingCache(8, 4, model=model, policy="streaming")
+    with pytest.raises(ValueError, match=r"no full-attention layer \(sliding: layers \[0, 1\]\): there is nothing"):
+        EvictingCache(8, 4, model=tiny_mistral(), policy="streaming")
 
 
 def test_hooks_are_removed_on_detach_and_when_the_cache_is_dropped(llama):

@@ -13,7 +13,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src" / "reasonkv"
 
 # The only modules that import transformers: the run-time seam, the Cache subclass, the loader.
-TRANSFORMERS_IMPORTERS = {"hf/model.py", "hf/forward.py", "hf/tap.py", "cache.py", "models.py"}
+TRANSFORMERS_IMPORTERS = {"hf/model.py", "hf/forward.py", "hf/masks.py", "hf/tap.py", "cache.py", "models.py"}
 # Engine-free floor: torch only, and nothing above it.
 FLOOR = {"contract.py", "attention.py", "select.py", "view.py", "recorded.py", "calibration.py"}
 

@@ -133,7 +133,7 @@ def conversion(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict:
     gguf = tmp_path / "source.gguf"
     gguf.write_bytes(b"GGUF stands in for the bundled file")
     monkeypatch.setenv("REASONKV_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(models, "_smollm2_gguf_path", lambda: gguf)
+    monkeypatch.setattr(models, "_packaged_file", lambda bundled: gguf)
     state = {"target": tmp_path / "cache" / "models" / models.DEFAULT_MODEL, "conversions": 0, "damage": None}
 
     def convert(source: Path, out_dir: Path) -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from reasonkv import models
-from reasonkv.hf import model_info
+from reasonkv.hf import model_info, sliding_window
 from reasonkv.models import (
     SMOLLM2_INSTALL_COMMAND,
     cache_dir,
@@ -231,11 +231,25 @@ PUBLISHED = {
     ),
 }
 # Parameter counts (billions) as built, a check on the whole set of dimensions.
-PARAMS_B = {"llama-3.1-8b": 8.03, "qwen3-4b": 4.02, "qwen3-14b": 14.77, "smollm2-135m-shape": 0.1345}
+PARAMS_B = {
+    "llama-3.1-8b": 8.03,
+    "qwen3-4b": 4.02,
+    "qwen3-14b": 14.77,
+    "smollm2-135m-shape": 0.1345,
+    "gpt-oss-20b": 20.91,  # published: 20.9B (3.6B active)
+    "gemma-3-27b": 27.01,  # the language model of the 27B release (its vision tower is not part of it)
+}
+# Hybrid shapes: which layer is full attention (the rest slide), and the window.
+HYBRID_SHAPES = {
+    "gpt-oss-20b": (lambda i: i % 2 == 1, 128),
+    "gemma-3-27b": (lambda i: i % 6 == 5, 1024),
+    "tiny-hybrid": (lambda i: i % 2 == 1, 16),
+}
 
 
 def test_list_shapes() -> None:
     expected = {"llama-3.1-8b", "r1-distill-llama-8b", "qwen3-4b", "qwen3-14b", "smollm2-135m-shape", "tiny"}
+    expected |= {"gpt-oss-20b", "gpt-oss", "gemma-3-27b", "gemma3-27b"}
     assert expected <= set(list_shapes())
 
 
@@ -256,19 +270,33 @@ def test_llama_rope_and_alias() -> None:
 
 @pytest.mark.parametrize("shape", list_shapes())
 def test_every_shape_builds_on_meta(shape: str) -> None:
-    model = random_model(shape, "bf16", "meta")
+    eager_only = shape_config(shape).model_type == "gpt_oss"  # GPT-OSS has no SDPA path (its sinks)
+    model = random_model(shape, "bf16", "meta", "eager" if eager_only else "sdpa")
     assert not model.training
     params = list(model.parameters())
     assert all(p.device.type == "meta" and p.dtype == torch.bfloat16 for p in params)
     if shape in PARAMS_B:
         assert sum(p.numel() for p in params) / 1e9 == pytest.approx(PARAMS_B[shape], rel=2e-3)
-    assert set(model_info(model).layer_kinds) == {"full"}
+    canonical = shape_config(shape).to_dict()
+    hybrid = next((h for name, h in HYBRID_SHAPES.items() if shape_config(name).to_dict() == canonical), None)
+    if hybrid is None:
+        assert set(model_info(model).layer_kinds) == {"full"}
+    else:
+        is_full, window = hybrid
+        kinds = model_info(model).layer_kinds
+        assert kinds == tuple("full" if is_full(i) else "sliding" for i in range(len(kinds)))
+        assert sliding_window(model) == window
+
+
+def test_a_kernel_the_architecture_lacks_is_one_clear_error() -> None:
+    with pytest.raises(ValueError, match=r"GptOssForCausalLM does not support attn_implementation='sdpa'; choose"):
+        random_model("gpt-oss-20b", "bf16", "meta", "sdpa")
 
 
 def test_every_shape_json_is_valid() -> None:
     for path in (Path(models.__file__).parent / "shapes").glob("*.json"):
         fields = json.loads(path.read_text())
-        assert fields["model_type"] in ("llama", "qwen3"), path.name
+        assert fields["model_type"] in ("llama", "qwen3", "gpt_oss", "gemma3_text"), path.name
 
 
 def test_tiny_forward_is_finite() -> None:

@@ -11,7 +11,9 @@ DEFAULT_MODEL = "smollm2-135m"
 def add_model_arguments(parser: argparse.ArgumentParser, *, dtype: str = "fp32") -> None:
     group = parser.add_argument_group("model")
     group.add_argument(
-        "--model", default=DEFAULT_MODEL, help=f"hub id, local directory, .gguf file, or {DEFAULT_MODEL} (default)"
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"hub id, local directory, .gguf file, {DEFAULT_MODEL} (default) or gemma3-270m (bundled)",
     )
     group.add_argument("--dtype", default=dtype, help=f"fp32 | bf16 | fp16 (default {dtype})")
     group.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")

@@ -6,13 +6,26 @@ while the model's own kernel (SDPA, FlashAttention) does the real attention. Tor
 
 Shapes: queries ``[B, Hq, w, D]``, keys ``[B, Hkv, S, D]``. Query head ``h`` reads kv head
 ``h // (Hq // Hkv)``, the head order of transformers' ``repeat_kv``.
+
+Two kernel details some models add are reproduced when given: logit soft-capping
+(``softcap * tanh(logits / softcap)``, Gemma 2 style) and learned attention sinks (one extra logit
+per query head that takes part in the softmax and is then dropped, GPT-OSS's ``s_aux``), so the
+recomputed probabilities are the ones the model's kernel uses.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["column_sums", "grouped_logits", "logit_dtype", "masked_softmax", "newest_row", "window_attention"]
+__all__ = [
+    "column_sums",
+    "grouped_logits",
+    "grouped_sinks",
+    "logit_dtype",
+    "masked_softmax",
+    "newest_row",
+    "window_attention",
+]
 
 
 def logit_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
@@ -22,20 +35,40 @@ def logit_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     return dtype if device.type == "cuda" else torch.float32
 
 
-def grouped_logits(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Attention logits, upcast to float32, grouped by kv head: ``[B, Hkv, g, w, S]`` with ``g = Hq // Hkv``."""
+def grouped_logits(
+    queries: torch.Tensor, keys: torch.Tensor, scaling: float, softcap: float | None = None
+) -> torch.Tensor:
+    """Attention logits, upcast to float32, grouped by kv head: ``[B, Hkv, g, w, S]`` with ``g = Hq // Hkv``.
+
+    ``softcap`` (when not None) caps them as the model's kernel does: ``softcap * tanh(x / softcap)``.
+    """
     b, hq, w, d = queries.shape
     hkv, s = keys.shape[1], keys.shape[2]
     g = hq // hkv
     dtype = logit_dtype(keys.device, keys.dtype)
     grouped = queries.reshape(b, hkv, g * w, d).to(dtype)  # query head h -> kv head h // g
     logits = torch.matmul(grouped, keys.to(dtype).transpose(2, 3)).float() * scaling
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
     return logits.view(b, hkv, g, w, s)
 
 
-def masked_softmax(logits: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-    """Softmax over the visible entries of the last axis; rows that see nothing are 0."""
-    return logits.masked_fill(~visible, float("-inf")).softmax(-1).nan_to_num(0.0)
+def grouped_sinks(sinks: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Per-query-head sink logits ``[Hq]`` shaped to broadcast against :func:`grouped_logits`: ``[1, Hkv, g, 1, 1]``."""
+    return sinks.float().view(1, kv_heads, -1, 1, 1)
+
+
+def masked_softmax(logits: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax over the visible entries of the last axis; rows that see nothing are 0.
+
+    ``sinks`` (broadcastable to ``logits[..., :1]``) are extra logits that share the normalisation
+    and are dropped afterwards: learned attention sinks, so a row's probabilities sum to less than 1.
+    """
+    logits = logits.masked_fill(~visible, float("-inf"))
+    if sinks is None:
+        return logits.softmax(-1).nan_to_num(0.0)
+    sink = sinks.to(logits.dtype).expand(*logits.shape[:-1], 1)
+    return torch.cat([logits, sink], dim=-1).softmax(-1)[..., :-1]
 
 
 def window_attention(
@@ -46,30 +79,41 @@ def window_attention(
     key_positions: torch.Tensor,
     key_valid: torch.Tensor,
     scaling: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of recorded queries over the stored keys, ``[B, Hq, w, S]`` probabilities.
 
     ``query_positions``/``query_valid`` are ``[B, w]``; ``key_positions`` ``[B, Hkv, S]`` and
     ``key_valid`` ``[B, S]``. A query sees the keys at or before its own logical position (causal);
-    rows of padding queries are 0.
+    rows of padding queries are 0. ``softcap`` and ``sinks`` (``[Hq]``) as the model's kernel uses them.
     """
     b, hq, w, _ = queries.shape
     hkv, s = keys.shape[1], keys.shape[2]
-    logits = grouped_logits(queries, keys, scaling)
+    logits = grouped_logits(queries, keys, scaling, softcap)
     visible = key_positions.view(b, hkv, 1, 1, s) <= query_positions.view(b, 1, 1, w, 1)
     visible = visible & key_valid.view(b, 1, 1, 1, s) & query_valid.view(b, 1, 1, w, 1)
-    return masked_softmax(logits, visible).view(b, hq, w, s)
+    sink = None if sinks is None else grouped_sinks(sinks, hkv)
+    return masked_softmax(logits, visible, sink).view(b, hq, w, s)
 
 
-def newest_row(query: torch.Tensor, keys: torch.Tensor, key_valid: torch.Tensor, scaling: float) -> torch.Tensor:
+def newest_row(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    key_valid: torch.Tensor,
+    scaling: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Attention row of one query per row (``[B, Hq, 1, D]``) over every valid stored key: ``[B, Hq, S]``.
 
     The query is the newest token, so every stored key is at or before it; ``key_valid`` ``[B, S]``.
+    ``softcap`` and ``sinks`` (``[Hq]``) as the model's kernel uses them.
     """
     b, hq = query.shape[:2]
     s = keys.shape[2]
-    logits = grouped_logits(query, keys, scaling).view(b, hq, s)
-    return masked_softmax(logits, key_valid.view(b, 1, s))
+    logits = grouped_logits(query, keys, scaling, softcap).view(b, hq, s)
+    return masked_softmax(logits, key_valid.view(b, 1, s), None if sinks is None else sinks.float().view(1, hq, 1))
 
 
 def column_sums(
@@ -79,12 +123,15 @@ def column_sums(
     query_valid: torch.Tensor,
     scaling: float,
     chunk_elements: int = 1 << 24,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention each stored key received from the ``q`` queries of one forward, summed: ``[B, Hq, S]``.
 
     The queries are the newest ``q`` slots (query ``i`` sits at slot ``S - q + i`` and sees the slots
     up to its own, causal); padding queries (``query_valid`` ``[B, q]`` False) add nothing. Built
     ``chunk_elements`` logits at a time, so memory stays ``O(chunk)``, never ``O(q x S)`` at once.
+    ``softcap`` and ``sinks`` (``[Hq]``) as the model's kernel uses them.
     """
     b, hq, q, _ = queries.shape
     s = keys.shape[2]
@@ -94,9 +141,10 @@ def column_sums(
     for start in range(0, q, chunk):
         part = queries[:, :, start : start + chunk]
         c = part.shape[2]
-        logits = grouped_logits(part, keys, scaling).view(b, hq, c, s)
+        logits = grouped_logits(part, keys, scaling, softcap).view(b, hq, c, s)
         query_slot = s - q + start + torch.arange(c, device=queries.device)
         visible = (slot.view(1, 1, 1, s) <= query_slot.view(1, 1, c, 1)) & key_valid.view(b, 1, 1, s)
-        probs = masked_softmax(logits, visible) * query_valid[:, start : start + c].view(b, 1, c, 1)
+        sink = None if sinks is None else sinks.float().view(1, hq, 1, 1)
+        probs = masked_softmax(logits, visible, sink) * query_valid[:, start : start + c].view(b, 1, c, 1)
         total += probs.sum(2)
     return total

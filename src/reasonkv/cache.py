@@ -13,6 +13,10 @@ left padding of a batched prompt, which every attention kernel (SDPA, FlashAtten
 Masks live in *slot space* (query ``i`` of a step sits at slot ``slots + i``), RoPE in *logical
 space* (the ``position_ids`` the evictor passes). ``get_seq_length`` reports logical tokens seen,
 as transformers' generation utilities expect; ``get_mask_sizes``/``get_query_offset`` report slots.
+
+Hybrid models (see :mod:`reasonkv.hybrid`): only the full-attention layers are evicting layers;
+sliding-window and linear-attention layers are transformers' own cache layers for them, and the
+sliding layers' mask sizes are their own (``window``).
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from functools import partial
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+from reasonkv.hybrid import WindowValidity, check_layer_kinds
 
 __all__ = ["EvictingCache"]
 
@@ -142,6 +148,8 @@ class EvictingCache(Cache):
         refuses a forward pass it cannot evict in (no ``model=``, another model, or detached).
     num_layers
         Number of decoder layers, when known up front (layers are otherwise created on first use).
+        Ignored with a ``model``, whose layers and their kinds the cache reads: full-attention layers
+        evict, sliding-window and linear-attention layers keep their model's own cache layers.
     sync_timing
         Time the eviction phases exactly on CUDA (with events read once per step), for benchmarks.
 
@@ -163,11 +171,10 @@ class EvictingCache(Cache):
     ):
         _check_sizes(budget, buffer)
         self.budget, self.buffer = budget, buffer
-        if model is not None and num_layers is None:
-            from reasonkv.hf import model_info
-
-            num_layers = model_info(model).num_layers
-        if num_layers is None:
+        self.window: WindowValidity | None = None  # the sliding-window layers' padding, if any
+        if model is not None:
+            super().__init__(layers=self._layers_of(model))
+        elif num_layers is None:
             super().__init__(layer_class_to_replicate=partial(_EvictingLayer, self))
         else:
             super().__init__(layers=[_EvictingLayer(self) for _ in range(num_layers)])
@@ -202,16 +209,58 @@ class EvictingCache(Cache):
         self.decoded = False  # whether a single-token step followed the first forward
         self._announced: tuple[int, torch.Tensor] | None = None  # (q, positions [batch, q]) of the next forward
         self._step_positions: torch.Tensor | None = None  # [batch, q] positions of the forward in progress
+        if self.window is not None:  # the same window, nothing stored yet
+            self.window = WindowValidity(self.window.window)
+
+    def _layers_of(self, model) -> list:
+        """One cache layer per decoder layer: evicting for full attention, the model's own otherwise."""
+        from reasonkv.hf import model_info, native_cache_layers
+
+        info = model_info(model)
+        kinds = info.layer_kinds or ("full",) * info.num_layers
+        check_layer_kinds(kinds, type(model).__name__)
+        if all(kind == "full" for kind in kinds):
+            return [_EvictingLayer(self) for _ in kinds]
+        native = native_cache_layers(model)
+        windows = set()
+        for index, (kind, layer) in enumerate(zip(kinds, native, strict=True)):
+            if _native_kind(layer) != kind:
+                raise ValueError(
+                    f"layer {index} of {type(model).__name__} is {kind!r} by its config but transformers "
+                    f"caches it in a {type(layer).__name__}; EvictingCache cannot hold this model"
+                )
+            if kind == "sliding":
+                windows.add(layer.sliding_window)
+        if len(windows) > 1:
+            raise ValueError(f"{type(model).__name__} has sliding layers with different windows {sorted(windows)}")
+        if windows:
+            self.window = WindowValidity(int(windows.pop()))
+        return [_EvictingLayer(self) if kind == "full" else layer for kind, layer in zip(kinds, native, strict=True)]
 
     # ------------------------------------------------------------------ introspection
+    @property
+    def full_layers(self) -> list[int]:
+        """Indices of the evicting (full-attention) layers; every layer of a plain model."""
+        return [i for i, layer in enumerate(self.layers) if isinstance(layer, _EvictingLayer)]
+
     @property
     def valid(self) -> torch.Tensor:
         """``[batch, slots]``: True where a slot holds a real token (False: padding)."""
         return self._valid[:, : self.slots]
 
     def positions(self, layer_idx: int) -> torch.Tensor:
-        """Logical positions of the stored tokens of one layer, ``[batch, kv_heads, slots]`` (-1: padding)."""
-        return self.layers[layer_idx].positions
+        """Logical positions of the stored tokens of one layer, ``[batch, kv_heads, slots]`` (-1: padding).
+
+        A sliding-window layer's slots are its window (the same positions in every head); a
+        linear-attention layer stores no tokens and raises ``ValueError``.
+        """
+        layer = self.layers[layer_idx]
+        if isinstance(layer, _EvictingLayer):
+            return layer.positions
+        if getattr(layer, "is_sliding", False) and self.window is not None and self.window.stored is not None:
+            positions = self.window.positions(self.next_position)
+            return positions.unsqueeze(1).expand(-1, layer.keys.shape[1], -1)
+        raise ValueError(f"layer {layer_idx} ({type(layer).__name__}) holds no per-token positions")
 
     def row_lengths(self) -> torch.Tensor:
         """Real tokens held per row, ``[batch]``."""
@@ -228,23 +277,41 @@ class EvictingCache(Cache):
         return 0 if self._valid is None else self._valid.shape[1]
 
     def kv_bytes(self) -> int:
-        """Bytes of K/V storage held (allocated capacity, not just the used slots)."""
-        total = 0
+        """Bytes of K/V storage held (allocated capacity, not just the used slots), all layer kinds."""
+        by_kind = self.kv_bytes_by_kind()
+        return by_kind["full"] + by_kind["sliding"]
+
+    def kv_bytes_by_kind(self) -> dict[str, int]:
+        """Bytes held per layer kind: ``full`` (the evicting layers' allocated K/V), ``sliding`` (the
+        window layers' stored K/V) and ``linear`` (recurrent and convolution states)."""
+        held = {"full": 0, "sliding": 0, "linear": 0}
         for layer in self.layers:
-            if layer.is_initialized:
-                total += layer._keys.numel() * layer._keys.element_size()
-                total += layer._values.numel() * layer._values.element_size()
-        return total
+            if isinstance(layer, _EvictingLayer):
+                if layer.is_initialized:
+                    held["full"] += layer._keys.numel() * layer._keys.element_size()
+                    held["full"] += layer._values.numel() * layer._values.element_size()
+            elif getattr(layer, "is_sliding", False):
+                held["sliding"] += _tensor_bytes(getattr(layer, "keys", None), getattr(layer, "values", None))
+            else:
+                states = [*getattr(layer, "conv_states", {}).values(), *getattr(layer, "recurrent_states", {}).values()]
+                held["linear"] += _tensor_bytes(*states)
+        return held
 
     # ------------------------------------------------------------------ transformers Cache API
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        if self._in_window(layer_idx):
+            return self.window.held_before + query_length, 0
         return self.slots + query_length, 0
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
-        return self.slots
+        return self.window.held_before if self._in_window(layer_idx) else self.slots
+
+    def _in_window(self, layer_idx: int) -> bool:
+        """Whether ``layer_idx`` is a sliding-window layer (its mask indexes its own slots)."""
+        return self.window is not None and getattr(self.layers[layer_idx], "is_sliding", False)
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
         return -1
@@ -296,6 +363,9 @@ class EvictingCache(Cache):
             self._valid[:, start : start + q] = True
         else:
             self._valid[:, start : start + q] = incoming
+        if self.window is not None:
+            real = torch.ones((batch, q), dtype=torch.bool, device=device) if incoming is None else incoming
+            self.window.announce(real)
         self._announced = (q, step_positions)
         self.longest += q
         mask = self._valid[:, : start + q] if self.maybe_padded else None
@@ -358,8 +428,9 @@ class EvictingCache(Cache):
         Rows not listed keep every real token. Afterwards every row is right-aligned again and the
         slot count is the longest row's length, so no slot is wasted on padding beyond that.
         """
-        if len(keep) != len(self.layers):
-            raise ValueError(f"need keep indices for all {len(self.layers)} layers, got {len(keep)}")
+        evicting = [self.layers[i] for i in self.full_layers]
+        if len(keep) != len(evicting):
+            raise ValueError(f"need keep indices for all {len(evicting)} full-attention layers, got {len(keep)}")
         rows = rows.to(self._valid.device)
         k = keep[0].shape[-1]
         valid, slots = self.valid, self.slots
@@ -370,7 +441,7 @@ class EvictingCache(Cache):
         order = torch.sort(valid.to(torch.int8), dim=-1, stable=True).indices[:, slots - new_slots :]
         new_valid = valid.gather(1, order)
         new_valid[rows] = torch.arange(new_slots, device=valid.device) >= new_slots - k
-        for layer, layer_keep in zip(self.layers, keep, strict=True):
+        for layer, layer_keep in zip(evicting, keep, strict=True):
             heads = layer.keys.shape[1]
             index = order.unsqueeze(1).expand(-1, heads, -1).clone()
             index[rows, :, new_slots - k :] = layer_keep.to(index.device)
@@ -387,8 +458,8 @@ class EvictingCache(Cache):
         limit = self.budget + self.buffer
         if self._valid.shape[1] > limit >= self.slots:
             self._valid = self._valid[:, :limit].clone()
-            for layer in self.layers:
-                layer.resize(limit)
+            for index in self.full_layers:
+                self.layers[index].resize(limit)
 
     # ------------------------------------------------------------------ lifetime
     def reset(self) -> None:
@@ -421,6 +492,17 @@ def _take_slots(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     first_slot = torch.arange(batch * heads, device=index.device).view(batch, heads, 1) * capacity
     rows = buffer.reshape(batch * heads * capacity, dim).index_select(0, (first_slot + index).flatten())
     return rows.view(batch, heads, index.shape[-1], dim)
+
+
+def _native_kind(layer) -> str:
+    """The layer kind of one of transformers' own cache layers."""
+    if getattr(layer, "is_sliding", False):
+        return "sliding"
+    return "linear" if hasattr(layer, "recurrent_states") else "full"
+
+
+def _tensor_bytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
 def _check_sizes(budget: int | None, buffer: int) -> None:

@@ -45,6 +45,15 @@ class ModelInfo:
     def kind(self, layer: int) -> str:
         return self.layer_kinds[layer] if self.layer_kinds else "full"
 
+    @property
+    def full_layers(self) -> tuple[int, ...]:
+        """The full-attention layers, the ones a policy evicts in (every layer of a plain model).
+
+        Sliding-window layers keep their model's window and linear-attention layers their state, so
+        per-layer scores, kept sets and attention signals exist for these layers only.
+        """
+        return tuple(i for i in range(self.num_layers) if self.kind(i) == "full")
+
 
 @dataclass(frozen=True)
 class Needs:

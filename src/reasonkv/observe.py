@@ -3,8 +3,12 @@
 - residual-stream hidden states of named decoder layers (forward hooks on the decoder layers);
 - the most recent ``w`` post-RoPE queries of every layer (kept in :class:`~reasonkv.recorded.Recorded`);
 - attention rows and column sums for the attention readers (H2O, RaaS, ThinKV), recomputed from
-  recorded queries and the cached keys (:mod:`reasonkv.attention`) and handed to the policy as
+  recorded queries and the cached keys (:mod:`reasonkv.attention`), with the kernel's soft-cap and
+  learned sinks when the model has them, and handed to the policy as
   :class:`~reasonkv.contract.AttentionChunk` s.
+
+Queries and attention are recorded for the evicting (full-attention) layers only: on a hybrid
+model the sliding-window and linear layers are not evicted, so nothing reads their attention.
 
 Queries come from the attention tap (:class:`reasonkv.hf.AttentionTap`), which shows them on their
 way into the model's own kernel: SDPA / FlashAttention still do the attention.
@@ -61,6 +65,7 @@ class Observer:
         self.handles = []  # hook handles held by the model; the hooks hold this observer weakly
         self._step: Step | None = None
         self._logged = False  # whether this forward's newest query was logged already
+        self.attention_layers = frozenset(cache.full_layers)  # only the evicting layers' attention counts
         layers = decoder_layers(model)
         for index in needs.hidden_layers:
             if not 0 <= index < len(layers):
@@ -103,21 +108,34 @@ class Observer:
 
     # ---------------------------------------------------------------- attention tap
     def on_attention(self, layer: int, query: torch.Tensor, key: torch.Tensor, mask, kwargs: dict) -> None:
-        if not self.active:
+        if not self.active or layer not in self.attention_layers:
             return
         with self.stopwatch("record"):
-            self._record(layer, query, key, kwargs.get("scaling"))
+            self._record(layer, query, key, kwargs)
 
-    def _record(self, layer: int, query: torch.Tensor, key: torch.Tensor, scaling: float | None) -> None:
+    def _record(self, layer: int, query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> None:
         step, needs, recorded = self._step, self.needs, self.recorded
-        recorded.scalings[layer] = scaling if scaling is not None else query.shape[-1] ** -0.5
+        recorded.scalings[layer] = kwargs.get("scaling") or query.shape[-1] ** -0.5
+        softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux", kwargs.get("sinks"))
+        if softcap is not None:
+            recorded.softcaps[layer] = softcap
+        if sinks is not None:
+            recorded.sinks[layer] = sinks.detach()
         if needs.query_window:
             recorded.push_queries(layer, query, step.input_positions, step.input_valid)
         if not self.reads_attention:
             return
         q, slots = query.shape[2], key.shape[2]
         if needs.attention_sum and q > 1:
-            sums = attention.column_sums(query, key, self.cache.valid, step.input_valid, recorded.scalings[layer])
+            sums = attention.column_sums(
+                query,
+                key,
+                self.cache.valid,
+                step.input_valid,
+                recorded.scalings[layer],
+                softcap=recorded.softcaps.get(layer),
+                sinks=recorded.sinks.get(layer),
+            )
             self.policy.observe_attention(self._chunk(layer, step.input_positions, None, None, sums))
             if not needs.attention_last:
                 return
@@ -140,13 +158,15 @@ class Observer:
             for layer, layer_queries in queries.items():
                 keys = self.cache.layers[layer].keys
                 b, hq, n, _ = layer_queries.shape
-                scaling = self.recorded.scalings[layer]
+                scaling, softcap = self.recorded.scalings[layer], self.recorded.softcaps.get(layer)
+                sinks = self.recorded.sinks.get(layer)
+                sinks = None if sinks is None else sinks.float().view(1, hq, 1, 1)
                 step = max(1, CHUNK_ELEMENTS // max(1, b * hq * slots))
                 for start in range(0, n, step):
                     part = layer_queries[:, :, start : start + step]
                     seen = visible[:, start : start + step]
-                    logits = attention.grouped_logits(part, keys, scaling).view(b, hq, part.shape[2], slots)
-                    rows = attention.masked_softmax(logits, seen.unsqueeze(1))
+                    logits = attention.grouped_logits(part, keys, scaling, softcap).view(b, hq, part.shape[2], slots)
+                    rows = attention.masked_softmax(logits, seen.unsqueeze(1), sinks)
                     sums = rows.sum(2) if self.needs.attention_sum else None
                     chunk_rows = rows if self.needs.attention_last else None
                     self.policy.observe_attention(

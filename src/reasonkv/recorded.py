@@ -1,4 +1,5 @@
-"""Queries kept across forward passes for one cache, read at eviction time. Torch only.
+"""Queries kept across forward passes for one cache, read at eviction time, and the arguments each
+layer's attention kernel was called with (scaling, logit soft-cap, learned sinks). Torch only.
 
 Both keep *references* to the query tensors the attention kernel already made (no copy per step):
 a decode step costs a list append per layer, and the tensors are stacked only when read.
@@ -99,6 +100,8 @@ class Recorded:
         self.windows: dict[int, QueryWindow] = {}  # layer -> its recent queries
         self.log = QueryLog()  # queries whose attention is still owed to the policy
         self.scalings: dict[int, float] = {}  # layer -> the scaling its attention kernel used
+        self.softcaps: dict[int, float] = {}  # layer -> its logit soft-cap, where the model uses one
+        self.sinks: dict[int, torch.Tensor] = {}  # layer -> its learned sink logits [query_heads], if any
 
     def push_queries(self, layer: int, queries: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> None:
         window = self.windows.get(layer)

@@ -66,8 +66,8 @@ class EvictionView:
         return self._take(self.cache.positions(self._layer(layer)))
 
     def token_positions(self) -> torch.Tensor:
-        """``[rows, slots]`` for token-granularity policies (identical in every layer and head)."""
-        return self._take(self.cache.positions(0)[:, 0])
+        """``[rows, slots]`` for token-granularity policies (identical in every evicting layer and head)."""
+        return self._take(self.cache.positions(self.info.full_layers[0])[:, 0])
 
     @property
     def valid(self) -> torch.Tensor:
@@ -120,6 +120,14 @@ class EvictionView:
         """The attention scaling the model's kernel used in ``layer`` (``1/sqrt(head_dim)`` until seen)."""
         return self.recorded.scalings.get(self._layer(layer), self.info.scaling)
 
+    def softcap(self, layer: int | None = None) -> float | None:
+        """The logit soft-cap of ``layer``'s attention kernel (None: the model uses none)."""
+        return self.recorded.softcaps.get(self._layer(layer))
+
+    def sinks(self, layer: int | None = None) -> torch.Tensor | None:
+        """The learned attention-sink logits of ``layer``, ``[query_heads]`` (None: the model has none)."""
+        return self.recorded.sinks.get(self._layer(layer))
+
     def recent_queries(self, layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The last ``w`` queries: ``([rows, heads, w, head_dim], positions [rows, w], valid [rows, w])``."""
         window = self.recorded.windows.get(self._layer(layer))
@@ -133,5 +141,13 @@ class EvictionView:
         layer = self._layer(layer)
         queries, q_pos, q_valid = self.recent_queries(layer)
         return attention.window_attention(
-            queries, q_pos, q_valid, self.keys(layer), self.positions(layer), self.valid, self.scaling(layer)
+            queries,
+            q_pos,
+            q_valid,
+            self.keys(layer),
+            self.positions(layer),
+            self.valid,
+            self.scaling(layer),
+            softcap=self.softcap(layer),
+            sinks=self.sinks(layer),
         )

@@ -61,6 +61,28 @@ def test_tiny_run_writes_json_markdown_and_plots(tmp_path, capsys):
     assert len(_lines(out)) == 3
 
 
+@pytest.mark.parametrize("mode", [[], ["--prefill-to-length", "--decode-steps", "8"]], ids=["decoded", "prefilled"])
+def test_hybrid_shape_reports_kv_per_layer_kind(mode, tmp_path, capsys):
+    """Full-attention layers hold at most K + B tokens, sliding layers their window, at every length."""
+    out = tmp_path / "hybrid"
+    args = [*SWEEP, *mode, "--policies", "h2o", "--out", str(out)]
+    assert main([arg if arg != "shape:tiny" else "shape:tiny-hybrid" for arg in args]) == 0
+    assert "sliding layers (max)" in capsys.readouterr().out
+    document = json.loads((out / "bench.json").read_text())
+    full_per_token = 2 * 2 * 2 * 32 * 4  # 2 full layers x (K, V) x 2 kv heads x head_dim 32 x fp32
+    window_bytes = 2 * 2 * 2 * 32 * 4 * (16 - 1)  # 2 sliding layers hold window - 1 = 15 tokens
+    assert document["kv_bytes_per_token"] == full_per_token
+    for record in document["records"]:
+        assert record["window_kv_bytes"] == window_bytes
+        for w in record["windows"]:
+            assert w["kv_bytes_sliding"] == window_bytes and w["kv_bytes"] == w["kv_bytes_full"] + window_bytes
+            if record["policy"] != "full":
+                assert w["kv_bytes_full"] == (32 + 16) * full_per_token
+    summary = document["summary"]["sweep"]["1"]["policies"]["h2o"]
+    assert summary["kv_within_bound"] and summary["kv_sliding_max"] == summary["kv_sliding_bound"] == window_bytes
+    assert summary["kv_full_bound"] == (32 + 16) * full_per_token
+
+
 def test_rerun_skips_finished_entries_and_force_remeasures(tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
     args = [*TINY, "--policies", "streaming", "--lengths", "48", "--budget", "16", "--buffer", "8", "--no-plots"]

@@ -12,7 +12,8 @@ One forward over prompt + trace records, for every decoder layer ``l`` (counted 
     fewer than two are defined.
 
 and the per-token scores of the baselines that can be read off the same pass (higher = keep),
-averaged over every layer and head so that each is one number per token:
+averaged over every full-attention layer (every layer of a plain model: the layers these policies
+read and evict) and every head, so that each is one number per token:
 
 ``knorm``
     minus the key norm (the knorm policy keeps low-norm keys).
@@ -31,8 +32,9 @@ averaged over every layer and head so that each is one number per token:
 
 Attention probabilities come from this offline pass only (analysis, not decoding): a probe listens
 on the attention tap (:class:`reasonkv.hf.AttentionTap`), recomputes each layer's softmax attention
-from the post-RoPE queries and keys with the same additive mask the labels use (sliding-window layers
-get their window) and reduces it to the scores above, while the model's own kernel runs as usual.
+from the post-RoPE queries and keys with the same additive mask the labels use (learned attention
+sinks and soft-capping included) and reduces it to the scores above, while the model's own kernel
+runs as usual. ``g`` and ``z`` cover every decoder layer, as EPIKV's layers do.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from reasonkv.analysis.labels import MASKED_IMPLEMENTATIONS, attention_masks
-from reasonkv.hf import AttentionTap, attention_implementation, decoder_layers
+from reasonkv.hf import AttentionTap, attention_implementation, decoder_layers, model_info
 
 __all__ = [
     "BASELINE_SCORES",
@@ -163,15 +165,20 @@ def _pool(scores: torch.Tensor, kernel: int, mode: str) -> torch.Tensor:
 
 
 class _Probe:
-    """Tap listener that reduces the attention probabilities of each layer to the baseline scores."""
+    """Tap listener that reduces the attention probabilities of each layer to the baseline scores.
 
-    def __init__(self, settings: SignalSettings, num_layers: int):
+    Only the full-attention layers count, the ones those policies read and evict on a hybrid model;
+    learned attention sinks and soft-capping enter the softmax as in the model's kernel.
+    """
+
+    def __init__(self, settings: SignalSettings, full_layers: tuple[int, ...]):
         self.settings = settings
-        self.per_layer: dict[str, list[torch.Tensor | None]] = {
-            name: [None] * num_layers for name in ("knorm", "h2o", "tova", "snapkv")
-        }
+        self.full_layers = full_layers
+        self.per_layer: dict[str, dict[int, torch.Tensor]] = {name: {} for name in ("knorm", "h2o", "tova", "snapkv")}
 
     def __call__(self, layer: int, query, key, attention_mask, kwargs: dict) -> None:
+        if layer not in self.full_layers:
+            return
         _, hq, _, dim = query.shape
         hkv = key.shape[1]
         groups = hq // hkv
@@ -186,7 +193,12 @@ class _Probe:
                 logits = logits.masked_fill(~attention_mask, float("-inf"))
             else:
                 logits = logits + attention_mask.float()
-        probs = logits.softmax(-1)  # [1, Hq, T, T]
+        sinks = kwargs.get("s_aux", kwargs.get("sinks"))
+        if sinks is None:
+            probs = logits.softmax(-1)  # [1, Hq, T, T]
+        else:  # one more logit per head shares the softmax, then is dropped
+            sink = sinks.float().view(1, -1, 1, 1).expand(*logits.shape[:-1], 1)
+            probs = torch.cat([logits, sink], dim=-1).softmax(-1)[..., :-1]
 
         p = probs[0]
         s = self.settings
@@ -225,7 +237,7 @@ def token_signals(
 
         return record
 
-    probe = _Probe(settings, len(layers))
+    probe = _Probe(settings, model_info(model).full_layers)
     handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(layers)]
     dtype = next(model.parameters()).dtype
     positions = torch.arange(total, device=device)
@@ -239,7 +251,7 @@ def token_signals(
 
     g = torch.stack([step_distances(hidden[i]) for i in range(len(layers))])
     z = causal_zscore(g, settings.window, settings.eps)
-    scores = {name: torch.stack(values).mean(0).float() for name, values in probe.per_layer.items()}
+    scores = {name: torch.stack(list(values.values())).mean(0).float() for name, values in probe.per_layer.items()}
     scores["recency"] = positions.float()
     generator = torch.Generator().manual_seed(zlib.crc32(seed_key.encode()))
     scores["random"] = torch.rand(total, generator=generator).to(device)

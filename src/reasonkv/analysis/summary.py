@@ -170,7 +170,8 @@ def render_summary(
             "Mean per-trace AUC (0.5 = chance) and mean per-trace Spearman rho. EPIKV-family scores are read at the "
             "scaled default layers (`@default`) and at the calibrated ones (`@cal`); note that `@cal` was chosen on "
             "these same traces, so its numbers are optimistic. Attention scores are computed offline from the full "
-            "attention of one teacher-forced pass, averaged over layers and heads, as seen at the end of the trace.",
+            "attention of one teacher-forced pass, averaged over the full-attention layers and the heads, as seen at "
+            "the end of the trace.",
             "",
             *_auc_table(analysis.auc, analysis.target),
             "",

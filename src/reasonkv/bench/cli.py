@@ -37,8 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--model",
         default=DEFAULT_MODEL,
-        help="smollm2-135m (bundled), shape:<name> (random weights: tiny, smollm2-135m-shape, llama-3.1-8b, "
-        "r1-distill-llama-8b, qwen3-4b, qwen3-14b), a local directory, a .gguf file or a hub id (default smollm2-135m)",
+        help="smollm2-135m or gemma3-270m (bundled), shape:<name> (random weights: tiny, smollm2-135m-shape, "
+        "llama-3.1-8b, r1-distill-llama-8b, qwen3-4b, qwen3-14b, gpt-oss-20b (needs --attn eager), gemma-3-27b), "
+        "a local directory, a .gguf file or a hub id (default smollm2-135m)",
     )
     model.add_argument("--dtype", default="bf16", help="fp32 | bf16 (default) | fp16")
     model.add_argument("--device", default="cpu", help="cpu (default) | cuda | cuda:N")

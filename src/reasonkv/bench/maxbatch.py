@@ -21,7 +21,7 @@ import gc
 import torch
 
 from reasonkv.bench.measure import measure_prefilled, model_device, model_dtype
-from reasonkv.bench.memory import MemoryModel, kv_bytes_per_token, machine_memory_bytes
+from reasonkv.bench.memory import MemoryModel, kv_bytes_per_token, machine_memory_bytes, window_kv_bytes
 
 __all__ = ["kv_tokens_per_row", "measure_max_batch"]
 
@@ -64,7 +64,7 @@ def measure_max_batch(
     device = model_device(model)
     evicts = policy_class(policy).evicts
     per_token = kv_bytes_per_token(model, model_dtype(model))
-    kv_row = kv_tokens_per_row(evicts, length, budget, buffer) * per_token
+    kv_row = kv_tokens_per_row(evicts, length, budget, buffer) * per_token + window_kv_bytes(model, model_dtype(model))
     # No phase synchronisation: only whole steps are timed here, and they should run undisturbed.
     common = dict(
         policy=policy,

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
-from reasonkv.bench.memory import PeakTracker, kv_bytes_per_token
+from reasonkv.bench.memory import PeakTracker, kv_bytes_per_token, window_kv_bytes
 from reasonkv.hf import Forward, synchronize, vocab_size
 
 __all__ = [
@@ -154,12 +154,15 @@ class StepRecorder:
 
     def _read(self, cache) -> dict:
         if self._per_token is None:
-            layer = cache.layers[0]
-            self._per_token = len(cache.layers) * 2 * layer.keys.shape[1] * layer.keys.shape[3]
+            layer = cache.layers[cache.full_layers[0]]
+            self._per_token = len(cache.full_layers) * 2 * layer.keys.shape[1] * layer.keys.shape[3]
             self._per_token *= layer.keys.element_size()
+        by_kind = cache.kv_bytes_by_kind()
         return {
             "slots": int(cache.slots),
             "kv_bytes": int(cache.kv_bytes()),
+            "kv_bytes_full": int(by_kind["full"]),  # the evicting layers (allocated capacity)
+            "kv_bytes_sliding": int(by_kind["sliding"]),  # the sliding-window layers' stored window
             "kv_bytes_used": int(cache.slots * self._per_token * self.batch),
             "memory_bytes": self.tracker.current(),
             "peak_memory_bytes": self.tracker.peak(),
@@ -274,6 +277,7 @@ def measure_sweep(
     return {
         "prompt_length": prompt_length,
         "kv_bytes_per_token": kv_bytes_per_token(model, model_dtype(model)),
+        "window_kv_bytes": window_kv_bytes(model, model_dtype(model)),
         "windows": windows,
         "trace": {"first_length": prompt_length + 1, "step_s": [round(s, 7) for s in recorder.step_seconds]},
         "totals": {
@@ -456,6 +460,7 @@ def measure_prefilled_sweep(
     decode_s = sum(w["step_mean_s"] * w["window_steps"] for w in windows)
     return {
         "kv_bytes_per_token": kv_bytes_per_token(model, model_dtype(model)),
+        "window_kv_bytes": window_kv_bytes(model, model_dtype(model)),
         "windows": windows,
         "totals": {
             "prefill_s": sum(w["prefill_s"] for w in windows),

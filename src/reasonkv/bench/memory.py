@@ -2,9 +2,10 @@
 
 What is computed and what is measured:
 
-- KV bytes per token are exact: ``layers x 2 (K and V) x kv_heads x head_dim x dtype size``.
-  A row of the full cache at length ``L`` needs ``L`` of them; a row of an evicting policy never
-  more than ``K + B``.
+- KV bytes per token are exact: ``layers x 2 (K and V) x kv_heads x head_dim x dtype size``, over
+  the full-attention layers. A row of the full cache at length ``L`` needs ``L`` of them; a row of
+  an evicting policy never more than ``K + B``. On a hybrid model the sliding-window layers add a
+  constant per row, their window (:func:`window_kv_bytes`), and linear-attention layers none.
 - Peak memory is measured: on CUDA the allocator's ``max_memory_allocated``; on CPU the kernel's
   peak resident set (``VmHWM``, reset through ``/proc/self/clear_refs``), an approximation that
   also counts memory the C allocator keeps after a free.
@@ -32,6 +33,7 @@ __all__ = [
     "parse_bytes",
     "rss_bytes",
     "weight_bytes",
+    "window_kv_bytes",
 ]
 
 _UNITS = {
@@ -78,12 +80,26 @@ def format_bytes(value: float | None) -> str:
 
 
 def kv_bytes_per_token(model_or_config, dtype: torch.dtype) -> int:
-    """Bytes of K and V one token occupies in one row: ``layers x 2 x kv_heads x head_dim x size``."""
+    """Bytes of K and V one token occupies in one row's full-attention layers:
+    ``full layers x 2 x kv_heads x head_dim x size`` (every layer of a plain model)."""
     from reasonkv.hf import model_info
 
     info = model_info(model_or_config)
     size = torch.empty((), dtype=dtype).element_size()
-    return info.num_layers * 2 * info.num_kv_heads * info.head_dim * size
+    return len(info.full_layers) * 2 * info.num_kv_heads * info.head_dim * size
+
+
+def window_kv_bytes(model_or_config, dtype: torch.dtype) -> int:
+    """Bytes of K and V one row's sliding-window layers hold once their window is full:
+    ``sliding layers x 2 x kv_heads x head_dim x size x (window - 1)`` (0 without sliding layers)."""
+    from reasonkv.hf import model_info, sliding_window
+
+    info = model_info(model_or_config)
+    sliding = sum(kind == "sliding" for kind in info.layer_kinds)
+    if not sliding:
+        return 0
+    size = torch.empty((), dtype=dtype).element_size()
+    return sliding * 2 * info.num_kv_heads * info.head_dim * size * (sliding_window(model_or_config) - 1)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

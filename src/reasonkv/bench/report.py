@@ -110,11 +110,18 @@ def _sweep_summary(records: list[dict]) -> dict:
             else:
                 summary["flatness"] = None
             if per_token:
+                # Full-attention layers: K + B tokens; sliding-window layers: their window, whatever the length.
                 bound = (budget + buffer) * per_token * batch
+                window_bound = (record.get("window_kv_bytes") or 0) * batch
                 held = max((w["kv_bytes"] for w in windows.values()), default=0)
                 summary["kv_bytes_max"] = held
-                summary["kv_bytes_bound"] = bound
-                summary["kv_within_bound"] = held <= bound
+                summary["kv_bytes_bound"] = bound + window_bound
+                summary["kv_within_bound"] = held <= bound + window_bound
+                if window_bound:
+                    summary["kv_full_max"] = max(w["kv_bytes_full"] for w in windows.values())
+                    summary["kv_full_bound"] = bound
+                    summary["kv_sliding_max"] = max(w["kv_bytes_sliding"] for w in windows.values())
+                    summary["kv_sliding_bound"] = window_bound
         out["policies"][name] = summary
     out["targets"] = _sweep_targets(out)
     return out
@@ -233,6 +240,7 @@ def _sweep_markdown(records: list[dict], summary: dict, meta: dict) -> list[str]
         batch_summary = summary["sweep"].get(str(batch), {})
         lines += [f"### Batch {batch}", ""]
         rows = []
+        hybrid = any(w.get("kv_bytes_sliding") for r in group.values() for w in r["windows"])
         for name in _policy_order(group):
             windows = _by_length(group[name])
             for tokens in config["lengths"]:
@@ -240,6 +248,7 @@ def _sweep_markdown(records: list[dict], summary: dict, meta: dict) -> list[str]
                 if w is None:
                     continue
                 split = w["split_s"]
+                by_kind = [format_bytes(w["kv_bytes_full"]), format_bytes(w["kv_bytes_sliding"])] if hybrid else []
                 rows.append(
                     [
                         name,
@@ -251,14 +260,20 @@ def _sweep_markdown(records: list[dict], summary: dict, meta: dict) -> list[str]
                         str(w["evictions"]),
                         str(w["slots"]),
                         format_bytes(w["kv_bytes"]),
+                        *by_kind,
                         format_bytes(w.get("peak_memory_bytes")),
                     ]
                 )
         header = ["policy", "length", "tok/s", "step ms (median)", "step ms (mean)", "forward", "record"]
-        header += ["observe", "score", "gather", "evictions", "slots", "KV held", f"peak ({peak_kind})"]
+        header += ["observe", "score", "gather", "evictions", "slots", "KV held"]
+        header += ["KV full-attention layers", "KV sliding layers"] if hybrid else []
+        header += [f"peak ({peak_kind})"]
         lines += _table(header, rows)
         lines += _summary_markdown(batch, batch_summary)
     return lines
+
+
+_BY_KIND = ("kv_full_max", "kv_full_bound", "kv_sliding_max", "kv_sliding_bound")
 
 
 def _summary_markdown(batch: int, summary: dict) -> list[str]:
@@ -294,10 +309,12 @@ def _summary_markdown(batch: int, summary: dict) -> list[str]:
         lines += _table(["policy", *(f"@{tokens}" for tokens in lengths)], rows)
     lines += [
         "(c) Flatness (step time at 8 K over step time at K) and the KV bytes held against (K + B) x "
-        "layers x 2 x kv_heads x head_dim x dtype size x batch:",
+        "layers x 2 x kv_heads x head_dim x dtype size x batch (full-attention layers; sliding-window layers "
+        "add their window, (window - 1) tokens each):",
         "",
     ]
     rows = []
+    hybrid = any("kv_sliding_max" in policies[n] for n in order)
     for n in order:
         s = policies[n]
         if not s["evicts"]:
@@ -313,9 +330,13 @@ def _summary_markdown(batch: int, summary: dict) -> list[str]:
                 format_bytes(s.get("kv_bytes_max")),
                 format_bytes(s.get("kv_bytes_bound")),
                 _mark(s.get("kv_within_bound")),
+                *([format_bytes(s.get(key)) for key in _BY_KIND] if hybrid else []),
             ]
         )
-    lines += _table(["policy", "flatness", "KV held (max)", "bound", "within"], rows)
+    header = ["policy", "flatness", "KV held (max)", "bound", "within"]
+    if hybrid:
+        header += ["full-attention layers (max)", "bound: K + B tokens", "sliding layers (max)", "bound: window"]
+    lines += _table(header, rows)
     if "full" in policies:
         lines += ["(d) Tokens/s relative to full (window at L; in brackets: from the first decode step to L):", ""]
         rows = []

@@ -6,7 +6,16 @@ facts (:mod:`~reasonkv.hf.model`), and the attention tap (:mod:`~reasonkv.hf.tap
 ``models.py`` loads checkpoints; nothing else in reasonkv imports transformers.
 """
 
-from reasonkv.hf.forward import Forward, cache_keyword, cached_kv, left_pad, plain_cache, synchronize
+from reasonkv.hf.forward import (
+    Forward,
+    cache_keyword,
+    cached_kv,
+    left_pad,
+    native_cache_layers,
+    plain_cache,
+    synchronize,
+)
+from reasonkv.hf.masks import LayerMasks
 from reasonkv.hf.model import (
     attention_implementation,
     attention_modules,
@@ -24,6 +33,7 @@ from reasonkv.hf.tap import AttentionTap
 __all__ = [
     "AttentionTap",
     "Forward",
+    "LayerMasks",
     "attention_implementation",
     "attention_modules",
     "cache_keyword",
@@ -32,6 +42,7 @@ __all__ = [
     "layer_kinds",
     "left_pad",
     "masks_per_layer_type",
+    "native_cache_layers",
     "model_info",
     "plain_cache",
     "sliding_window",

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Forward", "cache_keyword", "cached_kv", "left_pad", "plain_cache", "synchronize"]
+__all__ = ["Forward", "cache_keyword", "cached_kv", "left_pad", "native_cache_layers", "plain_cache", "synchronize"]
 
 
 def cache_keyword(model: torch.nn.Module) -> str:
@@ -77,6 +77,18 @@ def plain_cache():
     from transformers import DynamicCache
 
     return DynamicCache()
+
+
+def native_cache_layers(model: torch.nn.Module) -> list:
+    """The cache layers transformers itself builds for ``model``, one per decoder layer.
+
+    A hybrid model gets its own kinds here: a sliding-window layer for each sliding layer, a
+    linear-attention (recurrent state) layer for each linear one. ``EvictingCache`` keeps these for
+    the layers it does not evict, so they behave exactly as without reasonkv.
+    """
+    from transformers import DynamicCache
+
+    return list(DynamicCache(config=model.config).layers)
 
 
 def cached_kv(cache: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

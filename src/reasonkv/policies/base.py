@@ -5,6 +5,11 @@ evicted, either scores (higher = keep; the default :meth:`Policy.keep` turns the
 ``select.keep_top``) or, by overriding :meth:`Policy.keep`, the kept indices themselves.
 Granularity ``"token"`` scores ``[rows, slots]`` once and the same tokens survive in every layer
 and head; ``"head"`` scores ``[rows, kv_heads, slots]`` for one layer at a time.
+
+On a hybrid model only the full-attention layers are evicted (``ModelInfo.full_layers``): a
+``"head"`` policy scores those layers only, a ``"token"`` kept set applies to each of them, and
+attention signals are recorded in those layers only. Sliding-window and linear-attention layers
+keep their model's own rules.
 """
 
 from __future__ import annotations
@@ -86,9 +91,9 @@ class Policy:
         return select.keep_top(self.score(view), valid=view.valid_mask(), protected=view.protected(), k=view.budget)
 
     def keep_layers(self, view: EvictionView) -> list[torch.Tensor]:
-        """Head granularity: the kept indices of every layer, ``keep(view.at(layer))`` each. A policy may
-        override it to do work for all layers at once (one batched pass instead of one per layer)."""
-        return [self.keep(view.at(layer)) for layer in range(view.info.num_layers)]
+        """Head granularity: the kept indices of every full-attention layer, ``keep(view.at(layer))`` each.
+        A policy may override it to do work for all layers at once (one batched pass, not one per layer)."""
+        return [self.keep(view.at(layer)) for layer in view.info.full_layers]
 
     # -- description ----------------------------------------------------------------------------
     @classmethod

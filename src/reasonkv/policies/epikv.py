@@ -96,6 +96,11 @@ class EPIKV(Policy):
     neutral 0 in every variant (``raw`` included); missing ``g`` never enters a mean or std. Prompt
     tokens get their signal from the prefill pass, exactly as if they had been fed one at a time
     (``chunk_exact``). ``a == b`` (possible on models of 1-2 layers) is allowed and scores 0.
+
+    Hybrid models (sliding-window or linear-attention layers between full-attention ones): ``L``,
+    ``a``, ``b`` and the bands count *every* decoder layer. The signal is the residual stream, which
+    every layer writes whatever its attention kind, and the paper's anatomy is a depth profile of
+    that stream; the kept set then applies to the full-attention layers, the only ones evicted.
     """
 
     name: ClassVar[str] = "epikv"

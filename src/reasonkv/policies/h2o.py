@@ -49,6 +49,11 @@ class H2O(Policy):
     - **Schedule**: H2O evicts one token per step; here eviction runs when a row reaches
       ``K + B`` and shrinks it to ``K``. ``buffer=0`` gives H2O's one-token-per-step greedy
       eviction exactly.
+    - **Hybrid models**: H2O accumulates, per layer, the attention that layer's queries pay to the
+      tokens of its own cache. Only full-attention layers are evicted, so the attention is
+      recomputed and read in those layers only (their cache is what the scores rank); sliding-window
+      and linear-attention layers keep their model's own rules. Learned attention sinks and logit
+      soft-capping enter the recomputed softmax as in the model's kernel.
 
     Parameters
     ----------
@@ -67,7 +72,7 @@ class H2O(Policy):
     Attributes
     ----------
     accumulated
-        The running scores, a :class:`PositionTable` ``[batch, layers, kv_heads, positions]``
+        The running scores, a :class:`PositionTable` ``[batch, full-attention layers, kv_heads, positions]``
         (set by :meth:`reset`).
     """
 
@@ -87,6 +92,7 @@ class H2O(Policy):
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio < 1:
             raise ValueError(f"{self.name}: recent_ratio must be a number in [0, 1), got {ratio!r}")
         self.accumulated: PositionTable | None = None
+        self._index: dict[int, int] = {}  # evicting layer -> its row in the table
         self._kv_heads = 0
 
     def needs(self, info) -> Needs:
@@ -94,18 +100,19 @@ class H2O(Policy):
 
     def reset(self, info, batch: int, device: torch.device) -> None:
         self._kv_heads = info.num_kv_heads
-        self.accumulated = PositionTable(batch, (info.num_layers, info.num_kv_heads), device=device)
+        self._index = {layer: i for i, layer in enumerate(info.full_layers)}  # table row of each evicting layer
+        self.accumulated = PositionTable(batch, (len(self._index), info.num_kv_heads), device=device)
 
     def observe_attention(self, chunk: AttentionChunk) -> None:
         mass = group_mean(chunk.column_sums, self._kv_heads)  # [batch, kv_heads, slots]
-        self.accumulated.add(chunk.slot_positions, mass, bound=chunk.position_bound, at=(chunk.layer,))
+        self.accumulated.add(chunk.slot_positions, mass, bound=chunk.position_bound, at=(self._index[chunk.layer],))
 
     def recent(self, budget: int) -> int:
         """How many of the most recent tokens are protected under budget ``K``."""
         return max(self.window, int(self.recent_ratio * budget))
 
     def score(self, view) -> torch.Tensor:
-        return self.accumulated.lookup(view.rows, view.positions(), view.layer)
+        return self.accumulated.lookup(view.rows, view.positions(), self._index[view.layer])
 
     def keep(self, view) -> torch.Tensor:
         protected = select.protected_mask(

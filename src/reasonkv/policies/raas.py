@@ -59,6 +59,11 @@ class RaaS(Policy):
       here the budget ``K`` covers everything held, prompt included, so ``K = L + prompt length``
       reproduces a paper budget ``L`` and a prompt longer than ``K`` is an error. Set
       ``protect_prompt=False`` to let the prompt compete on timestamps like any other token.
+    - **Hybrid models**: RaaS stamps a token when a layer's newest query attends to it in that
+      layer's cache. Only full-attention layers are evicted, so the attention is recomputed and read
+      in those layers only (their cache is what the scores rank); sliding-window and linear-
+      attention layers keep their model's own rules. Learned attention sinks and logit soft-capping
+      enter the recomputed softmax as in the model's kernel.
 
     Parameters
     ----------
@@ -79,7 +84,7 @@ class RaaS(Policy):
     Attributes
     ----------
     timestamps
-        Last-useful step per token, a :class:`PositionTable` ``[batch, layers, kv_heads, positions]``
+        Last-useful step per token, a :class:`PositionTable` ``[batch, full-attention layers, kv_heads, positions]``
         (-1 for positions not seen yet; set by :meth:`reset`).
     """
 
@@ -107,6 +112,7 @@ class RaaS(Policy):
         if not isinstance(self.protect_prompt, bool):
             raise ValueError(f"{self.name}: protect_prompt must be True or False, got {self.protect_prompt!r}")
         self.timestamps: PositionTable | None = None
+        self._index: dict[int, int] = {}  # evicting layer -> its row in the table
         self._kv_heads = 0
 
     def needs(self, info) -> Needs:
@@ -114,7 +120,8 @@ class RaaS(Policy):
 
     def reset(self, info, batch: int, device: torch.device) -> None:
         self._kv_heads = info.num_kv_heads
-        self.timestamps = PositionTable(batch, (info.num_layers, info.num_kv_heads), fill=-1.0, device=device)
+        self._index = {layer: i for i, layer in enumerate(info.full_layers)}
+        self.timestamps = PositionTable(batch, (len(self._index), info.num_kv_heads), fill=-1.0, device=device)
 
     def _per_kv_head(self, attention: torch.Tensor) -> torch.Tensor:
         """``[batch, query_heads, n, slots] -> [batch, kv_heads, n, slots]``, following ``repeat_kv``'s head order."""
@@ -132,13 +139,13 @@ class RaaS(Policy):
         now = chunk.query_positions.view(chunk.query_positions.shape[0], 1, -1, 1)  # -1: padding query
         used = (attention > self.threshold) & (now >= 0)
         latest = torch.where(used, now.float(), -1.0).amax(2)  # [batch, kv_heads, slots]: last use of each key
-        at, bound = (chunk.layer,), chunk.position_bound
+        at, bound = (self._index[chunk.layer],), chunk.position_bound
         stamps = self.timestamps.get(chunk.slot_positions, bound=bound, at=at)
         self.timestamps.set(chunk.slot_positions, torch.maximum(stamps, latest), bound=bound, at=at)
 
     def score(self, view) -> torch.Tensor:
         positions = view.positions()
-        stamps = self.timestamps.lookup(view.rows, positions, view.layer)
+        stamps = self.timestamps.lookup(view.rows, positions, self._index[view.layer])
         # Lexicographic (timestamp, position) as exact ranks: no ties, so no dependence on slot order.
         key = ((stamps.long() + 1) << 32) + (positions + 1)
         return key.argsort(-1).argsort(-1).float()

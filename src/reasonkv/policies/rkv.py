@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from reasonkv import select
-from reasonkv.attention import grouped_logits, masked_softmax
+from reasonkv.attention import grouped_logits, grouped_sinks, masked_softmax
 from reasonkv.contract import Needs
 from reasonkv.policies import register
 from reasonkv.policies.base import Policy
@@ -39,6 +39,8 @@ def window_importance(
     candidates: torch.Tensor,
     scaling: float,
     pooling: str = "max",
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """R-KV importance before smoothing: ``[rows, kv_heads, slots]``.
 
@@ -57,16 +59,22 @@ def window_importance(
     pooling
         How the query heads of one kv group are merged: ``"max"`` or ``"mean"`` of the attention
         *logits*, before the softmax (R-KV's ``compute_attention_scores``).
+    softcap, sinks
+        The model kernel's logit soft-cap and learned sink logits (``[query_heads]``), if it has
+        them. Sink logits are merged over each kv group like the other logits.
 
     A query sees the candidate keys at or before its own position. The result is the mean over the
     valid queries of each query's softmax distribution over the candidates.
     """
     b, w = query_positions.shape
-    logits = grouped_logits(queries, keys, scaling)  # [rows, kv_heads, group, w, slots]
+    logits = grouped_logits(queries, keys, scaling, softcap)  # [rows, kv_heads, group, w, slots]
     logits = logits.amax(2) if pooling == "max" else logits.mean(2)
+    if sinks is not None:
+        sink = grouped_sinks(sinks, keys.shape[1])
+        sinks = sink.amax(2) if pooling == "max" else sink.mean(2)  # [1, kv_heads, 1, 1]
     visible = candidates.unsqueeze(2) & (key_positions.unsqueeze(2) <= query_positions.view(b, 1, w, 1))
     visible &= query_valid.view(b, 1, w, 1)
-    probs = masked_softmax(logits, visible)
+    probs = masked_softmax(logits, visible, sinks)
     count = query_valid.sum(-1).clamp(min=1).view(b, 1, 1)
     return probs.sum(2) / count
 
@@ -223,6 +231,9 @@ class RKV(Policy):
       in blocks of the most recent keys, for all layers at once (memory ``O(chunk)``).
     - Budget: every head keeps exactly ``K`` tokens (the code keeps ``budget - window`` scored
       tokens plus the window, the same thing).
+    - Hybrid models: only full-attention layers are evicted, so only they record queries and are
+      scored; learned attention sinks and logit soft-capping enter the importance softmax as in
+      the model's kernel (sink logits merged over a kv group by ``pooling``).
     """
 
     name = "rkv"
@@ -279,7 +290,16 @@ class RKV(Policy):
         queries, q_positions, q_valid = view.recent_queries()
         candidates = self.candidates(view)
         raw = window_importance(
-            queries, q_positions, q_valid, view.keys(), view.positions(), candidates, view.scaling(), self.pooling
+            queries,
+            q_positions,
+            q_valid,
+            view.keys(),
+            view.positions(),
+            candidates,
+            view.scaling(),
+            self.pooling,
+            softcap=view.softcap(),
+            sinks=view.sinks(),
         )
         # Non-candidates hold 0, which never wins a max against attention weights; the mask keeps the
         # pooled values of the last candidates from spilling into the window.
@@ -304,15 +324,15 @@ class RKV(Policy):
 
     def keep_layers(self, view) -> list[torch.Tensor]:
         """Every layer's kept set, the redundancy of all layers' keys computed in one pass."""
-        layers = range(view.info.num_layers)
+        layers = view.info.full_layers
         keys = torch.cat([view.keys(layer) for layer in layers], dim=1)  # [rows, layers x kv_heads, slots, dim]
         redundancy = key_redundancy(
             keys, view.valid, threshold=self.threshold, retain=self.retain, duplicate_window=self.duplicate_window
         )
         redundancy = redundancy.unflatten(1, (len(layers), -1))
         kept = []
-        for layer in layers:
+        for index, layer in enumerate(layers):
             at = view.at(layer)
-            scores = self._combine(self.importance(at), redundancy[:, layer])
+            scores = self._combine(self.importance(at), redundancy[:, index])
             kept.append(select.keep_top(scores, valid=at.valid_mask(), protected=at.protected(), k=at.budget))
         return kept

@@ -41,7 +41,9 @@ def window_scores(view, *, kernel: int = 7, pooling: str = "max") -> torch.Tenso
     The attention of each recorded recent query over the stored keys (softmax per query, causal,
     recomputed from the recorded post-RoPE queries: no attention matrix from the model), summed
     over the query window, averaged over the query heads of each kv group, then smoothed along the
-    slots with a ``kernel``-wide max or average pooling.
+    slots with a ``kernel``-wide max or average pooling. Learned attention sinks and logit
+    soft-capping enter the softmax as in the model's kernel; on a hybrid model only full-attention
+    layers are scored (they alone are evicted and record queries).
     """
     probs = view.window_attention()  # [rows, query_heads, w, slots]
     summed = probs.sum(dim=2)

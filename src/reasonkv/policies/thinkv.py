@@ -250,8 +250,9 @@ class ThinKV(Policy):
         ``low``, transition at or above ``high``). Default ``None``: online KDE on the row's own
         history, see above. The paper's values are per model and not published.
     layers
-        Layers whose attention rows give the sparsity (default ``None``: all layers). The paper
-        uses the 4 layers selected at calibration (``|L*| = 4``); pass them here when known.
+        Layers whose attention rows give the sparsity (default ``None``: all full-attention
+        layers). The paper uses the 4 layers selected at calibration (``|L*| = 4``); pass them here
+        when known. They must be full-attention layers on a hybrid model.
     refresh
         Segment length and type-refresh interval τ in tokens. Default 128 (§4.1; the paper's
         ablation, Figure 10c, finds it the best trade-off).
@@ -269,7 +270,8 @@ class ThinKV(Policy):
         Thought type whose segments demote every earlier segment (scenario 1). Default
         ``"transition"``; ``None`` keeps only scenario 2.
     cluster_layers
-        Layers whose keys feed the K-means (default ``None``: all layers, concatenated).
+        Layers whose keys feed the K-means (default ``None``: all full-attention layers,
+        concatenated). They must be full-attention layers on a hybrid model.
     kmeans_iters
         Lloyd iterations per clustering (default 10; the paper does not say; 0 keeps evenly
         spaced tokens).
@@ -294,6 +296,10 @@ class ThinKV(Policy):
     - **Sparsity** is recorded at every decoded token (the paper computes it only at refreshes)
       because the online thresholds need the history; with fixed thresholds only refresh steps
       matter.
+    - **Hybrid models.** Only full-attention layers are evicted, and only they see the whole
+      trace: a sliding-window layer's attention is sparse or dense by its window, not by the thought.
+      Sparsity and clustering therefore read full-attention layers only (the paper's models have no
+      other kind). Learned attention sinks and logit soft-capping enter the recomputed softmax.
     """
 
     name = "thinkv"
@@ -373,9 +379,15 @@ class ThinKV(Policy):
                 raise ValueError(
                     f"thinkv: {name}: layer {max(layers)} out of range: the model has {info.num_layers} layers"
                 )
+            other = [layer for layer in layers or () if layer not in info.full_layers]
+            if other:
+                raise ValueError(
+                    f"thinkv: {name}: layers {other} are not full-attention layers; "
+                    f"full-attention layers: {list(info.full_layers)}"
+                )
         self._prompt: torch.Tensor | None = None
         self._previous: torch.Tensor | None = None
-        self._chosen = list(self.layers or range(info.num_layers))
+        self._chosen = list(self.layers or info.full_layers)
         self._types = PositionTable(batch, fill=-1.0, device=device)  # indexed by segment number
         self._sparsity = PositionTable(batch, fill=math.nan, device=device)  # indexed by position
         self._per_layer = PositionTable(batch, (len(self._chosen),), fill=math.nan, device=device)
@@ -504,7 +516,7 @@ class ThinKV(Policy):
         member = offset[valid]
         depth = torch.zeros((n_groups, tau), dtype=torch.long, device=device)
         if n_groups:
-            layers = self.cluster_layers or tuple(range(view.info.num_layers))
+            layers = self.cluster_layers or view.info.full_layers
             features = []
             for layer in layers:
                 k = view.keys(layer)  # [rows, kv_heads, slots, head_dim]

@@ -40,6 +40,11 @@ class TOVA(Policy):
     - **Protection**: the paper protects nothing (it observes that the first token is kept on its
       own). This project's defaults apply (``sinks = 4``, ``window = 0``); ``sinks=0``
       reproduces the paper.
+    - **Hybrid models**: TOVA reads each layer's newest-query attention over that layer's cache.
+      Only full-attention layers are evicted, so the attention is recomputed and read in those
+      layers only (their cache is what the scores rank); sliding-window and linear-attention layers
+      keep their model's own rules. Learned attention sinks and logit soft-capping enter the
+      recomputed softmax as in the model's kernel.
 
     Parameters
     ----------
