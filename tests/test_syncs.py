@@ -91,7 +91,7 @@ def _plain_step_syncs(model) -> int:
 
 
 @torch.inference_mode()
-def _steps(model, policy, *, batch_prompts, steps, budget=16, buffer=6, with_mask=False):
+def _steps(model, policy, *, batch_prompts, steps, budget=40, buffer=6, with_mask=False):
     """Sync ops per decode step (a list) and which steps evicted."""
     ids, mask = _padded(batch_prompts)
     cache = reasonkv.EvictingCache(budget, buffer, model=model, policy=policy)
@@ -121,7 +121,7 @@ EVICTING = [name for name in list_policies() if get_policy(name).evicts]
 def test_a_step_between_evictions_syncs_no_more_than_plain_transformers(policy, with_mask, one_torch_thread):
     model = tiny_llama()
     plain = _plain_step_syncs(model)
-    counts, evicted = _steps(model, policy, batch_prompts=PROMPTS, steps=16, with_mask=with_mask)
+    counts, evicted = _steps(model, policy, batch_prompts=PROMPTS, steps=36, with_mask=with_mask)
     quiet = [ops for ops, e in zip(counts, evicted, strict=True) if not e]
     assert quiet, "no step without an eviction was measured"
     assert max(len(ops) for ops in quiet) <= plain, (plain, [ops for ops in quiet if len(ops) > plain][:1])
@@ -133,7 +133,7 @@ def test_a_step_between_evictions_syncs_no_more_than_plain_transformers(policy, 
 def test_an_eviction_syncs_a_fixed_few_whatever_the_batch_and_layers(policy, one_torch_thread):
     def eviction_syncs(layers, rows):
         model = tiny_llama(layers=layers)
-        counts, evicted = _steps(model, policy, batch_prompts=(PROMPTS * 3)[:rows], steps=14)
+        counts, evicted = _steps(model, policy, batch_prompts=(PROMPTS * 3)[:rows], steps=36)
         return max(len(ops) for ops, e in zip(counts, evicted, strict=True) if e)
 
     small, big = eviction_syncs(2, 2), eviction_syncs(4, 6)

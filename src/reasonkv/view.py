@@ -21,7 +21,8 @@ class EvictionView:
     """The evicted rows' view of the cache and the recorded signals, for one eviction.
 
     ``layer`` is ``None`` for token-granularity policies (one call for all layers) and the layer
-    being scored for head-granularity ones. Tensors have the evicted rows as their first dimension.
+    being scored for head-granularity ones. Tensors have the evicted rows as their first dimension;
+    ``rows`` holds their indices, distinct and in increasing order.
     """
 
     def __init__(
@@ -33,9 +34,8 @@ class EvictionView:
         self.info = info
         self.layer = layer
         self.budget: int = cache.budget
-        self._all_rows = rows.numel() == cache.valid.shape[0] and bool(
-            (rows == torch.arange(rows.numel(), device=rows.device)).all()
-        )
+        # ``rows`` are distinct and sorted (as ``nonzero`` gives them), so as many as the batch are all of it.
+        self._all_rows = rows.numel() == cache.valid.shape[0]
 
     def at(self, layer: int) -> EvictionView:
         """The same eviction, seen from one layer (head-granularity scoring)."""

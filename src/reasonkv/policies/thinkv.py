@@ -79,7 +79,7 @@ def kde_thresholds(samples: torch.Tensor, points: int = KDE_POINTS) -> torch.Ten
     var = (((values - mean.unsqueeze(1)) ** 2) * present).sum(-1) / (n - 1).clamp(min=1)
     std = var.sqrt()
     if x.shape[1] > 0:
-        quartiles = torch.nanquantile(x, torch.tensor([0.25, 0.75], dtype=x.dtype, device=x.device), dim=-1)
+        quartiles = torch.nanquantile(x, torch.arange(1, 4, 2, dtype=x.dtype, device=x.device) / 4, dim=-1)
         iqr = (quartiles[1] - quartiles[0]).nan_to_num(0.0)
     else:
         iqr = torch.zeros_like(std)
@@ -111,7 +111,7 @@ def tertile_thresholds(samples: torch.Tensor) -> torch.Tensor:
     n = (~torch.isnan(samples)).sum(-1)
     if samples.shape[1] == 0:
         return samples.new_full((samples.shape[0], 2), math.nan)
-    q = torch.tensor([1.0 / 3.0, 2.0 / 3.0], dtype=samples.dtype, device=samples.device)
+    q = torch.arange(1, 3, dtype=samples.dtype, device=samples.device) / 3  # [1/3, 2/3], made on the device
     thresholds = torch.nanquantile(samples, q, dim=-1).transpose(0, 1)
     return thresholds.masked_fill((n < 3).unsqueeze(1), math.nan)
 
@@ -517,11 +517,9 @@ class ThinKV(Policy):
         depth = torch.zeros((n_groups, tau), dtype=torch.long, device=device)
         if n_groups:
             layers = self.cluster_layers or view.info.full_layers
-            features = []
-            for layer in layers:
-                k = view.keys(layer)  # [rows, kv_heads, slots, head_dim]
-                features.append(k.permute(0, 2, 1, 3).reshape(n_rows, slots, -1)[valid].float())
-            flat = torch.cat(features, dim=-1)
+            # [rows, slots, layers x kv_heads x head_dim], indexed once (one host read, whatever the layers)
+            keys = torch.cat([view.keys(layer).transpose(1, 2).reshape(n_rows, slots, -1) for layer in layers], -1)
+            flat = keys[valid].float()
             x = flat.new_zeros((n_groups, tau, flat.shape[-1]))
             x[group, member] = flat
             active = torch.zeros((n_groups, tau), dtype=torch.bool, device=device)
