@@ -13,6 +13,13 @@ left padding of a batched prompt, which every attention kernel (SDPA, FlashAtten
 Masks live in *slot space* (query ``i`` of a step sits at slot ``slots + i``), RoPE in *logical
 space* (the ``position_ids`` the evictor passes). ``get_seq_length`` reports logical tokens seen,
 as transformers' generation utilities expect; ``get_mask_sizes``/``get_query_offset`` report slots.
+
+With a quantized tier (``quantized=Q``, :mod:`reasonkv.tiers`) the slots are ``[quantized | full
+precision]``: the first ``low_width`` slots of every layer hold the quantized tokens (packed, per
+layer in ``layer.quantized``), the rest the full-precision ones (``layer.keys``/``values``). Each
+region keeps a row's tokens right-aligned, so a row may have padding in both. The attention kernel
+gets the quantized tokens dequantized in front of the full-precision ones (:meth:`EvictingCache.attended`),
+built once per layer and forward and not kept, so the cache holds only the packed codes.
 """
 
 from __future__ import annotations
@@ -21,6 +28,9 @@ from functools import partial
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+from reasonkv.quantize import QuantFormat, default_group_size
+from reasonkv.tiers import QuantizedTier
 
 __all__ = ["EvictingCache"]
 
@@ -39,10 +49,13 @@ class _EvictingLayer(CacheLayerMixin):
         self._keys: torch.Tensor | None = None
         self._values: torch.Tensor | None = None
         self._positions: torch.Tensor | None = None
+        self.quantized: QuantizedTier | None = None  # the quantized tier, when the cache has one
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device, self.dtype = key_states.device, key_states.dtype
         batch, heads, _, dim = key_states.shape
+        if self.parent.quantized:
+            self.parent.tier_format(dim)  # refuses a group size that does not divide head_dim
         self._keys = key_states.new_empty((batch, heads, 0, dim))
         self._values = value_states.new_empty((batch, heads, 0, value_states.shape[-1]))
         self._positions = torch.empty((batch, heads, 0), dtype=torch.long, device=self.device)
@@ -96,6 +109,13 @@ class _EvictingLayer(CacheLayerMixin):
         self.length = n
         self._refresh_views()
 
+    def attended(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V as attention sees them: the quantized tier dequantized, then the full tier."""
+        if self.quantized is None or self.quantized.width == 0:
+            return self.keys, self.values
+        keys, values = self.quantized.dequantize()
+        return torch.cat([keys, self.keys], dim=2), torch.cat([values, self.values], dim=2)
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.parent.slots + query_length, 0
 
@@ -140,6 +160,18 @@ class EvictingCache(Cache):
         Number of decoder layers, when known up front (layers are otherwise created on first use).
     sync_timing
         Synchronise CUDA around each timed eviction phase, for an exact split in benchmarks.
+    quantized
+        ``Q``: tokens per (row, layer, kv-head) kept quantized after an eviction, beside the ``K``
+        kept at full precision (default 0: no quantized tier). The policy's ranking decides:
+        the top ``K`` stay at full precision, the next ``Q`` are kept quantized, the rest are
+        evicted; quantized tokens are never promoted back (see :mod:`reasonkv.tiers`). Needs a
+        policy that ranks tokens (every evicting policy built in).
+    bits
+        Code width of the quantized tier: 8 (default) or 4. Only with ``quantized > 0``.
+    group_size
+        Numbers per scale and zero point (keys: tokens of one channel; values: channels of one
+        token); must divide head_dim. Default: 32, or the largest divisor of head_dim below it.
+        Only with ``quantized > 0``.
     """
 
     def __init__(
@@ -152,10 +184,19 @@ class EvictingCache(Cache):
         seed: int | list[int] = 0,
         num_layers: int | None = None,
         sync_timing: bool = False,
+        quantized: int = 0,
+        bits: int | None = None,
+        group_size: int | None = None,
         **policy_kwargs,
     ):
         _check_sizes(budget, buffer)
+        _check_tier(quantized, bits, group_size)
         self.budget, self.buffer = budget, buffer
+        self.quantized = quantized
+        self.bits = bits if bits is not None or not quantized else 8
+        self.group_size = group_size
+        self.low_width = 0  # slots of the quantized tier (the first ones of every layer)
+        self._format: QuantFormat | None = None
         if model is not None and num_layers is None:
             from reasonkv.hf import model_info
 
@@ -187,6 +228,10 @@ class EvictingCache(Cache):
             )
         elif policy is not None or policy_kwargs:
             raise ValueError("a policy needs the model: pass model=... to EvictingCache")
+        if quantized and self.budget is None:
+            raise ValueError(f"a quantized tier (quantized={quantized}) needs a budget: it holds evicted tokens")
+        if quantized and model is not None:
+            self.tier_format(self.evictor.info.head_dim)
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -196,7 +241,10 @@ class EvictingCache(Cache):
 
     def positions(self, layer_idx: int) -> torch.Tensor:
         """Logical positions of the stored tokens of one layer, ``[batch, kv_heads, slots]`` (-1: padding)."""
-        return self.layers[layer_idx].positions
+        layer = self.layers[layer_idx]
+        if not self.low_width:
+            return layer.positions
+        return torch.cat([layer.quantized.positions, layer.positions], dim=2)
 
     def row_lengths(self) -> torch.Tensor:
         """Real tokens held per row, ``[batch]``."""
@@ -208,13 +256,38 @@ class EvictingCache(Cache):
         return 0 if self.row_evictions is None else int(self.row_evictions.sum())
 
     def kv_bytes(self) -> int:
-        """Bytes of K/V storage held (allocated capacity, not just the used slots)."""
-        total = 0
+        """Bytes of K/V storage held (allocated capacity, not just the used slots), both tiers."""
+        return sum(self.kv_bytes_by_tier().values())
+
+    def kv_bytes_by_tier(self) -> dict[str, int]:
+        """Bytes held per tier: ``full`` (full-precision K/V, allocated capacity) and ``quantized``
+        (codes, key-group ids, scales and zero points)."""
+        full = quantized = 0
         for layer in self.layers:
             if layer.is_initialized:
-                total += layer._keys.numel() * layer._keys.element_size()
-                total += layer._values.numel() * layer._values.element_size()
-        return total
+                full += layer._keys.numel() * layer._keys.element_size()
+                full += layer._values.numel() * layer._values.element_size()
+            if layer.quantized is not None:
+                quantized += layer.quantized.nbytes()
+        return {"full": full, "quantized": quantized}
+
+    def quantized_mask(self) -> torch.Tensor:
+        """``[batch, slots]``: True where a slot holds a quantized token."""
+        return self.valid & (torch.arange(self.slots, device=self._valid.device) < self.low_width)
+
+    def attended(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's keys and values ``[batch, kv_heads, slots, head_dim]`` as attention sees them
+        (quantized tokens dequantized: a new tensor each call, views of the storage otherwise)."""
+        return self.layers[layer_idx].attended()
+
+    def tier_format(self, head_dim: int) -> QuantFormat:
+        """The quantized tier's format for this head_dim (``ValueError`` if the group size does not divide it)."""
+        if self._format is None:
+            size = self.group_size if self.group_size is not None else default_group_size(head_dim)
+            fmt = QuantFormat(self.bits, size)
+            fmt.check_head_dim(head_dim)
+            self._format = fmt
+        return self._format
 
     # ------------------------------------------------------------------ transformers Cache API
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -274,10 +347,10 @@ class EvictingCache(Cache):
 
     def _append(self, layer: _EvictingLayer, key_states: torch.Tensor, value_states: torch.Tensor):
         batch, _, q, _ = key_states.shape
-        if layer.length == self.slots:  # the first layer of a new forward pass opens the step
+        if layer.length + self.low_width == self.slots:  # the first layer of a new forward pass opens the step
             self._open_step(batch, q, key_states.device)
         layer.write(key_states, value_states, self._step_positions)
-        return layer.keys, layer.values
+        return layer.attended()
 
     def _grown_capacity(self, needed: int, current: int) -> int:
         if self.budget is not None:
@@ -286,22 +359,57 @@ class EvictingCache(Cache):
 
     # ------------------------------------------------------------------ eviction
     def due_rows(self) -> torch.Tensor:
-        """Indices of the rows holding ``K + B`` tokens or more (empty when nothing is due)."""
+        """Indices of the rows holding ``K + B`` full-precision tokens or more (empty when nothing is due)."""
         if self.budget is None or self._valid is None:
             return torch.empty(0, dtype=torch.long)
-        return torch.nonzero(self.row_lengths() >= self.budget + self.buffer).flatten()
+        return torch.nonzero(self.until_due() <= 0).flatten()
 
-    def compact(self, rows: torch.Tensor, keep: list[torch.Tensor]) -> None:
+    def until_due(self) -> torch.Tensor:
+        """``[batch]``: tokens each row may still take before its eviction is due (``K + B`` minus
+        the full-precision tokens it holds; quantized ones do not count)."""
+        return self.budget + self.buffer - self.valid[:, self.low_width :].sum(-1)
+
+    def compact(
+        self,
+        rows: torch.Tensor,
+        keep: list[torch.Tensor],
+        quantized: tuple[list[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         """Shrink ``rows`` to the slots in ``keep`` (one ``[len(rows), kv_heads, K]`` tensor per layer).
 
         Rows not listed keep every real token. Afterwards every row is right-aligned again and the
         slot count is the longest row's length, so no slot is wasted on padding beyond that.
+        With a quantized tier, ``quantized`` names the slots the rows keep quantized (as
+        :func:`reasonkv.tiers.split_tiers` returns them: one ``[len(rows), kv_heads, m]`` tensor per
+        layer, right-aligned, ``-1`` for none, and the count per row), and ``keep`` only
+        full-precision slots.
         """
         if len(keep) != len(self.layers):
             raise ValueError(f"need keep indices for all {len(self.layers)} layers, got {len(keep)}")
+        if (quantized is not None) != bool(self.quantized):
+            raise ValueError("compact takes the quantized slots exactly when the cache has a quantized tier")
         rows = rows.to(self._valid.device)
+        width = self.low_width
+        if quantized is None:
+            low_valid = self.valid[:, :0]
+        else:
+            low_valid = self._compact_quantized(rows, *quantized)  # reads the full tier before it moves
+            keep = [k - width for k in keep]
+        full_valid = self._compact_full(rows, keep)
+        new_width, total = low_valid.shape[1], low_valid.shape[1] + full_valid.shape[1]
+        if total > self._valid.shape[1]:  # rows with differing tier sizes pad both regions
+            self._valid = self._valid.new_zeros((self._valid.shape[0], self._grown_capacity(total, 0)))
+        self._valid[:, :new_width] = low_valid
+        self._valid[:, new_width:total] = full_valid
+        self.slots, self.low_width = total, new_width
+        self.row_evictions[rows] += 1
+        self._release_spare_capacity()
+
+    def _compact_full(self, rows: torch.Tensor, keep: list[torch.Tensor]) -> torch.Tensor:
+        """Gather the full-precision tier; returns its new ``[batch, slots]`` validity."""
         k = keep[0].shape[-1]
-        valid, slots = self.valid, self.slots
+        valid = self.valid[:, self.low_width :]
+        slots = valid.shape[1]
         lengths = valid.sum(-1)
         lengths[rows] = k
         new_slots = int(lengths.max())
@@ -315,17 +423,39 @@ class EvictingCache(Cache):
             index[rows, :, new_slots - k :] = layer_keep.to(index.device)
             index[rows, :, : new_slots - k] = 0
             layer.gather(index, new_valid)
-        self._valid[:, :new_slots] = new_valid
-        self.slots = new_slots
-        self.row_evictions[rows] += 1
-        self._release_spare_capacity()
+        return new_valid
+
+    def _compact_quantized(self, rows: torch.Tensor, selected: list[torch.Tensor], counts: torch.Tensor):
+        """Rebuild every layer's quantized tier: ``rows`` hold ``selected``, the others what they held.
+        Returns the tier's new ``[batch, width]`` validity (right-aligned)."""
+        width = self.low_width
+        held = self.valid[:, :width]
+        device = held.device
+        per_row = held.sum(-1)
+        per_row[rows] = counts.to(device)
+        new_width = int(per_row.max())
+        slot = torch.arange(new_width, device=device)
+        # Rows not evicted keep their quantized slots, re-right-aligned to the new width.
+        current = torch.where(held, torch.arange(width, device=device), -1)
+        current = torch.cat([current.new_full((current.shape[0], max(new_width - width, 0)), -1), current], 1)
+        current = current[:, current.shape[1] - new_width :]
+        for layer, chosen in zip(self.layers, selected, strict=True):
+            heads = layer.keys.shape[1]
+            select = current.unsqueeze(1).expand(-1, heads, -1).clone()
+            chosen = chosen.to(device)
+            padding = chosen.new_full((*chosen.shape[:2], new_width - chosen.shape[-1]), -1)
+            select[rows] = torch.cat([padding, chosen], -1)
+            tier = layer.quantized or QuantizedTier.empty(self.tier_format(layer.keys.shape[-1]), layer.keys)
+            layer.quantized = tier.rebuild(select, layer.keys, layer.values, layer.positions)
+        return slot >= (new_width - per_row).unsqueeze(1)
 
     def _release_spare_capacity(self) -> None:
         # A long prompt grows the buffers past K + B once; give that memory back after its eviction.
         limit = self.budget + self.buffer
-        if self._valid.shape[1] > limit >= self.slots:
-            self._valid = self._valid[:, :limit].clone()
-            for layer in self.layers:
+        if self._valid.shape[1] > limit + self.quantized >= self.slots:
+            self._valid = self._valid[:, : limit + self.quantized].clone()
+        for layer in self.layers:
+            if layer.capacity > limit >= layer.length:
                 layer.resize(limit)
 
     # ------------------------------------------------------------------ lifetime
@@ -341,7 +471,8 @@ class EvictingCache(Cache):
         self.detach()
 
     def __repr__(self) -> str:
-        return f"EvictingCache(budget={self.budget}, buffer={self.buffer}, slots={self.slots}, seen={self.seen})"
+        tier = f", quantized={self.quantized}, bits={self.bits}" if self.quantized else ""
+        return f"EvictingCache(budget={self.budget}, buffer={self.buffer}{tier}, slots={self.slots}, seen={self.seen})"
 
 
 def _take_slots(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -351,6 +482,17 @@ def _take_slots(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     first_slot = torch.arange(batch * heads, device=index.device).view(batch, heads, 1) * capacity
     rows = buffer.reshape(batch * heads * capacity, dim).index_select(0, (first_slot + index).flatten())
     return rows.view(batch, heads, index.shape[-1], dim)
+
+
+def _check_tier(quantized: int, bits: int | None, group_size: int | None) -> None:
+    if isinstance(quantized, bool) or not isinstance(quantized, int) or quantized < 0:
+        raise ValueError(f"quantized must be a non-negative integer (tokens kept quantized), got {quantized!r}")
+    if not quantized:
+        for name, value in (("bits", bits), ("group_size", group_size)):
+            if value is not None:
+                raise ValueError(f"{name}={value!r} has no effect without a quantized tier: set quantized > 0")
+        return
+    QuantFormat(8 if bits is None else bits, 1 if group_size is None else group_size)  # bits in (4, 8), size > 0
 
 
 def _check_sizes(budget: int | None, buffer: int) -> None:

@@ -27,8 +27,9 @@ class GenerationResult:
 
     ``stats`` holds: ``evictions`` (this row), ``peak_slots`` (cache slots, whole batch),
     ``prefill_seconds``, ``decode_seconds``, ``tokens_per_second`` (this row's tokens over the batch's
-    decode time), ``batch_size``, ``peak_kv_bytes`` (K/V storage held), ``peak_memory_bytes`` (CUDA max
-    allocated, or the process's peak RSS on CPU), ``budget``, ``buffer`` and ``policy``.
+    decode time), ``batch_size``, ``peak_kv_bytes`` (K/V storage held), ``peak_kv_bytes_by_tier``
+    (that peak split into ``full`` and ``quantized``), ``peak_memory_bytes`` (CUDA max allocated, or
+    the process's peak RSS on CPU), ``budget``, ``buffer``, ``quantized``, ``bits`` and ``policy``.
     """
 
     text: str
@@ -116,6 +117,9 @@ def generate(
     progress: bool = False,
     on_step: Callable[[int, EvictingCache], None] | None = None,
     sync_timing: bool = False,
+    quantized: int = 0,
+    bits: int | None = None,
+    group_size: int | None = None,
     **policy_kwargs,
 ) -> list[GenerationResult]:
     """Decode ``prompts`` (one batch) with a KV cache held to ``budget + buffer`` tokens per head.
@@ -133,6 +137,9 @@ def generate(
     budget, buffer
         ``K`` and ``B``: each row is shrunk to ``K`` tokens whenever it holds ``K + B``.
         Ignored by ``full``; required by every other policy.
+    quantized, bits, group_size
+        A quantized tier of ``Q`` tokens per head beside the ``K`` full-precision ones, int8 or
+        int4 (see :class:`~reasonkv.cache.EvictingCache`; default: none).
     seed
         Seeds the eviction randomness and the sampling, per row (an int for all rows, or a list).
     stop
@@ -162,7 +169,16 @@ def generate(
         raise ValueError("stop strings need a tokenizer")
 
     cache = EvictingCache(
-        budget, buffer, model=model, policy=policy, seed=seed, sync_timing=sync_timing, **policy_kwargs
+        budget,
+        buffer,
+        model=model,
+        policy=policy,
+        seed=seed,
+        sync_timing=sync_timing,
+        quantized=quantized,
+        bits=bits,
+        group_size=group_size,
+        **policy_kwargs,
     )
     sampling_generators = row_generators(seed, batch, device, salt=2)
     forward = Forward(model)
@@ -171,7 +187,7 @@ def generate(
 
     generated = [[] for _ in range(batch)]
     finish = [None] * batch
-    peak_kv = 0
+    peak_kv, peak_tiers = 0, cache.kv_bytes_by_tier()
     try:
         synchronize(device)
         t0 = time.perf_counter()
@@ -186,7 +202,9 @@ def generate(
 
             steps = tqdm(steps, desc=f"{cache.evictor.policy.name} decode", unit="tok", leave=False)
         for step in steps:
-            peak_kv = max(peak_kv, cache.kv_bytes())
+            tiers = cache.kv_bytes_by_tier()
+            if sum(tiers.values()) > peak_kv:
+                peak_kv, peak_tiers = sum(tiers.values()), tiers
             next_ids = _sample(out.logits[:, -1], temperature, top_p, top_k, sampling_generators)
             for i, token in enumerate(next_ids.tolist()):
                 if finish[i] is not None:
@@ -230,6 +248,8 @@ def generate(
                     "policy": cache.evictor.policy.name,
                     "budget": cache.budget,
                     "buffer": buffer,
+                    "quantized": cache.quantized,
+                    "bits": cache.bits,
                     "evictions": int(cache.row_evictions[i]),
                     "peak_slots": cache.peak_slots,
                     "prefill_seconds": t1 - t0,
@@ -237,6 +257,7 @@ def generate(
                     "tokens_per_second": len(tokens) / decode_seconds if decode_seconds > 0 else float("nan"),
                     "batch_size": batch,
                     "peak_kv_bytes": peak_kv,
+                    "peak_kv_bytes_by_tier": peak_tiers,
                     "peak_memory_bytes": int(peak_memory),
                     "timings": cache.evictor.timings,
                 },

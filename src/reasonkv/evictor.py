@@ -5,7 +5,9 @@ Two hooks on the model do everything, so ``reasonkv.generate`` and ``model.gener
 - before a forward that uses this cache: announce which incoming tokens are real, give the model
   their logical ``position_ids`` and the slot-space attention mask, start recording;
 - after it: hand the recorded step to the policy, then evict every row that reached ``K + B``:
-  the policy scores, ``select`` picks the kept indices, the cache gathers.
+  the policy scores, ``select`` picks the kept indices, the cache gathers. With a quantized tier
+  the policy ranks instead, and ``tiers.split_tiers`` splits the ranking into full precision,
+  quantized and dropped.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from reasonkv.hf import model_info
 from reasonkv.observe import Observer
 from reasonkv.policies import get_policy
+from reasonkv.tiers import split_tiers
 from reasonkv.timing import Stopwatch
 from reasonkv.view import EvictionView
 
@@ -51,16 +54,21 @@ class Evictor:
                 f"{type(model).__name__} has layers that are not full attention ({_describe(other)}); "
                 "EvictingCache supports full-attention models only"
             )
+        if cache.quantized and not type(self.policy).can_rank():
+            raise ValueError(
+                f"policy {self.policy.name!r} does not rank tokens, so it cannot fill a quantized tier "
+                f"(quantized={cache.quantized}): use an evicting policy that scores or ranks them, or quantized=0"
+            )
         if not self.policy.evicts:
             cache.budget = None
         elif cache.budget is None:
             raise ValueError(f"policy {self.policy.name!r} needs a budget (it evicts)")
         else:
             reserved = self.policy.sinks + self.policy.window
-            if reserved > cache.budget:
+            if reserved > cache.budget + cache.quantized:
                 raise ValueError(
                     f"{self.policy.name}: sinks ({self.policy.sinks}) + window ({self.policy.window}) = "
-                    f"{reserved} protected tokens exceed the budget {cache.budget}"
+                    f"{reserved} protected tokens exceed {_room(cache)}"
                 )
         self.model, self.cache, self.seed = model, cache, seed
         self.needs = self.policy.needs(self.info)
@@ -127,14 +135,15 @@ class Evictor:
             return
         if self.policy.protect_prompt:
             longest = int(cache.prompt_lengths[rows].max())
-            if longest > cache.budget:
-                raise ValueError(
-                    f"protect_prompt keeps a prompt of {longest} tokens, more than the budget {cache.budget}"
-                )
+            if longest > cache.budget + cache.quantized:
+                raise ValueError(f"protect_prompt keeps a prompt of {longest} tokens, more than {_room(cache)}")
         with self.stopwatch("score"):
-            keep = self._kept_indices(rows)
+            if cache.quantized:
+                keep, quantized = self._tiered_indices(rows)
+            else:
+                keep, quantized = self._kept_indices(rows), None
         with self.stopwatch("gather"):
-            cache.compact(rows, keep)
+            cache.compact(rows, keep, quantized)
         self.eviction_count += 1
 
     @property
@@ -142,20 +151,43 @@ class Evictor:
         """Seconds spent per phase so far: record, observe, score, gather."""
         return self.stopwatch.as_dict()
 
-    def _kept_indices(self, rows: torch.Tensor) -> list[torch.Tensor]:
-        cache = self.cache
-        view = EvictionView(
-            cache=cache,
+    def _view(self, rows: torch.Tensor) -> EvictionView:
+        return EvictionView(
+            cache=self.cache,
             recorded=self.observer.recorded,
             policy=self.policy,
             rows=rows,
             generators=[self.generators[int(r)] for r in rows],
             info=self.info,
         )
+
+    def _kept_indices(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        cache, view = self.cache, self._view(rows)
         if self.policy.granularity == "token":
             kept = self.policy.keep(view)
             return [kept.unsqueeze(1).expand(-1, layer.keys.shape[1], -1) for layer in cache.layers]
         return [self.policy.keep(view.at(layer)) for layer in range(len(cache.layers))]
+
+    def _tiered_indices(self, rows: torch.Tensor) -> tuple[list[torch.Tensor], tuple[list[torch.Tensor], torch.Tensor]]:
+        """Full-precision slots per layer, and the quantized slots per layer with their count per row."""
+        cache, view = self.cache, self._view(rows)
+        held = cache.quantized_mask().index_select(0, rows.to(cache.valid.device))
+        sizes = dict(full=cache.budget, quantized=cache.quantized)
+        if self.policy.granularity == "token":
+            split = split_tiers(self.policy.ranking(view), held, **sizes)
+            heads = [layer.keys.shape[1] for layer in cache.layers]
+            full = [split.full.unsqueeze(1).expand(-1, h, -1) for h in heads]
+            return full, ([split.quantized.unsqueeze(1).expand(-1, h, -1) for h in heads], split.counts)
+        layers = range(len(cache.layers))
+        splits = [split_tiers(self.policy.ranking(view.at(i)), held.unsqueeze(1), **sizes) for i in layers]
+        # Every head of a row holds as many tokens, so every head keeps as many quantized.
+        return [s.full for s in splits], ([s.quantized for s in splits], splits[0].counts[:, 0])
+
+
+def _room(cache) -> str:
+    if not cache.quantized:
+        return f"the budget {cache.budget}"
+    return f"the budget K + Q = {cache.budget} + {cache.quantized} = {cache.budget + cache.quantized}"
 
 
 def _describe(layers: list[tuple[int, str]]) -> str:
