@@ -30,7 +30,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from reasonkv.quantize import QuantFormat, default_group_size
-from reasonkv.tiers import QuantizedTier
+from reasonkv.tiers import QuantizedTier, check_settings
 
 __all__ = ["EvictingCache"]
 
@@ -190,7 +190,7 @@ class EvictingCache(Cache):
         **policy_kwargs,
     ):
         _check_sizes(budget, buffer)
-        _check_tier(quantized, bits, group_size)
+        check_settings(quantized, bits, group_size)
         self.budget, self.buffer = budget, buffer
         self.quantized = quantized
         self.bits = bits if bits is not None or not quantized else 8
@@ -482,17 +482,6 @@ def _take_slots(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     first_slot = torch.arange(batch * heads, device=index.device).view(batch, heads, 1) * capacity
     rows = buffer.reshape(batch * heads * capacity, dim).index_select(0, (first_slot + index).flatten())
     return rows.view(batch, heads, index.shape[-1], dim)
-
-
-def _check_tier(quantized: int, bits: int | None, group_size: int | None) -> None:
-    if isinstance(quantized, bool) or not isinstance(quantized, int) or quantized < 0:
-        raise ValueError(f"quantized must be a non-negative integer (tokens kept quantized), got {quantized!r}")
-    if not quantized:
-        for name, value in (("bits", bits), ("group_size", group_size)):
-            if value is not None:
-                raise ValueError(f"{name}={value!r} has no effect without a quantized tier: set quantized > 0")
-        return
-    QuantFormat(8 if bits is None else bits, 1 if group_size is None else group_size)  # bits in (4, 8), size > 0
 
 
 def _check_sizes(budget: int | None, buffer: int) -> None:

@@ -33,6 +33,7 @@ __all__ = [
     "QuantizedTier",
     "TierSplit",
     "budget_for_bytes",
+    "check_settings",
     "equivalent_budget",
     "full_token_bytes",
     "quantized_token_bytes",
@@ -40,6 +41,19 @@ __all__ = [
 ]
 
 GROUP_ID_BYTES = 2  # int16 key-group ids (int32 only for a tier of 32k groups or more per head)
+
+
+def check_settings(quantized: int, bits: int | None, group_size: int | None = None) -> None:
+    """Refuse a bad quantized tier before anything is built: ``quantized`` a non-negative integer,
+    ``bits`` 4 or 8 and ``group_size`` positive (both only with ``quantized > 0``)."""
+    if isinstance(quantized, bool) or not isinstance(quantized, int) or quantized < 0:
+        raise ValueError(f"quantized must be a non-negative integer (tokens kept quantized), got {quantized!r}")
+    if not quantized:
+        for name, value in (("bits", bits), ("group_size", group_size)):
+            if value is not None:
+                raise ValueError(f"{name}={value!r} has no effect without a quantized tier: set quantized > 0")
+        return
+    QuantFormat(8 if bits is None else bits, 1 if group_size is None else group_size)
 
 
 class TierSplit(NamedTuple):
