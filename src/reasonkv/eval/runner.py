@@ -21,19 +21,27 @@ sample per problem; stochastic policies (``policy.stochastic``) still run ``samp
 
 ``full`` runs once per problem regardless of the budgets (its records have budget and buffer null).
 
+A quantized tier (``quantized``, ``bits``) applies to every evicting cell (``full`` runs without
+one): ``budget`` stays the full-precision ``K``, and the cell's label says the tier
+(``snapkv+int8:112``: 112 tokens per head kept as int8 beside ``K``).
+
 Generation records (``"kind": "generation"``)
     Identity: ``model``, ``dtype``, ``device``, ``dataset``, ``problem_id``, ``policy`` (name),
     ``policy_label`` (name plus the options set by the user, e.g. ``epikv[variant=lag]``),
-    ``policy_config`` (``policy.config()``: every hyper-parameter), ``budget``, ``buffer``, ``sample``,
+    ``policy_config`` (``policy.config()``: every hyper-parameter), ``budget``, ``buffer``, ``tier``
+    (``null``, or the quantized tier: ``quantized``, ``bits``, ``group_size``), ``sample``,
     ``seed`` (this sample's), ``base_seed``, ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``,
-    ``prompt_format``. Output: ``prompt_tokens``, ``output_tokens`` (EOS included), ``output_text``,
+    ``prompt_format``; ``equivalent_budget`` (the full-precision budget holding the same nominal
+    K/V bytes as the cell: ``budget`` without a tier). Output: ``prompt_tokens``, ``output_tokens``
+    (EOS included), ``output_text``,
     ``output_ids``, ``finish_reason`` (``eos``/``length``). Grade: ``reference_answer``,
     ``extracted_answer``, ``correct``, ``grading_method`` (extraction path), ``answer_from_thinking``.
     Collapse: ``collapse`` (the flags of :func:`reasonkv.eval.collapse_flags`) and ``collapsed``.
     Cost: ``seconds`` (wall time of the batch this record was decoded in: prefill + decode),
     ``prefill_seconds``, ``decode_seconds``, ``tokens_per_second`` (this row's tokens over the batch's
     decode time), ``batch_size``, ``evictions`` (this row), ``peak_cache_slots`` (the batch's cache),
-    ``peak_row_tokens`` (most tokens this row held), ``peak_kv_bytes``, ``peak_memory_bytes`` (CUDA max
+    ``peak_row_tokens`` (most tokens this row held), ``peak_kv_bytes`` (and ``peak_kv_bytes_by_tier``:
+    ``full``, ``quantized``), ``peak_memory_bytes`` (CUDA max
     allocated, or the process's peak RSS on CPU), ``policy_seconds`` (the batch's time in the
     policy: ``observe``, ``score``, ``gather``), ``reasonkv_version``, ``time``.
 
@@ -98,13 +106,22 @@ class Cell:
     config: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
     stochastic: bool = False
     evicts: bool = True
+    quantized: int = 0  # the quantized tier: Q tokens per head at `bits` (0: none)
+    bits: int | None = None
 
     @property
     def label(self) -> str:
-        """The policy name, with the options set on the command line: ``epikv[variant=lag]``."""
-        if not self.options:
-            return self.policy
-        return f"{self.policy}[{','.join(f'{k}={_fmt(v)}' for k, v in sorted(self.options.items()))}]"
+        """The policy name, with the options set on the command line and the quantized tier:
+        ``epikv[variant=lag]``, ``snapkv+int4:199``."""
+        label = self.policy
+        if self.options:
+            label += f"[{','.join(f'{k}={_fmt(v)}' for k, v in sorted(self.options.items()))}]"
+        return label + (f"+int{self.bits}:{self.quantized}" if self.quantized else "")
+
+    @property
+    def tier(self) -> dict[str, int]:
+        """Keyword arguments of the cache's quantized tier (empty without one)."""
+        return {"quantized": self.quantized, "bits": self.bits} if self.quantized else {}
 
     @property
     def name(self) -> str:
@@ -167,12 +184,16 @@ def make_cells(
     budgets: Sequence[int],
     buffer: int,
     options: Mapping[str, Mapping[str, Any]] | Sequence[str] | None = None,
+    quantized: int = 0,
+    bits: int | None = None,
 ) -> list[Cell]:
     """The grid's cells: ``full`` once (budget None) first, then every budget x evicting policy.
 
-    Validates names, budgets and options, and that each policy's protected tokens fit every budget.
+    Validates names, budgets and options, that each policy's protected tokens fit every budget
+    (plus the quantized tier), and that with a quantized tier every evicting policy ranks tokens.
     """
     from reasonkv.policies import get_policy, policy_class
+    from reasonkv.tiers import check_settings
 
     policies = _split_names(policies)
     if not policies:
@@ -196,6 +217,12 @@ def make_cells(
     evicting = [p for p in policies if policy_class(p).evicts]
     if evicting and not budgets:
         raise ValueError(f"policies {', '.join(evicting)} evict: give at least one budget")
+    check_settings(quantized, bits)
+    if quantized:
+        bits = 8 if bits is None else bits
+        unranked = [p for p in evicting if not policy_class(p).can_rank()]
+        if unranked:
+            raise ValueError(f"{', '.join(unranked)} cannot fill a quantized tier (they do not rank tokens)")
     cells = []
     for p in policies:
         if not policy_class(p).evicts:
@@ -205,14 +232,14 @@ def make_cells(
         for p in evicting:
             instance = get_policy(p, **opts[p])
             reserved = instance.sinks + instance.window
-            if reserved > budget:
+            if reserved > budget + quantized:
+                room = f"the budget {budget}" + (f" + {quantized} quantized" if quantized else "")
                 raise ValueError(
                     f"{p}: sinks ({instance.sinks}) + window ({instance.window}) = {reserved} protected tokens "
-                    f"exceed the budget {budget}"
+                    f"exceed {room}"
                 )
-            cells.append(
-                Cell(p, budget, buffer, dict(opts[p]), instance.config(), bool(type(instance).stochastic), True)
-            )
+            stochastic = bool(type(instance).stochastic)
+            cells.append(Cell(p, budget, buffer, dict(opts[p]), instance.config(), stochastic, True, quantized, bits))
     return cells
 
 
@@ -322,6 +349,9 @@ def run_grid(
     progress: bool = True,
     on_record: Callable[[dict], None] | None = None,
     max_chunk: int | None = None,
+    quantized: int = 0,
+    bits: int | None = None,
+    generation: bool = True,
 ) -> GridResult:
     """Run (or resume) an evaluation grid and append its records to ``out``.
 
@@ -364,6 +394,11 @@ def run_grid(
         Called with each record right after it is written.
     max_chunk
         Most tokens per forward pass in fidelity replays (default 64).
+    quantized, bits
+        A quantized tier for every evicting cell: ``quantized`` tokens per head at ``bits`` (4 or 8).
+    generation
+        False: no generation records for the evicting cells, only fidelity records (``full``, if
+        listed, still generates: its greedy outputs are the traces the fidelity replays).
 
     Returns
     -------
@@ -385,9 +420,13 @@ def run_grid(
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    cells = make_cells(_split_names(policies), list(budgets), buffer, options)
+    cells = make_cells(_split_names(policies), list(budgets), buffer, options, quantized, bits)
     if all(len(problems) == 0 for _, problems in datasets):
         raise ValueError("the datasets hold no problems")
+    if not generation:
+        if fidelity is False:
+            raise ValueError("fidelity-only (generation=False) with fidelity off would measure nothing")
+        fidelity = True
     if fidelity is None:
         fidelity = any(p.solution for _, problems in datasets for p in problems)
 
@@ -423,7 +462,9 @@ def run_grid(
     result = GridResult(path=Path(out))
     with ResultsFile(out) as results:
         for name, problems in datasets:
-            _run_generation(context, results, result, name, problems, cells)
+            generating = cells if generation else [c for c in cells if not c.evicts]
+            if generating:
+                _run_generation(context, results, result, name, problems, generating)
             if fidelity:
                 _run_fidelity(context, results, result, name, problems, [c for c in cells if c.evicts])
     return result
@@ -450,6 +491,7 @@ class _Context:
     progress: bool
     on_record: Callable[[dict], None] | None
     _prompts: dict = field(default_factory=dict)
+    _tiers: dict = field(default_factory=dict)
 
     def samples_for(self, cell: Cell) -> int:
         return self.samples if (self.temperature > 0 or cell.stochastic) else 1
@@ -474,9 +516,35 @@ class _Context:
             "policy_config": cell.config,
             "budget": cell.budget,
             "buffer": cell.buffer,
+            "tier": self.tier(cell),
             "base_seed": self.base_seed,
             "prompt_format": self.prompt_format,
         }
+
+    def tier(self, cell: Cell) -> dict[str, int] | None:
+        """The cell's quantized tier as recorded (with the group size it gets on this model), or None."""
+        if not cell.quantized:
+            return None
+        if cell not in self._tiers:
+            from reasonkv.hf import model_info
+            from reasonkv.quantize import default_group_size
+
+            group_size = default_group_size(model_info(self.model).head_dim)
+            self._tiers[cell] = {**cell.tier, "group_size": group_size}
+        return self._tiers[cell]
+
+    def equivalent_budget(self, cell: Cell) -> float | None:
+        """The full-precision budget with the cell's nominal K/V bytes (its budget without a tier)."""
+        if not cell.quantized:
+            return cell.budget
+        from reasonkv.hf import model_info
+        from reasonkv.quantize import QuantFormat
+        from reasonkv.tiers import equivalent_budget
+
+        tier = self.tier(cell)
+        size = next(self.model.parameters()).element_size()
+        fmt = QuantFormat(tier["bits"], tier["group_size"])
+        return round(equivalent_budget(cell.budget, cell.quantized, fmt, model_info(self.model).head_dim, size), 2)
 
     def generation_key(self, dataset: str, problem: Problem, cell: Cell, sample: int) -> dict[str, Any]:
         return {
@@ -503,7 +571,7 @@ def _peak_row_tokens(prompt_tokens: int, output_tokens: int, evictions: int, cel
     stored = prompt_tokens + max(output_tokens - 1, 0)
     if evictions == 0 or cell.budget is None:
         return stored
-    return max(prompt_tokens, cell.budget + cell.buffer)
+    return max(prompt_tokens, cell.budget + cell.buffer + cell.quantized)
 
 
 def _run_generation(ctx: _Context, results: ResultsFile, result: GridResult, dataset: str, problems, cells) -> None:
@@ -565,6 +633,7 @@ def _generate_batch(ctx: _Context, reasonkv, dataset: str, cell: Cell, batch) ->
         top_p=ctx.top_p,
         top_k=ctx.top_k,
         seed=seeds,
+        **cell.tier,
     )
     records = []
     for (problem, s), seed, out in zip(batch, seeds, outputs, strict=True):
@@ -577,6 +646,7 @@ def _generate_batch(ctx: _Context, reasonkv, dataset: str, cell: Cell, batch) ->
         record = ctx.generation_key(dataset, problem, cell, s)
         record.update(
             seed=seed,
+            equivalent_budget=ctx.equivalent_budget(cell),
             prompt_tokens=out.prompt_tokens,
             output_tokens=out.num_tokens,
             output_text=out.text,
@@ -598,6 +668,7 @@ def _generate_batch(ctx: _Context, reasonkv, dataset: str, cell: Cell, batch) ->
             peak_cache_slots=stats["peak_slots"],
             peak_row_tokens=_peak_row_tokens(out.prompt_tokens, out.num_tokens, stats["evictions"], cell),
             peak_kv_bytes=stats["peak_kv_bytes"],
+            peak_kv_bytes_by_tier=stats.get("peak_kv_bytes_by_tier"),
             peak_memory_bytes=stats["peak_memory_bytes"],
             policy_seconds={k: float(v) for k, v in stats.get("timings", {}).items()},
             reasonkv_version=reasonkv.__version__,
@@ -692,7 +763,7 @@ def _fidelity_batch(ctx, dataset, cell, batch, traces, sources, references, pad_
     from reasonkv.eval import fidelity as fid
 
     seeds = [sample_seed(ctx.base_seed, p.id, 0) for p in batch]
-    common = dict(budget=cell.budget, buffer=cell.buffer, max_chunk=chunk, pad_id=pad_id)
+    common = dict(budget=cell.budget, buffer=cell.buffer, max_chunk=chunk, pad_id=pad_id, **cell.tier)
     t0 = time.perf_counter()
     trace_rows = fid.trace_fidelity(
         ctx.model,
@@ -722,6 +793,7 @@ def _fidelity_batch(ctx, dataset, cell, batch, traces, sources, references, pad_
         record = _fidelity_key(ctx, dataset, problem, cell)
         record.update(
             seed=seeds[i],
+            equivalent_budget=ctx.equivalent_budget(cell),
             prompt_tokens=len(ctx.prompt_ids(problem)),
             trace_tokens=tf.steps,
             trace_source=sources[problem.id],
