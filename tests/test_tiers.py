@@ -302,3 +302,15 @@ def test_a_policy_that_only_overrides_keep_cannot_fill_a_tier():
     with pytest.raises(ValueError, match="'test-keep-only' does not rank tokens"):
         EvictingCache(16, 4, model=tiny_llama(), policy=_KeepOnly(), quantized=8)
     EvictingCache(16, 4, model=tiny_llama(), policy=_KeepOnly()).detach()  # without a tier it still evicts
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_models_keep_their_statistics_in_their_dtype(dtype):
+    model, tokenizer = tiny_llama(dtype=dtype), NoEosTokenizer()
+    with EvictingCache(12, 4, model=model, policy="vase-dkv", quantized=8, bits=4) as cache:
+        ids = torch.tensor([tokenizer("A prompt that is long enough to be evicted at once")["input_ids"]])
+        model.generate(ids, max_new_tokens=16, do_sample=False, **{cache_keyword(model): cache})
+    tier = cache.layers[0].quantized
+    assert tier.key_stats.dtype == tier.value_stats.dtype == dtype
+    keys, values = cache.attended(0)
+    assert keys.dtype == values.dtype == dtype and bool(torch.isfinite(keys).all() and torch.isfinite(values).all())
