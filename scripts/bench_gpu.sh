@@ -14,16 +14,22 @@
 #   BUFFER + 16 decode steps, so the timed window holds an eviction (B steps after the one that
 #   started it). Goal: >= 3x the full cache's tokens/s at 16k.
 #
+# Part 3, quantized tier: TIER_POLICY at TIER_LENGTH, plain at K = BUDGET against TIER_QUANTIZED
+#   int TIER_BITS tokens per head plus the full-precision budget that keeps the same nominal K/V
+#   bytes (bench --quantized), side by side: step time and K/V bytes held.
+#
 # Runs as is on a bare copy of the repository: it uses $PYTHON, else ./.venv/bin/python if there is
 # one, else python3, with the package taken from src/ (PYTHONPATH), and needs only torch and
 # transformers (no gguf, no math-verify, no plots). Sized for <= 9 minutes on one H200 by
-# construction: each part has a time limit (PART1_SECONDS + PART2_SECONDS = 8.5 minutes), and a part
-# stopped by it keeps every entry it finished. Results: $OUT/lengths and $OUT/max-batch (bench.json,
-# bench.md, results.jsonl each: 6 result files), then a goal summary on stdout.
+# construction: each part has a time limit (PART1_SECONDS + PART2_SECONDS + PART3_SECONDS = 9
+# minutes), and a part stopped by it keeps every entry it finished. Results: $OUT/lengths,
+# $OUT/max-batch and $OUT/tier (bench.json, bench.md, results.jsonl each: 9 result files), then a
+# goal summary on stdout.
 #
 # Environment overrides: PYTHON, OUT (default bench-gpu), MODEL, DEVICE, POLICIES, BATCH_POLICIES,
 # BUDGET, BUFFER, LENGTHS, DECODE_STEPS, PREFILL_CHUNK, MEMORY_LIMIT, BATCH_LENGTH, BATCH_STEPS,
-# MAX_MEASURED_BATCH, PART1_SECONDS, PART2_SECONDS, BENCH_ARGS (extra arguments for both commands).
+# MAX_MEASURED_BATCH, PART1_SECONDS, PART2_SECONDS, TIER_POLICY, TIER_QUANTIZED, TIER_BITS, TIER_LENGTH,
+# PART3_SECONDS, BENCH_ARGS (extra arguments for every command).
 # SMOKE=1 runs the same two commands on the tiny shape on the CPU (a check of the recipe itself,
 # well under a minute; needs only the built-in policies).
 set -euo pipefail
@@ -41,7 +47,8 @@ if [[ "${SMOKE:-0}" == "1" ]]; then
   : "${MODEL:=shape:tiny}" "${DEVICE:=cpu}" "${POLICIES:=full,h2o,tova}" "${BATCH_POLICIES:=full,random}"
   : "${BUDGET:=32}" "${BUFFER:=16}" "${LENGTHS:=64,128,256}" "${DECODE_STEPS:=16}" "${PREFILL_CHUNK:=128}"
   : "${MEMORY_LIMIT:=1GiB}" "${BATCH_LENGTH:=128}" "${MAX_MEASURED_BATCH:=8}"
-  : "${OUT:=bench-gpu-smoke}" "${BENCH_ARGS:=--threads 1}"
+  : "${OUT:=bench-gpu-smoke}" "${BENCH_ARGS:=--threads 1}" "${TIER_POLICY:=random}" "${TIER_QUANTIZED:=16}"
+  : "${TIER_LENGTH:=128}" "${PART3_SECONDS:=300}"
 fi
 MODEL="${MODEL:-shape:llama-3.1-8b}"
 DEVICE="${DEVICE:-cuda}"
@@ -57,8 +64,13 @@ BATCH_LENGTH="${BATCH_LENGTH:-16384}"
 BATCH_STEPS="${BATCH_STEPS:-$((BUFFER + 16))}"
 MAX_MEASURED_BATCH="${MAX_MEASURED_BATCH:-512}"
 OUT="${OUT:-bench-gpu}"
-PART1_SECONDS="${PART1_SECONDS:-330}"
-PART2_SECONDS="${PART2_SECONDS:-180}"
+PART1_SECONDS="${PART1_SECONDS:-300}"
+PART2_SECONDS="${PART2_SECONDS:-150}"
+TIER_POLICY="${TIER_POLICY:-vase-dkv}"
+TIER_QUANTIZED="${TIER_QUANTIZED:-4096}"
+TIER_BITS="${TIER_BITS:-4}"
+TIER_LENGTH="${TIER_LENGTH:-16384}"
+PART3_SECONDS="${PART3_SECONDS:-90}"
 
 # shellcheck disable=SC2206  # BENCH_ARGS: extra bench arguments, split on spaces on purpose
 common=(--model "$MODEL" --dtype bf16 --device "$DEVICE" --attn sdpa --budget "$BUDGET" --buffer "$BUFFER"
@@ -75,6 +87,12 @@ echo "== part 2: largest batch in $MEMORY_LIMIT at $BATCH_LENGTH tokens" >&2
 timeout --signal=TERM "$PART2_SECONDS" "$PY" -m reasonkv.cli bench "${common[@]}" --policies "$BATCH_POLICIES" \
   --max-batch --memory-limit "$MEMORY_LIMIT" --length "$BATCH_LENGTH" --decode-steps "$BATCH_STEPS" \
   --max-measured-batch "$MAX_MEASURED_BATCH" --prefill-chunk $((PREFILL_CHUNK * 8)) --out "$OUT/max-batch" \
+  || status=$?
+
+echo "== part 3: $TIER_POLICY with $TIER_QUANTIZED int$TIER_BITS tokens against plain, same K/V bytes" >&2
+timeout --signal=TERM "$PART3_SECONDS" "$PY" -m reasonkv.cli bench "${common[@]}" --policies "$TIER_POLICY" \
+  --quantized "$TIER_QUANTIZED" --bits "$TIER_BITS" --lengths "$TIER_LENGTH" --prefill-to-length \
+  --decode-steps "$DECODE_STEPS" --prefill-chunk "$PREFILL_CHUNK" --batch-sizes 1 --no-plots --out "$OUT/tier" \
   || status=$?
 
 "$PY" - "$OUT" "$BATCH_LENGTH" <<'EOF'
@@ -118,5 +136,17 @@ if batches.is_file():
             f"  {record['policy']:>10}  batch {record['measured_batch']} (fits {record['max_batch']})"
             f"  {'-' if ratio is None else f'{ratio:.2f}x'}  {notes}"
         )
+tier = out / "tier" / "bench.json"
+if tier.is_file():
+    doc = json.loads(tier.read_text())
+    print("quantized tier against plain at the same nominal K/V bytes (step time, K/V held, relative to plain):")
+    for variants in (doc["summary"].get("tiers") or {}).values():
+        for label, s in variants.items():
+            for length, ratio in s["step_vs_plain"].items():
+                kv = s["kv_bytes_vs_plain"].get(length)
+                print(
+                    f"  {label}: K' = {s['budget']} + Q = {s['quantized']} vs K = {s['plain_budget']} at {length}: "
+                    f"step {ratio:.3f}x, K/V {'-' if kv is None else f'{kv:.3f}x'}"
+                )
 EOF
 exit "$status"

@@ -32,8 +32,8 @@ def test_budget_never_exceeded_and_exactly_k_after_each_eviction(model_name, dty
     evictions = []
     original = cache.compact
 
-    def spy(rows, keep):
-        original(rows, keep)
+    def spy(rows, keep, quantized=None):
+        original(rows, keep, quantized)
         evictions.append(cache.row_lengths().tolist())
 
     cache.compact = spy

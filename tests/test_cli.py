@@ -62,6 +62,13 @@ def test_errors_exit_with_a_message(capsys, tmp_path):
     assert "unknown policy 'nope'; valid policies:" in error_line(capsys)
     assert main(["generate", "--prompt", "x", "--model", str(tmp_path / "no-such-model")]) == 2
     assert "no-such-model" in error_line(capsys)
+    assert main(["generate", "--prompt", "x", "--bits", "4"]) == 2  # refused before any model loads
+    assert "bits=4 has no effect without a quantized tier" in error_line(capsys)
+    for bad in (["--bits", "3"], ["--quantized", "-1"], ["--quantized", "two"]):
+        with pytest.raises(SystemExit):
+            main(["generate", "--prompt", "x", *bad])
+        err = capsys.readouterr().err
+        assert "argument --bits" in err or "argument --quantized" in err
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,9 @@
 """The GPU recipe starts on the GPU machine as is: a bare copy of the repository (no .venv), run from
-src/, with torch and transformers but no gguf, no math-verify and no plotting; at most 8 result files.
+src/, with torch and transformers but no gguf, no math-verify and no plotting; 9 result files (and
+each folder's ownership marker).
 
 CI runs this file on the oldest supported transformers (5.17, what the GPU machines have) too. The
-recipe's SMOKE mode runs its exact two commands on the tiny shape on the CPU.
+recipe's SMOKE mode runs its exact three commands on the tiny shape on the CPU.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from reasonkv.outputs import MARKER
 
 REPO = Path(__file__).resolve().parents[1]
 ABSENT = ("gguf", "math_verify", "matplotlib")  # not on the GPU machine (matplotlib is, but plots are off)
@@ -47,8 +50,8 @@ def test_the_recipe_runs_on_a_bare_copy_without_optional_packages(tmp_path):
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "== goals" in done.stdout
-    files = [p for p in out.rglob("*") if p.is_file()]
-    assert len(files) <= 8, sorted(str(p.relative_to(out)) for p in files)
+    files = [p for p in out.rglob("*") if p.is_file() and p.name != MARKER]
+    assert len(files) <= 9, sorted(str(p.relative_to(out)) for p in files)
     assert not any(p.suffix == ".png" for p in files)
 
     lengths = json.loads((out / "lengths" / "bench.json").read_text())
@@ -57,6 +60,8 @@ def test_the_recipe_runs_on_a_bare_copy_without_optional_packages(tmp_path):
     batches = json.loads((out / "max-batch" / "bench.json").read_text())
     evicting = [r for r in batches["records"] if r["policy"] != "full"]
     assert evicting and all(_window_evictions(r) >= 1 for r in evicting), "part 2's timed window holds no eviction"
+    tier = json.loads((out / "tier" / "bench.json").read_text())
+    assert any(r.get("quantized") for r in tier["records"]), "part 3 measured no tiered cache"
     assert not (repo / ".venv").exists()
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 import reasonkv
@@ -42,6 +44,17 @@ def test_demo_runs(capsys):
     assert main(["demo", "--policy", "streaming", "--max-new-tokens", "40", "--budget", "32", "--buffer", "8"]) == 0
     out = capsys.readouterr().out
     assert "full:" in out and "streaming:" in out and "cache slots over decode steps" in out
+
+
+def test_generate_command_with_a_quantized_tier(capsys):
+    args = ["generate", "--prompt", "Count from one to twenty in words.", "--policy", "h2o", "--budget", "24"]
+    args += ["--buffer", "8", "--quantized", "16", "--bits", "4", "--max-new-tokens", "60", "--json"]
+    assert main(args) == 0
+    stats = json.loads(capsys.readouterr().out.splitlines()[-1])["stats"]
+    assert stats["quantized"] == 16 and stats["bits"] == 4 and stats["evictions"] > 0
+    assert stats["peak_kv_bytes_by_tier"]["quantized"] > 0
+    assert main([*args[:-1], "--policy", "full"]) == 2  # full does not rank tokens
+    assert "policy 'full' does not rank tokens" in capsys.readouterr().err
 
 
 def test_generate_command(capsys):

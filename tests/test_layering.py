@@ -15,7 +15,16 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "reasonkv"
 # The only modules that import transformers: the run-time seam, the Cache subclass, the loader.
 TRANSFORMERS_IMPORTERS = {"hf/model.py", "hf/forward.py", "hf/masks.py", "hf/tap.py", "cache.py", "models.py"}
 # Engine-free floor: torch only, and nothing above it.
-FLOOR = {"contract.py", "attention.py", "select.py", "view.py", "recorded.py", "calibration.py"}
+FLOOR = {
+    "contract.py",
+    "attention.py",
+    "select.py",
+    "view.py",
+    "recorded.py",
+    "calibration.py",
+    "quantize.py",
+    "tiers.py",
+}
 
 
 def _modules():
@@ -81,7 +90,7 @@ _ENGINE_FREE = textwrap.dedent(
     import sys
     sys.modules["transformers"] = None  # any import of transformers now fails
     import torch
-    import reasonkv.select, reasonkv.policies
+    import reasonkv.select, reasonkv.policies, reasonkv.tiers
     from reasonkv.contract import AttentionChunk, ModelInfo, Needs, Step
     from reasonkv.policies import get_policy, list_policies
     from reasonkv.recorded import Recorded

@@ -9,7 +9,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 import reasonkv
-from conftest import NoEosTokenizer, tiny_llama
+from conftest import TINY_MODELS, NoEosTokenizer, tiny_llama
 from oracle import run_and_check
 from reasonkv.hf import cache_keyword
 from reasonkv.policies import policy_class
@@ -58,6 +58,27 @@ def test_batch_of_different_lengths_equals_each_alone(name, sampling):
         assert result.token_ids == alone.token_ids, name
         assert result.stats["evictions"] == alone.stats["evictions"] > 0, name
         assert result.stats["peak_row_tokens"] == alone.stats["peak_row_tokens"], name
+
+
+@pytest.mark.parametrize(("model_name", "bits"), [("llama-gqa", 4), ("llama-mha", 8)])
+@pytest.mark.parametrize("name", EVICTING)
+def test_oracle_with_a_quantized_tier(name, model_name, bits):
+    """Evicted positions masked, quantized ones seen with their dequantized K/V: the same logits."""
+    model = TINY_MODELS[model_name]()
+    options = dict(quantized=16, bits=bits, group_size=4, seed=1, **_small_options(name))
+    cache = run_and_check(model, name, PROMPT, budget=24, buffer=6, steps=40, **options)
+    assert cache.evictions >= 3 and cache.low_width == 16  # the quantized tier filled up
+
+
+@pytest.mark.parametrize("name", EVICTING)
+def test_batch_with_a_quantized_tier_equals_each_alone(name):
+    model, tokenizer = tiny_llama(), NoEosTokenizer()
+    kw = dict(policy=name, budget=12, buffer=4, quantized=8, bits=4, max_new_tokens=30, seed=7)
+    kw.update(_small_options(name))
+    together = reasonkv.generate(model, tokenizer, PROMPTS, **kw)
+    for prompt, result in zip(PROMPTS, together, strict=True):
+        [alone] = reasonkv.generate(model, tokenizer, prompt, **kw)
+        assert result.token_ids == alone.token_ids, name
 
 
 @pytest.mark.parametrize("name", EVICTING)

@@ -33,6 +33,32 @@ def add_policy_options(parser) -> None:
     )
 
 
+def add_tier_arguments(parser, *, what: str = "") -> None:
+    """Add ``--quantized Q`` and ``--bits {4,8}`` (the quantized tier) to a parser or an argument group."""
+    parser.add_argument(
+        "--quantized",
+        type=quantized_argument,
+        default=0,
+        metavar="Q",
+        help="Q: tokens per head kept quantized beside the K at full precision, ranked by the policy "
+        f"(default 0: no quantized tier){what}",
+    )
+    parser.add_argument(
+        "--bits", type=int, choices=(4, 8), default=None, help="code width of the quantized tier (default 8)"
+    )
+
+
+def quantized_argument(text: str) -> int:
+    """``--quantized`` accepts a non-negative integer."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {value}")
+    return value
+
+
 def load_model_from(args: argparse.Namespace):
     from reasonkv.models import load_model
 

@@ -17,6 +17,13 @@ as transformers' generation utilities expect; ``get_mask_sizes``/``get_query_off
 Hybrid models (see :mod:`reasonkv.hybrid`): only the full-attention layers are evicting layers;
 sliding-window and linear-attention layers are transformers' own cache layers for them, and the
 sliding layers' mask sizes are their own (``window``).
+
+With a quantized tier (``quantized=Q``, :mod:`reasonkv.tiers`) the slots are ``[quantized | full
+precision]``: the first ``low_width`` slots of every layer hold the quantized tokens (packed, per
+layer in ``layer.quantized``), the rest the full-precision ones (``layer.keys``/``values``). Each
+region keeps a row's tokens right-aligned, so a row may have padding in both. The attention kernel
+gets the quantized tokens dequantized in front of the full-precision ones (:meth:`EvictingCache.attended`),
+built once per layer and forward and not kept, so the cache holds only the packed codes.
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from reasonkv.hybrid import WindowValidity, check_layer_kinds
+from reasonkv.quantize import QuantFormat, default_group_size
+from reasonkv.tiers import QuantizedTier, check_settings
 
 __all__ = ["EvictingCache"]
 
@@ -48,10 +57,13 @@ class _EvictingLayer(CacheLayerMixin):
         self._keys: torch.Tensor | None = None
         self._values: torch.Tensor | None = None
         self._positions: torch.Tensor | None = None
+        self.quantized: QuantizedTier | None = None  # the quantized tier, when the cache has one
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device, self.dtype = key_states.device, key_states.dtype
         batch, heads, _, dim = key_states.shape
+        if self.parent.quantized:
+            self.parent.tier_format(dim)  # refuses a group size that does not divide head_dim
         self._keys = key_states.new_empty((batch, heads, 0, dim))
         self._values = value_states.new_empty((batch, heads, 0, value_states.shape[-1]))
         self._positions = torch.empty((batch, heads, 0), dtype=torch.long, device=self.device)
@@ -105,6 +117,13 @@ class _EvictingLayer(CacheLayerMixin):
         self.length = n
         self._refresh_views()
 
+    def attended(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V as attention sees them: the quantized tier dequantized, then the full tier."""
+        if self.quantized is None or self.quantized.width == 0:
+            return self.keys, self.values
+        keys, values = self.quantized.dequantize()
+        return torch.cat([keys, self.keys], dim=2), torch.cat([values, self.values], dim=2)
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.parent.slots + query_length, 0
 
@@ -152,6 +171,18 @@ class EvictingCache(Cache):
         evict, sliding-window and linear-attention layers keep their model's own cache layers.
     sync_timing
         Time the eviction phases exactly on CUDA (with events read once per step), for benchmarks.
+    quantized
+        ``Q``: tokens per (row, layer, kv-head) kept quantized after an eviction, beside the ``K``
+        kept at full precision (default 0: no quantized tier). The policy's ranking decides:
+        the top ``K`` stay at full precision, the next ``Q`` are kept quantized, the rest are
+        evicted; quantized tokens are never promoted back (see :mod:`reasonkv.tiers`). Needs a
+        policy that ranks tokens (every evicting policy built in).
+    bits
+        Code width of the quantized tier: 8 (default) or 4. Only with ``quantized > 0``.
+    group_size
+        Numbers per scale and zero point (keys: tokens of one channel; values: channels of one
+        token); must divide head_dim. Default: 32, or the largest divisor of head_dim below it.
+        Only with ``quantized > 0``.
 
     One cache holds one generation. A second ``model.generate`` call on a filled cache is refused
     (it would continue from the evicted state); call :meth:`reset` first, or build a new cache.
@@ -167,10 +198,18 @@ class EvictingCache(Cache):
         seed: int | list[int] = 0,
         num_layers: int | None = None,
         sync_timing: bool = False,
+        quantized: int = 0,
+        bits: int | None = None,
+        group_size: int | None = None,
         **policy_kwargs,
     ):
         _check_sizes(budget, buffer)
+        check_settings(quantized, bits, group_size)
         self.budget, self.buffer = budget, buffer
+        self.quantized = quantized
+        self.bits = bits if bits is not None or not quantized else 8
+        self.group_size = group_size
+        self._format: QuantFormat | None = None
         self.window: WindowValidity | None = None  # the sliding-window layers' padding, if any
         if model is not None:
             super().__init__(layers=self._layers_of(model))
@@ -194,6 +233,10 @@ class EvictingCache(Cache):
             )
         elif policy is not None or policy_kwargs:
             raise ValueError("a policy needs the model: pass model=... to EvictingCache")
+        if quantized and self.budget is None:
+            raise ValueError(f"a quantized tier (quantized={quantized}) needs a budget: it holds evicted tokens")
+        if quantized and model is not None:
+            self.tier_format(self.evictor.info.head_dim)
 
     def _clear(self) -> None:
         self.slots = 0  # stored slots (the same in every layer between forward passes)
@@ -204,7 +247,8 @@ class EvictingCache(Cache):
         self.prompt_lengths: torch.Tensor | None = None  # [batch] real prompt tokens per row
         self.row_evictions: torch.Tensor | None = None  # [batch] evictions per row
         # Host-side facts, so that a decode step never reads a device value:
-        self.longest = 0  # no row holds more real tokens than this
+        self.longest = 0  # no row holds more real full-precision tokens than this
+        self.low_width = 0  # slots of the quantized tier (the first ones of every evicting layer)
         self.maybe_padded = False  # whether a slot may hold padding
         self.decoded = False  # whether a single-token step followed the first forward
         self._announced: tuple[int, torch.Tensor] | None = None  # (q, positions [batch, q]) of the next forward
@@ -256,7 +300,9 @@ class EvictingCache(Cache):
         """
         layer = self.layers[layer_idx]
         if isinstance(layer, _EvictingLayer):
-            return layer.positions
+            if not self.low_width:
+                return layer.positions
+            return torch.cat([layer.quantized.positions, layer.positions], dim=2)
         if getattr(layer, "is_sliding", False) and self.window is not None and self.window.stored is not None:
             positions = self.window.positions(self.next_position)
             return positions.unsqueeze(1).expand(-1, layer.keys.shape[1], -1)
@@ -277,25 +323,52 @@ class EvictingCache(Cache):
         return 0 if self._valid is None else self._valid.shape[1]
 
     def kv_bytes(self) -> int:
-        """Bytes of K/V storage held (allocated capacity, not just the used slots), all layer kinds."""
-        by_kind = self.kv_bytes_by_kind()
-        return by_kind["full"] + by_kind["sliding"]
+        """Bytes of K/V storage held (allocated capacity, not just the used slots), all layer kinds and tiers."""
+        held = self.kv_bytes_by_kind()
+        return held["full"] + held["quantized"] + held["sliding"]
 
     def kv_bytes_by_kind(self) -> dict[str, int]:
-        """Bytes held per layer kind: ``full`` (the evicting layers' allocated K/V), ``sliding`` (the
-        window layers' stored K/V) and ``linear`` (recurrent and convolution states)."""
-        held = {"full": 0, "sliding": 0, "linear": 0}
+        """Bytes held per layer kind: ``full`` (the evicting layers' allocated full-precision K/V),
+        ``quantized`` (their quantized tier: codes, key-group ids, scales and zero points), ``sliding``
+        (the window layers' stored K/V) and ``linear`` (recurrent and convolution states)."""
+        held = {"full": 0, "quantized": 0, "sliding": 0, "linear": 0}
         for layer in self.layers:
             if isinstance(layer, _EvictingLayer):
                 if layer.is_initialized:
                     held["full"] += layer._keys.numel() * layer._keys.element_size()
                     held["full"] += layer._values.numel() * layer._values.element_size()
+                if layer.quantized is not None:
+                    held["quantized"] += layer.quantized.nbytes()
             elif getattr(layer, "is_sliding", False):
                 held["sliding"] += _tensor_bytes(getattr(layer, "keys", None), getattr(layer, "values", None))
             else:
                 states = [*getattr(layer, "conv_states", {}).values(), *getattr(layer, "recurrent_states", {}).values()]
                 held["linear"] += _tensor_bytes(*states)
         return held
+
+    def kv_bytes_by_tier(self) -> dict[str, int]:
+        """Bytes the evicting layers hold per tier: ``full`` (full-precision K/V, allocated capacity) and
+        ``quantized`` (codes, key-group ids, scales and zero points)."""
+        held = self.kv_bytes_by_kind()
+        return {"full": held["full"], "quantized": held["quantized"]}
+
+    def quantized_mask(self) -> torch.Tensor:
+        """``[batch, slots]``: True where a slot holds a quantized token."""
+        return self.valid & (torch.arange(self.slots, device=self._valid.device) < self.low_width)
+
+    def attended(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's keys and values ``[batch, kv_heads, slots, head_dim]`` as attention sees them
+        (quantized tokens dequantized: a new tensor each call, views of the storage otherwise)."""
+        return self.layers[layer_idx].attended()
+
+    def tier_format(self, head_dim: int) -> QuantFormat:
+        """The quantized tier's format for this head_dim (``ValueError`` if the group size does not divide it)."""
+        if self._format is None:
+            size = self.group_size if self.group_size is not None else default_group_size(head_dim)
+            fmt = QuantFormat(self.bits, size)
+            fmt.check_head_dim(head_dim)
+            self._format = fmt
+        return self._format
 
     # ------------------------------------------------------------------ transformers Cache API
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -381,10 +454,10 @@ class EvictingCache(Cache):
 
     def _append(self, layer: _EvictingLayer, key_states: torch.Tensor, value_states: torch.Tensor):
         batch, _, q, _ = key_states.shape
-        if layer.length == self.slots:  # the first layer of a new forward pass opens the step
+        if layer.length + self.low_width == self.slots:  # the first layer of a new forward pass opens the step
             self._open_step(batch, q, key_states.device)
         layer.write(key_states, value_states, self._step_positions)
-        return layer.keys, layer.values
+        return layer.attended()
 
     def _open_step(self, batch: int, q: int, device: torch.device) -> None:
         if self._announced is None or self._announced[0] != q:
@@ -411,29 +484,65 @@ class EvictingCache(Cache):
 
     # ------------------------------------------------------------------ eviction
     def due_rows(self) -> torch.Tensor | None:
-        """Indices of the rows holding ``K + B`` tokens or more; ``None`` when none is (read from the
-        device only when the host-side bound says a row may be due)."""
+        """Indices of the rows holding ``K + B`` full-precision tokens or more; ``None`` when none is (read
+        from the device only when the host-side bound says a row may be due; quantized tokens do not count)."""
         if self.budget is None or self._valid is None or self.longest < self.budget + self.buffer:
             return None
-        lengths = self.row_lengths()
-        due = torch.nonzero(lengths >= self.budget + self.buffer).flatten()
+        held = self.valid[:, self.low_width :].sum(-1)
+        due = torch.nonzero(held >= self.budget + self.buffer).flatten()
         if due.numel() == 0:
-            self.longest = int(lengths.max())
+            self.longest = int(held.max())
             return None
         return due
 
-    def compact(self, rows: torch.Tensor, keep: list[torch.Tensor]) -> None:
+    def until_due(self) -> torch.Tensor:
+        """``[batch]``: tokens each row may still take before its eviction is due (``K + B`` minus
+        the full-precision tokens it holds; quantized ones do not count)."""
+        return self.budget + self.buffer - self.valid[:, self.low_width :].sum(-1)
+
+    def compact(
+        self,
+        rows: torch.Tensor,
+        keep: list[torch.Tensor],
+        quantized: tuple[list[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         """Shrink ``rows`` to the slots in ``keep`` (one ``[len(rows), kv_heads, K]`` tensor per layer).
 
         Rows not listed keep every real token. Afterwards every row is right-aligned again and the
         slot count is the longest row's length, so no slot is wasted on padding beyond that.
+        With a quantized tier, ``quantized`` names the slots the rows keep quantized (as
+        :func:`reasonkv.tiers.split_tiers` returns them: one ``[len(rows), kv_heads, m]`` tensor per
+        layer, right-aligned, ``-1`` for none, and the count per row), and ``keep`` only
+        full-precision slots.
         """
-        evicting = [self.layers[i] for i in self.full_layers]
-        if len(keep) != len(evicting):
-            raise ValueError(f"need keep indices for all {len(evicting)} full-attention layers, got {len(keep)}")
+        evicting = len(self.full_layers)
+        if len(keep) != evicting:
+            raise ValueError(f"need keep indices for all {evicting} full-attention layers, got {len(keep)}")
+        if (quantized is not None) != bool(self.quantized):
+            raise ValueError("compact takes the quantized slots exactly when the cache has a quantized tier")
         rows = rows.to(self._valid.device)
+        width = self.low_width
+        if quantized is None:
+            low_valid = self.valid[:, :0]
+        else:
+            low_valid = self._compact_quantized(rows, *quantized)  # reads the full tier before it moves
+            keep = [k - width for k in keep]
+        full_valid = self._compact_full(rows, keep)
+        new_width, total = low_valid.shape[1], low_valid.shape[1] + full_valid.shape[1]
+        if total > self._valid.shape[1]:  # rows with differing tier sizes pad both regions
+            self._valid = self._valid.new_zeros((self._valid.shape[0], self._grown_capacity(total, 0)))
+        self._valid[:, :new_width] = low_valid
+        self._valid[:, new_width:total] = full_valid
+        self.slots, self.low_width = total, new_width
+        self.longest = full_valid.shape[1]
+        self.row_evictions[rows] += 1
+        self._release_spare_capacity()
+
+    def _compact_full(self, rows: torch.Tensor, keep: list[torch.Tensor]) -> torch.Tensor:
+        """Gather the full-precision tier; returns its new ``[batch, slots]`` validity."""
         k = keep[0].shape[-1]
-        valid, slots = self.valid, self.slots
+        valid = self.valid[:, self.low_width :]
+        slots = valid.shape[1]
         lengths = valid.sum(-1)
         lengths[rows] = k
         new_slots = int(lengths.max())
@@ -441,25 +550,47 @@ class EvictingCache(Cache):
         order = torch.sort(valid.to(torch.int8), dim=-1, stable=True).indices[:, slots - new_slots :]
         new_valid = valid.gather(1, order)
         new_valid[rows] = torch.arange(new_slots, device=valid.device) >= new_slots - k
-        for layer, layer_keep in zip(evicting, keep, strict=True):
+        for layer, layer_keep in zip([self.layers[i] for i in self.full_layers], keep, strict=True):
             heads = layer.keys.shape[1]
             index = order.unsqueeze(1).expand(-1, heads, -1).clone()
             index[rows, :, new_slots - k :] = layer_keep.to(index.device)
             index[rows, :, : new_slots - k] = 0
             layer.gather(index, new_valid)
-        self._valid[:, :new_slots] = new_valid
-        self.slots = new_slots
-        self.longest = new_slots
-        self.row_evictions[rows] += 1
-        self._release_spare_capacity()
+        return new_valid
+
+    def _compact_quantized(self, rows: torch.Tensor, selected: list[torch.Tensor], counts: torch.Tensor):
+        """Rebuild every layer's quantized tier: ``rows`` hold ``selected``, the others what they held.
+        Returns the tier's new ``[batch, width]`` validity (right-aligned)."""
+        width = self.low_width
+        held = self.valid[:, :width]
+        device = held.device
+        per_row = held.sum(-1)
+        per_row[rows] = counts.to(device)
+        new_width = int(per_row.max())
+        slot = torch.arange(new_width, device=device)
+        # Rows not evicted keep their quantized slots, re-right-aligned to the new width.
+        current = torch.where(held, torch.arange(width, device=device), -1)
+        current = torch.cat([current.new_full((current.shape[0], max(new_width - width, 0)), -1), current], 1)
+        current = current[:, current.shape[1] - new_width :]
+        for layer, chosen in zip([self.layers[i] for i in self.full_layers], selected, strict=True):
+            heads = layer.keys.shape[1]
+            select = current.unsqueeze(1).expand(-1, heads, -1).clone()
+            chosen = chosen.to(device)
+            padding = chosen.new_full((*chosen.shape[:2], new_width - chosen.shape[-1]), -1)
+            select[rows] = torch.cat([padding, chosen], -1)
+            tier = layer.quantized or QuantizedTier.empty(self.tier_format(layer.keys.shape[-1]), layer.keys)
+            layer.quantized = tier.rebuild(select, layer.keys, layer.values, layer.positions)
+        return slot >= (new_width - per_row).unsqueeze(1)
 
     def _release_spare_capacity(self) -> None:
         # A long prompt grows the buffers past K + B once; give that memory back after its eviction.
         limit = self.budget + self.buffer
-        if self._valid.shape[1] > limit >= self.slots:
-            self._valid = self._valid[:, :limit].clone()
-            for index in self.full_layers:
-                self.layers[index].resize(limit)
+        if self._valid.shape[1] > limit + self.quantized >= self.slots:
+            self._valid = self._valid[:, : limit + self.quantized].clone()
+        for index in self.full_layers:
+            layer = self.layers[index]
+            if layer.capacity > limit >= layer.length:
+                layer.resize(limit)
 
     # ------------------------------------------------------------------ lifetime
     def reset(self) -> None:
@@ -482,7 +613,8 @@ class EvictingCache(Cache):
         self.detach()
 
     def __repr__(self) -> str:
-        return f"EvictingCache(budget={self.budget}, buffer={self.buffer}, slots={self.slots}, seen={self.seen})"
+        tier = f", quantized={self.quantized}, bits={self.bits}" if self.quantized else ""
+        return f"EvictingCache(budget={self.budget}, buffer={self.buffer}{tier}, slots={self.slots}, seen={self.seen})"
 
 
 def _take_slots(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -38,8 +38,10 @@ class GenerationResult:
     this row's last token) and ``tokens_per_second`` (the tokens after the first, which prefill
     yields, over ``decode_seconds``; NaN for a one-token output). Shared by the batch:
     ``prefill_seconds``, ``peak_slots`` (cache slots, padding included), ``batch_size``,
-    ``peak_kv_bytes`` (K/V storage held), ``peak_memory_bytes`` (CUDA max allocated, or the process's
-    peak RSS on CPU), ``timings`` (seconds per eviction phase), ``budget``, ``buffer`` and ``policy``.
+    ``peak_kv_bytes`` (K/V storage held), ``peak_kv_bytes_by_tier`` (that peak's full-attention K/V
+    split into ``full`` and ``quantized``), ``peak_memory_bytes`` (CUDA max allocated, or the
+    process's peak RSS on CPU), ``timings`` (seconds per eviction phase), ``budget``, ``buffer``,
+    ``quantized``, ``bits`` and ``policy``.
     """
 
     text: str
@@ -201,6 +203,9 @@ def generate(
     progress: bool = False,
     on_step: Callable[[int, EvictingCache], None] | None = None,
     sync_timing: bool = False,
+    quantized: int = 0,
+    bits: int | None = None,
+    group_size: int | None = None,
     **policy_kwargs,
 ) -> list[GenerationResult]:
     """Decode ``prompts`` (one batch) with a KV cache held to ``budget + buffer`` tokens per head.
@@ -219,6 +224,9 @@ def generate(
     budget, buffer
         ``K`` and ``B``: each row is shrunk to ``K`` tokens whenever it holds ``K + B``.
         Ignored by ``full``; required by every other policy.
+    quantized, bits, group_size
+        A quantized tier of ``Q`` tokens per head beside the ``K`` full-precision ones, int8 or
+        int4 (see :class:`~reasonkv.cache.EvictingCache`; default: none).
     seed
         Seeds the eviction randomness and the sampling, per row: one integer for every row, or a list
         with one integer per prompt.
@@ -253,7 +261,16 @@ def generate(
     eos = set() if ignore_eos else _eos_ids(model, tokenizer)
 
     cache = EvictingCache(
-        budget, buffer, model=model, policy=policy, seed=seed, sync_timing=sync_timing, **policy_kwargs
+        budget,
+        buffer,
+        model=model,
+        policy=policy,
+        seed=seed,
+        sync_timing=sync_timing,
+        quantized=quantized,
+        bits=bits,
+        group_size=group_size,
+        **policy_kwargs,
     )
     cache.reserve(ids.shape[1] + max_new_tokens)
     sampling_seeds = noise.mix(noise.seed_tensor(seed, batch, device), _SAMPLING_STREAM)
@@ -265,7 +282,7 @@ def generate(
     generated = [[] for _ in range(batch)]
     finish = [None] * batch
     ended: list[tuple[float, int] | None] = [None] * batch  # per row: (time, evictions) when it ended
-    peak_kv = 0
+    peak_kv, peak_tiers = 0, cache.kv_bytes_by_tier()
     try:
         synchronize(device)
         t0 = time.perf_counter()
@@ -280,7 +297,9 @@ def generate(
 
             steps = tqdm(steps, desc=f"{cache.evictor.policy.name} decode", unit="tok", leave=False)
         for step in steps:
-            peak_kv = max(peak_kv, cache.kv_bytes())
+            held = cache.kv_bytes()
+            if held > peak_kv:
+                peak_kv, peak_tiers = held, cache.kv_bytes_by_tier()
             next_ids = _sample(out.logits[:, -1], temperature, top_p, top_k, sampling_seeds, step)
             for i, token in enumerate(next_ids.tolist()):  # the one read of each step: the tokens
                 if finish[i] is not None:
@@ -333,6 +352,8 @@ def generate(
                     "policy": cache.evictor.policy.name,
                     "budget": cache.budget,
                     "buffer": buffer,
+                    "quantized": cache.quantized,
+                    "bits": cache.bits,
                     "evictions": evictions,
                     "peak_row_tokens": _peak_row_tokens(len(prompt_ids[i]), len(tokens), evictions, cache),
                     "peak_slots": cache.peak_slots,
@@ -341,6 +362,7 @@ def generate(
                     "tokens_per_second": (len(tokens) - 1) / decode_seconds if len(tokens) > 1 else float("nan"),
                     "batch_size": batch,
                     "peak_kv_bytes": peak_kv,
+                    "peak_kv_bytes_by_tier": peak_tiers,
                     "peak_memory_bytes": int(peak_memory),
                     "timings": cache.evictor.timings,
                 },
@@ -360,10 +382,11 @@ def _mark_ended(ended: list, finish: list, cache: EvictingCache) -> None:
 
 def _peak_row_tokens(prompt_tokens: int, output_tokens: int, evictions: int, cache: EvictingCache) -> int:
     """The most tokens a row held at once: every token fed while it was live (the last sampled one never
-    is) until its first eviction; after one, ``K + B``, the trigger (or the whole prompt, if longer)."""
+    is) until its first eviction; after one, ``K + B``, the trigger (or the whole prompt, if longer), plus
+    the ``Q`` of a quantized tier."""
     if evictions == 0:
         return prompt_tokens + max(output_tokens - 1, 0)
-    return max(prompt_tokens, cache.budget + cache.buffer)
+    return max(prompt_tokens, cache.budget + cache.buffer + cache.quantized)
 
 
 def _hit_stop(tokenizer, tokens: list[int], stop: list[str]) -> bool:

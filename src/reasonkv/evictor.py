@@ -6,7 +6,8 @@ Two hooks on the model do everything, so ``reasonkv.generate`` and ``model.gener
   their logical ``position_ids`` and the slot-space attention mask, start recording;
 - after it: hand the recorded step to the policy, then evict every row that reached ``K + B``:
   the owed attention is handed over, the policy scores, ``select`` picks the kept indices, the
-  cache gathers.
+  cache gathers. With a quantized tier the policy ranks instead, and ``tiers.split_tiers`` splits
+  the ranking into full precision, quantized and dropped.
 
 A decode step that evicts nothing reads no device value (the cache keeps host-side bounds), so it
 costs the host no synchronisation; an eviction costs a fixed few, whatever the batch and the layers.
@@ -22,6 +23,7 @@ from reasonkv import noise, select
 from reasonkv.hf import LayerMasks, model_info
 from reasonkv.observe import Observer
 from reasonkv.policies import get_policy
+from reasonkv.tiers import split_tiers
 from reasonkv.timing import Stopwatch
 from reasonkv.view import EvictionView
 
@@ -35,16 +37,21 @@ class Evictor:
         # A fresh instance: the policy's generation state belongs to this cache alone.
         self.policy = get_policy(policy, **policy_kwargs)
         self.info = model_info(model)
+        if cache.quantized and not type(self.policy).can_rank():
+            raise ValueError(
+                f"policy {self.policy.name!r} does not rank tokens, so it cannot fill a quantized tier "
+                f"(quantized={cache.quantized}): use an evicting policy that scores or ranks them, or quantized=0"
+            )
         if not self.policy.evicts:
             cache.budget = None
         elif cache.budget is None:
             raise ValueError(f"policy {self.policy.name!r} needs a budget (it evicts)")
         else:
             reserved = self.policy.sinks + self.policy.window
-            if reserved > cache.budget:
+            if reserved > cache.budget + cache.quantized:
                 raise ValueError(
                     f"{self.policy.name}: sinks ({self.policy.sinks}) + window ({self.policy.window}) = "
-                    f"{reserved} protected tokens exceed the budget {cache.budget}"
+                    f"{reserved} protected tokens exceed {_room(cache)}"
                 )
         self.model, self.cache, self.seed = model, cache, seed
         self.needs = self.policy.needs(self.info)
@@ -124,15 +131,16 @@ class Evictor:
             return
         if self.policy.protect_prompt:
             longest = int(cache.prompt_lengths[rows].max())
-            if longest > cache.budget:
-                raise ValueError(
-                    f"protect_prompt keeps a prompt of {longest} tokens, more than the budget {cache.budget}"
-                )
+            if longest > cache.budget + cache.quantized:
+                raise ValueError(f"protect_prompt keeps a prompt of {longest} tokens, more than {_room(cache)}")
         self.observer.flush()  # the attention the policy is owed, before it scores
         with self.stopwatch("score"), select.checks_at_exit():
-            keep = self._kept_indices(rows)
+            if cache.quantized:
+                keep, quantized = self._tiered_indices(rows)
+            else:
+                keep, quantized = self._kept_indices(rows), None
         with self.stopwatch("gather"):
-            cache.compact(rows, keep)
+            cache.compact(rows, keep, quantized)
         self.eviction_count += 1
 
     @property
@@ -140,20 +148,42 @@ class Evictor:
         """Seconds spent per phase so far: record, observe, score, gather."""
         return self.stopwatch.as_dict()
 
-    def _kept_indices(self, rows: torch.Tensor) -> list[torch.Tensor]:
-        cache = self.cache
-        view = EvictionView(
-            cache=cache,
+    def _view(self, rows: torch.Tensor) -> EvictionView:
+        return EvictionView(
+            cache=self.cache,
             recorded=self.observer.recorded,
             policy=self.policy,
             rows=rows,
             row_seeds=self.row_seeds.index_select(0, rows.to(self.row_seeds.device)),
             info=self.info,
         )
+
+    def _kept_indices(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        cache, view = self.cache, self._view(rows)
         if self.policy.granularity == "token":
             kept = self.policy.keep(view)
             return [kept.unsqueeze(1).expand(-1, cache.layers[i].keys.shape[1], -1) for i in cache.full_layers]
         return self.policy.keep_layers(view)
+
+    def _tiered_indices(self, rows: torch.Tensor) -> tuple[list[torch.Tensor], tuple[list[torch.Tensor], torch.Tensor]]:
+        """Full-precision slots per evicting layer, and the quantized slots per layer with their count per row."""
+        cache, view = self.cache, self._view(rows)
+        held = cache.quantized_mask().index_select(0, rows.to(cache.valid.device))
+        sizes = dict(full=cache.budget, quantized=cache.quantized)
+        if self.policy.granularity == "token":
+            split = split_tiers(self.policy.ranking(view), held, **sizes)
+            heads = [cache.layers[i].keys.shape[1] for i in cache.full_layers]
+            full = [split.full.unsqueeze(1).expand(-1, h, -1) for h in heads]
+            return full, ([split.quantized.unsqueeze(1).expand(-1, h, -1) for h in heads], split.counts)
+        splits = [split_tiers(self.policy.ranking(view.at(i)), held.unsqueeze(1), **sizes) for i in cache.full_layers]
+        # Every head of a row holds as many tokens, so every head keeps as many quantized.
+        return [s.full for s in splits], ([s.quantized for s in splits], splits[0].counts[:, 0])
+
+
+def _room(cache) -> str:
+    if not cache.quantized:
+        return f"the budget {cache.budget}"
+    return f"the budget K + Q = {cache.budget} + {cache.quantized} = {cache.budget + cache.quantized}"
 
 
 def _weak(ref: weakref.ReferenceType, method: str):

@@ -28,11 +28,16 @@ import torch
 from reasonkv import noise
 
 __all__ = [
+    "MUST_KEEP",
+    "NEVER_KEEP",
     "checks_at_exit",
     "gumbel_noise",
+    "keep_ranked",
     "keep_sampled",
     "keep_top",
     "protected_mask",
+    "rank_sampled",
+    "rank_top",
     "reserve_top",
     "top_indices",
     "value_range",
@@ -41,6 +46,7 @@ __all__ = [
 # Keys for "must keep" and "never keep" slots. Finite so that arithmetic on them stays NaN-free.
 _MUST = torch.finfo(torch.float32).max
 _NEVER = -torch.finfo(torch.float32).max
+MUST_KEEP, NEVER_KEEP = _MUST, _NEVER  # what a ranking holds for protected and for padding slots
 
 
 def protected_mask(
@@ -76,8 +82,10 @@ def protected_mask(
 
 
 def _selection_keys(scores: torch.Tensor, valid: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
-    keys = scores.float().nan_to_num(nan=_NEVER, posinf=_MUST / 2, neginf=_NEVER / 2)
-    keys = keys.masked_fill(protected, _MUST)
+    # Scores stay strictly between the two sentinels (NaN ranks with -inf), so a ranking alone says
+    # which slots are protected and which are padding.
+    keys = scores.float().nan_to_num(nan=_NEVER / 2, posinf=_MUST / 2, neginf=_NEVER / 2)
+    keys = keys.clamp(_NEVER / 2, _MUST / 2).masked_fill(protected, _MUST)
     return keys.masked_fill(~valid, _NEVER)
 
 
@@ -126,15 +134,30 @@ def top_indices(keys: torch.Tensor, k: int) -> torch.Tensor:
     return (n - 1 - order).sort(dim=-1).values
 
 
+def rank_top(scores: torch.Tensor, *, valid: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
+    """The ranking :func:`keep_top` keeps from: the scores, protected slots at :data:`MUST_KEEP`,
+    padding at :data:`NEVER_KEEP` (``valid`` and ``protected`` broadcast against ``scores``)."""
+    valid, protected = torch.broadcast_tensors(valid, protected)
+    scores, valid, protected = torch.broadcast_tensors(scores, valid, protected)
+    return _selection_keys(scores, valid, protected)
+
+
+def keep_ranked(ranking: torch.Tensor, *, k: int) -> torch.Tensor:
+    """The ``k`` highest-ranked slots of a ranking from :func:`rank_top` / :func:`rank_sampled` (ties
+    go to the newer slot).
+
+    Refuses more protected slots than ``k``, or fewer real ones. Returns sorted indices ``[..., k]``.
+    """
+    _check_capacity(ranking > _NEVER, ranking >= _MUST, k)
+    return top_indices(ranking, k)
+
+
 def keep_top(scores: torch.Tensor, *, valid: torch.Tensor, protected: torch.Tensor, k: int) -> torch.Tensor:
     """Keep the protected tokens, then the highest-scoring others, ``k`` in all.
 
     ``valid`` and ``protected`` broadcast against ``scores``. Returns sorted indices ``[..., k]``.
     """
-    valid, protected = torch.broadcast_tensors(valid, protected)
-    scores, valid, protected = torch.broadcast_tensors(scores, valid, protected)
-    _check_capacity(valid, protected, k)
-    return top_indices(_selection_keys(scores, valid, protected), k)
+    return keep_ranked(rank_top(scores, valid=valid, protected=protected), k=k)
 
 
 def gumbel_noise(valid: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -170,16 +193,33 @@ def keep_sampled(
     taken only when nothing else is left. The noise comes from :func:`gumbel_noise` (``seeds``
     ``[rows]``, ``positions`` the slots' logical positions). Returns sorted indices ``[..., k]``.
     """
+    ranking = rank_sampled(
+        weights, valid=valid, protected=protected, seeds=seeds, positions=positions, temperature=temperature
+    )
+    return keep_ranked(ranking, k=k)
+
+
+def rank_sampled(
+    weights: torch.Tensor,
+    *,
+    valid: torch.Tensor,
+    protected: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """The ranking :func:`keep_sampled` keeps from: ``log(weight) / temperature`` plus Gumbel noise
+    (keyed by each row's seed and the slots' positions, :func:`gumbel_noise`), protected slots at :data:`MUST_KEEP`,
+    padding at :data:`NEVER_KEEP`. Taken in descending order it is a sample without replacement."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     valid, protected = torch.broadcast_tensors(valid, protected)
     weights, valid, protected = torch.broadcast_tensors(weights, valid, protected)
-    _check_capacity(valid, protected, k)
     logw = weights.float().clamp(min=0).log() / temperature
     draws = gumbel_noise(valid, seeds, positions)
     # Zero-weight tokens sort below every positive one but above padding.
     perturbed = torch.where(torch.isfinite(logw), logw + draws, torch.full_like(logw, -1e30) + draws)
-    return top_indices(_selection_keys(perturbed, valid, protected), k)
+    return _selection_keys(perturbed, valid, protected)
 
 
 def value_range(values: torch.Tensor) -> torch.Tensor:

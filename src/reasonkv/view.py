@@ -2,6 +2,8 @@
 the recorded signals. Torch only: a serving engine that reuses ``policies/`` builds this same view over
 its own storage (anything with ``layers[i].keys/values``, ``positions(i)``, ``valid``, ``next_position``,
 ``prompt_lengths``, ``row_evictions`` and ``budget``) and a :class:`~reasonkv.recorded.Recorded`.
+Storage with a quantized tier also has ``attended(i)`` (its K/V as attention sees them, quantized
+tokens dequantized) and ``quantized_mask()`` (which slots are quantized).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class EvictionView:
         self.info = info
         self.layer = layer
         self.budget: int = cache.budget
+        self._attended: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # ``rows`` are distinct and sorted (as ``nonzero`` gives them), so as many as the batch are all of it.
         self._all_rows = rows.numel() == cache.valid.shape[0]
 
@@ -41,6 +44,7 @@ class EvictionView:
         """The same eviction, seen from one layer (head-granularity scoring)."""
         view = copy.copy(self)
         view.layer = layer
+        view._attended = {}  # this layer's dequantized K/V live as long as its view
         return view
 
     def _take(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -53,13 +57,22 @@ class EvictionView:
         return layer
 
     # -- stored state ---------------------------------------------------------------------------
+    def _stored(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        attended = getattr(self.cache, "attended", None)
+        if attended is None:
+            entry = self.cache.layers[layer]
+            return entry.keys, entry.values
+        if layer not in self._attended:  # dequantized once per layer and eviction
+            self._attended[layer] = attended(layer)
+        return self._attended[layer]
+
     def keys(self, layer: int | None = None) -> torch.Tensor:
-        """``[rows, kv_heads, slots, head_dim]`` (post-RoPE keys, as stored)."""
-        return self._take(self.cache.layers[self._layer(layer)].keys)
+        """``[rows, kv_heads, slots, head_dim]`` (post-RoPE keys, as stored; quantized ones dequantized)."""
+        return self._take(self._stored(self._layer(layer))[0])
 
     def values(self, layer: int | None = None) -> torch.Tensor:
-        """``[rows, kv_heads, slots, head_dim]``."""
-        return self._take(self.cache.layers[self._layer(layer)].values)
+        """``[rows, kv_heads, slots, head_dim]`` (quantized ones dequantized)."""
+        return self._take(self._stored(self._layer(layer))[1])
 
     def positions(self, layer: int | None = None) -> torch.Tensor:
         """Logical positions ``[rows, kv_heads, slots]`` (-1: padding)."""
@@ -102,6 +115,12 @@ class EvictionView:
     def evictions_so_far(self) -> torch.Tensor:
         """How many times each row was evicted before this eviction, ``[rows]``."""
         return self._take(self.cache.row_evictions)
+
+    def quantized_mask(self) -> torch.Tensor:
+        """Slots held quantized (a quantized tier's tokens), shaped to broadcast like :meth:`valid_mask`."""
+        mask = getattr(self.cache, "quantized_mask", None)
+        held = self._take(mask()) if mask is not None else torch.zeros_like(self.valid)
+        return held if self.layer is None else held.unsqueeze(1)
 
     def protected(self) -> torch.Tensor:
         """Slots the policy's sinks / window / prompt protection keep, shaped like the scores."""

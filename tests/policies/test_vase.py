@@ -56,6 +56,9 @@ class FakeView:
     def values(self):
         return self._values
 
+    def quantized_mask(self):
+        return torch.zeros_like(self.valid_mask())  # no quantized tier
+
     def keys(self):
         return self._values
 

@@ -9,6 +9,9 @@ Three measurements, combinable in one run (one model load):
 - ``--max-batch --memory-limit M --length L``: the largest batch each policy fits in ``M`` at
   ``L`` tokens, and the throughput measured at that batch.
 
+``--quantized Q --bits b`` adds a quantized-tier variant of every requested evicting policy to the
+length sweep, at the K/V bytes of the plain policy (:mod:`reasonkv.bench.tiers`).
+
 Outputs in ``--out``: ``results.jsonl`` (one record per finished entry, appended as measured),
 ``bench.json`` (everything, with the command line, date, machine and versions), ``bench.md`` and
 PNG plots. Rerunning with the same ``--out`` skips finished entries unless ``--force``. The folder
@@ -26,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from reasonkv.arguments import add_policy_options
+from reasonkv.arguments import add_policy_options, quantized_argument
 from reasonkv.bench.plan import DEFAULT_LENGTHS, EVICTION, SWEEP, Plan, build_plan
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -64,6 +67,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     policy.add_argument("--buffer", type=int, default=128, help="B: tokens added between evictions (default 128)")
     policy.add_argument("--seed", type=int, default=0, help="seeds the prompts and the policies (default 0)")
+    policy.add_argument(
+        "--quantized",
+        type=quantized_argument,
+        default=0,
+        metavar="Q",
+        help="also measure every requested evicting policy with Q tokens per head kept quantized, its "
+        "full-precision budget lowered so that its nominal K/V bytes equal the plain policy's at --budget "
+        "(length sweep; default 0: no such variants)",
+    )
+    policy.add_argument(
+        "--bits", type=int, choices=(4, 8), default=None, help="code width of the quantized tier (default 8)"
+    )
 
     sweep = parser.add_argument_group("length sweep")
     sweep.add_argument(
@@ -149,6 +164,8 @@ def canonical_command(args: argparse.Namespace) -> str:
     if args.threads is not None:
         words += ["--threads", str(args.threads)]
     words += ["--buffer", str(args.buffer), "--seed", str(args.seed), "--batch-sizes", args.batch_sizes]
+    if args.quantized:
+        words += ["--quantized", str(args.quantized), "--bits", str(args.bits or 8)]
     for option in args.option:
         words += ["-o", option]
     if args.lengths is not None:
@@ -192,15 +209,23 @@ def _measure(model, plan: Plan, mode: str, policy: str, batch: int | None, progr
     from reasonkv.bench.eviction import measure_eviction_cost
     from reasonkv.bench.maxbatch import measure_max_batch
     from reasonkv.bench.measure import measure_prefilled_sweep, measure_sweep
+    from reasonkv.bench.tiers import tiered_budget
 
     config = plan.configs[mode]
     options = plan.options[policy]
+    budget = config.get("budget")
+    variant = plan.tiers.get(policy)
+    if variant is not None:  # a tiered variant: the policy with a quantized tier, at the plain K/V bytes
+        tier = tiered_budget(model, budget, variant["quantized"], variant["bits"])
+        policy, budget = variant["policy"], tier["budget"]
+        # The measuring functions hand their options on to generate / EvictingCache as keywords.
+        options = {**options, "quantized": tier["quantized"], "bits": tier["bits"]}
     if mode == SWEEP:
-        common = dict(policy=policy, options=options, budget=config["budget"], buffer=config["buffer"], batch=batch)
+        common = dict(policy=policy, options=options, budget=budget, buffer=config["buffer"], batch=batch)
         common.update(lengths=plan.sweep_lengths(policy), seed=config["seed"], progress=progress)
         common.update(sync_timing=config["sync_timing"])
         if config["prefill_to_length"]:
-            return measure_prefilled_sweep(
+            data = measure_prefilled_sweep(
                 model,
                 decode_steps=config["decode_steps"],
                 window=config["window"],
@@ -208,7 +233,11 @@ def _measure(model, plan: Plan, mode: str, policy: str, batch: int | None, progr
                 prompt_length=config["prompt_length"],
                 **common,
             )
-        return measure_sweep(model, prompt_length=config["prompt_length"], window=config["window"], **common)
+        else:
+            data = measure_sweep(model, prompt_length=config["prompt_length"], window=config["window"], **common)
+        if variant is not None:
+            data["tier"] = {"policy": policy, **tier}
+        return data
     if mode == EVICTION:
         return measure_eviction_cost(
             model,

@@ -162,8 +162,9 @@ class StepRecorder:
             "slots": int(cache.slots),
             "kv_bytes": int(cache.kv_bytes()),
             "kv_bytes_full": int(by_kind["full"]),  # the evicting layers (allocated capacity)
+            "kv_bytes_quantized": int(by_kind["quantized"]),  # their quantized tier, if any
             "kv_bytes_sliding": int(by_kind["sliding"]),  # the sliding-window layers' stored window
-            "kv_bytes_used": int(cache.slots * self._per_token * self.batch),
+            "kv_bytes_used": int((cache.slots - cache.low_width) * self._per_token * self.batch),  # full precision
             "memory_bytes": self.tracker.current(),
             "peak_memory_bytes": self.tracker.peak(),
         }

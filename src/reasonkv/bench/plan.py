@@ -73,6 +73,7 @@ class Plan:
     batch_sizes: list[int]
     configs: dict[str, dict] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    tiers: dict[str, dict] = field(default_factory=dict)  # tiered variant -> its policy, quantized, bits
 
     @property
     def modes(self) -> list[str]:
@@ -83,11 +84,12 @@ class Plan:
         out: list[tuple[str, str, int | None]] = []
         if SWEEP in self.configs:
             out += [(SWEEP, p, b) for p in self.policies for b in self.batch_sizes]
+        plain = [p for p in self.policies if p not in self.tiers]  # tiered variants run in the sweep only
         if EVICTION in self.configs:
-            chosen = [p for p in self.policies if self.evicts[p] and (p in self.requested or p == "streaming")]
+            chosen = [p for p in plain if self.evicts[p] and (p in self.requested or p == "streaming")]
             out += [(EVICTION, p, 1) for p in chosen]
         if MAX_BATCH in self.configs:
-            out += [(MAX_BATCH, p, None) for p in self.policies if p in self.requested or p == "full"]
+            out += [(MAX_BATCH, p, None) for p in plain if p in self.requested or p == "full"]
         return out
 
     def sweep_lengths(self, policy: str) -> list[int]:
@@ -181,6 +183,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
                 policies.remove(name)
                 continue
             raise ValueError(problems[0])
+    tiers = _tier_variants(args, [p for p in requested if p in policies and instances[p].evicts])
     plan = Plan(
         model=args.model,
         dtype=args.dtype,
@@ -192,8 +195,16 @@ def build_plan(args: argparse.Namespace) -> Plan:
         requested=[p for p in requested if p in policies],
         batch_sizes=sorted(parse_int_list(args.batch_sizes, "--batch-sizes")),
         warnings=warnings,
+        tiers=tiers,
     )
+    for label, tier in tiers.items():
+        plan.policies.append(label)
+        plan.requested.append(label)
+        plan.options[label] = plan.options[tier["policy"]]
+        plan.evicts[label] = True
     common = {"model": args.model, "dtype": args.dtype, "device": args.device, "attn": args.attn, "seed": args.seed}
+    if tiers:  # only then, so that plain runs resume folders written before tiers existed
+        common.update(quantized=args.quantized, bits=tiers[next(iter(tiers))]["bits"])
     if do_sweep:
         plan.configs[SWEEP] = _sweep_config(args, common, warnings)
     if args.eviction_cost:
@@ -208,6 +219,25 @@ def build_plan(args: argparse.Namespace) -> Plan:
     if args.max_batch:
         plan.configs[MAX_BATCH] = _max_batch_config(args, common)
     return plan
+
+
+def _tier_variants(args: argparse.Namespace, evicting: list[str]) -> dict[str, dict]:
+    """``--quantized Q --bits b``: a tiered variant of every requested evicting policy (length sweep only)."""
+    from reasonkv.bench.tiers import tier_label
+    from reasonkv.policies import policy_class
+    from reasonkv.tiers import check_settings
+
+    quantized, bits = getattr(args, "quantized", 0), getattr(args, "bits", None)
+    check_settings(quantized, bits)
+    if not quantized:
+        return {}
+    bits = 8 if bits is None else bits
+    if not evicting:
+        raise ValueError("--quantized needs at least one evicting policy in --policies to compare")
+    unranked = [p for p in evicting if not policy_class(p).can_rank()]
+    if unranked:
+        raise ValueError(f"{', '.join(unranked)} cannot fill a quantized tier (they do not rank tokens)")
+    return {tier_label(p, quantized, bits): {"policy": p, "quantized": quantized, "bits": bits} for p in evicting}
 
 
 def _sweep_config(args: argparse.Namespace, common: dict, warnings: list[str]) -> dict:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from reasonkv.bench.memory import format_bytes
+from reasonkv.bench.tiers import tier_markdown, tier_summary
 
 __all__ = ["TRIVIAL_POLICIES", "markdown", "summarise", "summary_text"]
 
@@ -156,7 +157,7 @@ def _epikv_cheapest(cheapest: str | None, candidates: dict) -> bool | None:
 
 def summarise(records: list[dict]) -> dict:
     """Overhead summary, eviction-cost and max-batch comparisons of every finished record."""
-    out: dict = {"sweep": {}, "eviction_cost": None, "max_batch": None}
+    out: dict = {"sweep": {}, "eviction_cost": None, "max_batch": None, "tiers": tier_summary(records)}
     sweeps: dict[int, list[dict]] = defaultdict(list)
     for record in records:
         if record.get("mode") == "sweep":
@@ -460,6 +461,7 @@ def markdown(records: list[dict], summary: dict, meta: dict) -> str:
     sweeps = [r for r in records if r.get("mode") == "sweep"]
     if sweeps:
         lines += _sweep_markdown(sweeps, summary, meta)
+        lines += tier_markdown(summary.get("tiers") or {})
     evictions = [r for r in records if r.get("mode") == "eviction-cost"]
     if evictions:
         lines += _eviction_markdown(evictions, summary.get("eviction_cost"))
@@ -479,6 +481,7 @@ def summary_text(records: list[dict], summary: dict, meta: dict) -> str:
     lines: list[str] = []
     for batch, batch_summary in summary["sweep"].items():
         lines += _summary_markdown(int(batch), batch_summary)
+    lines += tier_markdown(summary.get("tiers") or {})
     evictions = [r for r in records if r.get("mode") == "eviction-cost"]
     if evictions:
         lines += _eviction_markdown(evictions, summary.get("eviction_cost"))

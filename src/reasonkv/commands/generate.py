@@ -7,7 +7,13 @@ import json
 import sys
 from pathlib import Path
 
-from reasonkv.arguments import add_model_arguments, add_policy_options, budget_argument, load_model_from
+from reasonkv.arguments import (
+    add_model_arguments,
+    add_policy_options,
+    add_tier_arguments,
+    budget_argument,
+    load_model_from,
+)
 from reasonkv.policies import parse_options
 
 
@@ -19,6 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default="streaming", help="eviction policy (see `reasonkv policies`)")
     parser.add_argument("--budget", type=budget_argument, default=256, help="K: tokens kept per head (default 256)")
     parser.add_argument("--buffer", type=int, default=128, help="B: tokens added between evictions (default 128)")
+    add_tier_arguments(parser)
     add_policy_options(parser)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -58,11 +65,13 @@ def chat_format(tokenizer, prompt: str) -> str:
 def run(args: argparse.Namespace) -> int:
     import reasonkv
     from reasonkv.decode import check_sampling, stop_strings
+    from reasonkv.tiers import check_settings
 
     prompts = read_prompts(args)
-    # Refuse bad sampling settings before the model loads, not after.
+    # Refuse bad settings before the model loads, not after.
     check_sampling(args.max_new_tokens, args.temperature, args.top_p, args.top_k)
     stop_strings(args.stop)
+    check_settings(args.quantized, args.bits)
     # An instance, not keyword options: a policy option may share a name with a sampling argument.
     policy = reasonkv.get_policy(args.policy, **parse_options(args.policy, args.option))
     model, tokenizer = load_model_from(args)
@@ -81,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop=args.stop,
         progress=sys.stderr.isatty(),
+        quantized=args.quantized,
+        bits=args.bits,
     )
     for prompt, result in zip(prompts, results, strict=True):
         if args.json:
@@ -91,8 +102,15 @@ def run(args: argparse.Namespace) -> int:
         stats = result.stats
         print(f"### {prompt}\n{result.text}\n")
         print(
-            f"[{stats['policy']} K={stats['budget']} B={stats['buffer']}] {result.num_tokens} tokens "
+            f"[{stats['policy']} K={stats['budget']} B={stats['buffer']}{_tier(stats)}] {result.num_tokens} tokens "
             f"({result.finish_reason}), {stats['tokens_per_second']:.1f} tok/s, "
             f"{stats['evictions']} evictions, peak {stats['peak_slots']} slots\n"
         )
     return 0
+
+
+def _tier(stats: dict) -> str:
+    if not stats["quantized"]:
+        return ""
+    tiers = stats["peak_kv_bytes_by_tier"]
+    return f" Q={stats['quantized']} int{stats['bits']}; peak K/V {tiers['full']} + {tiers['quantized']} bytes"

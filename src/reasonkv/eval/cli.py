@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from reasonkv.arguments import add_model_arguments, add_policy_options
+from reasonkv.arguments import add_model_arguments, add_policy_options, add_tier_arguments
 
 
 def _int_list(text: str) -> list[int]:
@@ -61,6 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--budgets", type=_int_list, default=[256], help="comma-separated K values (default 256); full ignores them"
     )
     grid.add_argument("--buffer", type=int, default=128, help="B: tokens added between evictions (default 128)")
+    add_tier_arguments(grid, what="; applies to every evicting policy, full runs without one")
     add_policy_options(grid)
     grid.add_argument("--limit", type=int, default=None, help="first N problems of each dataset (default all)")
     grid.add_argument(
@@ -93,6 +94,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="also measure fidelity to the full cache (default: on when the dataset has reference solutions)",
+    )
+    output.add_argument(
+        "--fidelity-only",
+        action="store_true",
+        help="only fidelity records for the evicting policies (no generation records: about half the time); "
+        "full still generates when listed, its outputs are the traces replayed",
     )
     output.add_argument(
         "--fidelity-tokens",
@@ -157,6 +164,9 @@ def run(args: argparse.Namespace) -> int:
         shard=args.shard,
         retry_errors=args.retry_errors,
         command=command_line(),
+        quantized=args.quantized,
+        bits=args.bits,
+        generation=not args.fidelity_only,
     )
     print(result.summary(), file=sys.stderr)
     return 1 if result.complete and result.failed else 0

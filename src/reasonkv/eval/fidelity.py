@@ -118,6 +118,7 @@ def _replay(
     pad_id: int,
     consume: Consumer,
     policy_kwargs: dict | None = None,
+    tier: dict | None = None,
 ) -> list[int]:
     """Feed ``prompt + continuation`` rows through an evicting and a full cache in lockstep.
 
@@ -136,7 +137,9 @@ def _replay(
     forward = Forward(model)
     batch = len(prompts)
     lengths = [len(c) for c in continuations]
-    evicting = EvictingCache(budget if policy.evicts else None, buffer, model=model, policy=policy, seed=seeds)
+    evicting = EvictingCache(
+        budget if policy.evicts else None, buffer, model=model, policy=policy, seed=seeds, **(tier or {})
+    )
     full = EvictingCache(None, buffer, model=model, policy="full")
     evictions = [0] * batch
     try:
@@ -150,15 +153,13 @@ def _replay(
             if lengths[r] <= 1:
                 evictions[r] = int(evicting.row_evictions[r])
         fed = 0
-        limit = None if evicting.budget is None else evicting.budget + evicting.buffer
         while True:
             active = [r for r in range(batch) if fed < lengths[r] - 1]
             if not active:
                 break
             span = min(min(lengths[r] - 1 - fed for r in active), max_chunk)
-            if chunked and limit is not None:
-                room = limit - evicting.row_lengths()
-                span = min(span, max(1, int(room[active].min())))
+            if chunked and evicting.budget is not None:
+                span = min(span, max(1, int(evicting.until_due()[active].min())))
             tokens = torch.full((batch, span), pad_id, dtype=torch.long)
             for r in active:
                 tokens[r] = torch.tensor(list(continuations[r][fed : fed + span]), dtype=torch.long)
@@ -199,6 +200,9 @@ def replay_logits(
     chunked: bool | None = None,
     max_chunk: int = DEFAULT_MAX_CHUNK,
     pad_id: int = 0,
+    quantized: int = 0,
+    bits: int | None = None,
+    group_size: int | None = None,
     **policy_kwargs,
 ) -> Replay:
     """Teacher-force one ``prompt + continuation`` through the evicting and the full cache.
@@ -211,6 +215,8 @@ def replay_logits(
         policy that is not chunk-exact gives a different, cheaper approximation).
     max_chunk
         Most tokens per forward pass.
+    quantized, bits, group_size
+        The evicting cache's quantized tier (default: none; see :class:`~reasonkv.cache.EvictingCache`).
 
     Returns
     -------
@@ -238,6 +244,7 @@ def replay_logits(
         pad_id=pad_id,
         consume=consume,
         policy_kwargs=policy_kwargs,
+        tier=dict(quantized=quantized, bits=bits, group_size=group_size),
     )
     evicting = torch.cat(pieces_e)[:n] if pieces_e else torch.empty(0)
     full = torch.cat(pieces_f)[:n] if pieces_f else torch.empty(0)
@@ -266,6 +273,9 @@ def trace_fidelity(
     chunked: bool | None = None,
     max_chunk: int = DEFAULT_MAX_CHUNK,
     pad_id: int = 0,
+    quantized: int = 0,
+    bits: int | None = None,
+    group_size: int | None = None,
     **policy_kwargs,
 ) -> list[TraceFidelity]:
     """Top-1 agreement and KL of the evicting cache against the full cache along greedy traces.
@@ -277,6 +287,8 @@ def trace_fidelity(
         included if it stopped there). Rows are replayed as one batch.
     seeds
         Eviction seeds (stochastic policies), one per row or one for all.
+    quantized, bits, group_size
+        The evicting cache's quantized tier (default: none).
 
     Returns
     -------
@@ -314,6 +326,7 @@ def trace_fidelity(
         pad_id=pad_id,
         consume=consume,
         policy_kwargs=policy_kwargs,
+        tier=dict(quantized=quantized, bits=bits, group_size=group_size),
     )
     chunk_flag = _is_chunk_exact(get_policy(policy, **policy_kwargs)) if chunked is None else chunked
     results = []
@@ -365,6 +378,9 @@ def answer_logprob(
     chunked: bool | None = None,
     max_chunk: int = DEFAULT_MAX_CHUNK,
     pad_id: int = 0,
+    quantized: int = 0,
+    bits: int | None = None,
+    group_size: int | None = None,
     **policy_kwargs,
 ) -> list[AnswerFidelity]:
     """Log-probability of each reference answer, teacher-forced after its prompt, with both caches.
@@ -374,6 +390,8 @@ def answer_logprob(
     references
         ``(ids, a, b)`` per row as returned by :func:`reference_continuation`: the solution tokens
         and the answer's token range ``[a, b)``.
+    quantized, bits, group_size
+        The evicting cache's quantized tier (default: none).
     """
     batch = len(prompts)
     logp_e = [0.0] * batch
@@ -406,6 +424,7 @@ def answer_logprob(
         pad_id=pad_id,
         consume=consume,
         policy_kwargs=policy_kwargs,
+        tier=dict(quantized=quantized, bits=bits, group_size=group_size),
     )
     results = []
     for r in range(batch):

@@ -155,6 +155,7 @@ class Context:
     counts: dict[str, int] = field(default_factory=lambda: {"generation": 0, "fidelity": 0, "error": 0, "skipped": 0})
     tally: dict[str, list[int]] = field(default_factory=dict)  # "dataset cell" -> [correct, total]
     _prompts: dict = field(default_factory=dict)
+    _tiers: dict = field(default_factory=dict)
 
     def samples_for(self, dataset: str, cell) -> int:
         return self.samples[dataset] if (self.temperature > 0 or cell.stochastic) else 1
@@ -179,9 +180,35 @@ class Context:
             "policy_config": cell.config,
             "budget": cell.budget,
             "buffer": cell.buffer,
+            "tier": self.tier(cell),
             "base_seed": self.base_seed,
             "prompt_format": self.prompt_format,
         }
+
+    def tier(self, cell) -> dict[str, int] | None:
+        """The cell's quantized tier as recorded (with the group size it gets on this model), or None."""
+        if not cell.quantized:
+            return None
+        if cell not in self._tiers:
+            from reasonkv.hf import model_info
+            from reasonkv.quantize import default_group_size
+
+            group_size = default_group_size(model_info(self.model).head_dim)
+            self._tiers[cell] = {**cell.tier, "group_size": group_size}
+        return self._tiers[cell]
+
+    def equivalent_budget(self, cell) -> float | None:
+        """The full-precision budget with the cell's nominal K/V bytes (its budget without a tier)."""
+        if not cell.quantized:
+            return cell.budget
+        from reasonkv.hf import model_info
+        from reasonkv.quantize import QuantFormat
+        from reasonkv.tiers import equivalent_budget
+
+        tier = self.tier(cell)
+        size = next(self.model.parameters()).element_size()
+        fmt = QuantFormat(tier["bits"], tier["group_size"])
+        return round(equivalent_budget(cell.budget, cell.quantized, fmt, model_info(self.model).head_dim, size), 2)
 
     def generation_key(self, dataset: str, problem: Problem, cell, sample: int) -> dict[str, Any]:
         return {
@@ -221,11 +248,12 @@ def refused_prompt(cell, prompt_tokens: int, new_tokens: int) -> str | None:
     """Why ``cell`` cannot run a prompt of ``prompt_tokens`` for ``new_tokens`` tokens, if it cannot."""
     if not cell.evicts or not cell.config.get("protect_prompt"):
         return None
-    if prompt_tokens <= cell.budget or prompt_tokens + new_tokens - 1 < cell.budget + cell.buffer:
+    room = cell.budget + cell.quantized  # a quantized tier holds protected tokens too
+    if prompt_tokens <= room or prompt_tokens + new_tokens - 1 < cell.budget + cell.buffer:
         return None  # the prompt fits, or no eviction is ever due
     return (
         f"checked before decoding: protect_prompt keeps the whole prompt ({prompt_tokens} tokens), more than "
-        f"the budget {cell.budget}; turn off protect_prompt or raise the budget"
+        f"the budget {room}; turn off protect_prompt or raise the budget"
     )
 
 
@@ -236,12 +264,13 @@ def _peak_row_tokens(prompt_tokens: int, output_tokens: int, evictions: int, cel
     """Most tokens the row's cache held at once (exact for this cache's schedule).
 
     The last sampled token is never fed back, so a row stores ``prompt + output - 1`` tokens in
-    all; once evicted it peaked at ``K + B`` (or at the whole prompt, if that was longer).
+    all; once evicted it peaked at ``K + B`` (or at the whole prompt, if that was longer), plus the
+    ``Q`` tokens of a quantized tier.
     """
     stored = prompt_tokens + max(output_tokens - 1, 0)
     if evictions == 0 or cell.budget is None:
         return stored
-    return max(prompt_tokens, cell.budget + cell.buffer)
+    return max(prompt_tokens, cell.budget + cell.buffer + cell.quantized)
 
 
 def _running(name: str, tally: list[int]) -> str:
@@ -317,6 +346,7 @@ def _decode(ctx: Context, cell, batch: list[tuple[Problem, int]]) -> list:
         top_p=ctx.top_p,
         top_k=ctx.top_k,
         seed=[sample_seed(ctx.base_seed, p.id, s) for p, s in batch],
+        **cell.tier,
     )
 
 
@@ -331,6 +361,7 @@ def _generation_record(ctx: Context, key: dict, problem: Problem, cell, seed: in
     record = dict(key)
     record.update(
         seed=seed,
+        equivalent_budget=ctx.equivalent_budget(cell),
         prompt_tokens=out.prompt_tokens,
         output_tokens=out.num_tokens,
         output_text=out.text,
@@ -352,6 +383,7 @@ def _generation_record(ctx: Context, key: dict, problem: Problem, cell, seed: in
         peak_cache_slots=stats["peak_slots"],
         peak_row_tokens=_peak_row_tokens(out.prompt_tokens, out.num_tokens, stats["evictions"], cell),
         peak_kv_bytes=stats["peak_kv_bytes"],
+        peak_kv_bytes_by_tier=stats.get("peak_kv_bytes_by_tier"),
         peak_memory_bytes=stats["peak_memory_bytes"],
         policy_seconds={k: float(v) for k, v in stats.get("timings", {}).items()},
         reasonkv_version=reasonkv.__version__,
@@ -450,7 +482,7 @@ def _fidelity_batch(ctx, dataset, cell, batch, traces, sources, references, pad_
     from reasonkv.eval.runner import sample_seed
 
     seeds = [sample_seed(ctx.base_seed, p.id, 0) for p in batch]
-    common = dict(budget=cell.budget, buffer=cell.buffer, max_chunk=chunk, pad_id=pad_id)
+    common = dict(budget=cell.budget, buffer=cell.buffer, max_chunk=chunk, pad_id=pad_id, **cell.tier)
     t0 = time.perf_counter()
     trace_rows = fid.trace_fidelity(
         ctx.model,
@@ -480,6 +512,7 @@ def _fidelity_batch(ctx, dataset, cell, batch, traces, sources, references, pad_
         record = ctx.fidelity_key(dataset, problem, cell)
         record.update(
             seed=seeds[i],
+            equivalent_budget=ctx.equivalent_budget(cell),
             prompt_tokens=len(ctx.prompt_ids(problem)),
             trace_tokens=tf.steps,
             trace_source=sources[problem.id],

@@ -33,19 +33,27 @@ sample per problem; stochastic policies (``policy.stochastic``) still run ``samp
 
 ``full`` runs once per problem regardless of the budgets (its records have budget and buffer null).
 
+A quantized tier (``quantized``, ``bits``) applies to every evicting cell (``full`` runs without
+one): ``budget`` stays the full-precision ``K``, and the cell's label says the tier
+(``snapkv+int8:112``: 112 tokens per head kept as int8 beside ``K``).
+
 Generation records (``"kind": "generation"``)
     Identity: ``model``, ``dtype``, ``device``, ``dataset``, ``problem_id``, ``policy`` (name),
     ``policy_label`` (name plus the options set by the user, e.g. ``epikv[variant=lag]``),
-    ``policy_config`` (``policy.config()``: every hyper-parameter), ``budget``, ``buffer``, ``sample``,
+    ``policy_config`` (``policy.config()``: every hyper-parameter), ``budget``, ``buffer``, ``tier``
+    (``null``, or the quantized tier: ``quantized``, ``bits``, ``group_size``), ``sample``,
     ``seed`` (this sample's), ``base_seed``, ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``,
-    ``prompt_format``. Output: ``prompt_tokens``, ``output_tokens`` (EOS included), ``output_text``,
+    ``prompt_format``; ``equivalent_budget`` (the full-precision budget holding the same nominal
+    K/V bytes as the cell: ``budget`` without a tier). Output: ``prompt_tokens``, ``output_tokens``
+    (EOS included), ``output_text``,
     ``output_ids``, ``finish_reason`` (``eos``/``length``). Grade: ``reference_answer``,
     ``extracted_answer``, ``correct``, ``grading_method`` (extraction path), ``answer_from_thinking``.
     Collapse: ``collapse`` (the flags of :func:`reasonkv.eval.collapse_flags`) and ``collapsed``.
     Cost: ``seconds`` (wall time of the batch this record was decoded in: prefill + decode),
     ``prefill_seconds``, ``decode_seconds``, ``tokens_per_second`` (this row's tokens over the batch's
     decode time), ``batch_size``, ``evictions`` (this row), ``peak_cache_slots`` (the batch's cache),
-    ``peak_row_tokens`` (most tokens this row held), ``peak_kv_bytes``, ``peak_memory_bytes`` (CUDA max
+    ``peak_row_tokens`` (most tokens this row held), ``peak_kv_bytes`` (and ``peak_kv_bytes_by_tier``:
+    ``full``, ``quantized``), ``peak_memory_bytes`` (CUDA max
     allocated, or the process's peak RSS on CPU), ``policy_seconds`` (the batch's time in the
     policy: ``observe``, ``score``, ``gather``), ``reasonkv_version``, ``run`` (the id of the
     manifest of the run that wrote it), ``time``.
@@ -115,13 +123,22 @@ class Cell:
     config: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
     stochastic: bool = False
     evicts: bool = True
+    quantized: int = 0  # the quantized tier: Q tokens per head at `bits` (0: none)
+    bits: int | None = None
 
     @property
     def label(self) -> str:
-        """The policy name, with the options set on the command line: ``epikv[variant=lag]``."""
-        if not self.options:
-            return self.policy
-        return f"{self.policy}[{','.join(f'{k}={_fmt(v)}' for k, v in sorted(self.options.items()))}]"
+        """The policy name, with the options set on the command line and the quantized tier:
+        ``epikv[variant=lag]``, ``snapkv+int4:199``."""
+        label = self.policy
+        if self.options:
+            label += f"[{','.join(f'{k}={_fmt(v)}' for k, v in sorted(self.options.items()))}]"
+        return label + (f"+int{self.bits}:{self.quantized}" if self.quantized else "")
+
+    @property
+    def tier(self) -> dict[str, int]:
+        """Keyword arguments of the cache's quantized tier (empty without one)."""
+        return {"quantized": self.quantized, "bits": self.bits} if self.quantized else {}
 
     @property
     def name(self) -> str:
@@ -184,12 +201,16 @@ def make_cells(
     budgets: Sequence[int],
     buffer: int,
     options: Mapping[str, Mapping[str, Any]] | Sequence[str] | None = None,
+    quantized: int = 0,
+    bits: int | None = None,
 ) -> list[Cell]:
     """The grid's cells: ``full`` once (budget None) first, then every budget x evicting policy.
 
-    Validates names, budgets and options, and that each policy's protected tokens fit every budget.
+    Validates names, budgets and options, that each policy's protected tokens fit every budget
+    (plus the quantized tier), and that with a quantized tier every evicting policy ranks tokens.
     """
     from reasonkv.policies import get_policy, policy_class
+    from reasonkv.tiers import check_settings
 
     policies = _split_names(policies)
     if not policies:
@@ -213,6 +234,12 @@ def make_cells(
     evicting = [p for p in policies if policy_class(p).evicts]
     if evicting and not budgets:
         raise ValueError(f"policies {', '.join(evicting)} evict: give at least one budget")
+    check_settings(quantized, bits)
+    if quantized:
+        bits = 8 if bits is None else bits
+        unranked = [p for p in evicting if not policy_class(p).can_rank()]
+        if unranked:
+            raise ValueError(f"{', '.join(unranked)} cannot fill a quantized tier (they do not rank tokens)")
     cells = []
     for p in policies:
         if not policy_class(p).evicts:
@@ -222,14 +249,14 @@ def make_cells(
         for p in evicting:
             instance = get_policy(p, **opts[p])
             reserved = instance.sinks + instance.window
-            if reserved > budget:
+            if reserved > budget + quantized:
+                room = f"the budget {budget}" + (f" + {quantized} quantized" if quantized else "")
                 raise ValueError(
                     f"{p}: sinks ({instance.sinks}) + window ({instance.window}) = {reserved} protected tokens "
-                    f"exceed the budget {budget}"
+                    f"exceed {room}"
                 )
-            cells.append(
-                Cell(p, budget, buffer, dict(opts[p]), instance.config(), bool(type(instance).stochastic), True)
-            )
+            stochastic = bool(type(instance).stochastic)
+            cells.append(Cell(p, budget, buffer, dict(opts[p]), instance.config(), stochastic, True, quantized, bits))
     return cells
 
 
@@ -351,6 +378,9 @@ def plan_grid(
     fidelity_tokens: int | None = None,
     max_chunk: int | None = None,
     shard: Shard | str | tuple[int, int] | None = None,
+    quantized: int = 0,
+    bits: int | None = None,
+    generation: bool = True,
 ) -> GridPlan:
     """Validate a grid and split its units across shards (see :func:`run_grid` for the arguments)."""
     specs = parse_dataset_spec(dataset, limit)
@@ -368,9 +398,15 @@ def plan_grid(
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    cells = make_cells(_split_names(policies), list(budgets), buffer, options)
+    cells = make_cells(_split_names(policies), list(budgets), buffer, options, quantized, bits)
     if all(len(problems) == 0 for _, problems in datasets):
         raise ValueError("the datasets hold no problems")
+    if not isinstance(generation, bool):
+        raise ValueError(f"generation must be True or False, got {generation!r}")
+    if not generation:
+        if fidelity is False:
+            raise ValueError("fidelity-only (generation=False) with fidelity off would measure nothing")
+        fidelity = True
     if fidelity is None:
         fidelity = any(p.solution for _, problems in datasets for p in problems)
     shard = Shard.resolve(shard)
@@ -388,7 +424,7 @@ def plan_grid(
         owner={},
     )
     counts = {(name, i): plan.samples_for(name, i) for name, _ in datasets for i in range(len(cells))}
-    plan.units = grid_units(datasets, cells, counts, plan.fidelity)
+    plan.units = grid_units(datasets, cells, counts, plan.fidelity, generation)
     plan.owner = assign(
         plan.units, cells, shard.count, max_new_tokens=max_new_tokens, fidelity_tokens=plan.fidelity_tokens
     )
@@ -530,6 +566,9 @@ def run_grid(
     shard: Shard | str | tuple[int, int] | None = None,
     retry_errors: bool = False,
     command: Sequence[str] | None = None,
+    quantized: int = 0,
+    bits: int | None = None,
+    generation: bool = True,
 ) -> GridResult:
     """Run (or resume) an evaluation grid, or this process's shard of it, and append its records.
 
@@ -581,6 +620,11 @@ def run_grid(
         Run again the units whose record is an error.
     command
         The command line, for the manifest.
+    quantized, bits
+        A quantized tier for every evicting cell: ``quantized`` tokens per head at ``bits`` (4 or 8).
+    generation
+        False: no generation records for the evicting cells, only fidelity records (``full``, if
+        listed, still generates: its greedy outputs are the traces the fidelity replays).
 
     Returns
     -------
@@ -595,7 +639,7 @@ def run_grid(
         dataset=dataset, policies=policies, budgets=budgets, buffer=buffer, limit=limit, samples=samples,
         temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, batch_size=batch_size,
         seed=seed, options=options, fidelity=fidelity, fidelity_tokens=fidelity_tokens, max_chunk=max_chunk,
-        shard=shard,
+        shard=shard, quantized=quantized, bits=bits, generation=generation,
     )  # fmt: skip
     out = Path(out)
     target = writer_path(out, plan.shard)

@@ -58,11 +58,15 @@ def grid_units(
     cells: Sequence[Any],
     samples: Mapping[tuple[str, int], int],
     fidelity: bool,
+    generation: bool = True,
 ) -> list[Unit]:
-    """Every unit of the grid, in grid order; ``samples[(dataset, cell index)]`` samples per problem."""
+    """Every unit of the grid, in grid order; ``samples[(dataset, cell index)]`` samples per problem.
+    ``generation`` False: evicting cells generate nothing (fidelity only; ``full`` still generates)."""
     units = []
     for name, problems in datasets:
-        for index in range(len(cells)):
+        for index, cell in enumerate(cells):
+            if not generation and cell.evicts:
+                continue
             for problem in problems:
                 for s in range(samples[(name, index)]):
                     units.append(Unit("generation", name, problem.id, index, s))

@@ -1,8 +1,12 @@
 """The policy protocol: a dataclass of hyper-parameters, the signals it needs, and a score.
 
 A policy is told what it may read through an :class:`EvictionView` and returns, for the rows being
-evicted, either scores (higher = keep; the default :meth:`Policy.keep` turns them into indices with
-``select.keep_top``) or, by overriding :meth:`Policy.keep`, the kept indices themselves.
+evicted, either scores (higher = keep; the default :meth:`Policy.ranking` turns them into a ranking with
+``select.rank_top`` and :meth:`Policy.keep` keeps its top ``budget``), a ranking of its own
+(overriding :meth:`Policy.ranking`: protection variants, sampling), or, by overriding
+:meth:`Policy.keep`, the kept indices themselves. A cache with a quantized tier needs the ranking
+(:mod:`reasonkv.tiers` splits it into full precision, quantized and dropped), so a policy that only
+overrides ``keep`` cannot fill one (:meth:`Policy.can_rank`).
 Granularity ``"token"`` scores ``[rows, slots]`` once and the same tokens survive in every layer
 and head; ``"head"`` scores ``[rows, kv_heads, slots]`` for one layer at a time.
 
@@ -86,9 +90,28 @@ class Policy:
         """Scores of the stored slots, higher = keep: ``[rows, slots]`` or ``[rows, kv_heads, slots]``."""
         raise NotImplementedError(f"{type(self).__name__} must implement score() or keep()")
 
+    def ranking(self, view: EvictionView) -> torch.Tensor:
+        """Every slot's priority, shaped like the scores: higher is kept first; protected slots hold
+        ``select.MUST_KEEP``, padding ``select.NEVER_KEEP``. The default ranks by :meth:`score`."""
+        return select.rank_top(self.score(view), valid=view.valid_mask(), protected=view.protected())
+
     def keep(self, view: EvictionView) -> torch.Tensor:
-        """Indices of the slots to keep, ``[rows, budget]`` or ``[rows, kv_heads, budget]``."""
-        return select.keep_top(self.score(view), valid=view.valid_mask(), protected=view.protected(), k=view.budget)
+        """Indices of the slots to keep, ``[rows, budget]`` or ``[rows, kv_heads, budget]``: the top
+        ``budget`` of :meth:`ranking`."""
+        return select.keep_ranked(self.ranking(view), k=view.budget)
+
+    @classmethod
+    def can_rank(cls) -> bool:
+        """Whether :meth:`ranking` orders the slots the way :meth:`keep` takes them, so that a
+        quantized tier can be filled from it: an evicting policy that scores or ranks, and whose
+        ``keep`` (if overridden) is not more specific than its ``ranking``."""
+        if not cls.evicts:
+            return False
+        keep_from = next(c for c in cls.__mro__ if "keep" in c.__dict__)
+        ranking_from = next(c for c in cls.__mro__ if "ranking" in c.__dict__)
+        if not issubclass(ranking_from, keep_from):
+            return False
+        return ranking_from is not Policy or cls.score is not Policy.score
 
     def keep_layers(self, view: EvictionView) -> list[torch.Tensor]:
         """Head granularity: the kept indices of every full-attention layer, ``keep(view.at(layer))`` each.

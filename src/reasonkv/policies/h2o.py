@@ -114,7 +114,7 @@ class H2O(Policy):
     def score(self, view) -> torch.Tensor:
         return self.accumulated.lookup(view.rows, view.positions(), self._index[view.layer])
 
-    def keep(self, view) -> torch.Tensor:
+    def ranking(self, view) -> torch.Tensor:
         protected = select.protected_mask(
             view.positions(),
             sinks=self.sinks,
@@ -122,4 +122,4 @@ class H2O(Policy):
             newest=view.newest,
             prompt_lengths=view.prompt_lengths if self.protect_prompt else None,
         )
-        return select.keep_top(self.score(view), valid=view.valid_mask(), protected=protected, k=view.budget)
+        return select.rank_top(self.score(view), valid=view.valid_mask(), protected=protected)

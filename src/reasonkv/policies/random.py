@@ -21,13 +21,8 @@ class Random(Policy):
     summary = "uniform random sample (seeded)"
     stochastic = True
 
-    def keep(self, view) -> torch.Tensor:
+    def ranking(self, view) -> torch.Tensor:
         weights = torch.ones_like(view.valid, dtype=torch.float32)
-        return select.keep_sampled(
-            weights,
-            valid=view.valid,
-            protected=view.protected(),
-            k=view.budget,
-            seeds=view.seeds,
-            positions=view.token_positions(),
+        return select.rank_sampled(
+            weights, valid=view.valid, protected=view.protected(), seeds=view.seeds, positions=view.token_positions()
         )

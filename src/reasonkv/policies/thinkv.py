@@ -481,10 +481,8 @@ class ThinKV(Policy):
         return self._sparsity.values.clone()
 
     # -- eviction ----------------------------------------------------------------------------------
-    def keep(self, view) -> torch.Tensor:
-        return select.keep_top(
-            self.eviction_rank(view), valid=view.valid_mask(), protected=view.protected(), k=view.budget
-        )
+    def ranking(self, view) -> torch.Tensor:
+        return select.rank_top(self.eviction_rank(view), valid=view.valid_mask(), protected=view.protected())
 
     def eviction_rank(self, view) -> torch.Tensor:
         """Each slot's place in TBE's eviction order, ``[rows, slots]``: higher is evicted later."""

@@ -17,7 +17,7 @@ from reasonkv.policies import register
 from reasonkv.policies.curdkv import CurDKV
 from reasonkv.policies.snapkv import SnapKV
 
-__all__ = ["VaseAttnV", "VaseDKV", "reserve_count", "value_aware_keep"]
+__all__ = ["VaseAttnV", "VaseDKV", "reserve_count", "value_aware_rank"]
 
 
 def reserve_count(reserve: float, budget: int) -> int:
@@ -53,34 +53,36 @@ def check_vase_options(policy) -> None:
         raise ValueError(f"{name}: temperature must be a positive number, got {temperature!r}")
 
 
-def value_aware_keep(policy, view, weights: torch.Tensor) -> torch.Tensor:
-    """VASE selection for one layer: protected tokens, then ``N_v`` reserved by value range, then fill.
+def value_aware_rank(policy, view, weights: torch.Tensor) -> torch.Tensor:
+    """VASE's ranking for one layer: protected tokens, then ``N_v`` reserved by value range, then the fill.
 
     ``weights`` ``[rows, kv_heads, slots]`` are the base scores. Reservation ranks the valid,
-    unprotected tokens of each head by ``max(v) - min(v)`` over ``head_dim`` and keeps the top
-    ``N_v`` (fewer if the protected tokens leave less room). The rest of the budget is sampled
-    without replacement with probability proportional to ``weight ** (1 / temperature)``
-    (Gumbel-top-k, draws keyed by row seed, eviction, layer, head and position), or taken top-k when
-    ``policy.sample`` is False.
+    unprotected tokens of each head still held at full precision by ``max(v) - min(v)`` over
+    ``head_dim`` and puts the top ``N_v`` (fewer if the protected tokens leave less room in the
+    budget) with the protected ones, at the top. The rest are ordered by a sample without
+    replacement with probability proportional to ``weight ** (1 / temperature)`` (Gumbel-top-k,
+    draws keyed by row seed, eviction, layer, head and position), or by the weights when
+    ``policy.sample`` is False; keeping the top ``budget`` is VASE's selection.
     """
     valid = view.valid_mask()
     protected = view.protected()
     k = view.budget
     n_reserve = reserve_count(policy.reserve, k)
     if n_reserve > 0:
+        # A quantized token cannot be promoted back, so the reservation (full precision) skips it.
+        eligible = valid & ~view.quantized_mask()
         ranges = select.value_range(view.values())
-        protected = protected | select.reserve_top(ranges, valid=valid, protected=protected, n=n_reserve, k=k)
+        protected = protected | select.reserve_top(ranges, valid=eligible, protected=protected, n=n_reserve, k=k)
     if policy.sample:
-        return select.keep_sampled(
+        return select.rank_sampled(
             weights,
             valid=valid,
             protected=protected,
-            k=k,
             seeds=view.seeds,
             positions=view.positions(),
             temperature=float(policy.temperature),
         )
-    return select.keep_top(weights, valid=valid, protected=protected, k=k)
+    return select.rank_top(weights, valid=valid, protected=protected)
 
 
 _SELECTION_DOC = """
@@ -148,8 +150,8 @@ class VaseAttnV(SnapKV):
         super().__post_init__()
         check_vase_options(self)
 
-    def keep(self, view) -> torch.Tensor:
-        return value_aware_keep(self, view, self.score(view))
+    def ranking(self, view) -> torch.Tensor:
+        return value_aware_rank(self, view, self.score(view))
 
 
 @register
@@ -207,5 +209,5 @@ class VaseDKV(CurDKV):
         keys, values = view.keys(), view.values()
         return self._draw(view.seeds, keys.shape[1], keys.shape[-1], values.shape[-1])
 
-    def keep(self, view) -> torch.Tensor:
-        return value_aware_keep(self, view, self.score(view))
+    def ranking(self, view) -> torch.Tensor:
+        return value_aware_rank(self, view, self.score(view))

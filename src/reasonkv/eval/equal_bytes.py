@@ -1,0 +1,163 @@
+"""Fidelity at equal K/V bytes: full-precision tokens only, against fewer of them plus a quantized tier.
+
+Reads the fidelity records of ``reasonkv eval`` runs and groups every cell by its *byte budget*:
+``equivalent_budget`` rounded, the full-precision budget holding the same nominal K/V bytes (a
+plain cell's own budget; ``K + Q x quantized bytes / full bytes`` for a tiered one). Per dataset,
+policy and byte budget it tabulates top-1 agreement and mean KL of each variant (full precision
+only, int8 tier, int4 tier), and plots them::
+
+    python -m reasonkv.eval.equal_bytes docs/results/equal-bytes/results.jsonl --out docs/results/equal-bytes
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from reasonkv.eval.report import load_results
+
+__all__ = ["Cell", "cells", "main", "markdown", "plot"]
+
+PLAIN = "full precision"
+
+
+@dataclass(frozen=True)
+class Cell:
+    """The mean fidelity of one (dataset, policy, byte budget, variant) over its problems."""
+
+    dataset: str
+    policy: str
+    bytes_budget: int  # in full-precision tokens per head
+    variant: str  # "full precision", "int8" or "int4"
+    budget: int  # K of the cell
+    quantized: int  # Q of the cell
+    top1: float
+    kl: float
+    problems: int
+
+
+def _variant(record: dict) -> tuple[str, int]:
+    tier = record.get("tier")
+    return (PLAIN, 0) if not tier else (f"int{tier['bits']}", int(tier["quantized"]))
+
+
+def cells(records: Iterable[dict]) -> list[Cell]:
+    """Fidelity records grouped into cells (records without ``equivalent_budget`` are skipped)."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in records:
+        if r.get("kind") != "fidelity" or r.get("equivalent_budget") is None:
+            continue
+        variant, quantized = _variant(r)
+        key = (r["dataset"], r["policy"], round(r["equivalent_budget"]), variant, r["budget"], quantized)
+        groups[key].append(r)
+    out = []
+    for (dataset, policy, bytes_budget, variant, budget, quantized), group in groups.items():
+        top1 = [r["top1_agreement"] for r in group if _finite(r.get("top1_agreement"))]
+        kl = [r["kl_mean"] for r in group if _finite(r.get("kl_mean"))]
+        out.append(Cell(dataset, policy, bytes_budget, variant, budget, quantized, _mean(top1), _mean(kl), len(group)))
+    order = {PLAIN: 0, "int8": 1, "int4": 2}
+    return sorted(out, key=lambda c: (c.dataset, c.policy, c.bytes_budget, order.get(c.variant, 3)))
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def markdown(table: Sequence[Cell]) -> str:
+    """One table per dataset: a row per policy and variant, top-1 / KL per byte budget."""
+    lines = []
+    for dataset in sorted({c.dataset for c in table}):
+        mine = [c for c in table if c.dataset == dataset]
+        budgets = sorted({c.bytes_budget for c in mine})
+        lines += [f"### {dataset}", ""]
+        lines.append("| policy | variant | " + " | ".join(f"bytes of {b}: K + Q | top-1 | KL" for b in budgets) + " |")
+        lines.append("|---|---|" + "---|---|---|" * len(budgets))
+        rows: dict[tuple[str, str], dict[int, Cell]] = defaultdict(dict)
+        for c in mine:
+            rows[(c.policy, c.variant)][c.bytes_budget] = c
+        for (policy, variant), by_budget in rows.items():
+            cells_text = []
+            for b in budgets:
+                c = by_budget.get(b)
+                if c is None:
+                    cells_text += ["-", "-", "-"]
+                    continue
+                size = str(c.budget) if not c.quantized else f"{c.budget} + {c.quantized}"
+                cells_text += [size, f"{c.top1:.3f}", f"{c.kl:.3f}"]
+            lines.append(f"| {policy} | {variant} | " + " | ".join(cells_text) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(table: Sequence[Cell], out_dir: str | os.PathLike[str]) -> list[Path]:
+    """Per dataset: grouped bars of top-1 agreement and mean KL, a panel per byte budget."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    variants = [PLAIN, "int8", "int4"]
+    for dataset in sorted({c.dataset for c in table}):
+        mine = [c for c in table if c.dataset == dataset]
+        budgets = sorted({c.bytes_budget for c in mine})
+        policies = list(dict.fromkeys(c.policy for c in mine))
+        fig, axes = plt.subplots(2, len(budgets), figsize=(5.5 * len(budgets), 7), squeeze=False)
+        width = 0.8 / len(variants)
+        for col, budget in enumerate(budgets):
+            for row, (attr, label) in enumerate((("top1", "top-1 agreement"), ("kl", "mean KL(full || cache)"))):
+                ax = axes[row][col]
+                for i, variant in enumerate(variants):
+                    values = []
+                    for policy in policies:
+                        hit = [c for c in mine if (c.policy, c.bytes_budget, c.variant) == (policy, budget, variant)]
+                        values.append(getattr(hit[0], attr) if hit else float("nan"))
+                    xs = [p + (i - 1) * width for p in range(len(policies))]
+                    ax.bar(xs, values, width, label=variant)
+                ax.set_xticks(range(len(policies)))
+                ax.set_xticklabels(policies, rotation=30, ha="right")
+                ax.set_ylabel(label)
+                ax.set_title(f"{dataset}: K/V bytes of {budget} full-precision tokens")
+                if attr == "top1":
+                    finite = [getattr(c, attr) for c in mine if math.isfinite(getattr(c, attr))]
+                    if finite:
+                        ax.set_ylim(max(0.0, min(finite) - 0.02), 1.0)
+                ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out_dir / f"equal-bytes-{dataset}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m reasonkv.eval.equal_bytes", description=__doc__.splitlines()[0])
+    parser.add_argument("results", nargs="+", help="eval results files (JSONL)")
+    parser.add_argument("--out", required=True, help="folder for equal-bytes.md and the PNGs")
+    args = parser.parse_args(argv)
+    table = cells(load_results(args.results))
+    if not table:
+        parser.error("no fidelity records with equivalent_budget in the results")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "equal-bytes.md").write_text(markdown(table), encoding="utf-8")
+    for path in plot(table, out):
+        print(path)
+    print(out / "equal-bytes.md")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,132 @@
+"""The eval grid with a quantized tier: its cells, its records, resuming, fidelity-only runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import NoEosTokenizer, tiny_llama
+from reasonkv.eval.records import read_records
+from reasonkv.eval.runner import make_cells, run_grid
+
+PROBLEMS = [
+    {"id": "p1", "problem": "What is 2+2?", "answer": "4", "solution": "2+2 = <<2+2=4>>4.\n#### 4"},
+    {"id": "p2", "problem": "Half of 10?", "answer": "5", "solution": "Half of ten is \\boxed{5}."},
+]
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture
+def dataset(tmp_path) -> str:
+    path = tmp_path / "problems.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in PROBLEMS), encoding="utf-8")
+    return str(path)
+
+
+def _grid(dataset: str, out, **overrides) -> dict:
+    kwargs = dict(
+        dataset=dataset,
+        out=str(out),
+        policies="full,streaming",
+        budgets=[10],
+        buffer=4,
+        max_new_tokens=20,
+        batch_size=4,
+        progress=False,
+        fidelity=True,
+    )
+    kwargs.update(overrides)
+    return kwargs
+
+
+def test_tiered_cells_are_labelled_and_refuse_what_cannot_work():
+    [full, tiered] = make_cells(["full", "snapkv"], [16], 4, ["snapkv.window=4"], quantized=12, bits=4)
+    assert full.quantized == 0 and full.label == "full"  # the reference runs without a tier
+    assert tiered.label == "snapkv[window=4]+int4:12" and tiered.name == "snapkv[window=4]+int4:12@16"
+    assert tiered.tier == {"quantized": 12, "bits": 4}
+    assert make_cells(["streaming"], [16], 4, quantized=8)[0].bits == 8  # int8 by default
+    with pytest.raises(ValueError, match="bits must be 4 or 8, got 2"):
+        make_cells(["streaming"], [16], 4, quantized=8, bits=2)
+    with pytest.raises(ValueError, match="bits=4 has no effect without a quantized tier"):
+        make_cells(["streaming"], [16], 4, bits=4)
+    with pytest.raises(ValueError, match="quantized must be a non-negative integer .*got -1"):
+        make_cells(["streaming"], [16], 4, quantized=-1)
+    with pytest.raises(ValueError, match=r"36 protected tokens exceed the budget 16 \+ 8 quantized"):
+        make_cells(["snapkv"], [16], 4, quantized=8)
+
+
+def test_a_tier_gets_its_own_records_beside_the_plain_ones_and_resumes(dataset, tmp_path):
+    out = tmp_path / "results.jsonl"
+    model, tokenizer = tiny_llama(), NoEosTokenizer()
+    plain = run_grid(model, tokenizer, **_grid(dataset, out))
+    tiered = run_grid(model, tokenizer, **_grid(dataset, out, quantized=6, bits=4))
+    assert tiered.generated == 2 and tiered.fidelity == 2  # full (2 generation records) was already there
+    records = read_records(out)
+    assert len(records) == plain.generated + plain.fidelity + 4
+    mine = [r for r in records if r.get("tier")]
+    assert {r["policy_label"] for r in mine} == {"streaming+int4:6"} and len(mine) == 4
+    for record in mine:
+        assert record["tier"] == {"quantized": 6, "bits": 4, "group_size": 16}  # head_dim 16
+        assert record["budget"] == 10
+        # 6 int4 tokens (codes 16 + statistics 8 + 8 + id 2 = 34 bytes) beside 10 fp32 ones (128 bytes)
+        assert record["equivalent_budget"] == pytest.approx(10 + 6 * 34 / 128, abs=0.01)
+    generation = [r for r in mine if r["kind"] == "generation"]
+    assert all(r["evictions"] > 0 and r["peak_kv_bytes_by_tier"]["quantized"] > 0 for r in generation)
+    assert all(r["peak_row_tokens"] == max(r["prompt_tokens"], 10 + 4 + 6) for r in generation)
+    assert all(r["tier"] is None for r in records if r["policy"] == "full" or r not in mine)
+    again = run_grid(model, tokenizer, **_grid(dataset, out, quantized=6, bits=4))
+    assert again.generated == again.fidelity == 0 and again.skipped == len(mine) + 2
+
+
+def test_fidelity_only_writes_no_generation_records_for_evicting_cells(dataset, tmp_path):
+    out = tmp_path / "results.jsonl"
+    result = run_grid(tiny_llama(), NoEosTokenizer(), **_grid(dataset, out, quantized=6, generation=False))
+    records = read_records(out)
+    kinds = sorted((r["kind"], r["policy"]) for r in records)
+    assert kinds == [("fidelity", "streaming")] * 2 + [("generation", "full")] * 2
+    assert all(r["trace_source"] == "generation" for r in records if r["kind"] == "fidelity")
+    assert result.fidelity == 2
+    with pytest.raises(ValueError, match="fidelity-only .* with fidelity off would measure nothing"):
+        run_grid(tiny_llama(), NoEosTokenizer(), **_grid(dataset, out, generation=False, fidelity=False))
+
+
+def _fidelity(policy, budget, equivalent, top1, kl, tier=None, dataset="gsm8k"):
+    return {
+        "kind": "fidelity",
+        "dataset": dataset,
+        "policy": policy,
+        "budget": budget,
+        "tier": tier,
+        "equivalent_budget": equivalent,
+        "top1_agreement": top1,
+        "kl_mean": kl,
+    }
+
+
+def test_equal_bytes_report_groups_cells_by_their_byte_budget(tmp_path):
+    from reasonkv.eval import equal_bytes
+
+    int8 = {"quantized": 112, "bits": 8, "group_size": 32}
+    records = [
+        _fidelity("h2o", 128, 128, 0.90, 0.10),
+        _fidelity("h2o", 128, 128, 0.80, 0.30),
+        _fidelity("h2o", 64, 127.88, 0.95, 0.05, int8),
+        _fidelity("h2o", 64, 127.88, float("nan"), 0.07, int8),  # NaN metrics are left out of the mean
+        {"kind": "fidelity", "policy": "h2o", "budget": 128, "dataset": "gsm8k"},  # an older record: skipped
+        {"kind": "generation", "policy": "h2o", "budget": 128, "dataset": "gsm8k", "equivalent_budget": 128},
+    ]
+    table = equal_bytes.cells(records)
+    assert [(c.variant, c.bytes_budget, c.problems) for c in table] == [("full precision", 128, 2), ("int8", 128, 2)]
+    assert table[0].top1 == pytest.approx(0.85) and table[1].top1 == pytest.approx(0.95)
+    assert table[1].kl == pytest.approx(0.06)
+    text = equal_bytes.markdown(table)
+    assert "| h2o | full precision | 128 | 0.850 | 0.200 |" in text
+    assert "| h2o | int8 | 64 + 112 | 0.950 | 0.060 |" in text
+    results = tmp_path / "results.jsonl"
+    lines = [json.dumps({**r, "problem_id": f"p{i}"}) + "\n" for i, r in enumerate(records[:4])]
+    results.write_text("".join(lines), encoding="utf-8")
+    assert equal_bytes.main([str(results), "--out", str(tmp_path / "report")]) == 0
+    assert (tmp_path / "report" / "equal-bytes-gsm8k.png").read_bytes()[:4] == b"\x89PNG"
+    assert "| h2o | int8 |" in (tmp_path / "report" / "equal-bytes.md").read_text()
