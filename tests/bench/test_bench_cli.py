@@ -76,8 +76,10 @@ def test_hybrid_shape_reports_kv_per_layer_kind(mode, tmp_path, capsys):
         assert record["window_kv_bytes"] == window_bytes
         for w in record["windows"]:
             assert w["kv_bytes_sliding"] == window_bytes and w["kv_bytes"] == w["kv_bytes_full"] + window_bytes
-            if record["policy"] != "full":
-                assert w["kv_bytes_full"] == (32 + 16) * full_per_token
+            if record["policy"] != "full":  # buffers are sized to the run: K + B once it is that long
+                assert w["kv_bytes_full"] <= (32 + 16) * full_per_token
+        if record["policy"] != "full":
+            assert max(w["kv_bytes_full"] for w in record["windows"]) == (32 + 16) * full_per_token
     summary = document["summary"]["sweep"]["1"]["policies"]["h2o"]
     assert summary["kv_within_bound"] and summary["kv_sliding_max"] == summary["kv_sliding_bound"] == window_bytes
     assert summary["kv_full_bound"] == (32 + 16) * full_per_token
