@@ -21,6 +21,7 @@ from reasonkv.policies import get_policy, list_policies
 # ops that make the host wait for the device
 _SYNCING = {
     "aten._local_scalar_dense.default",
+    "aten.item.default",
     "aten.nonzero.default",
     "aten._unique2.default",
     "aten.unique_dim.default",
@@ -138,4 +139,5 @@ def test_an_eviction_syncs_a_fixed_few_whatever_the_batch_and_layers(policy, one
 
     small, big = eviction_syncs(2, 2), eviction_syncs(4, 6)
     assert big == small, (small, big)
-    assert big <= 12
+    # ThinKV types each new segment and groups segments for its K-means on the host: a few reads more.
+    assert big <= (16 if policy == "thinkv" else 6), big

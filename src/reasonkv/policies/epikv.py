@@ -227,7 +227,9 @@ class EPIKV(Policy):
             raise RuntimeError(f"{self.name}: the step carries no hidden states of layers {missing}")
         g = self._distances_one(step) if step.input_valid.shape[1] == 1 else self._distances_many(step)
         unscored = g.new_full((g.shape[0], 1, g.shape[2]), float("nan"))
-        state.table.set(step.input_positions, torch.cat([g, unscored], dim=1))
+        # Every position seen is below the step's bound, a host-side fact (0: not given, read it instead).
+        state.bound = step.position_bound or None
+        state.table.set(step.input_positions, torch.cat([g, unscored], dim=1), bound=state.bound)
 
     def _distances_one(self, step: Step) -> torch.Tensor:
         """A decode step: one norm per used layer. Returns ``g`` ``[batch, used, 1]``."""
@@ -276,16 +278,16 @@ class EPIKV(Policy):
         offsets = torch.arange(width, device=ready.device)
         positions = (state.scored.unsqueeze(1) + offsets).masked_fill(offsets >= count.unsqueeze(1), -1)
         used = len(state.layers)
-        g = state.table.get(positions)[:, :used]
+        g = state.table.get(positions, bound=state.bound)[:, :used]
         if self.variant == "lag":  # whole chunks: positions start on a chunk boundary
             batch, lag = positions.shape[0], self.lag
             following = (positions + lag).masked_fill(positions < 0, -1)
-            reference = state.table.get(following)[:, :used].reshape(batch, used, -1, lag)
+            reference = state.table.get(following, bound=state.bound)[:, :used].reshape(batch, used, -1, lag)
             z = lag_normalise(g.reshape(batch, used, -1, lag), reference, self.eps).flatten(-2)
             s = _side(z, state.a) - _side(z, state.b)
         else:
             s = self._causal_scores(positions, g)
-        state.table.set(positions, torch.cat([g, s.unsqueeze(1)], dim=1))
+        state.table.set(positions, torch.cat([g, s.unsqueeze(1)], dim=1), bound=state.bound)
         state.scored = ready.clone()
 
     def _causal_scores(self, positions: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -301,7 +303,7 @@ class EPIKV(Policy):
         parts = []
         for lo in range(0, q, chunk):
             hi = min(q, lo + chunk)
-            history = state.table.get(window_positions(positions[:, lo:hi], start, length))[:, :used]
+            history = state.table.get(window_positions(positions[:, lo:hi], start, length), bound=state.bound)[:, :used]
             history = history.reshape(batch, used, hi - lo, length)
             if self.variant == "raw":
                 gbar = window_mean(history)
@@ -368,3 +370,4 @@ class _State:
     seen: torch.Tensor  # [batch] real tokens observed per row
     table: PositionTable  # [batch, used + 1, positions]: g_l(t) per used layer, then s(t); NaN = missing
     scored: torch.Tensor  # [batch] positions 0 .. scored - 1 of each row carry their final score
+    bound: int | None = None  # every position observed so far is below it (None: unknown)

@@ -73,7 +73,9 @@ def lag_relative_scores(
     n = valid.sum(-1)
     lead = n.clamp(max=skip)
     chunks = (n - lead) // lag  # complete chunks per row
-    p = int(chunks.max()) if n.numel() else 0
+    # Chunks are laid out for the most a row of ``s`` slots can hold (known on the host: no device
+    # read); a row's chunks past its own count are never scored (``ok`` below).
+    p = max(0, (s - skip) // lag)
     if p < 2:
         return scores, scored, rank
     # Real tokens of each row in slot order, right-aligned (padding first), then the chunked span.

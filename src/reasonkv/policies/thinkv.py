@@ -507,7 +507,7 @@ class ThinKV(Policy):
 
         # -- groups: prompt chunks and generated segments, each a row of [groups, tau] members
         local = torch.where(is_gen, 2 * segment + 1, 2 * chunk)
-        span = int(local.max()) + 1 if bool(valid.any()) else 1
+        span = int(local.clamp(min=0).max()) + 1  # padding's local index is negative
         key = (torch.arange(n_rows, device=device).unsqueeze(1) * span + local)[valid]
         _, group = torch.unique(key, return_inverse=True)
         n_groups = int(group.max()) + 1 if group.numel() else 0
@@ -536,8 +536,8 @@ class ThinKV(Policy):
         # -- scenario 1: each trigger segment demotes every earlier segment one retention step
         kinds = self._types.lookup(rows, segment).long().to(device)
         type_rank = self._type_rank.to(device)[kinds.masked_fill(kinds < 0, len(THOUGHT_TYPES))]
-        if self.trigger is not None and bool(is_gen.any()):
-            width = int(current.max()) + 1
+        width = int(current.max()) + 1 if self.trigger is not None else 0  # 0: nothing generated yet
+        if width > 0:
             table = self._types.lookup(rows, torch.arange(width, device=device).expand(n_rows, -1)).long()
             fires = (table == THOUGHT_TYPES.index(self.trigger)) & (
                 torch.arange(width, device=device).unsqueeze(0) <= current.unsqueeze(1)
