@@ -31,8 +31,8 @@ class LayerMasks:
     """Builds the per-layer-type attention masks of ``model`` for the forwards that use ``cache``.
 
     ``cache`` is an ``EvictingCache`` holding sliding-window layers: it provides the sliding layers'
-    padding mask (``window.mask()``, for the announced forward)
-    and, through ``get_mask_sizes`` / ``get_query_offset``, the sizes and offsets of each layer kind.
+    padding mask (``window.mask()``, for the announced forward) and, through ``get_mask_sizes`` /
+    ``get_query_offset``, the sizes and offsets of each layer kind.
     """
 
     def __init__(self, model: torch.nn.Module, cache: Any):
