@@ -19,6 +19,8 @@ import platform
 import tempfile
 from pathlib import Path
 
+from reasonkv.machine import cpu_model
+
 __all__ = [
     "OUTPUT_FILES",
     "RESULTS_FILE",
@@ -175,17 +177,6 @@ class ResultStore:
         write_atomic(self.path, "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in self.records))
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            for line in cpuinfo:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine_info(device) -> dict:
     """CPU, GPU, library versions: what the numbers were measured on."""
     import torch
@@ -194,7 +185,7 @@ def machine_info(device) -> dict:
     from reasonkv.hf import transformers_version
 
     info = {
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "platform": platform.platform(),

@@ -37,6 +37,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from reasonkv.machine import cpu_model
+
 __all__ = [
     "SETUP_FIELDS",
     "build_manifest",
@@ -124,14 +126,7 @@ def _device_name(device: str) -> str:
         import torch
 
         return torch.cuda.get_device_name(torch.device(device))
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            for line in cpuinfo:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpu_model()
 
 
 def environment(device: str) -> dict[str, Any]:

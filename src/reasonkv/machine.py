@@ -1,0 +1,19 @@
+"""What machine a run is on, for the records that describe it (bench documents, eval manifests)."""
+
+from __future__ import annotations
+
+import platform
+
+__all__ = ["cpu_model"]
+
+
+def cpu_model() -> str:
+    """The CPU's model name (from ``/proc/cpuinfo`` where there is one)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
