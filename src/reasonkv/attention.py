@@ -22,7 +22,7 @@ __all__ = [
     "grouped_logits",
     "grouped_sinks",
     "logit_dtype",
-    "masked_softmax",
+    "masked_softmax_",
     "newest_row",
     "window_attention",
 ]
@@ -47,9 +47,11 @@ def grouped_logits(
     g = hq // hkv
     dtype = logit_dtype(keys.device, keys.dtype)
     grouped = queries.reshape(b, hkv, g * w, d).to(dtype)  # query head h -> kv head h // g
-    logits = torch.matmul(grouped, keys.to(dtype).transpose(2, 3)).float() * scaling
+    logits = torch.matmul(grouped, keys.to(dtype).transpose(2, 3)).float()
+    # In place on the fresh product: the same arithmetic as out-of-place, without a buffer per step.
+    logits.mul_(scaling)
     if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
+        logits.div_(softcap).tanh_().mul_(softcap)
     return logits.view(b, hkv, g, w, s)
 
 
@@ -58,15 +60,20 @@ def grouped_sinks(sinks: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return sinks.float().view(1, kv_heads, -1, 1, 1)
 
 
-def masked_softmax(logits: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Softmax over the visible entries of the last axis; rows that see nothing are 0.
+def masked_softmax_(
+    logits: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor | None = None, *, start: int = 0
+) -> torch.Tensor:
+    """Softmax over the visible entries of the last axis; rows that see nothing are 0. Overwrites
+    ``logits`` (pass a temporary, as :func:`grouped_logits` returns).
 
-    ``sinks`` (broadcastable to ``logits[..., :1]``) are extra logits that share the normalisation
-    and are dropped afterwards: learned attention sinks, so a row's probabilities sum to less than 1.
+    ``visible`` covers the entries from column ``start`` on; every row sees the columns before it
+    (a caller that knows so masks only the rest). ``sinks`` (broadcastable to ``logits[..., :1]``)
+    are extra logits that share the normalisation and are dropped afterwards: learned attention
+    sinks, so a row's probabilities sum to less than 1.
     """
-    logits = logits.masked_fill(~visible, float("-inf"))
+    logits[..., start:].masked_fill_(~visible, float("-inf"))
     if sinks is None:
-        return logits.softmax(-1).nan_to_num(0.0)
+        return logits.softmax(-1).nan_to_num_(0.0)
     sink = sinks.to(logits.dtype).expand(*logits.shape[:-1], 1)
     return torch.cat([logits, sink], dim=-1).softmax(-1)[..., :-1]
 
@@ -94,7 +101,7 @@ def window_attention(
     visible = key_positions.view(b, hkv, 1, 1, s) <= query_positions.view(b, 1, 1, w, 1)
     visible = visible & key_valid.view(b, 1, 1, 1, s) & query_valid.view(b, 1, 1, w, 1)
     sink = None if sinks is None else grouped_sinks(sinks, hkv)
-    return masked_softmax(logits, visible, sink).view(b, hq, w, s)
+    return masked_softmax_(logits, visible, sink).view(b, hq, w, s)
 
 
 def newest_row(
@@ -113,7 +120,7 @@ def newest_row(
     b, hq = query.shape[:2]
     s = keys.shape[2]
     logits = grouped_logits(query, keys, scaling, softcap).view(b, hq, s)
-    return masked_softmax(logits, key_valid.view(b, 1, s), None if sinks is None else sinks.float().view(1, hq, 1))
+    return masked_softmax_(logits, key_valid.view(b, 1, s), None if sinks is None else sinks.float().view(1, hq, 1))
 
 
 def column_sums(
@@ -138,13 +145,15 @@ def column_sums(
     total = queries.new_zeros((b, hq, s), dtype=torch.float32)
     chunk = max(1, chunk_elements // max(1, b * hq * s))
     slot = torch.arange(s, device=queries.device)
+    sink = None if sinks is None else sinks.float().view(1, hq, 1, 1)
     for start in range(0, q, chunk):
         part = queries[:, :, start : start + chunk]
         c = part.shape[2]
-        logits = grouped_logits(part, keys, scaling, softcap).view(b, hq, c, s)
+        seen = s - q + start + c  # causal: the chunk's queries see no slot after its last one
+        logits = grouped_logits(part, keys[:, :, :seen], scaling, softcap).view(b, hq, c, seen)
         query_slot = s - q + start + torch.arange(c, device=queries.device)
-        visible = (slot.view(1, 1, 1, s) <= query_slot.view(1, 1, c, 1)) & key_valid.view(b, 1, 1, s)
-        sink = None if sinks is None else sinks.float().view(1, hq, 1, 1)
-        probs = masked_softmax(logits, visible, sink) * query_valid[:, start : start + c].view(b, 1, c, 1)
-        total += probs.sum(2)
+        visible = slot[:seen].view(1, 1, 1, seen) <= query_slot.view(1, 1, c, 1)
+        visible = visible & key_valid[:, :seen].view(b, 1, 1, seen)
+        probs = masked_softmax_(logits, visible, sink).mul_(query_valid[:, start : start + c].view(b, 1, c, 1))
+        total[..., :seen] += probs.sum(2)
     return total

@@ -150,9 +150,13 @@ class Observer:
         if not len(self.recorded.log):
             return
         with self.stopwatch("observe"), torch.inference_mode():
+            oldest = self.recorded.log.slots[0]
             queries, query_slots, positions, valid = self.recorded.log.take()
             key_valid = self.cache.valid
             slots = key_valid.shape[1]
+            # Without padding every query sees every slot up to the oldest one's: only the slots after it
+            # need the mask (the host knows, so no device value is read).
+            start = 0 if self.cache.maybe_padded else oldest + 1
             visible = torch.arange(slots, device=key_valid.device) <= query_slots.view(-1, 1)  # [n, slots]
             visible = visible & key_valid.unsqueeze(1) & valid.unsqueeze(2)  # [batch, n, slots]
             for layer, layer_queries in queries.items():
@@ -166,7 +170,7 @@ class Observer:
                     part = layer_queries[:, :, start : start + step]
                     seen = visible[:, start : start + step]
                     logits = attention.grouped_logits(part, keys, scaling, softcap).view(b, hq, part.shape[2], slots)
-                    rows = attention.masked_softmax(logits, seen.unsqueeze(1), sinks)
+                    rows = attention.masked_softmax_(logits, seen[..., start:].unsqueeze(1), sinks, start=start)
                     sums = rows.sum(2) if self.needs.attention_sum else None
                     chunk_rows = rows if self.needs.attention_last else None
                     self.policy.observe_attention(

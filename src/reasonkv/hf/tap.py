@@ -118,7 +118,13 @@ class AttentionTap:
         self.claim()
 
     def claim(self) -> None:
-        """(Re)claim the model's attention modules, e.g. after another tap on the same model claimed them."""
+        """(Re)claim the model's attention modules, e.g. after another tap on the same model claimed them.
+
+        A tap claims every module of its model at once, so the first module tells whether they are still
+        this tap's: then nothing is written (the common case, once per forward)."""
+        first = next(i for i, module in enumerate(self.modules) if module is not None)
+        if getattr(self.modules[first], _CLAIM, None) is self._claims[first]:
+            return
         for module, claim in zip(self.modules, self._claims, strict=True):
             if module is not None:
                 setattr(module, _CLAIM, claim)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from reasonkv import select
-from reasonkv.attention import grouped_logits, grouped_sinks, masked_softmax
+from reasonkv.attention import grouped_logits, grouped_sinks, masked_softmax_
 from reasonkv.contract import Needs
 from reasonkv.policies import register
 from reasonkv.policies.base import Policy
@@ -74,7 +74,7 @@ def window_importance(
         sinks = sink.amax(2) if pooling == "max" else sink.mean(2)  # [1, kv_heads, 1, 1]
     visible = candidates.unsqueeze(2) & (key_positions.unsqueeze(2) <= query_positions.view(b, 1, w, 1))
     visible &= query_valid.view(b, 1, w, 1)
-    probs = masked_softmax(logits, visible, sinks)
+    probs = masked_softmax_(logits, visible, sinks)
     count = query_valid.sum(-1).clamp(min=1).view(b, 1, 1)
     return probs.sum(2) / count
 
@@ -87,7 +87,7 @@ def key_redundancy(
     retain: str = "last",
     duplicate_window: int | None = None,
     block: int = 128,
-    chunk_elements: int = 1 << 24,
+    chunk_elements: int = 1 << 20,
 ) -> torch.Tensor:
     """R-KV redundancy of every stored key: ``[rows, heads, slots]`` (a distribution over valid slots).
 
@@ -109,10 +109,11 @@ def key_redundancy(
     a row whose duplicate is older gets no discount. An approximation, for a bounded cost.
     """
     b, h, s, _ = keys.shape
-    unit = keys.float()
-    unit = unit / (unit.norm(dim=-1, keepdim=True) + 1e-8)
-    unit = unit * valid.view(b, 1, s, 1)  # padding takes no part, as a row or as a column
-    column = torch.einsum("bhsd,bhd->bhs", unit, unit.sum(2)) - (unit * unit).sum(-1)  # sum over i != j
+    # In place on one float32 copy: a fresh buffer of this size costs the CPU more in page faults than the arithmetic.
+    unit = keys.to(torch.float32, copy=True)
+    unit.div_(unit.norm(dim=-1, keepdim=True) + 1e-8)
+    unit.mul_(valid.view(b, 1, s, 1))  # padding takes no part, as a row or as a column
+    column = torch.einsum("bhsd,bhd->bhs", unit, unit.sum(2)) - torch.linalg.vecdot(unit, unit)  # sum over i != j
     if retain != "none":
         reach = s if duplicate_window is None else min(s, duplicate_window)
         column = column - _duplicate_discount(unit, valid, threshold, retain == "last", reach, block, chunk_elements)
@@ -126,51 +127,104 @@ def _duplicate_discount(
 ) -> torch.Tensor:
     """``[rows, heads, slots]``: per column ``j``, the sum of ``S_ij`` over the rows ``i`` whose discounted
     near-duplicate is ``j`` (the most recent ``j != i`` with ``S_ij > threshold``, or the oldest), searched
-    among the ``reach`` most recent (or oldest) keys."""
+    among the ``reach`` most recent (or oldest) keys.
+
+    Blocks of keys are searched in the order of preference, each block only by the rows still without a
+    match. The first block is searched by every row; later ones by tiles of ``_TILE`` waiting rows of one
+    head, so a head with many waiting rows costs no other head anything (heads differ a lot: after the
+    first 128 keys some have thousands of rows waiting, most a few dozen)."""
     b, h, s, d = unit.shape
-    flat = unit.reshape(b * h, s, d)
+    heads = b * h
+    flat = unit.reshape(heads, s, d)
     key_valid = valid.repeat_interleave(h, dim=0)  # [b * h, s]
-    pending = key_valid.clone()  # rows still looking for their duplicate
-    pick = torch.full((b * h, s), -1, dtype=torch.long, device=unit.device)
-    pick_sim = unit.new_zeros((b * h, s))
-    everyone = torch.arange(s, device=unit.device).expand(b * h, s)
+    # Column s is scratch: rows that only pad a tile write their result there.
+    pending = torch.cat([key_valid, key_valid.new_zeros((heads, 1))], dim=1)
+    pick = torch.full((heads, s + 1), -1, dtype=torch.long, device=unit.device)
+    pick_sim = unit.new_zeros((heads, s + 1))
     near, width = 0, block
     while near < reach:
         far = min(reach, near + width)
         lo, hi = (s - far, s - near) if last else (near, far)
-        near, width = far, 2 * width
-        count = int(pending.sum(-1).max())  # the one host read of a block
-        if count == 0:
-            break
-        # The rows still looking come first (all of them at the first block, in slot order).
-        rows = everyone if count == s else torch.sort((~pending).to(torch.int8), dim=-1, stable=True).indices[:, :count]
         # Keys in the order of preference (the most recent first for "last"), so that the first match wins.
         keys = flat[:, lo:hi].flip(1) if last else flat[:, lo:hi]
         if threshold < 0:  # padding keys (zero vectors) would match a negative threshold
             valid_keys = key_valid[:, lo:hi].flip(1) if last else key_valid[:, lo:hi]
             keys = keys.masked_fill(~valid_keys.unsqueeze(-1), float("nan"))
-        step = max(1, chunk_elements // max(1, b * h * (hi - lo)))
-        for start in range(0, count, step):
-            part = rows[:, start : start + step]  # [b * h, c]
-            queries = (
-                flat[:, start : start + step] if count == s else flat.gather(1, part.unsqueeze(-1).expand(-1, -1, d))
-            )
-            sim = torch.bmm(queries, keys.transpose(1, 2))
-            own = (hi - 1 - part) if last else (part - lo)  # a row's own key (if in this block) never matches
-            inside = (own >= 0) & (own < hi - lo)
-            own = own.clamp(0, hi - lo - 1).unsqueeze(-1)
-            sim.scatter_(-1, own, torch.where(inside.unsqueeze(-1), -2.0, sim.gather(-1, own)))
-            match = sim > threshold
-            best = match.view(torch.uint8).argmax(-1)  # the first match in order of preference
-            hit = match.gather(-1, best.unsqueeze(-1)).squeeze(-1) & pending.gather(1, part)
-            found_sim = sim.gather(-1, best.unsqueeze(-1)).squeeze(-1)
-            column = (hi - 1 - best) if last else (lo + best)
-            pick.scatter_(1, part, torch.where(hit, column, pick.gather(1, part)))
-            pick_sim.scatter_(1, part, torch.where(hit, found_sim, pick_sim.gather(1, part)))
-            pending.scatter_(1, part, pending.gather(1, part) & ~hit)
-    discount = unit.new_zeros((b * h, s))
+        if near == 0:  # every row searches the first block: whole heads, in chunks of rows
+            step = max(1, chunk_elements // max(1, heads * (hi - lo)))
+            every_head = torch.arange(heads, device=unit.device).unsqueeze(1)
+            for start in range(0, s, step):
+                rows = torch.arange(start, min(s, start + step), device=unit.device).expand(heads, -1)
+                sim = torch.bmm(flat[:, start : start + step], keys.transpose(1, 2))
+                _settle(sim, every_head, rows, pending, pick, pick_sim, threshold, last, lo, hi)
+        else:
+            tiles = _waiting_tiles(pending[:, :s])
+            if tiles is None:
+                break
+            tile_head, rows = tiles
+            step = max(1, chunk_elements // max(1, (hi - lo) * (_TILE + d)))
+            for start in range(0, tile_head.shape[0], step):
+                head = tile_head[start : start + step]
+                part = rows[start : start + step]
+                queries = flat[head.unsqueeze(1), part.clamp(max=s - 1)]  # [tiles, _TILE, d]
+                sim = torch.bmm(queries, keys.index_select(0, head).transpose(1, 2))
+                _settle(sim, head.unsqueeze(1), part, pending, pick, pick_sim, threshold, last, lo, hi)
+        near, width = far, 2 * width
+    pick, pick_sim = pick[:, :s], pick_sim[:, :s]
+    discount = unit.new_zeros((heads, s))
     discount.scatter_add_(1, pick.clamp(min=0), torch.where(pick >= 0, pick_sim, 0.0))
     return discount.view(b, h, s)
+
+
+_TILE = 64  # waiting rows of one head searched together after the first block
+
+
+def _waiting_tiles(pending: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The rows still waiting for a match, in tiles of ``_TILE`` rows of one head: ``(head [tiles], rows
+    [tiles, _TILE])``, rows that only pad a tile set to ``slots`` (the scratch column); ``None`` when no
+    row waits. The host reads one number (the tile count)."""
+    heads, s = pending.shape
+    counts = pending.sum(-1)
+    per_head = (counts + _TILE - 1) // _TILE
+    ends = per_head.cumsum(0)
+    total = int(ends[-1])
+    if total == 0:
+        return None
+    tile = torch.arange(total, device=pending.device)
+    head = torch.searchsorted(ends, tile, right=True)
+    rank = tile - (ends - per_head)[head]  # the tile's rank among its head's tiles
+    waiting = torch.sort((~pending).to(torch.int8), dim=-1, stable=True).indices  # waiting rows first
+    column = rank.unsqueeze(1) * _TILE + torch.arange(_TILE, device=pending.device)
+    rows = waiting[head.unsqueeze(1), column.clamp(max=s - 1)]
+    return head, torch.where(column < counts[head].unsqueeze(1), rows, s)
+
+
+def _settle(
+    sim: torch.Tensor,
+    head: torch.Tensor,
+    rows: torch.Tensor,
+    pending: torch.Tensor,
+    pick: torch.Tensor,
+    pick_sim: torch.Tensor,
+    threshold: float,
+    last: bool,
+    lo: int,
+    hi: int,
+) -> None:
+    """Record the first match of each row in one block of keys. ``sim`` is ``[n, rows, keys]`` (keys in the
+    order of preference), ``head`` ``[n, 1]`` and ``rows`` ``[n, rows]`` say whose similarities they are
+    (row ``slots``: a scratch row); only rows still ``pending`` take a match."""
+    own = (hi - 1 - rows) if last else (rows - lo)  # a row's own key (if in this block) never matches
+    inside = (own >= 0) & (own < hi - lo)
+    own = own.clamp(0, hi - lo - 1).unsqueeze(-1)
+    sim.scatter_(-1, own, torch.where(inside.unsqueeze(-1), -2.0, sim.gather(-1, own)))
+    hit, best = (sim > threshold).view(torch.uint8).max(-1)  # the first match in order of preference
+    hit = hit.bool() & pending[head, rows]
+    found = sim.gather(-1, best.unsqueeze(-1)).squeeze(-1)
+    target = torch.where(hit, rows, pick.shape[1] - 1)  # rows without a match write to the scratch column
+    pick[head, target] = (hi - 1 - best) if last else (lo + best)
+    pick_sim[head, target] = found
+    pending[head, target] = False
 
 
 @register

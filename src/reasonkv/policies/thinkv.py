@@ -523,7 +523,7 @@ class ThinKV(Policy):
             active = torch.zeros((n_groups, tau), dtype=torch.bool, device=device)
             active[group, member] = True
             count = active.sum(-1, keepdim=True).clamp(min=1)
-            x = (x - x.sum(1, keepdim=True) / count.unsqueeze(-1)) * active.unsqueeze(-1)  # centred per group
+            x.sub_(x.sum(1, keepdim=True) / count.unsqueeze(-1)).mul_(active.unsqueeze(-1))  # centred per group
             gram = torch.bmm(x, x.transpose(1, 2))  # every distance below comes from it
             for size in self.retention:
                 clustered = active.sum(-1, keepdim=True) > size
