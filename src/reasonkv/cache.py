@@ -38,7 +38,7 @@ from reasonkv.hybrid import WindowValidity, check_layer_kinds
 from reasonkv.quantize import QuantFormat, default_group_size
 from reasonkv.tiers import QuantizedTier, check_settings
 
-__all__ = ["EvictingCache"]
+__all__ = ["EvictingCache", "kv_bytes_by_kind"]
 
 GROWTH = 1.25  # capacity growth factor when the run's length is not known (never more than 25% spare)
 
@@ -331,20 +331,7 @@ class EvictingCache(Cache):
         """Bytes held per layer kind: ``full`` (the evicting layers' allocated full-precision K/V),
         ``quantized`` (their quantized tier: codes, key-group ids, scales and zero points), ``sliding``
         (the window layers' stored K/V) and ``linear`` (recurrent and convolution states)."""
-        held = {"full": 0, "quantized": 0, "sliding": 0, "linear": 0}
-        for layer in self.layers:
-            if isinstance(layer, _EvictingLayer):
-                if layer.is_initialized:
-                    held["full"] += layer._keys.numel() * layer._keys.element_size()
-                    held["full"] += layer._values.numel() * layer._values.element_size()
-                if layer.quantized is not None:
-                    held["quantized"] += layer.quantized.nbytes()
-            elif getattr(layer, "is_sliding", False):
-                held["sliding"] += _tensor_bytes(getattr(layer, "keys", None), getattr(layer, "values", None))
-            else:
-                states = [*getattr(layer, "conv_states", {}).values(), *getattr(layer, "recurrent_states", {}).values()]
-                held["linear"] += _tensor_bytes(*states)
-        return held
+        return kv_bytes_by_kind(self.layers)
 
     def kv_bytes_by_tier(self) -> dict[str, int]:
         """Bytes the evicting layers hold per tier: ``full`` (full-precision K/V, allocated capacity) and
@@ -615,6 +602,26 @@ class EvictingCache(Cache):
     def __repr__(self) -> str:
         tier = f", quantized={self.quantized}, bits={self.bits}" if self.quantized else ""
         return f"EvictingCache(budget={self.budget}, buffer={self.buffer}{tier}, slots={self.slots}, seen={self.seen})"
+
+
+def kv_bytes_by_kind(layers) -> dict[str, int]:
+    """Bytes held per layer kind by cache ``layers``: an ``EvictingCache``'s, or transformers' own
+    (whose full-attention layers count as ``full``)."""
+    held = {"full": 0, "quantized": 0, "sliding": 0, "linear": 0}
+    for layer in layers:
+        if isinstance(layer, _EvictingLayer):
+            if layer.is_initialized:
+                held["full"] += _tensor_bytes(layer._keys, layer._values)
+            if layer.quantized is not None:
+                held["quantized"] += layer.quantized.nbytes()
+            continue
+        kind = _native_kind(layer)
+        if kind == "linear":
+            states = [*getattr(layer, "conv_states", {}).values(), *getattr(layer, "recurrent_states", {}).values()]
+            held["linear"] += _tensor_bytes(*states)
+        else:
+            held[kind] += _tensor_bytes(getattr(layer, "keys", None), getattr(layer, "values", None))
+    return held
 
 
 def _take_slots(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

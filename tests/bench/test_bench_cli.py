@@ -85,6 +85,41 @@ def test_hybrid_shape_reports_kv_per_layer_kind(mode, tmp_path, capsys):
     assert summary["kv_full_bound"] == (32 + 16) * full_per_token
 
 
+@pytest.mark.parametrize("model", ["shape:tiny", "shape:tiny-hybrid"])
+def test_transformers_cache_runs_the_same_loop_without_reasonkv(model, tmp_path, capsys, monkeypatch):
+    """The reference entry decodes with the cache model.generate builds, through no reasonkv hook."""
+    import reasonkv.cache
+
+    built = []
+    monkeypatch.setattr(reasonkv.cache.EvictingCache, "reserve", lambda self, n: built.append(self))
+    out = tmp_path / "plain"
+    args = [*SWEEP, "--prefill-to-length", "--decode-steps", "8", "--transformers-cache", "--no-plots"]
+    assert main([arg if arg != "shape:tiny" else model for arg in args] + ["--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    document = json.loads((out / "bench.json").read_text())
+    records = {r["policy"]: r for r in document["records"]}
+    assert list(records) == ["full", "transformers", "streaming", "random"]
+    plain = records["transformers"]
+    assert plain["evicts"] is False and plain["reads_attention"] is False
+    assert all(r["reads_attention"] is False for r in records.values())
+    measured = [cache for cache in built if cache.buffer == 16]  # not the warm-up's
+    assert len(measured) == sum(len(r["windows"]) for p, r in records.items() if p != "transformers")  # none for it
+    for w in plain["windows"]:
+        assert w["evictions"] == 0 and w["eviction_overhead_s"] == 0.0
+        full_window = next(f for f in records["full"]["windows"] if f["length"] == w["length"])
+        assert w["slots"] == w["length"] == full_window["slots"]  # it holds every token, as full does
+        if model == "shape:tiny":  # exactly the tokens it holds (full's buffers may hold spare slots)
+            assert w["kv_bytes"] == w["length"] * PER_TOKEN <= full_window["kv_bytes"]
+        else:  # its sliding layers hold their window, as in the EvictingCache
+            assert w["kv_bytes_sliding"] == full_window["kv_bytes_sliding"] > 0
+    summary = document["summary"]["sweep"]["1"]
+    assert summary["policies"]["transformers"]["tokens_per_s_vs_transformers"] == {"64": 1.0, "128": 1.0}
+    assert summary["targets"]["full_vs_transformers"] > 0
+    assert set(summary["targets"]["attention_free_at_least_transformers"]) == {"streaming", "random"}
+    assert "(e) Tokens/s relative to transformers' own cache" in text
+    assert "--transformers-cache" in document["command"]
+
+
 def test_rerun_skips_finished_entries_and_force_remeasures(tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
     args = [*TINY, "--policies", "streaming", "--lengths", "48", "--budget", "16", "--buffer", "8", "--no-plots"]
@@ -218,6 +253,7 @@ def _plan(argv):
         (["-o", "random.sinks=-1"], "sinks must be a non-negative integer"),
         (["-o", "knorm.sinks=1"], "names policy 'knorm', which is not selected"),
         (["--budget", "2", "--lengths", "64"], "exceed the budget 2"),
+        (["--transformers-cache"], "--transformers-cache needs the length sweep with --prefill-to-length"),
     ],
 )
 def test_argument_errors(extra, message, capsys, tmp_path):

@@ -69,9 +69,35 @@ def test_overhead_ratios_flatness_and_targets(records):
 
     targets = summary["targets"]
     assert targets["flat_within_10pct"] == {"streaming": True, "epikv": True, "h2o": False}
-    assert targets["overhead_within_5pct"] == {"streaming": True, "epikv": True, "h2o": False}
+    assert targets["overhead_target_pct"] == 2.0
+    assert targets["overhead_within_target"] == {"streaming": True, "epikv": False, "h2o": False}  # 2.5%, 10%
     assert targets["kv_within_bound"] == {"streaming": True, "epikv": True, "h2o": False}
     assert targets["cheapest_nontrivial"] == "epikv" and targets["epikv_cheapest"] is True
+
+
+def test_transformers_cache_is_the_reference_for_bookkeeping_and_attention_free_policies(records):
+    plain = _record("transformers", {576: 0.0198, 1024: 0.0236, 4096: 0.040}, {}, evicts=False)
+    for record in records:
+        record["reads_attention"] = record["policy"] == "h2o"
+    plain["reads_attention"] = False
+    summary = summarise([records[0], plain, *records[1:]])["sweep"]["1"]
+    full = summary["policies"]["full"]
+    assert full["tokens_per_s_vs_transformers"] == {1024: pytest.approx(0.0236 / 0.024), 4096: pytest.approx(1.0)}
+    targets = summary["targets"]
+    assert targets["full_vs_transformers"] == pytest.approx(0.0236 / 0.024)  # the slowest length: 0.983
+    assert targets["full_within_2pct_of_transformers"] is True
+    # epikv and streaming read no attention (h2o does: not listed); both are faster than the growing plain cache
+    assert targets["attention_free_at_least_transformers"] == {"streaming": True, "epikv": True}
+    text = markdown([records[0], plain, *records[1:]], summarise([records[0], plain, *records[1:]]), {"machine": {}})
+    assert "(e) Tokens/s relative to transformers' own cache" in text
+    assert "| full | 0.983 | 1.000 |" in text
+    assert "within 2% of transformers' own cache: yes (0.983x at the slowest length)" in text
+
+    slow = _record("transformers", {576: 0.0190, 1024: 0.0200, 4096: 0.020}, {}, evicts=False)  # a faster plain cache
+    slow["reads_attention"] = False
+    targets = summarise([records[0], slow, *records[1:]])["sweep"]["1"]["targets"]
+    assert targets["full_within_2pct_of_transformers"] is False
+    assert targets["attention_free_at_least_transformers"] == {"streaming": False, "epikv": False}
 
 
 def test_markdown_and_printed_summary(records):

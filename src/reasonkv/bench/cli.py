@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from reasonkv.arguments import add_policy_options, quantized_argument
-from reasonkv.bench.plan import DEFAULT_LENGTHS, EVICTION, SWEEP, Plan, build_plan
+from reasonkv.bench.plan import DEFAULT_LENGTHS, EVICTION, SWEEP, TRANSFORMERS, Plan, build_plan
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -110,6 +110,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefill-chunk once due) and measured in its steady state",
     )
     sweep.add_argument(
+        "--transformers-cache",
+        action="store_true",
+        help="also measure transformers' own cache (the one model.generate builds, no reasonkv hook) as the "
+        "entry 'transformers': full against it is what reasonkv's bookkeeping costs (needs --prefill-to-length)",
+    )
+    sweep.add_argument(
         "--decode-steps",
         type=int,
         default=256,
@@ -175,6 +181,8 @@ def canonical_command(args: argparse.Namespace) -> str:
         words += ["--window", str(args.window)]
     if args.prefill_to_length:
         words.append("--prefill-to-length")
+    if args.transformers_cache:
+        words.append("--transformers-cache")
     words += ["--decode-steps", str(args.decode_steps), "--prefill-chunk", str(args.prefill_chunk)]
     if args.no_sync_timing:
         words.append("--no-sync-timing")
@@ -267,6 +275,19 @@ def _measure(model, plan: Plan, mode: str, policy: str, batch: int | None, progr
         prompt_length=config["prompt_length"],
         seed=config["seed"],
     )
+
+
+def _reads_attention(model, plan: Plan) -> dict[str, bool]:
+    """Whether each entry's policy reads attention (records queries through the attention tap)."""
+    from reasonkv.hf import model_info
+    from reasonkv.policies import get_policy
+
+    info = model_info(model)
+    reads = {}
+    for name in plan.policies:
+        policy = plan.tiers.get(name, {}).get("policy", name)
+        reads[name] = policy != TRANSFORMERS and get_policy(policy, **plan.options[name]).needs(info).taps_attention
+    return reads
 
 
 def _headline(mode: str, data: dict) -> str:
@@ -362,6 +383,7 @@ def _run(args: argparse.Namespace, plan: Plan) -> int:
         return 0
 
     model = _load(plan)
+    reads = _reads_attention(model, plan)
     meta["weight_bytes"] = weight_bytes(model)
     meta["kv_bytes_per_token"] = kv_bytes_per_token(model, model_dtype(model))
     warm_up(model)
@@ -379,6 +401,7 @@ def _run(args: argparse.Namespace, plan: Plan) -> int:
                 "batch": batch,
                 "options": plan.options[policy],
                 "evicts": plan.evicts[policy],
+                "reads_attention": reads[policy],
                 "config": plan.configs[mode],
                 "date": now_iso(),
                 "machine": {k: meta["machine"][k] for k in ("cpu", "gpu", "torch", "transformers")},

@@ -28,7 +28,8 @@ from collections.abc import Sequence
 import torch
 
 from reasonkv.bench.memory import PeakTracker, kv_bytes_per_token, window_kv_bytes
-from reasonkv.hf import Forward, synchronize, vocab_size
+from reasonkv.bench.plan import TRANSFORMERS
+from reasonkv.hf import Forward, native_cache, synchronize, vocab_size
 
 __all__ = [
     "PHASES",
@@ -147,12 +148,28 @@ class StepRecorder:
                 self.bar.update(1)
         length = self.prompt_length + step
         if length in self._snap_at:
-            self.snapshots[length] = (cache.evictor.timings, cache.evictor.eviction_count)
+            evictor = getattr(cache, "evictor", None)  # transformers' own cache has none: no phases
+            self.snapshots[length] = ({}, 0) if evictor is None else (evictor.timings, evictor.eviction_count)
         if length in self.windows:
             self.readings[length] = self._read(cache)
         self._resume = time.perf_counter()
 
     def _read(self, cache) -> dict:
+        from reasonkv.cache import EvictingCache, kv_bytes_by_kind
+
+        if not isinstance(cache, EvictingCache):  # transformers' own cache: every token it holds is used
+            by_kind = kv_bytes_by_kind(cache.layers)
+            held = by_kind["full"] + by_kind["sliding"] + by_kind["linear"]
+            return {
+                "slots": int(cache.get_seq_length()),
+                "kv_bytes": int(held),
+                "kv_bytes_full": int(by_kind["full"]),
+                "kv_bytes_quantized": 0,
+                "kv_bytes_sliding": int(by_kind["sliding"]),
+                "kv_bytes_used": int(by_kind["full"]),
+                "memory_bytes": self.tracker.current(),
+                "peak_memory_bytes": self.tracker.peak(),
+            }
         if self._per_token is None:
             layer = cache.layers[cache.full_layers[0]]
             self._per_token = len(cache.full_layers) * 2 * layer.keys.shape[1] * layer.keys.shape[3]
@@ -355,6 +372,9 @@ def measure_prefilled(
     greedy, EOS ignored) and resets the peak-memory counter after the prefill, so
     ``peak_memory_bytes`` is the decode's peak. Returns the window's statistics plus
     ``prefill_s``, ``prefill_chunks``, ``prefilled_tokens`` and the timed steps' ``step_s``.
+
+    ``policy="transformers"`` runs the same loop with the cache ``model.generate`` itself builds
+    (:func:`reasonkv.hf.native_cache`) and no reasonkv hook: the reference for what reasonkv adds.
     """
     from reasonkv.cache import EvictingCache
 
@@ -367,23 +387,27 @@ def measure_prefilled(
     window = decode_steps if window is None else min(window, decode_steps)
     vocab = vocab_size(model)
     ids = torch.tensor(make_prompts(vocab, batch, prefilled, seed), device=device)
-    evict_budget = _evicting_budget(policy, budget)
+    plain = policy == TRANSFORMERS
+    evict_budget = None if plain else _evicting_budget(policy, budget)
     chunks = prefill_chunks(
         prefilled, length, batch, prefill_chunk, prompt_length=prompt_length, grows=evict_budget is None
     )
     recorder = StepRecorder(
         device=device, prompt_length=prefilled, windows={length: length - window}, batch=batch, bar=bar
     )
-    cache = EvictingCache(
-        evict_budget,
-        buffer,
-        model=model,
-        policy=policy,
-        seed=seed,
-        sync_timing=sync_timing and device.type == "cuda",
-        **options,
-    )
-    cache.reserve(length)  # as reasonkv.generate does: the buffers are allocated once, at the size the run needs
+    if plain:
+        cache = native_cache(model)
+    else:
+        cache = EvictingCache(
+            evict_budget,
+            buffer,
+            model=model,
+            policy=policy,
+            seed=seed,
+            sync_timing=sync_timing and device.type == "cuda",
+            **options,
+        )
+        cache.reserve(length)  # as reasonkv.generate does: the buffers are allocated once, at the size the run needs
     forward = Forward(model)
     try:
         with torch.inference_mode():
@@ -401,14 +425,15 @@ def measure_prefilled(
                 out = forward(next_ids, cache, last_logits_only=True)
                 recorder(step, cache)
     finally:
-        cache.detach()
+        if not plain:
+            cache.detach()
     result = recorder.window(length)
     result.update(
         prefilled_tokens=prefilled,
         prompt_length=chunks[0],
         prefill_s=prefill_s,
         prefill_chunks=len(chunks),
-        peak_slots=int(cache.peak_slots),
+        peak_slots=int(cache.get_seq_length() if plain else cache.peak_slots),
         step_s=[round(s, 7) for s in recorder.step_seconds[WARMUP_STEPS:]],
     )
     return result

@@ -10,10 +10,11 @@ import argparse
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["DEFAULT_LENGTHS", "Plan", "build_plan", "parse_int_list", "reference_lengths"]
+__all__ = ["DEFAULT_LENGTHS", "TRANSFORMERS", "Plan", "build_plan", "parse_int_list", "reference_lengths"]
 
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192)
 SWEEP, EVICTION, MAX_BATCH = "sweep", "eviction-cost", "max-batch"
+TRANSFORMERS = "transformers"  # the sweep's reference entry: transformers' own cache, no reasonkv hook
 
 
 def parse_int_list(text: str, what: str, *, increasing: bool = False) -> list[int]:
@@ -59,7 +60,8 @@ class Plan:
     """What to measure: policies with their options, and one configuration per mode.
 
     ``policies`` holds the requested ones plus the references: ``full`` and ``streaming`` for the
-    sweep, ``streaming`` for the eviction cost, ``full`` for the max batch.
+    sweep (and ``transformers``, transformers' own cache, with ``--transformers-cache``), ``streaming``
+    for the eviction cost, ``full`` for the max batch.
     """
 
     model: str
@@ -184,6 +186,15 @@ def build_plan(args: argparse.Namespace) -> Plan:
                 continue
             raise ValueError(problems[0])
     tiers = _tier_variants(args, [p for p in requested if p in policies and instances[p].evicts])
+    if getattr(args, "transformers_cache", False):
+        if not args.prefill_to_length or not do_sweep:
+            raise ValueError(
+                "--transformers-cache needs the length sweep with --prefill-to-length (the decode sweep runs "
+                "reasonkv.generate, which always decodes through an EvictingCache)"
+            )
+        policies.insert(policies.index("full") + 1, TRANSFORMERS)
+        options[TRANSFORMERS] = {}
+        instances[TRANSFORMERS] = instances["full"]  # never evicts
     plan = Plan(
         model=args.model,
         dtype=args.dtype,

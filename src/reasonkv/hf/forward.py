@@ -10,7 +10,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["Forward", "cache_keyword", "cached_kv", "left_pad", "native_cache_layers", "plain_cache", "synchronize"]
+__all__ = [
+    "Forward",
+    "cache_keyword",
+    "cached_kv",
+    "left_pad",
+    "native_cache",
+    "native_cache_layers",
+    "plain_cache",
+    "synchronize",
+]
 
 
 def cache_keyword(model: torch.nn.Module) -> str:
@@ -79,6 +88,14 @@ def plain_cache():
     return DynamicCache()
 
 
+def native_cache(model: torch.nn.Module):
+    """The cache ``model.generate`` itself builds: transformers' dynamic cache with the model's own layer
+    kinds (a sliding-window layer holds its window), the reference for what reasonkv's cache costs."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
 def native_cache_layers(model: torch.nn.Module) -> list:
     """The cache layers transformers itself builds for ``model``, one per decoder layer.
 
@@ -86,9 +103,7 @@ def native_cache_layers(model: torch.nn.Module) -> list:
     linear-attention (recurrent state) layer for each linear one. ``EvictingCache`` keeps these for
     the layers it does not evict, so they behave exactly as without reasonkv.
     """
-    from transformers import DynamicCache
-
-    return list(DynamicCache(config=model.config).layers)
+    return list(native_cache(model).layers)
 
 
 def cached_kv(cache: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
