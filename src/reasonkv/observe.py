@@ -142,7 +142,7 @@ class Observer:
         if not self._logged:  # the first layer of this forward logs its slot, position and validity
             recorded.log.add_forward(slots - 1, step.input_positions[:, -1:], step.input_valid[:, -1:])
             self._logged = True
-        recorded.log.add_query(layer, query[:, :, -1:])
+        recorded.log.add_query(layer, query if q == 1 else query[:, :, -1:])
 
     # ---------------------------------------------------------------- the owed attention
     def flush(self) -> None:
@@ -156,7 +156,7 @@ class Observer:
             slots = key_valid.shape[1]
             # Without padding every query sees every slot up to the oldest one's: only the slots after it
             # need the mask (the host knows, so no device value is read).
-            start = 0 if self.cache.maybe_padded else oldest + 1
+            unmasked = 0 if self.cache.maybe_padded else oldest + 1  # slots every logged query saw
             visible = torch.arange(slots, device=key_valid.device) <= query_slots.view(-1, 1)  # [n, slots]
             visible = visible & key_valid.unsqueeze(1) & valid.unsqueeze(2)  # [batch, n, slots]
             for layer, layer_queries in queries.items():
@@ -170,7 +170,8 @@ class Observer:
                     part = layer_queries[:, :, start : start + step]
                     seen = visible[:, start : start + step]
                     logits = attention.grouped_logits(part, keys, scaling, softcap).view(b, hq, part.shape[2], slots)
-                    rows = attention.masked_softmax_(logits, seen[..., start:].unsqueeze(1), sinks, start=start)
+                    hidden = seen[..., unmasked:].unsqueeze(1)
+                    rows = attention.masked_softmax_(logits, hidden, sinks, start=unmasked)
                     sums = rows.sum(2) if self.needs.attention_sum else None
                     chunk_rows = rows if self.needs.attention_last else None
                     self.policy.observe_attention(

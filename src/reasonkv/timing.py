@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from contextlib import contextmanager
 
 import torch
 
@@ -23,23 +22,9 @@ class Stopwatch:
         self.counts: dict[str, int] = defaultdict(int)
         self._pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
-    @contextmanager
-    def __call__(self, phase: str):
-        self.counts[phase] += 1
-        if self.events:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            try:
-                yield
-            finally:
-                end.record()
-                self._pending.append((phase, start, end))
-            return
-        began = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[phase] += time.perf_counter() - began
+    def __call__(self, phase: str) -> _Phase:
+        """``with stopwatch("record"): ...`` adds the block's time to ``phase``."""
+        return _Phase(self, phase)
 
     def as_dict(self) -> dict[str, float]:
         """Seconds per phase so far (reads the pending CUDA events: one synchronisation)."""
@@ -49,3 +34,29 @@ class Stopwatch:
                 self.seconds[phase] += start.elapsed_time(end) / 1000.0
             self._pending = []
         return dict(self.seconds)
+
+
+class _Phase:
+    """One timed block (a plain class, not a generator: it runs once per layer and step)."""
+
+    __slots__ = ("watch", "phase", "began", "events")
+
+    def __init__(self, watch: Stopwatch, phase: str):
+        self.watch, self.phase = watch, phase
+
+    def __enter__(self) -> None:
+        watch = self.watch
+        watch.counts[self.phase] += 1
+        if watch.events:
+            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self.events[0].record()
+        else:
+            self.began = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        watch = self.watch
+        if watch.events:
+            self.events[1].record()
+            watch._pending.append((self.phase, *self.events))
+        else:
+            watch.seconds[self.phase] += time.perf_counter() - self.began

@@ -222,6 +222,19 @@ def test_sparsity_counts_near_zero_weights_of_real_keys():
             assert got[b, h].item() == pytest.approx(ref_sparsity(weights, 0.05))
 
 
+def test_sparsity_of_masked_softmax_rows_needs_no_mask_pass():
+    """Rows that hold 0 where hidden (a masked softmax's) give the same sparsity counted from the mask alone."""
+    generator = torch.Generator().manual_seed(1)
+    visible = torch.rand(3, 1, 5, 9, generator=generator) > 0.4
+    visible[0, 0, 0] = False  # a padding query: it sees nothing
+    logits = torch.randn(3, 4, 5, 9, generator=generator) * 3
+    rows = logits.masked_fill(~visible, float("-inf")).softmax(-1).nan_to_num(0.0)
+    exact = attention_sparsity(rows, visible, 0.05)
+    fast = attention_sparsity(rows, visible, 0.05, hidden_are_zero=True)
+    assert torch.equal(fast, exact)
+    assert (exact[0, :, 0] == 0).all()
+
+
 def test_kde_thresholds_follow_the_estimator_and_fall_between_planted_modes():
     rng = random.Random(4)
     trimodal = [rng.gauss(c, 0.04) for c in (0.15, 0.5, 0.85) for _ in range(40)]

@@ -34,14 +34,22 @@ KDE_POINTS = 201  # grid on [0, 1] for the density of the sparsity (step 0.005)
 MODE_FLOOR = 0.01  # a local maximum counts as a mode only above this fraction of the highest one
 
 
-def attention_sparsity(rows: torch.Tensor, visible: torch.Tensor, threshold: float) -> torch.Tensor:
+def attention_sparsity(
+    rows: torch.Tensor, visible: torch.Tensor, threshold: float, *, hidden_are_zero: bool = False
+) -> torch.Tensor:
     """Fraction of near-zero weights in attention rows: ``[..., slots] -> [...]``.
 
     A weight is near zero when it is below ``threshold`` times the largest weight of its row
     (ThinKV §4.1 uses 1% of the row maximum). Only the keys the query saw (``visible``, broadcast
-    against ``rows``) count.
+    against ``rows``) count. ``hidden_are_zero``: the rows hold 0 wherever not visible (a masked
+    softmax's rows), so the hidden keys are counted from ``visible`` alone, without masking the rows.
     """
     valid = visible
+    if hidden_are_zero:  # a hidden 0 is below the threshold exactly when the row's peak is positive
+        peak = rows.amax(-1, keepdim=True)
+        hidden = (~valid).sum(-1)
+        small = ((rows < threshold * peak).sum(-1) - hidden).clamp(min=0)
+        return small.float() / (valid.shape[-1] - hidden).clamp(min=1).float()
     rows = rows.float().masked_fill(~valid, 0.0)
     peak = rows.amax(-1, keepdim=True)
     small = (rows < threshold * peak) & valid
@@ -408,7 +416,8 @@ class ThinKV(Policy):
         if chunk.layer not in chosen:
             return
         # Sparsity of each recorded query's row over the keys it saw, averaged over query heads.
-        sparsity = attention_sparsity(chunk.rows, chunk.visible.unsqueeze(1), self.sparsity_threshold).mean(1)
+        rows, visible = chunk.rows, chunk.visible.unsqueeze(1)
+        sparsity = attention_sparsity(rows, visible, self.sparsity_threshold, hidden_are_zero=True).mean(1)
         self._bound = max(self._bound, chunk.position_bound)
         at = (chosen.index(chunk.layer),)
         self._per_layer.set(chunk.query_positions, sparsity, bound=chunk.position_bound, at=at)
@@ -484,6 +493,62 @@ class ThinKV(Policy):
     def ranking(self, view) -> torch.Tensor:
         return select.rank_top(self.eviction_rank(view), valid=view.valid_mask(), protected=view.protected())
 
+    def _retention_depths(
+        self, features: torch.Tensor, group: torch.Tensor, positions: torch.Tensor, n_groups: int
+    ) -> torch.Tensor:
+        """How many levels of ``retention`` each token survives, ``[n]``, clustering each group's present
+        tokens (in position order) to ``retention[0]``, those representatives to ``retention[1]``, and so on.
+
+        ``features`` ``[n, dim]``, ``group`` ``[n]`` (ids ``0 .. n_groups - 1``) and ``positions`` ``[n]``.
+        Groups are clustered in buckets of similar size (power-of-two widths), so a group costs its own
+        members squared, not the longest segment's: after many evictions most segments hold a few floor
+        tokens. A bucket runs K-means only at levels where one of its groups has more members than the
+        level keeps; the host reads the group sizes once.
+        """
+        device, n = features.device, features.shape[0]
+        counts = torch.zeros(n_groups, dtype=torch.long, device=device).scatter_add_(0, group, torch.ones_like(group))
+        sizes = counts.tolist()
+        # Groups by size (a stable sort, the same on the host); tokens by their group's place there, then position.
+        order = torch.sort(counts, stable=True).indices
+        place = torch.empty_like(order).scatter_(0, order, torch.arange(n_groups, device=device))[group]
+        tokens = torch.sort(positions, stable=True).indices
+        tokens = tokens[torch.sort(place[tokens], stable=True).indices]
+        features, place = features[tokens], place[tokens]
+        ahead = counts[order].cumsum(0) - counts[order]  # tokens of the groups before each place
+        rank = torch.arange(n, device=device) - ahead[place]  # member index within its group
+        by_size = sorted(sizes)
+        depth = torch.zeros(n, dtype=torch.long, device=device)
+        first_group = first_token = 0
+        while first_group < n_groups:
+            width = 1 << max(0, by_size[first_group] - 1).bit_length()  # the bucket's power-of-two width
+            last_group = first_group
+            while last_group < n_groups and by_size[last_group] <= width:
+                last_group += 1
+            last_token = first_token + sum(by_size[first_group:last_group])
+            biggest = by_size[last_group - 1]
+            members = slice(first_token, last_token)
+            if biggest <= self.retention[-1]:  # nothing to cluster: every token survives every level
+                depth[members] = len(self.retention)
+            else:
+                at = (place[members] - first_group, rank[members])
+                x = features.new_zeros((last_group - first_group, width, features.shape[-1]))
+                x[at] = features[members]
+                active = torch.zeros(x.shape[:2], dtype=torch.bool, device=device)
+                active[at] = True
+                count = active.sum(-1, keepdim=True).clamp(min=1)
+                x.sub_(x.sum(1, keepdim=True) / count.unsqueeze(-1)).mul_(active.unsqueeze(-1))  # centred per group
+                gram = torch.bmm(x, x.transpose(1, 2))  # every distance below comes from it
+                levels = torch.zeros(x.shape[:2], dtype=torch.long, device=device)
+                for size in self.retention:
+                    if biggest > size:
+                        clustered = active.sum(-1, keepdim=True) > size
+                        kept = _kmeans_representatives(gram, active, size, self.kmeans_iters)
+                        active = torch.where(clustered, kept, active)
+                    levels += active.long()
+                depth[members] = levels[at]
+            first_group, first_token = last_group, last_token
+        return torch.empty_like(depth).scatter_(0, tokens, depth)
+
     def eviction_rank(self, view) -> torch.Tensor:
         """Each slot's place in TBE's eviction order, ``[rows, slots]``: higher is evicted later."""
         self._settle()
@@ -502,37 +567,19 @@ class ThinKV(Policy):
         segment = torch.where(is_gen, generated.clamp(min=0) // tau, -1)
         chunk = torch.where(is_prompt, positions.clamp(min=0) // tau, -1)
         current = torch.where(newest >= prompt, (newest - prompt).clamp(min=0) // tau, -1)
-        start = torch.where(is_gen, prompt.unsqueeze(1) + segment * tau, chunk * tau)
-        offset = (positions - start).clamp(0, tau - 1)
 
-        # -- groups: prompt chunks and generated segments, each a row of [groups, tau] members
+        # -- groups: prompt chunks and generated segments; a slot's group id grows along the valid slots
         local = torch.where(is_gen, 2 * segment + 1, 2 * chunk)
         span = int(local.clamp(min=0).max()) + 1  # padding's local index is negative
         key = (torch.arange(n_rows, device=device).unsqueeze(1) * span + local)[valid]
         _, group = torch.unique(key, return_inverse=True)
         n_groups = int(group.max()) + 1 if group.numel() else 0
-        member = offset[valid]
-        depth = torch.zeros((n_groups, tau), dtype=torch.long, device=device)
+        slot_depth = torch.zeros_like(positions)
         if n_groups:
             layers = self.cluster_layers or view.info.full_layers
             # [rows, slots, layers x kv_heads x head_dim], indexed once (one host read, whatever the layers)
             keys = torch.cat([view.keys(layer).transpose(1, 2).reshape(n_rows, slots, -1) for layer in layers], -1)
-            flat = keys[valid].float()
-            x = flat.new_zeros((n_groups, tau, flat.shape[-1]))
-            x[group, member] = flat
-            active = torch.zeros((n_groups, tau), dtype=torch.bool, device=device)
-            active[group, member] = True
-            count = active.sum(-1, keepdim=True).clamp(min=1)
-            x.sub_(x.sum(1, keepdim=True) / count.unsqueeze(-1)).mul_(active.unsqueeze(-1))  # centred per group
-            gram = torch.bmm(x, x.transpose(1, 2))  # every distance below comes from it
-            for size in self.retention:
-                clustered = active.sum(-1, keepdim=True) > size
-                kept = _kmeans_representatives(gram, active, size, self.kmeans_iters)
-                active = torch.where(clustered, kept, active)
-                depth += active.long()
-        slot_depth = torch.zeros_like(positions)
-        slot_depth[valid] = depth[group, member]
-
+            slot_depth[valid] = self._retention_depths(keys[valid].float(), group, positions[valid], n_groups)
         # -- scenario 1: each trigger segment demotes every earlier segment one retention step
         kinds = self._types.lookup(rows, segment).long().to(device)
         type_rank = self._type_rank.to(device)[kinds.masked_fill(kinds < 0, len(THOUGHT_TYPES))]
