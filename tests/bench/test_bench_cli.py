@@ -117,6 +117,15 @@ def test_transformers_cache_runs_the_same_loop_without_reasonkv(model, tmp_path,
     assert summary["targets"]["full_vs_transformers"] > 0
     assert set(summary["targets"]["attention_free_at_least_transformers"]) == {"streaming", "random"}
     assert "(e) Tokens/s relative to transformers' own cache" in text
+    # (f): the prefill to 64 tokens (54 prefilled) evicts once to K = 32; the plain cache never evicts
+    for name in ("streaming", "random"):
+        window = next(w for w in records[name]["windows"] if w["length"] == 64)
+        assert window["prefill_evictions"] == 1 and window["prefill_phases_s"]["gather"] > 0
+        assert summary["policies"][name]["prefill_eviction_s"]["64"] > 0
+    assert (
+        plain["windows"][0]["prefill_evictions"] == 0 and not summary["policies"]["transformers"]["prefill_eviction_s"]
+    )
+    assert "(f) The prefill's evictions" in text
     assert "--transformers-cache" in document["command"]
 
 

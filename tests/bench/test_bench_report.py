@@ -133,3 +133,7 @@ def test_eviction_and_max_batch_summaries():
     assert summary["max_batch"]["max_batch_vs_full"]["epikv"] == pytest.approx(30 / 8)
     text = markdown(evictions + batches, summary, {"machine": {}})
     assert "| epikv |" in text and "3.50" in text and "## Eviction cost (4096 cached tokens, K = 3968" in text
+    assert "One eviction within 1 s (mean): all met." in text
+    evictions[2]["mean_s"] = 1.5
+    text = markdown(evictions, summarise(evictions), {"machine": {}})
+    assert "One eviction within 1 s (mean): missed by h2o." in text

@@ -371,7 +371,9 @@ def measure_prefilled(
     (one-time costs of a fresh cache). Mirrors :func:`reasonkv.generate` (same cache and hooks,
     greedy, EOS ignored) and resets the peak-memory counter after the prefill, so
     ``peak_memory_bytes`` is the decode's peak. Returns the window's statistics plus
-    ``prefill_s``, ``prefill_chunks``, ``prefilled_tokens`` and the timed steps' ``step_s``.
+    ``prefill_s``, ``prefill_phases_s`` (the prefill's record / observe / score / gather seconds: for an
+    evicting policy, the first eviction of the prompt down to ``K``), ``prefill_evictions``,
+    ``prefill_chunks``, ``prefilled_tokens`` and the timed steps' ``step_s``.
 
     ``policy="transformers"`` runs the same loop with the cache ``model.generate`` itself builds
     (:func:`reasonkv.hf.native_cache`) and no reasonkv hook: the reference for what reasonkv adds.
@@ -419,6 +421,9 @@ def measure_prefilled(
                 offset += size
             synchronize(device)
             prefill_s = time.perf_counter() - start
+            # The phases so far are the prefill's: its first eviction (score, gather) and its bookkeeping.
+            prefill_phases = {} if plain else cache.evictor.timings
+            prefill_evictions = 0 if plain else cache.evictor.eviction_count
             recorder(0, cache)
             for step in range(1, decode_steps + WARMUP_STEPS + 1):
                 next_ids = out.logits[:, -1].argmax(-1, keepdim=True)
@@ -432,6 +437,8 @@ def measure_prefilled(
         prefilled_tokens=prefilled,
         prompt_length=chunks[0],
         prefill_s=prefill_s,
+        prefill_phases_s=prefill_phases,
+        prefill_evictions=prefill_evictions,
         prefill_chunks=len(chunks),
         peak_slots=int(cache.get_seq_length() if plain else cache.peak_slots),
         step_s=[round(s, 7) for s in recorder.step_seconds[WARMUP_STEPS:]],
