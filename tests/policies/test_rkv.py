@@ -184,6 +184,27 @@ def test_redundancy_searched_in_small_blocks_equals_the_direct_loop(retain):
         )
 
 
+@pytest.mark.parametrize("retain", ["last", "first"])
+def test_heads_with_many_and_few_waiting_rows_search_in_tiles_like_the_direct_loop(retain, monkeypatch):
+    """One head whose keys all match their neighbours (no row waits after the first block), one of unrelated
+    keys (every row waits), one in between, searched in tiles of 3 rows: several tiles per head, padded ones."""
+    import reasonkv.policies.rkv as rkv
+
+    monkeypatch.setattr(rkv, "_TILE", 3)
+    torch.manual_seed(5)
+    slots, dim = 40, 16
+    alike = torch.randn(1, dim) + 0.1 * torch.randn(slots, dim)  # every pair above the threshold
+    unrelated = torch.randn(slots, dim)
+    mixed = torch.randn(slots, dim)
+    mixed[30:] = mixed[:10] + 0.05 * torch.randn(10, dim)  # ten rows with a far twin, the rest none
+    keys = torch.stack([alike, unrelated, mixed]).unsqueeze(0)
+    valid = torch.ones(1, slots, dtype=torch.bool)
+    got = key_redundancy(keys, valid, threshold=0.5, retain=retain, block=4, chunk_elements=200)
+    for head in range(3):
+        want = _redundancy_loop(keys[0, head], 0.5, retain)
+        torch.testing.assert_close(got[0, head].double(), want, atol=1e-6, rtol=1e-5)
+
+
 def test_a_duplicate_window_only_searches_the_most_recent_keys():
     dim = 8
     base = torch.eye(dim)

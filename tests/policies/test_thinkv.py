@@ -409,6 +409,45 @@ def test_transitions_cap_earlier_segments_by_the_retention_schedule():
     assert counts == [*sizes, 5]
 
 
+def _dense_depths(policy: ThinKV, features, group, positions, n_groups):
+    """Reference: every group padded to the longest one and clustered at every level (no buckets, no skips)."""
+    from reasonkv.policies.thinkv import _kmeans_representatives
+
+    width = int(torch.bincount(group, minlength=n_groups).max())
+    x = torch.zeros(n_groups, width, features.shape[-1])
+    active = torch.zeros(n_groups, width, dtype=torch.bool)
+    where, ids, places = {}, group.tolist(), positions.tolist()
+    for g in range(n_groups):
+        members = sorted((places[i], i) for i in range(len(ids)) if ids[i] == g)
+        for rank, (_, i) in enumerate(members):
+            x[g, rank], active[g, rank], where[i] = features[i], True, (g, rank)
+    count = active.sum(-1, keepdim=True).clamp(min=1)
+    x = (x - x.sum(1, keepdim=True) / count.unsqueeze(-1)) * active.unsqueeze(-1)
+    gram = torch.bmm(x, x.transpose(1, 2))
+    depth = torch.zeros(n_groups, width, dtype=torch.long)
+    for size in policy.retention:
+        clustered = active.sum(-1, keepdim=True) > size
+        active = torch.where(clustered, _kmeans_representatives(gram, active, size, policy.kmeans_iters), active)
+        depth += active.long()
+    return torch.tensor([int(depth[where[i]]) for i in range(len(ids))])
+
+
+def test_retention_depths_in_size_buckets_equal_clustering_every_group_at_full_width():
+    """Groups of 1 to 130 members (several power-of-two buckets, levels skipped where nothing is clustered),
+    members out of position order: the same depths as one dense pass over every group."""
+    generator = torch.Generator().manual_seed(3)
+    sizes = [1, 3, 4, 5, 9, 17, 40, 64, 65, 130, 2, 33]
+    group = torch.cat([torch.full((n,), g) for g, n in enumerate(sizes)])
+    order = torch.randperm(len(group), generator=generator)
+    group = group[order]  # ids in no particular order along the tokens
+    positions = torch.randperm(len(group), generator=generator)
+    features = torch.randn(len(group), 24, generator=generator) + 3.0 * torch.randn(len(group), 1, generator=generator)
+    policy = ThinKV()
+    got = policy._retention_depths(features, group, positions, len(sizes))
+    assert torch.equal(got, _dense_depths(policy, features, group, positions, len(sizes)))
+    assert set(got.tolist()) == set(range(len(policy.retention) + 1))  # 130 > 64: some tokens stop at every level
+
+
 def test_kmeans_keeps_one_token_per_planted_cluster():
     # one segment of 8 tokens whose keys form 4 tight pairs: a cap of 4 keeps one of each pair
     refresh = 8

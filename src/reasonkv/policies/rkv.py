@@ -101,8 +101,9 @@ def key_redundancy(
     Computed without the ``slots x slots`` matrix: the column sums ``sum_i S_ij`` are
     ``u_j . sum_i u_i`` of the unit keys (``O(slots)``), and each row's discounted duplicate is
     searched block by block of keys, most recent first (oldest first for ``"first"``), blocks
-    doubling from ``block``, for only the rows still without one (keys of real models mostly find one
-    in the first blocks; unrelated keys make this the full ``O(slots^2)`` search). Memory stays
+    doubling from ``block``, for only the rows still without one, in tiles of one head's waiting rows
+    (SmolLM2's keys on random tokens: 85% of the rows find one in the newest 128 keys, 1% search past
+    2048; keys with no near-duplicate at all make this the full ``O(slots^2)`` search). Memory stays
     ``O(chunk_elements)``; the host reads one count per block.
 
     ``duplicate_window`` (default ``None``: exact) searches only that many of the most recent keys:
@@ -258,10 +259,10 @@ class RKV(Policy):
         the logits.
     duplicate_window
         Search each token's near-duplicate among this many most recent keys only (default ``None``:
-        all, exact). An approximation that bounds an eviction's cost: the exact search is
-        ``O(slots^2)`` per head when keys have no near-duplicate, seconds on a CPU for a few
-        thousand cached tokens; with 256 it stays ``O(256 slots)``. Rows whose only duplicates
-        are older get no discount.
+        all, exact). An approximation that bounds an eviction's cost whatever the keys: the exact
+        search stops at each row's most recent near-duplicate, so it is ``O(slots^2)`` per head only
+        for keys that have none; with 256 it stays ``O(256 slots)``. Rows whose only duplicates are
+        older get no discount.
     sinks, protect_prompt
         As for every policy. ``sinks`` defaults to 4 (METHODS.md); R-KV itself has no sinks, set
         ``sinks=0`` to reproduce it exactly.
