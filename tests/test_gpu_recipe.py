@@ -56,7 +56,7 @@ def test_the_recipe_runs_on_a_bare_copy_without_optional_packages(tmp_path):
 
     lengths = json.loads((out / "lengths" / "bench.json").read_text())
     policies = {r["policy"] for r in lengths["records"]}
-    assert {"full", "h2o", "tova"} <= policies
+    assert {"full", "transformers", "h2o", "tova"} <= policies
     batches = json.loads((out / "max-batch" / "bench.json").read_text())
     evicting = [r for r in batches["records"] if r["policy"] != "full"]
     assert evicting and all(_window_evictions(r) >= 1 for r in evicting), "part 2's timed window holds no eviction"
