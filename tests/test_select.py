@@ -110,6 +110,21 @@ def test_ties_go_to_the_most_recent_token_the_same_way_every_time():
     assert select.top_indices(torch.zeros(2, 5), 3).tolist() == [[2, 3, 4], [2, 3, 4]]
 
 
+def test_top_indices_equal_a_stable_sort_over_signs_zeros_infinities_and_ties():
+    """The partial selection on tie-broken integer keys picks what a stable full sort picks."""
+    generator = torch.Generator().manual_seed(0)
+    keys = torch.randn(3, 4, 300, generator=generator) * torch.tensor([1e-30, 1.0, 1e30]).view(3, 1, 1)
+    keys[..., 10:40] = 0.25  # a run of ties
+    keys[..., 50:60] = -3.0
+    keys[..., 60], keys[..., 61], keys[..., 62] = 0.0, -0.0, 0.0  # -0.0 ties with 0.0
+    keys[..., 70], keys[..., 71] = float("inf"), float("-inf")
+    keys[..., 80:83] = torch.finfo(torch.float32).max  # protected slots' rank
+    for k in (1, 7, 35, 150, 299, 300):
+        order = torch.sort(keys.flip(-1), dim=-1, descending=True, stable=True).indices[..., :k]
+        want = (299 - order).sort(dim=-1).values
+        assert torch.equal(select.top_indices(keys, k), want), k
+
+
 def test_attention_logits_keep_the_cache_dtype_on_cuda_only():
     from reasonkv.attention import logit_dtype
 

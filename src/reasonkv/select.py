@@ -127,11 +127,20 @@ def _check_capacity(valid: torch.Tensor, protected: torch.Tensor, k: int) -> Non
         _raise_if_short(*counts.tolist(), k)
 
 
+def _tie_broken(keys: torch.Tensor) -> torch.Tensor:
+    """``keys`` (float, no NaN) as distinct int64 with the same order, ties ordered by index (the higher
+    index larger): the float's bits made order-preserving, then the index in the low 32 bits. Lets
+    ``topk`` (a partial selection) stand in for a stable full sort."""
+    bits = (keys.float() + 0.0).view(torch.int32)  # + 0.0: -0.0 and 0.0 are one value, as they compare
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: flip the magnitude bits
+    return (ordered.long() << 32) | torch.arange(keys.shape[-1], device=keys.device)
+
+
 def top_indices(keys: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the ``k`` largest ``keys`` along the last axis, ascending; ties go to the higher index."""
-    n = keys.shape[-1]
-    order = torch.sort(keys.flip(-1), dim=-1, descending=True, stable=True).indices[..., :k]
-    return (n - 1 - order).sort(dim=-1).values
+    """Indices of the ``k`` largest ``keys`` (no NaN: rankings hold none) along the last axis, ascending;
+    ties go to the higher index."""
+    chosen = _tie_broken(keys).topk(k, dim=-1, sorted=False).values & 0xFFFFFFFF
+    return chosen.sort(dim=-1).values
 
 
 def rank_top(scores: torch.Tensor, *, valid: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
@@ -248,7 +257,7 @@ def reserve_top(scores: torch.Tensor, *, valid: torch.Tensor, protected: torch.T
     keys = keys.masked_fill(~candidates, float("-inf"))
     room = (k - (protected & valid).sum(-1, keepdim=True)).clamp(min=0, max=m)
     # Best first; ties go to the more recent token, as in top_indices.
-    flipped = torch.sort(keys.flip(-1), dim=-1, descending=True, stable=True)
-    values, indices = flipped.values[..., :m], scores.shape[-1] - 1 - flipped.indices[..., :m]
+    indices = _tie_broken(keys).topk(m, dim=-1).values & 0xFFFFFFFF
+    values = keys.gather(-1, indices)
     take = (torch.arange(m, device=scores.device) < room) & torch.isfinite(values)
     return mask.scatter_(-1, indices, take)

@@ -62,6 +62,13 @@ def test_overhead_ratios_flatness_and_targets(records):
     # (c) flatness: step at 8 K = 4096 over step at K = 512
     assert epikv["flatness"] == {"ratio": pytest.approx(1.03), "long_length": 4096, "short_length": 512}
     assert h2o["flatness"]["ratio"] == pytest.approx(1.5)
+    # ... and over the first steady length (1024: its window starts after K + B), where both hold K to K + B
+    assert epikv["flatness_steady"] == {
+        "ratio": pytest.approx(0.0206 / 0.0204),
+        "long_length": 4096,
+        "short_length": 1024,
+    }
+    assert h2o["flatness_steady"]["ratio"] == pytest.approx(0.030 / 0.022)
     # (d) tokens/s relative to full
     assert epikv["tokens_per_s_vs_full"][4096] == pytest.approx(0.040 / 0.0206)
     assert epikv["kv_within_bound"] is True and h2o["kv_within_bound"] is False
@@ -69,6 +76,7 @@ def test_overhead_ratios_flatness_and_targets(records):
 
     targets = summary["targets"]
     assert targets["flat_within_10pct"] == {"streaming": True, "epikv": True, "h2o": False}
+    assert targets["flat_steady_within_10pct"] == {"streaming": True, "epikv": True, "h2o": False}
     assert targets["overhead_target_pct"] == 2.0
     assert targets["overhead_within_target"] == {"streaming": True, "epikv": False, "h2o": False}  # 2.5%, 10%
     assert targets["kv_within_bound"] == {"streaming": True, "epikv": True, "h2o": False}
@@ -105,7 +113,7 @@ def test_markdown_and_printed_summary(records):
     meta = {"command": "reasonkv bench ...", "model": "m", "dtype": "bf16", "device": "cpu", "machine": {}}
     text = markdown(records, summary, meta)
     assert "| epikv | 2.00 | 2.50 | 2.50 |" in text  # overhead % at 1024, 4096, steady
-    assert "| h2o | 1.500 (4096/512) |" in text
+    assert "| h2o | 1.500 (4096/512) | 1.364 (4096/1024) |" in text
     assert "missed by h2o" in text
     assert "| epikv | 1024 |" in text
     printed = summary_text(records, summary, meta)
