@@ -34,7 +34,10 @@ class QueryWindow:
 
     def push(self, queries: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> None:
         if queries.shape[2] > self.w:
-            queries, positions, valid = queries[:, :, -self.w :], positions[:, -self.w :], valid[:, -self.w :]
+            # Copies, not views: a view of a long prefill's queries would hold all of them (every layer's)
+            # until the window moves past, and free them in the middle of the decode steps that follow.
+            queries = queries[:, :, -self.w :].clone()
+            positions, valid = positions[:, -self.w :].clone(), valid[:, -self.w :].clone()
         self._entries.append(_Entry(queries, positions, valid))
         self._count += queries.shape[2]
         while self._count - self._entries[0].queries.shape[2] >= self.w:
