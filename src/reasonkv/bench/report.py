@@ -79,9 +79,11 @@ def _sweep_summary(records: list[dict]) -> dict:
         summary["overhead_pct"] = {
             tokens: _pct(windows[tokens]["eviction_overhead_s"], full_step) for tokens in lengths if tokens in windows
         }
-        steady = [
+        # Lengths whose window starts after the first eviction: the cache holds K to K + B slots.
+        evicted = [
             tokens for tokens in lengths if tokens in windows and windows[tokens]["window_start"] >= budget + buffer
         ]
+        steady = evicted
         if not steady and windows:
             steady = [max(tokens for tokens in lengths if tokens in windows)]
         values = [
@@ -138,7 +140,6 @@ def _sweep_summary(records: list[dict]) -> dict:
             # The step at K holds fewer slots than a steady cache (K to K + B) and never evicts, so the model's
             # own attention makes it cheaper whatever the policy; between two steady lengths only what grows
             # with the sequence (a policy's per-position state, say) changes the step.
-            evicted = [t for t in lengths if t in windows and windows[t]["window_start"] >= budget + buffer]
             first = min((t for t in evicted if long_pick and t < long_pick[0]), default=None)
             summary["flatness_steady"] = None
             if first is not None:
