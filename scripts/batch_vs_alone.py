@@ -16,8 +16,8 @@ import statistics
 import torch
 
 import reasonkv
-from reasonkv.commands.demo import first_difference
-from reasonkv.commands.generate import chat_format
+from reasonkv.cli.demo import first_difference
+from reasonkv.cli.generate import chat_format
 from reasonkv.eval.datasets import load_dataset
 
 

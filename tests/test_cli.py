@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from reasonkv.cli import COMMANDS, main
+from reasonkv.cli.main import COMMANDS, main
 from reasonkv.policies import parse_options
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -82,13 +82,13 @@ def test_errors_exit_with_a_message(capsys, tmp_path):
     ],
 )
 def test_bad_generation_settings_are_refused_before_the_model_loads(args, message, capsys, monkeypatch):
-    monkeypatch.setattr("reasonkv.commands.generate.load_model_from", lambda args: pytest.fail("the model was loaded"))
+    monkeypatch.setattr("reasonkv.cli.generate.load_model_from", lambda args: pytest.fail("the model was loaded"))
     assert main(["generate", "--prompt", "x", *args]) == 2
     assert error_line(capsys) == f"reasonkv generate: error: {message}"
 
 
 def test_demo_refuses_bad_settings_before_the_model_loads(capsys, monkeypatch):
-    monkeypatch.setattr("reasonkv.commands.demo.load_model_from", lambda args: pytest.fail("the model was loaded"))
+    monkeypatch.setattr("reasonkv.cli.demo.load_model_from", lambda args: pytest.fail("the model was loaded"))
     assert main(["demo", "--max-new-tokens", "-1"]) == 2
     assert "max_new_tokens must be a positive integer, got -1" in error_line(capsys)
 
@@ -122,7 +122,7 @@ def test_out_of_memory_names_what_to_lower(capsys, monkeypatch):
     def run(args):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has 1.5 GiB free.")
 
-    monkeypatch.setattr("reasonkv.commands.generate.run", run)
+    monkeypatch.setattr("reasonkv.cli.generate.run", run)
     assert main(["generate", "--prompt", "x"]) == 2
     assert error_line(capsys) == (
         "reasonkv generate: error: out of memory (tried to allocate 2.00 GiB); lower the number of prompts or "
@@ -153,14 +153,14 @@ def test_a_model_too_large_for_memory_is_one_line():
     "bug",
     [
         TypeError("unsupported operand"),
-        ImportError("cannot import name 'gone' from 'reasonkv.decode'", name="reasonkv.decode"),
+        ImportError("cannot import name 'gone' from 'reasonkv.generation.loop'", name="reasonkv.generation.loop"),
     ],
 )
 def test_a_bug_keeps_its_traceback(bug, monkeypatch):
     def run(args):
         raise bug  # not the user's doing
 
-    monkeypatch.setattr("reasonkv.commands.generate.run", run)
+    monkeypatch.setattr("reasonkv.cli.generate.run", run)
     with pytest.raises(type(bug), match=str(bug)):
         main(["generate", "--prompt", "x"])
 
@@ -174,7 +174,7 @@ def test_debug_shows_the_traceback_of_user_errors(argv, tmp_path):
 def test_missing_dependencies_are_named_at_start_up(capsys, monkeypatch):
     declared = ["torch>=2.4", "reasonkv-no-such-package>=1.2", "pytest>=8; extra == 'test'"]
     monkeypatch.setattr(importlib.metadata, "requires", lambda name: declared if name == "reasonkv" else None)
-    monkeypatch.setattr("reasonkv.commands.policies.run", lambda args: pytest.fail("ran without its dependencies"))
+    monkeypatch.setattr("reasonkv.cli.policies.run", lambda args: pytest.fail("ran without its dependencies"))
     assert main(["policies"]) == 2
     assert error_line(capsys) == (
         "reasonkv policies: error: reasonkv's dependencies are not all installed; "

@@ -8,7 +8,7 @@ import torch
 
 import reasonkv
 from conftest import CharTokenizer, tiny_llama, tiny_qwen3
-from reasonkv.commands.demo import first_difference
+from reasonkv.cli.demo import first_difference
 from reasonkv.hf import cache_keyword
 
 PROMPTS = ["Let us think step by step about it.", "Why?", "Two plus three is five, so"]

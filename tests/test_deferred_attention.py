@@ -10,7 +10,7 @@ import torch
 
 import reasonkv
 from conftest import TINY_MODELS
-from reasonkv.contract import Needs
+from reasonkv.policies.contract import Needs
 from reasonkv.hf import cache_keyword
 from reasonkv.policies import Policy
 from reasonkv.policies.common import PositionTable

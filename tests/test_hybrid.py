@@ -13,7 +13,7 @@ from conftest import HYBRID_MODELS, WINDOW, NoEosTokenizer, tiny_gemma3, tiny_gp
 from oracle import run_and_check
 from reasonkv import EvictingCache
 from reasonkv.hf import cache_keyword
-from reasonkv.hybrid import check_layer_kinds
+from reasonkv.cache.hybrid import check_layer_kinds
 from reasonkv.policies import Needs, Policy, policy_class
 
 EVICTING = [name for name in reasonkv.list_policies() if policy_class(name).evicts]

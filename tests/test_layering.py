@@ -12,24 +12,22 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "reasonkv"
 
-# The only modules that import transformers: the run-time seam, the Cache subclass, the loader.
-TRANSFORMERS_IMPORTERS = {"hf/model.py", "hf/forward.py", "hf/masks.py", "hf/tap.py", "cache.py", "models.py"}
-# Engine-free floor: torch only, and nothing above it.
-FLOOR = {
-    "contract.py",
-    "attention.py",
-    "select.py",
-    "view.py",
-    "recorded.py",
-    "calibration.py",
-    "quantize.py",
-    "tiers.py",
-}
+# The only modules that import transformers: the run-time seam, the Cache subclass, model loading.
+TRANSFORMERS_IMPORTERS = ("hf/", "models/", "cache/storage.py")
+# Engine-free: torch only, and nothing above them (the policies and their API, the quantized tier's codes).
+ENGINE_FREE = ("policies/", "cache/tiers.py", "cache/quantize.py")
+# Deprecated aliases of moved modules: they only forward.
+ALIASES = {"select.py", "decode.py"}
+MAX_LINES = 600
 
 
 def _modules():
     for path in sorted(SRC.rglob("*.py")):
         yield path.relative_to(SRC).as_posix(), ast.parse(path.read_text(encoding="utf-8"))
+
+
+def _module_name(rel: str) -> str:
+    return "reasonkv." + rel.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
 
 
 def _imports(tree) -> set[str]:
@@ -42,30 +40,101 @@ def _imports(tree) -> set[str]:
     return names
 
 
+def _own_edges(tree, known: set[str]) -> set[str]:
+    """The reasonkv modules a module imports (``from package import submodule`` counts the submodule)."""
+    edges = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            edges.update(a.name for a in node.names if a.name in known)
+        elif isinstance(node, ast.ImportFrom) and node.module in known:
+            subs = {f"{node.module}.{a.name}" for a in node.names} & known
+            edges.update(subs or {node.module})
+    return edges
+
+
 def test_transformers_is_imported_only_at_the_seam():
     offenders = {
         name
         for name, tree in _modules()
-        if any(i.split(".")[0] == "transformers" for i in _imports(tree)) and name not in TRANSFORMERS_IMPORTERS
+        if any(i.split(".")[0] == "transformers" for i in _imports(tree))
+        and not name.startswith(TRANSFORMERS_IMPORTERS)
     }
     assert not offenders, f"transformers imported outside the seam: {sorted(offenders)}"
 
 
 def test_policies_and_their_floor_import_nothing_above_them():
-    allowed = {"reasonkv." + m.removesuffix(".py").replace("/", ".") for m in FLOOR} | {"reasonkv"}
+    allowed = tuple(_module_name(m) for m in ENGINE_FREE if m.endswith(".py")) + ("reasonkv.policies",)
     for name, tree in _modules():
-        if name.startswith("policies/") or name in FLOOR:
-            above = {
-                i for i in _imports(tree) if i.startswith("reasonkv") and not i.startswith("reasonkv.policies")
-            } - allowed
+        if name.startswith(ENGINE_FREE):
+            above = {i for i in _imports(tree) if i.startswith("reasonkv") and not i.startswith(allowed)}
             assert not above, f"{name} reaches up to {sorted(above)}"
 
 
-def test_eval_bench_analysis_import_nothing_from_the_command_layer():
+def test_only_the_command_line_reads_arguments_and_nothing_imports_it():
     for name, tree in _modules():
-        if name.split("/")[0] in ("eval", "bench", "analysis", "hf") or name in FLOOR:
-            upward = {i for i in _imports(tree) if i.startswith(("reasonkv.commands", "reasonkv.cli"))}
-            assert not upward, f"{name} imports the command layer: {sorted(upward)}"
+        if name.startswith("cli/") or name == "__main__.py":
+            continue
+        imports = _imports(tree)
+        assert "argparse" not in imports, f"{name} reads command-line arguments; only cli/ does"
+        upward = {i for i in imports if i.startswith("reasonkv.cli")}
+        assert not upward, f"{name} imports the command line: {sorted(upward)}"
+
+
+def test_no_function_imports_the_package_itself():
+    found = []
+    for name, tree in _modules():
+        for function in ast.walk(tree):
+            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(function):
+                module = node.module if isinstance(node, ast.ImportFrom) else None
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [module or ""]
+                if any(n.startswith("reasonkv") for n in names) or (isinstance(node, ast.ImportFrom) and node.level):
+                    found.append(f"{name}:{node.lineno}")
+    assert not found, (
+        "imports of reasonkv inside functions (import at the top; a cycle means a misplaced module):\n"
+        + "\n".join(found)
+    )
+
+
+def test_no_import_cycles():
+    trees = dict(_modules())
+    known = {_module_name(rel) for rel in trees}
+    graph = {_module_name(rel): _own_edges(tree, known) - {_module_name(rel)} for rel, tree in trees.items()}
+    cycles = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        path.append(module)
+        for target in sorted(graph[module]):
+            if state.get(target) == 1:
+                cycles.append(" -> ".join([*path[path.index(target) :], target]))
+            elif target not in state:
+                visit(target, path)
+        path.pop()
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_modules_stay_small_unless_they_are_one_concept():
+    big = []
+    for path in sorted(SRC.rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        lines = len(text.splitlines())
+        docstring = ast.get_docstring(ast.parse(text)) or ""
+        if lines > MAX_LINES and "one concept" not in docstring:
+            big.append(f"{path.relative_to(SRC).as_posix()}: {lines} lines")
+    assert not big, f"modules over {MAX_LINES} lines whose docstring does not say they are one concept: {big}"
+
+
+def test_the_root_holds_only_the_entry_points_and_aliases():
+    root = {p.name for p in SRC.glob("*.py")}
+    assert root <= {"__init__.py", "__main__.py"} | ALIASES, f"modules at the package root: {sorted(root)}"
 
 
 # `._name` reads on objects that come from transformers. The one sanctioned read is the model's
@@ -90,11 +159,11 @@ _ENGINE_FREE = textwrap.dedent(
     import sys
     sys.modules["transformers"] = None  # any import of transformers now fails
     import torch
-    import reasonkv.select, reasonkv.policies, reasonkv.tiers
-    from reasonkv.contract import AttentionChunk, ModelInfo, Needs, Step
+    import reasonkv.policies.select, reasonkv.policies, reasonkv.cache.tiers
+    from reasonkv.policies.contract import AttentionChunk, ModelInfo, Needs, Step
     from reasonkv.policies import get_policy, list_policies
-    from reasonkv.recorded import Recorded
-    from reasonkv.view import EvictionView
+    from reasonkv.policies.recorded import Recorded
+    from reasonkv.policies.view import EvictionView
 
     torch.manual_seed(0)
     info = ModelInfo(num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reasonkv.quantize import (
+from reasonkv.cache.quantize import (
     QuantFormat,
     default_group_size,
     dequantize_channels,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from reasonkv.recorded import QueryWindow
+from reasonkv.policies.recorded import QueryWindow
 
 
 def _forward(start: int, n: int, batch: int = 2, heads: int = 3, dim: int = 4):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reasonkv import select
+from reasonkv.policies import select
 
 
 def test_protected_mask_sinks_window_prompt_and_padding():
@@ -126,7 +126,7 @@ def test_top_indices_equal_a_stable_sort_over_signs_zeros_infinities_and_ties():
 
 
 def test_attention_logits_keep_the_cache_dtype_on_cuda_only():
-    from reasonkv.attention import logit_dtype
+    from reasonkv.policies.attention import logit_dtype
 
     assert logit_dtype(torch.device("cuda", 0), torch.bfloat16) == torch.bfloat16
     assert logit_dtype(torch.device("cuda"), torch.float16) == torch.float16

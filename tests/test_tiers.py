@@ -14,12 +14,12 @@ import torch
 import reasonkv
 from conftest import NoEosTokenizer, tiny_llama
 from oracle import run_and_check
-from reasonkv import select
+from reasonkv.policies import select
 from reasonkv.cache import EvictingCache
 from reasonkv.hf import cache_keyword
 from reasonkv.policies import Policy, policy_class
-from reasonkv.quantize import QuantFormat
-from reasonkv.tiers import (
+from reasonkv.cache.quantize import QuantFormat
+from reasonkv.cache.tiers import (
     QuantizedTier,
     budget_for_bytes,
     equivalent_budget,

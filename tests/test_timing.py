@@ -9,7 +9,7 @@ import torch
 import reasonkv
 from conftest import tiny_llama
 from reasonkv.hf import cache_keyword
-from reasonkv.timing import Stopwatch
+from reasonkv.cache.timing import Stopwatch
 
 
 class _FakeEvent:

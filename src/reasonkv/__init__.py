@@ -17,8 +17,8 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "EvictingCache": "reasonkv.cache",
-    "GenerationResult": "reasonkv.decode",
-    "generate": "reasonkv.decode",
+    "GenerationResult": "reasonkv.generation",
+    "generate": "reasonkv.generation",
     "Policy": "reasonkv.policies",
     "get_policy": "reasonkv.policies",
     "list_policies": "reasonkv.policies",

@@ -8,9 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from reasonkv.analysis.bands import discover_bands, find_band, write_band_calibration
-from reasonkv.analysis.profile import layer_profile
-from reasonkv.calibration import default_anatomy, load_calibration
+from reasonkv.calibrate.bands import discover_bands, find_band, write_band_calibration
+from reasonkv.calibrate.profile import layer_profile
+from reasonkv.policies.calibration import default_anatomy, load_calibration
 
 LAYERS = 16
 
@@ -97,7 +97,7 @@ def test_calibration_file_drives_epikv(tmp_path):
 
     if "epikv" not in reasonkv.list_policies():
         pytest.skip("the epikv policy is not installed")
-    from reasonkv.contract import ModelInfo
+    from reasonkv.policies.contract import ModelInfo
 
     profile = layer_profile(*_synthetic(PLANTED), replicates=200)
     band_a, band_b = discover_bands(profile)

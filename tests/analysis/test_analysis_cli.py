@@ -11,7 +11,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from reasonkv.calibration import load_calibration
+from reasonkv.policies.calibration import load_calibration
 from reasonkv.cli import main
 
 SCORES = {"knorm", "h2o", "tova", "snapkv", "recency", "random", "epikv@default", "epikv@cal", "epikv-band@cal"}

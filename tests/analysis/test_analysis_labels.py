@@ -11,8 +11,8 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 from transformers.modeling_utils import AttentionInterface
 
 from conftest import VOCAB, tiny_llama, tiny_qwen3
-from reasonkv.analysis.labels import LabelSettings, chunk_bounds, label_trace
-from reasonkv.analysis.traces import Trace
+from reasonkv.calibrate.labels import LabelSettings, chunk_bounds, label_trace
+from reasonkv.calibrate.traces import Trace
 
 _REFERENCE = "occlusion_reference_for_tests"
 _HIDDEN: dict[str, tuple[int, int] | None] = {"chunk": None}

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import VOCAB, tiny_llama
-from reasonkv.analysis.signals import SignalSettings, causal_zscore, chunk_means, token_signals, trace_signals
+from reasonkv.calibrate.signals import SignalSettings, causal_zscore, chunk_means, token_signals, trace_signals
 
 
 def _naive_zscore(g: list[float], window: int, eps: float) -> list[float]:
@@ -122,9 +122,9 @@ def test_bad_settings(options, message):
 def test_epikv_scores_match_the_policy(variant):
     """The chunk scores the AUC table gives EPIKV equal the chunk means of the policy's own token scores."""
     import reasonkv
-    from reasonkv.analysis.scores import epikv_scores
-    from reasonkv.calibration import Calibration
-    from reasonkv.contract import Step
+    from reasonkv.calibrate.scores import epikv_scores
+    from reasonkv.policies.calibration import Calibration
+    from reasonkv.policies.contract import Step
     from reasonkv.hf import decoder_layers, model_info
 
     if "epikv" not in reasonkv.list_policies():

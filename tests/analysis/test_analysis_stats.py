@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from reasonkv.analysis.auc import auc_table, trace_auc
-from reasonkv.analysis.stats import auc, partial_spearman, rankdata, spearman, top_fraction
+from reasonkv.calibrate.auc import auc_table, trace_auc
+from reasonkv.calibrate.stats import auc, partial_spearman, rankdata, spearman, top_fraction
 
 
 def _brute_auc(scores, positives) -> float:
@@ -108,7 +108,7 @@ def test_partial_spearman_is_the_correlation_of_rank_residuals(seed):
 
 
 def test_position_control_removes_a_shared_position_trend():
-    from reasonkv.analysis.profile import layer_profile
+    from reasonkv.calibrate.profile import layer_profile
 
     rng = np.random.default_rng(0)
     signals, labels = [], []

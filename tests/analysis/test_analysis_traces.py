@@ -8,8 +8,8 @@ import math
 import pytest
 
 from conftest import NoEosTokenizer
-from reasonkv.analysis.store import RecordStore
-from reasonkv.analysis.traces import reference_trace, tidy_reference
+from reasonkv.calibrate.store import RecordStore
+from reasonkv.calibrate.traces import reference_trace, tidy_reference
 from reasonkv.eval.datasets import Problem
 from reasonkv.eval.references import answer_span as answer_char_span
 from reasonkv.eval.references import token_span
@@ -89,7 +89,7 @@ def test_record_store_resumes_and_checks_settings(tmp_path):
 def test_generated_trace_is_the_models_greedy_continuation():
     import reasonkv
     from conftest import tiny_llama
-    from reasonkv.analysis.traces import generated_trace
+    from reasonkv.calibrate.traces import generated_trace
 
     model, tokenizer = tiny_llama(), NoEosTokenizer()
     problem = Problem(id="g", problem="1+1?", answer="2", source="t")
@@ -105,9 +105,9 @@ def test_generated_trace_is_the_models_greedy_continuation():
 
 
 def test_generated_trace_maps_the_answer_to_tokens(monkeypatch):
-    import reasonkv.decode
-    from reasonkv.analysis.traces import generated_trace
-    from reasonkv.decode import GenerationResult
+    import reasonkv.generation.loop
+    from reasonkv.calibrate.traces import generated_trace
+    from reasonkv.generation.loop import GenerationResult
 
     tokenizer = NoEosTokenizer()
     text = "so \\boxed{42}."
@@ -116,7 +116,7 @@ def test_generated_trace_maps_the_answer_to_tokens(monkeypatch):
     def fake_generate(model, tok, prompts, **kwargs):
         return [GenerationResult(text=text, token_ids=ids, prompt_tokens=len(prompts[0]), finish_reason="eos")]
 
-    monkeypatch.setattr(reasonkv.decode, "generate", fake_generate)
+    monkeypatch.setattr(reasonkv.generation.loop, "generate", fake_generate)
     problem = Problem(id="g", problem="1+1?", answer="2", source="t")
     trace = generated_trace(None, tokenizer, problem, max_new_tokens=12)
     assert trace.trace_ids == ids[:-1] and trace.answer_span == (10, 12)

@@ -13,7 +13,7 @@ import pytest
 
 import reasonkv
 from conftest import NoEosTokenizer, tiny_llama
-from reasonkv.decode import GenerationResult
+from reasonkv.generation.loop import GenerationResult
 from reasonkv.eval import collapse_flags, grade, load_dataset
 from reasonkv.eval.records import read_records, record_key
 from reasonkv.eval.runner import make_cells, parse_dataset_spec, policy_options, run_grid, sample_seed

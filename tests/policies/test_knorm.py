@@ -10,7 +10,7 @@ import torch
 import reasonkv
 from attention_reference import drive, masked_hidden_states
 from conftest import TINY_MODELS, tiny_llama
-from reasonkv.view import EvictionView
+from reasonkv.policies.view import EvictionView
 
 PROMPT = [3 + (23 * i) % 87 for i in range(14)]
 TOKENS = [11 + (41 * i) % 77 for i in range(30)]

@@ -13,7 +13,7 @@ from conftest import NoEosTokenizer, tiny_llama
 from oracle import run_and_check
 from reasonkv.hf import cache_keyword
 from reasonkv.policies.lagkv import LagKV, lag_relative_scores
-from reasonkv.view import EvictionView
+from reasonkv.policies.view import EvictionView
 
 TOKENS = [5 + (7 * i + i * i) % 83 for i in range(40)]
 

@@ -10,10 +10,10 @@ import torch.nn.functional as F
 
 import reasonkv
 from conftest import tiny_llama
-from reasonkv import select
+from reasonkv.policies import select
 from reasonkv.hf import cache_keyword
 from reasonkv.policies.rkv import RKV, key_redundancy, window_importance
-from reasonkv.view import EvictionView
+from reasonkv.policies.view import EvictionView
 
 TOKENS = [5 + (7 * i + i * i) % 83 for i in range(40)]
 

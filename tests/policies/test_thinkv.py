@@ -14,8 +14,8 @@ import torch
 import reasonkv
 from conftest import tiny_llama
 from oracle import run_and_check
-from reasonkv import select
-from reasonkv.contract import AttentionChunk, ModelInfo, Step
+from reasonkv.policies import select
+from reasonkv.policies.contract import AttentionChunk, ModelInfo, Step
 from reasonkv.policies.thinkv import THOUGHT_TYPES, ThinKV, attention_sparsity, kde_thresholds, tertile_thresholds
 
 INFO = ModelInfo(num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4)

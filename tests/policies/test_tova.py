@@ -11,7 +11,7 @@ import reasonkv
 from attention_reference import drive, eager_attentions, masked_attentions
 from conftest import TINY_MODELS, tiny_llama
 from reasonkv.hf import cache_keyword
-from reasonkv.view import EvictionView
+from reasonkv.policies.view import EvictionView
 
 PROMPT = [4 + (17 * i) % 85 for i in range(12)]
 TOKENS = [9 + (31 * i) % 80 for i in range(30)]

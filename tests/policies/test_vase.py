@@ -9,8 +9,8 @@ import torch
 
 import reasonkv
 from conftest import tiny_llama
-from reasonkv import select
-from reasonkv.contract import ModelInfo
+from reasonkv.policies import select
+from reasonkv.policies.contract import ModelInfo
 from reasonkv.hf import cache_keyword
 from reasonkv.models import SMOLLM2_INSTALL_COMMAND, SMOLLM2_PACKAGE
 from reasonkv.policies.vase import reserve_count

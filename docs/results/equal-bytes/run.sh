@@ -2,7 +2,7 @@
 # Fidelity to the full cache at equal K/V bytes, on the bundled SmolLM2-135M (head_dim 64), in fp32:
 # K full-precision tokens per head, against K/2 of them plus an int8 or int4 tier holding the other
 # half of the bytes. In fp32 a token's K/V take 512 bytes per (layer, kv-head), an int8 one 162 and
-# an int4 one 98 (codes, scales and zero points in fp32, key-group id; reasonkv.tiers.quantized_token_bytes):
+# an int4 one 98 (codes, scales and zero points in fp32, key-group id; reasonkv.cache.tiers.quantized_token_bytes):
 #
 #   bytes of 32 tokens:  32 full  |  16 full + 50 int8  |  16 full + 83 int4
 #   bytes of 64 tokens:  64 full  |  32 full + 101 int8 |  32 full + 167 int4

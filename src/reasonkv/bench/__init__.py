@@ -10,7 +10,7 @@ Modules, one job each:
 - :mod:`~reasonkv.bench.maxbatch`: largest batch within a memory limit and its throughput;
 - :mod:`~reasonkv.bench.plan`: argument checking; :mod:`~reasonkv.bench.store`: results on disk,
   resume; :mod:`~reasonkv.bench.report`: overhead summary and markdown;
-  :mod:`~reasonkv.bench.plots`: PNGs; :mod:`~reasonkv.bench.cli`: the command.
+  :mod:`~reasonkv.bench.plots`: PNGs; :mod:`~reasonkv.cli.bench`: the command.
 """
 
 from __future__ import annotations

@@ -236,7 +236,7 @@ def _tier_variants(args: argparse.Namespace, evicting: list[str]) -> dict[str, d
     """``--quantized Q --bits b``: a tiered variant of every requested evicting policy (length sweep only)."""
     from reasonkv.bench.tiers import tier_label
     from reasonkv.policies import policy_class
-    from reasonkv.tiers import check_settings
+    from reasonkv.cache.tiers import check_settings
 
     quantized, bits = getattr(args, "quantized", 0), getattr(args, "bits", None)
     check_settings(quantized, bits)

@@ -3,7 +3,7 @@
 ``reasonkv bench --quantized Q --bits b`` adds a variant ``POLICY+intb:Q`` of every requested
 evicting policy: the same policy with ``Q`` tokens per head kept quantized and its full-precision
 budget lowered from ``K`` to the ``K'`` that leaves the nominal K/V bytes of ``K`` plain tokens
-(:func:`reasonkv.tiers.budget_for_bytes`). Plain and tiered run side by side in one run, so the
+(:func:`reasonkv.cache.tiers.budget_for_bytes`). Plain and tiered run side by side in one run, so the
 summary compares their step time and the K/V bytes they really held.
 """
 
@@ -21,8 +21,8 @@ def tiered_budget(model, budget: int, quantized: int, bits: int) -> dict:
     """The tier of a variant on ``model``: ``quantized``, ``bits``, ``group_size`` and the full-precision
     ``budget`` K' whose cache holds the nominal K/V bytes of ``budget`` plain tokens."""
     from reasonkv.hf import model_info
-    from reasonkv.quantize import QuantFormat, default_group_size
-    from reasonkv.tiers import budget_for_bytes
+    from reasonkv.cache.quantize import QuantFormat, default_group_size
+    from reasonkv.cache.tiers import budget_for_bytes
 
     info = model_info(model)
     fmt = QuantFormat(bits, default_group_size(info.head_dim))

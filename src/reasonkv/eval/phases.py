@@ -191,7 +191,7 @@ class Context:
             return None
         if cell not in self._tiers:
             from reasonkv.hf import model_info
-            from reasonkv.quantize import default_group_size
+            from reasonkv.cache.quantize import default_group_size
 
             group_size = default_group_size(model_info(self.model).head_dim)
             self._tiers[cell] = {**cell.tier, "group_size": group_size}
@@ -202,8 +202,8 @@ class Context:
         if not cell.quantized:
             return cell.budget
         from reasonkv.hf import model_info
-        from reasonkv.quantize import QuantFormat
-        from reasonkv.tiers import equivalent_budget
+        from reasonkv.cache.quantize import QuantFormat
+        from reasonkv.cache.tiers import equivalent_budget
 
         tier = self.tier(cell)
         size = next(self.model.parameters()).element_size()

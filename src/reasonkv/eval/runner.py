@@ -210,7 +210,7 @@ def make_cells(
     (plus the quantized tier), and that with a quantized tier every evicting policy ranks tokens.
     """
     from reasonkv.policies import get_policy, policy_class
-    from reasonkv.tiers import check_settings
+    from reasonkv.cache.tiers import check_settings
 
     policies = _split_names(policies)
     if not policies:

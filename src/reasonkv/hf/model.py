@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from reasonkv.contract import ModelInfo
+from reasonkv.policies.contract import ModelInfo
 
 __all__ = [
     "attention_implementation",

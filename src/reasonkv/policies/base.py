@@ -5,7 +5,7 @@ evicted, either scores (higher = keep; the default :meth:`Policy.ranking` turns 
 ``select.rank_top`` and :meth:`Policy.keep` keeps its top ``budget``), a ranking of its own
 (overriding :meth:`Policy.ranking`: protection variants, sampling), or, by overriding
 :meth:`Policy.keep`, the kept indices themselves. A cache with a quantized tier needs the ranking
-(:mod:`reasonkv.tiers` splits it into full precision, quantized and dropped), so a policy that only
+(:mod:`reasonkv.cache.tiers` splits it into full precision, quantized and dropped), so a policy that only
 overrides ``keep`` cannot fill one (:meth:`Policy.can_rank`).
 Granularity ``"token"`` scores ``[rows, slots]`` once and the same tokens survive in every layer
 and head; ``"head"`` scores ``[rows, kv_heads, slots]`` for one layer at a time.
@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 
-from reasonkv import select
-from reasonkv.contract import AttentionChunk, ModelInfo, Needs, Step
+from reasonkv.policies import select
+from reasonkv.policies.contract import AttentionChunk, ModelInfo, Needs, Step
 
 if TYPE_CHECKING:
-    from reasonkv.view import EvictionView
+    from reasonkv.policies.view import EvictionView
 
 Granularity = Literal["token", "head"]
 
@@ -83,7 +83,7 @@ class Policy:
 
     def observe_attention(self, chunk: AttentionChunk) -> None:
         """Attention owed for ``Needs.attention_last`` / ``attention_sum``, per layer, in the order the
-        queries came; always before the eviction that follows them (see :mod:`reasonkv.observe`)."""
+        queries came; always before the eviction that follows them (see :mod:`reasonkv.cache.observe`)."""
 
     # -- eviction -------------------------------------------------------------------------------
     def score(self, view: EvictionView) -> torch.Tensor:

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from reasonkv import noise
-from reasonkv.policies import register
+from reasonkv.policies import noise
+from reasonkv.policies.registry import register
 from reasonkv.policies.base import Policy
 from reasonkv.policies.leverage import COMBINE_METHODS, LEVERAGE_METHODS, dkv_scores, gaussian_projection
 
@@ -39,7 +39,7 @@ class CurDKV(Policy):
     within local windows of ``local_window`` tokens, multiplied, and the top-scoring tokens fill what
     the protected ones leave of the budget. The policy reads only the cached K/V: no queries, no
     attention. ``G`` is fixed for the run: one ``G`` per (row, layer, kv head), keyed by the row's
-    seed and the layer (:mod:`reasonkv.noise`), the same at every eviction (VASE's
+    seed and the layer (:mod:`reasonkv.policies.noise`), the same at every eviction (VASE's
     "CUR fixed"; ``vase-dkv`` redraws it at every eviction). The kept set therefore depends on the
     seed unless ``rank=0``.
 

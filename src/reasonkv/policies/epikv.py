@@ -8,9 +8,9 @@ from typing import ClassVar
 
 import torch
 
-from reasonkv.calibration import Calibration, check_layers, default_anatomy, load_calibration
-from reasonkv.contract import Needs, Step
-from reasonkv.policies import register
+from reasonkv.policies.calibration import Calibration, check_layers, default_anatomy, load_calibration
+from reasonkv.policies.contract import Needs, Step
+from reasonkv.policies.registry import register
 from reasonkv.policies.base import Policy
 from reasonkv.policies.common import PositionTable
 from reasonkv.policies.epikv_signal import (
@@ -83,7 +83,7 @@ class EPIKV(Policy):
         Default: 7..13 and 18..25 of 32 with both ends scaled by depth (7..12 and 17..23 for 30
         layers); or the calibration file's.
     calibration
-        Path of a calibration JSON (see :mod:`reasonkv.calibration`) providing ``a``, ``b``,
+        Path of a calibration JSON (see :mod:`reasonkv.policies.calibration`) providing ``a``, ``b``,
         ``band_a``, ``band_b``; its ``num_layers`` must match the model. Explicit ``a``/``b``/band
         options override the file, which overrides the depth-scaled defaults.
     sinks, window, protect_prompt

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from reasonkv.policies import register
+from reasonkv.policies.registry import register
 from reasonkv.policies.base import Policy
 
 

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from reasonkv import select
-from reasonkv.contract import AttentionChunk, Needs
-from reasonkv.policies import register
+from reasonkv.policies import select
+from reasonkv.policies.contract import AttentionChunk, Needs
+from reasonkv.policies.registry import register
 from reasonkv.policies.base import Policy
 from reasonkv.policies.common import PositionTable, group_mean
 

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from reasonkv import noise
+from reasonkv.policies import noise
 
 __all__ = [
     "LEVERAGE_METHODS",

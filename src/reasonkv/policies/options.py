@@ -24,7 +24,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["check_fields", "options_by_policy", "parse_options", "parse_value"]
+__all__ = ["check_fields", "field_types", "parse_value", "split_option"]
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -32,7 +32,7 @@ _NONE = ("none", "null")
 
 
 @functools.cache
-def _field_types(cls: type) -> dict[str, Any]:
+def field_types(cls: type) -> dict[str, Any]:
     try:
         hints = typing.get_type_hints(cls)
     except (NameError, TypeError):  # annotations naming something out of reach: take values as they come
@@ -90,7 +90,7 @@ def _as(arm: Any, value: Any, parse: bool) -> Any:
 
 def parse_value(cls: type, name: str, value: Any, *, parse: bool = True) -> Any:
     """``value`` for the option ``name`` of policy class ``cls``, typed; text is parsed when ``parse``."""
-    hint = _field_types(cls)[name]
+    hint = field_types(cls)[name]
     if hint is Any:
         return value
     arms = _arms(hint)
@@ -107,7 +107,7 @@ def parse_value(cls: type, name: str, value: Any, *, parse: bool = True) -> Any:
 def check_fields(policy: Any) -> None:
     """Refuse any field whose value is not of the field's type (the error names the option and type)."""
     cls = type(policy)
-    for name in _field_types(cls):
+    for name in field_types(cls):
         parse_value(cls, name, getattr(policy, name), parse=False)
 
 
@@ -126,48 +126,13 @@ def _scope(key: str) -> tuple[str | None, str]:
         if not colon:
             return None, key.replace("-", "_")
         warnings.warn(
-            f"-o {key}=...: POLICY:KEY is deprecated, write {target}.{option}=...", FutureWarning, stacklevel=3
+            f"-o {key}=...: POLICY:KEY is deprecated, write {target}.{option}=...", FutureWarning, stacklevel=4
         )
     return target.strip(), option.strip().replace("-", "_")
 
 
-def parse_options(policy: str, pairs: Sequence[str]) -> dict[str, Any]:
-    """``["sinks=8", "protect_prompt=false"]`` -> typed keyword arguments for ``get_policy(policy, ...)``.
-
-    ``POLICY.KEY=VALUE`` is accepted when ``POLICY`` is ``policy``.
-    """
-    return options_by_policy([policy], pairs)[policy]
-
-
-def options_by_policy(policies: Sequence[str], pairs: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """Typed options per policy from ``KEY=VALUE`` / ``POLICY.KEY=VALUE`` strings.
-
-    ``KEY=VALUE`` goes to every listed policy that has the option (an error if none has it; the
-    full cache, which evicts nothing, takes it only when it is the one policy listed);
-    ``POLICY.KEY=VALUE`` goes to that policy, which must be listed.
-    """
-    from reasonkv.policies import policy_class
-
-    classes = {name: policy_class(name) for name in policies}
-    out: dict[str, dict[str, Any]] = {name: {} for name in policies}
-    for pair in pairs:
-        key, value = _split(pair)
-        target, option = _scope(key)
-        if target is not None:
-            if target not in classes:
-                raise ValueError(
-                    f"option {pair!r} names policy {target!r}, which is not selected ({', '.join(policies)})"
-                )
-            takers = [target]
-        elif len(classes) == 1:
-            takers = list(classes)
-        else:
-            takers = [name for name, cls in classes.items() if option in _field_types(cls) and cls.evicts]
-        for name in takers:
-            if option not in _field_types(classes[name]):
-                known = ", ".join(sorted(_field_types(classes[name])))
-                raise ValueError(f"policy {name!r} has no option {option!r}; options: {known}")
-            out[name][option] = parse_value(classes[name], option, value)
-        if not takers:
-            raise ValueError(f"no selected policy has an option {option!r} (policies: {', '.join(policies)})")
-    return out
+def split_option(pair: str) -> tuple[str | None, str, str]:
+    """``"POLICY.KEY=VALUE"`` -> ``(POLICY, KEY, VALUE)``; ``"KEY=VALUE"`` -> ``(None, KEY, VALUE)``."""
+    key, value = _split(pair)
+    target, option = _scope(key)
+    return target, option, value

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from reasonkv import select
-from reasonkv.policies import register
+from reasonkv.policies import select
+from reasonkv.policies.registry import register
 from reasonkv.policies.base import Policy
 
 

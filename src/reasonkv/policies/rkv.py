@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from reasonkv import select
-from reasonkv.attention import grouped_logits, grouped_sinks, masked_softmax_
-from reasonkv.contract import Needs
-from reasonkv.policies import register
+from reasonkv.policies import select
+from reasonkv.policies.attention import grouped_logits, grouped_sinks, masked_softmax_
+from reasonkv.policies.contract import Needs
+from reasonkv.policies.registry import register
 from reasonkv.policies.base import Policy
 from reasonkv.policies.common import pool1d
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from reasonkv.policies import register
+from reasonkv.policies.registry import register
 from reasonkv.policies.base import Policy
 
 

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from reasonkv import select
-from reasonkv.contract import Needs
-from reasonkv.policies import register
+from reasonkv.policies import select
+from reasonkv.policies.contract import Needs
+from reasonkv.policies.registry import register
 from reasonkv.policies.base import Policy
 from reasonkv.policies.common import PositionTable
 

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from reasonkv.contract import Needs
-from reasonkv.policies import register
+from reasonkv.policies.contract import Needs
+from reasonkv.policies.registry import register
 from reasonkv.policies.base import Policy
 from reasonkv.policies.common import group_mean
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from reasonkv import select
-from reasonkv.policies import register
+from reasonkv.policies import select
+from reasonkv.policies.registry import register
 from reasonkv.policies.curdkv import CurDKV
 from reasonkv.policies.snapkv import SnapKV
 

@@ -7,7 +7,7 @@ have no such channels and are quantized token by token. One scale and one zero p
 
 - values: ``group_size`` consecutive channels of one token (``group_size`` divides ``head_dim``);
 - keys: one channel of up to ``group_size`` tokens (which tokens share a group is the caller's
-  choice; the quantized tier groups the tokens it receives together, see :mod:`reasonkv.tiers`).
+  choice; the quantized tier groups the tokens it receives together, see :mod:`reasonkv.cache.tiers`).
 
 The default group size is 32 (KIVI's), or the largest divisor of ``head_dim`` below it.
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from reasonkv.analysis.stats import auc, bootstrap_indices, interval, nanmean_rows, spearman, top_fraction
+from reasonkv.calibrate.stats import auc, bootstrap_indices, interval, nanmean_rows, spearman, top_fraction
 
 __all__ = ["AucRow", "auc_table", "trace_auc"]
 

@@ -121,7 +121,7 @@ def reference_trace(tokenizer: Any, problem: Any, *, max_tokens: int | None = No
 
 def generated_trace(model: Any, tokenizer: Any, problem: Any, *, max_new_tokens: int = 512) -> Trace:
     """The model's greedy answer to the problem (full cache), its end-of-sequence token dropped."""
-    from reasonkv.decode import generate
+    from reasonkv.generation.loop import generate
 
     prompt_ids = encode_prompt(tokenizer, problem)
     [result] = generate(model, tokenizer, [prompt_ids], policy="full", max_new_tokens=max_new_tokens)

@@ -7,10 +7,10 @@ from typing import Any
 
 import numpy as np
 
-from reasonkv.analysis.auc import AucRow
-from reasonkv.analysis.bands import Band
-from reasonkv.analysis.pipeline import Analysis
-from reasonkv.analysis.profile import Profile
+from reasonkv.calibrate.auc import AucRow
+from reasonkv.calibrate.bands import Band
+from reasonkv.calibrate.pipeline import Analysis
+from reasonkv.calibrate.profile import Profile
 
 __all__ = ["render_summary"]
 

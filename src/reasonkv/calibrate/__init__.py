@@ -29,7 +29,7 @@ for any model, one step per module:
 Helpers: ``stats`` (ranks, Spearman, AUC, bootstrap; numpy only), ``store`` (resumable JSONL),
 ``pipeline`` (collect records, analyse them), ``plot`` and ``summary`` (the PNG and the markdown).
 
-``reasonkv calibrate`` (:mod:`reasonkv.analysis.cli`) runs all of it and writes a plot and a
+``reasonkv calibrate`` (:mod:`reasonkv.cli.calibrate`) runs all of it and writes a plot and a
 markdown summary. Importing this package does not import torch.
 """
 

@@ -16,15 +16,15 @@ from typing import Any
 
 import numpy as np
 
-from reasonkv.analysis.auc import AucRow, auc_table
-from reasonkv.analysis.bands import Band, discover_bands
-from reasonkv.analysis.labels import TARGETS, LabelSettings, label_trace
-from reasonkv.analysis.profile import Profile, layer_profile
-from reasonkv.analysis.scores import chunk_scores
-from reasonkv.analysis.signals import SignalSettings, trace_signals
-from reasonkv.analysis.stats import spearman
-from reasonkv.analysis.store import RecordStore
-from reasonkv.analysis.traces import SOURCES, generated_trace, reference_trace
+from reasonkv.calibrate.auc import AucRow, auc_table
+from reasonkv.calibrate.bands import Band, discover_bands
+from reasonkv.calibrate.labels import TARGETS, LabelSettings, label_trace
+from reasonkv.calibrate.profile import Profile, layer_profile
+from reasonkv.calibrate.scores import chunk_scores
+from reasonkv.calibrate.signals import SignalSettings, trace_signals
+from reasonkv.calibrate.stats import spearman
+from reasonkv.calibrate.store import RecordStore
+from reasonkv.calibrate.traces import SOURCES, generated_trace, reference_trace
 
 __all__ = ["LABELS_FILE", "SIGNALS_FILE", "Analysis", "analyse", "auc_for", "collect", "open_stores"]
 

@@ -4,7 +4,7 @@ Writes into ``--out``: ``labels.jsonl`` and ``signals.jsonl`` (one record per tr
 they are computed: rerunning the same command resumes, and a larger ``--traces`` adds traces),
 ``calibration.json`` (the file EPIKV loads), ``correlation.png``, ``results.json`` (every number)
 and ``summary.md``. The folder must be calibrate's own (or new, or free of these files); it is locked
-while the command runs (:func:`reasonkv.analysis.store.claim_output`).
+while the command runs (:func:`reasonkv.calibrate.store.claim_output`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from reasonkv.arguments import add_model_arguments
+from reasonkv.cli.args import add_model_arguments
 
 __all__ = ["add_arguments", "run"]
 
@@ -125,7 +125,7 @@ def _problems(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from reasonkv.analysis.store import claim_output
+    from reasonkv.calibrate.store import claim_output
 
     if args.min_width > args.max_width:
         raise ValueError(f"--min-width {args.min_width} is larger than --max-width {args.max_width}")
@@ -134,12 +134,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from reasonkv.analysis.bands import write_band_calibration
-    from reasonkv.analysis.labels import LabelSettings
-    from reasonkv.analysis.pipeline import analyse, auc_for, collect, open_stores
-    from reasonkv.analysis.signals import SignalSettings
-    from reasonkv.analysis.summary import render_summary
-    from reasonkv.calibration import default_anatomy
+    from reasonkv.calibrate.bands import write_band_calibration
+    from reasonkv.calibrate.labels import LabelSettings
+    from reasonkv.calibrate.pipeline import analyse, auc_for, collect, open_stores
+    from reasonkv.calibrate.signals import SignalSettings
+    from reasonkv.calibrate.summary import render_summary
+    from reasonkv.policies.calibration import default_anatomy
 
     label_settings = LabelSettings(chunk_size=args.chunk_size, horizon=args.horizon, batch_size=args.batch_size)
     signal_settings = SignalSettings(window=args.window, query_window=args.query_window)
@@ -161,7 +161,7 @@ def _run(args: argparse.Namespace) -> int:
         todo = sum(1 for i in ids if i not in label_store or i not in signal_store)
         print(f"calibrate: {len(ids) - todo} of {len(ids)} traces already in {out}", file=sys.stderr)
         if todo:
-            from reasonkv.arguments import load_model_from
+            from reasonkv.cli.args import load_model_from
 
             model, tokenizer = load_model_from(args)
             collect(
@@ -220,7 +220,7 @@ def _run(args: argparse.Namespace) -> int:
 
     plot_file: str | None = "correlation.png"
     try:
-        from reasonkv.analysis.plot import plot_profiles
+        from reasonkv.calibrate.plot import plot_profiles
 
         targets = list(dict.fromkeys([args.target, "answer"]))
         plot_profiles(

@@ -1,6 +1,6 @@
 """Band discovery: the layers whose change marks important chunks (A) and filler (B).
 
-The rule, applied to a :class:`~reasonkv.analysis.profile.Profile` (per-layer mean correlation
+The rule, applied to a :class:`~reasonkv.calibrate.profile.Profile` (per-layer mean correlation
 ``rho_l`` with a bootstrap interval):
 
 1. A layer is *significant* for band A when its whole interval lies above 0, for band B when it
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from reasonkv.analysis.profile import Profile
+from reasonkv.calibrate.profile import Profile
 
 __all__ = ["Band", "find_band", "discover_bands", "write_band_calibration"]
 
@@ -120,10 +120,10 @@ def write_band_calibration(
 ):
     """Write the calibration file EPIKV loads; a side without a band keeps the depth-scaled default.
 
-    Returns the :class:`reasonkv.calibration.Calibration` written. Besides the required keys the file
+    Returns the :class:`reasonkv.policies.calibration.Calibration` written. Besides the required keys the file
     records whether each band was found, the rule's inputs and the per-layer profile.
     """
-    from reasonkv.calibration import default_anatomy, write_calibration
+    from reasonkv.policies.calibration import default_anatomy, write_calibration
 
     default = default_anatomy(profile.num_layers)
     a, layers_a = _side(band_a, default.a, default.band_a, band_b, profile, 1, min_width)

@@ -12,7 +12,7 @@ policy's ranking (:meth:`reasonkv.policies.Policy.ranking`, the order its ``keep
 A quantized token is never promoted back: it competes at every eviction for the ``Q`` low slots
 only, and once dropped it is gone. Its codes are fixed when it is quantized and never refitted, so
 the K/V the model sees for it never change while it is held. :func:`split_tiers` makes the split,
-:class:`QuantizedTier` holds one layer's quantized tokens (the formats are :mod:`reasonkv.quantize`).
+:class:`QuantizedTier` holds one layer's quantized tokens (the formats are :mod:`reasonkv.cache.quantize`).
 
 Key groups: the tokens a head's tier receives at one eviction are grouped by position, up to
 ``group_size`` per group, and each group gets a scale and zero point per channel. Dropping a member
@@ -26,8 +26,8 @@ from typing import NamedTuple
 
 import torch
 
-from reasonkv.quantize import QuantFormat, dequantize_channels, dequantize_tokens, quantize_channels, quantize_tokens
-from reasonkv.select import MUST_KEEP, NEVER_KEEP
+from reasonkv.cache.quantize import QuantFormat, dequantize_channels, dequantize_tokens, quantize_channels, quantize_tokens
+from reasonkv.policies.select import MUST_KEEP, NEVER_KEEP
 
 __all__ = [
     "QuantizedTier",

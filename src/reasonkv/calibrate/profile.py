@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from reasonkv.analysis.stats import bootstrap_indices, interval, nanmean_rows, partial_spearman, spearman
+from reasonkv.calibrate.stats import bootstrap_indices, interval, nanmean_rows, partial_spearman, spearman
 
 __all__ = ["CONTROLS", "Profile", "layer_profile", "per_trace_correlations"]
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from reasonkv.arguments import add_model_arguments, add_policy_options, add_tier_arguments
+from reasonkv.cli.args import add_model_arguments, add_policy_options, add_tier_arguments
 
 
 def _int_list(text: str) -> list[int]:

@@ -1,7 +1,7 @@
 """What a policy may read at eviction time: the rows being evicted, their stored K/V, positions and
 the recorded signals. Torch only: a serving engine that reuses ``policies/`` builds this same view over
 its own storage (anything with ``layers[i].keys/values``, ``positions(i)``, ``valid``, ``next_position``,
-``prompt_lengths``, ``row_evictions`` and ``budget``) and a :class:`~reasonkv.recorded.Recorded`.
+``prompt_lengths``, ``row_evictions`` and ``budget``) and a :class:`~reasonkv.policies.recorded.Recorded`.
 Storage with a quantized tier also has ``attended(i)`` (its K/V as attention sees them, quantized
 tokens dequantized) and ``quantized_mask()`` (which slots are quantized).
 """
@@ -12,9 +12,9 @@ import copy
 
 import torch
 
-from reasonkv import attention, noise, select
-from reasonkv.contract import ModelInfo
-from reasonkv.recorded import Recorded
+from reasonkv.policies import attention, noise, select
+from reasonkv.policies.contract import ModelInfo
+from reasonkv.policies.recorded import Recorded
 
 __all__ = ["EvictionView"]
 
@@ -90,7 +90,7 @@ class EvictionView:
     @property
     def seeds(self) -> torch.Tensor:
         """Seeds for this eviction's random draws, ``[rows]`` int64: the row's seed mixed with how many
-        evictions the row had and the layer (see :mod:`reasonkv.noise`)."""
+        evictions the row had and the layer (see :mod:`reasonkv.policies.noise`)."""
         layer = -1 if self.layer is None else self.layer
         return noise.mix(self.row_seeds, self.evictions_so_far, layer)
 

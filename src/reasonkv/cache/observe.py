@@ -1,11 +1,11 @@
 """Signal recording: only what the active policy declares it needs.
 
 - residual-stream hidden states of named decoder layers (forward hooks on the decoder layers);
-- the most recent ``w`` post-RoPE queries of every layer (kept in :class:`~reasonkv.recorded.Recorded`);
+- the most recent ``w`` post-RoPE queries of every layer (kept in :class:`~reasonkv.policies.recorded.Recorded`);
 - attention rows and column sums for the attention readers (H2O, RaaS, ThinKV), recomputed from
-  recorded queries and the cached keys (:mod:`reasonkv.attention`), with the kernel's soft-cap and
+  recorded queries and the cached keys (:mod:`reasonkv.policies.attention`), with the kernel's soft-cap and
   learned sinks when the model has them, and handed to the policy as
-  :class:`~reasonkv.contract.AttentionChunk` s.
+  :class:`~reasonkv.policies.contract.AttentionChunk` s.
 
 Queries and attention are recorded for the evicting (full-attention) layers only: on a hybrid
 model the sliding-window and linear layers are not evicted, so nothing reads their attention.
@@ -27,11 +27,11 @@ import weakref
 
 import torch
 
-from reasonkv import attention
-from reasonkv.contract import AttentionChunk, Needs, Step
+from reasonkv.policies import attention
+from reasonkv.policies.contract import AttentionChunk, Needs, Step
 from reasonkv.hf import AttentionTap, decoder_layers
-from reasonkv.recorded import Recorded
-from reasonkv.timing import Stopwatch
+from reasonkv.policies.recorded import Recorded
+from reasonkv.cache.timing import Stopwatch
 
 __all__ = ["Observer"]
 

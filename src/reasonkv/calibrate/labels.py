@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from reasonkv.analysis.traces import Trace
+from reasonkv.calibrate.traces import Trace
 from reasonkv.hf import Forward, attention_implementation, cached_kv, masks_per_layer_type, plain_cache
 
 __all__ = [

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from reasonkv.analysis.labels import MASKED_IMPLEMENTATIONS, attention_masks
+from reasonkv.calibrate.labels import MASKED_IMPLEMENTATIONS, attention_masks
 from reasonkv.hf import AttentionTap, attention_implementation, decoder_layers, model_info
 
 __all__ = [

@@ -2,8 +2,8 @@
 model facts it may use. Torch only, no engine import: a serving engine that reuses ``policies/``
 builds these same objects from its own model runner.
 
-What a policy may read at eviction time is :class:`reasonkv.view.EvictionView`; the attention
-recompute maths is :mod:`reasonkv.attention`.
+What a policy may read at eviction time is :class:`reasonkv.policies.view.EvictionView`; the attention
+recompute maths is :mod:`reasonkv.policies.attention`.
 """
 
 from __future__ import annotations

@@ -15,17 +15,17 @@ import os
 import shlex
 import sys
 
-from reasonkv.commands.errors import missing_requirements, user_message
+from reasonkv.cli.errors import missing_requirements, user_message
 
 # command -> (module, one-line help). Modules that are absent (a partial install) are skipped.
 COMMANDS = {
-    "generate": ("reasonkv.commands.generate", "decode prompts with an evicting KV cache"),
-    "policies": ("reasonkv.commands.policies", "list the eviction policies and their options"),
-    "demo": ("reasonkv.commands.demo", "full cache vs an evicting policy, side by side, on the bundled model"),
-    "eval": ("reasonkv.eval.cli", "run a benchmark grid (datasets x policies x budgets)"),
-    "report": ("reasonkv.eval.report_cli", "tables and plots from an eval results file"),
-    "bench": ("reasonkv.bench.cli", "speed and memory benchmark"),
-    "calibrate": ("reasonkv.analysis.cli", "find a model's EPIKV layer bands"),
+    "generate": ("reasonkv.cli.generate", "decode prompts with an evicting KV cache"),
+    "policies": ("reasonkv.cli.policies", "list the eviction policies and their options"),
+    "demo": ("reasonkv.cli.demo", "full cache vs an evicting policy, side by side, on the bundled model"),
+    "eval": ("reasonkv.cli.eval", "run a benchmark grid (datasets x policies x budgets)"),
+    "report": ("reasonkv.cli.report", "tables and plots from an eval results file"),
+    "bench": ("reasonkv.cli.bench", "speed and memory benchmark"),
+    "calibrate": ("reasonkv.cli.calibrate", "find a model's EPIKV layer bands"),
 }
 DEBUG_ENV = "REASONKV_DEBUG"
 DEBUG_HELP = f"show the Python traceback of every error, not just one line (or set {DEBUG_ENV}=1)"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from reasonkv.arguments import add_model_arguments, add_policy_options, load_model_from
-from reasonkv.commands.generate import chat_format
+from reasonkv.cli.args import add_model_arguments, add_policy_options, load_model_from
+from reasonkv.cli.generate import chat_format
 from reasonkv.policies import parse_options
 
 PROMPT = (
@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import reasonkv
-    from reasonkv.decode import check_sampling
+    from reasonkv.generation.loop import check_sampling
 
     check_sampling(args.max_new_tokens, 0.0, 1.0, 0)  # before the model loads, not after
     policy = args.policy or ("epikv" if "epikv" in reasonkv.list_policies() else "streaming")

@@ -11,7 +11,7 @@ chunk means of ``g_l`` and ``z_l``; any layer choice can be scored without anoth
 
 each for the depth-scaled default layers and, when given, for the calibrated ones (suffix
 ``@cal``; the defaults get ``@default``). The baselines (``knorm``, ``h2o``, ``tova``, ``snapkv``,
-``recency``, ``random``) come straight from the record (see :mod:`reasonkv.analysis.signals`).
+``recency``, ``random``) come straight from the record (see :mod:`reasonkv.calibrate.signals`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from reasonkv.analysis.signals import BASELINE_SCORES
+from reasonkv.calibrate.signals import BASELINE_SCORES
 
 __all__ = ["EPIKV_SCORES", "chunk_scores", "epikv_scores"]
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from reasonkv.analysis.bands import Band
-from reasonkv.analysis.profile import Profile
+from reasonkv.calibrate.bands import Band
+from reasonkv.calibrate.profile import Profile
 
 __all__ = ["plot_profiles"]
 

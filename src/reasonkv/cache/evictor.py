@@ -19,13 +19,13 @@ import weakref
 
 import torch
 
-from reasonkv import noise, select
+from reasonkv.policies import noise, select
 from reasonkv.hf import LayerMasks, model_info
-from reasonkv.observe import Observer
+from reasonkv.cache.observe import Observer
 from reasonkv.policies import get_policy
-from reasonkv.tiers import split_tiers
-from reasonkv.timing import Stopwatch
-from reasonkv.view import EvictionView
+from reasonkv.cache.tiers import split_tiers
+from reasonkv.cache.timing import Stopwatch
+from reasonkv.policies.view import EvictionView
 
 __all__ = ["Evictor"]
 

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from reasonkv.arguments import (
+from reasonkv.cli.args import (
     add_model_arguments,
     add_policy_options,
     add_tier_arguments,
@@ -64,8 +64,8 @@ def chat_format(tokenizer, prompt: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     import reasonkv
-    from reasonkv.decode import check_sampling, stop_strings
-    from reasonkv.tiers import check_settings
+    from reasonkv.generation.loop import check_sampling, stop_strings
+    from reasonkv.cache.tiers import check_settings
 
     prompts = read_prompts(args)
     # Refuse bad settings before the model loads, not after.

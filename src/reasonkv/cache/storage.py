@@ -14,11 +14,11 @@ Masks live in *slot space* (query ``i`` of a step sits at slot ``slots + i``), R
 space* (the ``position_ids`` the evictor passes). ``get_seq_length`` reports logical tokens seen,
 as transformers' generation utilities expect; ``get_mask_sizes``/``get_query_offset`` report slots.
 
-Hybrid models (see :mod:`reasonkv.hybrid`): only the full-attention layers are evicting layers;
+Hybrid models (see :mod:`reasonkv.cache.hybrid`): only the full-attention layers are evicting layers;
 sliding-window and linear-attention layers are transformers' own cache layers for them, and the
 sliding layers' mask sizes are their own (``window``).
 
-With a quantized tier (``quantized=Q``, :mod:`reasonkv.tiers`) the slots are ``[quantized | full
+With a quantized tier (``quantized=Q``, :mod:`reasonkv.cache.tiers`) the slots are ``[quantized | full
 precision]``: the first ``low_width`` slots of every layer hold the quantized tokens (packed, per
 layer in ``layer.quantized``), the rest the full-precision ones (``layer.keys``/``values``). Each
 region keeps a row's tokens right-aligned, so a row may have padding in both. The attention kernel
@@ -34,9 +34,9 @@ from functools import partial
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from reasonkv.hybrid import WindowValidity, check_layer_kinds
-from reasonkv.quantize import QuantFormat, default_group_size
-from reasonkv.tiers import QuantizedTier, check_settings
+from reasonkv.cache.hybrid import WindowValidity, check_layer_kinds
+from reasonkv.cache.quantize import QuantFormat, default_group_size
+from reasonkv.cache.tiers import QuantizedTier, check_settings
 
 __all__ = ["EvictingCache", "kv_bytes_by_kind"]
 
@@ -161,7 +161,7 @@ class EvictingCache(Cache):
         eviction once it holds ``K + B`` tokens, and is then shrunk to exactly ``K``.
     model, policy, seed, policy_kwargs
         Given a ``model`` (and a policy name or instance), the cache attaches an
-        :class:`~reasonkv.evictor.Evictor` so that ``model.generate(..., past_key_values=cache)``
+        :class:`~reasonkv.cache.evictor.Evictor` so that ``model.generate(..., past_key_values=cache)``
         (``cache=`` on newer transformers) evicts on its own. Call :meth:`detach` (or use the
         cache as a context manager) when done to remove the model hooks. A cache with a budget
         refuses a forward pass it cannot evict in (no ``model=``, another model, or detached).
@@ -175,7 +175,7 @@ class EvictingCache(Cache):
         ``Q``: tokens per (row, layer, kv-head) kept quantized after an eviction, beside the ``K``
         kept at full precision (default 0: no quantized tier). The policy's ranking decides:
         the top ``K`` stay at full precision, the next ``Q`` are kept quantized, the rest are
-        evicted; quantized tokens are never promoted back (see :mod:`reasonkv.tiers`). Needs a
+        evicted; quantized tokens are never promoted back (see :mod:`reasonkv.cache.tiers`). Needs a
         policy that ranks tokens (every evicting policy built in).
     bits
         Code width of the quantized tier: 8 (default) or 4. Only with ``quantized > 0``.
@@ -221,7 +221,7 @@ class EvictingCache(Cache):
         self._clear()
         self.evictor = None
         if model is not None:
-            from reasonkv.evictor import Evictor  # the one place storage is handed its wiring
+            from reasonkv.cache.evictor import Evictor  # the one place storage is handed its wiring
 
             self.evictor = Evictor(
                 model,
@@ -498,7 +498,7 @@ class EvictingCache(Cache):
         Rows not listed keep every real token. Afterwards every row is right-aligned again and the
         slot count is the longest row's length, so no slot is wasted on padding beyond that.
         With a quantized tier, ``quantized`` names the slots the rows keep quantized (as
-        :func:`reasonkv.tiers.split_tiers` returns them: one ``[len(rows), kv_heads, m]`` tensor per
+        :func:`reasonkv.cache.tiers.split_tiers` returns them: one ``[len(rows), kv_heads, m]`` tensor per
         layer, right-aligned, ``-1`` for none, and the count per row), and ``keep`` only
         full-precision slots.
         """

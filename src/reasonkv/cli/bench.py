@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from reasonkv.arguments import add_policy_options, quantized_argument
+from reasonkv.cli.args import add_policy_options, quantized_argument
 from reasonkv.bench.plan import DEFAULT_LENGTHS, EVICTION, SWEEP, TRANSFORMERS, Plan, build_plan
 
 DEFAULT_MODEL = "smollm2-135m"

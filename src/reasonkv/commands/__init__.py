@@ -1,1 +1,0 @@
-"""Command-line commands (one module each: ``add_arguments`` + ``run``)."""
