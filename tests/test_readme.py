@@ -11,7 +11,7 @@ import pytest
 import reasonkv
 from conftest import NoEosTokenizer, tiny_llama
 from reasonkv.cli.main import build_parser
-from reasonkv.policies import _REGISTRY
+from reasonkv.policies.registry import _REGISTRY
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from reasonkv.bench import cli as bench_cli
+from reasonkv.cli import bench as bench_cli
 from reasonkv.bench.plan import build_plan, reference_lengths
 from reasonkv.cli import main
 
