@@ -142,10 +142,10 @@ def test_public_api_exports():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_take_slots_equals_an_elementwise_gather(dtype):
     """The eviction gather picks whole head_dim rows; it must equal torch.gather, per (row, head) indices."""
-    from reasonkv.cache import _take_slots
+    from reasonkv.cache.layer import take_slots
 
     generator = torch.Generator().manual_seed(0)
     buffer = torch.randn(3, 2, 10, 4, generator=generator).to(dtype)
     index = torch.stack([torch.randperm(10, generator=generator)[:6] for _ in range(6)]).view(3, 2, 6)
     expected = buffer.gather(2, index.unsqueeze(-1).expand(-1, -1, -1, 4))
-    assert torch.equal(_take_slots(buffer, index), expected)
+    assert torch.equal(take_slots(buffer, index), expected)

@@ -8,7 +8,8 @@ import torch
 
 import reasonkv
 from conftest import CharTokenizer, tiny_llama, tiny_qwen3
-from reasonkv.cache.storage import GROWTH, EvictingCache
+from reasonkv.cache import EvictingCache
+from reasonkv.cache.rows import GROWTH
 from reasonkv.hf import cache_keyword
 
 PROMPT = torch.tensor([[3 + (7 * i) % 80 for i in range(20)]])

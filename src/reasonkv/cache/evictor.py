@@ -22,7 +22,8 @@ import torch
 from reasonkv.policies import noise, select
 from reasonkv.hf import LayerMasks, model_info
 from reasonkv.cache.observe import Observer
-from reasonkv.policies import get_policy
+from reasonkv.cache.spec import CacheSpec
+from reasonkv.cache.storage import KVStorage
 from reasonkv.cache.tiers import split_tiers
 from reasonkv.cache.timing import Stopwatch
 from reasonkv.policies.view import EvictionView
@@ -33,27 +34,11 @@ __all__ = ["Evictor"]
 class Evictor:
     """Observe → score → select → gather, after every forward pass of ``model`` with ``cache``."""
 
-    def __init__(self, model, cache, policy, *, seed: int | list[int] = 0, sync_timing: bool = False, **policy_kwargs):
-        # A fresh instance: the policy's generation state belongs to this cache alone.
-        self.policy = get_policy(policy, **policy_kwargs)
+    def __init__(self, model, cache: KVStorage, spec: CacheSpec, *, sync_timing: bool = False):
+        self.spec = spec
+        self.policy = spec.new_policy()  # a fresh instance: its generation state belongs to this cache alone
         self.info = model_info(model)
-        if cache.quantized and not type(self.policy).can_rank():
-            raise ValueError(
-                f"policy {self.policy.name!r} does not rank tokens, so it cannot fill a quantized tier "
-                f"(quantized={cache.quantized}): use an evicting policy that scores or ranks them, or quantized=0"
-            )
-        if not self.policy.evicts:
-            cache.budget = None
-        elif cache.budget is None:
-            raise ValueError(f"policy {self.policy.name!r} needs a budget (it evicts)")
-        else:
-            reserved = self.policy.sinks + self.policy.window
-            if reserved > cache.budget + cache.quantized:
-                raise ValueError(
-                    f"{self.policy.name}: sinks ({self.policy.sinks}) + window ({self.policy.window}) = "
-                    f"{reserved} protected tokens exceed {_room(cache)}"
-                )
-        self.model, self.cache, self.seed = model, cache, seed
+        self.model, self.cache, self.seed = model, cache, spec.seed
         self.needs = self.policy.needs(self.info)
         self.stopwatch = Stopwatch(sync=sync_timing)
         self.observer = Observer(model, cache, self.needs, stopwatch=self.stopwatch)
@@ -131,8 +116,10 @@ class Evictor:
             return
         if self.policy.protect_prompt:
             longest = int(cache.prompt_lengths[rows].max())
-            if longest > cache.budget + cache.quantized:
-                raise ValueError(f"protect_prompt keeps a prompt of {longest} tokens, more than {_room(cache)}")
+            if longest > self.spec.room:
+                raise ValueError(
+                    f"protect_prompt keeps a prompt of {longest} tokens, more than {self.spec.describe_room()}"
+                )
         self.observer.flush()  # the attention the policy is owed, before it scores
         with self.stopwatch("score"), select.checks_at_exit():
             if cache.quantized:
@@ -178,12 +165,6 @@ class Evictor:
         splits = [split_tiers(self.policy.ranking(view.at(i)), held.unsqueeze(1), **sizes) for i in cache.full_layers]
         # Every head of a row holds as many tokens, so every head keeps as many quantized.
         return [s.full for s in splits], ([s.quantized for s in splits], splits[0].counts[:, 0])
-
-
-def _room(cache) -> str:
-    if not cache.quantized:
-        return f"the budget {cache.budget}"
-    return f"the budget K + Q = {cache.budget} + {cache.quantized} = {cache.budget + cache.quantized}"
 
 
 def _weak(ref: weakref.ReferenceType, method: str):

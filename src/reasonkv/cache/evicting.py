@@ -1,0 +1,117 @@
+"""``EvictingCache``: the storage and the evictor composed, the one place that attaches a policy to a model.
+
+The storage (:class:`~reasonkv.cache.storage.KVStorage`) holds K/V and positions; the evictor
+(:class:`~reasonkv.cache.evictor.Evictor`) hooks the model and decides what the storage keeps. This
+class builds both from one :class:`~reasonkv.cache.spec.CacheSpec` and owns their lifetime: attach on
+construction, ``reset`` between generations, ``detach`` (or the ``with`` block's end) when done.
+"""
+
+from __future__ import annotations
+
+from reasonkv.cache.evictor import Evictor
+from reasonkv.cache.spec import DEFAULT_BUFFER, CacheSpec
+from reasonkv.cache.storage import KVStorage
+
+__all__ = ["EvictingCache"]
+
+
+class EvictingCache(KVStorage):
+    """A transformers ``Cache`` that holds at most ``budget + buffer`` tokens per head.
+
+    Parameters
+    ----------
+    budget
+        ``K``: tokens per (row, layer, kv-head) that survive an eviction. ``None``: never evict.
+    buffer
+        ``B``: tokens that may accumulate after an eviction before the next one. A row is due for
+        eviction once it holds ``K + B`` tokens, and is then shrunk to exactly ``K``.
+    model, policy, seed, policy_kwargs
+        Given a ``model`` (and a policy name or instance, default ``full``), the cache attaches an
+        :class:`~reasonkv.cache.evictor.Evictor` so that ``model.generate(..., past_key_values=cache)``
+        (``cache=`` on newer transformers) evicts on its own. Call :meth:`detach` (or use the
+        cache as a context manager) when done to remove the model hooks. A cache with a budget
+        refuses a forward pass it cannot evict in (no ``model=``, another model, or detached).
+    num_layers
+        Number of decoder layers, when known up front (layers are otherwise created on first use).
+        Ignored with a ``model``, whose layers and their kinds the cache reads: full-attention layers
+        evict, sliding-window and linear-attention layers keep their model's own cache layers.
+    sync_timing
+        Time the eviction phases exactly on CUDA (with events read once per step), for benchmarks.
+    quantized, bits, group_size
+        A quantized tier of ``Q`` tokens per head at ``bits`` (4 or 8) beside the ``K`` at full
+        precision; see :class:`~reasonkv.cache.spec.CacheSpec` and :mod:`reasonkv.cache.tiers`.
+    spec
+        All of the above but ``model``, ``num_layers`` and ``sync_timing`` as one
+        :class:`~reasonkv.cache.spec.CacheSpec` (then pass none of them as keywords).
+
+    One cache holds one generation. A second ``model.generate`` call on a filled cache is refused
+    (it would continue from the evicted state); call :meth:`reset` first, or build a new cache.
+    """
+
+    def __init__(
+        self,
+        budget: int | None = None,
+        buffer: int = DEFAULT_BUFFER,
+        *,
+        model=None,
+        policy=None,
+        seed: int | list[int] = 0,
+        num_layers: int | None = None,
+        sync_timing: bool = False,
+        quantized: int = 0,
+        bits: int | None = None,
+        group_size: int | None = None,
+        spec: CacheSpec | None = None,
+        **policy_kwargs,
+    ):
+        if spec is not None:
+            given = budget is not None or buffer != DEFAULT_BUFFER or policy is not None or seed != 0
+            if given or quantized or bits is not None or group_size is not None or policy_kwargs:
+                raise ValueError("pass the cache's settings either as spec=... or as keywords, not both")
+            if model is None:
+                raise ValueError("a CacheSpec holds a policy, which needs the model: pass model=... too")
+        elif model is not None:
+            spec = CacheSpec.build(
+                "full" if policy is None else policy,
+                budget,
+                buffer,
+                quantized=quantized,
+                bits=bits,
+                group_size=group_size,
+                seed=seed,
+                **policy_kwargs,
+            )
+        elif policy is not None or policy_kwargs:
+            raise ValueError("a policy needs the model: pass model=... to EvictingCache")
+        self.spec = spec  # None: storage only, nothing attached
+        if spec is None:
+            super().__init__(
+                budget, buffer, quantized=quantized, bits=bits, group_size=group_size, num_layers=num_layers
+            )
+        else:
+            super().__init__(
+                spec.budget,
+                spec.buffer,
+                quantized=spec.quantized,
+                bits=spec.bits,
+                group_size=spec.group_size,
+                model=model,
+            )
+        self.evictor = None if spec is None else Evictor(model, self, spec, sync_timing=sync_timing)
+
+    def reset(self) -> None:
+        """Forget the stored generation (storage, positions, policy state): the cache is as new, still attached."""
+        self.clear()
+        if self.evictor is not None:
+            self.evictor.restart()
+
+    def detach(self) -> None:
+        """Remove the model hooks installed by ``model=...`` (no-op otherwise)."""
+        if self.evictor is not None:
+            self.evictor.detach()
+
+    def __enter__(self) -> EvictingCache:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.detach()

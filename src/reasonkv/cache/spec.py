@@ -1,0 +1,150 @@
+"""What an evicting cache keeps: one frozen settings object, validated once.
+
+A :class:`CacheSpec` holds the policy (an instance: its fields are its options), the budget ``K``, the
+buffer ``B``, the quantized tier (``Q`` tokens at ``bits``, ``group_size`` numbers per scale) and the
+seed of each row. Building one checks everything that needs no model: sizes, the tier's settings, that
+a policy that evicts has a budget (and that the full cache, which evicts nothing, ignores it), that
+its protected tokens fit the budget, that a policy filling a quantized tier ranks tokens.
+``reasonkv.generate``, :class:`~reasonkv.cache.EvictingCache`, the fidelity replays, the eval grid's
+cells and the bench's entries all take one; the keyword API (``policy=``, ``budget=``, ...) builds it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from reasonkv.cache.tiers import check_settings
+from reasonkv.policies import Policy, get_policy
+
+__all__ = ["DEFAULT_BUFFER", "CacheSpec", "check_sizes"]
+
+DEFAULT_BUFFER = 128  # B: new tokens between two evictions
+
+
+def check_sizes(budget: int | None, buffer: int) -> None:
+    """``budget`` a positive integer or None, ``buffer`` a non-negative integer."""
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
+        raise ValueError(f"budget must be a positive integer (or None for no eviction), got {budget!r}")
+    if isinstance(buffer, bool) or not isinstance(buffer, int) or buffer < 0:
+        raise ValueError(f"buffer must be a non-negative integer, got {buffer!r}")
+
+
+def _seed(seed: Any) -> int | tuple[int, ...]:
+    """One integer for every row, or one per row."""
+    if isinstance(seed, int) and not isinstance(seed, bool):
+        return seed
+    if isinstance(seed, Iterable) and not isinstance(seed, (str, bytes)):
+        seeds = tuple(seed)
+        if seeds and all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
+            return seeds
+    raise ValueError(f"seed must be an integer or a list of integers (one per prompt), got {seed!r}")
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """The settings of an evicting cache.
+
+    Parameters
+    ----------
+    policy
+        A registered policy name or instance (an instance is copied by each cache that uses it).
+    budget
+        ``K``: tokens per (row, layer, kv-head) that survive an eviction. Required by a policy that
+        evicts; the full cache ignores it (stored as ``None``).
+    buffer
+        ``B``: tokens that may accumulate after an eviction; a row is evicted when it holds ``K + B``.
+    quantized, bits, group_size
+        The quantized tier: ``Q`` tokens per head kept at ``bits`` (4 or 8; default 8) beside the ``K``
+        at full precision, with ``group_size`` numbers per scale and zero point (default: 32 or the
+        largest divisor of head_dim below it). ``quantized=0``: no tier.
+    seed
+        The eviction (and sampling) randomness of each row: one integer, or one per row.
+    """
+
+    policy: Policy = field(hash=False)
+    budget: int | None = None
+    buffer: int = DEFAULT_BUFFER
+    quantized: int = 0
+    bits: int | None = None
+    group_size: int | None = None
+    seed: int | tuple[int, ...] = 0
+
+    def __post_init__(self) -> None:
+        policy = get_policy(self.policy)  # a name or an instance: refused with the valid names if unknown
+        check_sizes(self.budget, self.buffer)
+        check_settings(self.quantized, self.bits, self.group_size)
+        budget = self.budget if policy.evicts else None  # the full cache evicts nothing: no budget
+        if policy.evicts and budget is None:
+            raise ValueError(f"policy {policy.name!r} needs a budget (it evicts)")
+        if self.quantized and not type(policy).can_rank():
+            raise ValueError(
+                f"policy {policy.name!r} does not rank tokens, so it cannot fill a quantized tier "
+                f"(quantized={self.quantized}): use an evicting policy that scores or ranks them, or quantized=0"
+            )
+        for name, value in (
+            ("policy", policy),
+            ("budget", budget),
+            ("bits", (8 if self.bits is None else self.bits) if self.quantized else None),
+            ("seed", _seed(self.seed)),
+        ):
+            object.__setattr__(self, name, value)
+        reserved = policy.sinks + policy.window
+        if budget is not None and reserved > self.room:
+            raise ValueError(
+                f"{policy.name}: sinks ({policy.sinks}) + window ({policy.window}) = {reserved} protected tokens "
+                f"exceed {self.describe_room()}"
+            )
+
+    @classmethod
+    def build(
+        cls,
+        policy: str | Policy = "full",
+        budget: int | None = None,
+        buffer: int = DEFAULT_BUFFER,
+        *,
+        quantized: int = 0,
+        bits: int | None = None,
+        group_size: int | None = None,
+        seed: int | Iterable[int] = 0,
+        **options: Any,
+    ) -> CacheSpec:
+        """A spec from the keyword API: ``options`` are the policy's hyper-parameters (``sinks=8``)."""
+        return cls(get_policy(policy, **options), budget, buffer, quantized, bits, group_size, seed)
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def evicts(self) -> bool:
+        return self.policy.evicts
+
+    @property
+    def trigger(self) -> int | None:
+        """``K + B``: the full-precision tokens at which a row is evicted (None: never)."""
+        return None if self.budget is None else self.budget + self.buffer
+
+    @property
+    def room(self) -> int:
+        """Tokens a row keeps after an eviction, both tiers together (``K + Q``)."""
+        return (self.budget or 0) + self.quantized
+
+    @property
+    def tier(self) -> dict[str, int | None] | None:
+        """The quantized tier's settings (``quantized``, ``bits``, ``group_size``), or None without one."""
+        if not self.quantized:
+            return None
+        return {"quantized": self.quantized, "bits": self.bits, "group_size": self.group_size}
+
+    def describe_room(self) -> str:
+        if not self.quantized:
+            return f"the budget {self.budget}"
+        return f"the budget K + Q = {self.budget} + {self.quantized} = {self.room}"
+
+    def replace(self, **changes: Any) -> CacheSpec:
+        """A copy with ``changes`` (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def new_policy(self) -> Policy:
+        """A fresh copy of the policy: its generation state belongs to one cache."""
+        return get_policy(self.policy)

@@ -1,0 +1,115 @@
+"""What ``generate`` returns: each row's output and the figures measured while it decoded."""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from reasonkv.cache import EvictingCache
+from reasonkv.generation.rows import Rows
+from reasonkv.hf import synchronize
+
+__all__ = ["GenerationResult", "Meter"]
+
+
+@dataclass
+class GenerationResult:
+    """One prompt's output.
+
+    ``stats`` counts what happened while this row was live (from its prompt to its last token), so a
+    prompt gets the same per-row figures in a batch as alone: ``evictions``, ``peak_row_tokens``
+    (the most tokens this row's cache held at once), ``decode_seconds`` (from the end of prefill to
+    this row's last token) and ``tokens_per_second`` (the tokens after the first, which prefill
+    yields, over ``decode_seconds``; NaN for a one-token output). Shared by the batch:
+    ``prefill_seconds``, ``peak_slots`` (cache slots, padding included), ``batch_size``,
+    ``peak_kv_bytes`` (K/V storage held), ``peak_kv_bytes_by_tier`` (that peak's full-attention K/V
+    split into ``full`` and ``quantized``), ``peak_memory_bytes`` (CUDA max allocated, or the
+    process's peak RSS on CPU), ``timings`` (seconds per eviction phase), ``budget``, ``buffer``,
+    ``quantized``, ``bits`` and ``policy``.
+    """
+
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    finish_reason: str  # "eos", "stop" or "length"
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class Meter:
+    """The clock and the peaks of one ``generate`` call."""
+
+    def __init__(self, cache: EvictingCache, device: torch.device):
+        self.cache, self.device = cache, device
+        self.peak_kv, self.peak_tiers = 0, cache.kv_bytes_by_tier()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        self.started = self.prefilled = self.stopped = 0.0
+
+    def now(self) -> float:
+        synchronize(self.device)
+        return time.perf_counter()
+
+    def start(self) -> None:
+        self.started = self.now()
+
+    def end_prefill(self) -> None:
+        self.prefilled = self.now()
+
+    def step(self) -> None:
+        """Before each token is sampled: the K/V held now, if it is the most so far."""
+        held = self.cache.kv_bytes()
+        if held > self.peak_kv:
+            self.peak_kv, self.peak_tiers = held, self.cache.kv_bytes_by_tier()
+
+    def stop(self) -> None:
+        self.stopped = self.now()
+
+    def results(self, rows: Rows, prompt_ids: list[list[int]]) -> list[GenerationResult]:
+        rows.close(self.stopped, self.cache)
+        cache, spec, peak_memory = self.cache, self.cache.spec, self._peak_memory()
+        results = []
+        for i, prompt in enumerate(prompt_ids):
+            tokens = rows.tokens[i]
+            ended_at, evictions = rows.ended[i]
+            seconds = ended_at - self.prefilled
+            stats = {
+                "policy": spec.policy.name,
+                "budget": spec.budget,
+                "buffer": spec.buffer,
+                "quantized": spec.quantized,
+                "bits": spec.bits,
+                "evictions": evictions,
+                "peak_row_tokens": _peak_row_tokens(len(prompt), len(tokens), evictions, spec),
+                "peak_slots": cache.peak_slots,
+                "prefill_seconds": self.prefilled - self.started,
+                "decode_seconds": seconds,
+                "tokens_per_second": (len(tokens) - 1) / seconds if len(tokens) > 1 else float("nan"),
+                "batch_size": len(prompt_ids),
+                "peak_kv_bytes": self.peak_kv,
+                "peak_kv_bytes_by_tier": self.peak_tiers,
+                "peak_memory_bytes": peak_memory,
+                "timings": cache.evictor.timings,
+            }
+            results.append(GenerationResult(rows.text(i), tokens, len(prompt), rows.finish[i] or "length", stats))
+        return results
+
+    def _peak_memory(self) -> int:
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+
+def _peak_row_tokens(prompt_tokens: int, output_tokens: int, evictions: int, spec) -> int:
+    """The most tokens a row held at once: every token fed while it was live (the last sampled one never
+    is) until its first eviction; after one, ``K + B``, the trigger (or the whole prompt, if longer), plus
+    the ``Q`` of a quantized tier."""
+    if evictions == 0:
+        return prompt_tokens + max(output_tokens - 1, 0)
+    return max(prompt_tokens, spec.trigger + spec.quantized)
