@@ -10,10 +10,10 @@ import torch
 
 import reasonkv
 from conftest import TINY_MODELS
-from reasonkv.policies.contract import Needs
 from reasonkv.hf import cache_keyword
 from reasonkv.policies import Policy
 from reasonkv.policies.common import PositionTable
+from reasonkv.policies.contract import Needs
 
 PROMPTS = [[5 + (11 * i + r) % 80 for i in range(n)] for r, n in enumerate((19, 12, 15))]
 

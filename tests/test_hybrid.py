@@ -12,8 +12,8 @@ import reasonkv
 from conftest import HYBRID_MODELS, WINDOW, NoEosTokenizer, tiny_gemma3, tiny_gpt_oss, tiny_mistral, tiny_qwen3_next
 from oracle import run_and_check
 from reasonkv import EvictingCache
-from reasonkv.hf import cache_keyword
 from reasonkv.cache.hybrid import check_layer_kinds
+from reasonkv.hf import cache_keyword
 from reasonkv.policies import Needs, Policy, policy_class
 
 EVICTING = [name for name in reasonkv.list_policies() if policy_class(name).evicts]

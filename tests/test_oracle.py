@@ -9,8 +9,7 @@ import torch
 
 from conftest import TINY_MODELS
 from oracle import run_and_check
-from reasonkv.policies import select
-from reasonkv.policies import Policy
+from reasonkv.policies import Policy, select
 
 PROMPT = [5 + (7 * i) % 80 for i in range(23)]
 

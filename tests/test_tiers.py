@@ -14,10 +14,7 @@ import torch
 import reasonkv
 from conftest import NoEosTokenizer, tiny_llama
 from oracle import run_and_check
-from reasonkv.policies import select
 from reasonkv.cache import EvictingCache
-from reasonkv.hf import cache_keyword
-from reasonkv.policies import Policy, policy_class
 from reasonkv.cache.quantize import QuantFormat
 from reasonkv.cache.tiers import (
     QuantizedTier,
@@ -27,6 +24,8 @@ from reasonkv.cache.tiers import (
     quantized_token_bytes,
     split_tiers,
 )
+from reasonkv.hf import cache_keyword
+from reasonkv.policies import Policy, policy_class, select
 
 MUST, NEVER = select.MUST_KEEP, select.NEVER_KEEP
 PROMPT = [5 + (7 * i) % 80 for i in range(23)]

@@ -8,8 +8,8 @@ import torch
 
 import reasonkv
 from conftest import tiny_llama
-from reasonkv.hf import cache_keyword
 from reasonkv.cache.timing import Stopwatch
+from reasonkv.hf import cache_keyword
 
 
 class _FakeEvent:

@@ -5,8 +5,11 @@ from __future__ import annotations
 import importlib
 import warnings
 
-warnings.warn("reasonkv.decode moved to reasonkv.generation.loop; import it from there", DeprecationWarning, stacklevel=2)
-_TARGET = importlib.import_module("reasonkv.generation.loop")
+_NEW = "reasonkv.generation.loop"
+warnings.warn(
+    "reasonkv.decode moved to reasonkv.generation.loop; import it from there", DeprecationWarning, stacklevel=2
+)
+_TARGET = importlib.import_module(_NEW)
 
 
 def __getattr__(name: str):

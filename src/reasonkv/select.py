@@ -5,8 +5,11 @@ from __future__ import annotations
 import importlib
 import warnings
 
-warnings.warn("reasonkv.select moved to reasonkv.policies.select; import it from there", DeprecationWarning, stacklevel=2)
-_TARGET = importlib.import_module("reasonkv.policies.select")
+_NEW = "reasonkv.policies.select"
+warnings.warn(
+    "reasonkv.select moved to reasonkv.policies.select; import it from there", DeprecationWarning, stacklevel=2
+)
+_TARGET = importlib.import_module(_NEW)
 
 
 def __getattr__(name: str):

@@ -11,8 +11,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from reasonkv.policies.calibration import load_calibration
 from reasonkv.cli import main
+from reasonkv.policies.calibration import load_calibration
 
 SCORES = {"knorm", "h2o", "tova", "snapkv", "recency", "random", "epikv@default", "epikv@cal", "epikv-band@cal"}
 

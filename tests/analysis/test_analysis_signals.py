@@ -123,9 +123,9 @@ def test_epikv_scores_match_the_policy(variant):
     """The chunk scores the AUC table gives EPIKV equal the chunk means of the policy's own token scores."""
     import reasonkv
     from reasonkv.calibrate.scores import epikv_scores
+    from reasonkv.hf import decoder_layers, model_info
     from reasonkv.policies.calibration import Calibration
     from reasonkv.policies.contract import Step
-    from reasonkv.hf import decoder_layers, model_info
 
     if "epikv" not in reasonkv.list_policies():
         pytest.skip("the epikv policy is not installed")

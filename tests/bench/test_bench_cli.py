@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from reasonkv.cli import bench as bench_cli
 from reasonkv.bench.plan import build_plan, reference_lengths
+from reasonkv.cli import bench as bench_cli
 from reasonkv.cli import main
 
 TINY = ["bench", "--model", "shape:tiny", "--dtype", "fp32", "--no-progress"]

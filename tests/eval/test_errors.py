@@ -7,6 +7,7 @@ import json
 import pytest
 
 import reasonkv
+import reasonkv.eval.decoding
 from conftest import NoEosTokenizer, tiny_llama
 from reasonkv.eval import fidelity as fid
 from reasonkv.eval.records import read_records
@@ -108,7 +109,7 @@ def test_a_unit_that_fails_while_decoding_costs_its_batch_nothing_and_is_retried
     short_prompt = len(NoEosTokenizer()(f"Problem: 2+2?\n\n{instruction}\nSolution:")["input_ids"])
 
     def generate(model, tokenizer, prompts, **kwargs):
-        if getattr(kwargs.get("policy"), "evicts", False) and any(len(p) > short_prompt for p in prompts):
+        if kwargs["spec"].evicts and any(len(p) > short_prompt for p in prompts):
             raise RuntimeError("CUDA out of memory (simulated)")
         return real_generate(model, tokenizer, prompts, **kwargs)
 
@@ -119,7 +120,7 @@ def test_a_unit_that_fails_while_decoding_costs_its_batch_nothing_and_is_retried
 
     grid = _grid(dataset, out, policies="full,streaming")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(reasonkv, "generate", generate)
+        patch.setattr(reasonkv.eval.decoding, "generate", generate)
         patch.setattr(fid, "trace_fidelity", trace_fidelity)
         result = run_grid(model, NoEosTokenizer(), **grid)
     records = _by_kind(out)

@@ -148,7 +148,7 @@ def test_full_policy_and_a_budget_beyond_the_sequence_agree_perfectly():
 def test_agreement_and_kl_match_the_formulas_on_the_replayed_logits():
     model = tiny_qwen3()
     trace = _greedy_trace(model, PROMPT, 36)
-    [row] = trace_fidelity(model, [PROMPT], [trace], policy="streaming", budget=8, buffer=3, seeds=[3])
+    [row] = trace_fidelity(model, [PROMPT], [trace], policy="streaming", budget=8, buffer=3, seed=[3])
     replay = replay_logits(model, PROMPT, trace, policy="streaming", budget=8, buffer=3, seed=3)
     target = torch.tensor(trace)
     agreement = (replay.evicting.argmax(-1) == target).double().mean().item()
@@ -165,9 +165,9 @@ def test_batched_rows_give_the_metrics_they_get_alone():
     prompts = [PROMPT, _ids(4, 5), _ids(15, 6)]
     traces = [_greedy_trace(model, p, n) for p, n in zip(prompts, (30, 12, 25), strict=True)]
     kwargs = dict(policy="random", budget=9, buffer=3)
-    together = trace_fidelity(model, prompts, traces, seeds=[1, 2, 3], **kwargs)
+    together = trace_fidelity(model, prompts, traces, seed=[1, 2, 3], **kwargs)
     for i in range(3):
-        [alone] = trace_fidelity(model, [prompts[i]], [traces[i]], seeds=[i + 1], **kwargs)
+        [alone] = trace_fidelity(model, [prompts[i]], [traces[i]], seed=[i + 1], **kwargs)
         assert together[i].evictions == alone.evictions
         assert together[i].steps == alone.steps
         assert together[i].top1_agreement == pytest.approx(alone.top1_agreement)

@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from conftest import NoEosTokenizer, tiny_llama
-from reasonkv.eval.manifest import weights_sha256
+from reasonkv.eval.environment import weights_sha256
 from reasonkv.eval.records import read_records
 from reasonkv.eval.runner import run_grid
 

@@ -12,11 +12,14 @@ from pathlib import Path
 import pytest
 
 import reasonkv
+import reasonkv.eval.decoding
 from conftest import NoEosTokenizer, tiny_llama
-from reasonkv.generation.loop import GenerationResult
 from reasonkv.eval import collapse_flags, grade, load_dataset
+from reasonkv.eval.grid import make_cells, parse_dataset_spec, policy_options
 from reasonkv.eval.records import read_records, record_key
-from reasonkv.eval.runner import make_cells, parse_dataset_spec, policy_options, run_grid, sample_seed
+from reasonkv.eval.runner import run_grid
+from reasonkv.eval.units import sample_seed
+from reasonkv.generation.loop import GenerationResult
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
 REPO = TESTS_DIR.parent
@@ -126,12 +129,12 @@ def test_records_hold_the_grade_of_the_output(dataset, tmp_path, monkeypatch):
 
     def fake_generate(model, tokenizer, prompts, **kwargs):
         stats = dict(
-            evictions=0, peak_slots=99, prefill_seconds=0.1, decode_seconds=0.2, tokens_per_second=5.0,
+            evictions=0, peak_slots=99, peak_row_tokens=9, prefill_seconds=0.1, decode_seconds=0.2, tokens_per_second=5.0,
             batch_size=len(prompts), peak_kv_bytes=1, peak_memory_bytes=1,
         )  # fmt: skip
         return [GenerationResult(outputs[by_length[len(ids)]], [5, 6, 7, 2], len(ids), "eos", stats) for ids in prompts]
 
-    monkeypatch.setattr(reasonkv, "generate", fake_generate)
+    monkeypatch.setattr(reasonkv.eval.decoding, "generate", fake_generate)
     out = tmp_path / "r.jsonl"
     run_grid(tiny_llama(), NoEosTokenizer(), **_grid(dataset, out, policies="full", fidelity=False))
     by_id = {r["problem_id"]: r for r in results_of(out)}

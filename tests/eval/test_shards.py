@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 
 from conftest import NoEosTokenizer, tiny_llama
+from reasonkv.eval.grid import make_cells
+from reasonkv.eval.plan import plan_grid
 from reasonkv.eval.records import read_records, unit_key
-from reasonkv.eval.runner import make_cells, plan_grid, run_grid
+from reasonkv.eval.runner import run_grid
 from reasonkv.eval.shards import Shard, merge_shards, shard_files, shard_path
 from reasonkv.eval.units import Unit, assign, decode_cost, grid_units
 from reasonkv.outputs import OutputLocked

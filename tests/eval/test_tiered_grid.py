@@ -7,8 +7,9 @@ import json
 import pytest
 
 from conftest import NoEosTokenizer, tiny_llama
+from reasonkv.eval.grid import make_cells
 from reasonkv.eval.records import read_records as read_all
-from reasonkv.eval.runner import make_cells, run_grid
+from reasonkv.eval.runner import run_grid
 
 PROBLEMS = [
     {"id": "p1", "problem": "What is 2+2?", "answer": "4", "solution": "2+2 = <<2+2=4>>4.\n#### 4"},
@@ -45,7 +46,7 @@ def test_tiered_cells_are_labelled_and_refuse_what_cannot_work():
     [full, tiered] = make_cells(["full", "snapkv"], [16], 4, ["snapkv.window=4"], quantized=12, bits=4)
     assert full.quantized == 0 and full.label == "full"  # the reference runs without a tier
     assert tiered.label == "snapkv[window=4]+int4:12" and tiered.name == "snapkv[window=4]+int4:12@16"
-    assert tiered.tier == {"quantized": 12, "bits": 4}
+    assert tiered.spec.tier == {"quantized": 12, "bits": 4, "group_size": None}
     assert make_cells(["streaming"], [16], 4, quantized=8)[0].bits == 8  # int8 by default
     with pytest.raises(ValueError, match="bits must be 4 or 8, got 2"):
         make_cells(["streaming"], [16], 4, quantized=8, bits=2)
@@ -53,7 +54,7 @@ def test_tiered_cells_are_labelled_and_refuse_what_cannot_work():
         make_cells(["streaming"], [16], 4, bits=4)
     with pytest.raises(ValueError, match="quantized must be a non-negative integer .*got -1"):
         make_cells(["streaming"], [16], 4, quantized=-1)
-    with pytest.raises(ValueError, match=r"36 protected tokens exceed the budget 16 \+ 8 quantized"):
+    with pytest.raises(ValueError, match=r"36 protected tokens exceed the budget K \+ Q = 16 \+ 8 = 24"):
         make_cells(["snapkv"], [16], 4, quantized=8)
 
 

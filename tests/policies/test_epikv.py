@@ -16,10 +16,9 @@ from transformers.modeling_utils import AttentionInterface
 import reasonkv
 from conftest import NoEosTokenizer, tiny_llama
 from oracle import run_and_check
-from reasonkv.policies import select
+from reasonkv.policies import get_policy, select
 from reasonkv.policies.calibration import default_anatomy, load_calibration, scale_layer, write_calibration
 from reasonkv.policies.contract import ModelInfo, Step
-from reasonkv.policies import get_policy
 from reasonkv.policies.epikv import EPIKV, EPIKVLag
 
 LAYERS = 6

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 import reasonkv
 from conftest import tiny_llama
-from reasonkv.policies import select
 from reasonkv.hf import cache_keyword
+from reasonkv.policies import select
 from reasonkv.policies.rkv import RKV, key_redundancy, window_importance
 from reasonkv.policies.view import EvictionView
 

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 import reasonkv
 from attention_reference import eager_attentions
 from conftest import TINY_MODELS, tiny_llama
-from reasonkv.policies.contract import ModelInfo, Needs
 from reasonkv.hf import cache_keyword
+from reasonkv.policies.contract import ModelInfo, Needs
 from reasonkv.policies.snapkv import pool_valid, window_scores
 
 W = 32  # the default query window

@@ -9,10 +9,10 @@ import torch
 
 import reasonkv
 from conftest import tiny_llama
-from reasonkv.policies import select
-from reasonkv.policies.contract import ModelInfo
 from reasonkv.hf import cache_keyword
 from reasonkv.models import SMOLLM2_INSTALL_COMMAND, SMOLLM2_PACKAGE
+from reasonkv.policies import select
+from reasonkv.policies.contract import ModelInfo
 from reasonkv.policies.vase import reserve_count
 
 # --------------------------------------------------------------------------- a view over synthetic tensors

@@ -235,8 +235,8 @@ def build_plan(args: argparse.Namespace) -> Plan:
 def _tier_variants(args: argparse.Namespace, evicting: list[str]) -> dict[str, dict]:
     """``--quantized Q --bits b``: a tiered variant of every requested evicting policy (length sweep only)."""
     from reasonkv.bench.tiers import tier_label
-    from reasonkv.policies import policy_class
     from reasonkv.cache.tiers import check_settings
+    from reasonkv.policies import policy_class
 
     quantized, bits = getattr(args, "quantized", 0), getattr(args, "bits", None)
     check_settings(quantized, bits)

@@ -20,9 +20,9 @@ def tier_label(policy: str, quantized: int, bits: int) -> str:
 def tiered_budget(model, budget: int, quantized: int, bits: int) -> dict:
     """The tier of a variant on ``model``: ``quantized``, ``bits``, ``group_size`` and the full-precision
     ``budget`` K' whose cache holds the nominal K/V bytes of ``budget`` plain tokens."""
-    from reasonkv.hf import model_info
     from reasonkv.cache.quantize import QuantFormat, default_group_size
     from reasonkv.cache.tiers import budget_for_bytes
+    from reasonkv.hf import model_info
 
     info = model_info(model)
     fmt = QuantFormat(bits, default_group_size(info.head_dim))

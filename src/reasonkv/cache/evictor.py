@@ -19,13 +19,13 @@ import weakref
 
 import torch
 
-from reasonkv.policies import noise, select
-from reasonkv.hf import LayerMasks, model_info
 from reasonkv.cache.observe import Observer
 from reasonkv.cache.spec import CacheSpec
 from reasonkv.cache.storage import KVStorage
 from reasonkv.cache.tiers import split_tiers
 from reasonkv.cache.timing import Stopwatch
+from reasonkv.hf import LayerMasks, model_info
+from reasonkv.policies import noise, select
 from reasonkv.policies.view import EvictionView
 
 __all__ = ["Evictor"]

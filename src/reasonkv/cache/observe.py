@@ -27,11 +27,11 @@ import weakref
 
 import torch
 
+from reasonkv.cache.timing import Stopwatch
+from reasonkv.hf import AttentionTap, decoder_layers
 from reasonkv.policies import attention
 from reasonkv.policies.contract import AttentionChunk, Needs, Step
-from reasonkv.hf import AttentionTap, decoder_layers
 from reasonkv.policies.recorded import Recorded
-from reasonkv.cache.timing import Stopwatch
 
 __all__ = ["Observer"]
 

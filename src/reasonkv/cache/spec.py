@@ -19,7 +19,7 @@ from typing import Any
 from reasonkv.cache.tiers import check_settings
 from reasonkv.policies import Policy, get_policy
 
-__all__ = ["DEFAULT_BUFFER", "CacheSpec", "check_sizes"]
+__all__ = ["DEFAULT_BUFFER", "CacheSpec", "check_sizes", "resolve_spec"]
 
 DEFAULT_BUFFER = 128  # B: new tokens between two evictions
 
@@ -148,3 +148,29 @@ class CacheSpec:
     def new_policy(self) -> Policy:
         """A fresh copy of the policy: its generation state belongs to one cache."""
         return get_policy(self.policy)
+
+
+def resolve_spec(spec: CacheSpec | None, /, **keywords: Any) -> CacheSpec:
+    """``spec``, or the :class:`CacheSpec` the keyword API describes, never both.
+
+    ``keywords`` are ``policy``, ``budget``, ``buffer``, ``quantized``, ``bits``, ``group_size``, ``seed``
+    (``None``, and ``quantized=0``, mean "not given") and the policy's options.
+    """
+    named = ("policy", "budget", "buffer", "quantized", "bits", "group_size", "seed")
+    given = {
+        k: v for k, v in keywords.items() if k not in named or (v is not None and not (k == "quantized" and v == 0))
+    }
+    if spec is None:
+        settings = {k: given.pop(k) for k in named if k in given}
+        return CacheSpec.build(
+            settings.pop("policy", "full"),
+            settings.pop("budget", None),
+            settings.pop("buffer", DEFAULT_BUFFER),
+            **settings,
+            **given,
+        )
+    if not isinstance(spec, CacheSpec):
+        raise ValueError(f"spec must be a reasonkv.cache.CacheSpec or None, got {spec!r}")
+    if given:
+        raise ValueError(f"the cache's settings come from spec=...; do not also pass {', '.join(sorted(given))}")
+    return spec

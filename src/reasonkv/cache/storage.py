@@ -117,7 +117,6 @@ class KVStorage(Cache):
             self.window = WindowValidity(int(windows.pop()))
         return [self._new_layer() if kind == "full" else layer for kind, layer in zip(kinds, native, strict=True)]
 
-
     # ------------------------------------------------------------------ the rows (shared by the layers)
     @property
     def valid(self) -> torch.Tensor:
@@ -176,7 +175,6 @@ class KVStorage(Cache):
     def full_layers(self) -> list[int]:
         """Indices of the evicting (full-attention) layers; every layer of a plain model."""
         return [i for i, layer in enumerate(self.layers) if isinstance(layer, EvictingLayer)]
-
 
     def positions(self, layer_idx: int) -> torch.Tensor:
         """Logical positions of the stored tokens of one layer, ``[batch, kv_heads, slots]`` (-1: padding).
@@ -378,7 +376,6 @@ class KVStorage(Cache):
             layer = self.layers[index]
             if layer.capacity > limit >= layer.length:
                 layer.resize(limit)
-
 
     # ------------------------------------------------------------------ lifetime
     def clear(self) -> None:

@@ -26,7 +26,13 @@ from typing import NamedTuple
 
 import torch
 
-from reasonkv.cache.quantize import QuantFormat, dequantize_channels, dequantize_tokens, quantize_channels, quantize_tokens
+from reasonkv.cache.quantize import (
+    QuantFormat,
+    dequantize_channels,
+    dequantize_tokens,
+    quantize_channels,
+    quantize_tokens,
+)
 from reasonkv.policies.select import MUST_KEEP, NEVER_KEEP
 
 __all__ = [

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-DEFAULT_MODEL = "smollm2-135m"
+from reasonkv.cache import DEFAULT_BUFFER
+from reasonkv.models import DEFAULT_MODEL, load_model
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, *, dtype: str = "fp32") -> None:
@@ -59,9 +60,17 @@ def quantized_argument(text: str) -> int:
     return value
 
 
-def load_model_from(args: argparse.Namespace):
-    from reasonkv.models import load_model
+def add_buffer_argument(parser) -> None:
+    """``--buffer B`` (one default for every command)."""
+    parser.add_argument(
+        "--buffer",
+        type=int,
+        default=DEFAULT_BUFFER,
+        help=f"B: tokens added between evictions (default {DEFAULT_BUFFER})",
+    )
 
+
+def load_model_from(args: argparse.Namespace):
     print(f"loading {args.model} ({args.dtype}, {args.device}, {args.attn}) ...", file=sys.stderr, flush=True)
     return load_model(args.model, dtype=args.dtype, device=args.device, attn_implementation=args.attn)
 

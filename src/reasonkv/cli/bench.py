@@ -29,8 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-from reasonkv.cli.args import add_policy_options, quantized_argument
 from reasonkv.bench.plan import DEFAULT_LENGTHS, EVICTION, SWEEP, TRANSFORMERS, Plan, build_plan
+from reasonkv.cli.args import add_buffer_argument, add_policy_options, quantized_argument
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -65,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     policy.add_argument(
         "--budget", type=int, default=512, help="K: tokens kept per head after an eviction (default 512)"
     )
-    policy.add_argument("--buffer", type=int, default=128, help="B: tokens added between evictions (default 128)")
+    add_buffer_argument(policy)
     policy.add_argument("--seed", type=int, default=0, help="seeds the prompts and the policies (default 0)")
     policy.add_argument(
         "--quantized",

@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from reasonkv.cache import CacheSpec
 from reasonkv.cli.args import add_model_arguments, add_policy_options, load_model_from
 from reasonkv.cli.generate import chat_format
-from reasonkv.policies import parse_options
+from reasonkv.generation import generate
+from reasonkv.generation.sampling import Sampling
+from reasonkv.policies import list_policies, parse_options
 
 PROMPT = (
     "A bakery sells muffins for $3 each and cookies for $2 each. On Monday it sold 14 muffins and "
@@ -29,26 +32,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import reasonkv
-    from reasonkv.generation.loop import check_sampling
-
-    check_sampling(args.max_new_tokens, 0.0, 1.0, 0)  # before the model loads, not after
-    policy = args.policy or ("epikv" if "epikv" in reasonkv.list_policies() else "streaming")
-    evicting = reasonkv.get_policy(policy, **parse_options(policy, args.option))
+    Sampling(args.max_new_tokens)  # bad settings are refused before the model loads, not after
+    policy = args.policy or ("epikv" if "epikv" in list_policies() else "streaming")
+    evicting = CacheSpec.build(policy, args.budget, args.buffer, **parse_options(policy, args.option))
     model, tokenizer = load_model_from(args)
-    with reasonkv.EvictingCache(args.budget, args.buffer, model=model, policy=evicting):
-        pass  # refuses a bad budget, buffer or option now, not after the full-cache run
     text = chat_format(tokenizer, args.prompt)
     runs = {}
-    for name, chosen, budget in (("full", "full", None), (policy, evicting, args.budget)):
+    for name, spec in (("full", CacheSpec("full")), (policy, evicting)):
         trace: list[int] = []
-        [result] = reasonkv.generate(
+        [result] = generate(
             model,
             tokenizer,
             text,
-            policy=chosen,
-            budget=budget,
-            buffer=args.buffer,
+            spec,
             max_new_tokens=args.max_new_tokens,
             progress=True,
             on_step=lambda step, cache, trace=trace: trace.append(cache.slots),

@@ -19,7 +19,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from reasonkv.cli.args import add_model_arguments, add_policy_options, add_tier_arguments
+from reasonkv.cli.args import add_buffer_argument, add_model_arguments, add_policy_options, add_tier_arguments
+from reasonkv.eval.grid import GridSpec
+from reasonkv.eval.manifest import command_line
+from reasonkv.eval.plan import plan_grid
+from reasonkv.eval.runner import run_grid
 
 
 def _int_list(text: str) -> list[int]:
@@ -60,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     grid.add_argument(
         "--budgets", type=_int_list, default=[256], help="comma-separated K values (default 256); full ignores them"
     )
-    grid.add_argument("--buffer", type=int, default=128, help="B: tokens added between evictions (default 128)")
+    add_buffer_argument(grid)
     add_tier_arguments(grid, what="; applies to every evicting policy, full runs without one")
     add_policy_options(grid)
     grid.add_argument("--limit", type=int, default=None, help="first N problems of each dataset (default all)")
@@ -124,39 +128,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run(args: argparse.Namespace) -> int:
-    from reasonkv.eval.manifest import command_line
-    from reasonkv.eval.runner import plan_grid, run_grid
-
-    thinking = {"auto": None, "on": True, "off": False}[args.thinking]
-    if args.plan:
-        plan = plan_grid(
-            dataset=args.dataset, policies=args.policies, budgets=args.budgets, buffer=args.buffer, limit=args.limit,
-            samples=args.samples, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-            max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed, options=args.option,
-            fidelity=args.fidelity, fidelity_tokens=args.fidelity_tokens, shard=args.shard,
-        )  # fmt: skip
-        print(plan.summary())
-        return 0
-    result = run_grid(
-        args.model,
+def grid_from(args: argparse.Namespace) -> GridSpec:
+    """The grid the arguments describe (everything checked that needs no model)."""
+    return GridSpec.build(
         dataset=args.dataset,
-        out=args.out,
         policies=args.policies,
         budgets=args.budgets,
         buffer=args.buffer,
+        options=args.option,
+        quantized=args.quantized,
+        bits=args.bits,
         limit=args.limit,
         samples=args.samples,
+        max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
-        max_new_tokens=args.max_new_tokens,
-        batch_size=args.batch_size,
         seed=args.seed,
-        options=args.option,
+        batch_size=args.batch_size,
         fidelity=args.fidelity,
         fidelity_tokens=args.fidelity_tokens,
-        thinking=thinking,
+        generation=not args.fidelity_only,
+        thinking={"auto": None, "on": True, "off": False}[args.thinking],
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    grid = grid_from(args)
+    if args.plan:
+        print(plan_grid(grid, shard=args.shard).summary())
+        return 0
+    result = run_grid(
+        args.model,
+        grid=grid,
+        out=args.out,
         dtype=args.dtype,
         device=args.device,
         attn_implementation=args.attn,
@@ -164,9 +169,6 @@ def run(args: argparse.Namespace) -> int:
         shard=args.shard,
         retry_errors=args.retry_errors,
         command=command_line(),
-        quantized=args.quantized,
-        bits=args.bits,
-        generation=not args.fidelity_only,
     )
     print(result.summary(), file=sys.stderr)
     return 1 if result.complete and result.failed else 0

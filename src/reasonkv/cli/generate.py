@@ -7,13 +7,18 @@ import json
 import sys
 from pathlib import Path
 
+from reasonkv.cache import CacheSpec
 from reasonkv.cli.args import (
+    add_buffer_argument,
     add_model_arguments,
     add_policy_options,
     add_tier_arguments,
     budget_argument,
     load_model_from,
 )
+from reasonkv.generation import generate
+from reasonkv.generation.inputs import stop_strings
+from reasonkv.generation.sampling import Sampling
 from reasonkv.policies import parse_options
 
 
@@ -24,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--prompt-file", type=Path, help="a text file, one prompt per line")
     parser.add_argument("--policy", default="streaming", help="eviction policy (see `reasonkv policies`)")
     parser.add_argument("--budget", type=budget_argument, default=256, help="K: tokens kept per head (default 256)")
-    parser.add_argument("--buffer", type=int, default=128, help="B: tokens added between evictions (default 128)")
+    add_buffer_argument(parser)
     add_tier_arguments(parser)
     add_policy_options(parser)
     parser.add_argument("--max-new-tokens", type=int, default=256)
@@ -62,36 +67,32 @@ def chat_format(tokenizer, prompt: str) -> str:
     return prompt
 
 
-def run(args: argparse.Namespace) -> int:
-    import reasonkv
-    from reasonkv.generation.loop import check_sampling, stop_strings
-    from reasonkv.cache.tiers import check_settings
+def spec_from(args: argparse.Namespace) -> CacheSpec:
+    """The cache the arguments describe: refused now, not after the model loads, if it cannot be built."""
+    options = parse_options(args.policy, args.option)
+    return CacheSpec.build(
+        args.policy, args.budget, args.buffer, quantized=args.quantized, bits=args.bits, seed=args.seed, **options
+    )
 
+
+def run(args: argparse.Namespace) -> int:
     prompts = read_prompts(args)
-    # Refuse bad settings before the model loads, not after.
-    check_sampling(args.max_new_tokens, args.temperature, args.top_p, args.top_k)
+    spec = spec_from(args)
+    sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.top_k)
     stop_strings(args.stop)
-    check_settings(args.quantized, args.bits)
-    # An instance, not keyword options: a policy option may share a name with a sampling argument.
-    policy = reasonkv.get_policy(args.policy, **parse_options(args.policy, args.option))
     model, tokenizer = load_model_from(args)
     inputs = prompts if args.no_chat else [chat_format(tokenizer, p) for p in prompts]
-    results = reasonkv.generate(
+    results = generate(
         model,
         tokenizer,
         inputs,
-        policy=policy,
-        budget=None if args.policy == "full" else args.budget,
-        buffer=args.buffer,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
+        spec,
+        max_new_tokens=sampling.max_new_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
         stop=args.stop,
         progress=sys.stderr.isatty(),
-        quantized=args.quantized,
-        bits=args.bits,
     )
     for prompt, result in zip(prompts, results, strict=True):
         if args.json:

@@ -1,9 +1,9 @@
 """The ``reasonkv`` command line: generate | policies | demo | eval | report | bench | calibrate.
 
-Every command lives in its own module exposing ``add_arguments(parser)`` and ``run(args)``; this
-file dispatches, checks at start-up that reasonkv's dependencies are installed, and turns user errors
-into one line and exit code 2 (``commands/errors.py`` decides which errors are the user's; others
-keep their traceback). Modules import torch/transformers inside ``run`` so ``--help`` stays fast.
+Every command lives in its own module of this package exposing ``add_arguments(parser)`` and
+``run(args)``; this file dispatches (importing the chosen command's module only, so ``--help`` stays
+fast), checks at start-up that reasonkv's dependencies are installed, and turns user errors into one
+line and exit code 2 (``errors.py`` decides which errors are the user's; others keep their traceback).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import importlib
 import os
 import shlex
 import sys
+from collections.abc import Iterable
 
 from reasonkv.cli.errors import missing_requirements, user_message
 
@@ -31,7 +32,10 @@ DEBUG_ENV = "REASONKV_DEBUG"
 DEBUG_HELP = f"show the Python traceback of every error, not just one line (or set {DEBUG_ENV}=1)"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(load: Iterable[str] | None = None) -> argparse.ArgumentParser:
+    """The command-line parser; the arguments of the commands in ``load`` (default: all) are read from their
+    modules, the others are listed by name only (so ``reasonkv CMD`` imports CMD's module alone)."""
+    load = set(COMMANDS if load is None else load)
     parser = argparse.ArgumentParser(
         prog="reasonkv", description="KV-cache eviction for long chain-of-thought decoding."
     )
@@ -41,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
+        if name not in load:
+            sub.add_parser(name, help=help_text)
+            continue
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as error:
@@ -61,7 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((word for word in argv if not word.startswith("-")), None)
+    args = build_parser([command] if command in COMMANDS else []).parse_args(argv)
     name = f"reasonkv {args.command}"
     missing = missing_requirements()
     if missing:

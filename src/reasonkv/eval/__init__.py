@@ -1,9 +1,14 @@
 """Evaluation on reasoning benchmarks: datasets, prompts, answer grading, collapse detection, the
-evaluation grid (:func:`run_grid`), fidelity to the full cache (:mod:`reasonkv.eval.fidelity`) and
-reports (:func:`write_report`).
+evaluation grid (:class:`GridSpec`, :func:`run_grid`), fidelity to the full cache
+(:mod:`reasonkv.eval.fidelity`) and reports (:func:`write_report`).
 
-Importing this package does not import torch or transformers (the grid imports them when it runs).
+Importing this package does not import torch or transformers: the grid and the runner, which need
+them, load on first use.
 """
+
+from __future__ import annotations
+
+import importlib
 
 from reasonkv.eval.collapse import collapse_flags, tail_loop
 from reasonkv.eval.datasets import DATASETS, Problem, load_dataset
@@ -11,11 +16,14 @@ from reasonkv.eval.extraction import extract_answer, find_answer
 from reasonkv.eval.grading import Grade, grade, is_equivalent, normalize_answer
 from reasonkv.eval.prompts import build_prompt, strip_thinking
 from reasonkv.eval.report import write_report
-from reasonkv.eval.runner import run_grid, sample_seed
+from reasonkv.eval.units import sample_seed
+
+_HEAVY = {"GridSpec": "reasonkv.eval.grid", "run_grid": "reasonkv.eval.runner", "plan_grid": "reasonkv.eval.plan"}
 
 __all__ = [
     "DATASETS",
     "Grade",
+    "GridSpec",
     "Problem",
     "build_prompt",
     "collapse_flags",
@@ -25,9 +33,19 @@ __all__ = [
     "is_equivalent",
     "load_dataset",
     "normalize_answer",
+    "plan_grid",
     "run_grid",
     "sample_seed",
     "strip_thinking",
     "tail_loop",
     "write_report",
 ]
+
+
+def __getattr__(name: str):
+    module = _HEAVY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'reasonkv.eval' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -31,16 +31,18 @@ earliest due row, so every row's evictions happen where they would alone.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from reasonkv.cache import EvictingCache
+from reasonkv.cache import CacheSpec, EvictingCache
+from reasonkv.cache.spec import resolve_spec
 from reasonkv.eval.datasets import Problem
 from reasonkv.eval.references import answer_span, clean_solution, token_span
 from reasonkv.hf import Forward, left_pad
-from reasonkv.policies import Policy, get_policy
+from reasonkv.policies import Policy
 
 __all__ = [
     "AnswerFidelity",
@@ -108,17 +110,12 @@ def _replay(
     model,
     prompts: Sequence[Sequence[int]],
     continuations: Sequence[Sequence[int]],
+    spec: CacheSpec,
     *,
-    policy: str | Policy,
-    budget: int | None,
-    buffer: int,
-    seeds: int | list[int],
     chunked: bool | None,
     max_chunk: int,
     pad_id: int,
     consume: Consumer,
-    policy_kwargs: dict | None = None,
-    tier: dict | None = None,
 ) -> list[int]:
     """Feed ``prompt + continuation`` rows through an evicting and a full cache in lockstep.
 
@@ -130,17 +127,14 @@ def _replay(
         raise ValueError("empty prompt")
     if max_chunk < 1:
         raise ValueError(f"max_chunk must be >= 1, got {max_chunk}")
-    policy = get_policy(policy, **(policy_kwargs or {}))
     if chunked is None:
-        chunked = _is_chunk_exact(policy)
+        chunked = _is_chunk_exact(spec.policy)
     device = next(model.parameters()).device
     forward = Forward(model)
     batch = len(prompts)
     lengths = [len(c) for c in continuations]
-    evicting = EvictingCache(
-        budget if policy.evicts else None, buffer, model=model, policy=policy, seed=seeds, **(tier or {})
-    )
-    full = EvictingCache(None, buffer, model=model, policy="full")
+    evicting = EvictingCache(model=model, spec=spec)
+    full = EvictingCache(model=model, spec=CacheSpec("full"))
     evictions = [0] * batch
     try:
         ids, mask = left_pad(prompts, pad_id, device)
@@ -183,7 +177,17 @@ def _replay(
     return evictions
 
 
-def _pad_id(tokenizer) -> int:
+def _renamed(cache_keywords: dict) -> dict:
+    """``seeds=`` is the old name of ``seed=`` (one per row, or one for all)."""
+    if "seeds" in cache_keywords:
+        warnings.warn(
+            "seeds= is deprecated: pass seed= (one per row, or one for all)", DeprecationWarning, stacklevel=3
+        )
+        cache_keywords["seed"] = cache_keywords.pop("seeds")
+    return cache_keywords
+
+
+def pad_id_of(tokenizer) -> int:
     pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
     return 0 if pad is None else int(pad)
 
@@ -192,31 +196,26 @@ def replay_logits(
     model,
     prompt_ids: Sequence[int],
     continuation_ids: Sequence[int],
+    spec: CacheSpec | None = None,
     *,
-    policy: str | Policy = "full",
-    budget: int | None = None,
-    buffer: int = 128,
-    seed: int = 0,
     chunked: bool | None = None,
     max_chunk: int = DEFAULT_MAX_CHUNK,
     pad_id: int = 0,
-    quantized: int = 0,
-    bits: int | None = None,
-    group_size: int | None = None,
-    **policy_kwargs,
+    **cache_keywords,
 ) -> Replay:
     """Teacher-force one ``prompt + continuation`` through the evicting and the full cache.
 
     Parameters
     ----------
+    spec, cache_keywords
+        The evicting cache: a :class:`~reasonkv.cache.CacheSpec`, or its keywords (``policy``, ``budget``,
+        ``buffer``, ``seed``, ``quantized``, ``bits``, ``group_size`` and the policy's options).
     chunked
         ``None`` (default): chunk between evictions when the policy class has ``chunk_exact``,
         else step token by token. ``True``/``False`` force one or the other (forcing chunks on a
         policy that is not chunk-exact gives a different, cheaper approximation).
     max_chunk
         Most tokens per forward pass.
-    quantized, bits, group_size
-        The evicting cache's quantized tier (default: none; see :class:`~reasonkv.cache.EvictingCache`).
 
     Returns
     -------
@@ -231,20 +230,16 @@ def replay_logits(
         pieces_e.append(logits_e[0].float().cpu())
         pieces_f.append(logits_f[0].float().cpu())
 
+    spec = resolve_spec(spec, **_renamed(cache_keywords))
     [evictions] = _replay(
         model,
         [list(prompt_ids)],
         [list(continuation_ids)],
-        policy=policy,
-        budget=budget,
-        buffer=buffer,
-        seeds=[seed],
+        spec,
         chunked=chunked,
         max_chunk=max_chunk,
         pad_id=pad_id,
         consume=consume,
-        policy_kwargs=policy_kwargs,
-        tier=dict(quantized=quantized, bits=bits, group_size=group_size),
     )
     evicting = torch.cat(pieces_e)[:n] if pieces_e else torch.empty(0)
     full = torch.cat(pieces_f)[:n] if pieces_f else torch.empty(0)
@@ -265,18 +260,12 @@ def trace_fidelity(
     model,
     prompts: Sequence[Sequence[int]],
     traces: Sequence[Sequence[int]],
+    spec: CacheSpec | None = None,
     *,
-    policy: str | Policy,
-    budget: int | None,
-    buffer: int = 128,
-    seeds: int | list[int] = 0,
     chunked: bool | None = None,
     max_chunk: int = DEFAULT_MAX_CHUNK,
     pad_id: int = 0,
-    quantized: int = 0,
-    bits: int | None = None,
-    group_size: int | None = None,
-    **policy_kwargs,
+    **cache_keywords,
 ) -> list[TraceFidelity]:
     """Top-1 agreement and KL of the evicting cache against the full cache along greedy traces.
 
@@ -285,10 +274,8 @@ def trace_fidelity(
     prompts, traces
         Token ids, one row each: the prompt and the full cache's greedy output for it (EOS
         included if it stopped there). Rows are replayed as one batch.
-    seeds
-        Eviction seeds (stochastic policies), one per row or one for all.
-    quantized, bits, group_size
-        The evicting cache's quantized tier (default: none).
+    spec, cache_keywords
+        The evicting cache (see :func:`replay_logits`); its ``seed`` is one per row or one for all.
 
     Returns
     -------
@@ -300,7 +287,7 @@ def trace_fidelity(
     agree_full = [0] * batch
     kl_sum = [0.0] * batch
     kl_max = [0.0] * batch
-    seeds = [seeds] * batch if isinstance(seeds, int) else list(seeds)
+    spec = resolve_spec(spec, **_renamed(cache_keywords))
 
     def consume(start, logits_e, logits_f, active):
         span = logits_e.shape[1]
@@ -314,21 +301,9 @@ def trace_fidelity(
             kl_max[r] = max(kl_max[r], float(kl.max()))
 
     evictions = _replay(
-        model,
-        prompts,
-        traces,
-        policy=policy,
-        budget=budget,
-        buffer=buffer,
-        seeds=seeds,
-        chunked=chunked,
-        max_chunk=max_chunk,
-        pad_id=pad_id,
-        consume=consume,
-        policy_kwargs=policy_kwargs,
-        tier=dict(quantized=quantized, bits=bits, group_size=group_size),
+        model, prompts, traces, spec, chunked=chunked, max_chunk=max_chunk, pad_id=pad_id, consume=consume
     )
-    chunk_flag = _is_chunk_exact(get_policy(policy, **policy_kwargs)) if chunked is None else chunked
+    chunk_flag = _is_chunk_exact(spec.policy) if chunked is None else chunked
     results = []
     for r in range(batch):
         n = len(traces[r])
@@ -370,18 +345,12 @@ def answer_logprob(
     model,
     prompts: Sequence[Sequence[int]],
     references: Sequence[tuple[Sequence[int], int, int]],
+    spec: CacheSpec | None = None,
     *,
-    policy: str | Policy,
-    budget: int | None,
-    buffer: int = 128,
-    seeds: int | list[int] = 0,
     chunked: bool | None = None,
     max_chunk: int = DEFAULT_MAX_CHUNK,
     pad_id: int = 0,
-    quantized: int = 0,
-    bits: int | None = None,
-    group_size: int | None = None,
-    **policy_kwargs,
+    **cache_keywords,
 ) -> list[AnswerFidelity]:
     """Log-probability of each reference answer, teacher-forced after its prompt, with both caches.
 
@@ -390,13 +359,13 @@ def answer_logprob(
     references
         ``(ids, a, b)`` per row as returned by :func:`reference_continuation`: the solution tokens
         and the answer's token range ``[a, b)``.
-    quantized, bits, group_size
-        The evicting cache's quantized tier (default: none).
+    spec, cache_keywords
+        The evicting cache (see :func:`replay_logits`); its ``seed`` is one per row or one for all.
     """
     batch = len(prompts)
     logp_e = [0.0] * batch
     logp_f = [0.0] * batch
-    seeds = [seeds] * batch if isinstance(seeds, int) else list(seeds)
+    spec = resolve_spec(spec, **_renamed(cache_keywords))
     continuations = [list(ids)[:b] for ids, _, b in references]
 
     def consume(start, logits_e, logits_f, active):
@@ -412,19 +381,7 @@ def answer_logprob(
             logp_f[r] += float(logits_f[r, cols].float().log_softmax(-1).gather(-1, target).sum())
 
     evictions = _replay(
-        model,
-        prompts,
-        continuations,
-        policy=policy,
-        budget=budget,
-        buffer=buffer,
-        seeds=seeds,
-        chunked=chunked,
-        max_chunk=max_chunk,
-        pad_id=pad_id,
-        consume=consume,
-        policy_kwargs=policy_kwargs,
-        tier=dict(quantized=quantized, bits=bits, group_size=group_size),
+        model, prompts, continuations, spec, chunked=chunked, max_chunk=max_chunk, pad_id=pad_id, consume=consume
     )
     results = []
     for r in range(batch):

@@ -29,15 +29,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
-
-from reasonkv.machine import cpu_model
 
 __all__ = [
     "SETUP_FIELDS",
@@ -48,7 +45,6 @@ __all__ = [
     "git_commit",
     "manifest_id",
     "tokenizer_sha256",
-    "weights_sha256",
 ]
 
 SETUP_FIELDS = (
@@ -72,18 +68,6 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
     with open(path, "rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
-    return digest.hexdigest()
-
-
-def weights_sha256(model) -> str:
-    """SHA-256 of every parameter's name, dtype, shape and bytes, in the model's order, as loaded."""
-    import torch
-
-    digest = hashlib.sha256()
-    for name, param in model.named_parameters():
-        digest.update(f"{name}|{param.dtype}|{tuple(param.shape)}\n".encode())
-        data = param.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-        digest.update(data.numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -121,34 +105,6 @@ def git_commit() -> tuple[str | None, bool | None]:
     return commit, dirty
 
 
-def _device_name(device: str) -> str:
-    if device.startswith("cuda"):
-        import torch
-
-        return torch.cuda.get_device_name(torch.device(device))
-    return cpu_model()
-
-
-def environment(device: str) -> dict[str, Any]:
-    import torch
-
-    import reasonkv
-    from reasonkv.hf import transformers_version
-
-    commit, dirty = git_commit()
-    return {
-        "reasonkv": reasonkv.__version__,
-        "git_commit": commit,
-        "git_dirty": dirty,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers_version(),
-        "cuda": torch.version.cuda,
-        "device": device.split(":")[0],
-        "device_name": _device_name(device),
-    }
-
-
 def manifest_id(manifest: Mapping[str, Any]) -> str:
     identity = {k: manifest.get(k) for k in ("setup", "environment", "grid")}
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -157,7 +113,7 @@ def manifest_id(manifest: Mapping[str, Any]) -> str:
 def build_manifest(
     *,
     setup: Mapping[str, Any],
-    device: str,
+    environment: Mapping[str, Any],
     datasets: Sequence[Mapping[str, Any]],
     policies: Sequence[Mapping[str, Any]],
     fidelity: bool,
@@ -176,7 +132,7 @@ def build_manifest(
         "format": 1,
         "id": "",
         "setup": {k: setup[k] for k in SETUP_FIELDS},
-        "environment": environment(device),
+        "environment": dict(environment),
         "grid": {
             "datasets": [dict(d) for d in datasets],
             "policies": [dict(p) for p in policies],

@@ -20,11 +20,19 @@ others), balanced by expected cost:
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["STEP_COST", "Unit", "assign", "decode_cost", "grid_units"]
+__all__ = ["STEP_COST", "Unit", "assign", "decode_cost", "grid_units", "sample_seed", "unit_cost"]
+
+
+def sample_seed(base_seed: int, problem_id: str, sample: int) -> int:
+    """The seed of sample ``sample`` of problem ``problem_id``: the first 31 bits of a SHA-256."""
+    digest = hashlib.sha256(f"{int(base_seed)}/{problem_id}/{int(sample)}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+
 
 #: The cost of a decode step apart from attention, in cached tokens attended to (an assumption: a
 #: step reads the weights once; what differs between units is how many tokens it attends to).
@@ -77,7 +85,7 @@ def grid_units(
     return units
 
 
-def _cost(unit: Unit, cells: Sequence[Any], max_new_tokens: int, fidelity_tokens: int) -> float:
+def unit_cost(unit: Unit, cells: Sequence[Any], max_new_tokens: int, fidelity_tokens: int) -> float:
     cell = cells[unit.cell]
     if unit.kind == "generation":
         return decode_cost(max_new_tokens, _cap(cell))
@@ -108,7 +116,7 @@ def assign(
     strata: dict[tuple, list[tuple[list[Unit], float]]] = {}
     for first, members in [*items.items(), *((group[0], group) for group in loose.values())]:
         stratum = (first.dataset, first.kind, first.cell)
-        cost = sum(_cost(u, cells, max_new_tokens, fidelity_tokens) for u in members)
+        cost = sum(unit_cost(u, cells, max_new_tokens, fidelity_tokens) for u in members)
         strata.setdefault(stratum, []).append((members, cost))
     load = [0.0] * count
     owner: dict[Unit, int] = {}

@@ -15,7 +15,8 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from reasonkv.cache import DEFAULT_BUFFER, CacheSpec, EvictingCache
+from reasonkv.cache import CacheSpec, EvictingCache
+from reasonkv.cache.spec import resolve_spec
 from reasonkv.generation.inputs import check_flags, encode_prompts, eos_ids, stop_strings, vocab_size
 from reasonkv.generation.rows import Rows
 from reasonkv.generation.sampling import Sampling
@@ -23,7 +24,7 @@ from reasonkv.generation.stats import GenerationResult, Meter
 from reasonkv.hf import Forward, left_pad
 from reasonkv.policies import noise
 
-__all__ = ["GenerationResult", "generate", "resolve_spec", "row_seeds"]
+__all__ = ["GenerationResult", "generate", "row_seeds"]
 
 
 @torch.inference_mode()
@@ -91,8 +92,8 @@ def generate(
         raise ValueError("stop strings need a tokenizer")
     prompt_ids = encode_prompts(tokenizer, prompts, vocab_size(model))
     seed = None if seed is None else row_seeds(seed, len(prompt_ids))
-    keywords = dict(policy=policy, budget=budget, buffer=buffer, seed=seed, bits=bits, group_size=group_size)
-    spec = resolve_spec(spec, {**keywords, "quantized": quantized or None}, policy_options)
+    cache_keywords = dict(policy=policy, budget=budget, buffer=buffer, quantized=quantized, bits=bits)
+    spec = resolve_spec(spec, **cache_keywords, group_size=group_size, seed=seed, **policy_options)
     spec = spec.replace(seed=row_seeds(spec.seed, len(prompt_ids)))
     device = next(model.parameters()).device
     pad_id = 0 if getattr(tokenizer, "pad_token_id", None) is None else tokenizer.pad_token_id
@@ -121,21 +122,6 @@ def generate(
     finally:
         cache.detach()
     return meter.results(rows, prompt_ids)
-
-
-def resolve_spec(spec: CacheSpec | None, cache_keywords: dict, policy_options: dict) -> CacheSpec:
-    """``spec``, or the :class:`CacheSpec` the keyword API describes (never both)."""
-    if spec is None:
-        keywords = {name: value for name, value in cache_keywords.items() if value is not None}
-        policy = keywords.pop("policy", "full")
-        budget, buffer = keywords.pop("budget", None), keywords.pop("buffer", DEFAULT_BUFFER)
-        return CacheSpec.build(policy, budget, buffer, **keywords, **policy_options)
-    if not isinstance(spec, CacheSpec):
-        raise ValueError(f"spec must be a reasonkv.cache.CacheSpec or None, got {spec!r}")
-    given = [name for name, value in cache_keywords.items() if value is not None] + list(policy_options)
-    if given:
-        raise ValueError(f"the cache's settings come from spec=...; do not also pass {', '.join(sorted(given))}")
-    return spec
 
 
 def row_seeds(seed: int | Sequence[int], batch: int) -> tuple[int, ...]:

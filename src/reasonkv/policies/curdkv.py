@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import torch
 
 from reasonkv.policies import noise
-from reasonkv.policies.registry import register
 from reasonkv.policies.base import Policy
 from reasonkv.policies.leverage import COMBINE_METHODS, LEVERAGE_METHODS, dkv_scores, gaussian_projection
+from reasonkv.policies.registry import register
 
 __all__ = ["CurDKV", "check_dkv_options"]
 

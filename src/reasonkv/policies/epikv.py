@@ -8,11 +8,10 @@ from typing import ClassVar
 
 import torch
 
-from reasonkv.policies.calibration import Calibration, check_layers, default_anatomy, load_calibration
-from reasonkv.policies.contract import Needs, Step
-from reasonkv.policies.registry import register
 from reasonkv.policies.base import Policy
+from reasonkv.policies.calibration import Calibration, check_layers, default_anatomy, load_calibration
 from reasonkv.policies.common import PositionTable
+from reasonkv.policies.contract import Needs, Step
 from reasonkv.policies.epikv_signal import (
     lag_normalise,
     rolling_zscore,
@@ -20,6 +19,7 @@ from reasonkv.policies.epikv_signal import (
     window_mean,
     window_positions,
 )
+from reasonkv.policies.registry import register
 
 __all__ = ["EPIKV", "EPIKVLag", "VARIANTS"]
 

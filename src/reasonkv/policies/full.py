@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from reasonkv.policies.registry import register
 from reasonkv.policies.base import Policy
+from reasonkv.policies.registry import register
 
 
 @register

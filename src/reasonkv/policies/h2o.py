@@ -7,10 +7,10 @@ from dataclasses import dataclass
 import torch
 
 from reasonkv.policies import select
-from reasonkv.policies.contract import AttentionChunk, Needs
-from reasonkv.policies.registry import register
 from reasonkv.policies.base import Policy
 from reasonkv.policies.common import PositionTable, group_mean
+from reasonkv.policies.contract import AttentionChunk, Needs
+from reasonkv.policies.registry import register
 
 
 @register

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from reasonkv.policies.registry import register
 from reasonkv.policies.base import Policy
+from reasonkv.policies.registry import register
 
 __all__ = ["LagKV", "lag_relative_scores"]
 

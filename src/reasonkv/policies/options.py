@@ -21,7 +21,6 @@ import os
 import types
 import typing
 import warnings
-from collections.abc import Sequence
 from typing import Any
 
 __all__ = ["check_fields", "field_types", "parse_value", "split_option"]

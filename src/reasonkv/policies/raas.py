@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
-from reasonkv.policies.contract import Needs, Step
-from reasonkv.policies.registry import register
 from reasonkv.policies.base import Policy
 from reasonkv.policies.common import PositionTable
+from reasonkv.policies.contract import Needs, Step
+from reasonkv.policies.registry import register
 
 _GROUP_REDUCTIONS = ("max", "mean")
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from reasonkv.policies import select
-from reasonkv.policies.registry import register
 from reasonkv.policies.base import Policy
+from reasonkv.policies.registry import register
 
 
 @register

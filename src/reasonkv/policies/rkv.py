@@ -19,10 +19,10 @@ import torch
 
 from reasonkv.policies import select
 from reasonkv.policies.attention import grouped_logits, grouped_sinks, masked_softmax_
-from reasonkv.policies.contract import Needs
-from reasonkv.policies.registry import register
 from reasonkv.policies.base import Policy
 from reasonkv.policies.common import pool1d
+from reasonkv.policies.contract import Needs
+from reasonkv.policies.registry import register
 
 __all__ = ["RKV", "window_importance", "key_redundancy"]
 

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
-from reasonkv.policies.contract import Needs
-from reasonkv.policies.registry import register
 from reasonkv.policies.base import Policy
 from reasonkv.policies.common import group_mean, pool1d
+from reasonkv.policies.contract import Needs
+from reasonkv.policies.registry import register
 
 __all__ = ["SnapKV", "window_scores", "pool_valid", "POOLINGS"]
 

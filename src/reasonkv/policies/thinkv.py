@@ -21,10 +21,10 @@ import torch
 import torch.nn.functional as F
 
 from reasonkv.policies import select
-from reasonkv.policies.contract import Needs
-from reasonkv.policies.registry import register
 from reasonkv.policies.base import Policy
 from reasonkv.policies.common import PositionTable
+from reasonkv.policies.contract import Needs
+from reasonkv.policies.registry import register
 
 __all__ = ["ThinKV", "THOUGHT_TYPES", "attention_sparsity", "kde_thresholds", "tertile_thresholds"]
 

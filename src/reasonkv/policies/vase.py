@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from reasonkv.policies import select
-from reasonkv.policies.registry import register
 from reasonkv.policies.curdkv import CurDKV
+from reasonkv.policies.registry import register
 from reasonkv.policies.snapkv import SnapKV
 
 __all__ = ["VaseAttnV", "VaseDKV", "reserve_count", "value_aware_rank"]

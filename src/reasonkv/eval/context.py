@@ -1,0 +1,205 @@
+"""What the phases of a grid share: the model, the grid, where records go and what is already done.
+
+:class:`Ledger` knows what a run's files hold (finished units with their grade, failed units, the greedy
+full-cache traces fidelity reuses); :class:`Context` builds each record's identity from the grid and
+writes records. A unit's identity (:meth:`Context.generation_key`, :meth:`Context.fidelity_key`) is
+what a rerun compares to skip work already done.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from reasonkv.cache.quantize import QuantFormat, default_group_size
+from reasonkv.cache.tiers import equivalent_budget
+from reasonkv.eval.datasets import Problem
+from reasonkv.eval.grid import Cell, GridSpec
+from reasonkv.eval.prompts import build_prompt
+from reasonkv.eval.records import ResultsFile, unit_key
+from reasonkv.generation.inputs import encode_prompt
+from reasonkv.hf import model_info
+
+__all__ = ["Context", "Ledger", "attempt", "chunks", "now", "progress", "reason"]
+
+
+def now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def chunks(items: Sequence, size: int):
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
+
+
+def progress(total: int, desc: str, enabled: bool):
+    # Redrawn often on a terminal; every 30 s in a log file.
+    interval = 0.5 if sys.stderr.isatty() else 30.0
+    return tqdm(
+        total=total, desc=desc, unit="rec", dynamic_ncols=True, mininterval=interval, disable=not enabled or total == 0
+    )
+
+
+def reason(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def attempt(run: Callable[[list], list], batch: list) -> list[tuple[Any, Any]]:
+    """``[(item, output or exception)]``: the batch at once, or, if that fails, each item alone."""
+    try:
+        return list(zip(batch, run(batch), strict=True))
+    except Exception as error:  # noqa: BLE001 - one failing unit must not cost the others their results
+        if len(batch) == 1:
+            return [(batch[0], error)]
+        return [pair for item in batch for pair in attempt(run, [item])]
+
+
+# ---------------------------------------------------------------------------------- what is done
+
+
+@dataclass
+class Ledger:
+    """What a run's files hold: finished units (with their grade), failed units, greedy full-cache traces."""
+
+    retry_errors: bool = False
+    results: dict[tuple, bool | None] = field(default_factory=dict)  # unit -> correct (None: fidelity)
+    errors: dict[tuple, str] = field(default_factory=dict)  # unit -> reason
+    traces: dict[tuple[str, str], tuple[list[int], str | None]] = field(default_factory=dict)
+
+    def note(self, record: dict[str, Any]) -> None:
+        kind = record.get("kind")
+        if kind == "manifest":
+            return
+        key = unit_key(record)
+        if kind == "error":
+            self.errors[key] = str(record.get("error"))
+            return
+        self.results[key] = bool(record.get("correct")) if kind == "generation" else None
+        ids = record.get("output_ids")
+        if (
+            kind == "generation"
+            and record.get("policy") == "full"
+            and record.get("temperature") == 0
+            and record.get("sample") == 0
+            and isinstance(ids, list)
+            and ids
+        ):
+            self.traces[(record.get("dataset"), record.get("problem_id"))] = (ids, record.get("finish_reason"))
+
+    def settled(self, key: tuple) -> bool:
+        """Whether a unit needs no work: it has a result, or an error record and errors are not retried."""
+        return key in self.results or (key in self.errors and not self.retry_errors)
+
+    def recorded(self, key: tuple) -> bool:
+        """Whether a unit has a record, result or error (a grid is complete when all have one)."""
+        return key in self.results or key in self.errors
+
+    def failed(self, key: tuple) -> bool:
+        return key in self.errors and key not in self.results
+
+
+# ---------------------------------------------------------------------------------- the context
+
+
+@dataclass
+class Context:
+    """Everything the phases share: the model, the grid, where records go and what is done."""
+
+    model: Any
+    tokenizer: Any
+    grid: GridSpec
+    model_name: str
+    dtype: str
+    device: str
+    prompt_format: str
+    progress: bool = True
+    on_record: Callable[[dict], None] | None = None
+    run_id: str = ""
+    label: str = ""  # shown in progress bars ("[1/4] ")
+    ledger: Ledger = field(default_factory=Ledger)
+    results: ResultsFile | None = None
+    counts: dict[str, int] = field(default_factory=lambda: {"generation": 0, "fidelity": 0, "error": 0, "skipped": 0})
+    tally: dict[str, list[int]] = field(default_factory=dict)  # "dataset cell" -> [correct, total]
+    _prompts: dict = field(default_factory=dict)
+
+    def prompt_ids(self, problem: Problem) -> list[int]:
+        key = (problem.id, problem.kind, problem.problem)  # ids may repeat across user files
+        if key not in self._prompts:
+            ids = encode_prompt(self.tokenizer, build_prompt(self.tokenizer, problem, thinking=self.grid.thinking))
+            if not ids:
+                raise ValueError(f"problem {problem.id!r}: empty prompt")
+            self._prompts[key] = ids
+        return self._prompts[key]
+
+    def base(self, kind: str, dataset: str, problem: Problem, cell: Cell) -> dict[str, Any]:
+        return {
+            "kind": kind,
+            "model": self.model_name,
+            "dtype": self.dtype,
+            "device": self.device,
+            "dataset": dataset,
+            "problem_id": problem.id,
+            "policy": cell.policy,
+            "policy_label": cell.label,
+            "policy_config": cell.config,
+            "budget": cell.budget,
+            "buffer": cell.buffer,
+            "tier": self.tier(cell),
+            "base_seed": self.grid.seed,
+            "prompt_format": self.prompt_format,
+        }
+
+    def tier(self, cell: Cell) -> dict[str, int] | None:
+        """The cell's quantized tier as recorded (with the group size it gets on this model), or None."""
+        if not cell.quantized:
+            return None
+        group_size = cell.spec.group_size or default_group_size(model_info(self.model).head_dim)
+        return {"quantized": cell.quantized, "bits": cell.bits, "group_size": group_size}
+
+    def equivalent_budget(self, cell: Cell) -> float | None:
+        """The full-precision budget with the cell's nominal K/V bytes (its budget without a tier)."""
+        if not cell.quantized:
+            return cell.budget
+        tier = self.tier(cell)
+        size = next(self.model.parameters()).element_size()
+        fmt = QuantFormat(tier["bits"], tier["group_size"])
+        return round(equivalent_budget(cell.budget, cell.quantized, fmt, model_info(self.model).head_dim, size), 2)
+
+    def generation_key(self, dataset: str, problem: Problem, cell: Cell, sample: int) -> dict[str, Any]:
+        sampling = self.grid.sampling
+        return {
+            **self.base("generation", dataset, problem, cell),
+            "sample": sample,
+            "max_new_tokens": sampling.max_new_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k,
+        }
+
+    def fidelity_key(self, dataset: str, problem: Problem, cell: Cell) -> dict[str, Any]:
+        return {**self.base("fidelity", dataset, problem, cell), "fidelity_tokens": self.grid.replay_tokens}
+
+    def emit(self, record: dict[str, Any]) -> None:
+        """Write one record, note it done, and tell ``on_record``."""
+        self.results.append(record)
+        self.ledger.note(record)
+        self.counts[record["kind"]] += 1
+        if self.on_record is not None:
+            self.on_record(record)
+
+    def error(self, key: dict[str, Any], why: str, stage: str, seed: int | None = None) -> None:
+        """Write the error record of the unit ``key`` describes."""
+        record = {"kind": "error", **{k: v for k, v in key.items() if k != "kind"}, "unit": key["kind"]}
+        record.update(seed=seed, stage=stage, error=why, run=self.run_id, time=now())
+        print(
+            f"{self.label}error: {key['dataset']} {key['problem_id']} {key['policy_label']}"
+            f"{'' if key['budget'] is None else '@' + str(key['budget'])}: {why}",
+            file=sys.stderr,
+            flush=True,
+        )
+        self.emit(record)

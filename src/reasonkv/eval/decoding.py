@@ -1,0 +1,162 @@
+"""The generation phase of a grid: decode each (problem, cell, sample) unit, grade it, write its record.
+
+Batches group units of one cell; ``reasonkv.generate`` gives each prompt the same tokens in a batch as
+alone, so the split across processes and the batching never change a result.
+
+One bad cell does not sink a grid:
+
+- Checked up front, before any decoding: a policy that protects the whole prompt (``protect_prompt``)
+  cannot evict a prompt longer than its budget once an eviction is due (prompt + token limit - 1
+  reaches ``K + B``). Such units get an error record at once and the rest of the grid runs.
+- Anything that fails while decoding a batch: the batch is run again one unit at a time, and only a
+  unit that fails alone gets an error record (``"kind": "error"``: the unit's identity fields,
+  ``unit``, ``stage`` and ``error``, the reason).
+
+An error record settles its unit: a rerun skips it (it would fail again) unless ``retry_errors``;
+a later result for the unit replaces the error in reports and merges.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import reasonkv
+from reasonkv.eval.collapse import collapse_flags
+from reasonkv.eval.context import Context, attempt, now, progress, reason
+from reasonkv.eval.datasets import Problem
+from reasonkv.eval.grading import grade
+from reasonkv.eval.grid import Cell
+from reasonkv.eval.records import unit_key
+from reasonkv.eval.units import Unit, sample_seed
+from reasonkv.generation import GenerationResult, generate
+
+__all__ = ["refused_prompt", "run_generation"]
+
+
+def refused_prompt(cell: Cell, prompt_tokens: int, new_tokens: int) -> str | None:
+    """Why ``cell`` cannot run a prompt of ``prompt_tokens`` for ``new_tokens`` tokens, if it cannot."""
+    if not cell.evicts or not cell.spec.policy.protect_prompt:
+        return None
+    room = cell.spec.room  # a quantized tier holds protected tokens too
+    if prompt_tokens <= room or prompt_tokens + new_tokens - 1 < cell.spec.trigger:
+        return None  # the prompt fits, or no eviction is ever due
+    return (
+        f"checked before decoding: protect_prompt keeps the whole prompt ({prompt_tokens} tokens), more than "
+        f"the budget {room}; turn off protect_prompt or raise the budget"
+    )
+
+
+def _running(name: str, tally: list[int]) -> str:
+    correct, total = tally
+    acc = f"{correct / total:.2f} ({correct}/{total})" if total else "-"
+    return f"{name}: acc {acc}"
+
+
+def run_generation(ctx: Context, dataset: str, problems: Sequence[Problem], mine: set[Unit]) -> None:
+    """Decode this process's generation units of ``dataset`` that are not done yet."""
+    grid, cells = ctx.grid, ctx.grid.cells
+    queues: dict[int, list[tuple[Problem, int]]] = {}
+    for index, cell in enumerate(cells):
+        tally = ctx.tally.setdefault(f"{dataset} {cell.name}", [0, 0])
+        queue = queues.setdefault(index, [])
+        for problem in problems:
+            for s in range(grid.samples_for(dataset, cell)):
+                if Unit("generation", dataset, problem.id, index, s) not in mine:
+                    continue
+                key = ctx.generation_key(dataset, problem, cell, s)
+                if ctx.ledger.settled(unit_key(key)):
+                    ctx.counts["skipped"] += 1
+                    correct = ctx.ledger.results.get(unit_key(key))
+                    if correct is not None:
+                        tally[0] += correct
+                        tally[1] += 1
+                    continue
+                why = refused_prompt(cell, len(ctx.prompt_ids(problem)), grid.sampling.max_new_tokens)
+                if why is not None:
+                    ctx.error(key, why, "generation", sample_seed(grid.seed, problem.id, s))
+                else:
+                    queue.append((problem, s))
+    bar = progress(sum(map(len, queues.values())), f"{ctx.label}{dataset} generate", ctx.progress)
+    try:
+        # Round by round, one batch of every cell: a partial run covers every cell on its first units.
+        while any(queues.values()):
+            for index, cell in enumerate(cells):
+                batch, queues[index] = queues[index][: grid.batch_size], queues[index][grid.batch_size :]
+                if not batch:
+                    continue
+                tally = ctx.tally[f"{dataset} {cell.name}"]
+                bar.set_postfix_str(_running(cell.name, tally), refresh=False)
+                for (problem, s), out in attempt(lambda items, c=cell: _decode(ctx, c, items), batch):
+                    key = ctx.generation_key(dataset, problem, cell, s)
+                    seed = sample_seed(grid.seed, problem.id, s)
+                    if isinstance(out, Exception):
+                        ctx.error(key, reason(out), "generation", seed)
+                    else:
+                        record = _generation_record(ctx, key, problem, cell, seed, out)
+                        ctx.emit(record)
+                        tally[0] += bool(record["correct"])
+                        tally[1] += 1
+                    bar.set_postfix_str(_running(cell.name, tally), refresh=False)
+                    bar.update(1)
+    finally:
+        bar.close()
+
+
+def _decode(ctx: Context, cell: Cell, batch: list[tuple[Problem, int]]) -> list[GenerationResult]:
+    sampling = ctx.grid.sampling
+    seeds = tuple(sample_seed(ctx.grid.seed, p.id, s) for p, s in batch)
+    return generate(
+        ctx.model,
+        ctx.tokenizer,
+        [ctx.prompt_ids(p) for p, _ in batch],
+        spec=cell.spec.replace(seed=seeds),
+        max_new_tokens=sampling.max_new_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+    )
+
+
+def _generation_record(
+    ctx: Context, key: dict, problem: Problem, cell: Cell, seed: int, out: GenerationResult
+) -> dict[str, Any]:
+    stats = out.stats
+    eos_hit = out.finish_reason == "eos"
+    ids = out.token_ids[:-1] if eos_hit else out.token_ids
+    verdict = grade(out.text, problem)
+    limit = ctx.grid.sampling.max_new_tokens
+    flags = collapse_flags(out.text, ids, max_new_tokens=limit, eos_hit=eos_hit, kind=problem.kind)
+    record = dict(key)
+    record.update(
+        seed=seed,
+        equivalent_budget=ctx.equivalent_budget(cell),
+        prompt_tokens=out.prompt_tokens,
+        output_tokens=out.num_tokens,
+        output_text=out.text,
+        output_ids=list(out.token_ids),
+        reference_answer=problem.answer,
+        extracted_answer=verdict.extracted,
+        correct=verdict.correct,
+        grading_method=verdict.method,
+        answer_from_thinking=verdict.from_thinking,
+        finish_reason=out.finish_reason,
+        collapse=flags,
+        collapsed=flags["collapsed"],
+        seconds=stats["prefill_seconds"] + stats["decode_seconds"],
+        prefill_seconds=stats["prefill_seconds"],
+        decode_seconds=stats["decode_seconds"],
+        tokens_per_second=stats["tokens_per_second"],
+        batch_size=stats["batch_size"],
+        evictions=stats["evictions"],
+        peak_cache_slots=stats["peak_slots"],
+        peak_row_tokens=stats["peak_row_tokens"],
+        peak_kv_bytes=stats["peak_kv_bytes"],
+        peak_kv_bytes_by_tier=stats.get("peak_kv_bytes_by_tier"),
+        peak_memory_bytes=stats["peak_memory_bytes"],
+        policy_seconds={k: float(v) for k, v in stats.get("timings", {}).items()},
+        reasonkv_version=reasonkv.__version__,
+        run=ctx.run_id,
+        time=now(),
+    )
+    return record

@@ -1,0 +1,313 @@
+"""The evaluation grid's settings: one frozen object, built once (by the command line or in Python).
+
+A :class:`GridSpec` says which datasets (and how many problems of each), which policies with which
+options at which budgets (one :class:`~reasonkv.cache.CacheSpec` per :class:`Cell`), how many samples
+per problem, how to decode, and what to measure. Planning (:mod:`reasonkv.eval.plan`), running
+(:func:`reasonkv.eval.runner.run_grid`), the run manifest and ``--plan`` all read the same object.
+
+``full`` evicts nothing, so its cache ignores the budget (:class:`~reasonkv.cache.CacheSpec` stores
+none): the grid's cells are the distinct cache specs, so ``full`` is one cell whatever the budgets.
+A quantized tier applies to the evicting cells only.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from reasonkv.cache import DEFAULT_BUFFER, CacheSpec
+from reasonkv.generation.sampling import Sampling
+from reasonkv.policies import options_by_policy, policy_class
+
+__all__ = ["Cell", "GridSpec", "make_cells", "parse_dataset_spec", "parse_samples", "policy_options"]
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One (policy, budget) of the grid: its cache spec and the options the user set (for its label)."""
+
+    spec: CacheSpec
+    options: Mapping[str, Any] = field(default_factory=dict, hash=False, compare=False)
+
+    @property
+    def policy(self) -> str:
+        return self.spec.policy.name
+
+    @property
+    def budget(self) -> int | None:
+        return self.spec.budget
+
+    @property
+    def buffer(self) -> int | None:
+        """``B``, or None for the full cache (it never evicts)."""
+        return self.spec.buffer if self.evicts else None
+
+    @property
+    def evicts(self) -> bool:
+        return self.spec.evicts
+
+    @property
+    def stochastic(self) -> bool:
+        return bool(type(self.spec.policy).stochastic)
+
+    @property
+    def quantized(self) -> int:
+        return self.spec.quantized
+
+    @property
+    def bits(self) -> int | None:
+        return self.spec.bits
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """Every hyper-parameter of the policy."""
+        return self.spec.policy.config()
+
+    @property
+    def label(self) -> str:
+        """The policy name, with the options set by the user and the quantized tier:
+        ``epikv[variant=lag]``, ``snapkv+int4:199``."""
+        label = self.policy
+        if self.options:
+            label += f"[{','.join(f'{k}={_fmt(v)}' for k, v in sorted(self.options.items()))}]"
+        return label + (f"+int{self.bits}:{self.quantized}" if self.quantized else "")
+
+    @property
+    def name(self) -> str:
+        return self.label if self.budget is None else f"{self.label}@{self.budget}"
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return "/".join(map(str, value))
+    return str(value)
+
+
+def _split_names(value: str | Sequence[str]) -> list[str]:
+    items = value.split(",") if isinstance(value, str) else [v for item in value for v in str(item).split(",")]
+    return [v.strip() for v in items if v.strip()]
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def policy_options(policies: Sequence[str], pairs: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Typed options per policy from ``KEY=VALUE`` / ``POLICY.KEY=VALUE`` strings."""
+    return options_by_policy(policies, pairs)
+
+
+def parse_dataset_spec(spec: str | Sequence[str], limit: int | None = None) -> list[tuple[str, int | None]]:
+    """``"gsm8k:40,math500:20"`` -> ``[("gsm8k", 40), ("math500", 20)]``; no ``:N`` means ``limit``."""
+    parts = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
+    out: list[tuple[str, int | None]] = []
+    for part in parts:
+        for item in str(part).split(","):
+            item = item.strip()
+            if not item:
+                continue
+            match = re.fullmatch(r"(.+?):(-?\d+)", item)
+            name, item_limit = (match.group(1), int(match.group(2))) if match else (item, limit)
+            if item_limit is not None and item_limit <= 0:
+                raise ValueError(f"dataset limit must be a positive integer, got {item_limit} for {name!r}")
+            out.append((name, item_limit))
+    if not out:
+        raise ValueError("no dataset given")
+    names = [name for name, _ in out]
+    if len(set(names)) != len(names):
+        raise ValueError(f"dataset listed twice: {', '.join(names)}")
+    return out
+
+
+def parse_samples(samples: int | str | Mapping[str, int], datasets: Sequence[str]) -> dict[str, int]:
+    """Samples per dataset from ``8``, ``"aime25=64,math500=8,gpqa=16"`` or ``"4,aime25=64"`` (a bare
+    number is the default for the datasets not named; without one they get 1)."""
+    default, named = 1, {}
+    if isinstance(samples, Mapping):
+        named = dict(samples)
+    elif isinstance(samples, str):
+        for item in (part.strip() for part in samples.split(",")):
+            if not item:
+                continue
+            name, sep, value = item.rpartition("=")
+            try:
+                count = int(value)
+            except ValueError:
+                raise ValueError(f"samples: expected N or DATASET=N, got {item!r}") from None
+            if sep:
+                named[name.strip()] = count
+            else:
+                default = count
+    else:
+        default = samples
+    _check_int("samples", default, 1)
+    unknown = sorted(set(named) - set(datasets))
+    if unknown:
+        raise ValueError(f"samples given for {', '.join(unknown)}, which is not in --dataset ({', '.join(datasets)})")
+    for name, count in named.items():
+        _check_int(f"samples for {name}", count, 1)
+    return {name: named.get(name, default) for name in datasets}
+
+
+def make_cells(
+    policies: str | Sequence[str],
+    budgets: Sequence[int],
+    buffer: int = DEFAULT_BUFFER,
+    options: Mapping[str, Mapping[str, Any]] | Sequence[str] | None = None,
+    quantized: int = 0,
+    bits: int | None = None,
+) -> list[Cell]:
+    """The grid's cells: ``full`` once first, then every budget x evicting policy.
+
+    Validates names, budgets and options; each cell's :class:`~reasonkv.cache.CacheSpec` checks that the
+    policy's protected tokens fit its budget (plus the quantized tier) and that it can fill a tier.
+    """
+    policies = _split_names(policies)
+    if not policies:
+        raise ValueError("no policy given")
+    if len(set(policies)) != len(policies):
+        raise ValueError(f"policy listed twice: {', '.join(policies)}")
+    classes = {p: policy_class(p) for p in policies}  # an unknown name: ValueError listing the valid ones
+    if isinstance(options, Mapping):
+        chosen = {p: dict(options.get(p, {})) for p in policies}
+    else:
+        chosen = policy_options(policies, list(options or []))
+    budgets = list(budgets)
+    for b in budgets:
+        if isinstance(b, bool) or not isinstance(b, int) or b <= 0:
+            raise ValueError(f"budgets must be positive integers, got {b!r}")
+    if len(set(budgets)) != len(budgets):
+        raise ValueError(f"budget listed twice: {budgets}")
+    evicting = [p for p in policies if classes[p].evicts]
+    if evicting and not budgets:
+        raise ValueError(f"policies {', '.join(evicting)} evict: give at least one budget")
+    cells: dict[Cell, None] = {}
+    for evicts in (False, True):  # the full cache first: its outputs are the fidelity references
+        for budget in budgets or [None]:
+            for p in (p for p in policies if classes[p].evicts == evicts):
+                tier = dict(quantized=quantized, bits=bits) if evicts else {}
+                spec = CacheSpec.build(p, budget, buffer, **tier, **chosen[p])
+                cells.setdefault(Cell(spec, chosen[p]))
+    return list(cells)
+
+
+@dataclass(frozen=True)
+class GridSpec:
+    """An evaluation grid: datasets x cells x samples, how to decode and what to measure.
+
+    Build one with :meth:`build` (it parses and checks everything that needs no model).
+
+    Parameters
+    ----------
+    datasets
+        ``(name or path, limit)`` pairs (limit None: every problem).
+    cells
+        The cells (see :func:`make_cells`).
+    samples
+        Samples per problem, per dataset (at temperature 0 only stochastic policies run more than one).
+    sampling
+        Decoding settings.
+    seed
+        Base seed: sample ``s`` of problem ``p`` uses ``sample_seed(seed, p, s)``.
+    batch_size
+        Prompts decoded together (one cell per batch).
+    fidelity
+        Also replay the full cache's greedy traces through each evicting cache (None: on when a
+        dataset has reference solutions; decided when the datasets are loaded).
+    fidelity_tokens
+        Length of the replayed traces (default ``max_new_tokens``).
+    generation
+        False: fidelity records only for the evicting cells (``full`` still generates its traces).
+    thinking
+        ``enable_thinking`` of Qwen3-style chat templates (None: the template's default).
+    max_chunk
+        Most tokens per forward pass in fidelity replays (None: the default).
+    """
+
+    datasets: tuple[tuple[str, int | None], ...]
+    cells: tuple[Cell, ...]
+    samples: Mapping[str, int] = field(hash=False)
+    sampling: Sampling = Sampling(512)
+    seed: int = 0
+    batch_size: int = 8
+    fidelity: bool | None = None
+    fidelity_tokens: int | None = None
+    generation: bool = True
+    thinking: bool | None = None
+    max_chunk: int | None = None
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        dataset: str | Sequence[str],
+        policies: str | Sequence[str] = ("full", "streaming"),
+        budgets: Sequence[int] = (256,),
+        buffer: int = DEFAULT_BUFFER,
+        options: Mapping[str, Mapping[str, Any]] | Sequence[str] | None = None,
+        quantized: int = 0,
+        bits: int | None = None,
+        limit: int | None = None,
+        samples: int | str | Mapping[str, int] = 1,
+        max_new_tokens: int = 512,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+        batch_size: int = 8,
+        fidelity: bool | None = None,
+        fidelity_tokens: int | None = None,
+        generation: bool = True,
+        thinking: bool | None = None,
+        max_chunk: int | None = None,
+    ) -> GridSpec:
+        """A grid from loose settings (strings as the command line gives them, or Python values).
+
+        ``dataset`` is a bundled benchmark or a JSONL path, several comma-separated, each optionally
+        ``NAME:LIMIT``; ``policies`` comma-separated names; ``options`` ``["key=value",
+        "policy.key=value"]`` or ``{policy: {key: value}}``; ``samples`` a count or per dataset
+        (``"aime25=64,math500=8"``).
+        """
+        datasets = tuple(parse_dataset_spec(dataset, limit))
+        per_dataset = parse_samples(samples, [name for name, _ in datasets])
+        _check_int("batch_size", batch_size, 1)
+        _check_int("seed", seed, 0)
+        if fidelity_tokens is not None:
+            _check_int("fidelity_tokens", fidelity_tokens, 1)
+        if max_chunk is not None:
+            _check_int("max_chunk", max_chunk, 1)
+        for name, value in (("generation", generation), ("fidelity", fidelity)):
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{name} must be True or False, got {value!r}")
+        if not generation:
+            if fidelity is False:
+                raise ValueError("fidelity-only (generation=False) with fidelity off would measure nothing")
+            fidelity = True
+        sampling = Sampling(max_new_tokens, temperature, top_p, top_k)
+        cells = make_cells(policies, budgets, buffer, options, quantized, bits)
+        return cls(
+            datasets=datasets,
+            cells=tuple(cells),
+            samples=per_dataset,
+            sampling=sampling,
+            seed=seed,
+            batch_size=batch_size,
+            fidelity=fidelity,
+            fidelity_tokens=fidelity_tokens,
+            generation=generation,
+            thinking=thinking,
+            max_chunk=max_chunk,
+        )
+
+    @property
+    def replay_tokens(self) -> int:
+        """Tokens of the full-cache traces that fidelity replays."""
+        return self.fidelity_tokens or self.sampling.max_new_tokens
+
+    def samples_for(self, dataset: str, cell: Cell) -> int:
+        """Samples of each problem of ``dataset`` in ``cell``: one where the output cannot differ."""
+        return self.samples[dataset] if (self.sampling.temperature > 0 or cell.stochastic) else 1
