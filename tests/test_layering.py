@@ -13,7 +13,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src" / "reasonkv"
 
 # The only modules that import transformers: the run-time seam, the Cache subclass, model loading.
-TRANSFORMERS_IMPORTERS = ("hf/", "models/", "cache/storage.py")
+TRANSFORMERS_IMPORTERS = ("hf/", "models/", "cache/storage.py", "cache/layer.py")
 # Engine-free: torch only, and nothing above them (the policies and their API, the quantized tier's codes).
 ENGINE_FREE = ("policies/", "cache/tiers.py", "cache/quantize.py")
 # Deprecated aliases of moved modules: they only forward.
@@ -127,7 +127,7 @@ def test_modules_stay_small_unless_they_are_one_concept():
         text = path.read_text(encoding="utf-8")
         lines = len(text.splitlines())
         docstring = ast.get_docstring(ast.parse(text)) or ""
-        if lines > MAX_LINES and "one concept" not in docstring:
+        if lines > MAX_LINES and "one concept" not in docstring.lower():
             big.append(f"{path.relative_to(SRC).as_posix()}: {lines} lines")
     assert not big, f"modules over {MAX_LINES} lines whose docstring does not say they are one concept: {big}"
 

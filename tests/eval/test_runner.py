@@ -128,10 +128,8 @@ def test_records_hold_the_grade_of_the_output(dataset, tmp_path, monkeypatch):
     assert len(by_length) == 3
 
     def fake_generate(model, tokenizer, prompts, **kwargs):
-        stats = dict(
-            evictions=0, peak_slots=99, peak_row_tokens=9, prefill_seconds=0.1, decode_seconds=0.2, tokens_per_second=5.0,
-            batch_size=len(prompts), peak_kv_bytes=1, peak_memory_bytes=1,
-        )  # fmt: skip
+        stats = dict(evictions=0, peak_slots=99, peak_row_tokens=9, prefill_seconds=0.1, decode_seconds=0.2)
+        stats.update(tokens_per_second=5.0, batch_size=len(prompts), peak_kv_bytes=1, peak_memory_bytes=1)
         return [GenerationResult(outputs[by_length[len(ids)]], [5, 6, 7, 2], len(ids), "eos", stats) for ids in prompts]
 
     monkeypatch.setattr(reasonkv.eval.decoding, "generate", fake_generate)

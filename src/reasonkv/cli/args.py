@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from reasonkv.cache import DEFAULT_BUFFER
+from reasonkv.cache.spec import DEFAULT_BUFFER
 from reasonkv.models import DEFAULT_MODEL, load_model
 
 

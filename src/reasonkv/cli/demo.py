@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from reasonkv.cache import CacheSpec
+from reasonkv.cache.spec import CacheSpec
 from reasonkv.cli.args import add_model_arguments, add_policy_options, load_model_from
 from reasonkv.cli.generate import chat_format
 from reasonkv.generation import generate

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from reasonkv.cache import CacheSpec
+from reasonkv.cache.spec import CacheSpec
 from reasonkv.cli.args import (
     add_buffer_argument,
     add_model_arguments,

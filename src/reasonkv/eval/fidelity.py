@@ -37,8 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
-from reasonkv.cache import CacheSpec, EvictingCache
-from reasonkv.cache.spec import resolve_spec
+from reasonkv.cache.evicting import EvictingCache
+from reasonkv.cache.spec import CacheSpec, resolve_spec
 from reasonkv.eval.datasets import Problem
 from reasonkv.eval.references import answer_span, clean_solution, token_span
 from reasonkv.hf import Forward, left_pad

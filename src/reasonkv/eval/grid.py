@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from reasonkv.cache import DEFAULT_BUFFER, CacheSpec
+from reasonkv.cache.spec import DEFAULT_BUFFER, CacheSpec
 from reasonkv.generation.sampling import Sampling
 from reasonkv.policies import options_by_policy, policy_class
 

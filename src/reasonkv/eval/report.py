@@ -38,7 +38,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from reasonkv.eval.manifest import describe
 from reasonkv.eval.records import KEY_FIELDS, iter_records, unit_key
+from reasonkv.eval.shards import shard_files
+from reasonkv.outputs import claim_folder
 
 __all__ = [
     "Row",
@@ -144,8 +147,6 @@ class Row:
 
 
 def _run_files(path: str | os.PathLike[str]) -> list[Path]:
-    from reasonkv.eval.shards import shard_files
-
     path = Path(path)
     files = ([path] if path.is_file() else []) + [p for p, _ in shard_files(path)]
     if not files:
@@ -369,8 +370,6 @@ def _cells(r: Row, uniform: bool) -> list[str]:
 
 def markdown(rows: Sequence[Row], *, source: str | None = None, manifests: Sequence[dict[str, Any]] = ()) -> str:
     """The report as markdown: the runs' manifests, then one table per section."""
-    from reasonkv.eval.manifest import describe
-
     lines = ["# Evaluation report", ""]
     if source:
         lines += [f"Source: {source}", ""]
@@ -564,8 +563,6 @@ def write_report(
     :mod:`reasonkv.outputs`); it is locked while the report is written.
     Returns ``{"markdown": path, "summary": path, "plots": [paths], "rows": [Row], "manifests": [dict]}``.
     """
-    from reasonkv.outputs import claim_folder
-
     paths = [results] if isinstance(results, (str, os.PathLike)) else list(results)
     records = load_results(paths, drop=("output_ids", "output_text"))
     if not any(r.get("kind") in (*KEY_FIELDS, "error") for r in records):

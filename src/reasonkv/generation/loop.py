@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from reasonkv.cache import CacheSpec, EvictingCache
-from reasonkv.cache.spec import resolve_spec
+from reasonkv.cache.evicting import EvictingCache
+from reasonkv.cache.spec import CacheSpec, resolve_spec
 from reasonkv.generation.inputs import check_flags, encode_prompts, eos_ids, stop_strings, vocab_size
 from reasonkv.generation.rows import Rows
 from reasonkv.generation.sampling import Sampling

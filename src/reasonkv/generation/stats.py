@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from reasonkv.cache import EvictingCache
+from reasonkv.cache.evicting import EvictingCache
 from reasonkv.generation.rows import Rows
 from reasonkv.hf import synchronize
 

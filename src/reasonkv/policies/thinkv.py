@@ -1,5 +1,7 @@
 """ThinKV: thought-adaptive KV cache eviction for reasoning models (Ramachandran et al., ICLR 2026).
 
+One concept in one file (the method: segmentation, thought types, the retention schedule, K-means).
+
 The decoding trace is cut into fixed-length *thought segments*; each segment is typed as
 reasoning, execution or transition by the attention sparsity of the newest query when it starts
 (the paper's thought decomposition, §4.1), and eviction follows the paper's "Think Before you
