@@ -12,8 +12,21 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "reasonkv"
 
-# The only modules that import transformers: the run-time seam, the Cache subclass, the loader.
-TRANSFORMERS_IMPORTERS = {"hf/model.py", "hf/forward.py", "hf/masks.py", "hf/tap.py", "cache.py", "models.py"}
+# The only modules that import transformers: the run-time seam, the Cache subclass, the loaders (in models/,
+# all but the dtype/device checks and the file checks; bundled.py and load.py for type hints only).
+TRANSFORMERS_IMPORTERS = {
+    "hf/model.py",
+    "hf/forward.py",
+    "hf/masks.py",
+    "hf/tap.py",
+    "cache.py",
+    "models/shapes.py",
+    "models/checkpoint.py",
+    "models/gguf.py",
+    "models/bundled.py",
+    "models/hub.py",
+    "models/load.py",
+}
 # Engine-free floor: torch only, and nothing above it.
 FLOOR = {
     "contract.py",
@@ -66,6 +79,27 @@ def test_eval_bench_analysis_import_nothing_from_the_command_layer():
         if name.split("/")[0] in ("eval", "bench", "analysis", "hf") or name in FLOOR:
             upward = {i for i in _imports(tree) if i.startswith(("reasonkv.commands", "reasonkv.cli"))}
             assert not upward, f"{name} imports the command layer: {sorted(upward)}"
+
+
+# models/ from the bottom up: each module imports only modules of models/ listed before it, and reasonkv's
+# modules only at its top.
+MODELS_ORDER = ["devices", "files", "shapes", "checkpoint", "gguf", "bundled", "hub", "load", "__init__"]
+
+
+def test_models_modules_import_downwards_and_at_the_top():
+    found = set()
+    for name, tree in _modules():
+        if not name.startswith("models/"):
+            continue
+        module = name.removeprefix("models/").removesuffix(".py")
+        found.add(module)
+        definitions = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+        inside = {i for node in definitions for i in _imports(node) if i.split(".")[0] == "reasonkv"}
+        assert not inside, f"{name} imports {sorted(inside)} inside a function or class"
+        own = {i.removeprefix("reasonkv.models.") for i in _imports(tree) if i.startswith("reasonkv.models.")}
+        below = set(MODELS_ORDER[: MODELS_ORDER.index(module)])
+        assert own <= below, f"{name} imports {sorted(own - below)}, which are not below it"
+    assert found == set(MODELS_ORDER)
 
 
 # `._name` reads on objects that come from transformers. The one sanctioned read is the model's

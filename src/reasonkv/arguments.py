@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-DEFAULT_MODEL = "smollm2-135m"
+from reasonkv.models import DEFAULT_MODEL
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, *, dtype: str = "fp32") -> None:
