@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import fnmatch
 import importlib.metadata
 import re
 import sys
@@ -58,3 +59,16 @@ def test_the_test_extra_adds_only_test_tools():
     extras = project.get("optional-dependencies", {})
     assert set(extras) == {"test"}, "a command must not need an extra: make it a dependency instead"
     assert {normalise(r.split(">")[0].split("=")[0]) for r in extras["test"]} == {"pytest", "ruff"}
+
+
+def test_every_data_file_is_package_data():
+    # A data file that no pattern names is left out of the installed package (the shape configs once moved).
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
+    patterns = setuptools["package-data"]["reasonkv"]
+    package = ROOT / "src" / "reasonkv"
+    data = [
+        p.relative_to(package).as_posix() for p in package.rglob("*") if p.is_file() and p.suffix not in (".py", ".pyc")
+    ]
+    assert data, "no data files found"
+    unlisted = [name for name in data if not any(fnmatch.fnmatch(name, pattern) for pattern in patterns)]
+    assert not unlisted, f"data files missing from [tool.setuptools.package-data] in pyproject.toml: {unlisted}"

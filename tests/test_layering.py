@@ -12,8 +12,19 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "reasonkv"
 
-# The only modules that import transformers: the run-time seam, the Cache subclass, model loading.
-TRANSFORMERS_IMPORTERS = ("hf/", "models/", "cache/storage.py", "cache/layer.py")
+# The only modules that import transformers: the run-time seam, the Cache and its layer, the loaders (in
+# models/, all but the dtype/device checks and the file checks; bundled.py and load.py for type hints only).
+TRANSFORMERS_IMPORTERS = (
+    "hf/",
+    "cache/storage.py",
+    "cache/layer.py",
+    "models/shapes.py",
+    "models/checkpoint.py",
+    "models/gguf.py",
+    "models/bundled.py",
+    "models/hub.py",
+    "models/load.py",
+)
 # Engine-free: torch only, and nothing above them (the policies and their API, the quantized tier's codes).
 ENGINE_FREE = ("policies/", "cache/tiers.py", "cache/quantize.py")
 # Deprecated aliases of moved modules: they only forward.
@@ -135,6 +146,27 @@ def test_modules_stay_small_unless_they_are_one_concept():
 def test_the_root_holds_only_the_entry_points_and_aliases():
     root = {p.name for p in SRC.glob("*.py")}
     assert root <= {"__init__.py", "__main__.py"} | ALIASES, f"modules at the package root: {sorted(root)}"
+
+
+# models/ from the bottom up: each module imports only modules of models/ listed before it, and reasonkv's
+# modules only at its top.
+MODELS_ORDER = ["devices", "files", "shapes", "checkpoint", "gguf", "bundled", "hub", "load", "__init__"]
+
+
+def test_models_modules_import_downwards_and_at_the_top():
+    found = set()
+    for name, tree in _modules():
+        if not name.startswith("models/"):
+            continue
+        module = name.removeprefix("models/").removesuffix(".py")
+        found.add(module)
+        definitions = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+        inside = {i for node in definitions for i in _imports(node) if i.split(".")[0] == "reasonkv"}
+        assert not inside, f"{name} imports {sorted(inside)} inside a function or class"
+        own = {i.removeprefix("reasonkv.models.") for i in _imports(tree) if i.startswith("reasonkv.models.")}
+        below = set(MODELS_ORDER[: MODELS_ORDER.index(module)])
+        assert own <= below, f"{name} imports {sorted(own - below)}, which are not below it"
+    assert found == set(MODELS_ORDER)
 
 
 # `._name` reads on objects that come from transformers. The one sanctioned read is the model's

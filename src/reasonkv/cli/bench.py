@@ -31,8 +31,7 @@ from pathlib import Path
 
 from reasonkv.bench.plan import DEFAULT_LENGTHS, EVICTION, SWEEP, TRANSFORMERS, Plan, build_plan
 from reasonkv.cli.args import add_buffer_argument, add_policy_options, quantized_argument
-
-DEFAULT_MODEL = "smollm2-135m"
+from reasonkv.models import DEFAULT_MODEL
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -3,7 +3,7 @@
 facts (:mod:`~reasonkv.hf.model`), and the attention tap (:mod:`~reasonkv.hf.tap`).
 
 ``cache.py`` subclasses transformers' ``Cache`` (the extension point transformers offers) and
-``models.py`` loads checkpoints; nothing else in reasonkv imports transformers.
+``models/`` loads checkpoints; nothing else in reasonkv imports transformers.
 """
 
 from reasonkv.hf.forward import (

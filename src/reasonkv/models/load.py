@@ -1,0 +1,107 @@
+""":func:`load_model`: check the settings, tell which kind of name was given, and hand it to its loader."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from reasonkv.models.bundled import bundled_model, load_bundled
+from reasonkv.models.checkpoint import load_directory
+from reasonkv.models.devices import resolve_attn_implementation, resolve_device, resolve_dtype
+from reasonkv.models.gguf import load_gguf
+from reasonkv.models.hub import load_hub_id
+from reasonkv.models.shapes import SHAPE_PREFIX, random_model
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+__all__ = ["load_model"]
+
+
+def load_model(
+    name: str | os.PathLike[str],
+    *,
+    dtype: str | torch.dtype = "fp32",
+    device: str | torch.device = "cpu",
+    attn_implementation: str = "sdpa",
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
+    """Load a causal LM and its tokenizer.
+
+    Parameters
+    ----------
+    name
+        ``"smollm2-135m"`` / ``"default"`` (bundled SmolLM2-135M-Instruct), ``"gemma3-270m"``
+        (bundled Gemma 3 270M, a base model with sliding-window layers), ``"shape:<name>"``
+        (random weights, see :func:`~reasonkv.models.list_shapes`), a path to a ``.gguf`` file, a
+        local checkpoint directory, or a hub id.
+    dtype
+        ``"fp32"``, ``"bf16"`` or ``"fp16"`` (also ``"float32"``, ``"bfloat16"``, ``"float16"`` or a
+        ``torch.dtype``).
+    device
+        ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. Shapes also accept ``"meta"``.
+    attn_implementation
+        ``"sdpa"``, ``"eager"`` or ``"flash_attention_2"``.
+
+    Returns
+    -------
+    model, tokenizer
+        The model in eval mode, and its tokenizer with a pad token (eos if the checkpoint defines
+        none) and ``padding_side="left"``. The tokenizer is ``None`` for ``shape:`` names, whose
+        users feed token ids directly.
+
+    Raises
+    ------
+    ValueError
+        Bad dtype, device, attention implementation or shape name; a model file that is truncated or
+        corrupt, or whose weights hold NaN or inf values.
+    ImportError
+        A bundled model's package, or flash_attn for flash_attention_2, is not installed.
+    FileNotFoundError
+        A local-looking path that does not exist.
+    OSError
+        A hub id that cannot be resolved (at once when the hub cannot be reached and the id is not in
+        the local cache), an unreadable checkpoint file, or a cache directory that cannot be written.
+    """
+    name_str = os.fspath(name) if isinstance(name, os.PathLike) else name
+    if not isinstance(name_str, str) or not name_str.strip():
+        raise ValueError(f"Model name must be a non-empty string or path, got {name!r}.")
+    name_str = name_str.strip()
+    is_shape = name_str.startswith(SHAPE_PREFIX)
+
+    torch_dtype = resolve_dtype(dtype)
+    dev = resolve_device(device, allow_meta=is_shape)
+    attn = resolve_attn_implementation(attn_implementation, torch_dtype, dev)
+
+    if is_shape:
+        model = random_model(name_str[len(SHAPE_PREFIX) :], torch_dtype, dev, attn)
+        return model, None
+    bundled = bundled_model(name_str)
+    if bundled is not None:
+        return load_bundled(bundled, torch_dtype, dev, attn)
+
+    path = Path(name_str).expanduser()
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {name_str!r}.")
+        return load_gguf(path, torch_dtype, dev, attn)
+    if path.is_dir():
+        return load_directory(path, torch_dtype, dev, attn)
+    if path.exists():
+        raise ValueError(f"Cannot load model from {name_str!r}: expected a directory or a .gguf file.")
+    if _looks_local(name_str):
+        raise FileNotFoundError(f"Model path does not exist: {name_str!r}.")
+    return load_hub_id(name_str, torch_dtype, dev, attn)
+
+
+def _looks_local(name: str) -> bool:
+    """Whether a name that does not exist was meant as a filesystem path rather than a hub id."""
+    return (
+        os.path.isabs(name)
+        or name.startswith(("./", "../", "~", ".\\", "..\\"))
+        or name.count("/") > 1
+        or "\\" in name
+        or name in (".", "..")
+    )
