@@ -15,8 +15,9 @@ import reasonkv
 from conftest import NoEosTokenizer, tiny_llama
 from reasonkv.decode import GenerationResult
 from reasonkv.eval import collapse_flags, grade, load_dataset
-from reasonkv.eval.records import read_records, record_key
+from reasonkv.eval.records import record_key
 from reasonkv.eval.runner import make_cells, parse_dataset_spec, policy_options, run_grid, sample_seed
+from reasonkv.runs.store import read_records
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
 REPO = TESTS_DIR.parent

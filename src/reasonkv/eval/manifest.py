@@ -37,7 +37,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from reasonkv.machine import cpu_model
+from reasonkv.runs.machine import cpu_model
 
 __all__ = [
     "SETUP_FIELDS",

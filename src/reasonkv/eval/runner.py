@@ -22,7 +22,7 @@ number of processes; each unit ends up exactly once in ``out``.
 
 The first record of a results file is the run manifest (:mod:`reasonkv.eval.manifest`): a run
 with another setup (model, weights, dtype, sampling, ...) is refused, and an existing file that is
-not a results file is never written to (:mod:`reasonkv.outputs`).
+not a results file is never written to (:mod:`reasonkv.runs.outputs`).
 
 Seeds: sample ``s`` of problem ``p`` uses ``sample_seed(seed, p.id, s)`` (the first 31 bits of
 ``sha256(f"{seed}/{p.id}/{s}")``) for both its sampling and its eviction randomness, whatever the
@@ -88,6 +88,7 @@ from reasonkv.eval.datasets import Problem, load_dataset
 from reasonkv.eval.records import ResultsFile, scan_results, unit_key
 from reasonkv.eval.shards import Shard, lock_for_writing, merge_shards, shard_files, writer_path
 from reasonkv.eval.units import Unit, assign, grid_units
+from reasonkv.runs.outputs import refuse_inputs
 
 __all__ = [
     "Cell",
@@ -632,7 +633,6 @@ def run_grid(
     """
     from reasonkv.eval.manifest import check_compatible
     from reasonkv.eval.phases import Context, Ledger, run_fidelity, run_generation
-    from reasonkv.outputs import refuse_inputs
 
     # Validate everything that does not need the model before loading it.
     plan = plan_grid(
