@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from reasonkv.outputs import MARKER
+from reasonkv.runs.outputs import MARKER
 
 REPO = Path(__file__).resolve().parents[1]
 ABSENT = ("gguf", "math_verify", "matplotlib")  # not on the GPU machine (matplotlib is, but plots are off)

@@ -169,6 +169,15 @@ def test_models_modules_import_downwards_and_at_the_top():
     assert found == set(MODELS_ORDER)
 
 
+def test_runs_imports_nothing_above_it_and_no_torch():
+    for name, tree in _modules():
+        if name.startswith("runs/"):
+            imported = _imports(tree)
+            above = {i for i in imported if i.startswith("reasonkv") and not i.startswith("reasonkv.runs")}
+            assert not above, f"{name} reaches up to {sorted(above)}"
+            assert not {i for i in imported if i.split(".")[0] == "torch"}, f"{name} imports torch"
+
+
 # `._name` reads on objects that come from transformers. The one sanctioned read is the model's
 # attention implementation, which transformers exposes only as `config._attn_implementation`.
 _PRIVATE = re.compile(r"\b(config|model|AttentionInterface|ALL_ATTENTION_FUNCTIONS|AttentionMaskInterface)\)?\._[a-z]")

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from reasonkv.cli import main
-from reasonkv.outputs import OutputLock
+from reasonkv.runs.outputs import OutputLock
 
 
 def _calibrate(out, *extra) -> int:

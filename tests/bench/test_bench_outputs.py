@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from reasonkv.bench.store import ResultStore
 from reasonkv.cli import main
 
 SRC = Path(__file__).resolve().parents[2] / "src"
@@ -36,7 +38,7 @@ def test_a_bench_folder_from_before_markers_is_resumed_and_a_running_bench_locks
     (out / ".reasonkv.json").unlink()  # as written before markers existed
     assert main([*TINY, "--out", str(out)]) == 0
     assert "already in" in capsys.readouterr().err
-    hold = "import sys, time; from reasonkv.outputs import OutputLock; "
+    hold = "import sys, time; from reasonkv.runs.outputs import OutputLock; "
     hold += "OutputLock(sys.argv[1], 'bench', path=sys.argv[1] + '/.reasonkv.lock').acquire(); "
     hold += "print('held', flush=True); time.sleep(60)"
     child = subprocess.Popen(
@@ -52,3 +54,21 @@ def test_a_bench_folder_from_before_markers_is_resumed_and_a_running_bench_locks
         child.kill()
         child.wait(timeout=30)
     assert json.loads((out / ".reasonkv.json").read_text())["command"] == "bench"
+
+
+def test_a_resumed_results_file_loses_its_torn_line_not_the_next_record(tmp_path):
+    out = tmp_path / "run"
+    store = ResultStore(out)
+    first = store.add({"mode": "sweep", "policy": "full", "batch": 1, "status": "ok", "tokens_per_s": math.inf})
+    assert first["tokens_per_s"] is None  # JSON has no inf
+    with (out / "results.jsonl").open("a", encoding="utf-8") as handle:
+        handle.write('{"mode": "sweep", "policy": "streaming", "ba')  # killed while writing it
+    resumed = ResultStore(out)
+    assert resumed.records == [first]
+    resumed.add({"mode": "sweep", "policy": "streaming", "batch": 1, "status": "ok"})
+    assert [r["policy"] for r in ResultStore(out).records] == ["full", "streaming"]
+    with (out / "results.jsonl").open("a", encoding="utf-8") as handle:
+        handle.write("not a record\n")
+        handle.write(json.dumps(first) + "\n")
+    with pytest.raises(ValueError, match=r"results\.jsonl, line 3: not a JSON record"):
+        ResultStore(out)

@@ -10,9 +10,9 @@ import reasonkv
 import reasonkv.eval.decoding
 from conftest import NoEosTokenizer, tiny_llama
 from reasonkv.eval import fidelity as fid
-from reasonkv.eval.records import read_records
 from reasonkv.eval.report import load_results, summarize
 from reasonkv.eval.runner import run_grid
+from reasonkv.runs.store import read_records
 
 LONG = "Please add the following numbers carefully, one after another, and explain: 2+2?"
 PROBLEMS = [

@@ -13,8 +13,8 @@ import transformers
 
 from conftest import NoEosTokenizer, tiny_llama
 from reasonkv.eval.environment import weights_sha256
-from reasonkv.eval.records import read_records
 from reasonkv.eval.runner import run_grid
+from reasonkv.runs.store import read_records
 
 REPO = Path(__file__).resolve().parents[2]
 PROBLEMS = [

@@ -16,10 +16,11 @@ import reasonkv.eval.decoding
 from conftest import NoEosTokenizer, tiny_llama
 from reasonkv.eval import collapse_flags, grade, load_dataset
 from reasonkv.eval.grid import make_cells, parse_dataset_spec, policy_options
-from reasonkv.eval.records import read_records, record_key
+from reasonkv.eval.records import record_key
 from reasonkv.eval.runner import run_grid
 from reasonkv.eval.units import sample_seed
 from reasonkv.generation.loop import GenerationResult
+from reasonkv.runs.store import read_records
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
 REPO = TESTS_DIR.parent

@@ -16,11 +16,12 @@ import pytest
 from conftest import NoEosTokenizer, tiny_llama
 from reasonkv.eval.grid import make_cells
 from reasonkv.eval.plan import plan_grid
-from reasonkv.eval.records import read_records, unit_key
+from reasonkv.eval.records import unit_key
 from reasonkv.eval.runner import run_grid
 from reasonkv.eval.shards import Shard, merge_shards, shard_files, shard_path
 from reasonkv.eval.units import Unit, assign, decode_cost, grid_units
-from reasonkv.outputs import OutputLocked
+from reasonkv.runs.outputs import OutputLocked
+from reasonkv.runs.store import read_records
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
 REPO = TESTS_DIR.parent
@@ -233,7 +234,7 @@ def test_a_single_process_finishes_a_sharded_run_and_merges_it(dataset, tmp_path
 
 _HOLDER = """
 import sys, time
-from reasonkv.outputs import OutputLock
+from reasonkv.runs.outputs import OutputLock
 OutputLock(sys.argv[1], "eval", path=sys.argv[2]).acquire()
 print("held", flush=True)
 time.sleep(120)

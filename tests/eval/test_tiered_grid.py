@@ -8,8 +8,8 @@ import pytest
 
 from conftest import NoEosTokenizer, tiny_llama
 from reasonkv.eval.grid import make_cells
-from reasonkv.eval.records import read_records as read_all
 from reasonkv.eval.runner import run_grid
+from reasonkv.runs.store import read_records as read_all
 
 PROBLEMS = [
     {"id": "p1", "problem": "What is 2+2?", "answer": "4", "solution": "2+2 = <<2+2=4>>4.\n#### 4"},

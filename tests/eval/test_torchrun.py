@@ -15,9 +15,10 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from reasonkv.eval.records import read_records, unit_key
+from reasonkv.eval.records import unit_key
 from reasonkv.eval.runner import run_grid
 from reasonkv.eval.shards import shard_files
+from reasonkv.runs.store import read_records
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parents[1] / "src"

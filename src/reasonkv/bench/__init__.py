@@ -9,7 +9,8 @@ Modules, one job each:
 - :mod:`~reasonkv.bench.memory`: exact KV bytes, weights, peak-memory readers, the max-batch model;
 - :mod:`~reasonkv.bench.maxbatch`: largest batch within a memory limit and its throughput;
 - :mod:`~reasonkv.bench.plan`: argument checking; :mod:`~reasonkv.bench.store`: results on disk,
-  resume; :mod:`~reasonkv.bench.report`: overhead summary and markdown;
+  resume; :mod:`~reasonkv.bench.machine`: what it measured on; :mod:`~reasonkv.bench.report`: overhead
+  summary and markdown;
   :mod:`~reasonkv.bench.plots`: PNGs; :mod:`~reasonkv.cli.bench`: the command.
 """
 

@@ -6,32 +6,22 @@ different one is refused, so one folder never mixes numbers from two set-ups.
 
 The folder is claimed first (:func:`claim_output`): it must be a bench folder of this tool (its
 marker, or a ``results.jsonl`` of bench records from before markers existed), a new folder, or one
-without any of the files a bench writes; it stays locked while the bench runs (see :mod:`reasonkv.outputs`).
+without any of the files a bench writes; it stays locked while the bench runs (see
+:mod:`reasonkv.runs.outputs`). ``results.jsonl`` is a :class:`reasonkv.runs.store.JsonlStore` under
+that lock.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import json
-import math
 import os
-import platform
-import tempfile
 from pathlib import Path
 
-from reasonkv.machine import cpu_model
+from reasonkv.runs.outputs import ClaimedFolder, claim_folder
+from reasonkv.runs.store import JsonlStore, json_safe, read_records
 
-__all__ = [
-    "OUTPUT_FILES",
-    "RESULTS_FILE",
-    "ResultStore",
-    "claim_output",
-    "entry_key",
-    "json_safe",
-    "machine_info",
-    "now_iso",
-    "write_atomic",
-]
+__all__ = ["OUTPUT_FILES", "RESULTS_FILE", "ResultStore", "claim_output", "entry_key", "now_iso"]
 
 RESULTS_FILE = "results.jsonl"
 #: Every file a bench writes into its folder.
@@ -49,10 +39,8 @@ def _is_old_bench_folder(folder: Path) -> bool:
     return isinstance(first, dict) and {"mode", "policy", "status"} <= set(first)
 
 
-def claim_output(out: str | os.PathLike[str]):
-    """Claim and lock the bench's ``--out`` folder (a :class:`reasonkv.outputs.ClaimedFolder`)."""
-    from reasonkv.outputs import claim_folder
-
+def claim_output(out: str | os.PathLike[str]) -> ClaimedFolder:
+    """Claim and lock the bench's ``--out`` folder."""
     return claim_folder(out, "bench", OUTPUT_FILES, recognise=_is_old_bench_folder)
 
 
@@ -64,34 +52,6 @@ def entry_key(mode: str, policy: str, batch: int | None, options: dict) -> tuple
     return (mode, policy, batch, json.dumps(options, sort_keys=True, default=str))
 
 
-def json_safe(value):
-    """JSON-safe copy: NaN/inf become None, tuples lists, unknown objects strings."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {str(k): json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    if value is None or isinstance(value, (str, int, bool)):
-        return value
-    return str(value)
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename (never a half-written file)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the usual permissions
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 class ResultStore:
     """The records of one output folder (``results.jsonl``)."""
 
@@ -101,15 +61,8 @@ class ResultStore:
             raise ValueError(f"--out {str(self.out)!r} exists and is not a folder")
         self.out.mkdir(parents=True, exist_ok=True)
         self.path = self.out / RESULTS_FILE
-        self.records: list[dict] = []
-        if self.path.is_file():
-            for line in self.path.read_text(encoding="utf-8").splitlines():
-                if not line.strip():
-                    continue
-                try:
-                    self.records.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue  # the last line of a run killed while writing it
+        self._file = JsonlStore(self.path, fsync=True)  # the claimed folder's lock covers it
+        self.records: list[dict] = read_records(self.path)
 
     def ok(self, mode: str | None = None) -> list[dict]:
         """Finished records (optionally of one mode), the latest per entry."""
@@ -161,43 +114,11 @@ class ResultStore:
         before = len(self.records)
         self.records = [r for r in self.records if not dropped(r)]
         if len(self.records) != before:
-            self._rewrite()
+            self._file.rewrite(self.records)
         return before - len(self.records)
 
     def add(self, record: dict) -> dict:
-        record = json_safe(record)
+        """Append ``record`` (made JSON-safe) to the file, on disk at once; returns it as it reads back."""
+        record = self._file.append(record)
         self.records.append(record)
-        with self.path.open("a", encoding="utf-8") as handle:
-            handle.write(json.dumps(record, separators=(",", ":")) + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
         return record
-
-    def _rewrite(self) -> None:
-        write_atomic(self.path, "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in self.records))
-
-
-def machine_info(device) -> dict:
-    """CPU, GPU, library versions: what the numbers were measured on."""
-    import torch
-
-    import reasonkv
-    from reasonkv.hf import transformers_version
-
-    info = {
-        "cpu": cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers_version(),
-        "reasonkv": reasonkv.__version__,
-        "cuda": torch.version.cuda,
-        "gpu": None,
-        "gpu_memory_bytes": None,
-    }
-    if getattr(device, "type", None) == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        info.update(gpu=props.name, gpu_memory_bytes=int(props.total_memory))
-    return info

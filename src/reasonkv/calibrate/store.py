@@ -1,29 +1,32 @@
 """Append-only JSONL files of per-trace records that a killed run resumes from.
 
-Every record carries the ``settings`` it was computed with and an ``id``. Opening a store reads the
-records already there; a run skips the ids it finds and appends the rest, one flushed line per
-record, so an interruption loses at most the record being written (a torn last line is dropped when
-the file is next opened). Records written with other settings are never mixed with new ones: the
-store refuses them (``on_mismatch="error"``, for expensive records) or starts the file afresh
-(``on_mismatch="replace"``, for records that are cheap to recompute).
+Every record carries the ``settings`` it was computed with and an ``id``. Each file is a
+:class:`reasonkv.runs.store.JsonlStore`: opening a store reads the records already there; a run skips
+the ids it finds and appends the rest, one flushed line per record, so an interruption loses at most
+the record being written (a torn last line is cut off when the file is next opened). Records written
+with other settings are never mixed with new ones: the store refuses them (``on_mismatch="error"``,
+for expensive records) or starts the file afresh (``on_mismatch="replace"``, for records that are
+cheap to recompute).
 
 Floats that are not finite are written as ``null`` (JSON has no NaN); ``numpy.asarray(values,
 dtype=float)`` reads them back as ``nan``.
 
 The stores live in the ``calibrate --out`` folder, which is claimed and locked first
-(:func:`claim_output`, see :mod:`reasonkv.outputs`): only then may a store rewrite or replace its file.
+(:func:`claim_output`, see :mod:`reasonkv.runs.outputs`): only then may a store rewrite or replace its file.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["OUTPUT_FILES", "RecordStore", "claim_output", "json_safe"]
+from reasonkv.runs.outputs import ClaimedFolder, claim_folder
+from reasonkv.runs.store import JsonlStore, numbered_records
+
+__all__ = ["OUTPUT_FILES", "RecordStore", "claim_output"]
 
 #: Every file ``reasonkv calibrate`` writes into its folder.
 OUTPUT_FILES = ("labels.jsonl", "signals.jsonl", "calibration.json", "correlation.png", "summary.md", "results.json")
@@ -42,22 +45,9 @@ def _is_old_calibrate_folder(folder: Path) -> bool:
     return False
 
 
-def claim_output(out: str | os.PathLike, inputs=()):
-    """Claim and lock the ``calibrate --out`` folder (a :class:`reasonkv.outputs.ClaimedFolder`)."""
-    from reasonkv.outputs import claim_folder
-
+def claim_output(out: str | os.PathLike, inputs=()) -> ClaimedFolder:
+    """Claim and lock the ``calibrate --out`` folder."""
     return claim_folder(out, "calibrate", OUTPUT_FILES, recognise=_is_old_calibrate_folder, inputs=inputs)
-
-
-def json_safe(value: Any) -> Any:
-    """``value`` with every non-finite float (also inside lists and dicts) replaced by ``None``."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, Mapping):
-        return {str(k): json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value
 
 
 class RecordStore:
@@ -66,7 +56,7 @@ class RecordStore:
     Parameters
     ----------
     path : path
-        The file (created with its folder on the first append).
+        The file (created by the first append; its folder when the store opens).
     settings : mapping
         JSON-serialisable settings the records depend on; compared with every stored record.
     on_mismatch : {"error", "replace"}
@@ -79,25 +69,17 @@ class RecordStore:
         self.path = Path(path)
         self.settings = json.loads(json.dumps(dict(settings)))  # normalised as it will be read back
         self.records: dict[str, dict[str, Any]] = {}
+        self._file = JsonlStore(self.path, fsync=True)  # the claimed folder's lock covers it
         self._load(on_mismatch)
+        self._file.start()  # cuts off the torn line of an interrupted run
 
     def _load(self, on_mismatch: str) -> None:
-        if not self.path.exists():
-            return
-        lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True)
-        kept = []
-        for number, line in enumerate(lines, start=1):
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                if number == len(lines):  # torn by an interruption: recompute that record
-                    break
-                raise ValueError(f"{self.path}, line {number}: not a JSON record") from None
-            if not isinstance(record, dict) or "id" not in record:
+        for number, record in numbered_records(self.path):
+            if "id" not in record:
                 raise ValueError(f"{self.path}, line {number}: not a record of reasonkv calibrate")
             if record.get("settings") != self.settings:
                 if on_mismatch == "replace":
-                    self.path.unlink()
+                    self._file.discard()
                     self.records = {}
                     return
                 raise ValueError(
@@ -106,9 +88,6 @@ class RecordStore:
                     "use another output folder or delete the file"
                 )
             self.records[str(record["id"])] = record
-            kept.append(line if line.endswith("\n") else line + "\n")
-        if len(kept) != len(lines):
-            self.path.write_text("".join(kept), encoding="utf-8")
 
     def __contains__(self, trace_id: str) -> bool:
         return trace_id in self.records
@@ -118,14 +97,7 @@ class RecordStore:
 
     def append(self, record: Mapping[str, Any]) -> dict[str, Any]:
         """Write one record (its ``settings`` are set here) and flush it to disk."""
-        record = json_safe({**record, "settings": self.settings})
-        line = json.dumps(record, allow_nan=False, separators=(",", ":"))
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("a", encoding="utf-8") as handle:
-            handle.write(line + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        stored = json.loads(line)
+        stored = self._file.append({**record, "settings": self.settings})
         self.records[str(stored["id"])] = stored
         return stored
 

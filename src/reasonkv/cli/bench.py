@@ -30,8 +30,11 @@ import time
 from pathlib import Path
 
 from reasonkv.bench.plan import DEFAULT_LENGTHS, EVICTION, SWEEP, TRANSFORMERS, Plan, build_plan
+from reasonkv.bench.store import ResultStore, claim_output, entry_key, now_iso
 from reasonkv.cli.args import add_buffer_argument, add_policy_options, quantized_argument
 from reasonkv.models import DEFAULT_MODEL
+from reasonkv.runs.outputs import write_atomic
+from reasonkv.runs.store import json_safe
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -303,7 +306,6 @@ def _write_reports(store, meta: dict, *, plots: bool) -> None:
     import json
 
     from reasonkv.bench.report import markdown, summarise
-    from reasonkv.bench.store import json_safe, write_atomic
 
     records = store.ok()
     summary = summarise(records)
@@ -324,8 +326,6 @@ def _interrupt(signum, frame):
 
 
 def run(args: argparse.Namespace) -> int:
-    from reasonkv.bench.store import claim_output
-
     plan = build_plan(args)  # bad arguments fail before the folder is touched
     with claim_output(args.out):
         return _run(args, plan)
@@ -334,9 +334,9 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, plan: Plan) -> int:
     import torch
 
+    from reasonkv.bench.machine import machine_info
     from reasonkv.bench.measure import model_dtype, warm_up
     from reasonkv.bench.memory import kv_bytes_per_token, weight_bytes
-    from reasonkv.bench.store import ResultStore, entry_key, machine_info, now_iso
 
     if args.threads is not None:
         if args.threads < 1:

@@ -11,7 +11,7 @@ import argparse
 import importlib.metadata
 import re
 
-from reasonkv.oom import is_out_of_memory
+from reasonkv.runs.oom import is_out_of_memory
 
 # Raised for what the user gave or has: bad values, paths, files, hub ids, installs.
 USER_ERRORS = (ValueError, OSError, ImportError, MemoryError)

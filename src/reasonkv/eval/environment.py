@@ -12,7 +12,7 @@ import torch
 import reasonkv
 from reasonkv.eval.manifest import git_commit
 from reasonkv.hf import transformers_version
-from reasonkv.machine import cpu_model
+from reasonkv.runs.machine import cpu_model
 
 __all__ = ["environment", "weights_sha256"]
 

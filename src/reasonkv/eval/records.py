@@ -7,11 +7,11 @@ Record kinds
     with the unit's identity fields, ``unit`` (the kind of record it would have been) and ``error``
     (the reason).
 
-A file is this tool's own when its first line is a manifest and every other complete line is a record
-of one of these kinds (:func:`scan_results`); nothing else is ever written to (see
-:mod:`reasonkv.outputs`). A run that is killed leaves at worst one torn last line (no newline):
-readers skip it and :class:`ResultsFile` cuts it off before appending. A malformed line anywhere else
-is an error (the file was edited or two writers collided), never skipped silently.
+A results file is a :class:`reasonkv.runs.store.JsonlStore` (read back with
+:func:`reasonkv.runs.store.iter_records`: a torn last line is skipped, a malformed line anywhere else
+is an error). It is this tool's own when its first line is a manifest and every other complete line
+is a record of one of these kinds (:func:`scan_results`); nothing else is ever written to (see
+:mod:`reasonkv.runs.outputs`).
 
 :func:`unit_key` names the unit of work a record completes (or failed), so a rerun skips exactly the
 work already on disk.
@@ -22,22 +22,13 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from reasonkv.outputs import OutputLock, create_exclusive
+from reasonkv.runs.store import JsonlStore, iter_records
 
-__all__ = [
-    "KEY_FIELDS",
-    "KINDS",
-    "ResultsFile",
-    "iter_records",
-    "read_records",
-    "record_key",
-    "scan_results",
-    "unit_key",
-]
+__all__ = ["KEY_FIELDS", "KINDS", "ResultsFile", "record_key", "scan_results", "unit_key"]
 
 #: The fields that identify a unit of work, per record kind. Two records with the same key are the
 #: same work: a rerun skips it. Everything that changes the result is in the key.
@@ -113,36 +104,6 @@ def _jsonable(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
 
-def iter_records(path: str | os.PathLike[str], *, raw: bool = False) -> Iterator[Any]:
-    """The complete records of a results file, one at a time (nothing when it does not exist).
-
-    A last line without a newline that is not valid JSON (a run killed mid-write) is skipped; any
-    other line that is not a JSON object raises ``ValueError`` naming the file and line. With ``raw``
-    each item is ``(record, line_bytes)``.
-    """
-    path = Path(path)
-    if not path.exists():
-        return
-    with open(path, "rb") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError) as error:
-                if not line.endswith(b"\n"):
-                    return  # the tail of an interrupted write (only the last line can lack its newline)
-                raise ValueError(f"{path}, line {number}: not a JSON record ({error})") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}, line {number}: expected a JSON object, got {type(record).__name__}")
-            yield (record, line if line.endswith(b"\n") else line + b"\n") if raw else record
-
-
-def read_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """All complete records of a results file (``[]`` when it does not exist); see :func:`iter_records`."""
-    return list(iter_records(path))
-
-
 def _not_ours(path: Path, why: str) -> ValueError:
     return ValueError(f"{path} is not a reasonkv results file ({why}): nothing was written to it; use another --out")
 
@@ -203,11 +164,16 @@ def scan_results(
     return manifests
 
 
+def _line(record: Mapping[str, Any]) -> str:
+    # Results keep their text readable (not ASCII-escaped) and write NaN as JSON's common extension.
+    return json.dumps(dict(record), ensure_ascii=False, default=str)
+
+
 class ResultsFile:
     """The results file one process appends to: owned, locked, its manifest first.
 
-    Opening it takes the lock (see :mod:`reasonkv.outputs`), checks that an existing file is a results
-    file (:func:`scan_results`; ``visit`` sees its records), hands its manifests to ``check``
+    Opening it takes the lock (see :mod:`reasonkv.runs.outputs`), checks that an existing file is a
+    results file (:func:`scan_results`; ``visit`` sees its records), hands its manifests to ``check``
     (which raises to refuse them), cuts off a torn last line, and writes ``manifest`` (a new file is
     created holding it; an existing one gets it appended unless a manifest with its ``id`` is there).
     :meth:`append` writes one record, flushed to the operating system, so a process killed at any point
@@ -240,72 +206,31 @@ class ResultsFile:
         fsync: bool = False,
     ):
         self.path = Path(path)
-        self.fsync = fsync
         if manifest.get("kind") != "manifest" or not manifest.get("id"):
             raise ValueError("a results file starts with a manifest record (kind 'manifest', with an id)")
         scan_results(self.path, first_only=True)  # refuse a foreign file before creating its lock file
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock = OutputLock(self.path, "eval").acquire() if lock else None
+        self._store = JsonlStore(self.path, lock="eval" if lock else None, encode=_line, fsync=fsync)
         try:
             manifests = scan_results(self.path, visit)
             if check is not None and manifests:
                 check(manifests)
             self.manifests = list(manifests) or [json.loads(json.dumps(dict(manifest), default=str))]
-            line = (json.dumps(dict(manifest), ensure_ascii=False, default=str) + "\n").encode("utf-8")
-            if not self.path.exists():
-                create_exclusive(self.path, line)
-            else:
-                self._drop_incomplete_tail()
-                if manifest["id"] not in {m.get("id") for m in manifests}:
-                    with open(self.path, "ab") as handle:
-                        handle.write(line)
-                    self.manifests.append(json.loads(line))
-            self._handle = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+            created = self._store.start(header=manifest)
+            if not created and manifest["id"] not in {m.get("id") for m in manifests}:
+                self.manifests.append(self._store.append(manifest))
         except BaseException:
-            self.release_lock()
+            self._store.close()
             raise
-
-    def _drop_incomplete_tail(self) -> None:
-        with open(self.path, "r+b") as handle:
-            size = handle.seek(0, os.SEEK_END)
-            tail = b""
-            while len(tail) < size and b"\n" not in tail:  # read back to the last newline
-                step = min(1 << 20, size - len(tail))
-                handle.seek(size - len(tail) - step)
-                tail = handle.read(step) + tail
-            if not tail or tail.endswith(b"\n"):
-                return
-            cut = tail.rfind(b"\n") + 1
-            try:
-                json.loads(tail[cut:])
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                handle.truncate(size - len(tail) + cut)
-                return
-            handle.seek(0, os.SEEK_END)
-            handle.write(b"\n")  # a complete record that only lacks its newline
 
     def append(self, record: Mapping[str, Any]) -> None:
         """Write one record as a line and flush it."""
         if record.get("kind") not in KINDS:
             raise ValueError(f"record kind must be one of {KINDS}, got {record.get('kind')!r}")
-        line = json.dumps(record, ensure_ascii=False, default=str, allow_nan=True)
-        self._handle.write(line + "\n")
-        self._handle.flush()
-        if self.fsync:
-            os.fsync(self._handle.fileno())
-
-    def release_lock(self) -> None:
-        if self._lock is not None:
-            self._lock.release()
+        self._store.append(record)
 
     def close(self) -> None:
-        """Close the file and release its lock."""
-        handle = getattr(self, "_handle", None)
-        if handle is not None and not handle.closed:
-            handle.flush()
-            os.fsync(handle.fileno())
-            handle.close()
-        self.release_lock()
+        """Force the records to disk and release the file's lock."""
+        self._store.close()
 
     def __enter__(self) -> ResultsFile:
         return self

@@ -39,9 +39,10 @@ from pathlib import Path
 from typing import Any
 
 from reasonkv.eval.manifest import describe
-from reasonkv.eval.records import KEY_FIELDS, iter_records, unit_key
+from reasonkv.eval.records import KEY_FIELDS, unit_key
 from reasonkv.eval.shards import shard_files
-from reasonkv.outputs import claim_folder
+from reasonkv.runs.outputs import claim_folder
+from reasonkv.runs.store import iter_records
 
 __all__ = [
     "Row",
@@ -560,7 +561,7 @@ def write_report(
     """Write ``report.md``, ``summary.json`` and the PNG plots of ``results`` (and their shards) to ``out_dir``.
 
     ``out_dir`` must be a report folder of this tool, or new, or free of the files a report writes (see
-    :mod:`reasonkv.outputs`); it is locked while the report is written.
+    :mod:`reasonkv.runs.outputs`); it is locked while the report is written.
     Returns ``{"markdown": path, "summary": path, "plots": [paths], "rows": [Row], "manifests": [dict]}``.
     """
     paths = [results] if isinstance(results, (str, os.PathLike)) else list(results)

@@ -22,7 +22,7 @@ number of processes; each unit ends up exactly once in ``out``.
 
 The first record of a results file is the run manifest (:mod:`reasonkv.eval.manifest`): a run
 with another setup (model, weights, dtype, sampling, ...) is refused, and an existing file that is
-not a results file is never written to (:mod:`reasonkv.outputs`).
+not a results file is never written to (:mod:`reasonkv.runs.outputs`).
 
 Seeds: sample ``s`` of problem ``p`` uses ``sample_seed(seed, p.id, s)`` (the first 31 bits of
 ``sha256(f"{seed}/{p.id}/{s}")``) for both its sampling and its eviction randomness, whatever the
@@ -94,7 +94,7 @@ from reasonkv.eval.records import ResultsFile, scan_results, unit_key
 from reasonkv.eval.replays import run_fidelity
 from reasonkv.eval.shards import Shard, lock_for_writing, merge_shards, shard_files, writer_path
 from reasonkv.models import load_model
-from reasonkv.outputs import refuse_inputs
+from reasonkv.runs.outputs import refuse_inputs
 
 __all__ = ["GridResult", "run_grid"]
 

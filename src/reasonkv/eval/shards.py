@@ -6,7 +6,7 @@ eval ...``, or ``--shard I/N`` for schedulers that start independent jobs) write
 Every run reads the records of ``--out`` and of all its shard files, whatever their ``N``, so a
 run resumes with any number of processes and skips exactly the units already on disk.
 
-Locks (see :mod:`reasonkv.outputs`): each process holds the lock of the file it writes. A sharded
+Locks (see :mod:`reasonkv.runs.outputs`): each process holds the lock of the file it writes. A sharded
 process starts under the lock of ``--out`` (held for a moment), where it also makes sure no other
 launch writes to the same run: a single process (which holds the lock of ``--out`` for its whole
 run) or shards of another ``N``. Shards of the same ``N`` are one launch; one index twice is refused
@@ -29,7 +29,7 @@ from pathlib import Path
 
 from reasonkv.eval.manifest import check_compatible
 from reasonkv.eval.records import ResultsFile, scan_results, unit_key
-from reasonkv.outputs import OutputLock, OutputLocked
+from reasonkv.runs.outputs import OutputLock, OutputLocked
 
 __all__ = ["Shard", "lock_for_writing", "merge_shards", "shard_files", "shard_path", "writer_path"]
 

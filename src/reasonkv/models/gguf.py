@@ -10,7 +10,7 @@ import torch
 from reasonkv.models.checkpoint import finish
 from reasonkv.models.devices import clear_attention_error
 from reasonkv.models.files import CorruptModelError, check_finite, check_gguf_header, gguf_damage
-from reasonkv.oom import is_out_of_memory
+from reasonkv.runs.oom import is_out_of_memory
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase

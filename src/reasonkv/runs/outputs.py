@@ -20,6 +20,9 @@ file) or ``<folder>/.reasonkv.lock`` for its whole run; the lock file records it
 second writer fails at once with a message naming the output and that pid. The kernel drops the lock
 of a killed process, so a stale lock file never blocks a resume; a writer removes its lock file when
 it finishes. The output must live on a filesystem with working ``flock`` (local disks, NFSv4).
+
+**Whole files.** A file written in one go is complete or absent, never half-written:
+:func:`create_exclusive` makes a new one, :func:`write_atomic` replaces one of the command's own.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import os
 import socket
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -47,6 +50,7 @@ __all__ = [
     "create_exclusive",
     "lock_path",
     "refuse_inputs",
+    "write_atomic",
 ]
 
 MARKER = ".reasonkv.json"
@@ -213,12 +217,9 @@ class OutputLock:
         return _describe(holder)
 
 
-def create_exclusive(path: Path, data: bytes) -> None:
-    """Create ``path`` holding ``data``, complete or not at all; ``FileExistsError`` if it exists.
-
-    The data goes to a temporary file first, which is then linked to ``path`` (a link never replaces a
-    file): a run killed meanwhile leaves no half-written output that would later look foreign.
-    """
+@contextlib.contextmanager
+def _complete_copy(path: Path, data: bytes) -> Iterator[str]:
+    """A temporary file next to ``path`` holding ``data``, on disk, with the usual permissions; removed after."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as handle:
@@ -228,10 +229,26 @@ def create_exclusive(path: Path, data: bytes) -> None:
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the usual permissions
-        os.link(tmp, path)
+        yield tmp
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+
+
+def create_exclusive(path: Path, data: bytes) -> None:
+    """Create ``path`` holding ``data``, complete or not at all; ``FileExistsError`` if it exists.
+
+    The data goes to a temporary file first, which is then linked to ``path`` (a link never replaces a
+    file): a run killed meanwhile leaves no half-written output that would later look foreign.
+    """
+    with _complete_copy(path, data) as tmp:
+        os.link(tmp, path)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` (this command's own file) by one holding ``text``: readers see the old or the new, whole."""
+    with _complete_copy(path, text.encode("utf-8")) as tmp:
+        os.replace(tmp, path)
 
 
 def refuse_inputs(outputs: Iterable[str | os.PathLike[str]], inputs: Iterable[str | os.PathLike[str]]) -> None:

@@ -1,4 +1,4 @@
-"""Output ownership and locks (reasonkv.outputs): refuse what is not ours, one writer, stale locks harmless."""
+"""Output ownership and locks (reasonkv.runs.outputs): refuse what is not ours, one writer, stale locks harmless."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from reasonkv.outputs import MARKER, OutputLock, OutputLocked, claim_folder
+from reasonkv.runs.outputs import MARKER, OutputLock, OutputLocked, claim_folder
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 _HOLD = """
 import sys, time
-from reasonkv.outputs import OutputLock
+from reasonkv.runs.outputs import OutputLock
 lock = OutputLock(sys.argv[1], sys.argv[2], path=sys.argv[3]).acquire()
 print("held", flush=True)
 time.sleep(float(sys.argv[4]))

@@ -1,0 +1,232 @@
+"""The one store every command appends its records to: a JSON Lines file, resumable, locked, append-only.
+
+Eval results (:mod:`reasonkv.eval.records`), bench results (:mod:`reasonkv.bench.store`) and calibrate's
+labels and signals (:mod:`reasonkv.analysis.store`) are such files; each package keeps only what its
+records mean (which record completes which work, which settings must match).
+
+Format
+    One JSON object per line (UTF-8). The first may be a header the caller gives (an eval's run manifest).
+Resume
+    :func:`iter_records` reads the records back. A run killed while writing leaves at worst one torn last
+    line (no newline, not JSON): it is skipped, and cut off before the next append. Any other line that
+    is not a JSON object is an error naming the file and the line (the file was edited, or two writers
+    collided), never skipped silently.
+Writing
+    :meth:`JsonlStore.append` writes one record as one line and flushes it to the operating system at
+    once: another process reads it right away, and a process killed afterwards keeps it (``fsync``
+    also forces it to disk, which survives a machine crash). A new file with a header is created holding
+    it, complete or not at all. Lines are never changed in place: only a torn last line is cut off, and
+    the owner may replace the whole file (:meth:`~JsonlStore.rewrite`, :meth:`~JsonlStore.discard`).
+Lock
+    One writer at a time: the store holds the lock of its file (:class:`reasonkv.runs.outputs.OutputLock`)
+    until :meth:`~JsonlStore.close`, or the caller holds a lock that covers it (a claimed folder, a merge).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from reasonkv.runs.outputs import OutputLock, create_exclusive, write_atomic
+
+__all__ = ["JsonlStore", "compact_line", "iter_records", "json_safe", "numbered_records", "read_records"]
+
+
+def json_safe(value: Any) -> Any:
+    """A copy of ``value`` that strict JSON holds as it is.
+
+    A float that is not finite becomes ``None`` (JSON has no NaN; ``numpy.asarray(values, dtype=float)``
+    reads it back as ``nan``), other numbers (numpy's too) plain ints and floats, mappings dicts with
+    string keys, tuples lists, and any other object its ``str``.
+    """
+    if value is None or isinstance(value, (str, bool)):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        value = float(value)
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return str(value)
+
+
+def compact_line(record: Mapping[str, Any]) -> str:
+    """``record`` as one line of strict JSON (see :func:`json_safe`) without spaces."""
+    return json.dumps(json_safe(record), allow_nan=False, separators=(",", ":"))
+
+
+def numbered_records(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line number, record)`` for every complete record of ``path``; nothing when it does not exist.
+
+    Blank lines are skipped, and so is a last line without a newline that is not JSON (the tail of an
+    interrupted write). Any other line that is not a JSON object raises ``ValueError`` naming the file
+    and the line.
+    """
+    path = Path(path)
+    if not path.exists():
+        return
+    with open(path, "rb") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError) as error:
+                if not line.endswith(b"\n"):
+                    return  # the tail of an interrupted write (only the last line can lack its newline)
+                raise ValueError(f"{path}, line {number}: not a JSON record ({error})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}, line {number}: expected a JSON object, got {type(record).__name__}")
+            yield number, record
+
+
+def iter_records(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
+    """The complete records of ``path``, one at a time (see :func:`numbered_records`)."""
+    for _, record in numbered_records(path):
+        yield record
+
+
+def read_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """All complete records of ``path`` (``[]`` when it does not exist; see :func:`numbered_records`)."""
+    return list(iter_records(path))
+
+
+class JsonlStore:
+    """The JSON Lines file one process appends to, its lock held until :meth:`close`.
+
+    Read the records already there with :meth:`records` (to resume, and to check them), then
+    :meth:`start` (creates a new file with its header, or cuts off a torn last line) and :meth:`append`.
+
+    Parameters
+    ----------
+    path
+        The file; its folder is created if needed.
+    lock
+        What this writer does (``eval``, ``merge``, ...): the store takes the file's lock
+        (:class:`~reasonkv.runs.outputs.OutputLock`) for it, and another holder is refused with an
+        error naming it. ``None`` when the caller already holds a lock that covers the file.
+    encode
+        Turns a record into its line (without the newline); :func:`compact_line` by default.
+    fsync
+        Also force each record to disk (survives a machine crash, not only a killed process).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        lock: str | None = None,
+        encode: Callable[[Mapping[str, Any]], str] = compact_line,
+        fsync: bool = False,
+    ):
+        self.path = Path(path)
+        self.encode = encode
+        self.fsync = fsync
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = OutputLock(self.path, lock).acquire() if lock is not None else None
+        self._started = False
+        self._unsynced = False
+        self._closed = False
+
+    def records(self) -> Iterator[dict[str, Any]]:
+        """The complete records already in the file (see :func:`iter_records`)."""
+        return iter_records(self.path)
+
+    def start(self, header: Mapping[str, Any] | None = None) -> bool:
+        """Make the file ready for appending; returns whether this created it.
+
+        A missing file is created holding ``header`` when one is given, complete or not at all (without
+        one, the first :meth:`append` creates it). An existing file loses a torn last line; a complete
+        last record that only lacks its newline gets it. :meth:`append` starts a store not started yet.
+        """
+        self._check_open()
+        if self._started:
+            return False
+        self._started = True
+        if self.path.exists():
+            self._mend_tail()
+            return False
+        if header is None:
+            return False
+        create_exclusive(self.path, self._line(header))
+        return True
+
+    def append(self, record: Mapping[str, Any]) -> dict[str, Any]:
+        """Write ``record`` as one line and flush it; returns the record as it reads back."""
+        self.start()
+        line = self._line(record)
+        with open(self.path, "ab") as handle:
+            handle.write(line)
+            handle.flush()
+            if self.fsync:
+                os.fsync(handle.fileno())
+        self._unsynced = not self.fsync
+        return json.loads(line)
+
+    def rewrite(self, records: Iterable[Mapping[str, Any]]) -> None:
+        """Replace the file by one holding just ``records`` (the owner drops the others), whole or not at all."""
+        self._check_open()
+        write_atomic(self.path, "".join(self.encode(r) + "\n" for r in records))
+        self._started = True
+
+    def discard(self) -> None:
+        """Delete the file (the owner cannot use its records); the next :meth:`append` begins a new one."""
+        self._check_open()
+        self.path.unlink(missing_ok=True)
+        self._started = True
+
+    def close(self) -> None:
+        """Force what was appended to disk and release the lock (when the store took it)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._unsynced and self.path.exists():
+                fd = os.open(self.path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        finally:
+            if self._lock is not None:
+                self._lock.release()
+
+    def __enter__(self) -> JsonlStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"{self.path} was closed: open a new store to write to it")
+
+    def _line(self, record: Mapping[str, Any]) -> bytes:
+        return (self.encode(record) + "\n").encode("utf-8")
+
+    def _mend_tail(self) -> None:
+        with open(self.path, "r+b") as handle:
+            size = handle.seek(0, os.SEEK_END)
+            tail = b""
+            while len(tail) < size and b"\n" not in tail:  # read back to the last newline
+                step = min(1 << 20, size - len(tail))
+                handle.seek(size - len(tail) - step)
+                tail = handle.read(step) + tail
+            if not tail or tail.endswith(b"\n"):
+                return
+            cut = tail.rfind(b"\n") + 1
+            try:
+                json.loads(tail[cut:])
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                handle.truncate(size - len(tail) + cut)  # the torn line of an interrupted write
+                return
+            handle.seek(0, os.SEEK_END)
+            handle.write(b"\n")  # a complete record that only lacks its newline
