@@ -16,7 +16,8 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "EvictingCache": "reasonkv.cache",
+    "CacheSpec": "reasonkv.cache.spec",
+    "EvictingCache": "reasonkv.cache.evicting",
     "GenerationResult": "reasonkv.generation",
     "generate": "reasonkv.generation",
     "Policy": "reasonkv.policies",
