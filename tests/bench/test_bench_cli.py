@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from reasonkv.bench import run as bench_run
 from reasonkv.bench.plan import build_plan, reference_lengths
 from reasonkv.cli import bench as bench_cli
 from reasonkv.cli import main
@@ -138,13 +139,13 @@ def test_rerun_skips_finished_entries_and_force_remeasures(tmp_path, capsys, mon
     capsys.readouterr()
 
     measured = []
-    real = bench_cli._measure
+    real = bench_run.measure_entry
 
     def spy(model, plan, mode, policy, batch, progress):
         measured.append((mode, policy, batch))
         return real(model, plan, mode, policy, batch, progress)
 
-    monkeypatch.setattr(bench_cli, "_measure", spy)
+    monkeypatch.setattr(bench_run, "measure_entry", spy)
     assert main(args) == 0
     assert measured == [] and len(_lines(out)) == 2
     assert "2 of 2 entries already in" in capsys.readouterr().err
@@ -173,14 +174,14 @@ def test_killed_run_keeps_finished_entries_and_failures_do_not_stop_the_rest(tmp
     out = tmp_path / "run"
     args = [*TINY, "--policies", "streaming,random", "--lengths", "48", "--budget", "16", "--buffer", "8"]
     args += ["--no-plots", "--out", str(out)]
-    real = bench_cli._measure
+    real = bench_run.measure_entry
 
     def interrupted(model, plan, mode, policy, batch, progress):
         if policy == "streaming":
             raise KeyboardInterrupt
         return real(model, plan, mode, policy, batch, progress)
 
-    monkeypatch.setattr(bench_cli, "_measure", interrupted)
+    monkeypatch.setattr(bench_run, "measure_entry", interrupted)
     assert main(args) == 130
     assert [r["policy"] for r in _lines(out)] == ["full"]
     assert "| full | 48 |" in (out / "bench.md").read_text()
@@ -190,7 +191,7 @@ def test_killed_run_keeps_finished_entries_and_failures_do_not_stop_the_rest(tmp
             raise RuntimeError("synthetic failure")
         return real(model, plan, mode, policy, batch, progress)
 
-    monkeypatch.setattr(bench_cli, "_measure", failing)
+    monkeypatch.setattr(bench_run, "measure_entry", failing)
     capsys.readouterr()
     assert main(args) == 1
     assert "1 of 3 entries already in" in capsys.readouterr().err
@@ -234,7 +235,7 @@ def test_prefill_to_length_eviction_cost_and_max_batch_in_one_run(tmp_path):
 def _plan(argv):
     parser = argparse.ArgumentParser()
     bench_cli.add_arguments(parser)
-    return build_plan(parser.parse_args(argv))
+    return build_plan(bench_cli.settings_from(parser.parse_args(argv)))
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ from conftest import tiny_llama
 from reasonkv.bench.eviction import measure_eviction_cost
 from reasonkv.bench.measure import make_prompts, measure_prefilled, measure_sweep, prefill_chunks, window_stats
 from reasonkv.bench.memory import kv_bytes_per_token
+from reasonkv.cache import CacheSpec
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -81,10 +82,7 @@ def test_sweep_windows_split_and_cache_numbers():
     budget, buffer, window = 16, 8, 16
     data = measure_sweep(
         model,
-        policy="streaming",
-        options={},
-        budget=budget,
-        buffer=buffer,
+        CacheSpec.build("streaming", budget, buffer),
         batch=2,
         prompt_length=8,
         lengths=[40, 64],
@@ -108,9 +106,7 @@ def test_sweep_windows_split_and_cache_numbers():
 def test_prefilled_full_cache_holds_exactly_the_length():
     model = tiny_llama()
     per_token = kv_bytes_per_token(model.config, torch.float32)
-    w = measure_prefilled(
-        model, policy="full", options={}, budget=16, buffer=8, batch=1, length=64, decode_steps=8, prompt_length=8
-    )
+    w = measure_prefilled(model, CacheSpec.build("full", 16, 8), batch=1, length=64, decode_steps=8, prompt_length=8)
     assert w["prefilled_tokens"] == 54 and w["window_steps"] == 8 and w["length"] == 64  # 2 untimed steps
     assert w["prompt_length"] == 8 and w["prefill_chunks"] == 3  # 8, 24 (the cache holds 32), 22 (64)
     assert w["slots"] == 64 and w["kv_bytes"] == 64 * per_token
@@ -125,10 +121,7 @@ def test_prefilled_evicting_policy_starts_in_its_steady_state():
     # reaches K + B = 24: 16 + 6 = 22 held; 2 untimed steps reach 24 and evict; 8 timed steps evict once more.
     w = measure_prefilled(
         model,
-        policy="streaming",
-        options={},
-        budget=16,
-        buffer=8,
+        CacheSpec.build("streaming", 16, 8),
         batch=2,
         length=64,
         decode_steps=8,
@@ -143,13 +136,13 @@ def test_prefilled_evicting_policy_starts_in_its_steady_state():
 
 def test_eviction_cost_times_one_eviction_per_repeat():
     model = tiny_llama()
-    result = measure_eviction_cost(model, policy="streaming", options={}, cached=48, buffer=8, repeats=3)
-    assert result["budget"] == 40
+    result = measure_eviction_cost(model, CacheSpec.build("streaming", 40, 8), repeats=3)
+    assert result["budget"] == 40 and result["cached"] == 48
     assert len(result["eviction_s"]) == len(result["score_s"]) == len(result["gather_s"]) == 3
     assert all(s > 0 for s in result["eviction_s"])
     assert result["mean_s"] == pytest.approx(sum(result["eviction_s"]) / 3)
     assert result["min_s"] <= result["median_s"] <= max(result["eviction_s"])
-    with pytest.raises(RuntimeError, match="warm-up eviction"):
-        measure_eviction_cost(model, policy="full", options={}, cached=48, buffer=8, repeats=1)
-    with pytest.raises(ValueError, match="buffer < cached"):
-        measure_eviction_cost(model, policy="streaming", options={}, cached=8, buffer=8)
+    with pytest.raises(ValueError, match="needs a policy that evicts .* got full"):
+        measure_eviction_cost(model, CacheSpec.build("full", 40, 8), repeats=1)
+    with pytest.raises(ValueError, match="a buffer of at least 1 token, got streaming with buffer 0"):
+        measure_eviction_cost(model, CacheSpec.build("streaming", 40, 0))

@@ -10,6 +10,7 @@ from conftest import TINY_MODELS, tiny_llama
 from reasonkv.bench import maxbatch
 from reasonkv.bench.maxbatch import kv_tokens_per_row, measure_max_batch
 from reasonkv.bench.memory import MemoryModel, format_bytes, kv_bytes_per_token, parse_bytes, weight_bytes
+from reasonkv.cache import CacheSpec
 from reasonkv.models import shape_config
 
 GIB = 1024**3
@@ -137,9 +138,9 @@ def test_memory_model_fit_recovers_a_synthetic_machine():
 
 
 def test_kv_tokens_per_row():
-    assert kv_tokens_per_row(False, 16384, 4096, 128) == 16384
-    assert kv_tokens_per_row(True, 16384, 4096, 128) == 4224
-    assert kv_tokens_per_row(True, 1000, 4096, 128) == 1000
+    assert kv_tokens_per_row(CacheSpec.build("full", 4096, 128), 16384) == 16384  # the full cache keeps all
+    assert kv_tokens_per_row(CacheSpec.build("streaming", 4096, 128), 16384) == 4224
+    assert kv_tokens_per_row(CacheSpec.build("streaming", 4096, 128), 1000) == 1000
 
 
 def test_max_batch_on_a_synthetic_memory_model(monkeypatch):
@@ -150,7 +151,7 @@ def test_max_batch_on_a_synthetic_memory_model(monkeypatch):
     kv_row = length * per_token  # the full cache holds every token
     calls = []
 
-    def fake(model, *, batch, decode_steps, **kwargs):
+    def fake(model, spec, *, batch, decode_steps, **kwargs):
         calls.append(batch)
         if batch > 5:
             raise torch.OutOfMemoryError("CUDA out of memory (synthetic)")
@@ -168,10 +169,7 @@ def test_max_batch_on_a_synthetic_memory_model(monkeypatch):
     limit = fixed + 12 * (kv_row + other) + 10
     result = measure_max_batch(
         model,
-        policy="full",
-        options={},
-        budget=16,
-        buffer=8,
+        CacheSpec.build("full", 16, 8),
         length=length,
         memory_limit=limit,
         decode_steps=4,
@@ -192,7 +190,7 @@ def test_max_batch_on_a_synthetic_memory_model(monkeypatch):
     monkeypatch.setattr(
         maxbatch,
         "measure_prefilled",
-        lambda model, *, batch, **kw: {
+        lambda model, spec, *, batch, **kw: {
             "peak_memory_bytes": fixed + batch * (24 * per_token + other),
             "kv_bytes": batch * 24 * per_token,
             "step_mean_s": 0.01,
@@ -201,10 +199,7 @@ def test_max_batch_on_a_synthetic_memory_model(monkeypatch):
     )
     result = measure_max_batch(
         model,
-        policy="streaming",
-        options={},
-        budget=16,
-        buffer=8,
+        CacheSpec.build("streaming", 16, 8),
         length=length,
         memory_limit=limit,
         decode_steps=4,

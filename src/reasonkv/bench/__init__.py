@@ -8,38 +8,44 @@ Modules, one job each:
 - :mod:`~reasonkv.bench.eviction`: the cost of one eviction with ``N`` cached tokens;
 - :mod:`~reasonkv.bench.memory`: exact KV bytes, weights, peak-memory readers, the max-batch model;
 - :mod:`~reasonkv.bench.maxbatch`: largest batch within a memory limit and its throughput;
-- :mod:`~reasonkv.bench.plan`: argument checking; :mod:`~reasonkv.bench.store`: results on disk,
-  resume; :mod:`~reasonkv.bench.machine`: what it measured on; :mod:`~reasonkv.bench.report`: overhead
-  summary and markdown;
-  :mod:`~reasonkv.bench.plots`: PNGs; :mod:`~reasonkv.cli.bench`: the command.
+- :mod:`~reasonkv.bench.tiers`: the quantized-tier variants;
+- :mod:`~reasonkv.bench.settings`: every setting of a run, checked once (:class:`BenchSettings`);
+  :mod:`~reasonkv.bench.plan`: the entries and their caches; :mod:`~reasonkv.bench.run`: the run
+  (:func:`run_bench`); :mod:`~reasonkv.bench.store`: results on disk, resume; :mod:`~reasonkv.bench.machine`: what it measured on;
+  :mod:`~reasonkv.bench.report`: overhead summary and markdown; :mod:`~reasonkv.bench.plots`: PNGs;
+  :mod:`~reasonkv.cli.bench`: the command's arguments.
 """
 
 from __future__ import annotations
 
+import importlib
+
 __all__ = [
+    "BenchSettings",
     "MemoryModel",
     "kv_bytes_per_token",
     "measure_eviction_cost",
     "measure_max_batch",
     "measure_prefilled",
     "measure_sweep",
+    "run_bench",
     "summarise",
 ]
 
 _EXPORTS = {
+    "BenchSettings": "reasonkv.bench.settings",
     "MemoryModel": "reasonkv.bench.memory",
     "kv_bytes_per_token": "reasonkv.bench.memory",
     "measure_eviction_cost": "reasonkv.bench.eviction",
     "measure_max_batch": "reasonkv.bench.maxbatch",
     "measure_prefilled": "reasonkv.bench.measure",
     "measure_sweep": "reasonkv.bench.measure",
+    "run_bench": "reasonkv.bench.run",
     "summarise": "reasonkv.bench.report",
 }
 
 
 def __getattr__(name: str):
-    import importlib
-
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'reasonkv.bench' has no attribute {name!r}")

@@ -1,6 +1,6 @@
-"""The cost of one eviction when the cache holds ``N`` tokens.
+"""The cost of one eviction when the cache holds ``N = K + B`` tokens.
 
-With ``K = N - B``, a prefill of ``N`` tokens (a short prompt, then the rest as if generated)
+A prefill of ``N`` tokens (a short prompt, then the rest as if generated)
 makes the cache due exactly once (a warm-up eviction, not counted); each repetition then feeds
 ``B`` new tokens in one forward, which brings the cache back to ``N`` and triggers one eviction.
 The evictor's stopwatch times that eviction:
@@ -17,6 +17,7 @@ import time
 import torch
 
 from reasonkv.bench.measure import make_prompts, model_device, prefill_chunks
+from reasonkv.cache import CacheSpec, EvictingCache
 from reasonkv.hf import Forward, synchronize, vocab_size
 
 __all__ = ["measure_eviction_cost"]
@@ -24,35 +25,32 @@ __all__ = ["measure_eviction_cost"]
 
 def measure_eviction_cost(
     model,
+    spec: CacheSpec,
     *,
-    policy: str,
-    options: dict,
-    cached: int,
-    buffer: int,
     repeats: int = 5,
     batch: int = 1,
     prefill_chunk: int = 0,
     prompt_length: int = 32,
     seed: int = 0,
 ) -> dict:
-    """Time ``repeats`` evictions of a cache holding ``cached`` tokens per row (budget ``cached - buffer``).
+    """Time ``repeats`` evictions of the cache ``spec`` when it holds ``K + B`` tokens per row (``batch`` rows
+    of random prompts seeded by ``seed``).
 
     Returns per-eviction seconds (``eviction_s``, ``score_s``, ``gather_s``) and their mean,
     median, standard deviation and minimum.
     """
-    from reasonkv.cache import EvictingCache
-
-    budget = cached - buffer
-    if buffer < 1 or budget < 1:
-        raise ValueError(f"eviction cost needs 1 <= buffer < cached, got buffer {buffer} and cached {cached}")
+    if spec.trigger is None or spec.buffer < 1:
+        raise ValueError(
+            f"eviction cost needs a policy that evicts and a buffer of at least 1 token, got {spec.policy.name} "
+            f"with buffer {spec.buffer}"
+        )
+    budget, buffer, cached = spec.budget, spec.buffer, spec.trigger
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     device = model_device(model)
     vocab = vocab_size(model)
     ids = torch.tensor(make_prompts(vocab, batch, cached + buffer * repeats, seed), device=device)
-    cache = EvictingCache(
-        budget, buffer, model=model, policy=policy, seed=seed, sync_timing=device.type == "cuda", **options
-    )
+    cache = EvictingCache(model=model, spec=spec, sync_timing=device.type == "cuda")
     evictor = cache.evictor
     forward = Forward(model)
     score, gather, forward_s = [], [], []

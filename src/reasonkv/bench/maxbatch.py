@@ -22,13 +22,15 @@ import torch
 
 from reasonkv.bench.measure import measure_prefilled, model_device, model_dtype
 from reasonkv.bench.memory import MemoryModel, kv_bytes_per_token, machine_memory_bytes, window_kv_bytes
+from reasonkv.cache import CacheSpec
 
 __all__ = ["kv_tokens_per_row", "measure_max_batch"]
 
 
-def kv_tokens_per_row(evicts: bool, length: int, budget: int, buffer: int) -> int:
-    """Tokens of K/V one row must hold at ``length``: all of them, or at most ``K + B`` when evicting."""
-    return min(length, budget + buffer) if evicts else length
+def kv_tokens_per_row(spec: CacheSpec, length: int) -> int:
+    """Tokens of K/V one row of the cache ``spec`` must hold at ``length``: all of them, or at most ``K + B``
+    when it evicts."""
+    return length if spec.trigger is None else min(length, spec.trigger)
 
 
 def _free(device: torch.device) -> None:
@@ -43,11 +45,8 @@ def _is_oom(error: BaseException) -> bool:
 
 def measure_max_batch(
     model,
+    spec: CacheSpec,
     *,
-    policy: str,
-    options: dict,
-    budget: int,
-    buffer: int,
     length: int,
     memory_limit: int,
     decode_steps: int,
@@ -58,19 +57,13 @@ def measure_max_batch(
     prompt_length: int = 32,
     seed: int = 0,
 ) -> dict:
-    """Probe, compute the batch that fits ``memory_limit`` at ``length``, measure its throughput."""
-    from reasonkv.policies import policy_class
-
+    """Probe, compute the batch of the cache ``spec`` that fits ``memory_limit`` at ``length``, measure its
+    throughput (``seed`` seeds the random prompts)."""
     device = model_device(model)
-    evicts = policy_class(policy).evicts
     per_token = kv_bytes_per_token(model, model_dtype(model))
-    kv_row = kv_tokens_per_row(evicts, length, budget, buffer) * per_token + window_kv_bytes(model, model_dtype(model))
+    kv_row = kv_tokens_per_row(spec, length) * per_token + window_kv_bytes(model, model_dtype(model))
     # No phase synchronisation: only whole steps are timed here, and they should run undisturbed.
     common = dict(
-        policy=policy,
-        options=options,
-        budget=budget,
-        buffer=buffer,
         length=length,
         prefill_chunk=prefill_chunk,
         prompt_length=prompt_length,
@@ -80,7 +73,7 @@ def measure_max_batch(
     probes = []
     for batch in probe_batches:
         _free(device)
-        result = measure_prefilled(model, batch=batch, decode_steps=probe_steps, seed=seed, **common)
+        result = measure_prefilled(model, spec, batch=batch, decode_steps=probe_steps, seed=seed, **common)
         if result["peak_memory_bytes"] is None:
             raise RuntimeError("this machine cannot reset its peak-memory counter; the max-batch probe needs it")
         probes.append(
@@ -112,7 +105,7 @@ def measure_max_batch(
     while batch >= 1 and measured is None:
         _free(device)
         try:
-            measured = measure_prefilled(model, batch=batch, decode_steps=decode_steps, seed=seed, **common)
+            measured = measure_prefilled(model, spec, batch=batch, decode_steps=decode_steps, seed=seed, **common)
         except (torch.OutOfMemoryError, RuntimeError) as error:
             if not _is_oom(error):
                 raise
@@ -124,7 +117,7 @@ def measure_max_batch(
     return {
         "length": length,
         "memory_limit_bytes": memory_limit,
-        "kv_tokens_per_row": kv_tokens_per_row(evicts, length, budget, buffer),
+        "kv_tokens_per_row": kv_tokens_per_row(spec, length),
         "kv_bytes_per_token": per_token,
         "probes": probes,
         "memory_model": memory.as_dict(),

@@ -11,6 +11,9 @@ Two ways to reach a length ``L``:
   prefill chunk once it is due), so the ``n`` steps measure its steady state at length ``L``
   without decoding ``L`` tokens one by one.
 
+The cache is given as a :class:`~reasonkv.cache.CacheSpec`; the prefilled mode also takes ``None``,
+transformers' own cache (the one ``model.generate`` builds, no reasonkv hook).
+
 A step's time runs from the end of the previous step's callback to the end of its own forward
 (on CUDA the callback synchronises first), so it covers sampling, the forward with its recording
 hooks, the policy update and any eviction. The evictor's stopwatch splits it: ``record`` (signal
@@ -26,9 +29,11 @@ import time
 from collections.abc import Sequence
 
 import torch
+from tqdm.auto import tqdm
 
 from reasonkv.bench.memory import PeakTracker, kv_bytes_per_token, window_kv_bytes
-from reasonkv.bench.plan import TRANSFORMERS
+from reasonkv.cache import CacheSpec, EvictingCache, kv_bytes_by_kind
+from reasonkv.generation import generate
 from reasonkv.hf import Forward, native_cache, synchronize, vocab_size
 
 __all__ = [
@@ -155,8 +160,6 @@ class StepRecorder:
         self._resume = time.perf_counter()
 
     def _read(self, cache) -> dict:
-        from reasonkv.cache import EvictingCache, kv_bytes_by_kind
-
         if not isinstance(cache, EvictingCache):  # transformers' own cache: every token it holds is used
             by_kind = kv_bytes_by_kind(cache.layers)
             held = by_kind["full"] + by_kind["sliding"] + by_kind["linear"]
@@ -207,32 +210,23 @@ class StepRecorder:
 def _progress_bar(total: int, desc: str, enabled: bool):
     if not enabled:
         return None
-    from tqdm.auto import tqdm
-
     return tqdm(total=total, desc=desc, unit="step", leave=False, dynamic_ncols=True)
 
 
 def warm_up(model, steps: int = 8) -> None:
     """A short full-cache decode, so one-time costs (kernels, allocator) stay out of the first entry."""
-    import reasonkv
-
     vocab = vocab_size(model)
-    reasonkv.generate(model, None, make_prompts(vocab, 1, 16, seed=12345), max_new_tokens=steps, ignore_eos=True)
+    generate(model, None, make_prompts(vocab, 1, 16, seed=12345), max_new_tokens=steps, ignore_eos=True)
 
 
-def _evicting_budget(policy: str, budget: int) -> int | None:
-    from reasonkv.policies import policy_class
-
-    return budget if policy_class(policy).evicts else None
+def _label(spec: CacheSpec | None, batch: int) -> str:
+    return f"{'transformers' if spec is None else spec.policy.name} batch {batch}"
 
 
 def measure_sweep(
     model,
+    spec: CacheSpec,
     *,
-    policy: str,
-    options: dict,
-    budget: int,
-    buffer: int,
     batch: int,
     prompt_length: int,
     lengths: Sequence[int],
@@ -241,7 +235,8 @@ def measure_sweep(
     progress: bool = False,
     sync_timing: bool = True,
 ) -> dict:
-    """Decode with :func:`reasonkv.generate` from ``prompt_length`` tokens to ``max(lengths)``.
+    """Decode ``batch`` seeded random prompts with :func:`reasonkv.generate` and the cache ``spec`` from
+    ``prompt_length`` tokens to ``max(lengths)`` (``seed`` seeds the prompts; the spec, the policy).
 
     Returns ``{"windows": [...], "trace": {...}, "totals": {...}}``: one window of (up to)
     ``window`` steps ending at every length, the time of every step (``trace["step_s"]``, the
@@ -250,8 +245,6 @@ def measure_sweep(
     ``sync_timing`` (CUDA only) synchronises around every timed phase for an exact split; it
     costs policies that record inside the forward a little speed.
     """
-    import reasonkv
-
     device = model_device(model)
     lengths = sorted(set(lengths))
     if lengths[0] <= prompt_length:
@@ -259,7 +252,7 @@ def measure_sweep(
     vocab = vocab_size(model)
     prompts = make_prompts(vocab, batch, prompt_length, seed)
     steps = lengths[-1] - prompt_length
-    bar = _progress_bar(steps, f"{policy} batch {batch}", progress)
+    bar = _progress_bar(steps, _label(spec, batch), progress)
     recorder = StepRecorder(
         device=device,
         prompt_length=prompt_length,
@@ -268,19 +261,15 @@ def measure_sweep(
         bar=bar,
     )
     try:
-        results = reasonkv.generate(
+        results = generate(
             model,
             None,
             prompts,
-            policy=policy,
-            budget=_evicting_budget(policy, budget),
-            buffer=buffer,
+            spec,
             max_new_tokens=steps + 1,
             ignore_eos=True,
             on_step=recorder,
             sync_timing=sync_timing and device.type == "cuda",
-            seed=seed,
-            **options,
         )
     finally:
         if bar is not None:
@@ -348,11 +337,8 @@ def prefill_chunks(
 
 def measure_prefilled(
     model,
+    spec: CacheSpec | None,
     *,
-    policy: str,
-    options: dict,
-    budget: int,
-    buffer: int,
     batch: int,
     length: int,
     decode_steps: int,
@@ -363,7 +349,8 @@ def measure_prefilled(
     bar=None,
     sync_timing: bool = True,
 ) -> dict:
-    """Prefill, then time ``decode_steps`` decode steps that end at ``length``.
+    """Prefill the cache ``spec`` with ``batch`` seeded random rows, then time ``decode_steps`` decode steps
+    that end at ``length``.
 
     ``length - decode_steps - WARMUP_STEPS`` tokens are prefilled: a ``prompt_length``-token
     prompt, then the rest as if generated, in the chunks of :func:`prefill_chunks` (an evicting
@@ -375,11 +362,9 @@ def measure_prefilled(
     evicting policy, the first eviction of the prompt down to ``K``), ``prefill_evictions``,
     ``prefill_chunks``, ``prefilled_tokens`` and the timed steps' ``step_s``.
 
-    ``policy="transformers"`` runs the same loop with the cache ``model.generate`` itself builds
+    ``spec=None`` runs the same loop with the cache ``model.generate`` itself builds
     (:func:`reasonkv.hf.native_cache`) and no reasonkv hook: the reference for what reasonkv adds.
     """
-    from reasonkv.cache import EvictingCache
-
     if decode_steps < 1 or length - decode_steps - WARMUP_STEPS < 1:
         raise ValueError(
             f"length {length} must exceed the {decode_steps} decode steps plus {WARMUP_STEPS} warm-up steps"
@@ -389,26 +374,16 @@ def measure_prefilled(
     window = decode_steps if window is None else min(window, decode_steps)
     vocab = vocab_size(model)
     ids = torch.tensor(make_prompts(vocab, batch, prefilled, seed), device=device)
-    plain = policy == TRANSFORMERS
-    evict_budget = None if plain else _evicting_budget(policy, budget)
-    chunks = prefill_chunks(
-        prefilled, length, batch, prefill_chunk, prompt_length=prompt_length, grows=evict_budget is None
-    )
+    plain = spec is None
+    grows = plain or spec.trigger is None  # a cache that never evicts grows its buffers as it fills
+    chunks = prefill_chunks(prefilled, length, batch, prefill_chunk, prompt_length=prompt_length, grows=grows)
     recorder = StepRecorder(
         device=device, prompt_length=prefilled, windows={length: length - window}, batch=batch, bar=bar
     )
     if plain:
         cache = native_cache(model)
     else:
-        cache = EvictingCache(
-            evict_budget,
-            buffer,
-            model=model,
-            policy=policy,
-            seed=seed,
-            sync_timing=sync_timing and device.type == "cuda",
-            **options,
-        )
+        cache = EvictingCache(model=model, spec=spec, sync_timing=sync_timing and device.type == "cuda")
         cache.reserve(length)  # as reasonkv.generate does: the buffers are allocated once, at the size the run needs
     forward = Forward(model)
     try:
@@ -448,11 +423,8 @@ def measure_prefilled(
 
 def measure_prefilled_sweep(
     model,
+    spec: CacheSpec | None,
     *,
-    policy: str,
-    options: dict,
-    budget: int,
-    buffer: int,
     batch: int,
     lengths: Sequence[int],
     decode_steps: int,
@@ -465,17 +437,14 @@ def measure_prefilled_sweep(
 ) -> dict:
     """:func:`measure_prefilled` at every length (one fresh cache each); same record layout as the sweep."""
     lengths = sorted(set(lengths))
-    bar = _progress_bar(decode_steps * len(lengths), f"{policy} batch {batch}", progress)
+    bar = _progress_bar(decode_steps * len(lengths), _label(spec, batch), progress)
     windows = []
     try:
         for length in lengths:
             windows.append(
                 measure_prefilled(
                     model,
-                    policy=policy,
-                    options=options,
-                    budget=budget,
-                    buffer=buffer,
+                    spec,
                     batch=batch,
                     length=length,
                     decode_steps=decode_steps,

@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from reasonkv.hf import model_info, sliding_window
+
 __all__ = [
     "MemoryModel",
     "PeakTracker",
@@ -82,8 +84,6 @@ def format_bytes(value: float | None) -> str:
 def kv_bytes_per_token(model_or_config, dtype: torch.dtype) -> int:
     """Bytes of K and V one token occupies in one row's full-attention layers:
     ``full layers x 2 x kv_heads x head_dim x size`` (every layer of a plain model)."""
-    from reasonkv.hf import model_info
-
     info = model_info(model_or_config)
     size = torch.empty((), dtype=dtype).element_size()
     return len(info.full_layers) * 2 * info.num_kv_heads * info.head_dim * size
@@ -92,8 +92,6 @@ def kv_bytes_per_token(model_or_config, dtype: torch.dtype) -> int:
 def window_kv_bytes(model_or_config, dtype: torch.dtype) -> int:
     """Bytes of K and V one row's sliding-window layers hold once their window is full:
     ``sliding layers x 2 x kv_heads x head_dim x size x (window - 1)`` (0 without sliding layers)."""
-    from reasonkv.hf import model_info, sliding_window
-
     info = model_info(model_or_config)
     sliding = sum(kind == "sliding" for kind in info.layer_kinds)
     if not sliding:

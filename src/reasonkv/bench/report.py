@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from reasonkv.bench.memory import format_bytes
-from reasonkv.bench.plan import TRANSFORMERS
+from reasonkv.bench.settings import TRANSFORMERS
 from reasonkv.bench.tiers import tier_markdown, tier_summary
 
 __all__ = ["TRIVIAL_POLICIES", "markdown", "summarise", "summary_text"]

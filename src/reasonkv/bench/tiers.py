@@ -9,6 +9,11 @@ summary compares their step time and the K/V bytes they really held.
 
 from __future__ import annotations
 
+from reasonkv.bench.memory import format_bytes
+from reasonkv.cache.quantize import QuantFormat, default_group_size
+from reasonkv.cache.tiers import budget_for_bytes
+from reasonkv.hf import model_info
+
 __all__ = ["tier_label", "tier_markdown", "tier_summary", "tiered_budget"]
 
 
@@ -20,10 +25,6 @@ def tier_label(policy: str, quantized: int, bits: int) -> str:
 def tiered_budget(model, budget: int, quantized: int, bits: int) -> dict:
     """The tier of a variant on ``model``: ``quantized``, ``bits``, ``group_size`` and the full-precision
     ``budget`` K' whose cache holds the nominal K/V bytes of ``budget`` plain tokens."""
-    from reasonkv.cache.quantize import QuantFormat, default_group_size
-    from reasonkv.cache.tiers import budget_for_bytes
-    from reasonkv.hf import model_info
-
     info = model_info(model)
     fmt = QuantFormat(bits, default_group_size(info.head_dim))
     size = next(model.parameters()).element_size()
@@ -70,8 +71,6 @@ def tier_summary(records: list[dict]) -> dict:
 
 def tier_markdown(summary: dict) -> list[str]:
     """The comparison as markdown tables, one per batch size."""
-    from reasonkv.bench.memory import format_bytes
-
     lines: list[str] = []
     for batch, variants in summary.items():
         lines += [

@@ -29,8 +29,10 @@ for any model, one step per module:
 Helpers: ``stats`` (ranks, Spearman, AUC, bootstrap; numpy only), ``store`` (resumable JSONL),
 ``pipeline`` (collect records, analyse them), ``plot`` and ``summary`` (the PNG and the markdown).
 
-``reasonkv calibrate`` (:mod:`reasonkv.cli.calibrate`) runs all of it and writes a plot and a
-markdown summary. Importing this package does not import torch.
+``settings`` holds every setting of a run (:class:`~reasonkv.calibrate.settings.CalibrateSettings`) and
+``run`` runs all of it from them (:func:`~reasonkv.calibrate.run.run_calibration`), writing a plot and a
+markdown summary; ``reasonkv calibrate`` (:mod:`reasonkv.cli.calibrate`) builds the settings from its
+arguments. Importing this package does not import torch.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from reasonkv.calibrate.profile import Profile
+from reasonkv.policies.calibration import default_anatomy, write_calibration
 
 __all__ = ["Band", "find_band", "discover_bands", "write_band_calibration"]
 
@@ -123,8 +124,6 @@ def write_band_calibration(
     Returns the :class:`reasonkv.policies.calibration.Calibration` written. Besides the required keys the file
     records whether each band was found, the rule's inputs and the per-layer profile.
     """
-    from reasonkv.policies.calibration import default_anatomy, write_calibration
-
     default = default_anatomy(profile.num_layers)
     a, layers_a = _side(band_a, default.a, default.band_a, band_b, profile, 1, min_width)
     b, layers_b = _side(band_b, default.b, default.band_b, band_a, profile, -1, min_width)

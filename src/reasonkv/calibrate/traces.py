@@ -22,13 +22,16 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
 
+from reasonkv.eval.prompts import build_prompt
 from reasonkv.eval.references import answer_span, box_final_answer, clean_solution, token_span
+from reasonkv.generation import generate
+from reasonkv.generation.inputs import encode_prompt
 
 __all__ = [
     "SOURCES",
     "Trace",
-    "encode_prompt",
     "generated_trace",
+    "prompt_ids",
     "reference_trace",
     "tidy_reference",
 ]
@@ -74,14 +77,9 @@ def tidy_reference(solution: str) -> str:
     return box_final_answer(clean_solution(solution))
 
 
-def encode_prompt(tokenizer: Any, problem: Any) -> list[int]:
+def prompt_ids(tokenizer: Any, problem: Any) -> list[int]:
     """The chat-formatted prompt of a problem as token ids (the chat template's own BOS is not doubled)."""
-    from reasonkv.eval.prompts import build_prompt
-
-    text = build_prompt(tokenizer, problem)
-    bos = getattr(tokenizer, "bos_token", None)
-    add_special = not (bos and text.startswith(bos))
-    return list(tokenizer(text, add_special_tokens=add_special)["input_ids"])
+    return encode_prompt(tokenizer, build_prompt(tokenizer, problem))
 
 
 def _cut(trace_ids: list[int], span: tuple[int, int] | None, max_tokens: int | None):
@@ -116,15 +114,13 @@ def reference_trace(tokenizer: Any, problem: Any, *, max_tokens: int | None = No
     trace_ids, span = _cut(trace_ids, span, max_tokens)
     if not trace_ids:
         raise ValueError(f"problem {problem.id!r}: the reference solution is empty")
-    return Trace(problem.id, encode_prompt(tokenizer, problem), trace_ids, span, "reference", text)
+    return Trace(problem.id, prompt_ids(tokenizer, problem), trace_ids, span, "reference", text)
 
 
 def generated_trace(model: Any, tokenizer: Any, problem: Any, *, max_new_tokens: int = 512) -> Trace:
     """The model's greedy answer to the problem (full cache), its end-of-sequence token dropped."""
-    from reasonkv.generation.loop import generate
-
-    prompt_ids = encode_prompt(tokenizer, problem)
-    [result] = generate(model, tokenizer, [prompt_ids], policy="full", max_new_tokens=max_new_tokens)
+    prompt = prompt_ids(tokenizer, problem)
+    [result] = generate(model, tokenizer, [prompt], policy="full", max_new_tokens=max_new_tokens)
     trace_ids = list(result.token_ids[:-1] if result.finish_reason == "eos" else result.token_ids)
     if not trace_ids:
         raise ValueError(f"problem {problem.id!r}: the model generated nothing")
@@ -135,7 +131,7 @@ def generated_trace(model: Any, tokenizer: Any, problem: Any, *, max_new_tokens:
         starts = [0, *ends[:-1]]
         hits = [i for i, (a, b) in enumerate(zip(starts, ends, strict=True)) if a < char_span[1] and b > char_span[0]]
         span = (hits[0], hits[-1] + 1) if hits else None
-    return Trace(problem.id, prompt_ids, trace_ids, span, "generated", text)
+    return Trace(problem.id, prompt, trace_ids, span, "generated", text)
 
 
 def _decoded_ends(tokenizer: Any, ids: list[int]) -> tuple[str, list[int]]:

@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 
+from reasonkv.policies import list_policies, policy_class
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
 def run(args: argparse.Namespace) -> int:
-    from reasonkv.policies import list_policies, policy_class
-
     rows = []
     for name in list_policies():
         cls = policy_class(name)

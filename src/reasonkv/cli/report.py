@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from reasonkv.eval.report import write_report
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("results", nargs="+", help="JSONL results file(s) written by `reasonkv eval`")
@@ -13,8 +15,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from reasonkv.eval.report import write_report
-
     written = write_report(args.results, args.out)
     if not args.quiet:
         print(written["markdown"].read_text(encoding="utf-8"))

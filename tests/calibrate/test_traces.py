@@ -1,4 +1,4 @@
-"""Traces (tidying, answer spans, token spans) and the resumable record store."""
+"""Traces (tidying, answer spans, token spans, the prompt's ids) and the resumable record store."""
 
 from __future__ import annotations
 
@@ -7,12 +7,16 @@ import math
 
 import pytest
 
-from conftest import NoEosTokenizer
+import reasonkv
+from conftest import NoEosTokenizer, tiny_llama
+from reasonkv.calibrate import traces
 from reasonkv.calibrate.store import RecordStore
-from reasonkv.calibrate.traces import reference_trace, tidy_reference
+from reasonkv.calibrate.traces import generated_trace, prompt_ids, reference_trace, tidy_reference
 from reasonkv.eval.datasets import Problem
+from reasonkv.eval.prompts import build_prompt
 from reasonkv.eval.references import answer_span as answer_char_span
 from reasonkv.eval.references import token_span
+from reasonkv.generation import GenerationResult
 
 SOLUTION = (
     "Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 duck eggs a day.\nShe makes 9 * 2 = $<<9*2=18>>18 every day.\n#### 18"
@@ -87,10 +91,6 @@ def test_record_store_resumes_and_checks_settings(tmp_path):
 
 
 def test_generated_trace_is_the_models_greedy_continuation():
-    import reasonkv
-    from conftest import tiny_llama
-    from reasonkv.calibrate.traces import generated_trace
-
     model, tokenizer = tiny_llama(), NoEosTokenizer()
     problem = Problem(id="g", problem="1+1?", answer="2", source="t")
     trace = generated_trace(model, tokenizer, problem, max_new_tokens=12)
@@ -105,10 +105,6 @@ def test_generated_trace_is_the_models_greedy_continuation():
 
 
 def test_generated_trace_maps_the_answer_to_tokens(monkeypatch):
-    import reasonkv.generation.loop
-    from reasonkv.calibrate.traces import generated_trace
-    from reasonkv.generation.loop import GenerationResult
-
     tokenizer = NoEosTokenizer()
     text = "so \\boxed{42}."
     ids = tokenizer(text)["input_ids"] + [2]  # ends with the end-of-sequence token
@@ -116,7 +112,26 @@ def test_generated_trace_maps_the_answer_to_tokens(monkeypatch):
     def fake_generate(model, tok, prompts, **kwargs):
         return [GenerationResult(text=text, token_ids=ids, prompt_tokens=len(prompts[0]), finish_reason="eos")]
 
-    monkeypatch.setattr(reasonkv.generation.loop, "generate", fake_generate)
+    monkeypatch.setattr(traces, "generate", fake_generate)
     problem = Problem(id="g", problem="1+1?", answer="2", source="t")
     trace = generated_trace(None, tokenizer, problem, max_new_tokens=12)
     assert trace.trace_ids == ids[:-1] and trace.answer_span == (10, 12)
+
+
+@pytest.mark.parametrize("template", [None, "{% for m in messages %}{{ m['content'] }}{% endfor %}", "bos"])
+def test_a_prompt_holds_one_bos_whether_the_chat_template_writes_it_or_not(template):
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    model = tokenizers.Tokenizer(tokenizers.models.WordLevel({"[UNK]": 0, "<s>": 1}, unk_token="[UNK]"))
+    model.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    model.post_processor = tokenizers.processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=model, unk_token="[UNK]", bos_token="<s>")
+    if template == "bos":
+        template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tokenizer.chat_template = template
+    problem = Problem(id="p", problem="What is 1 + 1 ?", answer="2", source="t", solution="1 + 1 = 2 . #### 2")
+    text = build_prompt(tokenizer, problem)
+    assert text.startswith("<s>") == (template is not None and "bos_token" in template)
+    ids = prompt_ids(tokenizer, problem)
+    assert ids[0] == 1 and ids.count(1) == 1
+    assert reference_trace(tokenizer, problem).prompt_ids == ids

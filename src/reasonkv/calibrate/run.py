@@ -1,0 +1,180 @@
+"""One calibration run: claim the folder, collect the missing records, analyse them, write the outputs.
+
+:func:`run_calibration` is the whole of ``reasonkv calibrate`` once its arguments are a
+:class:`~reasonkv.calibrate.settings.CalibrateSettings`. It writes into ``settings.out``:
+``labels.jsonl`` and ``signals.jsonl`` (one record per trace, appended as they are computed),
+``calibration.json`` (the file EPIKV loads), ``correlation.png``, ``results.json`` (every number) and
+``summary.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from reasonkv.calibrate.bands import write_band_calibration
+from reasonkv.calibrate.pipeline import Analysis, analyse, auc_for, collect, open_stores
+from reasonkv.calibrate.plot import plot_profiles
+from reasonkv.calibrate.settings import CalibrateSettings
+from reasonkv.calibrate.store import claim_output
+from reasonkv.calibrate.summary import render_summary
+from reasonkv.eval.datasets import load_dataset
+from reasonkv.models import load_model
+from reasonkv.policies.calibration import Calibration, default_anatomy
+
+__all__ = ["run_calibration"]
+
+PLOT_FILE = "correlation.png"
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def run_calibration(settings: CalibrateSettings) -> int:
+    """Calibrate the layer bands of ``settings.model`` into ``settings.out``; returns 0."""
+    with claim_output(settings.out, inputs=[settings.dataset]):
+        return _run(settings)
+
+
+def _problems(settings: CalibrateSettings) -> list:
+    problems = load_dataset(settings.dataset)
+    if settings.source == "reference":
+        problems = [p for p in problems if p.solution]
+        if not problems:
+            raise ValueError(f"dataset {settings.dataset!r} has no reference solutions; use --source generated")
+    if len(problems) < settings.traces:
+        _say(f"calibrate: only {len(problems)} usable problems in {settings.dataset}")
+    return problems[: settings.traces]
+
+
+def _run(settings: CalibrateSettings) -> int:
+    s, out = settings, settings.out
+    problems = _problems(s)
+    label_store, signal_store = open_stores(out, s.record_settings(), s.labels, s.signals)
+    ids = [p.id for p in problems]
+    if s.analyse_only:
+        _say(f"calibrate: analysing {len(ids)} traces in {out}")
+    else:
+        todo = sum(1 for i in ids if i not in label_store or i not in signal_store)
+        _say(f"calibrate: {len(ids) - todo} of {len(ids)} traces already in {out}")
+        if todo:
+            _say(f"loading {s.model} ({s.dtype}, {s.device}, {s.attn}) ...")
+            model, tokenizer = load_model(s.model, dtype=s.dtype, device=s.device, attn_implementation=s.attn)
+            collect(
+                model,
+                tokenizer,
+                problems,
+                label_store,
+                signal_store,
+                labels=s.labels,
+                signals=s.signals,
+                source=s.source,
+                max_trace_tokens=s.max_trace_tokens,
+                max_new_tokens=s.max_new_tokens,
+                progress=s.progress,
+            )
+
+    analysis = analyse(
+        label_store,
+        signal_store,
+        ids,
+        signal=s.signal,
+        target=s.target,
+        control=s.control,
+        min_width=s.min_width,
+        max_width=s.max_width,
+        replicates=s.bootstrap,
+        seed=s.seed,
+    )
+    calibration = write_band_calibration(
+        out / "calibration.json",
+        model=s.model,
+        profile=analysis.profiles[(s.signal, s.target)],
+        band_a=analysis.band_a,
+        band_b=analysis.band_b,
+        extra={"dataset": s.dataset, "source": s.source, "chunk_size": s.labels.chunk_size, "control": s.control},
+        min_width=s.min_width,
+    )
+    default = default_anatomy(analysis.num_layers)
+    auc_for(
+        analysis,
+        label_store,
+        signal_store,
+        ids,
+        {"default": default, "cal": calibration},
+        targets=s.targets,
+        fraction=s.top_fraction,
+        replicates=s.bootstrap,
+        seed=s.seed,
+    )
+    plot_file = _plot(s, analysis, default)
+    run_info = {
+        "model": s.model,
+        "dataset": s.dataset,
+        "source": s.source,
+        "chunk_size": s.labels.chunk_size,
+        "horizon": s.labels.horizon,
+        "replicates": s.bootstrap,
+        "fraction": s.top_fraction,
+        "min_width": s.min_width,
+        "max_width": s.max_width,
+        "command": s.command(),
+    }
+    summary = render_summary(analysis, calibration=calibration, default=default, run=run_info, plot_file=plot_file)
+    (out / "summary.md").write_text(summary, encoding="utf-8")
+    results = _results(analysis, calibration, run_info)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    found = [
+        f"band {n}: {b.first}..{b.last} ({n.lower()} = {b.representative})"
+        for n, b in (("A", analysis.band_a), ("B", analysis.band_b))
+        if b is not None
+    ]
+    _say(f"calibrate: {'; '.join(found) or 'no band found'}; wrote {out}/summary.md")
+    return 0
+
+
+def _plot(s: CalibrateSettings, analysis: Analysis, default: Calibration) -> str | None:
+    """The correlation profiles as a PNG; its file name, or None without matplotlib."""
+    try:
+        plot_profiles(
+            s.out / PLOT_FILE,
+            [[analysis.profiles[(signal, t)] for signal in ("z", "g")] for t in s.targets],
+            band_a=analysis.band_a,
+            band_b=analysis.band_b,
+            default_a=default.band_a,
+            default_b=default.band_b,
+            title=f"{s.model}: layer anatomy on {s.dataset} ({analysis.traces} traces)",
+        )
+    except ImportError:
+        _say("calibrate: matplotlib is not installed; no plot (pip install matplotlib)")
+        return None
+    return PLOT_FILE
+
+
+def _results(analysis: Analysis, calibration: Calibration, run_info: dict[str, Any]) -> dict[str, Any]:
+    """Every number of the run, as ``results.json`` holds them."""
+    return {
+        "run": run_info,
+        "traces": analysis.traces,
+        "chunks": analysis.chunks,
+        "seconds_per_trace": round(analysis.seconds_per_trace, 3),
+        "cpu_seconds_per_trace": round(analysis.cpu_seconds_per_trace, 3),
+        "label_position_rho": analysis.label_position,
+        "calibration": {k: v for k, v in calibration.as_dict().items() if k != "profile"},
+        "bands": {
+            name: None
+            if band is None
+            else {
+                "layers": list(band.layers),
+                "representative": band.representative,
+                "rho": band.rho,
+                "low": band.low,
+                "high": band.high,
+            }
+            for name, band in (("a", analysis.band_a), ("b", analysis.band_b))
+        },
+        "profiles": [p.to_dict() for p in analysis.profiles.values()],
+        "auc": {t: [row.to_dict() for row in rows] for t, rows in analysis.auc.items()},
+    }

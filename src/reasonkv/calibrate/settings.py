@@ -1,0 +1,164 @@
+"""``reasonkv calibrate``'s settings: one frozen object, built by the command line or in Python, checked once.
+
+:class:`CalibrateSettings` holds the model to load, the traces to study, the label and signal settings
+(:class:`~reasonkv.calibrate.labels.LabelSettings`, :class:`~reasonkv.calibrate.signals.SignalSettings`),
+how the bands are chosen and scored, and the output folder. :func:`reasonkv.calibrate.run.run_calibration`
+reads nothing else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from reasonkv.calibrate.labels import TARGETS, LabelSettings
+from reasonkv.calibrate.pipeline import SIGNALS
+from reasonkv.calibrate.profile import CONTROLS
+from reasonkv.calibrate.signals import SignalSettings
+from reasonkv.calibrate.traces import SOURCES
+from reasonkv.models import DEFAULT_MODEL
+
+__all__ = ["CalibrateSettings"]
+
+
+def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CalibrateSettings:
+    """Everything one ``reasonkv calibrate`` run is told.
+
+    Parameters
+    ----------
+    model, dtype, device, attn
+        The model to load (checked when it is loaded: ``analyse_only`` loads none).
+    dataset
+        A bundled dataset name or a JSONL path.
+    traces
+        Problems studied, in file order.
+    source
+        ``"reference"`` (teacher-forced reference solutions) or ``"generated"`` (the model's own greedy
+        answers, ``max_new_tokens`` long at most).
+    max_trace_tokens
+        Cut traces to this many tokens (None: whole).
+    labels, signals
+        The occlusion labels' and the per-token signals' settings.
+    target, signal, control
+        The label that picks the bands, the signal (``"z"`` or raw ``"g"``), and whether the chunk
+        position is partialled out of the correlations (``"position"``) or not (``"none"``).
+    min_width, max_width
+        The shortest and the widest band, in layers.
+    top_fraction
+        The share of a trace's chunks that are the positives of the AUC.
+    bootstrap, seed
+        Trace resamples of every interval, and their seed.
+    out
+        The output folder (reused to resume).
+    analyse_only
+        Load no model: analyse the records already in ``out``.
+    progress
+        Show a progress bar.
+    """
+
+    model: str = DEFAULT_MODEL
+    dtype: str = "fp32"
+    device: str = "cpu"
+    attn: str = "sdpa"
+    dataset: str = "gsm8k"
+    traces: int = 100
+    source: str = "reference"
+    max_trace_tokens: int | None = None
+    max_new_tokens: int = 512
+    labels: LabelSettings = field(default_factory=LabelSettings)
+    signals: SignalSettings = field(default_factory=SignalSettings)
+    target: str = "later"
+    signal: str = "z"
+    control: str = "position"
+    min_width: int = 3
+    max_width: int = 8
+    top_fraction: float = 0.2
+    bootstrap: int = 1000
+    seed: int = 0
+    out: Path
+    analyse_only: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "model", os.fspath(self.model))
+        object.__setattr__(self, "dataset", os.fspath(self.dataset))
+        object.__setattr__(self, "out", Path(self.out))
+        for name in ("traces", "max_new_tokens", "min_width", "max_width", "bootstrap"):
+            _check_positive(name, getattr(self, name))
+        if self.max_trace_tokens is not None:
+            _check_positive("max_trace_tokens", self.max_trace_tokens)
+        _check_choice("source", self.source, SOURCES)
+        _check_choice("target", self.target, TARGETS)
+        _check_choice("signal", self.signal, SIGNALS)
+        _check_choice("control", self.control, CONTROLS)
+        if not isinstance(self.labels, LabelSettings) or not isinstance(self.signals, SignalSettings):
+            raise ValueError("labels and signals must be a LabelSettings and a SignalSettings")
+        if isinstance(self.top_fraction, bool) or not isinstance(self.top_fraction, (int, float)):
+            raise ValueError(f"top_fraction must be a number in (0, 1), got {self.top_fraction!r}")
+        if not 0 < self.top_fraction < 1:
+            raise ValueError(f"top_fraction must be in (0, 1), got {self.top_fraction}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.min_width > self.max_width:
+            raise ValueError(f"min_width {self.min_width} is larger than max_width {self.max_width}")
+
+    @staticmethod
+    def defaults() -> dict[str, Any]:
+        """Every setting's default by its flag's name (the label and signal settings' fields flattened)."""
+        own = {f.name: f.default for f in dataclasses.fields(CalibrateSettings) if f.default is not dataclasses.MISSING}
+        return {**own, **dataclasses.asdict(LabelSettings()), **dataclasses.asdict(SignalSettings())}
+
+    @property
+    def targets(self) -> list[str]:
+        """The label kinds reported: the one that picks the bands, then the answer's."""
+        return list(dict.fromkeys([self.target, "answer"]))
+
+    def record_settings(self) -> dict[str, Any]:
+        """What every stored record depends on besides the label and signal settings."""
+        return {
+            "model": self.model,
+            "dtype": self.dtype,
+            "dataset": self.dataset,
+            "source": self.source,
+            "max_trace_tokens": self.max_trace_tokens,
+            "max_new_tokens": self.max_new_tokens if self.source == "generated" else None,
+        }
+
+    def command(self) -> str:
+        """The command line that reproduces the run (settings at their default left out)."""
+        parts = ["reasonkv", "calibrate", "--model", self.model, "--dataset", self.dataset]
+        parts += ["--traces", str(self.traces), "--source", self.source, "--chunk-size", str(self.labels.chunk_size)]
+        optional = {
+            "dtype": self.dtype,
+            "device": self.device,
+            "horizon": self.labels.horizon,
+            "max_trace_tokens": self.max_trace_tokens,
+            "target": self.target,
+            "signal": self.signal,
+            "control": self.control,
+            "window": self.signals.window,
+            "batch_size": self.labels.batch_size,
+            "bootstrap": self.bootstrap,
+        }
+        defaults = self.defaults()
+        for name, value in optional.items():
+            if value != defaults[name]:
+                parts += ["--" + name.replace("_", "-"), str(value)]
+        if self.source == "generated":
+            parts += ["--max-new-tokens", str(self.max_new_tokens)]
+        return shlex.join([*parts, "--out", str(self.out)])
