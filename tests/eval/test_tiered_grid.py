@@ -112,6 +112,7 @@ def _fidelity(policy, budget, equivalent, top1, kl, tier=None, dataset="gsm8k"):
 
 
 def test_equal_bytes_report_groups_cells_by_their_byte_budget(tmp_path):
+    from reasonkv.cli import equal_bytes as equal_bytes_command
     from reasonkv.eval import equal_bytes
 
     int8 = {"quantized": 112, "bits": 8, "group_size": 32}
@@ -133,6 +134,6 @@ def test_equal_bytes_report_groups_cells_by_their_byte_budget(tmp_path):
     results = tmp_path / "results.jsonl"
     lines = [json.dumps({**r, "problem_id": f"p{i}"}) + "\n" for i, r in enumerate(records[:4])]
     results.write_text("".join(lines), encoding="utf-8")
-    assert equal_bytes.main([str(results), "--out", str(tmp_path / "report")]) == 0
+    assert equal_bytes_command.main([str(results), "--out", str(tmp_path / "report")]) == 0
     assert (tmp_path / "report" / "equal-bytes-gsm8k.png").read_bytes()[:4] == b"\x89PNG"
     assert "| h2o | int8 |" in (tmp_path / "report" / "equal-bytes.md").read_text()

@@ -40,5 +40,5 @@ if [[ "$group" == 64 || "$group" == all ]]; then
     --quantized 167 --bits 4
 fi
 if [[ -f "$OUT/results.jsonl" && -f "$OUT/results-64.jsonl" ]]; then
-  "$PY" -m reasonkv.eval.equal_bytes "$OUT/results.jsonl" "$OUT/results-64.jsonl" --out "$OUT"
+  "$PY" -m reasonkv.cli.equal_bytes "$OUT/results.jsonl" "$OUT/results-64.jsonl" --out "$OUT"
 fi

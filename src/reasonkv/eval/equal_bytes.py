@@ -6,14 +6,15 @@ plain cell's own budget; ``K + Q x quantized bytes / full bytes`` for a tiered o
 policy and byte budget it tabulates top-1 agreement and mean KL of each variant (full precision
 only, int8 tier, int4 tier), and plots them::
 
-    python -m reasonkv.eval.equal_bytes docs/results/equal-bytes/results.jsonl --out docs/results/equal-bytes
+    python -m reasonkv.cli.equal_bytes docs/results/equal-bytes/results.jsonl --out docs/results/equal-bytes
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
+import runpy
+import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from reasonkv.eval.report import load_results
 
-__all__ = ["Cell", "cells", "main", "markdown", "plot"]
+__all__ = ["Cell", "cells", "markdown", "plot", "write_tables"]
 
 PLAIN = "full precision"
 
@@ -142,22 +143,18 @@ def plot(table: Sequence[Cell], out_dir: str | os.PathLike[str]) -> list[Path]:
     return written
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m reasonkv.eval.equal_bytes", description=__doc__.splitlines()[0])
-    parser.add_argument("results", nargs="+", help="eval results files (JSONL)")
-    parser.add_argument("--out", required=True, help="folder for equal-bytes.md and the PNGs")
-    args = parser.parse_args(argv)
-    table = cells(load_results(args.results))
+def write_tables(results: Sequence[str | os.PathLike], out: str | os.PathLike) -> list[Path]:
+    """``equal-bytes.md`` and the PNGs of ``results`` in ``out``; the paths written."""
+    table = cells(load_results(results))
     if not table:
-        parser.error("no fidelity records with equivalent_budget in the results")
-    out = Path(args.out)
+        raise ValueError("no fidelity records with equivalent_budget in the results")
+    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "equal-bytes.md").write_text(markdown(table), encoding="utf-8")
-    for path in plot(table, out):
-        print(path)
-    print(out / "equal-bytes.md")
-    return 0
+    return [*plot(table, out), out / "equal-bytes.md"]
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+if __name__ == "__main__":  # the old entry point: the command moved to reasonkv.cli.equal_bytes
+    message = "python -m reasonkv.eval.equal_bytes is now python -m reasonkv.cli.equal_bytes"
+    warnings.warn(message, FutureWarning, stacklevel=1)
+    runpy.run_module("reasonkv.cli.equal_bytes", run_name="__main__")
