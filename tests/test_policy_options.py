@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -10,7 +12,8 @@ import torch
 import reasonkv
 from conftest import tiny_llama
 from reasonkv.hf import cache_keyword
-from reasonkv.policies import Policy, get_policy, options_by_policy, parse_options
+from reasonkv.policies import Policy, get_policy, list_policies, options_by_policy, parse_options, policy_class
+from reasonkv.policies.options import field_types
 
 
 def test_text_is_parsed_by_the_field_type():
@@ -56,6 +59,30 @@ def test_python_values_must_have_the_field_type(value):
         get_policy("streaming", protect_prompt=value)
 
 
+class _Opaque:
+    """A value of no option's type."""
+
+    def __repr__(self) -> str:
+        return "<opaque>"
+
+
+@pytest.mark.parametrize("name", list_policies())
+def test_every_option_is_typed_however_the_policy_is_made(name):
+    """The type check runs on construction (``Policy.__post_init__``), before any range check, so a
+    wrong type is refused by the class itself, by ``get_policy`` and by ``dataclasses.replace``."""
+    cls = policy_class(name)
+    types = field_types(cls)
+    assert Any not in types.values(), f"{name}: an annotation does not resolve"
+    for option in types:
+        message = rf"^{name}: option {option}=<opaque>: expected "
+        with pytest.raises(ValueError, match=message):
+            cls(**{option: _Opaque()})
+        with pytest.raises(ValueError, match=message):
+            get_policy(name, **{option: _Opaque()})
+        with pytest.raises(ValueError, match=message):
+            dataclasses.replace(cls(), **{option: _Opaque()})
+
+
 @dataclass
 class _Unchecked(Policy):
     """Test-only: options that no check of the policy's own looks at."""
@@ -71,7 +98,7 @@ class _Unchecked(Policy):
 def test_fields_without_their_own_check_are_typed_too():
     with pytest.raises(ValueError, match=r"test-unchecked: option flag='no': expected bool"):
         get_policy(_Unchecked(flag="no"))
-    with pytest.raises(ValueError, match=r"option layers=\('1', 2\): expected tuple or None"):
+    with pytest.raises(ValueError, match=r"option layers=\('1', 2\): expected tuple\[int, \.\.\.\] or None"):
         get_policy(_Unchecked(), layers=("1", 2))
     assert get_policy(_Unchecked(), layers=[1, 2]).layers == [1, 2]  # a list of ints is a sequence of ints
 

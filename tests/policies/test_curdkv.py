@@ -220,7 +220,7 @@ def _reference_leverage(y: torch.Tensor, method: str) -> torch.Tensor:
     "options, match",
     [
         (dict(rank=-1), "rank must be a non-negative integer"),
-        (dict(local_window=1.5), "local_window must be a non-negative integer"),
+        (dict(local_window=1.5), "option local_window=1.5: expected int"),
         (dict(leverage="svd"), "leverage must be one of columns, orthonormal, norm"),
         (dict(combine="sum"), "combine must be one of product, mean, key, value"),
     ],

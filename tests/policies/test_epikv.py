@@ -450,6 +450,7 @@ def test_default_layers_scale_with_depth():
     assert EPIKV(a=3, band_b="2..4").anatomy(30).a == 3
     assert EPIKV(band_b="2..4").anatomy(30).band_b == (2, 3, 4)
     assert EPIKV(band_a="1,5").anatomy(30).band_a == (1, 5)
+    assert EPIKV(band_a=4, band_b=[5, 6]).band_a == (4,) and EPIKV(band_b=[5, 6]).band_b == (5, 6)
     assert not EPIKV().needs(info30).taps_attention
 
 
@@ -470,17 +471,20 @@ def test_bad_layer_indices_name_the_model_depth(options, message):
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        (dict(variant="median"), "variant must be one of raw, zscore, band, lag; got 'median'"),
+        (dict(variant="median"), "epikv: variant must be one of raw, zscore, band, lag, got 'median'"),
         (dict(stats_window=1), "stats_window must be an integer >= 2, got 1"),
-        (dict(smooth=0), "smooth must be an integer >= 1, got 0"),
+        (dict(smooth=0), "smooth must be a positive integer, got 0"),
         (dict(lag=1), "lag must be an integer >= 2, got 1"),
         (dict(eps=0.0), "eps must be a positive number, got 0.0"),
-        (dict(pending="oldest"), "pending must be one of recent, neutral; got 'oldest'"),
-        (dict(a=-1), "a must be a layer index"),
-        (dict(b=1.5), "b must be a layer index"),
-        (dict(band_a=()), "band_a must be a non-empty tuple of layer indices"),
-        (dict(band_b="x,y"), "band_b must be a non-empty tuple of layer indices"),
-        (dict(calibration=3), "calibration must be a file path"),
+        (dict(pending="oldest"), "pending must be one of recent, neutral, got 'oldest'"),
+        (dict(a=-1), "a must be a layer index (an integer >= 0), got -1"),
+        (dict(b=1.5), "epikv: option b=1.5: expected int or None"),
+        (dict(band_a=()), "band_a must be a non-empty tuple of layer indices (integers >= 0), or text such as"),
+        (dict(band_a="3..1"), "band_a must be a non-empty tuple of layer indices"),
+        (dict(band_a=(1, -2)), "band_a must be a non-empty tuple of layer indices"),
+        (dict(band_a=(1, 2.0)), "epikv: option band_a=(1, 2.0): expected tuple[int, ...] or None"),
+        (dict(band_b="x,y"), "band_b must be a non-empty tuple of layer indices (integers >= 0), or text such as"),
+        (dict(calibration=3), "epikv: option calibration=3: expected str or None"),
     ],
 )
 def test_bad_options_are_clear_errors(options, message):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from functools import partial
 
 import pytest
@@ -118,9 +119,15 @@ def test_recent_part_follows_the_budget_and_window():
     assert needs.attention_sum and not needs.attention_last and needs.query_window == 0
 
 
-@pytest.mark.parametrize("bad", [-0.1, 1.0, 2, "half", True, None])
-def test_bad_recent_ratio_is_a_clear_error(bad):
-    with pytest.raises(ValueError, match=r"h2o: recent_ratio must be a number in \[0, 1\)"):
+@pytest.mark.parametrize("bad", [-0.1, 1.0, 2, float("nan")])
+def test_recent_ratio_out_of_range_is_a_clear_error(bad):
+    with pytest.raises(ValueError, match=rf"h2o: recent_ratio must be a number in \[0, 1\), got {bad!r}$"):
+        reasonkv.get_policy("h2o", recent_ratio=bad)
+
+
+@pytest.mark.parametrize("bad", ["half", "0.5", True, None])
+def test_recent_ratio_of_another_type_is_a_clear_error(bad):
+    with pytest.raises(ValueError, match=rf"h2o: option recent_ratio={re.escape(repr(bad))}: expected float$"):
         reasonkv.get_policy("h2o", recent_ratio=bad)
 
 

@@ -155,9 +155,10 @@ def test_batch_equals_alone_with_a_small_lag():
     "options, message",
     [
         ({"lag": 1}, "lag must be an integer >= 2"),
-        ({"lag": 4.0}, "lag must be an integer >= 2"),
+        ({"lag": 4.0}, "lagkv: option lag=4.0: expected int"),
         ({"value_weight": -1}, "value_weight must be a non-negative number"),
-        ({"quota": "yes"}, "quota must be True or False"),
+        ({"value_weight": float("nan")}, "value_weight must be a non-negative number, got nan"),
+        ({"quota": "yes"}, "lagkv: option quota='yes': expected bool"),
         ({"sinks": -2}, "sinks must be a non-negative integer"),
     ],
 )

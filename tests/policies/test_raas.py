@@ -158,9 +158,10 @@ def test_prompt_longer_than_budget_is_a_clear_error():
     [
         ("threshold", -0.1, r"raas: threshold must be a probability in \[0, 1\)"),
         ("threshold", 1.0, r"raas: threshold must be a probability in \[0, 1\)"),
-        ("threshold", "high", r"raas: threshold must be a probability in \[0, 1\)"),
+        ("threshold", float("nan"), r"raas: threshold must be a probability in \[0, 1\), got nan"),
+        ("threshold", "high", r"raas: option threshold='high': expected float"),
         ("group_reduce", "sum", "raas: group_reduce must be one of max, mean, got 'sum'"),
-        ("protect_prompt", "yes", "raas: protect_prompt must be True or False"),
+        ("protect_prompt", "yes", "raas: option protect_prompt='yes': expected bool"),
     ],
 )
 def test_bad_options_are_clear_errors(option, bad, message):

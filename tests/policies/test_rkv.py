@@ -277,7 +277,8 @@ def test_decoding_keeps_the_window_and_matches_the_oracle():
     "options, message",
     [
         ({"mix_lambda": 1.5}, "mix_lambda must be in"),
-        ({"mix_lambda": "0.1"}, "mix_lambda must be a number"),
+        ({"mix_lambda": "0.1"}, "rkv: option mix_lambda='0.1': expected float"),
+        ({"duplicate_window": 0}, "duplicate_window must be None or a positive integer, got 0"),
         ({"query_window": 0}, "query_window must be a positive integer"),
         ({"kernel": 0}, "kernel must be a positive integer"),
         ({"threshold": 2.0}, "threshold must be a cosine similarity"),

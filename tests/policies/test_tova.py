@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from functools import partial
 
 import pytest
@@ -127,9 +128,9 @@ def test_needs_only_the_newest_query():
     assert needs.query_window == 1 and not needs.attention_last and not needs.attention_sum
 
 
-@pytest.mark.parametrize("bad", [1, "yes", None])
+@pytest.mark.parametrize("bad", [1, "yes", "False", None])
 def test_bad_layerwise_is_a_clear_error(bad):
-    with pytest.raises(ValueError, match="tova: layerwise must be True or False"):
+    with pytest.raises(ValueError, match=rf"tova: option layerwise={re.escape(repr(bad))}: expected bool$"):
         reasonkv.get_policy("tova", layerwise=bad)
 
 

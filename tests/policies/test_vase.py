@@ -174,10 +174,10 @@ def test_reserve_count_fraction_or_count():
     [
         (dict(reserve=-1), "reserve must be a token count"),
         (dict(reserve=2.5), "reserve must be a token count"),
-        (dict(reserve=True), "reserve must be a token count"),
+        (dict(reserve=True), "option reserve=True: expected float"),
         (dict(temperature=0), "temperature must be a positive number"),
         (dict(temperature=float("nan")), "temperature must be a positive number"),
-        (dict(sample="yes"), "sample must be True or False"),
+        (dict(sample="yes"), "option sample='yes': expected bool"),
     ],
 )
 def test_bad_selection_options_are_clear_errors(options, match):

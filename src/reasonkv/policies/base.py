@@ -26,6 +26,7 @@ import torch
 
 from reasonkv.policies import select
 from reasonkv.policies.contract import AttentionChunk, ModelInfo, Needs, Step
+from reasonkv.policies.options import check_at_least, check_fields
 
 if TYPE_CHECKING:
     from reasonkv.policies.view import EvictionView
@@ -35,7 +36,8 @@ Granularity = Literal["token", "head"]
 
 @dataclass
 class Policy:
-    """Base class. Subclasses are dataclasses whose fields are their hyper-parameters.
+    """Base class. Subclasses are dataclasses whose fields are their hyper-parameters, each of the type
+    its annotation names (checked whenever a policy is made: :func:`~reasonkv.policies.options.check_fields`).
 
     Parameters
     ----------
@@ -62,12 +64,11 @@ class Policy:
     protect_prompt: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("sinks", "window"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{self.name}: {name} must be a non-negative integer, got {value!r}")
-        if not isinstance(self.protect_prompt, bool):
-            raise ValueError(f"{self.name}: protect_prompt must be True or False, got {self.protect_prompt!r}")
+        """Type every option from its annotation, then check ranges. A subclass that normalises an
+        option (text to a tuple, say) does so before calling this, and checks its own ranges after."""
+        check_fields(self)
+        check_at_least(self, "sinks", 0)
+        check_at_least(self, "window", 0)
 
     # -- what the policy reads ---------------------------------------------------------------
     def needs(self, info: ModelInfo) -> Needs:

@@ -9,22 +9,18 @@ import torch
 from reasonkv.policies import noise
 from reasonkv.policies.base import Policy
 from reasonkv.policies.leverage import COMBINE_METHODS, LEVERAGE_METHODS, dkv_scores, gaussian_projection
+from reasonkv.policies.options import check_at_least, check_choice
 from reasonkv.policies.registry import register
 
 __all__ = ["CurDKV", "check_dkv_options"]
 
 
 def check_dkv_options(policy) -> None:
-    """Validate ``rank``, ``leverage``, ``local_window`` and ``combine`` (shared with VASE-DKV)."""
-    name = policy.name
-    for option in ("rank", "local_window"):
-        value = getattr(policy, option)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name}: {option} must be a non-negative integer, got {value!r}")
-    if policy.leverage not in LEVERAGE_METHODS:
-        raise ValueError(f"{name}: leverage must be one of {', '.join(LEVERAGE_METHODS)}, got {policy.leverage!r}")
-    if policy.combine not in COMBINE_METHODS:
-        raise ValueError(f"{name}: combine must be one of {', '.join(COMBINE_METHODS)}, got {policy.combine!r}")
+    """Check the ranges of ``rank``, ``leverage``, ``local_window`` and ``combine`` (shared with VASE-DKV)."""
+    check_at_least(policy, "rank", 0)
+    check_at_least(policy, "local_window", 0)
+    check_choice(policy, "leverage", LEVERAGE_METHODS)
+    check_choice(policy, "combine", COMBINE_METHODS)
 
 
 @register

@@ -19,12 +19,14 @@ from reasonkv.policies.epikv_signal import (
     window_mean,
     window_positions,
 )
+from reasonkv.policies.options import check_at_least, check_choice, check_option
 from reasonkv.policies.registry import register
 
 __all__ = ["EPIKV", "EPIKVLag", "VARIANTS"]
 
 VARIANTS = ("raw", "zscore", "band", "lag")
 PENDING_RULES = ("recent", "neutral")
+_BAND_ALLOWED = "a non-empty tuple of layer indices (integers >= 0), or text such as '7..13' or '1,5'"
 _WINDOW_ELEMENTS = 1 << 22  # bound on the gathered history of a long prefill
 
 
@@ -79,7 +81,7 @@ class EPIKV(Policy):
         paper's 10 and 21 of 32 layers scaled by depth, ``round(10 L / 32)`` and ``round(21 L / 32)``
         (halves up), i.e. 9 and 20 for 30 layers; or the calibration file's.
     band_a, band_b
-        The layers of the ``band`` variant (tuples; a comma-separated string or an int also work).
+        The layers of the ``band`` variant (tuples; text such as ``"7..13"`` or ``"1,5"``, a list or one int also work).
         Default: 7..13 and 18..25 of 32 with both ends scaled by depth (7..12 and 17..23 for 30
         layers); or the calibration file's.
     calibration
@@ -121,49 +123,43 @@ class EPIKV(Policy):
     calibration: str | None = None
 
     def __post_init__(self) -> None:
+        for option in ("band_a", "band_b"):  # text and single layers become tuples before the type check
+            setattr(self, option, self._band(option))
         super().__post_init__()
-        if self.variant not in VARIANTS:
-            raise ValueError(f"{self.name}: variant must be one of {', '.join(VARIANTS)}; got {self.variant!r}")
-        if self.pending not in PENDING_RULES:
-            raise ValueError(f"{self.name}: pending must be one of {', '.join(PENDING_RULES)}; got {self.pending!r}")
-        for option, minimum in (("stats_window", 2), ("smooth", 1), ("lag", 2)):
-            value = getattr(self, option)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"{self.name}: {option} must be an integer >= {minimum}, got {value!r}")
-        if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or not self.eps > 0:
-            raise ValueError(f"{self.name}: eps must be a positive number, got {self.eps!r}")
+        check_choice(self, "variant", VARIANTS)
+        check_choice(self, "pending", PENDING_RULES)
+        check_at_least(self, "stats_window", 2)
+        check_at_least(self, "smooth", 1)
+        check_at_least(self, "lag", 2)
+        check_option(self, "eps", self.eps > 0, "a positive number")
         self.eps = float(self.eps)
         for option in ("a", "b"):
             value = getattr(self, option)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise ValueError(f"{self.name}: {option} must be a layer index (an integer >= 0), got {value!r}")
+            check_option(self, option, value is None or value >= 0, "a layer index (an integer >= 0)")
         for option in ("band_a", "band_b"):
-            setattr(self, option, self._band(option, getattr(self, option)))
+            band = getattr(self, option)
+            check_option(self, option, band is None or (len(band) > 0 and min(band) >= 0), _BAND_ALLOWED)
         self._calibration: Calibration | None = None
         if self.calibration is not None:
-            if not isinstance(self.calibration, (str, os.PathLike)):
-                raise ValueError(f"{self.name}: calibration must be a file path, got {self.calibration!r}")
-            self.calibration = os.fspath(self.calibration)
+            self.calibration = os.fspath(self.calibration)  # a path is taken as its text
             self._calibration = load_calibration(self.calibration)
         self._state: _State | None = None
 
-    def _band(self, option: str, value) -> tuple[int, ...] | None:
-        if value is None:
-            return None
-        try:
-            if isinstance(value, str):
-                lo, sep, hi = value.partition("..")
-                value = range(int(lo), int(hi) + 1) if sep else [int(part) for part in value.split(",") if part.strip()]
-            elif isinstance(value, int) and not isinstance(value, bool):
-                value = [value]
-            band = tuple(value)
-        except (TypeError, ValueError):
-            band = None
-        if not band or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in band):
-            raise ValueError(
-                f"{self.name}: {option} must be a non-empty tuple of layer indices (integers >= 0), got {value!r}"
-            )
-        return band
+    def _band(self, option: str) -> object:
+        """``band_a``/``band_b`` as a tuple when given as text (``"7..13"``, ``"1,5"``), one layer, a list
+        or a range; anything else as it came, for the type check to judge."""
+        value = getattr(self, option)
+        if isinstance(value, str):
+            first, dots, last = value.partition("..")
+            try:
+                if dots:
+                    return tuple(range(int(first), int(last) + 1))
+                return tuple(int(part) for part in value.split(",") if part.strip())
+            except ValueError:
+                raise ValueError(f"{self.name}: {option} must be {_BAND_ALLOWED}, got {value!r}") from None
+        if isinstance(value, int) and not isinstance(value, bool):
+            return (value,)
+        return tuple(value) if isinstance(value, (list, range)) else value
 
     # -- layers -------------------------------------------------------------------------------------
     def anatomy(self, num_layers: int) -> Calibration:

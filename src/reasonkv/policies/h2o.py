@@ -10,6 +10,7 @@ from reasonkv.policies import select
 from reasonkv.policies.base import Policy
 from reasonkv.policies.common import PositionTable, group_mean
 from reasonkv.policies.contract import AttentionChunk, Needs
+from reasonkv.policies.options import check_option
 from reasonkv.policies.registry import register
 
 
@@ -88,9 +89,7 @@ class H2O(Policy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        ratio = self.recent_ratio
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio < 1:
-            raise ValueError(f"{self.name}: recent_ratio must be a number in [0, 1), got {ratio!r}")
+        check_option(self, "recent_ratio", 0 <= self.recent_ratio < 1, "a number in [0, 1)")
         self.accumulated: PositionTable | None = None
         self._index: dict[int, int] = {}  # evicting layer -> its row in the table
         self._kv_heads = 0

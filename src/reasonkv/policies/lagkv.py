@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from reasonkv.policies.base import Policy
+from reasonkv.policies.options import check_at_least, check_option
 from reasonkv.policies.registry import register
 
 __all__ = ["LagKV", "lag_relative_scores"]
@@ -154,16 +155,8 @@ class LagKV(Policy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.lag, bool) or not isinstance(self.lag, int) or self.lag < 2:
-            raise ValueError(f"lagkv: lag must be an integer >= 2, got {self.lag!r}")
-        if (
-            isinstance(self.value_weight, bool)
-            or not isinstance(self.value_weight, (int, float))
-            or self.value_weight < 0
-        ):
-            raise ValueError(f"lagkv: value_weight must be a non-negative number, got {self.value_weight!r}")
-        if not isinstance(self.quota, bool):
-            raise ValueError(f"lagkv: quota must be True or False, got {self.quota!r}")
+        check_at_least(self, "lag", 2)
+        check_option(self, "value_weight", self.value_weight >= 0, "a non-negative number")
 
     def scores(self, view) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``lag_relative_scores`` of this layer's stored keys and values."""

@@ -4,8 +4,10 @@ Text from a command line (``-o KEY=VALUE`` on any command) is parsed by the fiel
 ``"false"`` is ``False``, ``"8"`` is ``8``, ``"1,2"`` is ``(1, 2)``, ``"none"`` is ``None`` where
 allowed; text that does not parse is refused with an error naming the option and the type it expects.
 In Python, values must already have their field's type: ``get_policy(..., protect_prompt="False")``
-is refused, never taken as true (the policy's own checks, then :func:`check_fields`, which
-``get_policy`` runs and through which every cache builds its policy).
+is refused, never taken as true. :func:`check_fields` decides types, once, from the annotations:
+``Policy.__post_init__`` runs it before anything else, so every way of making a policy (the class,
+``get_policy``, ``dataclasses.replace``) is checked, and a policy's own ``__post_init__`` checks only
+ranges and choices, with :func:`check_option`, :func:`check_at_least` and :func:`check_choice`.
 
 Command-line spelling, the same for ``generate``, ``demo``, ``eval`` and ``bench``:
 ``-o KEY=VALUE`` sets ``KEY`` for every selected policy that has it; ``-o POLICY.KEY=VALUE`` for
@@ -21,9 +23,18 @@ import os
 import types
 import typing
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["check_fields", "field_types", "parse_value", "split_option"]
+__all__ = [
+    "check_at_least",
+    "check_choice",
+    "check_fields",
+    "check_option",
+    "field_types",
+    "parse_value",
+    "split_option",
+]
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -46,7 +57,11 @@ def _arms(hint: Any) -> tuple[Any, ...]:
 
 
 def _describe(hint: Any) -> str:
-    return " or ".join("None" if arm is type(None) else getattr(arm, "__name__", str(arm)) for arm in _arms(hint))
+    """``int | None`` -> ``"int or None"``; a parametrised type keeps its parameters (``tuple[int, ...]``)."""
+    return " or ".join(
+        "None" if arm is type(None) else str(arm) if typing.get_origin(arm) else getattr(arm, "__name__", str(arm))
+        for arm in _arms(hint)
+    )
 
 
 def _as(arm: Any, value: Any, parse: bool) -> Any:
@@ -108,6 +123,24 @@ def check_fields(policy: Any) -> None:
     cls = type(policy)
     for name in field_types(cls):
         parse_value(cls, name, getattr(policy, name), parse=False)
+
+
+# -- ranges and choices: what a policy checks once check_fields has typed its options ---------------
+def check_option(policy: Any, option: str, ok: bool, allowed: str) -> None:
+    """Refuse ``policy.<option>`` unless ``ok``: ``"<policy>: <option> must be <allowed>, got <value>"``."""
+    if not ok:
+        raise ValueError(f"{policy.name}: {option} must be {allowed}, got {getattr(policy, option)!r}")
+
+
+def check_at_least(policy: Any, option: str, minimum: int) -> None:
+    """An integer option at least ``minimum`` ("a non-negative integer" for 0, "a positive integer" for 1)."""
+    allowed = {0: "a non-negative integer", 1: "a positive integer"}.get(minimum, f"an integer >= {minimum}")
+    check_option(policy, option, getattr(policy, option) >= minimum, allowed)
+
+
+def check_choice(policy: Any, option: str, choices: Sequence[Any]) -> None:
+    """An option that is one of ``choices``."""
+    check_option(policy, option, getattr(policy, option) in choices, f"one of {', '.join(map(str, choices))}")
 
 
 def _split(pair: str) -> tuple[str, str]:

@@ -9,6 +9,7 @@ import torch
 from reasonkv.policies.base import Policy
 from reasonkv.policies.common import PositionTable
 from reasonkv.policies.contract import Needs, Step
+from reasonkv.policies.options import check_choice, check_option
 from reasonkv.policies.registry import register
 
 _GROUP_REDUCTIONS = ("max", "mean")
@@ -102,15 +103,8 @@ class RaaS(Policy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        threshold = self.threshold
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold < 1:
-            raise ValueError(f"{self.name}: threshold must be a probability in [0, 1), got {threshold!r}")
-        if self.group_reduce not in _GROUP_REDUCTIONS:
-            raise ValueError(
-                f"{self.name}: group_reduce must be one of {', '.join(_GROUP_REDUCTIONS)}, got {self.group_reduce!r}"
-            )
-        if not isinstance(self.protect_prompt, bool):
-            raise ValueError(f"{self.name}: protect_prompt must be True or False, got {self.protect_prompt!r}")
+        check_option(self, "threshold", 0 <= self.threshold < 1, "a probability in [0, 1)")
+        check_choice(self, "group_reduce", _GROUP_REDUCTIONS)
         self.timestamps: PositionTable | None = None
         self._index: dict[int, int] = {}  # evicting layer -> its row in the table
         self._kv_heads = 0

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from reasonkv.policies.base import Policy
-from reasonkv.policies.options import check_fields, field_types, parse_value, split_option
+from reasonkv.policies.options import field_types, parse_value, split_option
 
 __all__ = ["get_policy", "list_policies", "options_by_policy", "parse_options", "policy_class", "register"]
 
@@ -38,17 +38,15 @@ def policy_class(name: str) -> type[Policy]:
 def get_policy(name: str | Policy, **options) -> Policy:
     """A new policy instance by name (or a fresh copy of an instance), hyper-parameters overridden by ``options``.
 
-    Option values are typed by the policy's fields (strings are parsed: ``protect_prompt="False"``
-    is ``False``). Raises ``ValueError`` naming the bad name (and listing the valid ones) or the bad
-    option (and listing the policy's options, or the type it expects).
+    Option values must have their field's type (``protect_prompt="False"`` is refused, never taken as
+    true; :func:`parse_options` turns command-line text into typed values), checked when the policy is
+    made (``Policy.__post_init__``). Raises ``ValueError`` naming the bad name (and listing the valid
+    ones) or the bad option (and listing the policy's options, or what it allows).
     """
     if isinstance(name, Policy):
-        policy = dataclasses.replace(name, **_checked(type(name), options))
-    else:
-        cls = policy_class(name)
-        policy = cls(**_checked(cls, options))
-    check_fields(policy)
-    return policy
+        return dataclasses.replace(name, **_checked(type(name), options))
+    cls = policy_class(name)
+    return cls(**_checked(cls, options))
 
 
 def _checked(cls: type[Policy], options: dict) -> dict:

@@ -22,6 +22,7 @@ from reasonkv.policies.attention import grouped_logits, grouped_sinks, masked_so
 from reasonkv.policies.base import Policy
 from reasonkv.policies.common import pool1d
 from reasonkv.policies.contract import Needs
+from reasonkv.policies.options import check_at_least, check_choice, check_option
 from reasonkv.policies.registry import register
 
 __all__ = ["RKV", "window_importance", "key_redundancy"]
@@ -308,25 +309,14 @@ class RKV(Policy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("query_window", "kernel"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"rkv: {name} must be a positive integer, got {value!r}")
-        if isinstance(self.mix_lambda, bool) or not isinstance(self.mix_lambda, (int, float)):
-            raise ValueError(f"rkv: mix_lambda must be a number in [0, 1], got {self.mix_lambda!r}")
-        if not 0.0 <= self.mix_lambda <= 1.0:
-            raise ValueError(f"rkv: mix_lambda must be in [0, 1], got {self.mix_lambda!r}")
-        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)):
-            raise ValueError(f"rkv: threshold must be a cosine similarity in [-1, 1], got {self.threshold!r}")
-        if not -1.0 <= self.threshold <= 1.0:
-            raise ValueError(f"rkv: threshold must be a cosine similarity in [-1, 1], got {self.threshold!r}")
-        if self.retain not in _RETAIN:
-            raise ValueError(f"rkv: retain must be one of {', '.join(_RETAIN)}, got {self.retain!r}")
-        if self.pooling not in _POOLINGS:
-            raise ValueError(f"rkv: pooling must be one of {', '.join(_POOLINGS)}, got {self.pooling!r}")
+        check_at_least(self, "query_window", 1)
+        check_at_least(self, "kernel", 1)
+        check_option(self, "mix_lambda", 0 <= self.mix_lambda <= 1, "in [0, 1]")
+        check_option(self, "threshold", -1 <= self.threshold <= 1, "a cosine similarity in [-1, 1]")
+        check_choice(self, "retain", _RETAIN)
+        check_choice(self, "pooling", _POOLINGS)
         window = self.duplicate_window
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-            raise ValueError(f"rkv: duplicate_window must be None or a positive integer, got {window!r}")
+        check_option(self, "duplicate_window", window is None or window >= 1, "None or a positive integer")
 
     def needs(self, info) -> Needs:
         return Needs(query_window=self.query_window)

@@ -9,6 +9,7 @@ import torch
 from reasonkv.policies.base import Policy
 from reasonkv.policies.common import group_mean, pool1d
 from reasonkv.policies.contract import Needs
+from reasonkv.policies.options import check_at_least, check_choice, check_option
 from reasonkv.policies.registry import register
 
 __all__ = ["SnapKV", "window_scores", "pool_valid", "POOLINGS"]
@@ -52,14 +53,11 @@ def window_scores(view, *, kernel: int = 7, pooling: str = "max") -> torch.Tenso
 
 
 def check_window_options(policy) -> None:
-    """Validate ``query_window``, ``kernel`` and ``pooling`` (shared with VASE-AttnV)."""
-    name, w, kernel = policy.name, policy.query_window, policy.kernel
-    if isinstance(w, bool) or not isinstance(w, int) or w <= 0:
-        raise ValueError(f"{name}: query_window must be a positive integer, got {w!r}")
-    if isinstance(kernel, bool) or not isinstance(kernel, int) or kernel <= 0 or kernel % 2 == 0:
-        raise ValueError(f"{name}: kernel must be a positive odd integer (1 = no pooling), got {kernel!r}")
-    if policy.pooling not in POOLINGS:
-        raise ValueError(f"{name}: pooling must be one of {', '.join(POOLINGS)}, got {policy.pooling!r}")
+    """Check the ranges of ``query_window``, ``kernel`` and ``pooling`` (shared with VASE-AttnV)."""
+    check_at_least(policy, "query_window", 1)
+    kernel = policy.kernel
+    check_option(policy, "kernel", kernel > 0 and kernel % 2 == 1, "a positive odd integer (1 = no pooling)")
+    check_choice(policy, "pooling", POOLINGS)
 
 
 @register

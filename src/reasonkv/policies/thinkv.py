@@ -26,6 +26,7 @@ from reasonkv.policies import select
 from reasonkv.policies.base import Policy
 from reasonkv.policies.common import PositionTable
 from reasonkv.policies.contract import Needs
+from reasonkv.policies.options import check_at_least, check_option
 from reasonkv.policies.registry import register
 
 __all__ = ["ThinKV", "THOUGHT_TYPES", "attention_sparsity", "kde_thresholds", "tertile_thresholds"]
@@ -124,14 +125,6 @@ def tertile_thresholds(samples: torch.Tensor) -> torch.Tensor:
     q = torch.arange(1, 3, dtype=samples.dtype, device=samples.device) / 3  # [1/3, 2/3], made on the device
     thresholds = torch.nanquantile(samples, q, dim=-1).transpose(0, 1)
     return thresholds.masked_fill((n < 3).unsqueeze(1), math.nan)
-
-
-def _is_permutation(value) -> bool:
-    return isinstance(value, (tuple, list)) and len(value) == 3 and sorted(value) == sorted(THOUGHT_TYPES)
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 TIE_TOLERANCE = 1e-5  # distances within this fraction of the group's spread count as ties
@@ -333,50 +326,30 @@ class ThinKV(Policy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        t = self.sparsity_threshold
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 < t < 1.0:
-            raise ValueError(f"thinkv: sparsity_threshold must be a number in (0, 1), got {t!r}")
-        if self.thresholds is not None:
-            pair = self.thresholds
-            numbers = isinstance(pair, (tuple, list)) and len(pair) == 2
-            numbers = numbers and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in pair)
-            if not numbers or not 0.0 <= pair[0] <= pair[1] <= 1.0:
-                raise ValueError(
-                    f"thinkv: thresholds must be None or (low, high) with 0 <= low <= high <= 1, got {pair!r}"
-                )
+        check_option(self, "sparsity_threshold", 0 < self.sparsity_threshold < 1, "a number in (0, 1)")
+        pair = self.thresholds
+        low_high = pair is None or 0 <= pair[0] <= pair[1] <= 1
+        check_option(self, "thresholds", low_high, "None or (low, high) with 0 <= low <= high <= 1")
+        if pair is not None:
             self.thresholds = (float(pair[0]), float(pair[1]))
-        self.layers = self._layer_tuple("layers", self.layers)
-        self.cluster_layers = self._layer_tuple("cluster_layers", self.cluster_layers)
-        if not _is_int(self.refresh) or self.refresh < 1:
-            raise ValueError(f"thinkv: refresh must be a positive integer, got {self.refresh!r}")
+        for name in ("layers", "cluster_layers"):
+            layers = getattr(self, name)
+            indices = layers is None or (len(layers) > 0 and min(layers) >= 0)
+            check_option(self, name, indices, "None or a non-empty tuple of layer indices (integers >= 0)")
+            setattr(self, name, None if layers is None else tuple(sorted(set(layers))))
+        check_at_least(self, "refresh", 1)
         r = self.retention
-        ok = isinstance(r, (tuple, list)) and len(r) > 0 and all(_is_int(x) and x >= 1 for x in r)
-        if not ok or any(a <= b for a, b in zip(r[:-1], r[1:], strict=True)):
-            raise ValueError(
-                f"thinkv: retention must be a non-empty, strictly decreasing tuple of positive integers, got {r!r}"
-            )
+        decreasing = len(r) > 0 and min(r) >= 1 and all(a > b for a, b in zip(r[:-1], r[1:], strict=True))
+        check_option(self, "retention", decreasing, "a non-empty, strictly decreasing tuple of positive integers")
         self.retention = tuple(r)
         for name in ("importance", "sparsity_order"):
-            value = getattr(self, name)
-            if not _is_permutation(value):
-                raise ValueError(
-                    f"thinkv: {name} must order all of {', '.join(THOUGHT_TYPES)} exactly once, got {value!r}"
-                )
-            setattr(self, name, tuple(value))
-        if self.trigger is not None and self.trigger not in THOUGHT_TYPES:
-            raise ValueError(f"thinkv: trigger must be None or one of {', '.join(THOUGHT_TYPES)}, got {self.trigger!r}")
-        if not _is_int(self.kmeans_iters) or self.kmeans_iters < 0:
-            raise ValueError(f"thinkv: kmeans_iters must be a non-negative integer, got {self.kmeans_iters!r}")
-
-    @staticmethod
-    def _layer_tuple(name: str, layers):
-        if layers is None:
-            return None
-        ok = isinstance(layers, (tuple, list)) and len(layers) > 0
-        ok = ok and all(_is_int(x) and x >= 0 for x in layers)
-        if not ok:
-            raise ValueError(f"thinkv: {name} must be None or a non-empty tuple of layer indices, got {layers!r}")
-        return tuple(sorted(set(layers)))
+            order = getattr(self, name)
+            every_type_once = sorted(order) == sorted(THOUGHT_TYPES)
+            check_option(self, name, every_type_once, f"an order of {', '.join(THOUGHT_TYPES)}, each exactly once")
+            setattr(self, name, tuple(order))
+        triggers = f"None or one of {', '.join(THOUGHT_TYPES)}"
+        check_option(self, "trigger", self.trigger is None or self.trigger in THOUGHT_TYPES, triggers)
+        check_at_least(self, "kmeans_iters", 0)
 
     def needs(self, info) -> Needs:
         return Needs(attention_last=True)

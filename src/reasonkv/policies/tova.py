@@ -70,11 +70,6 @@ class TOVA(Policy):
     # before it came in one forward or one by one, so chunked replays leave the same scores.
     chunk_exact = True
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not isinstance(self.layerwise, bool):
-            raise ValueError(f"{self.name}: layerwise must be True or False, got {self.layerwise!r}")
-
     def needs(self, info) -> Needs:
         return Needs(query_window=1)
 

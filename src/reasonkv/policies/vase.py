@@ -14,6 +14,7 @@ import torch
 
 from reasonkv.policies import select
 from reasonkv.policies.curdkv import CurDKV
+from reasonkv.policies.options import check_option
 from reasonkv.policies.registry import register
 from reasonkv.policies.snapkv import SnapKV
 
@@ -29,28 +30,15 @@ def reserve_count(reserve: float, budget: int) -> int:
 
 
 def check_vase_options(policy) -> None:
-    """Validate ``reserve``, ``sample`` and ``temperature``."""
-    name, reserve, temperature = policy.name, policy.reserve, policy.temperature
-    if (
-        isinstance(reserve, bool)
-        or not isinstance(reserve, (int, float))
-        or not math.isfinite(reserve)
-        or reserve < 0
-        or (reserve >= 1 and reserve != int(reserve))
-    ):
-        raise ValueError(
-            f"{name}: reserve must be a token count (an integer >= 1), a fraction of the budget in [0, 1), "
-            f"or 0 for no reservation; got {reserve!r}"
-        )
-    if not isinstance(policy.sample, bool):
-        raise ValueError(f"{name}: sample must be True or False, got {policy.sample!r}")
-    if (
-        isinstance(temperature, bool)
-        or not isinstance(temperature, (int, float))
-        or not math.isfinite(temperature)
-        or temperature <= 0
-    ):
-        raise ValueError(f"{name}: temperature must be a positive number, got {temperature!r}")
+    """Check the ranges of ``reserve`` and ``temperature``."""
+    reserve, temperature = policy.reserve, policy.temperature
+    check_option(
+        policy,
+        "reserve",
+        math.isfinite(reserve) and reserve >= 0 and (reserve < 1 or reserve == int(reserve)),
+        "a token count (an integer >= 1), a fraction of the budget in [0, 1), or 0 for no reservation",
+    )
+    check_option(policy, "temperature", math.isfinite(temperature) and temperature > 0, "a positive number")
 
 
 def value_aware_rank(policy, view, weights: torch.Tensor) -> torch.Tensor:
