@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from reasonkv.cache.tiers import check_settings
-from reasonkv.policies import Policy, get_policy
+from reasonkv.policies import Policy, check_fields, get_policy
 
 __all__ = ["DEFAULT_BUFFER", "CacheSpec", "check_sizes", "resolve_spec"]
 
@@ -50,7 +50,7 @@ class CacheSpec:
     Parameters
     ----------
     policy
-        A registered policy name or instance (an instance is copied by each cache that uses it).
+        A registered policy name or instance (taken as given: each cache that uses it works on its own copy).
     budget
         ``K``: tokens per (row, layer, kv-head) that survive an eviction. Required by a policy that
         evicts; the full cache ignores it (stored as ``None``).
@@ -73,7 +73,9 @@ class CacheSpec:
     seed: int | tuple[int, ...] = 0
 
     def __post_init__(self) -> None:
-        policy = get_policy(self.policy)  # a name or an instance: refused with the valid names if unknown
+        # A name is looked up (refused with the valid names if unknown); an instance is taken as given, checked.
+        policy = self.policy if isinstance(self.policy, Policy) else get_policy(self.policy)
+        check_fields(policy)
         check_sizes(self.budget, self.buffer)
         check_settings(self.quantized, self.bits, self.group_size)
         budget = self.budget if policy.evicts else None  # the full cache evicts nothing: no budget
