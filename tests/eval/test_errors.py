@@ -88,11 +88,11 @@ def test_a_prompt_that_protect_prompt_cannot_fit_is_an_error_and_the_rest_of_the
 
 
 def test_the_command_line_runs_every_cell_and_exits_1_when_units_failed(dataset, tmp_path, capsys, monkeypatch):
+    from reasonkv.cli import eval as eval_command
     from reasonkv.cli import main
-    from reasonkv.eval import runner
 
-    real = runner.run_grid
-    monkeypatch.setattr(runner, "run_grid", lambda name, **kw: real(tiny_llama(), NoEosTokenizer(), **kw))
+    real = eval_command.run_grid  # patched where the command looks it up, so the patch is undone there too
+    monkeypatch.setattr(eval_command, "run_grid", lambda name, **kw: real(tiny_llama(), NoEosTokenizer(), **kw))
     argv = ["eval", "--dataset", dataset, "--policies", "raas,streaming", "--budgets", str(BUDGET), "--buffer", "4"]
     argv += ["--max-new-tokens", "8", "--no-fidelity", "--no-progress", "--out", str(tmp_path / "r.jsonl")]
     assert main(argv) == 1

@@ -298,11 +298,11 @@ def test_shard_locks_keep_launches_of_another_size_and_a_single_process_out(data
 
 
 def test_the_command_line_takes_its_shard_from_the_launcher(dataset, tmp_path, monkeypatch, capsys):
+    from reasonkv.cli import eval as eval_command
     from reasonkv.cli import main
-    from reasonkv.eval import runner
 
-    real = runner.run_grid
-    monkeypatch.setattr(runner, "run_grid", lambda name, **kw: real(tiny_llama(), NoEosTokenizer(), **kw))
+    real = eval_command.run_grid  # patched where the command looks it up, so the patch is undone there too
+    monkeypatch.setattr(eval_command, "run_grid", lambda name, **kw: real(tiny_llama(), NoEosTokenizer(), **kw))
     for name, value in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}.items():
         monkeypatch.setenv(name, value)
     out = tmp_path / "results.jsonl"
