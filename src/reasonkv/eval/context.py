@@ -123,6 +123,7 @@ class Context:
     label: str = ""  # shown in progress bars ("[1/4] ")
     ledger: Ledger = field(default_factory=Ledger)
     results: ResultsFile | None = None
+    grader: Any = None  # a reasonkv.eval.code.CodeGrader when the grid has code problems
     counts: dict[str, int] = field(default_factory=lambda: {"generation": 0, "fidelity": 0, "error": 0, "skipped": 0})
     tally: dict[str, list[int]] = field(default_factory=dict)  # "dataset cell" -> [correct, total]
     _prompts: dict = field(default_factory=dict)
