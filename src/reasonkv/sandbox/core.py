@@ -326,7 +326,7 @@ def _probe(bwrap: str | None, python: str | None) -> Setup:
         candidate = _replace(candidate, disable_userns=disable)
         try:
             result = _run_bubblewrap(candidate, _PROBE_PROGRAM, "", Limits.for_run(30, 256), 30, 4096)
-        except SandboxUnavailable as error:
+        except (SandboxUnavailable, OSError) as error:  # OSError: bwrap cannot even be started
             failure = str(error)
             continue
         if result.status != "ok" or result.stdout.strip() != str(user.uid):
