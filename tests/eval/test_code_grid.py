@@ -14,6 +14,7 @@ from conftest import NoEosTokenizer, tiny_llama
 from reasonkv import sandbox
 from reasonkv.cli import main
 from reasonkv.cli.eval import add_arguments, grid_from
+from reasonkv.eval.datasets import load_dataset
 from reasonkv.eval.report import write_report
 from reasonkv.eval.runner import run_grid
 from reasonkv.generation.loop import GenerationResult
@@ -142,3 +143,28 @@ def test_records_manifest_and_report_of_a_code_grid(dataset, tmp_path, monkeypat
     full = next(r for r in rows if r["policy"] == "full")
     assert full["code"]["problems"] == {"sum": {"passed": 1}, "double": {"wrong-answer": 1}}
     assert full["pass_at"]["1"] == pytest.approx(2 / 3)  # sum and math solved, double not
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        ({"id": "a", "kind": "code-stdio", "problem": "p"}, "'tests' must be a non-empty list"),
+        ({"id": "a", "kind": "code-stdio", "problem": "p", "tests": [{"input": 1, "output": "2"}]}, "must be strings"),
+        (
+            {"id": "a", "kind": "code-stdio", "problem": "p", "tests": [{"input": "", "output": ""}], "tolerance": -1},
+            "'tolerance' must be a non-negative number",
+        ),
+        ({"id": "a", "kind": "code-function", "problem": "p", "tests": [{"input": [1], "output": 1}]}, "'function'"),
+        (
+            {"id": "a", "kind": "code-function", "problem": "p", "function": "f", "tests": [{"input": 1, "output": 1}]},
+            "list of the function's arguments",
+        ),
+        ({"id": "a", "kind": "code-function", "problem": "p", "entry_point": "f"}, "field 'test'"),
+    ],
+)
+def test_malformed_code_rows_are_refused_naming_the_line(tmp_path, row, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(row) + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=message) as refused:
+        load_dataset(str(path))
+    assert f"{path}, line 1" in str(refused.value)
