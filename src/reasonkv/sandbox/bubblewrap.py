@@ -17,7 +17,7 @@ from pathlib import Path
 
 from reasonkv.sandbox.host import Interpreter, SandboxUser
 
-__all__ = ["PROGRAM", "TMPFS_MB", "WORKDIR", "bwrap_argv", "child_pid", "namespaces"]
+__all__ = ["PROGRAM", "TMPFS_MB", "WORKDIR", "bwrap_argv", "init_process", "namespaces"]
 
 #: Where the program lives inside the sandbox (read-only), and its working directory (a fresh tmpfs).
 PROGRAM = "/prog/main.py"
@@ -125,10 +125,14 @@ def _documents(status: str) -> dict:
     return found
 
 
-def child_pid(status: str) -> int | None:
-    """The host pid of the sandbox's first process (its PID namespace's init), once bubblewrap started it."""
-    pid = _documents(status).get("child-pid")
-    return pid if isinstance(pid, int) and pid > 0 else None
+def init_process(status: str) -> tuple[int, int] | None:
+    """``(pid, namespace)``: the host pid of the sandbox's first process (its PID namespace's init) and that
+    namespace's inode, once bubblewrap started it."""
+    found = _documents(status)
+    pid, namespace = found.get("child-pid"), found.get("pid-namespace")
+    if isinstance(pid, int) and pid > 0 and isinstance(namespace, int):
+        return pid, namespace
+    return None
 
 
 def namespaces(status: str) -> tuple[bool, tuple[str, ...]]:

@@ -23,7 +23,6 @@ bubblewrap an exit status ``128 + N`` reads as signal ``N``).
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import re
@@ -36,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from reasonkv.sandbox.bubblewrap import PROGRAM, TMPFS_MB, bwrap_argv, child_pid, namespaces
+from reasonkv.sandbox.bubblewrap import PROGRAM, TMPFS_MB, bwrap_argv, init_process, namespaces
 from reasonkv.sandbox.host import Interpreter, SandboxUser, find_interpreter, sandbox_user
 from reasonkv.sandbox.limits import Limits, launcher_argv
 from reasonkv.sandbox.supervise import Finished, supervise
@@ -176,6 +175,22 @@ def _check_run(source: str, stdin: str, timeout: float, memory_mb: int) -> None:
         raise ValueError(f"memory_mb must be an integer >= 64, got {memory_mb!r}")
 
 
+def _kill_init(pid: int, namespace: int) -> None:
+    """SIGKILL ``pid`` if it still is the init of the PID namespace ``namespace`` (a pid can be reused once
+    its process is gone: the pidfd pins the process whose namespace was checked)."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:  # gone already (or no pidfds on this kernel: then bubblewrap's own kill must do)
+        return
+    try:
+        if os.readlink(f"/proc/{pid}/ns/pid") == f"pid:[{namespace}]":
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    except OSError:
+        pass
+    finally:
+        os.close(pidfd)
+
+
 def _run_bubblewrap(setup: Setup, source: str, stdin: str, limits: Limits, timeout: float, cap: int) -> RunResult:
     python = setup.interpreter.path
     command = launcher_argv(python, limits, [python, "-I", PROGRAM])
@@ -188,10 +203,9 @@ def _run_bubblewrap(setup: Setup, source: str, stdin: str, limits: Limits, timeo
         # The sandbox's first process is its PID namespace's init: killing it ends every process in the
         # namespace, and bubblewrap, its parent, then reaps it and exits (no orphan is left to the host).
         status.append(_read_all(status_read))
-        child = child_pid("".join(status))
-        if child is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(child, signal.SIGKILL)
+        init = init_process("".join(status))
+        if init is not None:
+            _kill_init(*init)
 
     try:
         argv = bwrap_argv(
