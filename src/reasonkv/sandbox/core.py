@@ -228,13 +228,13 @@ def _run_bubblewrap(setup: Setup, source: str, stdin: str, limits: Limits, timeo
             group=setup.user.gid if switch else None,
             kill_first=kill_namespace,
         )
+        os.close(status_write)
+        status_write = -1
+        status.append(_read_all(status_read))  # bubblewrap has exited: its status is complete
     finally:
-        for fd in (program_fd, stdin_fd, status_write):
-            os.close(fd)
-    try:
-        status.append(_read_all(status_read))
-    finally:
-        os.close(status_read)
+        for fd in (program_fd, stdin_fd, status_read, status_write):
+            if fd >= 0:
+                os.close(fd)
     started, spaces = namespaces("".join(status))
     stderr = finished.stderr.decode("utf-8", "replace")
     if not started and not finished.timed_out:
