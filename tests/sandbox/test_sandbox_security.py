@@ -195,6 +195,55 @@ def test_deleting_its_working_directory():
     assert result.status == "ok" and "left: []" in result.stdout and "rmdir" in result.stdout
 
 
+def _descendants(root: int) -> dict[int, tuple[str, set[int]]]:
+    """Live descendants of ``root`` seen from the host: pid -> (name, its real/effective/saved/fs uids)."""
+    parents, found = {}, {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError):
+                parents[int(entry)] = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    for pid in parents:
+        ancestor = parents.get(pid)
+        while ancestor not in (None, root, 0, 1):
+            ancestor = parents.get(ancestor)
+        if ancestor == root:
+            with contextlib.suppress(OSError):
+                status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+                found[pid] = (status["Name"].strip(), {int(uid) for uid in status["Uid"].split()})
+    return found
+
+
+def test_every_process_of_a_run_is_unprivileged_on_the_host():
+    # Seen from the host, bubblewrap and everything it starts run as the sandbox's uid (never root), and the
+    # program inside holds no capability and cannot switch to root.
+    program = (
+        "import time\n"
+        "status = open('/proc/self/status').read()\n"
+        "print([line for line in status.splitlines() if line.startswith(('CapEff', 'NoNewPrivs'))])\n"
+        "try:\n"
+        "    os.setuid(0)\n"
+        "    print('became root')\n"
+        "except OSError as error:\n"
+        "    print('setuid refused', type(error).__name__)\n"
+        "time.sleep(1.5)\n"
+    )
+    results, seen = [], {}
+    runner = threading.Thread(target=lambda: results.append(contained(program)))
+    runner.start()
+    while runner.is_alive():
+        seen.update(_descendants(os.getpid()))
+        time.sleep(0.05)
+    runner.join()
+    (result,) = results
+    assert result.status == "ok" and "setuid refused" in result.stdout and "became root" not in result.stdout
+    assert "'CapEff:\\t0000000000000000'" in result.stdout and "'NoNewPrivs:\\t1'" in result.stdout
+    names = {name for name, _ in seen.values()}
+    assert "bwrap" in names and any(name.startswith("python") for name in names), seen
+    expected = SETUP.user.uid if os.geteuid() == 0 else os.geteuid()
+    assert all(uids == {expected} for _, uids in seen.values()), seen
+    assert expected != 0
+
+
 def test_every_result_names_its_isolation():
     result = sandbox.run("print('hi')")
     assert result.status == "ok" and result.stdout == "hi\n"
