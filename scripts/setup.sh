@@ -10,7 +10,8 @@ cd "$(dirname "$0")/.."
 # with apt-get (as CI does); otherwise code problems are refused until it is installed.
 if ! command -v bwrap >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null
+    command -v bwrap >/dev/null || { echo "error: apt-get installed bubblewrap, yet bwrap is not on PATH" >&2; exit 1; }
   else
     echo "note: bubblewrap is not installed; code problems need it (sudo apt-get install bubblewrap)" >&2
   fi
