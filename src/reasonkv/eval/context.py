@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from reasonkv.cache.quantize import QuantFormat, default_group_size
 from reasonkv.cache.tiers import equivalent_budget
+from reasonkv.eval.code import CodeGrader
 from reasonkv.eval.datasets import Problem
 from reasonkv.eval.grid import Cell, GridSpec
 from reasonkv.eval.prompts import build_prompt
@@ -123,6 +124,7 @@ class Context:
     label: str = ""  # shown in progress bars ("[1/4] ")
     ledger: Ledger = field(default_factory=Ledger)
     results: ResultsFile | None = None
+    grader: CodeGrader | None = None  # when the grid has code problems
     counts: dict[str, int] = field(default_factory=lambda: {"generation": 0, "fidelity": 0, "error": 0, "skipped": 0})
     tally: dict[str, list[int]] = field(default_factory=dict)  # "dataset cell" -> [correct, total]
     _prompts: dict = field(default_factory=dict)

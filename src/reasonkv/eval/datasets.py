@@ -7,6 +7,7 @@ decompressed in memory.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import zipfile
@@ -15,9 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from reasonkv.eval.codetasks import code_fields
+
 __all__ = ["DATASETS", "DATA_DIR", "Problem", "dataset_path", "load_dataset"]
 
-Kind = Literal["math", "choice"]
+Kind = Literal["math", "choice", "code-function", "code-stdio"]
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 
@@ -29,6 +32,7 @@ DATASETS: dict[str, str] = {
     "aime25": "aime25.jsonl",
     "hmmt25": "hmmt_feb_2025.jsonl",
     "gpqa": "gpqa_diamond.jsonl.zip",
+    "humaneval": "HumanEval.jsonl.gz",
 }
 
 # Other spellings accepted by load_dataset (the file stems).
@@ -123,6 +127,8 @@ def load_dataset(name_or_path: str | os.PathLike[str], limit: int | None = None)
             if os.sep in text or "/" in text or path.suffix:
                 raise FileNotFoundError(f"no such dataset file: {text} (bundled names: {names})")
             raise ValueError(f"unknown dataset {text!r}; known names: {names}; or pass a path to a .jsonl file")
+    if path.name.endswith(".gz"):  # HumanEval as published: decompressed in memory
+        return _parse_rows(gzip.decompress(path.read_bytes()).decode("utf-8").splitlines(), path, default_kind, limit)
     zipped = path.name.endswith(".zip")
     lines = _read_zip_lines(path) if zipped else path.read_text(encoding="utf-8").splitlines()
     return _parse_rows(lines, path, default_kind, limit)
@@ -159,6 +165,9 @@ def _parse_rows(lines: Iterable[str], path: Path, default_kind: Kind, limit: int
 
 
 def _row_to_problem(row: dict[str, Any], where: str, default_kind: Kind, path: Path) -> Problem:
+    code = code_fields(row, where, path.name)  # HumanEval, LiveCodeBench and code-* rows
+    if code is not None:
+        return Problem(**code)
     for name in _REQUIRED:
         value = row.get(name)
         if value is None or (isinstance(value, str) and not value.strip()):

@@ -22,9 +22,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import reasonkv
+from reasonkv.eval.code import CodeGrade
 from reasonkv.eval.collapse import collapse_flags
 from reasonkv.eval.context import Context, attempt, now, progress, reason
 from reasonkv.eval.datasets import Problem
+from reasonkv.eval.extraction import CODE_KINDS
 from reasonkv.eval.grading import grade
 from reasonkv.eval.grid import Cell
 from reasonkv.eval.records import unit_key
@@ -87,13 +89,17 @@ def run_generation(ctx: Context, dataset: str, problems: Sequence[Problem], mine
                     continue
                 tally = ctx.tally[f"{dataset} {cell.name}"]
                 bar.set_postfix_str(_running(cell.name, tally), refresh=False)
-                for (problem, s), out in attempt(lambda items, c=cell: _decode(ctx, c, items), batch):
+                results = attempt(lambda items, c=cell: _decode(ctx, c, items), batch)
+                code = _grade_code(ctx, results)
+                for index, ((problem, s), out) in enumerate(results):
                     key = ctx.generation_key(dataset, problem, cell, s)
                     seed = sample_seed(grid.seed, problem.id, s)
                     if isinstance(out, Exception):
                         ctx.error(key, reason(out), "generation", seed)
+                    elif isinstance(code.get(index), Exception):
+                        ctx.error(key, reason(code[index]), "grading", seed)
                     else:
-                        record = _generation_record(ctx, key, problem, cell, seed, out)
+                        record = _generation_record(ctx, key, problem, cell, seed, out, code.get(index))
                         ctx.emit(record)
                         tally[0] += bool(record["correct"])
                         tally[1] += 1
@@ -101,6 +107,27 @@ def run_generation(ctx: Context, dataset: str, problems: Sequence[Problem], mine
                     bar.update(1)
     finally:
         bar.close()
+
+
+def _grade_code(ctx: Context, results: list) -> dict[int, CodeGrade | Exception]:
+    """The code answers of a batch, graded together (their tests run in parallel in the sandbox)."""
+    items = {
+        i: (out.text, problem)
+        for i, ((problem, _), out) in enumerate(results)
+        if problem.kind in CODE_KINDS and not isinstance(out, Exception)
+    }
+    if not items:
+        return {}
+    try:
+        return dict(zip(items, ctx.grader.grade_all(list(items.values())), strict=True))
+    except Exception:  # noqa: BLE001 - one failing answer must not cost the others their grades
+        graded: dict[int, CodeGrade | Exception] = {}
+        for i, (text, problem) in items.items():
+            try:
+                graded[i] = ctx.grader.grade(text, problem)
+            except Exception as error:  # noqa: BLE001 - recorded as this unit's error
+                graded[i] = error
+        return graded
 
 
 def _decode(ctx: Context, cell: Cell, batch: list[tuple[Problem, int]]) -> list[GenerationResult]:
@@ -119,12 +146,12 @@ def _decode(ctx: Context, cell: Cell, batch: list[tuple[Problem, int]]) -> list[
 
 
 def _generation_record(
-    ctx: Context, key: dict, problem: Problem, cell: Cell, seed: int, out: GenerationResult
+    ctx: Context, key: dict, problem: Problem, cell: Cell, seed: int, out: GenerationResult, code: CodeGrade | None
 ) -> dict[str, Any]:
     stats = out.stats
     eos_hit = out.finish_reason == "eos"
     ids = out.token_ids[:-1] if eos_hit else out.token_ids
-    verdict = grade(out.text, problem)
+    verdict = grade(out.text, problem) if code is None else code
     limit = ctx.grid.sampling.max_new_tokens
     flags = collapse_flags(out.text, ids, max_new_tokens=limit, eos_hit=eos_hit, kind=problem.kind)
     record = dict(key)
@@ -159,4 +186,6 @@ def _generation_record(
         run=ctx.run_id,
         time=now(),
     )
+    if code is not None:
+        record.update(code.fields())
     return record

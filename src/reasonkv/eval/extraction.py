@@ -16,6 +16,10 @@ in the text is used, since models restate and correct themselves):
     2. ``answer_is``: "the answer is (C)".
     3. ``answer_colon``: "Answer: C".
 
+``kind="code-function"`` / ``"code-stdio"`` (a program)
+    1. ``code_block``: the last complete fenced code block (```` ``` ```` or ```` ```python ````; a
+       block in another language, or one cut off before its closing fence, does not count).
+
 The path that produced the answer is reported as the method name; ``"none"`` if none did.
 """
 
@@ -23,9 +27,11 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["METHODS", "choice_letter", "extract_answer", "find_answer", "find_boxed"]
+__all__ = ["CODE_KINDS", "METHODS", "choice_letter", "extract_answer", "find_answer", "find_boxed", "find_code"]
 
-METHODS = ("boxed", "answer_is", "answer_colon", "last_number", "none")
+METHODS = ("boxed", "answer_is", "answer_colon", "last_number", "code_block", "none")
+#: Problem kinds whose answer is a program (graded by running it, see :mod:`reasonkv.eval.code`).
+CODE_KINDS = ("code-function", "code-stdio")
 
 _BOX_RE = re.compile(r"\\(?:boxed|fbox|framebox)(?![A-Za-z])")
 _ANSWER_IS_RE = re.compile(r"(?:final\s+answer\s*(?:is|[:=])|\banswer\s+is)\s*:?", re.IGNORECASE)
@@ -36,6 +42,8 @@ _NUMBER_RE = re.compile(_SIGN + r"(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)
 _LETTER_RE = re.compile(r"^(?:option|choice)?\s*\(?([A-D])(?:[).:,\s]|$)", re.IGNORECASE)
 _LATEX_WRAP_RE = re.compile(r"\\(?:text|textbf|mathrm|mathbf|mathit|bf)\s*")
 _MATH_DELIMS = (("$$", "$$"), ("\\[", "\\]"), ("\\(", "\\)"), ("$", "$"))
+_FENCE_RE = re.compile(r"^[ \t]{0,3}```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)^[ \t]{0,3}```", re.M | re.S)
+_PYTHON_TAGS = ("", "python", "python3", "py", "py3")
 
 
 def find_boxed(text: str) -> list[str]:
@@ -96,6 +104,9 @@ def find_answer(text: str, kind: str = "math", *, last_number: bool = True) -> t
     """
     if kind == "choice":
         return _find_choice(text)
+    if kind in CODE_KINDS:
+        code = find_code(text)
+        return (code, "code_block") if code is not None else (None, "none")
     if kind != "math":
         raise ValueError(f"kind must be 'math' or 'choice', got {kind!r}")
     boxed = find_boxed(text)
@@ -111,6 +122,12 @@ def find_answer(text: str, kind: str = "math", *, last_number: bool = True) -> t
         if numbers:
             return numbers[-1].replace(",", ""), "last_number"
     return None, "none"
+
+
+def find_code(text: str) -> str | None:
+    """The last complete fenced Python code block of ``text`` (its content), or ``None``."""
+    blocks = [m.group(2) for m in _FENCE_RE.finditer(text) if m.group(1).lower() in _PYTHON_TAGS]
+    return blocks[-1] if blocks else None
 
 
 def extract_answer(text: str, kind: str = "math", *, last_number: bool = True) -> str | None:

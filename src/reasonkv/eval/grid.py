@@ -19,10 +19,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from reasonkv.cache.spec import DEFAULT_BUFFER, CacheSpec
+from reasonkv.eval.livecodebench import parse_day
 from reasonkv.generation.sampling import Sampling
 from reasonkv.policies import options_by_policy, policy_class
+from reasonkv.sandbox import GUARANTEES
 
-__all__ = ["Cell", "GridSpec", "make_cells", "parse_dataset_spec", "parse_samples", "policy_options"]
+__all__ = ["Cell", "CodeSettings", "GridSpec", "make_cells", "parse_dataset_spec", "parse_samples", "policy_options"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,9 @@ class Cell:
     @property
     def name(self) -> str:
         return self.label if self.budget is None else f"{self.label}@{self.budget}"
+
+
+GUARANTEE_NAMES = tuple(GUARANTEES)
 
 
 def _fmt(value: Any) -> str:
@@ -196,6 +201,72 @@ def make_cells(
 
 
 @dataclass(frozen=True)
+class CodeSettings:
+    """How a grid runs code answers (see :mod:`reasonkv.eval.code` and :mod:`reasonkv.sandbox`).
+
+    Parameters
+    ----------
+    allow_execution
+        The explicit opt-in: a grid with code problems is refused without it.
+    timeout, memory_mb
+        Per test run: wall-clock and CPU seconds, address space (MiB).
+    workers
+        Test runs at once (None: one per CPU this process may use).
+    allow_missing
+        Sandbox guarantees (:data:`reasonkv.sandbox.GUARANTEES`) the user accepts to lose where this
+        machine cannot give them (no bubblewrap, no user namespaces).
+    after, before
+        Keep only problems whose contest date lies in this window (``YYYY-MM-DD``, both days included).
+    """
+
+    allow_execution: bool = False
+    timeout: float = 6.0
+    memory_mb: int = 1024
+    workers: int | None = None
+    allow_missing: tuple[str, ...] = ()
+    after: str | None = None
+    before: str | None = None
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        allow_execution: bool = False,
+        timeout: float = 6.0,
+        memory_mb: int = 1024,
+        workers: int | None = None,
+        allow_missing: str | Sequence[str] = (),
+        after: str | None = None,
+        before: str | None = None,
+    ) -> CodeSettings:
+        """Checked settings (``allow_missing`` may be comma-separated)."""
+        if not isinstance(allow_execution, bool):
+            raise ValueError(f"allow_execution must be True or False, got {allow_execution!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise ValueError(f"code timeout must be a positive number of seconds, got {timeout!r}")
+        _check_int("code memory_mb", memory_mb, 64)
+        if workers is not None:
+            _check_int("code workers", workers, 1)
+        missing = tuple(sorted(set(_split_names(allow_missing))))
+        unknown = [name for name in missing if name not in GUARANTEE_NAMES]
+        if unknown:
+            raise ValueError(f"unknown sandbox guarantee {', '.join(unknown)}; known: {', '.join(GUARANTEE_NAMES)}")
+        first = parse_day(after, "--after") if after else None
+        last = parse_day(before, "--before") if before else None
+        if first and last and first > last:
+            raise ValueError(f"--after {after} is later than --before {before}: the window holds no day")
+        return cls(
+            allow_execution=allow_execution,
+            timeout=float(timeout),
+            memory_mb=memory_mb,
+            workers=workers,
+            allow_missing=missing,
+            after=first.isoformat() if first else None,
+            before=last.isoformat() if last else None,
+        )
+
+
+@dataclass(frozen=True)
 class GridSpec:
     """An evaluation grid: datasets x cells x samples, how to decode and what to measure.
 
@@ -226,6 +297,9 @@ class GridSpec:
         ``enable_thinking`` of Qwen3-style chat templates (None: the template's default).
     max_chunk
         Most tokens per forward pass in fidelity replays (None: the default).
+    code
+        How code answers are run (:class:`CodeSettings`): the explicit opt-in, the sandbox's limits and
+        the guarantees it may lack; and the contest-date window of LiveCodeBench problems.
     """
 
     datasets: tuple[tuple[str, int | None], ...]
@@ -239,6 +313,7 @@ class GridSpec:
     generation: bool = True
     thinking: bool | None = None
     max_chunk: int | None = None
+    code: CodeSettings = field(default_factory=CodeSettings)
 
     @classmethod
     def build(
@@ -264,13 +339,14 @@ class GridSpec:
         generation: bool = True,
         thinking: bool | None = None,
         max_chunk: int | None = None,
+        code: CodeSettings | Mapping[str, Any] | None = None,
     ) -> GridSpec:
         """A grid from loose settings (strings as the command line gives them, or Python values).
 
         ``dataset`` is a bundled benchmark or a JSONL path, several comma-separated, each optionally
         ``NAME:LIMIT``; ``policies`` comma-separated names; ``options`` ``["key=value",
         "policy.key=value"]`` or ``{policy: {key: value}}``; ``samples`` a count or per dataset
-        (``"aime25=64,math500=8"``).
+        (``"aime25=64,math500=8"``); ``code`` a :class:`CodeSettings` or its keywords.
         """
         datasets = tuple(parse_dataset_spec(dataset, limit))
         per_dataset = parse_samples(samples, [name for name, _ in datasets])
@@ -301,6 +377,7 @@ class GridSpec:
             generation=generation,
             thinking=thinking,
             max_chunk=max_chunk,
+            code=code if isinstance(code, CodeSettings) else CodeSettings.build(**(code or {})),
         )
 
     @property

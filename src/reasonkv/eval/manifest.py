@@ -16,7 +16,10 @@ a later run into the same file appends its own when it differs. Its fields:
 ``grid``
     ``datasets`` (name, ``file``, ``sha256`` of the file, ``limit``, ``problems``, ``samples``),
     ``policies`` (label, budget, buffer, config of every cell), ``fidelity``, ``fidelity_tokens``,
-    ``batch_size``. A dataset name whose file hash differs from an earlier manifest is refused.
+    ``batch_size``; with code problems ``code``: how their programs run (the test limits, the
+    contest-date window, and the sandbox: its mechanism, the isolation in force, the guarantees
+    missing and those the user allowed to be missing). A dataset name whose file hash differs from an
+    earlier manifest is refused.
 ``id``
     16 hex digits of a SHA-256 over setup, environment and grid: the ranks of one launch and a rerun of
     the same command share one manifest. Records name theirs in ``run``.
@@ -121,6 +124,7 @@ def build_manifest(
     batch_size: int,
     command: Sequence[str] | None,
     world_size: int,
+    code: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The manifest record of a run (``setup`` holds :data:`SETUP_FIELDS`)."""
     missing = [k for k in SETUP_FIELDS if k not in setup]
@@ -139,6 +143,7 @@ def build_manifest(
             "fidelity": bool(fidelity),
             "fidelity_tokens": fidelity_tokens,
             "batch_size": batch_size,
+            **({} if code is None else {"code": dict(code)}),
         },
         "command": None if command is None else list(command),
         "launch": {"world_size": world_size},
@@ -207,6 +212,13 @@ def describe(manifest: Mapping[str, Any]) -> list[str]:
         f"  - reasonkv {env.get('reasonkv')} (git {git}), torch {env.get('torch')}, "
         f"transformers {env.get('transformers')}, python {env.get('python')}, {env.get('device_name')}",
     ]
+    code = grid.get("code")
+    if code:
+        lines.append(
+            f"  - code: tests of {code.get('timeout')} s and {code.get('memory_mb')} MiB each, {code.get('workers')} "
+            f"at once; sandbox {code.get('mechanism')} ({', '.join(code.get('isolation') or []) or 'no isolation'})"
+            + (f"; missing, allowed: {', '.join(code['missing'])}" if code.get("missing") else "")
+        )
     if command:
         import shlex
 

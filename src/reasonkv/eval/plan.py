@@ -9,11 +9,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from reasonkv.eval.datasets import Problem, dataset_path, load_dataset
+from reasonkv.eval.extraction import CODE_KINDS
 from reasonkv.eval.grid import Cell, GridSpec
+from reasonkv.eval.livecodebench import in_window, parse_day
 from reasonkv.eval.shards import Shard
 from reasonkv.eval.units import Unit, assign, grid_units, unit_cost
 
-__all__ = ["GridPlan", "plan_grid"]
+__all__ = ["GridPlan", "has_code", "plan_grid"]
 
 
 def dataset_file(name: str) -> Path:
@@ -72,6 +74,20 @@ class GridPlan:
         return "\n".join(lines)
 
 
+def has_code(problems: list[Problem]) -> bool:
+    return any(p.kind in CODE_KINDS for p in problems)
+
+
+def _load(grid: GridSpec, name: str, limit: int | None) -> list[Problem]:
+    """A dataset's problems: those in the grid's contest-date window when it has one, then the first ``limit``."""
+    settings = grid.code
+    if not (settings.after or settings.before):
+        return load_dataset(name, limit=limit)
+    after = parse_day(settings.after, "--after") if settings.after else None
+    before = parse_day(settings.before, "--before") if settings.before else None
+    return in_window(load_dataset(name), after, before, name)[:limit]
+
+
 def plan_grid(
     grid: GridSpec | None = None, *, shard: Shard | str | tuple[int, int] | None = None, **settings
 ) -> GridPlan:
@@ -84,9 +100,15 @@ def plan_grid(
         grid = GridSpec.build(**settings)
     elif settings:
         raise ValueError(f"the grid's settings come from grid=...; do not also pass {', '.join(sorted(settings))}")
-    datasets = [(name, load_dataset(name, limit=limit)) for name, limit in grid.datasets]
+    datasets = [(name, _load(grid, name, limit)) for name, limit in grid.datasets]
     if all(len(problems) == 0 for _, problems in datasets):
         raise ValueError("the datasets hold no problems")
+    code = [name for name, problems in datasets if has_code(problems)]
+    if code and not grid.code.allow_execution:
+        raise ValueError(
+            f"{', '.join(code)} holds code problems, graded by running the model's programs: pass "
+            "--allow-code-execution to run them in the sandbox (allow_execution=True in Python)"
+        )
     fidelity = grid.fidelity
     if fidelity is None:
         fidelity = any(p.solution for _, problems in datasets for p in problems)

@@ -5,8 +5,17 @@ from __future__ import annotations
 from typing import Any
 
 from reasonkv.eval.datasets import Problem
+from reasonkv.eval.extraction import CODE_KINDS
 
-__all__ = ["CHOICE_INSTRUCTION", "MATH_INSTRUCTION", "build_prompt", "strip_thinking", "user_message"]
+__all__ = [
+    "CHOICE_INSTRUCTION",
+    "CODE_INSTRUCTION",
+    "MATH_INSTRUCTION",
+    "build_prompt",
+    "code_message",
+    "strip_thinking",
+    "user_message",
+]
 
 MATH_INSTRUCTION = "Please reason step by step, and put the final answer in \\boxed{}."
 CHOICE_INSTRUCTION = (
@@ -14,7 +23,31 @@ CHOICE_INSTRUCTION = (
     "in \\boxed{}, e.g. \\boxed{B}."
 )
 
+CODE_INSTRUCTION = "Please reason step by step, then give your complete solution in one ```python code block."
+
 THINK_CLOSE = "</think>"
+
+
+def code_message(problem: Problem) -> str:
+    """The user turn of a code problem: a function to complete, or a statement with its interface."""
+    extra = problem.extra
+    if problem.kind == "code-function" and extra.get("entry_point"):  # a prompt that is code (HumanEval)
+        return (
+            f"Complete the Python function `{extra['entry_point']}`:\n\n```python\n{problem.problem.rstrip()}\n```\n\n"
+            f"{CODE_INSTRUCTION} Include the imports and the whole function."
+        )
+    if problem.kind == "code-function":
+        starter = extra.get("starter_code") or ""
+        interface = (
+            f"Use this starter code:\n\n```python\n{starter.rstrip()}\n```"
+            if starter.strip()
+            else f"Write a function named `{extra.get('function')}`."
+        )
+        return f"{problem.problem.strip()}\n\n{interface}\n\n{CODE_INSTRUCTION}"
+    return (
+        f"{problem.problem.strip()}\n\nWrite a Python program that reads the input from standard input and "
+        f"writes the answer to standard output.\n\n{CODE_INSTRUCTION}"
+    )
 
 
 def user_message(problem: Problem | str) -> str:
@@ -23,6 +56,8 @@ def user_message(problem: Problem | str) -> str:
         text, kind = problem, "math"
     else:
         text, kind = problem.problem, problem.kind
+        if kind in CODE_KINDS:
+            return code_message(problem)
     instruction = CHOICE_INSTRUCTION if kind == "choice" else MATH_INSTRUCTION
     return f"{text.strip()}\n\n{instruction}"
 
@@ -50,6 +85,8 @@ def build_prompt(tokenizer: Any, problem: Problem | str, *, thinking: bool | Non
     """
     message = user_message(problem)
     template = _template_source(tokenizer)
+    if template is None and isinstance(problem, Problem) and problem.extra.get("entry_point"):
+        return problem.problem  # a base model continues the function it is given (HumanEval's own format)
     if template is None:
         return f"Problem: {message}\nSolution:"
     kwargs: dict[str, Any] = {}

@@ -20,6 +20,8 @@ settings (max new tokens, temperature, top-p, top-k). For each row:
 - fidelity (from ``"kind": "fidelity"`` records of the same model, dataset, policy and budget):
   mean ``top1_agreement``, mean ``kl_mean`` (KL(full || evicting) per step), and the mean
   answer log-probability deltas (evicting minus full; summed over the answer, and per answer token).
+- ``code`` (code problems): outcome counts, per row and per problem, and the sandbox's cost per test
+  run (:mod:`reasonkv.eval.code_report`), tabulated below the section's table.
 
 Records are de-duplicated by unit (:func:`reasonkv.eval.records.unit_key`; a result replaces an error
 record, otherwise the last wins), so concatenated or overlapping files, and a run's shard files
@@ -38,6 +40,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from reasonkv.eval.code_report import code_summary, outcome_table
 from reasonkv.eval.manifest import describe
 from reasonkv.eval.records import KEY_FIELDS, unit_key
 from reasonkv.eval.shards import shard_files
@@ -145,6 +148,7 @@ class Row:
     delta: float = math.nan  # accuracy minus the full cache's, paired
     delta_low: float = math.nan
     delta_high: float = math.nan
+    code: dict[str, Any] = field(default_factory=dict)  # code problems: outcomes, per problem, sandbox cost
 
 
 def _run_files(path: str | os.PathLike[str]) -> list[Path]:
@@ -295,6 +299,7 @@ def summarize(records: Sequence[dict[str, Any]]) -> list[Row]:
         row.mean_output_tokens = _mean(r.get("output_tokens") for r in recs)
         row.tokens_per_second = _mean(r.get("tokens_per_second") for r in recs)
         row.collapse_rate = _mean(float(bool(r.get("collapsed"))) for r in recs if "collapsed" in r)
+        row.code = code_summary(recs)
         fid_key = (section.model, section.dataset, label, budget, buffer)
         fid = fid_groups.get(fid_key, [])
         row.fidelity_n = len(fid)
@@ -396,6 +401,7 @@ def markdown(rows: Sequence[Row], *, source: str | None = None, manifests: Seque
             title += f", buffer B={next(iter(buffers))}"
         lines += [f"## {title}", "", HEADER, "|" + "---|" * 15]
         lines += ["| " + " | ".join(_cells(r, uniform)) + " |" for r in part]
+        lines += outcome_table(part)
         failures = [r for r in part if r.errors]
         if failures:
             lines += ["", "Errors:"]

@@ -84,17 +84,19 @@ from typing import Any
 
 import torch
 
+from reasonkv.eval.code import CodeGrader
 from reasonkv.eval.context import Context, Ledger
 from reasonkv.eval.decoding import run_generation
 from reasonkv.eval.environment import environment, weights_sha256
 from reasonkv.eval.grid import GridSpec
 from reasonkv.eval.manifest import build_manifest, check_compatible, file_sha256, tokenizer_sha256
-from reasonkv.eval.plan import GridPlan, plan_grid
+from reasonkv.eval.plan import GridPlan, has_code, plan_grid
 from reasonkv.eval.records import ResultsFile, scan_results, unit_key
 from reasonkv.eval.replays import run_fidelity
 from reasonkv.eval.shards import Shard, lock_for_writing, merge_shards, shard_files, writer_path
 from reasonkv.models import load_model
 from reasonkv.runs.outputs import refuse_inputs
+from reasonkv.sandbox import Sandbox
 
 __all__ = ["GridResult", "run_grid"]
 
@@ -191,6 +193,24 @@ def _manifest(ctx: Context, plan: GridPlan, command: Sequence[str] | None) -> di
         batch_size=grid.batch_size,
         command=command,
         world_size=plan.shard.count,
+        code=None if ctx.grader is None else _code_manifest(grid, ctx.grader),
+    )
+
+
+def _code_manifest(grid: GridSpec, grader: CodeGrader) -> dict[str, Any]:
+    return {**grader.describe(), "after": grid.code.after, "before": grid.code.before}
+
+
+def _grader(plan: GridPlan) -> CodeGrader | None:
+    """The code grader when the grid has code problems (its sandbox checked now, before the model loads)."""
+    if not any(has_code(problems) for _, problems in plan.datasets):
+        return None
+    settings = plan.grid.code
+    return CodeGrader(
+        Sandbox(allow_missing=settings.allow_missing),
+        timeout=settings.timeout,
+        memory_mb=settings.memory_mb,
+        workers=settings.workers,
     )
 
 
@@ -252,6 +272,7 @@ def run_grid(
     refuse_inputs([out, target], plan.dataset_files())
     for path in _run_files(out):
         scan_results(path, first_only=True)  # a file that is not ours is refused before the model loads
+    grader = _grader(plan)  # a sandbox that cannot run is refused before the model loads
 
     if isinstance(model, (str, os.PathLike)):
         model_name = model_name or os.fspath(model)
@@ -273,6 +294,7 @@ def run_grid(
         on_record=on_record,
         label=f"[{plan.shard.label}] " if plan.shard.count > 1 else "",
         ledger=Ledger(retry_errors=retry_errors),
+        grader=grader,
     )
     manifest = _manifest(ctx, plan, command)
     ctx.run_id = manifest["id"]

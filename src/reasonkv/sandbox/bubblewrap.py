@@ -1,0 +1,143 @@
+"""The bubblewrap command line of one run, and what a finished run's status says was isolated.
+
+Every run gets new user, PID, network, mount, IPC, UTS and cgroup namespaces (``--unshare-all``, with
+the user namespace required, not tried), no nested user namespaces, a root filesystem of its own in
+which ``/usr`` and the interpreter's folder are read-only, fresh ``/proc`` and ``/dev``, two size-capped
+tmpfs (the working directory ``/work`` and ``/tmp``), the program read-only at ``/prog/main.py``, an
+empty environment but ``PATH``, a new terminal session, and death with its parent. bubblewrap writes the
+namespaces it created to a status pipe; :func:`namespaces` reads them back, so every result names what
+was really in force, not what was asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from reasonkv.sandbox.host import Interpreter, SandboxUser
+
+__all__ = ["PROGRAM", "TMPFS_MB", "WORKDIR", "bwrap_argv", "init_process", "namespaces"]
+
+#: Where the program lives inside the sandbox (read-only), and its working directory (a fresh tmpfs).
+PROGRAM = "/prog/main.py"
+WORKDIR = "/work"
+#: Size of each of the sandbox's two tmpfs (``/work`` and ``/tmp``), in MiB.
+TMPFS_MB = 64
+
+# Top-level entries that are links into /usr on merged-/usr systems, or folders of their own elsewhere.
+_SYSTEM_ROOTS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
+_STATUS_NAMES = {
+    "pid-namespace": "pid-namespace",
+    "net-namespace": "network-namespace",
+    "mnt-namespace": "mount-namespace",
+    "ipc-namespace": "ipc-namespace",
+    "uts-namespace": "uts-namespace",
+    "cgroup-namespace": "cgroup-namespace",
+}
+
+
+def _system_mounts(interpreter: Interpreter) -> list[str]:
+    args = ["--ro-bind", "/usr", "/usr"]
+    for name in _SYSTEM_ROOTS:
+        path = Path("/") / name
+        if path.is_symlink():
+            args += ["--symlink", os.readlink(path), str(path)]
+        elif path.is_dir():
+            args += ["--ro-bind", str(path), str(path)]
+    prefix = Path(interpreter.prefix)
+    if prefix != Path("/usr") and Path("/usr") not in prefix.parents:
+        args += ["--ro-bind", str(prefix), str(prefix)]
+    return args
+
+
+def bwrap_argv(
+    bwrap: str,
+    interpreter: Interpreter,
+    user: SandboxUser,
+    *,
+    program_fd: int,
+    status_fd: int,
+    disable_userns: bool,
+    command: list[str],
+) -> list[str]:
+    """The ``bwrap`` command that runs ``command`` (the launcher and the program) in a fresh sandbox."""
+    size = str(TMPFS_MB * 2**20)
+    return [
+        bwrap,
+        "--unshare-all",
+        "--unshare-user",
+        *(["--disable-userns"] if disable_userns else []),
+        "--uid",
+        str(user.uid),
+        "--gid",
+        str(user.gid),
+        "--hostname",
+        "sandbox",
+        "--die-with-parent",
+        "--new-session",
+        "--clearenv",
+        "--setenv",
+        "PATH",
+        "/usr/local/bin:/usr/bin:/bin",
+        *_system_mounts(interpreter),
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--size",
+        size,
+        "--tmpfs",
+        "/tmp",
+        "--size",
+        size,
+        "--tmpfs",
+        WORKDIR,
+        "--ro-bind-data",
+        str(program_fd),
+        PROGRAM,
+        "--json-status-fd",
+        str(status_fd),
+        "--chdir",
+        WORKDIR,
+        "--remount-ro",
+        "/",
+        "--",
+        *command,
+    ]
+
+
+def _documents(status: str) -> dict:
+    """bubblewrap's status output (JSON documents one after another) merged into one dict."""
+    decoder = json.JSONDecoder()
+    found: dict = {}
+    text, position = status.strip(), 0
+    while position < len(text):
+        try:
+            document, end = decoder.raw_decode(text, position)
+        except json.JSONDecodeError:
+            break
+        if isinstance(document, dict):
+            found.update(document)
+        position = end
+        while position < len(text) and text[position].isspace():
+            position += 1
+    return found
+
+
+def init_process(status: str) -> tuple[int, int] | None:
+    """``(pid, namespace)``: the host pid of the sandbox's first process (its PID namespace's init) and that
+    namespace's inode, once bubblewrap started it."""
+    found = _documents(status)
+    pid, namespace = found.get("child-pid"), found.get("pid-namespace")
+    if isinstance(pid, int) and pid > 0 and isinstance(namespace, int):
+        return pid, namespace
+    return None
+
+
+def namespaces(status: str) -> tuple[bool, tuple[str, ...]]:
+    """``(started, namespaces)`` from bubblewrap's status output: whether the program was started, and
+    the namespaces (besides the user namespace, which ``--unshare-user`` makes a condition of starting)."""
+    found = _documents(status)
+    names = tuple(name for key, name in _STATUS_NAMES.items() if key in found)
+    return "child-pid" in found, names

@@ -1,0 +1,433 @@
+"""The sandbox: run one Python program in a fresh, isolated, limited process and say how it ended.
+
+Two mechanisms, chosen once per process by a probe (:func:`probe`):
+
+``bubblewrap``
+    The program runs inside ``bwrap`` (see :mod:`reasonkv.sandbox.bubblewrap`): its own user, PID,
+    network, mount, IPC, UTS and cgroup namespaces. Every guarantee holds.
+``process``
+    Without bubblewrap (not installed, or the kernel refuses unprivileged user namespaces), a plain
+    child process in a session of its own, in a fresh temporary directory. Three guarantees are then
+    missing (:data:`GUARANTEES`), and the sandbox refuses to run until each is allowed explicitly.
+
+Either way the program runs under an unprivileged uid (``nobody`` when the caller is root), with an
+empty environment (``PATH`` only), its limits set (:mod:`reasonkv.sandbox.limits`), standard input
+holding only what the caller passes, each output stream capped, and a wall-clock deadline at which its
+process group is killed. A result's ``status`` is one of :data:`STATUSES`:
+
+``ok`` (exit 0), ``failed`` (another exit status), ``timeout`` (the wall-clock deadline, or its CPU
+time limit), ``memory`` (it ran out of its address space: Python's ``MemoryError`` or an allocation
+failure), ``output-limit`` (it wrote more than the cap), ``killed`` (ended by another signal; through
+bubblewrap an exit status ``128 + N`` reads as signal ``N``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import signal
+import tempfile
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from reasonkv.sandbox.bubblewrap import PROGRAM, TMPFS_MB, bwrap_argv, init_process, namespaces
+from reasonkv.sandbox.host import Interpreter, SandboxUser, find_interpreter, sandbox_user
+from reasonkv.sandbox.limits import Limits, launcher_argv
+from reasonkv.sandbox.supervise import Finished, supervise
+
+__all__ = [
+    "GUARANTEES",
+    "OUTPUT_LIMIT",
+    "STATUSES",
+    "RunResult",
+    "Sandbox",
+    "SandboxUnavailable",
+    "Setup",
+    "probe",
+]
+
+STATUSES = ("ok", "failed", "timeout", "memory", "output-limit", "killed")
+
+#: What only namespaces guarantee: name -> (the mechanism that provides it, what fails without it).
+GUARANTEES: dict[str, tuple[str, str]] = {
+    "network": ("network-namespace", "the program can open network connections, local services included"),
+    "process-tree": (
+        "pid-namespace",
+        "a child that calls setsid or double-forks survives the kill at the deadline",
+    ),
+    "filesystem": (
+        "mount-namespace",
+        "the program sees the machine's files and can write wherever its uid may (/tmp at least)",
+    ),
+}
+
+#: Bytes kept of each output stream; a program that writes more is killed (status ``output-limit``).
+OUTPUT_LIMIT = 16 * 2**20
+
+_COMMON = ("unprivileged-uid", "rlimits", "empty-environment", "output-cap", "wall-clock-kill")
+_MEMORY = re.compile(r"^(?:MemoryError\b|Fatal Python error: .*memory)|Cannot allocate memory", re.M | re.I)
+_PER_RUN = ("cpu_seconds", "memory_mb")  # set from each run's timeout and memory
+_PATH_ONLY = {"PATH": "/usr/local/bin:/usr/bin:/bin"}
+
+
+class SandboxUnavailable(OSError):
+    """The sandbox cannot run here, or would lack a guarantee that was not allowed."""
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """How one program run ended.
+
+    Attributes
+    ----------
+    status : str
+        One of :data:`STATUSES`.
+    returncode : int or None
+        The exit status (through bubblewrap, ``128 + N`` for signal ``N``); None if never reaped.
+    stdout, stderr : str
+        What the program wrote, at most :data:`OUTPUT_LIMIT` bytes of each (decoded as UTF-8).
+    isolation : tuple of str
+        The mechanisms that were in force for this run.
+    seconds : float
+        Wall time of the run, sandbox set-up included.
+    """
+
+    status: str
+    returncode: int | None
+    stdout: str
+    stderr: str
+    isolation: tuple[str, ...]
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What this machine offers, found once by :func:`probe`."""
+
+    mechanism: str  # "bubblewrap" | "process" | "none" (no interpreter the sandbox's user can run)
+    isolation: tuple[str, ...]
+    missing: tuple[str, ...]  # names of GUARANTEES that do not hold
+    reason: str  # why bubblewrap is not used ("" when it is)
+    user: SandboxUser
+    interpreter: Interpreter | None
+    bwrap: str | None = None
+    disable_userns: bool = False
+
+
+def _memfd(name: str, data: bytes) -> int:
+    """An in-memory file holding ``data``, positioned at its start (nothing touches the disk)."""
+    fd = os.memfd_create(name, 0)
+    view, written = memoryview(data), 0
+    while written < len(view):
+        written += os.write(fd, view[written:])
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def _read_all(fd: int) -> str:
+    os.set_blocking(fd, False)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks).decode("utf-8", "replace")
+
+
+def _exit_code(returncode: int | None) -> int | None:
+    """The shell's convention: ``128 + N`` for a process ended by signal ``N`` (as bubblewrap reports it)."""
+    return 128 - returncode if returncode is not None and returncode < 0 else returncode
+
+
+def _status(finished: Finished, signalled: int | None, stderr: str) -> str:
+    if finished.timed_out:
+        return "timeout"
+    if finished.over_limit:
+        return "output-limit"
+    if finished.returncode is None:
+        return "killed"
+    if signalled == signal.SIGXCPU:
+        return "timeout"  # its CPU-time limit
+    if signalled is not None:
+        return "killed"
+    if finished.returncode != 0:
+        return "memory" if _MEMORY.search(stderr[-4000:]) else "failed"
+    return "ok"
+
+
+def _check_run(source: str, stdin: str, timeout: float, memory_mb: int) -> None:
+    if not isinstance(source, str):
+        raise TypeError(f"source must be a str, got {type(source).__name__}")
+    if not isinstance(stdin, str):
+        raise TypeError(f"stdin must be a str, got {type(stdin).__name__}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if isinstance(memory_mb, bool) or not isinstance(memory_mb, int) or memory_mb < 64:
+        raise ValueError(f"memory_mb must be an integer >= 64, got {memory_mb!r}")
+
+
+def _kill_init(pid: int, namespace: int) -> None:
+    """SIGKILL ``pid`` if it still is the init of the PID namespace ``namespace`` (a pid can be reused once
+    its process is gone: the pidfd pins the process whose namespace was checked)."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:  # gone already (or no pidfds on this kernel: then bubblewrap's own kill must do)
+        return
+    try:
+        if os.readlink(f"/proc/{pid}/ns/pid") == f"pid:[{namespace}]":
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    except OSError:
+        pass
+    finally:
+        os.close(pidfd)
+
+
+def _run_bubblewrap(setup: Setup, source: str, stdin: str, limits: Limits, timeout: float, cap: int) -> RunResult:
+    python = setup.interpreter.path
+    command = launcher_argv(python, limits, [python, "-I", PROGRAM])
+    program_fd = _memfd("main.py", source.encode("utf-8"))
+    stdin_fd = _memfd("stdin", stdin.encode("utf-8"))
+    status_read, status_write = os.pipe()
+    status: list[str] = []
+
+    def kill_namespace() -> None:
+        # The sandbox's first process is its PID namespace's init: killing it ends every process in the
+        # namespace, and bubblewrap, its parent, then reaps it and exits (no orphan is left to the host).
+        status.append(_read_all(status_read))
+        init = init_process("".join(status))
+        if init is not None:
+            _kill_init(*init)
+
+    try:
+        argv = bwrap_argv(
+            setup.bwrap,
+            setup.interpreter,
+            setup.user,
+            program_fd=program_fd,
+            status_fd=status_write,
+            disable_userns=setup.disable_userns,
+            command=command,
+        )
+        switch = setup.user.switch
+        finished = supervise(
+            argv,
+            stdin_fd=stdin_fd,
+            timeout=timeout,
+            output_limit=cap,
+            pass_fds=(program_fd, status_write),
+            user=setup.user.uid if switch else None,
+            group=setup.user.gid if switch else None,
+            kill_first=kill_namespace,
+        )
+        os.close(status_write)
+        status_write = -1
+        status.append(_read_all(status_read))  # bubblewrap has exited: its status is complete
+    finally:
+        for fd in (program_fd, stdin_fd, status_read, status_write):
+            if fd >= 0:
+                os.close(fd)
+    started, spaces = namespaces("".join(status))
+    stderr = finished.stderr.decode("utf-8", "replace")
+    if not started and not finished.timed_out:
+        raise SandboxUnavailable(f"bubblewrap could not start the program: {stderr.strip()[-500:] or 'no message'}")
+    code = _exit_code(finished.returncode)
+    signalled = code - 128 if code is not None and code > 128 else None
+    isolation = ("bubblewrap", "user-namespace", *spaces, *(["no-nested-user-namespaces"] * setup.disable_userns))
+    isolation += ("read-only-system", f"fresh-tmpfs-cwd:{TMPFS_MB}MiB", *_COMMON)
+    return RunResult(
+        status=_status(finished, signalled, stderr),
+        returncode=code,
+        stdout=finished.stdout.decode("utf-8", "replace"),
+        stderr=stderr,
+        isolation=isolation,
+        seconds=finished.seconds,
+    )
+
+
+def _run_process(setup: Setup, source: str, stdin: str, limits: Limits, timeout: float, cap: int) -> RunResult:
+    python = setup.interpreter.path
+    root = Path(tempfile.mkdtemp(prefix="reasonkv-sandbox-"))
+    try:
+        program = root / "main.py"
+        program.write_text(source, encoding="utf-8")
+        work = root / "work"
+        work.mkdir()
+        os.chmod(program, 0o444)
+        os.chmod(root, 0o755)
+        if setup.user.switch:
+            os.chown(work, setup.user.uid, setup.user.gid)
+        with tempfile.TemporaryFile() as stdin_file:
+            stdin_file.write(stdin.encode("utf-8"))
+            stdin_file.seek(0)
+            finished = supervise(
+                launcher_argv(python, limits, [python, "-I", str(program)]),
+                stdin_fd=stdin_file.fileno(),
+                timeout=timeout,
+                output_limit=cap,
+                cwd=str(work),
+                env=dict(_PATH_ONLY),
+                user=setup.user.uid if setup.user.switch else None,
+                group=setup.user.gid if setup.user.switch else None,
+            )
+    finally:
+        _remove_tree(root)
+    code = _exit_code(finished.returncode)
+    signalled = code - 128 if code is not None and code > 128 else None
+    stderr = finished.stderr.decode("utf-8", "replace")
+    return RunResult(
+        status=_status(finished, signalled, stderr),
+        returncode=code,
+        stdout=finished.stdout.decode("utf-8", "replace"),
+        stderr=stderr,
+        isolation=("new-session", "fresh-temporary-cwd", *_COMMON),
+        seconds=finished.seconds,
+    )
+
+
+def _remove_tree(root: Path) -> None:
+    def unlock(function, path, _error) -> None:  # a folder the program made unreadable
+        try:
+            os.chmod(os.path.dirname(path), 0o700)
+            os.chmod(path, 0o700)
+            function(path)
+        except OSError:
+            pass
+
+    shutil.rmtree(root, onerror=unlock)
+
+
+_PROBE_PROGRAM = "import os\nprint(os.getuid())\n"
+_PROBES: dict[tuple[str | None, str | None], Setup] = {}
+_PROBE_LOCK = threading.Lock()
+
+
+def probe(bwrap: str | None = "bwrap", python: str | None = None) -> Setup:
+    """Find how programs can be isolated here (once per process and arguments).
+
+    ``bwrap``: the bubblewrap executable (None: do not use it); ``python``: the interpreter to run
+    programs with (default: the running one when the sandbox's user can read it, else the system's).
+    """
+    key = (bwrap, python)
+    with _PROBE_LOCK:
+        if key not in _PROBES:
+            _PROBES[key] = _probe(bwrap, python)
+        return _PROBES[key]
+
+
+def _probe(bwrap: str | None, python: str | None) -> Setup:
+    user = sandbox_user()
+    interpreter, why = find_interpreter(user, python)
+    if interpreter is None:
+        return Setup("none", (), tuple(GUARANTEES), why, user, None)
+    isolation = ("new-session", "fresh-temporary-cwd", *_COMMON)
+    process = Setup("process", isolation, tuple(GUARANTEES), "", user, interpreter)
+    if bwrap is None:
+        return _replace(process, reason="bubblewrap was not asked for")
+    path = shutil.which(bwrap)
+    if path is None:
+        return _replace(process, reason=f"bubblewrap ({bwrap}) is not installed (apt-get install bubblewrap)")
+    candidate = Setup("bubblewrap", (), (), "", user, interpreter, bwrap=path, disable_userns=True)
+    for disable in (True, False):  # bubblewrap before 0.8 has no --disable-userns
+        candidate = _replace(candidate, disable_userns=disable)
+        try:
+            result = _run_bubblewrap(candidate, _PROBE_PROGRAM, "", Limits.for_run(30, 256), 30, 4096)
+        except (SandboxUnavailable, OSError) as error:  # OSError: bwrap cannot even be started
+            failure = str(error)
+            continue
+        if result.status != "ok" or result.stdout.strip() != str(user.uid):
+            failure = f"the test program ended with {result.status}: {result.stderr.strip()[-300:]}"
+            continue
+        missing = tuple(name for name, (needs, _) in GUARANTEES.items() if needs not in result.isolation)
+        return _replace(candidate, isolation=result.isolation, missing=missing)
+    return _replace(process, reason=f"bubblewrap cannot isolate programs here ({failure})")
+
+
+def _replace(setup: Setup, **changes: Any) -> Setup:
+    return Setup(**{**setup.__dict__, **changes})
+
+
+class Sandbox:
+    """Runs programs with the isolation :func:`probe` found; refuses while a guarantee is missing and not
+    allowed.
+
+    Parameters
+    ----------
+    allow_missing
+        Names of :data:`GUARANTEES` the caller accepts to lose (``"network"``, ``"process-tree"``,
+        ``"filesystem"``); the default, none, refuses to run without them.
+    output_limit
+        Bytes kept of each output stream.
+    bwrap, python
+        See :func:`probe`.
+    """
+
+    def __init__(
+        self,
+        *,
+        allow_missing: Iterable[str] = (),
+        output_limit: int = OUTPUT_LIMIT,
+        bwrap: str | None = "bwrap",
+        python: str | None = None,
+    ):
+        allowed = tuple(sorted(set(allow_missing)))
+        unknown = [name for name in allowed if name not in GUARANTEES]
+        if unknown:
+            raise ValueError(f"unknown sandbox guarantee {', '.join(unknown)}; known: {', '.join(GUARANTEES)}")
+        if isinstance(output_limit, bool) or not isinstance(output_limit, int) or output_limit < 1024:
+            raise ValueError(f"output_limit must be an integer >= 1024 bytes, got {output_limit!r}")
+        self.allow_missing = allowed
+        self.output_limit = output_limit
+        self.bwrap = bwrap
+        self.python = python
+
+    @property
+    def setup(self) -> Setup:
+        return probe(self.bwrap, self.python)
+
+    def check(self) -> Setup:
+        """The setup, if programs may run with it; else :class:`SandboxUnavailable` naming what is missing."""
+        setup = self.setup
+        if setup.interpreter is None:
+            raise SandboxUnavailable(f"the sandbox cannot run programs here: {setup.reason}")
+        refused = [name for name in setup.missing if name not in self.allow_missing]
+        if refused:
+            lost = "; ".join(f"{name}: {GUARANTEES[name][1]}" for name in refused)
+            raise SandboxUnavailable(
+                f"the sandbox cannot guarantee {', '.join(refused)} here ({setup.reason}): {lost}. Allow each "
+                f"explicitly to run anyway (reasonkv eval --sandbox-allow-missing {','.join(refused)})"
+            )
+        return setup
+
+    def describe(self) -> dict[str, Any]:
+        """What the sandbox runs with, for a run manifest."""
+        setup = self.setup
+        return {
+            "mechanism": setup.mechanism,
+            "isolation": list(setup.isolation),
+            "missing": list(setup.missing),
+            "allowed_missing": list(self.allow_missing),
+            "reason": setup.reason or None,
+            "uid": setup.user.uid,
+            "python": None if setup.interpreter is None else setup.interpreter.version,
+            "output_limit": self.output_limit,
+            "limits": {k: v for k, v in Limits.for_run(1, 64).describe().items() if k not in _PER_RUN},
+            "tmpfs_mb": TMPFS_MB if setup.mechanism == "bubblewrap" else None,
+        }
+
+    def run(self, source: str, stdin: str = "", timeout: float = 10.0, memory_mb: int = 1024) -> RunResult:
+        """Run ``source`` as a Python program with ``stdin`` as its standard input (see the module docstring)."""
+        _check_run(source, stdin, timeout, memory_mb)
+        setup = self.check()
+        limits = Limits.for_run(timeout, memory_mb)
+        if setup.mechanism == "bubblewrap":
+            return _run_bubblewrap(setup, source, stdin, limits, float(timeout), self.output_limit)
+        return _run_process(setup, source, stdin, limits, float(timeout), self.output_limit)

@@ -1,0 +1,116 @@
+"""What the sandbox needs from the machine: an interpreter the sandbox's user can read, and that user.
+
+A program runs under an unprivileged user id: the caller's own when it is not root; when it is root,
+``nobody`` (65534 where the name is unknown). A root caller's interpreter often lives under ``/root``
+(pyenv, conda), which ``nobody`` cannot enter; then the system's ``python3`` runs the programs.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import stat
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["Interpreter", "SandboxUser", "find_interpreter", "sandbox_user"]
+
+_NOBODY = 65534
+
+
+@dataclass(frozen=True)
+class SandboxUser:
+    """The uid/gid programs run as; ``switch``: the caller is root and must drop to them."""
+
+    uid: int
+    gid: int
+    switch: bool
+
+
+def sandbox_user() -> SandboxUser:
+    if os.geteuid() != 0:
+        return SandboxUser(os.geteuid(), os.getegid(), switch=False)
+    try:
+        entry = pwd.getpwnam("nobody")
+        return SandboxUser(entry.pw_uid, entry.pw_gid, switch=True)
+    except KeyError:
+        return SandboxUser(_NOBODY, _NOBODY, switch=True)
+
+
+@dataclass(frozen=True)
+class Interpreter:
+    """A Python interpreter and the folder tree it needs (``prefix``: its ``lib/pythonX.Y`` lives there)."""
+
+    path: str
+    prefix: str
+    version: str
+
+
+def _readable_by(path: Path, user: SandboxUser) -> bool:
+    """Whether ``user`` can reach and read ``path`` (every folder above it searchable by them)."""
+    if not user.switch:
+        return os.access(path, os.R_OK | os.X_OK)
+    try:
+        for part in [*reversed(path.parents), path]:
+            info = part.stat()
+            if info.st_uid == user.uid:
+                bit = stat.S_IXUSR
+            elif info.st_gid == user.gid:
+                bit = stat.S_IXGRP
+            else:
+                bit = stat.S_IXOTH
+            if not info.st_mode & bit:
+                return False
+    except OSError:
+        return False
+    return True
+
+
+def _version(path: str) -> str | None:
+    try:
+        done = subprocess.run(
+            [path, "-I", "-S", "-c", "import sys; print('%d.%d.%d' % sys.version_info[:3])"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={},
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def _candidates() -> list[Path]:
+    """The running interpreter's base executable, then the system's ``python3``."""
+    found = []
+    base = Path(sys.base_prefix) / "bin" / f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    if base.exists():
+        found.append(base)
+    found.append(Path(os.path.realpath(sys.executable)))
+    for name in ("/usr/bin/python3", shutil.which("python3") or ""):
+        if name:
+            found.append(Path(os.path.realpath(name)))
+    return list(dict.fromkeys(found))
+
+
+def find_interpreter(user: SandboxUser, path: str | None = None) -> tuple[Interpreter | None, str]:
+    """An interpreter ``user`` can run, or ``(None, why)``. ``path``: that interpreter only."""
+    candidates = [Path(os.path.realpath(path))] if path else _candidates()
+    tried = []
+    for candidate in candidates:
+        if not candidate.is_file():
+            tried.append(f"{candidate} (missing)")
+            continue
+        if not _readable_by(candidate, user):
+            tried.append(f"{candidate} (uid {user.uid} cannot reach it)")
+            continue
+        version = _version(str(candidate))
+        if version is None:
+            tried.append(f"{candidate} (does not run)")
+            continue
+        prefix = candidate.parent.parent  # <prefix>/bin/python3.X
+        return Interpreter(str(candidate), str(prefix), version), ""
+    return None, "no Python interpreter the sandbox's user can run: tried " + ", ".join(tried)
