@@ -124,7 +124,7 @@ def _generation_record(
     stats = out.stats
     eos_hit = out.finish_reason == "eos"
     ids = out.token_ids[:-1] if eos_hit else out.token_ids
-    verdict = grade(out.text, problem)
+    verdict = grade(out.text, problem, complete=out.finish_reason != "length")
     limit = ctx.grid.sampling.max_new_tokens
     flags = collapse_flags(out.text, ids, max_new_tokens=limit, eos_hit=eos_hit, kind=problem.kind)
     record = dict(key)
