@@ -153,6 +153,7 @@ def _generation_record(
         peak_row_tokens=stats["peak_row_tokens"],
         peak_kv_bytes=stats["peak_kv_bytes"],
         peak_kv_bytes_by_tier=stats.get("peak_kv_bytes_by_tier"),
+        peak_kv_bytes_allocated=stats.get("peak_kv_bytes_allocated"),
         peak_memory_bytes=stats["peak_memory_bytes"],
         policy_seconds={k: float(v) for k, v in stats.get("timings", {}).items()},
         reasonkv_version=reasonkv.__version__,

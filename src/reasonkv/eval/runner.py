@@ -52,8 +52,9 @@ Generation records (``"kind": "generation"``)
     Cost: ``seconds`` (wall time of the batch this record was decoded in: prefill + decode),
     ``prefill_seconds``, ``decode_seconds``, ``tokens_per_second`` (this row's tokens over the batch's
     decode time), ``batch_size``, ``evictions`` (this row), ``peak_cache_slots`` (the batch's cache),
-    ``peak_row_tokens`` (most tokens this row held), ``peak_kv_bytes`` (and ``peak_kv_bytes_by_tier``:
-    ``full``, ``quantized``), ``peak_memory_bytes`` (CUDA max
+    ``peak_row_tokens`` (most tokens this row held), ``peak_kv_bytes`` (the batch's most K/V bytes held,
+    and ``peak_kv_bytes_by_tier``: ``full``, ``quantized``), ``peak_kv_bytes_allocated`` (the most allocated,
+    spare capacity included), ``peak_memory_bytes`` (CUDA max
     allocated, or the process's peak RSS on CPU), ``policy_seconds`` (the batch's time in the
     policy: ``observe``, ``score``, ``gather``), ``reasonkv_version``, ``run`` (the id of the
     manifest of the run that wrote it), ``time``.
