@@ -51,7 +51,9 @@ def _load(plan: Plan):
     s = plan.settings
     _say(f"loading {s.model} ({s.dtype}, {s.device}, {s.attn}) ...")
     try:
-        model, _ = load_model(s.model, dtype=s.dtype, device=s.device, attn_implementation=s.attn)
+        model, _ = load_model(
+            s.model, dtype=s.dtype, device=s.device, attn_implementation=s.attn, progress=None if s.progress else False
+        )
     except (OSError, ImportError) as error:
         raise ValueError(f"cannot load model {s.model!r}: {error}") from None
     return model

@@ -61,7 +61,13 @@ def _run(settings: CalibrateSettings) -> int:
         _say(f"calibrate: {len(ids) - todo} of {len(ids)} traces already in {out}")
         if todo:
             _say(f"loading {s.model} ({s.dtype}, {s.device}, {s.attn}) ...")
-            model, tokenizer = load_model(s.model, dtype=s.dtype, device=s.device, attn_implementation=s.attn)
+            model, tokenizer = load_model(
+                s.model,
+                dtype=s.dtype,
+                device=s.device,
+                attn_implementation=s.attn,
+                progress=None if s.progress else False,
+            )
             collect(
                 model,
                 tokenizer,

@@ -73,8 +73,16 @@ def add_buffer_argument(parser) -> None:
 
 
 def load_model_from(args: argparse.Namespace):
+    """Load ``--model`` (transformers' loading bars only on a terminal, never under ``--no-progress`` or ``--json``)."""
     print(f"loading {args.model} ({args.dtype}, {args.device}, {args.attn}) ...", file=sys.stderr, flush=True)
-    return load_model(args.model, dtype=args.dtype, device=args.device, attn_implementation=args.attn)
+    quiet = getattr(args, "no_progress", False) or getattr(args, "json", False)
+    return load_model(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        attn_implementation=args.attn,
+        progress=False if quiet else None,
+    )
 
 
 def budget_argument(text: str) -> int | None:

@@ -265,7 +265,13 @@ def run_grid(
         model_name = model_name or os.fspath(model)
         device = plan.shard.device(device)
         print(f"loading {model_name} ({dtype}, {device}, {attn_implementation}) ...", file=sys.stderr, flush=True)
-        model, tokenizer = load_model(model, dtype=dtype, device=device, attn_implementation=attn_implementation)
+        model, tokenizer = load_model(
+            model,
+            dtype=dtype,
+            device=device,
+            attn_implementation=attn_implementation,
+            progress=None if progress else False,
+        )
     if tokenizer is None:
         raise ValueError("the eval needs a tokenizer (shape: models have none)")
 
