@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import importlib.util
+import json
 import os
 import resource
 import subprocess
