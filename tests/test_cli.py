@@ -246,3 +246,14 @@ def test_unwritable_output_is_one_line(capsys, tmp_path):
     assert main(["report", str(results), "--out", str(blocker / "report")]) == 2
     assert str(blocker) in error_line(capsys)
     assert blocker.read_text() == "not a directory"
+
+
+def test_a_default_that_differs_between_commands_says_why(capsys):
+    for command, default in (
+        ("bench", "bf16: speed is measured in the dtype models are served in"),
+        ("eval", "fp32: exact on any device"),
+        ("generate", "fp32: exact on any device"),
+    ):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert f"(default {default})" in " ".join(capsys.readouterr().out.split())

@@ -9,15 +9,18 @@ from reasonkv.cache.spec import DEFAULT_BUFFER
 from reasonkv.models import DEFAULT_MODEL, list_shapes, load_model
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, *, dtype: str = "fp32", shapes: bool = False):
-    """``--model``, ``--dtype`` (default ``dtype``), ``--device`` and ``--attn`` in a group "model", returned
-    for a command's own model flags. ``shapes``: the command takes token ids, so random-weight shapes too."""
+def add_model_arguments(
+    parser: argparse.ArgumentParser, *, dtype: str = "fp32", why: str = "exact on any device", shapes: bool = False
+):
+    """``--model``, ``--dtype`` (default ``dtype``, for the reason ``why``), ``--device`` and ``--attn`` in a group
+    "model", returned for a command's own model flags. ``shapes``: the command takes token ids, so random-weight
+    shapes too."""
     group = parser.add_argument_group("model")
     what = f"hub id, local directory, .gguf file, {DEFAULT_MODEL} (default) or gemma3-270m (bundled)"
     if shapes:
         what += f", or shape:<name> for random weights ({', '.join(list_shapes())}; gpt-oss-20b needs --attn eager)"
     group.add_argument("--model", default=DEFAULT_MODEL, help=what)
-    group.add_argument("--dtype", default=dtype, help=f"fp32 | bf16 | fp16 (default {dtype})")
+    group.add_argument("--dtype", default=dtype, help=f"fp32 | bf16 | fp16 (default {dtype}: {why})")
     group.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
     group.add_argument("--attn", default="sdpa", help="sdpa (default) | flash_attention_2 | eager")
     return group
