@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from reasonkv.cli.demo import DEFAULT_POLICY
 from reasonkv.cli.main import COMMANDS, main
 from reasonkv.policies import list_policies, parse_options, policy_class
 from reasonkv.policies.option_docs import option_meanings
@@ -257,3 +258,10 @@ def test_a_default_that_differs_between_commands_says_why(capsys):
         with pytest.raises(SystemExit):
             main([command, "--help"])
         assert f"(default {default})" in " ".join(capsys.readouterr().out.split())
+
+
+def test_the_demo_default_is_the_policy_closest_to_the_full_cache_in_the_committed_results():
+    summary = json.loads((Path(__file__).resolve().parents[1] / "docs/results/summary.json").read_text())
+    for dataset in ("gsm8k", "math500"):  # at the smaller budget, where the policies differ
+        rows = [r for r in summary if r["section"]["dataset"] == dataset and r["budget"] == 128]
+        assert max(rows, key=lambda r: r["top1_agreement"])["policy"] == DEFAULT_POLICY

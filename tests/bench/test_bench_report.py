@@ -171,3 +171,9 @@ def test_the_sweep_table_shows_the_bytes_held_and_the_bytes_allocated(records):
     text = markdown(records, summarise(records), {"machine": {}})
     assert "| slots | KV held | KV allocated |" in text
     assert "| 600 | 0.3 MiB | 0.6 MiB |" in text  # 300 slots' bytes in use of the (K + B) x 1000 allocated
+
+
+def test_a_bundled_model_is_named_as_the_quantized_file_it_is(records):
+    text = markdown(records, summarise(records), {"model": "smollm2-135m", "machine": {}})
+    assert "- model: smollm2-135m (bundled: SmolLM2-135M-Instruct.Q4_1.gguf, dequantized on load)" in text
+    assert "bundled" not in markdown(records, summarise(records), {"model": "shape:tiny", "machine": {}})

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
 from reasonkv.eval.context import Ledger
 from reasonkv.eval.records import scan_results
-from reasonkv.eval.report import markdown, write_report
+from reasonkv.eval.report import BUNDLED_NOTE, markdown, write_report
 from reasonkv.eval.report_rows import read_report_input, summarize
+from reasonkv.models import BUNDLED
 
 
 def _manifest(run: str, max_new_tokens: int) -> dict:
@@ -105,7 +107,8 @@ def test_a_last_number_from_an_output_cut_off_at_the_token_limit_is_not_correct(
     assert snapkv.delta == pytest.approx(0.5)  # p1: 0 - 0, p2: 1 - 0; p3 has no full-cache answer to pair with
     text = written["markdown"].read_text(encoding="utf-8")
     assert (
-        "- snapkv@64: 1 of the 2 correct; 1 more from outputs cut off at the token limit, not counted correct" in text
+        "- snapkv@64: 1 of its 2 correct answers; 1 from an output cut off at the token limit, graded correct when "
+        "written, not counted correct" in text
     )
 
 
@@ -170,3 +173,13 @@ def test_fidelity_means_carry_a_95_percent_interval_over_problems(tmp_path):
     assert row.top1_agreement == pytest.approx(0.85)
     assert (row.top1_low, row.top1_high) == pytest.approx((0.85 - half, 0.85 + half))
     assert row.kl_low < row.kl_mean < row.kl_high and math.isnan(row.accuracy)
+
+
+def test_a_report_of_a_bundled_model_says_it_is_a_dequantized_q4_file(tmp_path):
+    for name, note in BUNDLED_NOTE.items():  # the notes name the quantization of the files the models load from
+        [quantization] = re.findall(r"Q4_[A-Z0-9_]+", note)
+        assert quantization.lower() in BUNDLED[name].gguf.lower()
+    record = {**_gen("aaaa", "p1", "full", None, 64, True), "model": "smollm2-135m"}
+    _write(tmp_path / "a.jsonl", [_manifest("aaaa", 64), record])
+    text = write_report(tmp_path / "a.jsonl", tmp_path / "report")["markdown"].read_text(encoding="utf-8")
+    assert "`smollm2-135m` is SmolLM2-135M-Instruct from a Q4_1 GGUF file, dequantized on load" in text

@@ -31,6 +31,7 @@ from reasonkv.bench.targets import (
     targets_markdown,
 )
 from reasonkv.bench.tiers import tier_markdown, tier_summary
+from reasonkv.models import bundled_model
 
 __all__ = ["markdown", "summarise", "summary_text"]
 
@@ -482,12 +483,14 @@ def markdown(records: list[dict], summary: dict, meta: dict) -> str:
     """The whole report as markdown."""
     machine = meta.get("machine", {})
     hardware = machine.get("gpu") or machine.get("cpu") or "?"
+    bundled = bundled_model(str(meta.get("model")))
+    source = f" (bundled: {bundled.gguf}, dequantized on load)" if bundled else ""
     lines = [
         "# reasonkv bench",
         "",
         f"- command: `{meta.get('command', '')}`",
         f"- date: {meta.get('date', '')}",
-        f"- model: {meta.get('model')} ({meta.get('dtype')}, {meta.get('device')}, {meta.get('attn')}); "
+        f"- model: {meta.get('model')}{source} ({meta.get('dtype')}, {meta.get('device')}, {meta.get('attn')}); "
         f"weights {format_bytes(meta.get('weight_bytes'))}; KV {meta.get('kv_bytes_per_token')} bytes per token "
         "per row",
         f"- machine: {hardware} ({machine.get('cpu_count')} CPUs, {machine.get('torch_threads')} torch threads); "

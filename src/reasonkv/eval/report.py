@@ -178,10 +178,14 @@ def _section_notes(part: Sequence[Row]) -> list[str]:
     if fallback:
         lines += ["", "Answers from the last-number fallback (no boxed or 'answer is' answer):"]
         for r in fallback:
-            text = f"- {_name(r)}: {r.last_number} of the {r.correct} correct"
+            said = [f"{r.last_number} of its {r.correct} correct answers"] if r.last_number else []
             if r.cut_off:
-                text += f"; {r.cut_off} more from outputs cut off at the token limit, not counted correct"
-            lines.append(text)
+                outputs = "outputs" if r.cut_off > 1 else "an output"
+                said.append(
+                    f"{r.cut_off} from {outputs} cut off at the token limit, graded correct when written, "
+                    "not counted correct"
+                )
+            lines.append(f"- {_name(r)}: {'; '.join(said)}")
     return lines
 
 

@@ -6,8 +6,9 @@ Reading (:func:`read_report_input`)
     with: a record with a bad field is an error naming the file and the line. One record per unit
     (:func:`reasonkv.eval.records.unit_key`): a result replaces an error record, the latest error
     record of a unit wins, and the same result twice counts once (concatenated files, a shard file
-    left beside its merged run). Two results of one unit that differ (:func:`reasonkv.eval.records.conflict`)
-    are a *conflict*: the unit is left out of every number and listed, never resolved silently.
+    left beside its merged run; the later record stands for it). Two results of one unit that differ
+    (:func:`reasonkv.eval.records.conflict`) are a *conflict*: the unit is left out of every number and
+    listed, never resolved silently.
 
 Sections (:class:`Section`)
     One model, one dataset and one setup: the run manifest's (``run`` names it) dtype, prompt format,
@@ -195,6 +196,8 @@ def read_report_input(
                     if differs:
                         conflicts[key] = Conflict(held, [where[key], place], differs)
                         del by_unit[key]
+                    else:  # the same result: the later record (its timings) stands for it
+                        by_unit[key], where[key] = record, place
     return ReportInput(list(by_unit.values()), list(manifests.values()), list(conflicts.values()))
 
 
