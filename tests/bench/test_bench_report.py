@@ -175,5 +175,5 @@ def test_the_sweep_table_shows_the_bytes_held_and_the_bytes_allocated(records):
 
 def test_a_bundled_model_is_named_as_the_quantized_file_it_is(records):
     text = markdown(records, summarise(records), {"model": "smollm2-135m", "machine": {}})
-    assert "- model: smollm2-135m (bundled: SmolLM2-135M-Instruct.Q4_1.gguf, dequantized on load)" in text
+    assert "- model: smollm2-135m, the bundled SmolLM2-135M-Instruct.Q4_1.gguf dequantized on load (" in text
     assert "bundled" not in markdown(records, summarise(records), {"model": "shape:tiny", "machine": {}})

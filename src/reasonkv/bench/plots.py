@@ -105,12 +105,13 @@ def _memory(plt, sweeps: dict[int, dict[str, dict]], path: Path, peak_label: str
             axes[1].plot(x, [p / 2**20 for p in peaks], marker=marker, label=name, markersize=4)
     axes[0].set_title(f"K/V bytes held (dashed: allocated), batch {batch}")
     axes[1].set_title(f"peak memory during decode ({peak_label}), batch {batch}")
-    for ax in axes:
+    # From zero: K/V grows from the lower left, a process's peak memory sits high: the legends go where they do not.
+    for ax, corner in zip(axes, ("upper left", "lower right"), strict=True):
         ax.set_xlabel("tokens in the sequence")
         ax.set_ylabel("MiB")
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, ncol=2)
+        ax.legend(fontsize=7, ncol=2, loc=corner)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

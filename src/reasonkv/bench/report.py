@@ -484,7 +484,7 @@ def markdown(records: list[dict], summary: dict, meta: dict) -> str:
     machine = meta.get("machine", {})
     hardware = machine.get("gpu") or machine.get("cpu") or "?"
     bundled = bundled_model(str(meta.get("model")))
-    source = f" (bundled: {bundled.gguf}, dequantized on load)" if bundled else ""
+    source = f", the bundled {bundled.gguf} dequantized on load" if bundled else ""
     lines = [
         "# reasonkv bench",
         "",
