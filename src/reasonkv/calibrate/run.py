@@ -20,7 +20,7 @@ from reasonkv.calibrate.settings import CalibrateSettings
 from reasonkv.calibrate.store import claim_output
 from reasonkv.calibrate.summary import render_summary
 from reasonkv.eval.datasets import load_dataset
-from reasonkv.models import load_model
+from reasonkv.models import bundled_model, load_model
 from reasonkv.policies.calibration import Calibration, default_anatomy
 
 __all__ = ["run_calibration"]
@@ -116,8 +116,10 @@ def _run(settings: CalibrateSettings) -> int:
         seed=s.seed,
     )
     plot_file = _plot(s, analysis, default)
+    bundled = bundled_model(s.model)
     run_info = {
         "model": s.model,
+        "weights": f"the bundled {bundled.gguf}, dequantized on load" if bundled else None,
         "dataset": s.dataset,
         "source": s.source,
         "chunk_size": s.labels.chunk_size,
