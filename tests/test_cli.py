@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import json
 import os
 import resource
 import subprocess
@@ -13,16 +14,45 @@ from pathlib import Path
 import pytest
 import torch
 
+from reasonkv.cli.demo import DEFAULT_POLICY
 from reasonkv.cli.main import COMMANDS, main
-from reasonkv.policies import parse_options
+from reasonkv.policies import list_policies, parse_options, policy_class
+from reasonkv.policies.option_docs import option_meanings
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 
-def test_policies_lists_every_policy(capsys):
+def test_policies_lists_every_policy_and_what_each_option_does(capsys):
     assert main(["policies"]) == 0
     out = capsys.readouterr().out
-    assert "streaming" in out and "options: sinks=4" in out
+    assert "streaming [token]" in out and "-o sinks=4" in out
+    assert "-o pending='recent'      What pending (not yet finalised) lag tokens score at eviction." in out
+    assert "-o quota=True" in out and "-o retain='last'" in out
+    for name in list_policies():  # every option of every policy says what it does, from the policy's docstring
+        meanings = option_meanings(policy_class(name))
+        assert all(meanings.get(option) for option in policy_class(name).options()), name
+
+
+def test_policies_describes_one_policy(capsys):
+    assert main(["policies", "snapkv"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("snapkv [head]") and "streaming" not in out
+    assert (
+        "-o kernel=7              Width of the pooling along the slots (default 7, SnapKV's; odd; 1 = no pooling)."
+        in out
+    )
+    assert main(["policies", "snapkv", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["options"]["query_window"] == 32 and data["meanings"]["query_window"].startswith("w, how many")
+    assert main(["policies", "snap"]) == 2
+    assert "unknown policy 'snap'; valid policies: curdkv" in error_line(capsys)
+
+
+def test_an_entry_shared_by_several_options_keeps_each_ones_own_meaning():
+    # rkv documents sinks, window and protect_prompt together (a remark on defaults), window on its own
+    meanings = option_meanings(policy_class("rkv"))
+    assert meanings["sinks"] == "The first sinks logical positions are never evicted (they count against the budget)."
+    assert meanings["window"].startswith("Protected recent tokens.")
 
 
 def test_option_parsing_converts_types():
@@ -65,10 +95,26 @@ def test_errors_exit_with_a_message(capsys, tmp_path):
     assert main(["generate", "--prompt", "x", "--bits", "4"]) == 2  # refused before any model loads
     assert "bits=4 has no effect without a quantized tier" in error_line(capsys)
     for bad in (["--bits", "3"], ["--quantized", "-1"], ["--quantized", "two"]):
-        with pytest.raises(SystemExit):
+        with pytest.raises(SystemExit) as exited:
             main(["generate", "--prompt", "x", *bad])
-        err = capsys.readouterr().err
-        assert "argument --bits" in err or "argument --quantized" in err
+        line = error_line(capsys)  # one line, as for every user error: no usage block
+        assert exited.value.code == 2 and line.startswith("reasonkv generate: error: argument --")
+        assert line.endswith("(see reasonkv generate --help)")
+
+
+@pytest.mark.parametrize(
+    ("argv", "start"),
+    [
+        (["eval", "--budgets", "x"], "reasonkv eval: error: argument --budgets: expected comma-separated integers"),
+        ([], "reasonkv: error: the following arguments are required: COMMAND"),
+        (["evaluate"], "reasonkv: error: argument COMMAND: invalid choice: 'evaluate'"),
+        (["report"], "reasonkv report: error: the following arguments are required: results"),
+    ],
+)
+def test_argument_errors_are_one_line(capsys, argv, start):
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2 and error_line(capsys).startswith(start)
 
 
 @pytest.mark.parametrize(
@@ -201,3 +247,21 @@ def test_unwritable_output_is_one_line(capsys, tmp_path):
     assert main(["report", str(results), "--out", str(blocker / "report")]) == 2
     assert str(blocker) in error_line(capsys)
     assert blocker.read_text() == "not a directory"
+
+
+def test_a_default_that_differs_between_commands_says_why(capsys):
+    for command, default in (
+        ("bench", "bf16: speed is measured in the dtype models are served in"),
+        ("eval", "fp32: exact on any device"),
+        ("generate", "fp32: exact on any device"),
+    ):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert f"(default {default})" in " ".join(capsys.readouterr().out.split())
+
+
+def test_the_demo_default_is_the_policy_closest_to_the_full_cache_in_the_committed_results():
+    summary = json.loads((Path(__file__).resolve().parents[1] / "docs/results/summary.json").read_text())
+    for dataset in ("gsm8k", "math500"):  # at the smaller budget, where the policies differ
+        rows = [r for r in summary if r["section"]["dataset"] == dataset and r["budget"] == 128]
+        assert max(rows, key=lambda r: r["top1_agreement"])["policy"] == DEFAULT_POLICY

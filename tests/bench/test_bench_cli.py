@@ -29,8 +29,14 @@ def _lines(path):
 def test_tiny_run_writes_json_markdown_and_plots(tmp_path, capsys):
     out = tmp_path / "run"
     assert main([*SWEEP, "--out", str(out)]) == 0
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert "Overhead summary" in printed and "Targets" in printed
+    # what it will measure, then the time left after each entry, from the entries measured so far
+    assert "bench: 3 sweep entries (the sweep up to 128 tokens, batch sizes 1)" in captured.err
+    assert "2 entries left, about " in captured.err and "1 entries left, about " in captured.err
+    # 128 tokens is short of 8 K = 256: no verdict on flatness at 8 K
+    assert "step time at 8 K within +-10% of the step at K: not measured: the longest length, 128" in printed
 
     document = json.loads((out / "bench.json").read_text(), parse_constant=pytest.fail)  # strict: no NaN
     assert document["command"].startswith("reasonkv bench --model shape:tiny")

@@ -145,3 +145,35 @@ def test_eviction_and_max_batch_summaries():
     evictions[2]["mean_s"] = 1.5
     text = markdown(evictions, summarise(evictions), {"machine": {}})
     assert "One eviction within 1 s (mean): missed by h2o." in text
+
+
+def test_a_sweep_short_of_8_k_states_no_target_at_8_k_and_no_word_on_an_unmeasured_policy():
+    short = {"budget": 64, "buffer": 16, "lengths": [128, 256], "prompt_length": 32, "window": 16}
+    records = [_record("full", {72: 0.02, 128: 0.021, 256: 0.022}, {}, evicts=False) | {"config": short}]
+    records += [
+        _record(name, {64: 0.02, 128: 0.02, 256: 0.0201}, {128: 0.0001, 256: 0.0001}) | {"config": short}
+        for name in ("streaming", "h2o")
+    ]
+    summary = summarise(records)
+    targets = summary["sweep"]["1"]["targets"]
+    assert targets["flat_within_10pct"] == {} and targets["flat_steady_within_10pct"] == {}
+    text = markdown(records, summary, {"machine": {}})
+    assert "step time at 8 K within +-10% of the step at K: not measured: the longest length, 256, is below " in text
+    assert "8 K = 512 (add it to --lengths)" in text and "all met" not in text.split("step time at 8 K")[1][:80]
+    assert "- Cheapest policy that scores tokens (besides full, streaming, random): h2o" in text
+    assert "epikv not measured" not in text and "EPIKV" not in text
+
+
+def test_the_sweep_table_shows_the_bytes_held_and_the_bytes_allocated(records):
+    for record in records:
+        for w in record["windows"]:
+            w |= {"kv_bytes_used": 300 * PER_TOKEN, "kv_bytes_quantized": 0, "kv_bytes_sliding": 0}
+    text = markdown(records, summarise(records), {"machine": {}})
+    assert "| slots | KV held | KV allocated |" in text
+    assert "| 600 | 0.3 MiB | 0.6 MiB |" in text  # 300 slots' bytes in use of the (K + B) x 1000 allocated
+
+
+def test_a_bundled_model_is_named_as_the_quantized_file_it_is(records):
+    text = markdown(records, summarise(records), {"model": "smollm2-135m", "machine": {}})
+    assert "- model: smollm2-135m, the bundled SmolLM2-135M-Instruct.Q4_1.gguf dequantized on load (" in text
+    assert "bundled" not in markdown(records, summarise(records), {"model": "shape:tiny", "machine": {}})

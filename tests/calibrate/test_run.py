@@ -11,7 +11,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from reasonkv.calibrate import run as calibrate_run
 from reasonkv.cli import main
+from reasonkv.models import BUNDLED
 from reasonkv.policies.calibration import load_calibration
 
 SCORES = {"knorm", "h2o", "tova", "snapkv", "recency", "random", "epikv@default", "epikv@cal", "epikv-band@cal"}
@@ -69,7 +71,7 @@ def _run(tiny_dir, out, *extra) -> int:
     )
 
 
-def test_calibrate_end_to_end_and_resume(tiny_dir, tmp_path, capsys):
+def test_calibrate_end_to_end_and_resume(tiny_dir, tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
     assert _run(tiny_dir, out) == 0
     err = capsys.readouterr().err
@@ -86,12 +88,17 @@ def test_calibrate_end_to_end_and_resume(tiny_dir, tmp_path, capsys):
     assert len(results["profiles"]) == 6 and results["traces"] == 2
     summary = (out / "summary.md").read_text()
     assert "## Does the two-band structure exist in this model?" in summary and "| `recency` |" in summary
+    assert "Weights:" not in summary  # a checkpoint of its own: its weights are what they are
 
-    # a second run finds everything and recomputes nothing
+    # a second run finds everything and recomputes nothing; a bundled model's summary names its quantized file
+    monkeypatch.setattr(calibrate_run, "bundled_model", lambda name: BUNDLED["smollm2-135m"])
     before = (out / "labels.jsonl").read_text()
     assert _run(tiny_dir, out) == 0
     assert "2 of 2 traces already" in capsys.readouterr().err
     assert (out / "labels.jsonl").read_text() == before
+    summary = (out / "summary.md").read_text()
+    assert "Weights: the bundled SmolLM2-135M-Instruct.Q4_1.gguf, dequantized on load;" in summary
+    monkeypatch.undo()
 
     # an interrupted run (torn last line) resumes with the missing trace only
     lines = before.splitlines(keepends=True)

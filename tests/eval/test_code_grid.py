@@ -4,9 +4,7 @@ lacks a guarantee, the records, the manifest and the report."""
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
-import sys
 
 import pytest
 
@@ -15,23 +13,14 @@ import reasonkv.eval.runner
 from conftest import NoEosTokenizer, tiny_llama
 from reasonkv import sandbox
 from reasonkv.cli import main
+from reasonkv.cli.eval import add_arguments, grid_from
 from reasonkv.eval.datasets import load_dataset
 from reasonkv.eval.report import write_report
 from reasonkv.eval.runner import run_grid
 from reasonkv.generation.loop import GenerationResult
 from reasonkv.runs.store import read_records
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread", "command_modules_as_found")
-
-
-@pytest.fixture
-def command_modules_as_found():
-    """Leave no command module imported that was not before: other tests patch reasonkv.eval.runner before
-    the eval command first imports it."""
-    before = set(sys.modules)
-    yield
-    for name in [n for n in sys.modules if n.startswith("reasonkv.cli.") and n not in before]:
-        del sys.modules[name]
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 PROBLEMS = [
@@ -98,8 +87,6 @@ def test_a_sandbox_lacking_a_guarantee_is_refused_before_the_model_loads(dataset
 
 
 def test_the_flags_reach_the_grid():
-    command = importlib.import_module("reasonkv.cli.eval")
-    add_arguments, grid_from = command.add_arguments, command.grid_from
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(

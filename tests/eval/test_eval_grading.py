@@ -12,7 +12,7 @@ import pytest
 import reasonkv.eval
 from reasonkv.eval import _symbolic
 from reasonkv.eval.datasets import Problem, load_dataset
-from reasonkv.eval.grading import Grade, grade, is_equivalent, normalize_answer
+from reasonkv.eval.grading import Grade, counts_as_correct, cut_off_guess, grade, is_equivalent, normalize_answer
 
 
 def _by_id(name: str) -> dict[str, Problem]:
@@ -171,6 +171,18 @@ def test_last_number_only_for_numeric_gold():
     assert grade("it comes to 1 over 2", latex) == Grade(None, False, "none")
     number = Problem(id="n", problem="?", answer="2", source="t")
     assert grade("it comes to 1 over 2", number) == Grade("2", True, "last_number")
+
+
+def test_the_last_number_of_an_output_cut_off_at_the_token_limit_is_no_answer():
+    problem = Problem(id="gsm8k-test-0001", problem="?", answer="3", source="t")
+    cut_off = "Let us list the steps.\n1. First, 2 bolts.\n2. Then half of that.\n3. Now, we need"
+    assert grade(cut_off, problem, complete=False) == Grade(None, False, "none")
+    assert grade(cut_off, problem) == Grade("3", True, "last_number")  # had it ended there by itself
+    boxed = "The answer is \\boxed{3}. Now, we need"
+    assert grade(boxed, problem, complete=False) == Grade("3", True, "boxed")  # an answer given before the limit
+    record = {"correct": True, "grading_method": "last_number", "finish_reason": "length"}
+    assert cut_off_guess(record) and not counts_as_correct(record)  # records graded before the rule
+    assert counts_as_correct({**record, "finish_reason": "eos"}) and not counts_as_correct({"correct": "yes"})
 
 
 def _share_correct(problems) -> tuple[float, list[tuple[str, str, str | None]]]:

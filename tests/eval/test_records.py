@@ -9,7 +9,15 @@ import pytest
 from reasonkv.eval.records import ResultsFile, record_key, scan_results, unit_key
 from reasonkv.runs.store import read_records
 
-BASE = {"kind": "generation", "model": "m", "dataset": "d", "problem_id": "p", "budget": 8, "sample": 0}
+BASE = {
+    "kind": "generation",
+    "model": "m",
+    "dataset": "d",
+    "problem_id": "p",
+    "budget": 8,
+    "sample": 0,
+    "correct": False,
+}
 MANIFEST = {"kind": "manifest", "tool": "reasonkv", "format": 1, "id": "0123456789abcdef", "setup": {"dtype": "fp32"}}
 
 

@@ -91,7 +91,7 @@ def test_grid_writes_one_record_per_problem_policy_budget_sample(dataset, tmp_pa
         assert r["policy_config"] == reasonkv.get_policy(r["policy"]).config()
         assert r["output_tokens"] == len(r["output_ids"]) == 20
         assert r["finish_reason"] == "length"
-        verdict = grade(r["output_text"], problem)
+        verdict = grade(r["output_text"], problem, complete=False)  # cut off at 20 tokens: no last-number guess
         assert (r["correct"], r["extracted_answer"], r["grading_method"]) == (
             verdict.correct,
             verdict.extracted,
@@ -246,6 +246,12 @@ def test_an_interrupted_fidelity_phase_and_a_torn_last_line_resume_cleanly(datas
     assert torn not in out.read_text()
     assert len(records) == len(set(_keys(records))) == 9
     assert {r["problem_id"] for r in records if r["kind"] == "fidelity"} == {"p1", "p2", "p3"}
+    # the closing summary shows fidelity beside accuracy, over the replays done before the interruption too
+    replays = [r for r in records if r["kind"] == "fidelity"]
+    top1 = sum(r["top1_agreement"] for r in replays) / 3
+    kl = sum(r["kl_mean"] for r in replays) / 3
+    [line] = [line for line in result.summary().splitlines() if "streaming@10" in line]
+    assert f"accuracy 0/3 = 0.000; top-1 agreement {top1:.3f}, KL {kl:.4f} (3 replays)" in line
 
 
 def test_changed_settings_are_new_work_not_skipped(dataset, tmp_path):

@@ -38,6 +38,8 @@ def test_unavailable_cuda_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="CUDA") as info:
         load_model("shape:tiny", device=device)
     assert repr(device) in str(info.value)
+    if not torch.cuda.is_available():  # the advice fits both places the error is read
+        assert "--device cpu on the command line, device='cpu' in Python" in str(info.value)
 
 
 def test_meta_device_only_for_shapes() -> None:

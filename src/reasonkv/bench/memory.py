@@ -30,6 +30,7 @@ __all__ = [
     "MemoryModel",
     "PeakTracker",
     "format_bytes",
+    "held_bytes",
     "kv_bytes_per_token",
     "machine_memory_bytes",
     "parse_bytes",
@@ -79,6 +80,14 @@ def format_bytes(value: float | None) -> str:
     if abs(value) < 1024**3:
         return f"{value / 1024**2:.1f} MiB"
     return f"{value / 1024**3:.2f} GiB"
+
+
+def held_bytes(window: dict) -> int:
+    """K/V bytes a measured window held: the full-precision slots in use, the quantized tier, the sliding window
+    (``kv_bytes`` is the allocated capacity, which storage grows ahead of use)."""
+    if "kv_bytes_used" not in window:
+        return window["kv_bytes"]
+    return window["kv_bytes_used"] + window.get("kv_bytes_quantized", 0) + window.get("kv_bytes_sliding", 0)
 
 
 def kv_bytes_per_token(model_or_config, dtype: torch.dtype) -> int:

@@ -1,5 +1,7 @@
 """PNG plots of a bench folder (matplotlib, Agg backend): step time and memory against length,
-throughput against batch size, and the cost of one eviction."""
+throughput against batch size, and the cost of one eviction. Time and throughput axes start at zero, so
+a few percent of noise look like a few percent; memory shows the K/V bytes held (the slots in use), with
+the allocated capacity dashed beside them."""
 
 from __future__ import annotations
 
@@ -7,6 +9,8 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
+
+from reasonkv.bench.memory import held_bytes
 
 __all__ = ["write_plots"]
 
@@ -18,6 +22,9 @@ def _pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+_MARKERS = "osD^vPX*h<>p"
 
 
 def _order(names) -> list[str]:
@@ -74,6 +81,7 @@ def _step_time(plt, sweeps: dict[int, dict[str, dict]], path: Path) -> None:
             ax.set_ylabel(f"ms per step (mean of {config['window']} steps)")
         else:
             ax.set_ylabel(f"ms per step (rolling median of {config['window']}; dots: window mean)")
+        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
@@ -84,20 +92,26 @@ def _step_time(plt, sweeps: dict[int, dict[str, dict]], path: Path) -> None:
 def _memory(plt, sweeps: dict[int, dict[str, dict]], path: Path, peak_label: str) -> None:
     batch, group = next(iter(sweeps.items()))
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-    for name in _order(group):
+    for i, name in enumerate(_order(group)):
         windows = sorted(group[name]["windows"], key=lambda w: w["length"])
         x = [w["length"] for w in windows]
-        axes[0].plot(x, [w["kv_bytes"] / 2**20 for w in windows], "o-", label=name, markersize=3)
+        marker = _MARKERS[i % len(_MARKERS)]
+        (line,) = axes[0].plot(x, [held_bytes(w) / 2**20 for w in windows], marker=marker, label=name, markersize=4)
+        allocated = [w["kv_bytes"] / 2**20 for w in windows]
+        if allocated != [held_bytes(w) / 2**20 for w in windows]:
+            axes[0].plot(x, allocated, linestyle="--", color=line.get_color(), linewidth=0.8, alpha=0.6)
         peaks = [w.get("peak_memory_bytes") for w in windows]
         if all(p is not None for p in peaks):
-            axes[1].plot(x, [p / 2**20 for p in peaks], "o-", label=name, markersize=3)
-    axes[0].set_title(f"KV bytes held, batch {batch}")
+            axes[1].plot(x, [p / 2**20 for p in peaks], marker=marker, label=name, markersize=4)
+    axes[0].set_title(f"K/V bytes held (dashed: allocated), batch {batch}")
     axes[1].set_title(f"peak memory during decode ({peak_label}), batch {batch}")
-    for ax in axes:
+    # From zero: K/V grows from the lower left, a process's peak memory sits high: the legends go where they do not.
+    for ax, corner in zip(axes, ("upper left", "lower right"), strict=True):
         ax.set_xlabel("tokens in the sequence")
         ax.set_ylabel("MiB")
+        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, ncol=2)
+        ax.legend(fontsize=7, ncol=2, loc=corner)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -123,6 +137,7 @@ def _throughput(plt, sweeps: dict[int, dict[str, dict]], max_batch: list[dict], 
         ax.set_title(f"throughput at {length} tokens")
         ax.set_xlabel("batch size")
         ax.set_ylabel("tokens/s")
+        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
     if max_batch:

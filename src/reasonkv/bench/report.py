@@ -19,17 +19,21 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from reasonkv.bench.memory import format_bytes
+from reasonkv.bench.memory import format_bytes, held_bytes
 from reasonkv.bench.settings import TRANSFORMERS
+from reasonkv.bench.targets import (
+    EVICTION_TARGET_S,
+    TRIVIAL_POLICIES,
+    cheapest_text,
+    epikv_cheapest,
+    failures,
+    sweep_targets,
+    targets_markdown,
+)
 from reasonkv.bench.tiers import tier_markdown, tier_summary
+from reasonkv.models import bundled_model
 
-__all__ = ["TRIVIAL_POLICIES", "markdown", "summarise", "summary_text"]
-
-TRIVIAL_POLICIES = ("full", "streaming", "random")
-FLAT_TOLERANCE = 0.10  # |step at 8 K / step at K - 1|
-OVERHEAD_TARGET_PCT = 2.0
-BOOKKEEPING_TOLERANCE = 0.02  # full through an EvictingCache against transformers' own cache
-EVICTION_TARGET_S = 1.0  # one eviction of a few thousand cached tokens
+__all__ = ["markdown", "summarise", "summary_text"]
 
 
 def _by_length(record: dict) -> dict[int, dict]:
@@ -159,7 +163,7 @@ def _sweep_summary(records: list[dict]) -> dict:
                     summary["kv_sliding_max"] = max(w["kv_bytes_sliding"] for w in windows.values())
                     summary["kv_sliding_bound"] = window_bound
         out["policies"][name] = summary
-    out["targets"] = _sweep_targets(out)
+    out["targets"] = sweep_targets(out)
     return out
 
 
@@ -173,46 +177,6 @@ def _phase_sum(window: dict, *phases: str) -> float:
 
 def _pct(part, whole):
     return None if part is None or whole in (None, 0) else 100.0 * part / whole
-
-
-def _sweep_targets(summary: dict) -> dict:
-    policies = {n: s for n, s in summary["policies"].items() if s["evicts"]}
-    flat = {n: s["flatness"]["ratio"] for n, s in policies.items() if s.get("flatness") and s["flatness"]["ratio"]}
-    steady = {
-        n: s["flatness_steady"]["ratio"] for n, s in policies.items() if (s.get("flatness_steady") or {}).get("ratio")
-    }
-    overhead = {n: s["overhead_pct_steady"] for n, s in policies.items() if s["overhead_pct_steady"] is not None}
-    bound = {n: s["kv_within_bound"] for n, s in policies.items() if "kv_within_bound" in s}
-    nontrivial = {n: v for n, v in overhead.items() if n not in TRIVIAL_POLICIES}
-    cheapest = min(nontrivial, key=nontrivial.get) if nontrivial else None
-    # Against transformers' own cache: the slowest length counts.
-    versus = {
-        n: min(s["tokens_per_s_vs_transformers"].values())
-        for n, s in summary["policies"].items()
-        if s.get("tokens_per_s_vs_transformers") and n != TRANSFORMERS
-    }
-    full = versus.get("full")
-    return {
-        "flat_within_10pct": {n: abs(v - 1.0) <= FLAT_TOLERANCE + 1e-12 for n, v in flat.items()},
-        "flat_steady_within_10pct": {n: abs(v - 1.0) <= FLAT_TOLERANCE + 1e-12 for n, v in steady.items()},
-        "overhead_target_pct": OVERHEAD_TARGET_PCT,
-        "overhead_within_target": {n: v <= OVERHEAD_TARGET_PCT for n, v in overhead.items()},
-        "kv_within_bound": bound,
-        "cheapest_nontrivial": cheapest,
-        "epikv_cheapest": _epikv_cheapest(cheapest, nontrivial),
-        "full_vs_transformers": full,
-        "full_within_2pct_of_transformers": None if full is None else full >= 1.0 - BOOKKEEPING_TOLERANCE,
-        "attention_free_at_least_transformers": {
-            n: v >= 1.0 for n, v in versus.items() if n in policies and policies[n].get("reads_attention") is False
-        },
-    }
-
-
-def _epikv_cheapest(cheapest: str | None, candidates: dict) -> bool | None:
-    """Whether the cheapest candidate is EPIKV or one of its variants (None: EPIKV not measured)."""
-    if cheapest is None or not any(n.startswith("epikv") for n in candidates):
-        return None
-    return cheapest.startswith("epikv")
 
 
 def summarise(records: list[dict]) -> dict:
@@ -233,7 +197,7 @@ def summarise(records: list[dict]) -> dict:
         out["eviction_cost"] = {
             "mean_s": costs,
             "cheapest_nontrivial": cheapest,
-            "epikv_cheapest": _epikv_cheapest(cheapest, nontrivial),
+            "epikv_cheapest": epikv_cheapest(cheapest, nontrivial),
         }
 
     batches = [r for r in records if r.get("mode") == "max-batch"]
@@ -320,13 +284,14 @@ def _sweep_markdown(records: list[dict], summary: dict, meta: dict) -> list[str]
                         *(_ms(split[p]) for p in ("forward", "record", "observe", "score", "gather")),
                         str(w["evictions"]),
                         str(w["slots"]),
+                        format_bytes(held_bytes(w)),
                         format_bytes(w["kv_bytes"]),
                         *by_kind,
                         format_bytes(w.get("peak_memory_bytes")),
                     ]
                 )
         header = ["policy", "length", "tok/s", "step ms (median)", "step ms (mean)", "forward", "record"]
-        header += ["observe", "score", "gather", "evictions", "slots", "KV held"]
+        header += ["observe", "score", "gather", "evictions", "slots", "KV held", "KV allocated"]
         header += ["KV full-attention layers", "KV sliding layers"] if hybrid else []
         header += [f"peak ({peak_kind})"]
         lines += _table(header, rows)
@@ -371,7 +336,7 @@ def _summary_markdown(batch: int, summary: dict) -> list[str]:
     lines += [
         "(c) Flatness: step time at 8 K over step time at K (a window that ends at K: the cache holds fewer "
         "slots than K + B and never evicts), and over the first length measured in its steady state (both "
-        "windows hold K to K + B slots and one eviction); the KV bytes held against (K + B) x layers x 2 x "
+        "windows hold K to K + B slots and one eviction); the KV bytes allocated against (K + B) x layers x 2 x "
         "kv_heads x head_dim x dtype size x batch (full-attention layers; sliding-window layers add their window, "
         "(window - 1) tokens each):",
         "",
@@ -396,7 +361,7 @@ def _summary_markdown(batch: int, summary: dict) -> list[str]:
                 *([format_bytes(s.get(key)) for key in _BY_KIND] if hybrid else []),
             ]
         )
-    header = ["policy", "flatness vs K", "flatness vs steady", "KV held (max)", "bound", "within"]
+    header = ["policy", "flatness vs K", "flatness vs steady", "KV allocated (max)", "bound", "within"]
     if hybrid:
         header += ["full-attention layers (max)", "bound: K + B tokens", "sliding layers (max)", "bound: window"]
     lines += _table(header, rows)
@@ -443,42 +408,8 @@ def _summary_markdown(batch: int, summary: dict) -> list[str]:
             *(f"bookkeeping @{tokens}" for tokens in lengths),
         ]
         lines += _table(header, rows)
-    lines += _targets_markdown(summary["targets"])
+    lines += targets_markdown(summary["targets"])
     return lines
-
-
-def _failures(flags: dict) -> str:
-    if not flags:
-        return "not measured"
-    bad = [n for n, ok in flags.items() if not ok]
-    return "all met" if not bad else "missed by " + ", ".join(bad)
-
-
-def _targets_markdown(targets: dict) -> list[str]:
-    cheapest = targets.get("cheapest_nontrivial")
-    epikv = targets.get("epikv_cheapest")
-    epikv_text = "epikv not measured" if epikv is None else ("yes" if epikv else "no")
-    target = targets["overhead_target_pct"]
-    lines = [
-        "Targets (reported, not asserted):",
-        "",
-        f"- step time at 8 K within +-10% of the step at K: {_failures(targets['flat_within_10pct'])}",
-        "- step time flat beyond K + B (8 K within +-10% of the first steady length): "
-        + _failures(targets.get("flat_steady_within_10pct", {})),
-        f"- eviction overhead <= {target:g}% of a full step (steady): {_failures(targets['overhead_within_target'])}",
-        f"- KV bytes held within (K + B) per row: {_failures(targets['kv_within_bound'])}",
-        f"- cheapest non-trivial policy: {cheapest or '-'} (EPIKV or a variant the cheapest: {epikv_text})",
-    ]
-    full = targets.get("full_vs_transformers")
-    if full is not None:
-        ok = _mark(targets["full_within_2pct_of_transformers"])
-        lines += [
-            f"- full through an EvictingCache within 2% of transformers' own cache: {ok} ({full:.3f}x at the "
-            "slowest length)",
-            "- policies that read no attention at least as fast as transformers' own cache: "
-            + _failures(targets["attention_free_at_least_transformers"]),
-        ]
-    return lines + [""]
 
 
 def _eviction_markdown(records: list[dict], summary: dict | None) -> list[str]:
@@ -507,10 +438,10 @@ def _eviction_markdown(records: list[dict], summary: dict | None) -> list[str]:
         )
     lines += _table(["policy", "batch", "mean ms", "median ms", "std ms", "min ms", "score ms", "gather ms", "n"], rows)
     if summary and summary.get("cheapest_nontrivial"):
-        lines += [f"Cheapest non-trivial policy: {summary['cheapest_nontrivial']}.", ""]
+        lines += [cheapest_text(summary["cheapest_nontrivial"], summary.get("epikv_cheapest")) + ".", ""]
     if summary:
         bounded = {n: s <= EVICTION_TARGET_S for n, s in summary["mean_s"].items()}
-        lines += [f"One eviction within {EVICTION_TARGET_S:g} s (mean): {_failures(bounded)}.", ""]
+        lines += [f"One eviction within {EVICTION_TARGET_S:g} s (mean): {failures(bounded)}.", ""]
     return lines
 
 
@@ -552,12 +483,14 @@ def markdown(records: list[dict], summary: dict, meta: dict) -> str:
     """The whole report as markdown."""
     machine = meta.get("machine", {})
     hardware = machine.get("gpu") or machine.get("cpu") or "?"
+    bundled = bundled_model(str(meta.get("model")))
+    source = f", the bundled {bundled.gguf} dequantized on load" if bundled else ""
     lines = [
         "# reasonkv bench",
         "",
         f"- command: `{meta.get('command', '')}`",
         f"- date: {meta.get('date', '')}",
-        f"- model: {meta.get('model')} ({meta.get('dtype')}, {meta.get('device')}, {meta.get('attn')}); "
+        f"- model: {meta.get('model')}{source} ({meta.get('dtype')}, {meta.get('device')}, {meta.get('attn')}); "
         f"weights {format_bytes(meta.get('weight_bytes'))}; KV {meta.get('kv_bytes_per_token')} bytes per token "
         "per row",
         f"- machine: {hardware} ({machine.get('cpu_count')} CPUs, {machine.get('torch_threads')} torch threads); "

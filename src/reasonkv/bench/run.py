@@ -51,7 +51,9 @@ def _load(plan: Plan):
     s = plan.settings
     _say(f"loading {s.model} ({s.dtype}, {s.device}, {s.attn}) ...")
     try:
-        model, _ = load_model(s.model, dtype=s.dtype, device=s.device, attn_implementation=s.attn)
+        model, _ = load_model(
+            s.model, dtype=s.dtype, device=s.device, attn_implementation=s.attn, progress=None if s.progress else False
+        )
     except (OSError, ImportError) as error:
         raise ValueError(f"cannot load model {s.model!r}: {error}") from None
     return model
@@ -143,6 +145,32 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+def _plan_line(plan: Plan, pending: list[tuple[str, str, int | None]]) -> str:
+    """What this run will measure, said before the first entry (its time follows each entry)."""
+    modes = {mode: sum(1 for m, _, _ in pending if m == mode) for mode in plan.modes}
+    parts = [f"{count} {mode} entr{'y' if count == 1 else 'ies'}" for mode, count in modes.items() if count]
+    text = f"bench: {', '.join(parts)}"
+    if modes.get(SWEEP):
+        config = plan.configs[SWEEP]
+        text += (
+            f" (the sweep up to {max(config['lengths'])} tokens, batch sizes {', '.join(map(str, plan.batch_sizes))})"
+        )
+    return text + "; the time left is estimated after each entry"
+
+
+def _time_left(took: dict[str, list[float]], rest: list[str]) -> str:
+    """``about N min left``: the entries still to measure, each at the mean time of its mode's finished ones."""
+    if not rest:
+        return ""
+    means = {mode: sum(times) / len(times) for mode, times in took.items()}
+    known = [means[mode] for mode in rest if mode in means]
+    if len(known) < len(rest):  # a mode not measured yet: no estimate for it
+        return f"{len(rest)} entries left"
+    seconds = sum(known)
+    when = f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
+    return f"{len(rest)} entries left, about {when} at the mean time of the entries so far"
+
+
 def _run(plan: Plan) -> int:
     settings = plan.settings
     if settings.threads is not None:
@@ -190,6 +218,8 @@ def _run(plan: Plan) -> int:
     meta["weight_bytes"] = weight_bytes(model)
     meta["kv_bytes_per_token"] = kv_bytes_per_token(model, model_dtype(model))
     warm_up(model)
+    _say(_plan_line(plan, pending))
+    took: dict[str, list[float]] = {}  # mode -> seconds of its finished entries
     previous_handler = None
     with contextlib.suppress(ValueError):  # not the main thread: no handler, SIGTERM just kills
         previous_handler = signal.signal(signal.SIGTERM, _interrupt)
@@ -224,6 +254,10 @@ def _run(plan: Plan) -> int:
                 record.update(status="ok", seconds=time.perf_counter() - start)
                 store.add(record)
                 _say(f"    {_headline(mode, data)} ({time.perf_counter() - start:.0f} s)")
+                took.setdefault(mode, []).append(time.perf_counter() - start)
+                left = _time_left(took, [m for m, _, _ in pending[index:]])
+                if left:
+                    _say(f"    {left}")
             finally:
                 gc.collect()
                 if device.type == "cuda":

@@ -20,7 +20,7 @@ from reasonkv.calibrate.settings import CalibrateSettings
 from reasonkv.calibrate.store import claim_output
 from reasonkv.calibrate.summary import render_summary
 from reasonkv.eval.datasets import load_dataset
-from reasonkv.models import load_model
+from reasonkv.models import bundled_model, load_model
 from reasonkv.policies.calibration import Calibration, default_anatomy
 
 __all__ = ["run_calibration"]
@@ -61,7 +61,13 @@ def _run(settings: CalibrateSettings) -> int:
         _say(f"calibrate: {len(ids) - todo} of {len(ids)} traces already in {out}")
         if todo:
             _say(f"loading {s.model} ({s.dtype}, {s.device}, {s.attn}) ...")
-            model, tokenizer = load_model(s.model, dtype=s.dtype, device=s.device, attn_implementation=s.attn)
+            model, tokenizer = load_model(
+                s.model,
+                dtype=s.dtype,
+                device=s.device,
+                attn_implementation=s.attn,
+                progress=None if s.progress else False,
+            )
             collect(
                 model,
                 tokenizer,
@@ -110,8 +116,10 @@ def _run(settings: CalibrateSettings) -> int:
         seed=s.seed,
     )
     plot_file = _plot(s, analysis, default)
+    bundled = bundled_model(s.model)
     run_info = {
         "model": s.model,
+        "weights": f"the bundled {bundled.gguf}, dequantized on load" if bundled else None,
         "dataset": s.dataset,
         "source": s.source,
         "chunk_size": s.labels.chunk_size,

@@ -126,11 +126,14 @@ def render_summary(
     plot_file: str | None = "correlation.png",
 ) -> str:
     """The summary page. ``run`` holds ``model``, ``dataset``, ``source``, ``chunk_size``,
-    ``horizon``, ``replicates``, ``fraction``, ``command`` (shown as given)."""
+    ``horizon``, ``replicates``, ``fraction``, ``command`` (shown as given) and may hold ``weights``: what the
+    model's weights are when they are not the original ones (a bundled model's quantized file)."""
     main = analysis.profiles[(analysis.signal, analysis.target)]
+    weights = [f"Weights: {run['weights']}; every figure below is that model's.", ""] if run.get("weights") else []
     lines = [
         f"# Layer anatomy of `{run['model']}` ({analysis.num_layers} layers)",
         "",
+        *weights,
         f"{analysis.traces} traces ({run['source']} traces of `{run['dataset']}`; {main.n_traces} have enough "
         f"labelled chunks for a correlation), {analysis.chunks} chunks of "
         f"{run['chunk_size']} tokens. Importance label of a chunk: the {_TARGET_WORDS[analysis.target]} when the "

@@ -9,15 +9,18 @@ from reasonkv.cache.spec import DEFAULT_BUFFER
 from reasonkv.models import DEFAULT_MODEL, list_shapes, load_model
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, *, dtype: str = "fp32", shapes: bool = False):
-    """``--model``, ``--dtype`` (default ``dtype``), ``--device`` and ``--attn`` in a group "model", returned
-    for a command's own model flags. ``shapes``: the command takes token ids, so random-weight shapes too."""
+def add_model_arguments(
+    parser: argparse.ArgumentParser, *, dtype: str = "fp32", why: str = "exact on any device", shapes: bool = False
+):
+    """``--model``, ``--dtype`` (default ``dtype``, for the reason ``why``), ``--device`` and ``--attn`` in a group
+    "model", returned for a command's own model flags. ``shapes``: the command takes token ids, so random-weight
+    shapes too."""
     group = parser.add_argument_group("model")
     what = f"hub id, local directory, .gguf file, {DEFAULT_MODEL} (default) or gemma3-270m (bundled)"
     if shapes:
         what += f", or shape:<name> for random weights ({', '.join(list_shapes())}; gpt-oss-20b needs --attn eager)"
     group.add_argument("--model", default=DEFAULT_MODEL, help=what)
-    group.add_argument("--dtype", default=dtype, help=f"fp32 | bf16 | fp16 (default {dtype})")
+    group.add_argument("--dtype", default=dtype, help=f"fp32 | bf16 | fp16 (default {dtype}: {why})")
     group.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
     group.add_argument("--attn", default="sdpa", help="sdpa (default) | flash_attention_2 | eager")
     return group
@@ -73,8 +76,16 @@ def add_buffer_argument(parser) -> None:
 
 
 def load_model_from(args: argparse.Namespace):
+    """Load ``--model`` (transformers' loading bars only on a terminal, never under ``--no-progress`` or ``--json``)."""
     print(f"loading {args.model} ({args.dtype}, {args.device}, {args.attn}) ...", file=sys.stderr, flush=True)
-    return load_model(args.model, dtype=args.dtype, device=args.device, attn_implementation=args.attn)
+    quiet = getattr(args, "no_progress", False) or getattr(args, "json", False)
+    return load_model(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        attn_implementation=args.attn,
+        progress=False if quiet else None,
+    )
 
 
 def budget_argument(text: str) -> int | None:

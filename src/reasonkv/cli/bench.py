@@ -41,7 +41,9 @@ D = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    model = add_model_arguments(parser, dtype=DEFAULT_DTYPE, shapes=True)
+    model = add_model_arguments(
+        parser, dtype=DEFAULT_DTYPE, why="speed is measured in the dtype models are served in", shapes=True
+    )
     model.add_argument(
         "--threads",
         type=int,

@@ -15,6 +15,7 @@ import os
 import shlex
 import sys
 from collections.abc import Iterable
+from typing import NoReturn
 
 from reasonkv.cli.errors import missing_requirements, user_message
 
@@ -32,13 +33,19 @@ DEBUG_ENV = "REASONKV_DEBUG"
 DEBUG_HELP = f"show the Python traceback of every error, not just one line (or set {DEBUG_ENV}=1)"
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, with its errors in one line (``reasonkv eval: error: ...``) and a pointer to ``--help``,
+    not the whole usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser(load: Iterable[str] | None = None) -> argparse.ArgumentParser:
     """The command-line parser; the arguments of the commands in ``load`` (default: all) are read from their
     modules, the others are listed by name only (so ``reasonkv CMD`` imports CMD's module alone)."""
     load = set(COMMANDS if load is None else load)
-    parser = argparse.ArgumentParser(
-        prog="reasonkv", description="KV-cache eviction for long chain-of-thought decoding."
-    )
+    parser = Parser(prog="reasonkv", description="KV-cache eviction for long chain-of-thought decoding.")
     # --debug before or after the command: show the traceback of user errors too.
     debug = argparse.ArgumentParser(add_help=False)
     debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)

@@ -22,7 +22,7 @@ from reasonkv.eval.code import CodeGrader
 from reasonkv.eval.datasets import Problem
 from reasonkv.eval.grid import Cell, GridSpec
 from reasonkv.eval.prompts import build_prompt
-from reasonkv.eval.records import ResultsFile, unit_key
+from reasonkv.eval.records import ResultsFile, conflict, outcome, unit_key
 from reasonkv.generation.inputs import encode_prompt
 from reasonkv.hf import model_info
 
@@ -71,6 +71,8 @@ class Ledger:
     results: dict[tuple, bool | None] = field(default_factory=dict)  # unit -> correct (None: fidelity)
     errors: dict[tuple, str] = field(default_factory=dict)  # unit -> reason
     traces: dict[tuple[str, str], tuple[list[int], str | None]] = field(default_factory=dict)
+    outcomes: dict[tuple, dict[str, Any]] = field(default_factory=dict)  # unit -> what its result says
+    conflicts: dict[tuple, list[str]] = field(default_factory=dict)  # unit -> the fields two results differ in
 
     def note(self, record: dict[str, Any]) -> None:
         kind = record.get("kind")
@@ -80,7 +82,19 @@ class Ledger:
         if kind == "error":
             self.errors[key] = str(record.get("error"))
             return
-        self.results[key] = bool(record.get("correct")) if kind == "generation" else None
+        said = outcome(record)
+        if key in self.outcomes and key not in self.conflicts:
+            differs = conflict(self.outcomes[key], said)
+            if differs:  # the run is settled either way; say so, as `report` will (it leaves the unit out)
+                self.conflicts[key] = differs
+                print(
+                    f"warning: two results of {record.get('dataset')} {record.get('problem_id')} "
+                    f"{record.get('policy_label')}{'' if record.get('budget') is None else '@' + str(record['budget'])}"
+                    f" differ in {', '.join(differs)}; reasonkv report leaves the unit out of its numbers",
+                    file=sys.stderr,
+                )
+        self.outcomes.setdefault(key, said)
+        self.results[key] = record["correct"] if kind == "generation" else None
         ids = record.get("output_ids")
         if (
             kind == "generation"
@@ -127,7 +141,9 @@ class Context:
     grader: CodeGrader | None = None  # when the grid has code problems
     counts: dict[str, int] = field(default_factory=lambda: {"generation": 0, "fidelity": 0, "error": 0, "skipped": 0})
     tally: dict[str, list[int]] = field(default_factory=dict)  # "dataset cell" -> [correct, total]
+    fidelity_tally: dict[str, list[float]] = field(default_factory=dict)  # "dataset cell" -> [Σ top-1, Σ KL, n]
     _prompts: dict = field(default_factory=dict)
+    _told: set = field(default_factory=set)  # errors printed (a problem's generation and fidelity fail alike)
 
     def prompt_ids(self, problem: Problem) -> list[int]:
         key = (problem.id, problem.kind, problem.problem)  # ids may repeat across user files
@@ -186,6 +202,13 @@ class Context:
     def fidelity_key(self, dataset: str, problem: Problem, cell: Cell) -> dict[str, Any]:
         return {**self.base("fidelity", dataset, problem, cell), "fidelity_tokens": self.grid.replay_tokens}
 
+    def note_fidelity(self, dataset: str, cell: Cell, said: dict[str, Any] | None) -> None:
+        """Add a fidelity result (a record, or the outcome of one already on disk) to its cell's tally."""
+        top1, kl = (said or {}).get("top1_agreement"), (said or {}).get("kl_mean")
+        if isinstance(top1, (int, float)) and isinstance(kl, (int, float)):
+            tally = self.fidelity_tally.setdefault(f"{dataset} {cell.name}", [0.0, 0.0, 0])
+            tally[0], tally[1], tally[2] = tally[0] + top1, tally[1] + kl, tally[2] + 1
+
     def emit(self, record: dict[str, Any]) -> None:
         """Write one record, note it done, and tell ``on_record``."""
         self.results.append(record)
@@ -198,10 +221,13 @@ class Context:
         """Write the error record of the unit ``key`` describes."""
         record = {"kind": "error", **{k: v for k, v in key.items() if k != "kind"}, "unit": key["kind"]}
         record.update(seed=seed, stage=stage, error=why, run=self.run_id, time=now())
-        print(
-            f"{self.label}error: {key['dataset']} {key['problem_id']} {key['policy_label']}"
-            f"{'' if key['budget'] is None else '@' + str(key['budget'])}: {why}",
-            file=sys.stderr,
-            flush=True,
-        )
+        told = (key["dataset"], key["problem_id"], key["policy_label"], key["budget"], why)
+        if told not in self._told:  # the fidelity unit of a problem whose generation failed alike: said once
+            self._told.add(told)
+            print(
+                f"{self.label}error: {key['dataset']} {key['problem_id']} {key['policy_label']}"
+                f"{'' if key['budget'] is None else '@' + str(key['budget'])}: {why}",
+                file=sys.stderr,
+                flush=True,
+            )
         self.emit(record)

@@ -151,7 +151,7 @@ def _generation_record(
     stats = out.stats
     eos_hit = out.finish_reason == "eos"
     ids = out.token_ids[:-1] if eos_hit else out.token_ids
-    verdict = grade(out.text, problem) if code is None else code
+    verdict = grade(out.text, problem, complete=out.finish_reason != "length") if code is None else code
     limit = ctx.grid.sampling.max_new_tokens
     flags = collapse_flags(out.text, ids, max_new_tokens=limit, eos_hit=eos_hit, kind=problem.kind)
     record = dict(key)
@@ -180,6 +180,7 @@ def _generation_record(
         peak_row_tokens=stats["peak_row_tokens"],
         peak_kv_bytes=stats["peak_kv_bytes"],
         peak_kv_bytes_by_tier=stats.get("peak_kv_bytes_by_tier"),
+        peak_kv_bytes_allocated=stats.get("peak_kv_bytes_allocated"),
         peak_memory_bytes=stats["peak_memory_bytes"],
         policy_seconds={k: float(v) for k, v in stats.get("timings", {}).items()},
         reasonkv_version=reasonkv.__version__,

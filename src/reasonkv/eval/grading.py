@@ -1,5 +1,11 @@
 r"""Answer grading: extraction, equivalence and the per-problem verdict.
 
+``grade`` looks for the final answer (:mod:`reasonkv.eval.extraction`). The last-number fallback (the
+last number of the text, for a reference that is a plain number, GSM8K style) applies only to an output
+that ended by itself: the last number of an output cut off at the token limit is wherever the model
+stopped, not an answer (:func:`cut_off_guess`; :func:`counts_as_correct` applies the same rule to
+records graded before it).
+
 ``is_equivalent`` first tries cheap exact rules on normalised strings (plain and decimal numbers,
 fractions, thousands separators, ``\dfrac``/``\tfrac``, units in ``\text{}``, degrees, percent,
 dollar signs, ``x = `` prefixes, letter and word answers) and only then asks math-verify for a
@@ -10,15 +16,26 @@ Answers with several values (``a, b`` or ``a \pm b``) must match value for value
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Any
 
 from reasonkv.eval._symbolic import symbolic_equal
 from reasonkv.eval.datasets import Problem
 from reasonkv.eval.extraction import choice_letter, extract_answer, find_answer, find_boxed
 from reasonkv.eval.prompts import strip_thinking
 
-__all__ = ["DEFAULT_TIMEOUT_S", "Grade", "extract_answer", "grade", "is_equivalent", "normalize_answer"]
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "Grade",
+    "counts_as_correct",
+    "cut_off_guess",
+    "extract_answer",
+    "grade",
+    "is_equivalent",
+    "normalize_answer",
+]
 
 DEFAULT_TIMEOUT_S = 10.0
 
@@ -64,15 +81,16 @@ class Grade:
     from_thinking: bool = False
 
 
-def grade(output_text: str, problem: Problem, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Grade:
+def grade(output_text: str, problem: Problem, *, complete: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S) -> Grade:
     """Grade a model output against a problem's reference answer.
 
     The answer is looked for after the last ``</think>`` first, and in the whole text only if
     nothing is found there. The last-number fallback is allowed only when the reference answer
-    is a plain number (GSM8K style). When the reference has ``k > 1`` values and the last box
-    alone does not match, the last ``k`` boxes are tried together.
+    is a plain number (GSM8K style) and the output is ``complete`` (it ended by itself: an end of
+    sequence or a stop string, not the token limit). When the reference has ``k > 1`` values and the
+    last box alone does not match, the last ``k`` boxes are tried together.
     """
-    last_number = problem.kind == "math" and bool(_PLAIN_NUMBER_RE.fullmatch(problem.answer))
+    last_number = complete and problem.kind == "math" and bool(_PLAIN_NUMBER_RE.fullmatch(problem.answer))
     searched = strip_thinking(output_text)
     pred, method = find_answer(searched, problem.kind, last_number=last_number)
     from_thinking = False
@@ -90,6 +108,17 @@ def grade(output_text: str, problem: Problem, *, timeout_s: float = DEFAULT_TIME
             if is_equivalent(joined, problem.answer, timeout_s=timeout_s):
                 pred, correct = joined, True
     return Grade(extracted=pred, correct=correct, method=method, from_thinking=from_thinking)
+
+
+def cut_off_guess(record: Mapping[str, Any]) -> bool:
+    """Whether a generation record's answer is the last number of an output cut off at the token limit."""
+    return record.get("grading_method") == "last_number" and record.get("finish_reason") == "length"
+
+
+def counts_as_correct(record: Mapping[str, Any]) -> bool:
+    """Whether a generation record is correct: graded so, and not a :func:`cut_off_guess` (records graded
+    before that rule may hold one)."""
+    return record.get("correct") is True and not cut_off_guess(record)
 
 
 def is_equivalent(pred: str | None, gold: str, kind: str = "math", *, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:

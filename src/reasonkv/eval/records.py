@@ -7,14 +7,16 @@ Record kinds
     with the unit's identity fields, ``unit`` (the kind of record it would have been) and ``error``
     (the reason).
 
-A results file is a :class:`reasonkv.runs.store.JsonlStore` (read back with
-:func:`reasonkv.runs.store.iter_records`: a torn last line is skipped, a malformed line anywhere else
-is an error). It is this tool's own when its first line is a manifest and every other complete line
-is a record of one of these kinds (:func:`scan_results`); nothing else is ever written to (see
-:mod:`reasonkv.runs.outputs`).
+A results file is a :class:`reasonkv.runs.store.JsonlStore`. ``eval`` and ``report`` read it the
+same way, with :func:`read_results`: a torn last line is skipped, and any other line that is not a
+record of these kinds with fields of the right types (:func:`check_record`) is an error naming the
+file, the line and the field. It is this tool's own when its first line is a manifest
+(:func:`scan_results`); nothing else is ever written to (see :mod:`reasonkv.runs.outputs`).
 
 :func:`unit_key` names the unit of work a record completes (or failed), so a rerun skips exactly the
-work already on disk.
+work already on disk. Two results of one unit are the same result when :func:`outcome` finds them
+equal (what a report counts: the grade, the fidelity figures); otherwise they *conflict*, and neither
+command picks one silently (:func:`conflict`).
 """
 
 from __future__ import annotations
@@ -22,13 +24,25 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from reasonkv.runs.store import JsonlStore, iter_records
+from reasonkv.runs.store import JsonlStore, numbered_records
 
-__all__ = ["KEY_FIELDS", "KINDS", "ResultsFile", "record_key", "scan_results", "unit_key"]
+__all__ = [
+    "KEY_FIELDS",
+    "KINDS",
+    "OUTCOME_FIELDS",
+    "ResultsFile",
+    "check_record",
+    "conflict",
+    "outcome",
+    "read_results",
+    "record_key",
+    "scan_results",
+    "unit_key",
+]
 
 #: The fields that identify a unit of work, per record kind. Two records with the same key are the
 #: same work: a rerun skips it. Everything that changes the result is in the key.
@@ -104,6 +118,122 @@ def _jsonable(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
 
+# ---------------------------------------------------------------------------------- reading
+
+#: What a result says, per kind: two records of one unit that differ here are a conflict.
+OUTCOME_FIELDS: dict[str, tuple[str, ...]] = {
+    "generation": ("correct", "extracted_answer", "grading_method", "finish_reason"),
+    "fidelity": ("top1_agreement", "kl_mean", "answer_logprob_delta"),
+}
+
+_INT = (int,)
+_NUMBER = (int, float)
+# Field -> (allowed types, what to say); None is allowed for every field below unless it is required.
+_FIELD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "model": ((str,), "a string"),
+    "dataset": ((str,), "a string"),
+    "problem_id": ((str, int), "a string"),
+    "policy": ((str,), "a string"),
+    "policy_label": ((str,), "a string"),
+    "policy_config": ((dict,), "an object"),
+    "dtype": ((str,), "a string"),
+    "prompt_format": ((str,), "a string"),
+    "run": ((str,), "a string"),
+    "budget": (_INT, "a positive integer or null"),
+    "buffer": (_INT, "a non-negative integer or null"),
+    "tier": ((dict,), "an object or null"),
+    "sample": (_INT, "a non-negative integer"),
+    "base_seed": (_INT, "an integer"),
+    "max_new_tokens": (_INT, "a positive integer"),
+    "fidelity_tokens": (_INT, "a positive integer"),
+    "temperature": (_NUMBER, "a number"),
+    "top_p": (_NUMBER, "a number"),
+    "top_k": (_INT, "an integer"),
+    "output_tokens": (_INT, "an integer"),
+    "tokens_per_second": (_NUMBER, "a number"),
+    "extracted_answer": ((str,), "a string or null"),
+    "grading_method": ((str,), "a string"),
+    "finish_reason": ((str,), "a string"),
+    "collapse": ((dict,), "an object"),
+    "collapsed": ((bool,), "true or false"),
+    "top1_agreement": (_NUMBER, "a number between 0 and 1"),
+    "kl_mean": (_NUMBER, "a number"),
+    "answer_logprob_delta": (_NUMBER, "a number"),
+    "answer_logprob_delta_mean": (_NUMBER, "a number"),
+}
+_BOUNDS = {"budget": 1, "buffer": 0, "sample": 0, "max_new_tokens": 1, "fidelity_tokens": 1}
+
+
+def _bad(where: str, name: str, what: str, value: Any) -> ValueError:
+    shown = repr(value)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    return ValueError(f"{where}: {name!r} must be {what}, got {shown}")
+
+
+def check_record(record: Mapping[str, Any], where: str) -> None:
+    """Refuse a record that is not one of :data:`KINDS` with fields of the right types.
+
+    ``where`` names the record in the error (``"results.jsonl, line 7"``). A generation record must hold
+    ``correct`` as ``true`` or ``false`` (``"yes"`` is not correct), an error record its ``unit`` and
+    ``error``; the identity and result fields that a record holds must have their types (``budget`` a
+    positive integer or null, ``top1_agreement`` a number between 0 and 1, ...). A manifest is checked by
+    :mod:`reasonkv.eval.manifest`.
+    """
+    kind = record.get("kind")
+    if kind not in KINDS:
+        what = "no 'kind' field" if "kind" not in record else f"kind {kind!r}"
+        raise ValueError(f"{where}: {what}; a results record's kind is one of {', '.join(KINDS)}")
+    if kind == "manifest":
+        return
+    if kind == "generation" and not isinstance(record.get("correct"), bool):
+        raise _bad(where, "correct", "true or false", record.get("correct", "nothing"))
+    if kind == "error":
+        if record.get("unit") not in KEY_FIELDS:
+            raise _bad(where, "unit", f"one of {', '.join(KEY_FIELDS)}", record.get("unit", "nothing"))
+        if not isinstance(record.get("error"), str):
+            raise _bad(where, "error", "the reason, a string", record.get("error", "nothing"))
+    for name, (types, what) in _FIELD_TYPES.items():
+        value = record.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+            raise _bad(where, name, what, value)
+        if name in _BOUNDS and value < _BOUNDS[name]:
+            raise _bad(where, name, what, value)
+        if name == "top1_agreement" and not 0.0 <= value <= 1.0:
+            raise _bad(where, name, what, value)
+
+
+def read_results(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line number, record)`` for every complete record of a results file, each checked (:func:`check_record`).
+
+    The one reader of results records (``eval`` resuming, ``report``). Nothing when the file does not exist;
+    a torn last line is skipped; any other bad line raises ``ValueError`` naming the file and the line.
+    """
+    for number, record in numbered_records(path):
+        check_record(record, f"{path}, line {number}")
+        yield number, record
+
+
+def outcome(record: Mapping[str, Any]) -> dict[str, Any]:
+    """What a generation or fidelity record says (:data:`OUTCOME_FIELDS`); ``{}`` for other kinds."""
+    return {name: record.get(name) for name in OUTCOME_FIELDS.get(record.get("kind"), ())}
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (a, b)):
+            return False
+        # Batches of another composition round differently: equal up to float rounding is the same.
+        return (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-6)
+    return a == b
+
+
+def conflict(first: Mapping[str, Any], second: Mapping[str, Any]) -> list[str]:
+    """The outcome fields in which two results of one unit differ (``[]``: the same result)."""
+    return [name for name, value in first.items() if not _same(value, second.get(name))]
+
+
 def _not_ours(path: Path, why: str) -> ValueError:
     return ValueError(f"{path} is not a reasonkv results file ({why}): nothing was written to it; use another --out")
 
@@ -131,29 +261,27 @@ def scan_results(
     if path.stat().st_size == 0:
         raise _not_ours(path, "it is empty")
     manifests: list[dict[str, Any]] = []
-    records = iter_records(path)
-    number = 0
+    records = read_results(path)
+    first = True
     while True:
         try:
-            record = next(records)
+            number, record = next(records)
         except StopIteration:
             break
         except ValueError as error:
             raise _not_ours(path, str(error).removeprefix(f"{path}, ")) from None
-        number += 1
         kind = record.get("kind")
-        if number == 1 and kind in KEY_FIELDS:
+        if first and kind in KEY_FIELDS:
             raise ValueError(
                 f"{path} holds records written before run manifests existed: reasonkv report reads it, "
                 "but a run appends only to a results file that starts with a manifest; use another --out"
             )
-        if number == 1 and kind != "manifest":
+        if first and kind != "manifest":
             raise _not_ours(path, "its first record is not a run manifest")
-        if kind not in KINDS:
-            raise _not_ours(path, f"record {number} has kind {kind!r}, not one of {', '.join(KINDS)}")
+        first = False
         if kind == "manifest":
             if record.get("tool") != "reasonkv":
-                raise _not_ours(path, f"record {number} is a manifest of {record.get('tool')!r}")
+                raise _not_ours(path, f"line {number} is a manifest of {record.get('tool')!r}")
             manifests.append(record)
         if visit is not None and (include_manifests or kind != "manifest"):
             visit(record)

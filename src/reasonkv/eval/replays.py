@@ -36,6 +36,7 @@ def run_fidelity(ctx: Context, dataset: str, problems: Sequence[Problem], mine: 
             key = ctx.fidelity_key(dataset, problem, cell)
             if ctx.ledger.settled(unit_key(key)):
                 ctx.counts["skipped"] += 1
+                ctx.note_fidelity(dataset, cell, ctx.ledger.outcomes.get(unit_key(key)))
                 continue
             why = refused_prompt(cell, len(ctx.prompt_ids(problem)), grid.replay_tokens)
             if why is not None:
@@ -65,6 +66,7 @@ def run_fidelity(ctx: Context, dataset: str, problems: Sequence[Problem], mine: 
                         ctx.error(ctx.fidelity_key(dataset, problem, cell), reason(record), "fidelity", seed)
                     else:
                         ctx.emit(record)
+                        ctx.note_fidelity(dataset, cell, record)
                     bar.update(1)
     finally:
         bar.close()

@@ -52,8 +52,9 @@ Generation records (``"kind": "generation"``)
     Cost: ``seconds`` (wall time of the batch this record was decoded in: prefill + decode),
     ``prefill_seconds``, ``decode_seconds``, ``tokens_per_second`` (this row's tokens over the batch's
     decode time), ``batch_size``, ``evictions`` (this row), ``peak_cache_slots`` (the batch's cache),
-    ``peak_row_tokens`` (most tokens this row held), ``peak_kv_bytes`` (and ``peak_kv_bytes_by_tier``:
-    ``full``, ``quantized``), ``peak_memory_bytes`` (CUDA max
+    ``peak_row_tokens`` (most tokens this row held), ``peak_kv_bytes`` (the batch's most K/V bytes held,
+    and ``peak_kv_bytes_by_tier``: ``full``, ``quantized``), ``peak_kv_bytes_allocated`` (the most allocated,
+    spare capacity included), ``peak_memory_bytes`` (CUDA max
     allocated, or the process's peak RSS on CPU), ``policy_seconds`` (the batch's time in the
     policy: ``observe``, ``score``, ``gather``), ``reasonkv_version``, ``run`` (the id of the
     manifest of the run that wrote it), ``time``.
@@ -113,6 +114,7 @@ class GridResult:
     errors: int = 0  # error records written by this process
     skipped: int = 0  # units of this process already in the run's files
     accuracy: dict[str, tuple[int, int]] = field(default_factory=dict)  # "dataset cell" -> (correct, total)
+    fidelity_means: dict[str, tuple[float, float, int]] = field(default_factory=dict)  # -> (top-1, KL, replays)
     complete: bool = False  # every unit of the grid has a record (result or error)
     missing: int = 0  # units of the grid without a record (other shards still running)
     failed: int = 0  # units of the grid whose record is an error (known once complete)
@@ -124,9 +126,15 @@ class GridResult:
             f"{where}: {self.generated} generation, {self.fidelity} fidelity and {self.errors} error records "
             f"written, {self.skipped} already there"
         ]
-        for name, (correct, total) in self.accuracy.items():
-            rate = f"{correct / total:.3f}" if total else "-"
-            lines.append(f"  {name:<40} accuracy {correct}/{total} = {rate}")
+        for name in dict.fromkeys([*self.accuracy, *self.fidelity_means]):
+            parts = []
+            if name in self.accuracy:
+                correct, total = self.accuracy[name]
+                parts.append(f"accuracy {correct}/{total} = {correct / total:.3f}" if total else "accuracy -")
+            if name in self.fidelity_means:
+                top1, kl, replays = self.fidelity_means[name]
+                parts.append(f"top-1 agreement {top1:.3f}, KL {kl:.4f} ({replays} replays)")
+            lines.append(f"  {name:<40} {'; '.join(parts)}")
         if not self.complete:
             lines.append(
                 f"{self.missing} units of other shards are not done yet: the last shard to finish merges every "
@@ -278,7 +286,13 @@ def run_grid(
         model_name = model_name or os.fspath(model)
         device = plan.shard.device(device)
         print(f"loading {model_name} ({dtype}, {device}, {attn_implementation}) ...", file=sys.stderr, flush=True)
-        model, tokenizer = load_model(model, dtype=dtype, device=device, attn_implementation=attn_implementation)
+        model, tokenizer = load_model(
+            model,
+            dtype=dtype,
+            device=device,
+            attn_implementation=attn_implementation,
+            progress=None if progress else False,
+        )
     if tokenizer is None:
         raise ValueError("the eval needs a tokenizer (shape: models have none)")
 
@@ -333,6 +347,9 @@ def run_grid(
     result.generated, result.fidelity = ctx.counts["generation"], ctx.counts["fidelity"]
     result.errors, result.skipped = ctx.counts["error"], ctx.counts["skipped"]
     result.accuracy = {name: tuple(tally) for name, tally in ctx.tally.items()}
+    result.fidelity_means = {
+        name: (t[0] / t[2], t[1] / t[2], int(t[2])) for name, t in ctx.fidelity_tally.items() if t[2]
+    }
     _finish(result, plan, ctx, ledger)
     return result
 
@@ -349,7 +366,8 @@ def _finish(result: GridResult, plan: GridPlan, ctx, ledger) -> None:
         for path in _run_files(result.path):
             scan_results(path, ledger.note)
     problems = {(name, p.id): p for name, problems in plan.datasets for p in problems}
-    missing = failed = 0
+    missing = 0
+    failed = set()  # a problem's generation and fidelity units that both failed count once
     for unit in plan.units:
         problem, cell = problems[(unit.dataset, unit.problem)], plan.cells[unit.cell]
         if unit.kind == "generation":
@@ -357,7 +375,8 @@ def _finish(result: GridResult, plan: GridPlan, ctx, ledger) -> None:
         else:
             key = unit_key(ctx.fidelity_key(unit.dataset, problem, cell))
         missing += not ledger.recorded(key)
-        failed += ledger.failed(key)
-    result.complete, result.missing, result.failed = missing == 0, missing, failed
+        if ledger.failed(key):
+            failed.add((unit.dataset, unit.problem, unit.cell, unit.sample))
+    result.complete, result.missing, result.failed = missing == 0, missing, len(failed)
     if result.complete and shard_files(result.path):
         result.merged = merge_shards(result.path)

@@ -9,10 +9,23 @@ from dataclasses import dataclass, field
 import torch
 
 from reasonkv.cache.evicting import EvictingCache
+from reasonkv.cache.layer import EvictingLayer
 from reasonkv.generation.rows import Rows
 from reasonkv.hf import synchronize
 
-__all__ = ["GenerationResult", "Meter"]
+__all__ = ["GenerationResult", "Meter", "kv_bytes_held"]
+
+
+def kv_bytes_held(cache: EvictingCache) -> dict[str, int]:
+    """K/V bytes the cache holds, by tier: ``full`` (the evicting layers' slots in use, padding included,
+    not their spare capacity), ``quantized`` (the quantized tier) and ``sliding`` (the window layers)."""
+    allocated = cache.kv_bytes_by_kind()
+    full = sum(
+        layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+        for layer in cache.layers
+        if isinstance(layer, EvictingLayer) and layer.is_initialized
+    )
+    return {"full": full, "quantized": allocated["quantized"], "sliding": allocated["sliding"]}
 
 
 @dataclass
@@ -25,10 +38,12 @@ class GenerationResult:
     this row's last token) and ``tokens_per_second`` (the tokens after the first, which prefill
     yields, over ``decode_seconds``; NaN for a one-token output). Shared by the batch:
     ``prefill_seconds``, ``peak_slots`` (cache slots, padding included), ``batch_size``,
-    ``peak_kv_bytes`` (K/V storage held), ``peak_kv_bytes_by_tier`` (that peak's full-attention K/V
-    split into ``full`` and ``quantized``), ``peak_memory_bytes`` (CUDA max allocated, or the
-    process's peak RSS on CPU), ``timings`` (seconds per eviction phase), ``budget``, ``buffer``,
-    ``quantized``, ``bits`` and ``policy``.
+    ``peak_kv_bytes`` (the most K/V bytes held: the slots in use, see :func:`kv_bytes_held`),
+    ``peak_kv_bytes_by_tier`` (that peak's full-attention K/V split into ``full`` and ``quantized``),
+    ``peak_kv_bytes_allocated`` (the most K/V bytes allocated: storage grows ahead of use, so it can
+    exceed what is held), ``peak_memory_bytes`` (CUDA max allocated, or the process's peak RSS on CPU),
+    ``timings`` (seconds per eviction phase), ``budget``, ``buffer``, ``quantized``, ``bits`` and
+    ``policy``.
     """
 
     text: str
@@ -47,7 +62,7 @@ class Meter:
 
     def __init__(self, cache: EvictingCache, device: torch.device):
         self.cache, self.device = cache, device
-        self.peak_kv, self.peak_tiers = 0, cache.kv_bytes_by_tier()
+        self.peak_kv, self.peak_tiers, self.peak_allocated = 0, {"full": 0, "quantized": 0}, 0
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         self.started = self.prefilled = self.stopped = 0.0
@@ -63,10 +78,12 @@ class Meter:
         self.prefilled = self.now()
 
     def step(self) -> None:
-        """Before each token is sampled: the K/V held now, if it is the most so far."""
-        held = self.cache.kv_bytes()
-        if held > self.peak_kv:
-            self.peak_kv, self.peak_tiers = held, self.cache.kv_bytes_by_tier()
+        """Before each token is sampled: the K/V held and allocated now, if they are the most so far."""
+        held = kv_bytes_held(self.cache)
+        total = sum(held.values())
+        if total > self.peak_kv:
+            self.peak_kv, self.peak_tiers = total, {"full": held["full"], "quantized": held["quantized"]}
+        self.peak_allocated = max(self.peak_allocated, self.cache.kv_bytes())
 
     def stop(self) -> None:
         self.stopped = self.now()
@@ -94,6 +111,7 @@ class Meter:
                 "batch_size": len(prompt_ids),
                 "peak_kv_bytes": self.peak_kv,
                 "peak_kv_bytes_by_tier": self.peak_tiers,
+                "peak_kv_bytes_allocated": self.peak_allocated,
                 "peak_memory_bytes": peak_memory,
                 "timings": cache.evictor.timings,
             }

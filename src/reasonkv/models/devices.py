@@ -68,7 +68,10 @@ def resolve_device(device: str | torch.device, *, allow_meta: bool = False) -> t
         raise ValueError(f"Unsupported device {device!r}; allowed: {allowed}.")
     if not torch.cuda.is_available():
         why = "no CUDA device is visible" if torch.version.cuda else f"torch {torch.__version__} has no CUDA support"
-        raise ValueError(f"Device {device!r} requested but CUDA is not available ({why}); use device='cpu'.")
+        raise ValueError(
+            f"Device {device!r} requested but CUDA is not available ({why}); use the CPU: --device cpu on the "
+            "command line, device='cpu' in Python."
+        )
     count = torch.cuda.device_count()
     if dev.index is not None and dev.index >= count:
         raise ValueError(f"Device {device!r} does not exist: {count} CUDA device(s) visible (cuda:0..{count - 1}).")

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,6 +30,7 @@ def load_model(
     dtype: str | torch.dtype = "fp32",
     device: str | torch.device = "cpu",
     attn_implementation: str = "sdpa",
+    progress: bool | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
     """Load a causal LM and its tokenizer.
 
@@ -44,6 +48,9 @@ def load_model(
         ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. Shapes also accept ``"meta"``.
     attn_implementation
         ``"sdpa"``, ``"eager"`` or ``"flash_attention_2"``.
+    progress
+        Show transformers' progress bars while the weights load (``"Loading weights"``): ``None`` (default)
+        when standard error is a terminal, so a log file or a pipe gets none; ``False`` never.
 
     Returns
     -------
@@ -78,6 +85,30 @@ def load_model(
     if is_shape:
         model = random_model(name_str[len(SHAPE_PREFIX) :], torch_dtype, dev, attn)
         return model, None
+    shown = sys.stderr.isatty() if progress is None else progress
+    with _loading_bars(shown):
+        return _load_named(name_str, torch_dtype, dev, attn)
+
+
+@contextmanager
+def _loading_bars(shown: bool) -> Iterator[None]:
+    """transformers' progress bars on or off for the length of one load (as they were afterwards)."""
+    from transformers.utils import logging as transformers_logging
+
+    hide = not shown and transformers_logging.is_progress_bar_enabled()
+    if hide:
+        transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if hide:
+            transformers_logging.enable_progress_bar()
+
+
+def _load_named(
+    name_str: str, torch_dtype: torch.dtype, dev: torch.device, attn: str
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A bundled model, a GGUF file, a checkpoint directory or a hub id."""
     bundled = bundled_model(name_str)
     if bundled is not None:
         return load_bundled(bundled, torch_dtype, dev, attn)

@@ -73,7 +73,8 @@ class CurDKV(Policy):
         ``r``, columns of the Gaussian sketch (default 20, CurDKV's). ``0``: no sketch, score the raw
         keys and values (then the policy is deterministic).
     leverage
-        ``"columns"`` (default), ``"orthonormal"`` or ``"norm"``, as above.
+        How leverage scores are read from the sketch: ``"columns"`` (default), ``"orthonormal"`` or
+        ``"norm"``, as above.
     local_window
         Tokens per local normalisation window (default 16, CurDKV's); ``0``: normalise over all tokens.
     combine

@@ -49,6 +49,7 @@ class EPIKV(Policy):
     Parameters
     ----------
     variant
+        The score: ``"zscore"`` (default), ``"raw"``, ``"band"`` or ``"lag"``, as follows.
         ``"zscore"`` (default, the paper's main method): ``s = z_a - z_b`` with the causal rolling
         z-score ``z_l(t) = (g_l(t) - mu) / (sigma + eps)``, ``mu``/``sigma`` the mean and population
         std of the defined ``g_l`` at positions ``t - W .. t - 1`` (``W = stats_window``); fewer than
