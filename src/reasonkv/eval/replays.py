@@ -37,7 +37,7 @@ def run_fidelity(ctx: Context, dataset: str, problems: Sequence[Problem], mine: 
             if ctx.ledger.settled(unit_key(key)):
                 ctx.counts["skipped"] += 1
                 continue
-            why = refused_prompt(cell, len(ctx.prompt_ids(problem)), grid.replay_tokens)
+            why = refused_prompt(cell, len(ctx.prompt_ids(problem)), grid.replay_tokens, ctx.context)
             if why is not None:
                 ctx.error(key, why, "fidelity", sample_seed(grid.seed, problem.id, 0))
             else:
