@@ -11,9 +11,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from tiny_checkpoint import save_tiny_checkpoint
 
 from reasonkv.eval.records import unit_key
 from reasonkv.eval.runner import run_grid
@@ -75,22 +73,7 @@ def test_two_processes_write_exactly_the_records_of_one(tmp_path, smollm2):
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    """A 2-layer Llama with a byte-level tokenizer, saved as a checkpoint the command line can load."""
-    path = tmp_path_factory.mktemp("tiny-model")
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
-    vocab["<eos>"] = len(vocab)
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", pad_token="<eos>").save_pretrained(path)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=1024, eos_token_id=None, pad_token_id=vocab["<eos>"],
-    )  # fmt: skip
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-model"))
 
 
 def test_a_killed_rank_resumes_with_three_processes_every_unit_once(tmp_path, tiny_dir):

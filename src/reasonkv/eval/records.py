@@ -7,11 +7,14 @@ Record kinds
     with the unit's identity fields, ``unit`` (the kind of record it would have been) and ``error``
     (the reason).
 
-A results file is a :class:`reasonkv.runs.store.JsonlStore` (read back with
-:func:`reasonkv.runs.store.iter_records`: a torn last line is skipped, a malformed line anywhere else
-is an error). It is this tool's own when its first line is a manifest and every other complete line
-is a record of one of these kinds (:func:`scan_results`); nothing else is ever written to (see
-:mod:`reasonkv.runs.outputs`).
+A results file is a :class:`reasonkv.runs.store.JsonlStore` (a torn last line is skipped, then cut
+off). It is this tool's own when its first line is a sound manifest of this tool (:func:`scan_results`);
+nothing else is ever written to (see :mod:`reasonkv.runs.outputs`). Every other line must be a record
+of one of these kinds whose identity fields have their types (:func:`record_problem`); a line that is
+not (a hand edit, a collision) is an error naming the file, the line and the field, never skipped
+silently, and :func:`repair_results` moves such lines aside, keeping every other record. A manifest
+that was edited (its ``id`` no longer matches its content) is refused: it no longer says what the
+records after it were computed with.
 
 :func:`unit_key` names the unit of work a record completes (or failed), so a rerun skips exactly the
 work already on disk.
@@ -23,12 +26,24 @@ import json
 import math
 import os
 from collections.abc import Callable, Mapping
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from reasonkv.runs.store import JsonlStore, iter_records
+from reasonkv.eval.manifest import manifest_problem
+from reasonkv.runs.outputs import create_exclusive, write_atomic
+from reasonkv.runs.store import JsonlStore, numbered_lines
 
-__all__ = ["KEY_FIELDS", "KINDS", "ResultsFile", "record_key", "scan_results", "unit_key"]
+__all__ = [
+    "KEY_FIELDS",
+    "KINDS",
+    "ResultsFile",
+    "record_key",
+    "record_problem",
+    "repair_results",
+    "scan_results",
+    "unit_key",
+]
 
 #: The fields that identify a unit of work, per record kind. Two records with the same key are the
 #: same work: a rerun skips it. Everything that changes the result is in the key.
@@ -68,6 +83,33 @@ KEY_FIELDS: dict[str, tuple[str, ...]] = {
 #: Every record kind a results file may hold.
 KINDS = ("manifest", "generation", "fidelity", "error")
 
+_NUMBER = (int, float)
+#: The types of the fields reasonkv reads back from a record (a field may be missing, or null).
+FIELD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "model": ((str,), "a string"),
+    "dtype": ((str,), "a string"),
+    "dataset": ((str,), "a string"),
+    "problem_id": ((str,), "a string"),
+    "prompt_format": ((str,), "a string"),
+    "policy": ((str,), "a string"),
+    "policy_label": ((str,), "a string"),
+    "policy_config": ((dict,), "an object"),
+    "budget": ((int,), "an integer"),
+    "buffer": ((int,), "an integer"),
+    "tier": ((dict,), "an object"),
+    "sample": ((int,), "an integer"),
+    "base_seed": ((int,), "an integer"),
+    "seed": ((int,), "an integer"),
+    "max_new_tokens": ((int,), "an integer"),
+    "temperature": (_NUMBER, "a number"),
+    "top_p": (_NUMBER, "a number"),
+    "top_k": ((int,), "an integer"),
+    "fidelity_tokens": ((int,), "an integer"),
+    "correct": ((bool,), "true or false"),
+    "output_ids": ((list,), "a list"),
+    "run": ((str,), "a string"),
+}
+
 
 def _canonical(value: Any) -> Any:
     """A hashable form of a JSON value (dicts sorted, lists as tuples, floats normalised)."""
@@ -104,8 +146,51 @@ def _jsonable(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
 
+def record_problem(record: Mapping[str, Any]) -> str | None:
+    """What is wrong with a record read from a results file (a hand edit), in words; None when it is sound.
+
+    Its ``kind`` must be one of :data:`KINDS`, a manifest must be sound (:func:`manifest_problem`), an
+    error record must name its ``unit``, and each field of :data:`FIELD_TYPES` that is there and not
+    null must have its type (``"budget": {}`` or ``"correct": "yes"`` are refused).
+    """
+    kind = record.get("kind")
+    if kind not in KINDS:
+        return f"field 'kind' must be one of {', '.join(KINDS)}, got {_shown(kind)}"
+    if kind == "manifest":
+        if record.get("tool") != "reasonkv":
+            return f"a manifest of {record.get('tool')!r}, not of reasonkv"
+        return manifest_problem(record)
+    if kind == "error" and record.get("unit") not in KEY_FIELDS:
+        return f"field 'unit' must be one of {', '.join(KEY_FIELDS)}, got {_shown(record.get('unit'))}"
+    for name, (types, what) in FIELD_TYPES.items():
+        value = record.get(name)
+        if value is None:
+            continue
+        if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
+            return f"field '{name}' must be {what} (or null), got {_shown(value)}"
+    return None
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _not_ours(path: Path, why: str) -> ValueError:
     return ValueError(f"{path} is not a reasonkv results file ({why}): nothing was written to it; use another --out")
+
+
+def _damaged(path: Path, number: int, why: str, repairable: bool) -> ValueError:
+    if not repairable:
+        return ValueError(
+            f"{path}, line {number}: {why}: restore that line as it was written, or move the file away and use "
+            "another --out; nothing was written"
+        )
+    return ValueError(
+        f"{path}, line {number}: {why}; nothing was written. Every other line is kept if you rerun with --repair "
+        f"(Python: repair=True): lines that are not records are moved to {path.name}.rejected-<date>, and the run "
+        "resumes from the rest"
+    )
 
 
 def scan_results(
@@ -118,10 +203,11 @@ def scan_results(
     """Check that ``path`` is this tool's results file and read it; returns its manifests.
 
     ``visit`` is called with every other record in file order. Raises ``ValueError`` for a file that
-    is not a results file (its first record is not a manifest, or a line is not a record of
-    :data:`KINDS`), naming the reason; a file written before run manifests existed is named as such.
-    A missing file is an empty run (``[]``). ``first_only`` checks the first record only (quick);
-    ``include_manifests`` passes the manifests to ``visit`` too.
+    is not a results file (its first record is not a sound manifest of this tool), naming the reason (a
+    file written before run manifests existed is named as such), and for a line that is not a sound
+    record (:func:`record_problem`), naming the file, the line and the field. A missing file is an
+    empty run (``[]``). ``first_only`` checks the first record only (quick); ``include_manifests``
+    passes the manifests to ``visit`` too.
     """
     path = Path(path)
     if path.is_dir():
@@ -131,37 +217,71 @@ def scan_results(
     if path.stat().st_size == 0:
         raise _not_ours(path, "it is empty")
     manifests: list[dict[str, Any]] = []
-    records = iter_records(path)
-    number = 0
-    while True:
-        try:
-            record = next(records)
-        except StopIteration:
-            break
-        except ValueError as error:
-            raise _not_ours(path, str(error).removeprefix(f"{path}, ")) from None
-        number += 1
-        kind = record.get("kind")
-        if number == 1 and kind in KEY_FIELDS:
-            raise ValueError(
-                f"{path} holds records written before run manifests existed: reasonkv report reads it, "
-                "but a run appends only to a results file that starts with a manifest; use another --out"
-            )
-        if number == 1 and kind != "manifest":
-            raise _not_ours(path, "its first record is not a run manifest")
-        if kind not in KINDS:
-            raise _not_ours(path, f"record {number} has kind {kind!r}, not one of {', '.join(KINDS)}")
-        if kind == "manifest":
-            if record.get("tool") != "reasonkv":
-                raise _not_ours(path, f"record {number} is a manifest of {record.get('tool')!r}")
+    for number, _, record, problem in numbered_lines(path):
+        if not manifests:
+            _check_first(path, number, record, problem)
+        else:
+            problem = problem or record_problem(record)
+            if problem is not None:
+                raise _damaged(path, number, problem, repairable=record is None or record.get("kind") != "manifest")
+        if record["kind"] == "manifest":
             manifests.append(record)
-        if visit is not None and (include_manifests or kind != "manifest"):
+        if visit is not None and (include_manifests or record["kind"] != "manifest"):
             visit(record)
         if first_only:
             break
     if not manifests:
         raise _not_ours(path, "it holds no complete record")
     return manifests
+
+
+def _check_first(path: Path, number: int, record: dict[str, Any] | None, problem: str | None) -> None:
+    """Refuse a file whose first record is not a sound manifest of this tool."""
+    if record is None:
+        raise _not_ours(path, f"line {number}: {problem}")
+    kind = record.get("kind")
+    if kind in KEY_FIELDS:
+        raise ValueError(
+            f"{path} holds records written before run manifests existed: reasonkv report reads it, "
+            "but a run appends only to a results file that starts with a manifest; use another --out"
+        )
+    if kind != "manifest":
+        raise _not_ours(path, "its first record is not a run manifest")
+    if record.get("tool") != "reasonkv":
+        raise _not_ours(path, f"record 1 is a manifest of {record.get('tool')!r}")
+    problem = manifest_problem(record)
+    if problem is not None:
+        raise _damaged(path, number, problem, repairable=False)
+
+
+def repair_results(path: str | os.PathLike[str]) -> str | None:
+    """Move the lines of ``path`` that are not sound records aside, keeping every other line as it was.
+
+    The lines go, as they were, to a new file ``<name>.rejected-<UTC date>`` next to it, and ``path`` is
+    replaced (whole) by the rest. A file that is not this tool's, or whose manifests are unsound, is
+    refused (:func:`scan_results`), as a manifest is never set aside. The caller holds the file's lock.
+    Returns what was done, in words, or None when nothing was wrong.
+    """
+    path = Path(path)
+    scan_results(path, first_only=True)
+    kept: list[bytes] = []
+    rejected: list[tuple[int, bytes]] = []
+    for number, line, record, problem in numbered_lines(path):
+        problem = problem or (record_problem(record) if kept else None)
+        if problem is None:
+            kept.append(line if line.endswith(b"\n") else line + b"\n")
+        elif record is not None and record.get("kind") == "manifest":
+            raise _damaged(path, number, problem, repairable=False)
+        else:
+            rejected.append((number, line if line.endswith(b"\n") else line + b"\n"))
+    if not rejected:
+        return None
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
+    aside = path.with_name(f"{path.name}.rejected-{stamp}")
+    create_exclusive(aside, b"".join(line for _, line in rejected))
+    write_atomic(path, b"".join(kept).decode("utf-8"))
+    lines = ", ".join(str(number) for number, _ in rejected)
+    return f"{path}: moved {len(rejected)} line(s) that were not records (line {lines}) to {aside}; kept {len(kept)}"
 
 
 def _line(record: Mapping[str, Any]) -> str:
@@ -219,7 +339,7 @@ class ResultsFile:
             if not created and manifest["id"] not in {m.get("id") for m in manifests}:
                 self.manifests.append(self._store.append(manifest))
         except BaseException:
-            self._store.close()
+            self._store.close(check=False)
             raise
 
     def append(self, record: Mapping[str, Any]) -> None:
@@ -228,12 +348,20 @@ class ResultsFile:
             raise ValueError(f"record kind must be one of {KINDS}, got {record.get('kind')!r}")
         self._store.append(record)
 
-    def close(self) -> None:
-        """Force the records to disk and release the file's lock."""
-        self._store.close()
+    @property
+    def appended(self) -> int:
+        """Records this process wrote to the file (its manifest included)."""
+        return self._store.appended
+
+    def close(self, *, check: bool = True) -> None:
+        """Force the records to disk, check the file is still where it was, and release its lock.
+
+        ``check=False`` (closing after another error): just let go of the file and the lock.
+        """
+        self._store.close(check=check)
 
     def __enter__(self) -> ResultsFile:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, kind, *exc) -> None:
+        self.close(check=kind is None)
