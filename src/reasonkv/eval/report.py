@@ -39,10 +39,10 @@ from pathlib import Path
 from typing import Any
 
 from reasonkv.eval.manifest import describe
-from reasonkv.eval.records import KEY_FIELDS, unit_key
+from reasonkv.eval.records import KEY_FIELDS, record_problem, unit_key
 from reasonkv.eval.shards import shard_files
 from reasonkv.runs.outputs import claim_folder
-from reasonkv.runs.store import iter_records
+from reasonkv.runs.store import numbered_records
 
 __all__ = [
     "Row",
@@ -161,7 +161,9 @@ def load_results(
     """Records of results files and their shard files, one per unit (see the module docstring).
 
     Manifests and records of other kinds follow the unit records; ``drop`` names fields left out of
-    every record (a report needs neither ``output_ids`` nor ``output_text``).
+    every record (a report needs neither ``output_ids`` nor ``output_text``). A record ``eval`` would
+    refuse (a hand edit: :func:`reasonkv.eval.records.record_problem`) raises ``ValueError`` naming the
+    file, the line and the field.
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
@@ -169,7 +171,10 @@ def load_results(
     others: list[dict[str, Any]] = []
     for path in paths:
         for file in _run_files(path):
-            for record in iter_records(file):
+            for number, record in numbered_records(file):
+                problem = record_problem(record)
+                if problem is not None:
+                    raise ValueError(f"{file}, line {number}: {problem}; restore that line as it was written")
                 for name in drop:
                     record.pop(name, None)
                 if record.get("kind") not in (*KEY_FIELDS, "error"):
