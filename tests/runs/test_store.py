@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from reasonkv.runs.outputs import OutputError, OutputLocked
+from reasonkv.runs.outputs import OutputError, OutputLock, OutputLocked
 from reasonkv.runs.store import JsonlStore, compact_line, json_safe, numbered_records, read_records
 
 SRC = Path(__file__).resolve().parents[2] / "src"
@@ -188,6 +188,33 @@ def test_a_file_removed_or_moved_while_written_is_an_error_naming_it_never_a_sil
         assert path.read_text() == "someone else's file\n"  # never written to
     else:
         assert "it was deleted" in str(error.value) and not path.exists()  # never silently re-created
+
+
+@pytest.mark.parametrize("held", ["by the store", "by the caller"])
+def test_a_folder_moved_after_its_lock_was_taken_and_before_the_file_exists_is_never_re_created(tmp_path, held):
+    # A process takes its lock, then spends minutes loading a model: the folder moved meanwhile holds the lock,
+    # and a file created at the old path would be written where no lock guards it and no resume looks.
+    folder, moved = tmp_path / "D", tmp_path / "D_moved"
+    path = folder / "runs.jsonl"
+    folder.mkdir()
+    lock = OutputLock(path, "eval").acquire() if held == "by the caller" else None
+    try:
+        store = JsonlStore(path, lock=lock or "eval")
+        folder.rename(moved)
+        refusal = f"{path}: its folder was removed, renamed or replaced while this process held its lock (the lock "
+        refusal += f"{folder / 'runs.jsonl.lock'} is now {moved / 'runs.jsonl.lock'})"
+        with pytest.raises(OutputError, match=re.escape(refusal) + ".*move the folder back and rerun the same command"):
+            store.start(HEADER)
+        with pytest.raises(OutputError, match=re.escape(refusal)):
+            store.append(RECORDS[0])
+        store.close(check=False)
+        if lock is not None:
+            with pytest.raises(OutputError, match=re.escape(refusal)):
+                JsonlStore(path, lock=lock)  # a store opened after the move: refused before it makes a folder
+    finally:
+        if lock is not None:
+            lock.release()
+    assert not folder.exists() and sorted(p.name for p in moved.iterdir()) == ["runs.jsonl.lock"]
 
 
 def test_a_full_disk_leaves_only_whole_records_and_says_what_is_safe_and_how_to_resume(tmp_path, monkeypatch):

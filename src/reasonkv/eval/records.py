@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from reasonkv.eval.manifest import manifest_problem
-from reasonkv.runs.outputs import create_exclusive, write_atomic
+from reasonkv.runs.outputs import OutputLock, create_exclusive, write_atomic
 from reasonkv.runs.store import JsonlStore, numbered_lines
 
 __all__ = [
@@ -310,7 +310,8 @@ class ResultsFile:
     check
         Called with the file's manifests (oldest first) before anything is written.
     lock
-        Take the file's lock (default); ``False`` when the caller already holds it.
+        The lock the caller holds that covers the file (checked with it: a folder moved meanwhile is an
+        error); ``None`` (default) takes the file's own lock.
     fsync
         Also force each record to disk (survives a machine crash, not only a killed process).
     """
@@ -322,14 +323,14 @@ class ResultsFile:
         *,
         visit: Callable[[dict[str, Any]], None] | None = None,
         check: Callable[[list[dict[str, Any]]], None] | None = None,
-        lock: bool = True,
+        lock: OutputLock | None = None,
         fsync: bool = False,
     ):
         self.path = Path(path)
         if manifest.get("kind") != "manifest" or not manifest.get("id"):
             raise ValueError("a results file starts with a manifest record (kind 'manifest', with an id)")
         scan_results(self.path, first_only=True)  # refuse a foreign file before creating its lock file
-        self._store = JsonlStore(self.path, lock="eval" if lock else None, encode=_line, fsync=fsync)
+        self._store = JsonlStore(self.path, lock="eval" if lock is None else lock, encode=_line, fsync=fsync)
         try:
             manifests = scan_results(self.path, visit)
             if check is not None and manifests:

@@ -301,7 +301,7 @@ def run_grid(
             label=f"[{plan.shard.label}] " if plan.shard.count > 1 else "",
             ledger=Ledger(retry_errors=retry_errors),
         )
-        _write(ctx, plan, files, writer_path(out, plan.shard), command)
+        _write(ctx, plan, files, lock, command)
     finally:
         lock.release()
     result = GridResult(path=out, written_to=writer_path(out, plan.shard), shard=plan.shard)
@@ -333,8 +333,10 @@ def _join(out: Path, plan: GridPlan, plan_record: dict[str, Any], repair: bool) 
     return lock, files
 
 
-def _write(ctx: Context, plan: GridPlan, files: list[Path], target: Path, command: Sequence[str] | None) -> None:
-    """Read what the run's files hold, then decode and replay this process's units not done yet into ``target``."""
+def _write(ctx: Context, plan: GridPlan, files: list[Path], lock: OutputLock, command: Sequence[str] | None) -> None:
+    """Read what the run's files hold, then decode and replay this process's units not done yet into the file
+    ``lock`` guards."""
+    target = lock.target
     manifest = _manifest(ctx, plan, command)
     ctx.run_id = manifest["id"]
     warned: list[str] = []
@@ -351,7 +353,7 @@ def _write(ctx: Context, plan: GridPlan, files: list[Path], target: Path, comman
         if path != target:
             compatible(path, scan_results(path, ctx.ledger.note))
     ctx.results = ResultsFile(
-        target, manifest, visit=ctx.ledger.note, check=lambda ms: compatible(target, ms), lock=False
+        target, manifest, visit=ctx.ledger.note, check=lambda ms: compatible(target, ms), lock=lock
     )
     with ctx.results:
         for name, problems in plan.datasets:

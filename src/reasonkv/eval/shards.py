@@ -345,7 +345,7 @@ def merge_shards(out: str | os.PathLike[str], grid: str) -> int | None:
                     shards.append(path)
                 else:
                     warn(f"{path} holds another grid: it was not merged into {out}, nor deleted")
-            appended, sizes = _merge(out, shards) if shards else (0, {})
+            appended, sizes = _merge(lock, shards) if shards else (0, {})
             for path, size in sizes.items():
                 _delete_if_finished(path, size, out)
             if not shard_files(out) and plan_path(out).exists():
@@ -355,8 +355,9 @@ def merge_shards(out: str | os.PathLike[str], grid: str) -> int | None:
             lock.release()
 
 
-def _merge(out: Path, shards: list[Path]) -> tuple[int, dict[Path, int]]:
-    """Append what ``out`` lacks of ``shards``; returns the count and each shard's size as it was read."""
+def _merge(lock: OutputLock, shards: list[Path]) -> tuple[int, dict[Path, int]]:
+    """Append what the output ``lock`` guards lacks of ``shards``; returns the count and each shard's size as read."""
+    out = lock.target
     first = scan_results(shards[0], first_only=True)[0]
     settled: dict[tuple, int] = {}  # unit -> 1 (an error record), 2 (a result)
 
@@ -368,7 +369,7 @@ def _merge(out: Path, shards: list[Path]) -> tuple[int, dict[Path, int]]:
     sizes: dict[Path, int] = {}
     try:
         results = ResultsFile(
-            out, first, visit=note, check=lambda manifests: check_compatible(out, manifests, first), lock=False
+            out, first, visit=note, check=lambda manifests: check_compatible(out, manifests, first), lock=lock
         )
         ids = {m.get("id") for m in results.manifests}
 

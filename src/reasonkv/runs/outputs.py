@@ -69,6 +69,7 @@ __all__ = [
     "refuse_inputs",
     "remove_stale_temps",
     "warn",
+    "where_now",
     "write_atomic",
 ]
 
@@ -254,6 +255,28 @@ class OutputLock:
             os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
             os.fsync(fd)
 
+    def check_in_place(self) -> None:
+        """Raise :class:`OutputError` when the lock file's path no longer names the file this lock holds.
+
+        Lock files are never deleted, so the folder holding it (and the output) was removed, renamed or
+        replaced: whatever is written to the output's path now would be written where no lock guards it.
+        """
+        if self._fd is None:
+            return
+        try:
+            here = os.path.samestat(os.stat(self.path), os.fstat(self._fd))
+        except OSError:
+            here = False
+        if here:
+            return
+        now = where_now(self._fd)
+        where = f"the lock {self.path} is now {now}" if now else f"the lock {self.path} was deleted"
+        what = "move the folder back and rerun the same command to resume" if now else "rerun the same command"
+        raise OutputError(
+            f"{self.target}: its folder was removed, renamed or replaced while this process held its lock ({where}): "
+            f"nothing more is written to it; {what}"
+        )
+
     def release(self) -> None:
         """Drop the lock (a no-op when not held). The lock file stays; its holder record is cleared."""
         if self._fd is None:
@@ -294,6 +317,15 @@ class OutputLock:
     def describe(holder: dict[str, Any] | None) -> str:
         """``pid 123 (reasonkv eval, since ...)``: a holder as :meth:`holder` returns it, for messages."""
         return _describe(holder)
+
+
+def where_now(fd: int) -> str | None:
+    """Where the open file ``fd`` is now (Linux: ``/proc/self/fd``), or None when it was deleted or unknown."""
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None
+    return None if target.endswith(" (deleted)") else target
 
 
 @contextlib.contextmanager

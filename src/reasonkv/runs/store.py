@@ -50,6 +50,7 @@ from reasonkv.runs.outputs import (
     make_folder,
     reason,
     remove_stale_temps,
+    where_now,
     write_atomic,
 )
 
@@ -154,7 +155,9 @@ class JsonlStore:
     lock
         What this writer does (``eval``, ``merge``, ...): the store takes the file's lock
         (:class:`~reasonkv.runs.outputs.OutputLock`) for it, and another holder is refused with an
-        error naming it. ``None`` when the caller already holds a lock that covers the file.
+        error naming it. Or the lock the caller holds that covers the file (it stays held), or
+        ``None`` (a claimed folder's lock covers it). A lock the store knows is checked with the
+        file: a folder moved while its lock was held is an error, never a new folder at the old path.
     encode
         Turns a record into its line (without the newline); :func:`compact_line` by default.
     fsync
@@ -165,15 +168,18 @@ class JsonlStore:
         self,
         path: str | os.PathLike[str],
         *,
-        lock: str | None = None,
+        lock: str | OutputLock | None = None,
         encode: Callable[[Mapping[str, Any]], str] = compact_line,
         fsync: bool = False,
     ):
         self.path = Path(path)
         self.encode = encode
         self.fsync = fsync
+        self._covering = lock if isinstance(lock, OutputLock) else None  # held by the caller
+        if self._covering is not None:
+            self._covering.check_in_place()  # its folder is still there: never re-create it elsewhere
         make_folder(self.path.parent, str(self.path))
-        self._lock = OutputLock(self.path, lock).acquire() if lock is not None else None
+        self._lock = OutputLock(self.path, lock).acquire() if isinstance(lock, str) else None
         self._fd: int | None = None  # the file this store writes, once started
         self._identity: tuple[int, int] | None = None  # its (device, inode)
         self._started = False
@@ -204,6 +210,7 @@ class JsonlStore:
             return False
         if header is None:
             return False
+        self.check_in_place()
         create_exclusive(self.path, self._line(header))
         self._open(create=False)
         return True
@@ -212,9 +219,9 @@ class JsonlStore:
         """Write ``record`` as one line and flush it; returns the record as it reads back."""
         self.start()
         line = self._line(record)
+        self.check_in_place()
         if self._fd is None:
             self._open(create=True)  # a store without a header: the first record creates the file
-        self.check_in_place()
         self._write(line, "appending a record")
         self.appended += 1
         self._unsynced = not self.fsync
@@ -236,17 +243,14 @@ class JsonlStore:
         self._started = True
 
     def check_in_place(self) -> None:
-        """Raise :class:`OutputError` when the path no longer names the file this store writes."""
-        if self._fd is None:
+        """Raise :class:`OutputError` when the path no longer names the file this store writes, or the
+        lock guarding it no longer names the lock file held (its folder was moved)."""
+        if self._fd is None or self._in_place():
+            for lock in (self._lock, self._covering):
+                if lock is not None:
+                    lock.check_in_place()
             return
-        try:
-            stat = os.stat(self.path)
-            here = (stat.st_dev, stat.st_ino) == self._identity
-        except OSError:
-            here = False
-        if here:
-            return
-        now = _where_now(self._fd)
+        now = where_now(self._fd)
         where = f"it is now {now}" if now else "it was deleted"
         what = "move it back and rerun the same command to resume" if now else "rerun the same command"
         raise OutputError(
@@ -254,6 +258,13 @@ class JsonlStore:
             f"is written, and the {self.appended} records written since it started are not at {self.path}; "
             f"{what}"
         )
+
+    def _in_place(self) -> bool:
+        try:
+            stat = os.stat(self.path)
+        except OSError:
+            return False
+        return (stat.st_dev, stat.st_ino) == self._identity
 
     def close(self, *, check: bool = True) -> None:
         """Force what was appended to disk, check the file is still in place, and release the lock.
@@ -347,12 +358,3 @@ class JsonlStore:
             raise
         except OSError as error:
             raise self._failed("cutting off the torn line an interrupted run left", error) from error
-
-
-def _where_now(fd: int) -> str | None:
-    """Where the open file ``fd`` is now (Linux: ``/proc/self/fd``), or None when it was deleted or unknown."""
-    try:
-        target = os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:
-        return None
-    return None if target.endswith(" (deleted)") else target
