@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -417,3 +418,41 @@ def test_in_bf16_batches_of_one_give_the_records_of_one_process_whatever_the_pro
     for key, record in got.items():
         fields = ("output_ids", "seed", "evictions") if record["kind"] == "generation" else ("kl_mean", "kl_max")
         assert {f: record[f] for f in fields} == {f: want[key][f] for f in fields}  # exactly, not approximately
+
+
+def test_a_full_disk_during_the_merge_names_the_step_keeps_the_shard_files_and_a_rerun_merges(
+    dataset, tmp_path, model, reference, monkeypatch
+):
+    from reasonkv.eval import runner
+    from reasonkv.runs import store
+
+    out = tmp_path / "results.jsonl"
+    for index in range(2):
+        with monkeypatch.context() as patch:
+            patch.setattr(runner, "merge_shards", lambda out, grid: None)  # both shards done, no merge yet
+            run_grid(model, NoEosTokenizer(), out=str(out), shard=(index, 2), **_grid(dataset))
+    shards = {path: path.read_bytes() for path, _ in shard_files(out)}
+    write, lines = os.write, []
+
+    def fills_up(fd, data):  # the disk fills after the manifest and 4 appended lines of --out: half of the next goes in
+        if os.readlink(f"/proc/self/fd/{fd}") != str(out):
+            return write(fd, data)
+        if len(lines) == 4:
+            write(fd, bytes(data[: len(data) // 2]))
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        lines.append(data)
+        return write(fd, data)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(store.os, "write", fills_up)
+        with pytest.raises(OSError) as error:
+            merge_shards(out, read_records(shard_path(out, Shard(0, 2)))[0]["grid"]["sha256"])
+    assert str(error.value) == (
+        f"merging the shard files into {out}: {out}: appending a record failed (No space left on device); the 5 "
+        "complete records in it are safe; free some space, then rerun the same command: it resumes (the shard "
+        "files are complete and kept)"
+    )
+    assert {path: path.read_bytes() for path, _ in shard_files(out)} == shards and len(read_records(out)) == 1 + 4
+    result = run_grid(model, NoEosTokenizer(), out=str(out), **_grid(dataset))  # space again: the rerun merges
+    assert result.complete and not shard_files(out)
+    _same_results(_units(out), reference)
