@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -22,7 +23,7 @@ from reasonkv.eval.manifest import grid_identity, grid_sha256
 from reasonkv.eval.plan import plan_grid
 from reasonkv.eval.records import unit_key
 from reasonkv.eval.runner import run_grid
-from reasonkv.eval.shards import Shard, join_run, merge_shards, shard_files, shard_path
+from reasonkv.eval.shards import Shard, join_run, merge_shards, read_run, shard_files, shard_path, steps_lock_path
 from reasonkv.eval.units import Unit, assign, decode_cost, grid_units
 from reasonkv.runs.outputs import OutputLock, OutputLocked
 from reasonkv.runs.store import read_records
@@ -418,6 +419,34 @@ def test_in_bf16_batches_of_one_give_the_records_of_one_process_whatever_the_pro
     for key, record in got.items():
         fields = ("output_ids", "seed", "evictions") if record["kind"] == "generation" else ("kl_mean", "kl_max")
         assert {f: record[f] for f in fields} == {f: want[key][f] for f in fields}  # exactly, not approximately
+
+
+def test_a_rank_reads_the_run_only_between_merges_so_no_shard_file_vanishes_while_it_reads(
+    dataset, tmp_path, model, reference, monkeypatch
+):
+    # A rank finishing while the last one merges listed the shard files, then read one the merge had just
+    # deleted: a traceback (exit 1) for a run that was complete.
+    from reasonkv.eval import runner
+
+    out = tmp_path / "results.jsonl"
+    for index in range(2):
+        with monkeypatch.context() as patch:
+            patch.setattr(runner, "merge_shards", lambda out, grid: None)  # both shards done, no merge yet
+            run_grid(model, NoEosTokenizer(), out=str(out), shard=(index, 2), **_grid(dataset))
+    grid = read_records(shard_path(out, Shard(0, 2)))[0]["grid"]["sha256"]
+    seen: list[dict] = []
+    merging = OutputLock(out, "merge", path=steps_lock_path(out)).acquire()  # as a merge holds it
+    try:
+        reader = threading.Thread(target=read_run, args=(out, grid, seen.append))
+        reader.start()
+        reader.join(timeout=0.5)
+        assert reader.is_alive() and not seen  # waits for the merge
+    finally:
+        merging.release()
+    assert merge_shards(out, grid) == len(reference)  # a real merge now races the reader: it reads before or after
+    reader.join(timeout=60)
+    assert not reader.is_alive() and not shard_files(out)
+    assert {unit_key(r) for r in seen if r["kind"] != "manifest"} == set(reference)
 
 
 def test_a_full_disk_during_the_merge_names_the_step_keeps_the_shard_files_and_a_rerun_merges(

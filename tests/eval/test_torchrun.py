@@ -106,3 +106,32 @@ def test_a_killed_rank_resumes_with_three_processes_every_unit_once(tmp_path, ti
     )  # fmt: skip
     _same(merged, _units(one))
     assert len(merged) == 4 * 3 * 2 + 4 * 2
+
+
+def test_a_folder_renamed_under_a_launch_fails_it_naming_the_move_and_the_run_resumes_once_moved_back(
+    tmp_path, tiny_dir
+):
+    # Both ranks used to exit 0 ("units of other shards are not done yet"), their records in a folder no
+    # command would look in, never merged; a rank still loading its model re-created the old folder.
+    dataset = tmp_path / "problems.jsonl"
+    problems = [{"id": f"p{i}", "problem": f"What is {i}+{i}?", "answer": str(2 * i)} for i in range(3)]
+    dataset.write_text("".join(json.dumps(p) + "\n" for p in problems), encoding="utf-8")
+    grid = ["--model", str(tiny_dir), "--dataset", str(dataset), "--policies", "full,streaming", "--budgets", "24"]
+    grid += ["--buffer", "4", "--max-new-tokens", "10", "--fidelity", "--no-progress"]
+    folder, moved = tmp_path / "D", tmp_path / "D_moved"
+    out = folder / "r.jsonl"
+    fault = {"FAULT": f"mv {folder} {moved}", "FAULT_AFTER": "3", "FAULT_RANK": "0"}
+    done = torchrun(2, "eval", *grid, "--out", str(out), entry=[str(HERE / "faulty_eval.py")], env=fault)
+    assert done.returncode != 0 and "was removed, renamed or replaced" in done.stderr, done.stderr[-3000:]
+    assert "move it back and rerun the same command" in done.stderr or "move the folder back" in done.stderr
+    assert not folder.exists()  # nothing re-created at the old path, by either rank
+    written = {unit_key(r): r for path, _ in shard_files(moved / "r.jsonl") for r in read_records(path)
+               if r["kind"] != "manifest"}  # fmt: skip
+    assert len(written) >= 3
+
+    moved.rename(folder)
+    resumed = torchrun(2, "eval", *grid, "--out", str(out))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "the grid is complete" in resumed.stderr and not shard_files(out)
+    merged = _units(out)
+    assert len(merged) == 3 * 2 + 3 and all(merged[key] == record for key, record in written.items())

@@ -102,7 +102,7 @@ from reasonkv.eval.manifest import build_manifest, check_compatible, tokenizer_s
 from reasonkv.eval.plan import GridPlan, plan_grid
 from reasonkv.eval.records import ResultsFile, scan_results, unit_key
 from reasonkv.eval.replays import run_fidelity
-from reasonkv.eval.shards import Shard, join_run, merge_shards, run_files, shard_files, writer_path
+from reasonkv.eval.shards import Shard, join_run, merge_shards, read_run, run_files, shard_files, writer_path
 from reasonkv.models import load_model
 from reasonkv.models.devices import resolve_dtype
 from reasonkv.runs.outputs import OutputError, OutputLock, make_folder, refuse_inputs
@@ -367,8 +367,7 @@ def _finish(result: GridResult, plan: GridPlan, ctx, ledger) -> None:
     grid = plan.description["sha256"]
     if ledger is None:  # other shards wrote too: read what the run's files hold now
         ledger = Ledger()
-        for path in run_files(result.path, grid):
-            scan_results(path, ledger.note)
+        read_run(result.path, grid, ledger.note)
     problems = {(name, p.id): p for name, problems in plan.datasets for p in problems}
     missing = failed = 0
     for unit in plan.units:

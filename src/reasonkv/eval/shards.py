@@ -20,9 +20,10 @@ lock of the run's short steps: waited for):
   naming what differs, when another process of the run has other settings: ranks with different
   grids would compute different splits, and some units would never run.
 
-Merge: the process that finds the whole grid done after writing its last record (the last to finish)
-merges, under the steps lock and the lock of ``--out``: every record of every shard file of its grid
-that ``--out`` lacks is appended (a unit already there, or an error record for a unit already there,
+Merge: a process that has written its last record reads the run's files under the steps lock
+(:func:`read_run`: no merge moves records meanwhile); the one that finds the whole grid done merges,
+under the steps lock and the lock of ``--out``: every record of every shard file of its grid that
+``--out`` lacks is appended (a unit already there, or an error record for a unit already there,
 is skipped: each unit appears once), the file is synced, and then the shard files are deleted (each
 only once its writer has finished and nothing was appended since it was read), and the plan file
 with the last of them. A merge that is interrupted is simply done again; a clean-up that fails after
@@ -34,9 +35,10 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from reasonkv.eval.manifest import check_compatible, grid_differences, grid_identity, grid_sha256
 from reasonkv.eval.records import ResultsFile, repair_results, scan_results, unit_key
@@ -55,6 +57,7 @@ __all__ = [
     "join_run",
     "merge_shards",
     "plan_path",
+    "read_run",
     "run_files",
     "shard_files",
     "shard_path",
@@ -200,6 +203,17 @@ def run_files(out: str | os.PathLike[str], grid: str | None = None) -> list[Path
     if grid is not None:
         shards = [p for p in shards if _plan_of(p)["sha256"] == grid]
     return [p for p in [out] if p.exists()] + shards
+
+
+def read_run(out: str | os.PathLike[str], grid: str, visit: Callable[[dict[str, Any]], None]) -> None:
+    """Pass every record of ``out`` and its shard files of ``grid`` to ``visit``, read while no merge runs.
+
+    A merge by another process of the run moves records from the shard files into ``out`` and deletes
+    them: read meanwhile, a unit could be missed or a file vanish between its listing and its reading.
+    """
+    with OutputLock(out, "read", path=steps_lock_path(out), wait=STEPS_WAIT):
+        for path in run_files(out, grid):
+            scan_results(path, visit)
 
 
 def _refuse_other_launches(out: Path, shard: Shard) -> None:
