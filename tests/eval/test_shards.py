@@ -485,3 +485,37 @@ def test_a_full_disk_during_the_merge_names_the_step_keeps_the_shard_files_and_a
     result = run_grid(model, NoEosTokenizer(), out=str(out), **_grid(dataset))  # space again: the rerun merges
     assert result.complete and not shard_files(out)
     _same_results(_units(out), reference)
+
+
+def test_a_rank_whose_model_loads_while_another_merges_reads_the_run_as_it_is_then(
+    dataset, tmp_path, model, reference, monkeypatch
+):
+    # Rank 1 joins, and while its model loads rank 0 finishes, merges and deletes its shard file: rank 1 read
+    # the files it had listed before the load, found one gone, and failed with a traceback for a complete run.
+    from reasonkv.eval import records, runner
+
+    out = tmp_path / "results.jsonl"
+    with monkeypatch.context() as patch:
+        patch.setattr(runner, "merge_shards", lambda out, grid: None)
+        run_grid(model, NoEosTokenizer(), out=str(out), shard=(1, 2), **_grid(dataset))  # rank 1's units: done
+    append = records.ResultsFile.append
+
+    def killed_after_two(self, record):
+        append(self, record)
+        if len(read_records(self.path)) == 3:
+            raise Crash
+
+    with monkeypatch.context() as patch:
+        patch.setattr(records.ResultsFile, "append", killed_after_two)
+        with pytest.raises(Crash):
+            run_grid(model, NoEosTokenizer(), out=str(out), shard=(0, 2), **_grid(dataset))  # rank 0: 2 units
+
+    def load_while_rank_0_finishes(name, **kwargs):
+        rank0 = run_grid(model, NoEosTokenizer(), out=str(out), shard=(0, 2), **_grid(dataset))
+        assert rank0.merged is not None and not shard_path(out, Shard(0, 2)).exists()  # merged and deleted
+        return model, NoEosTokenizer()
+
+    monkeypatch.setattr(runner, "load_model", load_while_rank_0_finishes)
+    rank1 = run_grid("tiny", model_name="LlamaForCausalLM", out=str(out), shard=(1, 2), **_grid(dataset))
+    assert rank1.complete and rank1.generated == rank1.fidelity == 0 and not shard_files(out)
+    _same_results(_units(out), reference)

@@ -280,7 +280,7 @@ def run_grid(
     else:
         model_name = model_name or _model_name(model)
         dtype_name = _dtype_name(model)
-    lock, files = _join(out, plan, _plan_record(plan, model_name, dtype_name), repair)
+    lock = _join(out, plan, _plan_record(plan, model_name, dtype_name), repair)
     try:
         if isinstance(model, (str, os.PathLike)):
             device = plan.shard.device(device)
@@ -301,7 +301,7 @@ def run_grid(
             label=f"[{plan.shard.label}] " if plan.shard.count > 1 else "",
             ledger=Ledger(retry_errors=retry_errors),
         )
-        _write(ctx, plan, files, lock, command)
+        _write(ctx, plan, out, lock, command)
     finally:
         lock.release()
     result = GridResult(path=out, written_to=writer_path(out, plan.shard), shard=plan.shard)
@@ -312,9 +312,9 @@ def run_grid(
     return result
 
 
-def _join(out: Path, plan: GridPlan, plan_record: dict[str, Any], repair: bool) -> tuple[OutputLock, list[Path]]:
-    """Everything about the output that needs no model, before it loads: returns the lock of the file this
-    process writes (held) and the run's files, every line of which was checked."""
+def _join(out: Path, plan: GridPlan, plan_record: dict[str, Any], repair: bool) -> OutputLock:
+    """Everything about the output that needs no model, before it loads (every line of the run's files is
+    checked): returns the lock of the file this process writes (held)."""
     refuse_inputs([out, writer_path(out, plan.shard)], plan.dataset_files())
     for path in run_files(out):
         scan_results(path, first_only=True)  # a file that is not ours is refused before anything is created
@@ -323,19 +323,18 @@ def _join(out: Path, plan: GridPlan, plan_record: dict[str, Any], repair: bool) 
     try:
         for note in repaired:
             print(note, file=sys.stderr, flush=True)
-        files = run_files(out)
-        for path in files:
+        for path in run_files(out):
             scan_results(path)  # a line that is not a record is named (with the repair) now, not after the load
         _check_space(out)
     except BaseException:
         lock.release()
         raise
-    return lock, files
+    return lock
 
 
-def _write(ctx: Context, plan: GridPlan, files: list[Path], lock: OutputLock, command: Sequence[str] | None) -> None:
-    """Read what the run's files hold, then decode and replay this process's units not done yet into the file
-    ``lock`` guards."""
+def _write(ctx: Context, plan: GridPlan, out: Path, lock: OutputLock, command: Sequence[str] | None) -> None:
+    """Read what the run writing ``out`` holds now (other processes may have written, and merged, while the
+    model loaded), then decode and replay this process's units not done yet into the file ``lock`` guards."""
     target = lock.target
     manifest = _manifest(ctx, plan, command)
     ctx.run_id = manifest["id"]
@@ -349,9 +348,8 @@ def _write(ctx: Context, plan: GridPlan, files: list[Path], lock: OutputLock, co
             print(f"warning: {path} was written in another environment ({'; '.join(differences)}){added}",
                   file=sys.stderr)  # fmt: skip
 
-    for path in files:
-        if path != target:
-            compatible(path, scan_results(path, ctx.ledger.note))
+    for path, manifests in read_run(out, plan.description["sha256"], ctx.ledger.note, exclude=target).items():
+        compatible(path, manifests)
     ctx.results = ResultsFile(
         target, manifest, visit=ctx.ledger.note, check=lambda ms: compatible(target, ms), lock=lock
     )

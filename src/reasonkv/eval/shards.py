@@ -205,15 +205,21 @@ def run_files(out: str | os.PathLike[str], grid: str | None = None) -> list[Path
     return [p for p in [out] if p.exists()] + shards
 
 
-def read_run(out: str | os.PathLike[str], grid: str, visit: Callable[[dict[str, Any]], None]) -> None:
-    """Pass every record of ``out`` and its shard files of ``grid`` to ``visit``, read while no merge runs.
+def read_run(
+    out: str | os.PathLike[str],
+    grid: str,
+    visit: Callable[[dict[str, Any]], None],
+    *,
+    exclude: Path | None = None,
+) -> dict[Path, list[dict[str, Any]]]:
+    """Pass every record of ``out`` and its shard files of ``grid`` (but ``exclude``) to ``visit``, read while
+    no merge runs; returns each file's manifests.
 
     A merge by another process of the run moves records from the shard files into ``out`` and deletes
     them: read meanwhile, a unit could be missed or a file vanish between its listing and its reading.
     """
     with OutputLock(out, "read", path=steps_lock_path(out), wait=STEPS_WAIT):
-        for path in run_files(out, grid):
-            scan_results(path, visit)
+        return {path: scan_results(path, visit) for path in run_files(out, grid) if path != exclude}
 
 
 def _refuse_other_launches(out: Path, shard: Shard) -> None:
