@@ -120,7 +120,9 @@ def test_a_folder_renamed_under_a_launch_fails_it_naming_the_move_and_the_run_re
     grid += ["--buffer", "4", "--max-new-tokens", "10", "--fidelity", "--no-progress"]
     folder, moved = tmp_path / "D", tmp_path / "D_moved"
     out = folder / "r.jsonl"
-    fault = {"FAULT": f"mv {folder} {moved}", "FAULT_AFTER": "3", "FAULT_RANK": "0"}
+    joined = folder / "r.shard-1-of-2.jsonl.lock"  # rank 1 has joined (a rank started later sees a new --out)
+    move = f"for i in $(seq 600); do [ -e {joined} ] && break; sleep 0.1; done; mv {folder} {moved}"
+    fault = {"FAULT": move, "FAULT_AFTER": "3", "FAULT_RANK": "0"}
     done = torchrun(2, "eval", *grid, "--out", str(out), entry=[str(HERE / "faulty_eval.py")], env=fault)
     assert done.returncode != 0 and "was removed, renamed or replaced" in done.stderr, done.stderr[-3000:]
     assert "move it back and rerun the same command" in done.stderr or "move the folder back" in done.stderr
