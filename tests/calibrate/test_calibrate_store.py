@@ -36,4 +36,4 @@ def test_the_dataset_is_never_an_output_and_a_running_calibrate_locks_its_folder
     with OutputLock(out, "calibrate", path=out / ".reasonkv.lock"):
         assert _calibrate(tmp_path / "anatomy", "--analyse-only") == 2
         assert f"{out} is in use by pid" in capsys.readouterr().err
-    assert sorted(p.name for p in out.iterdir()) == ["labels.jsonl"]
+    assert sorted(p.name for p in out.iterdir()) == [".reasonkv.lock", "labels.jsonl"]  # the lock file stays, free

@@ -144,3 +144,32 @@ def test_a_unit_that_fails_while_decoding_costs_its_batch_nothing_and_is_retried
     assert (retried.generated, retried.fidelity, retried.errors, retried.failed) == (1, 1, 0, 0)
     rows = {r.policy: r for r in summarize(load_results(out))}
     assert (rows["streaming"].n, rows["streaming"].errors, rows["streaming"].fidelity_n) == (2, 0, 2)
+
+
+def test_a_prompt_beyond_the_models_context_is_an_error_unit_before_anything_is_decoded(tmp_path):
+    model = tiny_llama()  # max_position_embeddings 1024
+    huge = {"id": "huge", "problem": "Add these: " + "1+" * 600 + "1", "answer": "601", "solution": "\\boxed{601}"}
+    path = tmp_path / "problems.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in [PROBLEMS[0], huge]), encoding="utf-8")
+    real_generate = reasonkv.eval.decoding.generate
+    decoded = []
+
+    def generate(model, tokenizer, prompts, **kwargs):
+        decoded.extend(len(p) for p in prompts)
+        return real_generate(model, tokenizer, prompts, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(reasonkv.eval.decoding, "generate", generate)
+        result = run_grid(model, NoEosTokenizer(), **_grid(str(path), tmp_path / "r.jsonl", policies="full,streaming"))
+    assert decoded and max(decoded) < 300  # the short prompt only
+    records = _by_kind(tmp_path / "r.jsonl")
+    errors = {(e["unit"], e["policy"]): e["error"] for e in records["error"]}
+    assert set(errors) == {("generation", "full"), ("generation", "streaming"), ("fidelity", "streaming")}
+    prompt = len(NoEosTokenizer()(f"Problem: {huge['problem']}\n\nPlease reason")["input_ids"])
+    for error in errors.values():
+        assert (
+            error.startswith("checked before decoding: the prompt (") and "exceed the model's context of 1,024" in error
+        )
+        assert int(error.split("(")[1].split(" ")[0].replace(",", "")) > prompt  # the prompt's own token count
+    assert {r["problem_id"] for r in records["generation"]} == {"short"}
+    assert result.failed == 2  # full's generation; streaming's generation and fidelity of one problem count once

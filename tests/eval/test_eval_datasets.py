@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -96,6 +97,11 @@ def test_user_jsonl(tmp_path):
         ),
         ([{"id": "a", "problem": "p", "answer": ""}], "line 1: missing required field 'answer'"),
         ([{"problem": "p", "answer": "1"}], "line 1: missing required field 'id'"),
+        (
+            [{"id": "a"}],
+            "line 1: missing required fields 'problem', 'answer' (a problem needs id, problem (or question)",
+        ),
+        ([{"question": "q"}], "line 1: missing required fields 'id', 'answer'"),
         (["{not json"], "line 1: invalid JSON"),
         ([{"id": "a", "problem": "p", "answer": "1", "kind": "essay"}], "line 1: field 'kind'"),
         (
@@ -111,3 +117,43 @@ def test_user_jsonl_errors_name_file_line_field(tmp_path, rows, message):
         load_dataset(path)
     assert message in str(err.value)
     assert str(path) in str(err.value)
+
+
+def test_the_common_question_spelling_is_accepted_and_problem_wins_when_both_are_there(tmp_path):
+    path = _write(
+        tmp_path / "qa.jsonl",
+        [
+            {"id": "a", "question": "1+1?", "answer": "2"},
+            {"id": "b", "question": "raw", "problem": "full", "answer": 1},
+        ],
+    )
+    a, b = load_dataset(path)
+    assert (a.problem, a.extra) == ("1+1?", {})
+    assert (b.problem, b.extra) == ("full", {"question": "raw"})
+
+
+def test_a_byte_order_mark_is_accepted_and_a_line_that_is_not_utf8_is_named(tmp_path):
+    rows = [{"id": "a", "problem": "1+1?", "answer": "2"}, {"id": "b", "problem": "Zoë's sum?", "answer": "3"}]
+    text = "\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\n"
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))  # as some editors save UTF-8
+    assert [p.problem for p in load_dataset(path)] == ["1+1?", "Zoë's sum?"]
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(text.encode("latin-1"))
+    with pytest.raises(ValueError) as error:
+        load_dataset(latin1)
+    column = text.splitlines()[1].index("ë") + 1
+    assert (
+        str(error.value) == f"{latin1}, line 2: not UTF-8 text (byte 0xeb at column {column}); save the file as UTF-8"
+    )
+
+
+def test_the_readmes_example_of_your_own_problems_loads_as_documented(tmp_path):
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Your own problems", 1)[1].split("\n## ", 1)[0]
+    [example] = re.findall(r"```json\n(.*?)```", section, flags=re.S)
+    path = tmp_path / "mine.jsonl"
+    path.write_text(example, encoding="utf-8")
+    first, second = load_dataset(path)
+    assert (first.id, first.problem, first.answer, first.kind) == ("q1", "What is 17 * 23?", "391", "math")
+    assert (second.kind, second.answer) == ("choice", "C") and second.problem.startswith("Which is largest?")

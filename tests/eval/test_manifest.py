@@ -13,6 +13,7 @@ import transformers
 
 from conftest import NoEosTokenizer, tiny_llama
 from reasonkv.eval.environment import weights_sha256
+from reasonkv.eval.manifest import grid_identity, grid_sha256, manifest_id
 from reasonkv.eval.runner import run_grid
 from reasonkv.runs.store import read_records
 
@@ -96,7 +97,7 @@ def test_resuming_with_another_setup_is_refused_naming_what_differs(dataset, tmp
         run_grid(make(), NoEosTokenizer(), **_grid(dataset, out, **change))
     assert named in str(error.value)
     assert out.read_bytes() == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["problems.jsonl", "r.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == ["problems.jsonl", "r.jsonl"]
 
 
 def test_a_changed_dataset_file_is_refused_and_a_larger_grid_is_new_work(dataset, tmp_path):
@@ -121,7 +122,7 @@ def test_another_environment_is_accepted_with_a_warning_and_its_own_manifest(dat
     lines = out.read_text(encoding="utf-8").splitlines()
     first = json.loads(lines[0])
     first["environment"]["torch"] = "1.0.0"  # as if written with another torch (whose manifest has its own id)
-    first["id"] = "0" * 16
+    first["id"] = manifest_id(first)
     out.write_text("\n".join([json.dumps(first), *lines[1:]]) + "\n", encoding="utf-8")
     capsys.readouterr()
     again = run_grid(model, NoEosTokenizer(), **_grid(dataset, out, limit=1))
@@ -131,9 +132,24 @@ def test_another_environment_is_accepted_with_a_warning_and_its_own_manifest(dat
     assert [m["environment"]["torch"] for m in manifests] == ["1.0.0", torch.__version__]
 
 
-def test_a_shard_of_another_setup_is_refused_too(dataset, tmp_path):
+def test_a_shard_of_another_setup_is_refused_before_the_model_loads(dataset, tmp_path):
     out = tmp_path / "r.jsonl"
     run_grid(tiny_llama(), NoEosTokenizer(), **_grid(dataset, out), shard=(0, 2))
-    with pytest.raises(ValueError, match="r.shard-0-of-2.jsonl holds results of another setup .*dtype"):
-        run_grid(tiny_llama(dtype=torch.bfloat16), NoEosTokenizer(), **_grid(dataset, out), shard=(1, 2))
+    with pytest.raises(
+        ValueError, match="r.shard-0-of-2.jsonl holds results of another setup .dtype: 'fp32' there, 'bf16'"
+    ):
+        run_grid("no-such-model", model_name="LlamaForCausalLM", dtype="bf16", **_grid(dataset, out), shard=(1, 2))
+    # (refused before loading: no such model exists)
     assert not (tmp_path / "r.shard-1-of-2.jsonl").exists()
+    assert json.loads((tmp_path / "r.plan.json").read_text())["dtype"] == "fp32"  # the refused one changed nothing
+
+
+def test_the_manifest_holds_the_grids_identity_known_before_any_model_loads(dataset, tmp_path):
+    out = tmp_path / "r.jsonl"
+    run_grid(tiny_llama(), NoEosTokenizer(), **_grid(dataset, out))
+    manifest = read_records(out)[0]
+    identity = grid_identity(manifest["grid"], manifest["setup"])
+    assert manifest["grid"]["sha256"] == grid_sha256(identity) and manifest["grid"]["generation"] is True
+    assert [p["label"] for p in identity["policies"]] == ["full", "streaming"] and identity["max_new_tokens"] == 6
+    resumed = run_grid(tiny_llama(), NoEosTokenizer(), **_grid(dataset, out, batch_size=1))  # not part of the grid
+    assert resumed.skipped == 4 and read_records(out)[0]["grid"]["sha256"] == manifest["grid"]["sha256"]

@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from reasonkv.eval.manifest import manifest_id
 from reasonkv.eval.report import (
     load_results,
     markdown,
@@ -256,7 +257,7 @@ def test_a_cell_that_failed_shows_as_errors_not_zeros(tmp_path):
 MANIFEST = {
     "kind": "manifest",
     "tool": "reasonkv",
-    "id": "0123456789abcdef",
+    "id": None,  # set below, from its content
     "created": "2026-01-01T00:00:00+00:00",
     "setup": {"model": "m", "dtype": "fp32", "weights_sha256": "ab" * 32, "temperature": 0.0, "max_new_tokens": 100},
     "environment": {"reasonkv": "0.1.0", "git_commit": "c0ffee" * 6, "torch": "2.13.0", "transformers": "5.24.0"},
@@ -264,6 +265,7 @@ MANIFEST = {
     "command": ["reasonkv", "eval", "--dataset", "gsm8k:4", "--out", "results.jsonl"],
     "launch": {"world_size": 2},
 }
+MANIFEST["id"] = manifest_id(MANIFEST)
 
 
 def test_the_report_reads_a_run_from_its_shard_files_and_prints_its_manifest(tmp_path, capsys):
@@ -275,13 +277,44 @@ def test_the_report_reads_a_run_from_its_shard_files_and_prints_its_manifest(tmp
         shard.write_text("".join(json.dumps(r) + "\n" for r in [MANIFEST, *part]), encoding="utf-8")
     assert main(["report", str(tmp_path / "results.jsonl"), "--out", str(tmp_path / "r")]) == 0
     out = capsys.readouterr().out
-    assert "## Runs" in out and "run `0123456789abcdef`" in out and "2 processes" in out
+    assert "## Runs" in out and f"run `{MANIFEST['id']}`" in out and "2 processes" in out
     assert "model m, weights sha256 abababababab" in out and "git c0ffeec0ffee" in out
     assert "command: `reasonkv eval --dataset gsm8k:4 --out results.jsonl`" in out
-    assert out.count("## Runs") == 1 and out.count("run `0123456789abcdef`") == 1  # one run, two shard files
+    assert out.count("## Runs") == 1 and out.count(f"run `{MANIFEST['id']}`") == 1  # one run, two shard files
     whole = tmp_path / "whole.jsonl"
     whole.write_text("".join(json.dumps(r) + "\n" for r in [MANIFEST, *RECORDS]), encoding="utf-8")
     assert summarize(load_results(tmp_path / "results.jsonl")) == summarize(load_results(whole))
+
+
+EDITED_LINES = {
+    "setup null": (1, {**MANIFEST, "setup": None}, "the manifest's field 'setup' must be an object, got null"),
+    "grid null": (1, {**MANIFEST, "grid": None}, "the manifest's field 'grid' must be an object, got null"),
+    "environment x": (1, {**MANIFEST, "environment": "x"}, "the manifest's field 'environment' must be an object"),
+    "launch null": (1, {**MANIFEST, "launch": None}, "the manifest's field 'launch' must be an object"),
+    "setup edited": (
+        1,
+        {**MANIFEST, "setup": {**MANIFEST["setup"], "dtype": "bf16"}},
+        f"the manifest's id {MANIFEST['id']} does not match its content",
+    ),
+    "budget {}": (3, {**RECORDS[4], "budget": {}}, "field 'budget' must be a positive integer (or null), got {}"),
+    "correct yes": (3, {**RECORDS[4], "correct": "yes"}, "field 'correct' must be true or false"),
+    "no kind": (3, {k: v for k, v in RECORDS[4].items() if k != "kind"}, "field 'kind' must be one of"),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(EDITED_LINES))
+def test_a_line_edited_by_hand_is_one_line_naming_the_file_the_line_and_the_field(tmp_path, capsys, edit):
+    from reasonkv.cli import main
+
+    number, edited, message = EDITED_LINES[edit]
+    lines = [MANIFEST, RECORDS[0], RECORDS[4]]
+    lines[number - 1] = edited
+    path = tmp_path / "results.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines), encoding="utf-8")
+    assert main(["report", str(path), "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}, line {number}: {message}" in err and "Traceback" not in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "r" / "report.md").exists()
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ import re
 import pytest
 
 from reasonkv.eval.context import Ledger
+from reasonkv.eval.manifest import manifest_id
 from reasonkv.eval.records import scan_results
 from reasonkv.eval.report import BUNDLED_NOTE, markdown, write_report
 from reasonkv.eval.report_rows import read_report_input, summarize
@@ -18,7 +19,8 @@ from reasonkv.models import BUNDLED
 def _manifest(run: str, max_new_tokens: int) -> dict:
     setup = {"model": "m", "dtype": "fp32", "prompt_format": "chat", "max_new_tokens": max_new_tokens}
     setup |= {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0, "weights_sha256": "ab" * 32}
-    return {"kind": "manifest", "tool": "reasonkv", "id": run, "setup": setup, "environment": {}, "grid": {}}
+    environment = {"label": run}  # one manifest per label
+    return {"kind": "manifest", "tool": "reasonkv", "id": run, "setup": setup, "environment": environment, "grid": {}}
 
 
 def _unit(kind: str, run: str, problem: str, policy: str, budget: int | None, **fields) -> dict:
@@ -41,6 +43,11 @@ def _fid(run: str, problem: str, policy: str, budget: int, top1: float, kl: floa
 
 
 def _write(path, records) -> None:
+    """Write ``records``, each manifest under its real id (a manifest's id is its content's hash; the tests
+    name runs by labels), and each record's ``run`` as its manifest's id."""
+    ids = {r["id"]: manifest_id(r) for r in records if r.get("kind") == "manifest"}
+    records = [{**r, "id": ids[r["id"]]} if r.get("kind") == "manifest" else r for r in records]
+    records = [{**r, "run": ids.get(r["run"], r["run"])} if "run" in r else r for r in records]
     path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
 
 
@@ -146,10 +153,16 @@ def _without_kind(record: dict) -> dict:
 @pytest.mark.parametrize(
     ("bad", "message"),
     [
-        (_gen("aaaa", "p2", "full", None, 64, "yes"), "'correct' must be true or false, got 'yes'"),
-        (_without_kind(_gen("aaaa", "p2", "full", None, 64, True)), "no 'kind' field; a results record's kind is one"),
-        (_gen("aaaa", "p2", "streaming", {}, 64, True), "'budget' must be a positive integer or null, got {}"),
-        (_fid("aaaa", "p2", "h2o", 64, 1.5, 0.1), "'top1_agreement' must be a number between 0 and 1, got 1.5"),
+        (_gen("aaaa", "p2", "full", None, 64, "yes"), "field 'correct' must be true or false, got \"yes\""),
+        (
+            _without_kind(_gen("aaaa", "p2", "full", None, 64, True)),
+            "field 'kind' must be one of manifest, generation, fidelity, error, got null",
+        ),
+        (_gen("aaaa", "p2", "streaming", {}, 64, True), "field 'budget' must be a positive integer (or null), got {}"),
+        (
+            _fid("aaaa", "p2", "h2o", 64, 1.5, 0.1),
+            "field 'top1_agreement' must be a number between 0 and 1 (or null), got 1.5",
+        ),
     ],
 )
 def test_report_and_eval_refuse_a_bad_record_alike_naming_its_line(tmp_path, bad, message):

@@ -2,25 +2,30 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import NoEosTokenizer, tiny_llama
 from reasonkv.eval.grid import make_cells
+from reasonkv.eval.manifest import grid_identity, grid_sha256
 from reasonkv.eval.plan import plan_grid
 from reasonkv.eval.records import unit_key
 from reasonkv.eval.runner import run_grid
-from reasonkv.eval.shards import Shard, merge_shards, shard_files, shard_path
+from reasonkv.eval.shards import Shard, join_run, merge_shards, read_run, shard_files, shard_path, steps_lock_path
 from reasonkv.eval.units import Unit, assign, decode_cost, grid_units
-from reasonkv.runs.outputs import OutputLocked
+from reasonkv.runs.outputs import OutputLock, OutputLocked
 from reasonkv.runs.store import read_records
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
@@ -174,7 +179,9 @@ def test_shards_run_one_after_another_give_the_records_of_one_process(dataset, t
         assert result.written_to == shard_path(out, Shard(index, 3))
         assert result.complete == (index == 2) and (result.merged is not None) == (index == 2)
     assert min(counts) > 0 and sum(counts) == len(reference)
-    assert not shard_files(out) and [p.name for p in out.parent.iterdir()] == ["results.jsonl"]  # no lock left
+    left = sorted(p.name for p in out.parent.iterdir())
+    assert not shard_files(out) and [name for name in left if not name.endswith(".lock")] == ["results.jsonl"]
+    assert all(OutputLock.holder(out.parent / name) is None for name in left)  # lock files stay, free
     _same_results(_units(out), reference)
     manifests = [r for r in read_records(out) if r["kind"] == "manifest"]
     assert len(manifests) == 1 and read_records(out)[0] == manifests[0]  # the same run: one manifest
@@ -226,7 +233,7 @@ def test_a_single_process_finishes_a_sharded_run_and_merges_it(dataset, tmp_path
     assert result.skipped > 0 and result.complete and result.merged is not None
     assert not shard_files(out)
     _same_results(_units(out), reference)
-    assert merge_shards(out) == 0  # nothing left: a merge is idempotent
+    assert merge_shards(out, read_records(out)[0]["grid"]["sha256"]) == 0  # nothing left: a merge is idempotent
 
 
 # ---------------------------------------------------------------------------------- locks
@@ -272,9 +279,9 @@ def test_a_second_writer_fails_at_once_naming_the_file_and_the_holder(dataset, t
     finally:
         holder.kill()
     assert out.read_bytes() == before and not shard_files(out)
-    assert (tmp_path / "results.jsonl.lock").exists()  # left by the killed holder: stale, and harmless
+    assert (tmp_path / "results.jsonl.lock").read_text()  # the killed holder's record: stale, and harmless
     again = run_grid(model, NoEosTokenizer(), out=str(out), **{**grid, "samples": 2})  # a second sample each
-    assert again.generated == 3 and again.skipped == 3 and not (tmp_path / "results.jsonl.lock").exists()
+    assert again.generated == 3 and again.skipped == 3 and OutputLock.holder(tmp_path / "results.jsonl.lock") is None
 
 
 def test_shard_locks_keep_launches_of_another_size_and_a_single_process_out(dataset, tmp_path, model):
@@ -320,7 +327,7 @@ def test_a_merge_killed_halfway_is_simply_done_again(dataset, tmp_path, model, r
     out = tmp_path / "results.jsonl"
     for index in range(2):
         with monkeypatch.context() as patch:
-            patch.setattr(runner, "merge_shards", lambda out: None)  # both shards done, no merge yet
+            patch.setattr(runner, "merge_shards", lambda out, grid: None)  # both shards done, no merge yet
             run_grid(model, NoEosTokenizer(), out=str(out), shard=(index, 2), **_grid(dataset))
     append = records.ResultsFile.append
     appended = []
@@ -336,11 +343,179 @@ def test_a_merge_killed_halfway_is_simply_done_again(dataset, tmp_path, model, r
     with monkeypatch.context() as patch:
         patch.setattr(records.ResultsFile, "append", dies_while_merging)
         with pytest.raises(Crash):
-            merge_shards(out)
+            merge_shards(out, read_records(shard_path(out, Shard(0, 2)))[0]["grid"]["sha256"])
     assert len(shard_files(out)) == 2  # nothing is deleted before the merge is complete
     partial = [r for r in read_records(out) if r["kind"] != "manifest"]
     assert len(partial) == 5
     result = run_grid(model, NoEosTokenizer(), out=str(out), **_grid(dataset))  # any rerun merges again
     assert result.generated == result.fidelity == 0 and result.merged == len(reference) - 5
     assert not shard_files(out)
+    _same_results(_units(out), reference)
+
+
+# ---------------------------------------------------------------------------------- one grid per run
+
+
+def test_a_shard_file_of_another_grid_is_refused_before_loading_never_merged_never_deleted(dataset, tmp_path, model):
+    out = tmp_path / "r.jsonl"
+    grid = _grid(dataset, policies="full,streaming", budgets=[10], fidelity=False, temperature=0.0, samples=1)
+    run_grid(model, NoEosTokenizer(), out=str(out), **grid)  # complete
+    other = {**grid, "policies": "full,h2o"}
+    run_grid(model, NoEosTokenizer(), out=str(tmp_path / "other.jsonl"), shard=(0, 2), **other)
+    foreign = shard_path(out, Shard(0, 2))
+    (tmp_path / "other.shard-0-of-2.jsonl").rename(foreign)  # placed beside the complete run
+    before = {p: p.read_bytes() for p in (out, foreign)}
+    cells = "policies: [full, h2o@10] there, [full, streaming@10] now"
+    refusal = re.escape(f"{foreign} is a shard of a run with another grid ({cells})")
+    with pytest.raises(ValueError, match=refusal + ": it is never merged into"):
+        run_grid("no-such-model", model_name="LlamaForCausalLM", out=str(out), **grid)  # refused before loading
+    with pytest.raises(ValueError, match=refusal):
+        run_grid(model, NoEosTokenizer(), out=str(out), shard=(1, 2), **grid)
+    assert merge_shards(out, read_records(out)[0]["grid"]["sha256"]) == 0  # a merge of this grid leaves it too
+    assert {p: p.read_bytes() for p in (out, foreign)} == before
+
+
+def test_ranks_launched_with_different_grids_are_refused_at_start_naming_what_differs(dataset, tmp_path, model):
+    out = tmp_path / "r.jsonl"
+    grid = _grid(dataset, policies="full,streaming", budgets=[10], fidelity=False)
+    first = run_grid(model, NoEosTokenizer(), out=str(tmp_path / "probe.jsonl"), **grid)  # the manifest this grid gets
+    manifest = read_records(first.path)[0]
+    identity = grid_identity(manifest["grid"], manifest["setup"])
+    plan = {"tool": "reasonkv", "kind": "plan", "sha256": grid_sha256(identity), "grid": identity,
+            "model": "LlamaForCausalLM", "dtype": "fp32"}  # fmt: skip
+    rank0, _ = join_run(out, Shard(0, 2), plan)  # rank 0 joined and is loading its model: no shard file yet
+    try:
+        for change, named in [
+            (dict(policies="full,h2o"), "policies: [full, streaming@10] there, [full, h2o@10] now"),
+            (dict(max_new_tokens=16), "max_new_tokens: 12 there, 16 now"),
+            (dict(budgets=[10, 16]), "policies: [full, streaming@10] there, [full, streaming@10, streaming@16] now"),
+        ]:
+            with pytest.raises(ValueError, match=re.escape(f"{out} is being run with other settings ({named}")):
+                run_grid(
+                    "no-such-model", model_name="LlamaForCausalLM", out=str(out), shard=(1, 2), **{**grid, **change}
+                )
+        with pytest.raises(ValueError, match="is being run with other settings .model: 'LlamaForCausalLM' there, 'x'"):
+            run_grid("no-such-model", model_name="x", out=str(out), shard=(1, 2), **grid)
+        assert not shard_files(out)
+        rank1 = run_grid(model, NoEosTokenizer(), out=str(out), shard=(1, 2), **grid)  # the same arguments: runs
+        assert rank1.generated > 0 and not rank1.complete
+    finally:
+        rank0.release()
+    done = run_grid(model, NoEosTokenizer(), out=str(out), shard=(0, 2), **grid)
+    assert done.complete and done.merged is not None and not (tmp_path / "r.plan.json").exists()
+
+
+def test_in_bf16_batches_of_one_give_the_records_of_one_process_whatever_the_process_count(dataset, tmp_path):
+    # The claim as the README states it: in bf16 a prompt's tokens can depend on the batch it is decoded in, and
+    # the split changes batches, so the records are independent of the process count at --batch-size 1.
+    model = tiny_llama(dtype=torch.bfloat16)
+    grid = _grid(dataset, policies="full,streaming,random", budgets=[10], batch_size=1)
+    one = run_grid(model, NoEosTokenizer(), out=str(tmp_path / "one.jsonl"), **grid)
+    out = tmp_path / "three.jsonl"
+    for index in range(3):
+        run_grid(model, NoEosTokenizer(), out=str(out), shard=(index, 3), **grid)
+    got, want = _units(out), _units(one.path)
+    assert set(got) == set(want) and len(got) == 3 * 3 * 2 + 3 * 2  # 3 problems x 3 cells x 2 samples, replays
+    for key, record in got.items():
+        fields = ("output_ids", "seed", "evictions") if record["kind"] == "generation" else ("kl_mean", "kl_max")
+        assert {f: record[f] for f in fields} == {f: want[key][f] for f in fields}  # exactly, not approximately
+
+
+def test_a_rank_reads_the_run_only_between_merges_so_no_shard_file_vanishes_while_it_reads(
+    dataset, tmp_path, model, reference, monkeypatch
+):
+    # A rank finishing while the last one merges listed the shard files, then read one the merge had just
+    # deleted: a traceback (exit 1) for a run that was complete.
+    from reasonkv.eval import runner
+
+    out = tmp_path / "results.jsonl"
+    for index in range(2):
+        with monkeypatch.context() as patch:
+            patch.setattr(runner, "merge_shards", lambda out, grid: None)  # both shards done, no merge yet
+            run_grid(model, NoEosTokenizer(), out=str(out), shard=(index, 2), **_grid(dataset))
+    grid = read_records(shard_path(out, Shard(0, 2)))[0]["grid"]["sha256"]
+    seen: list[dict] = []
+    merging = OutputLock(out, "merge", path=steps_lock_path(out)).acquire()  # as a merge holds it
+    try:
+        reader = threading.Thread(target=read_run, args=(out, grid, seen.append))
+        reader.start()
+        reader.join(timeout=0.5)
+        assert reader.is_alive() and not seen  # waits for the merge
+    finally:
+        merging.release()
+    assert merge_shards(out, grid) == len(reference)  # a real merge now races the reader: it reads before or after
+    reader.join(timeout=60)
+    assert not reader.is_alive() and not shard_files(out)
+    assert {unit_key(r) for r in seen if r["kind"] != "manifest"} == set(reference)
+
+
+def test_a_full_disk_during_the_merge_names_the_step_keeps_the_shard_files_and_a_rerun_merges(
+    dataset, tmp_path, model, reference, monkeypatch
+):
+    from reasonkv.eval import runner
+    from reasonkv.runs import store
+
+    out = tmp_path / "results.jsonl"
+    for index in range(2):
+        with monkeypatch.context() as patch:
+            patch.setattr(runner, "merge_shards", lambda out, grid: None)  # both shards done, no merge yet
+            run_grid(model, NoEosTokenizer(), out=str(out), shard=(index, 2), **_grid(dataset))
+    shards = {path: path.read_bytes() for path, _ in shard_files(out)}
+    write, lines = os.write, []
+
+    def fills_up(fd, data):  # the disk fills after the manifest and 4 appended lines of --out: half of the next goes in
+        if os.readlink(f"/proc/self/fd/{fd}") != str(out):
+            return write(fd, data)
+        if len(lines) == 4:
+            write(fd, bytes(data[: len(data) // 2]))
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        lines.append(data)
+        return write(fd, data)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(store.os, "write", fills_up)
+        with pytest.raises(OSError) as error:
+            merge_shards(out, read_records(shard_path(out, Shard(0, 2)))[0]["grid"]["sha256"])
+    assert str(error.value) == (
+        f"merging the shard files into {out}: {out}: appending a record failed (No space left on device); the 5 "
+        "complete records in it are safe; free some space, then rerun the same command: it resumes (the shard "
+        "files are complete and kept)"
+    )
+    assert {path: path.read_bytes() for path, _ in shard_files(out)} == shards and len(read_records(out)) == 1 + 4
+    result = run_grid(model, NoEosTokenizer(), out=str(out), **_grid(dataset))  # space again: the rerun merges
+    assert result.complete and not shard_files(out)
+    _same_results(_units(out), reference)
+
+
+def test_a_rank_whose_model_loads_while_another_merges_reads_the_run_as_it_is_then(
+    dataset, tmp_path, model, reference, monkeypatch
+):
+    # Rank 1 joins, and while its model loads rank 0 finishes, merges and deletes its shard file: rank 1 read
+    # the files it had listed before the load, found one gone, and failed with a traceback for a complete run.
+    from reasonkv.eval import records, runner
+
+    out = tmp_path / "results.jsonl"
+    with monkeypatch.context() as patch:
+        patch.setattr(runner, "merge_shards", lambda out, grid: None)
+        run_grid(model, NoEosTokenizer(), out=str(out), shard=(1, 2), **_grid(dataset))  # rank 1's units: done
+    append = records.ResultsFile.append
+
+    def killed_after_two(self, record):
+        append(self, record)
+        if len(read_records(self.path)) == 3:
+            raise Crash
+
+    with monkeypatch.context() as patch:
+        patch.setattr(records.ResultsFile, "append", killed_after_two)
+        with pytest.raises(Crash):
+            run_grid(model, NoEosTokenizer(), out=str(out), shard=(0, 2), **_grid(dataset))  # rank 0: 2 units
+
+    def load_while_rank_0_finishes(name, **kwargs):
+        rank0 = run_grid(model, NoEosTokenizer(), out=str(out), shard=(0, 2), **_grid(dataset))
+        assert rank0.merged is not None and not shard_path(out, Shard(0, 2)).exists()  # merged and deleted
+        return model, NoEosTokenizer()
+
+    monkeypatch.setattr(runner, "load_model", load_while_rank_0_finishes)
+    rank1 = run_grid("tiny", model_name="LlamaForCausalLM", out=str(out), shard=(1, 2), **_grid(dataset))
+    assert rank1.complete and rank1.generated == rank1.fidelity == 0 and not shard_files(out)
     _same_results(_units(out), reference)

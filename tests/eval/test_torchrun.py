@@ -11,9 +11,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from tiny_checkpoint import save_tiny_checkpoint
 
 from reasonkv.eval.records import unit_key
 from reasonkv.eval.runner import run_grid
@@ -75,22 +73,7 @@ def test_two_processes_write_exactly_the_records_of_one(tmp_path, smollm2):
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    """A 2-layer Llama with a byte-level tokenizer, saved as a checkpoint the command line can load."""
-    path = tmp_path_factory.mktemp("tiny-model")
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
-    vocab["<eos>"] = len(vocab)
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", pad_token="<eos>").save_pretrained(path)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=1024, eos_token_id=None, pad_token_id=vocab["<eos>"],
-    )  # fmt: skip
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-model"))
 
 
 def test_a_killed_rank_resumes_with_three_processes_every_unit_once(tmp_path, tiny_dir):
@@ -123,3 +106,34 @@ def test_a_killed_rank_resumes_with_three_processes_every_unit_once(tmp_path, ti
     )  # fmt: skip
     _same(merged, _units(one))
     assert len(merged) == 4 * 3 * 2 + 4 * 2
+
+
+def test_a_folder_renamed_under_a_launch_fails_it_naming_the_move_and_the_run_resumes_once_moved_back(
+    tmp_path, tiny_dir
+):
+    # Both ranks used to exit 0 ("units of other shards are not done yet"), their records in a folder no
+    # command would look in, never merged; a rank still loading its model re-created the old folder.
+    dataset = tmp_path / "problems.jsonl"
+    problems = [{"id": f"p{i}", "problem": f"What is {i}+{i}?", "answer": str(2 * i)} for i in range(3)]
+    dataset.write_text("".join(json.dumps(p) + "\n" for p in problems), encoding="utf-8")
+    grid = ["--model", str(tiny_dir), "--dataset", str(dataset), "--policies", "full,streaming", "--budgets", "24"]
+    grid += ["--buffer", "4", "--max-new-tokens", "10", "--fidelity", "--no-progress"]
+    folder, moved = tmp_path / "D", tmp_path / "D_moved"
+    out = folder / "r.jsonl"
+    joined = folder / "r.shard-1-of-2.jsonl.lock"  # rank 1 has joined (a rank started later sees a new --out)
+    move = f"for i in $(seq 600); do [ -e {joined} ] && break; sleep 0.1; done; mv {folder} {moved}"
+    fault = {"FAULT": move, "FAULT_AFTER": "3", "FAULT_RANK": "0"}
+    done = torchrun(2, "eval", *grid, "--out", str(out), entry=[str(HERE / "faulty_eval.py")], env=fault)
+    assert done.returncode != 0 and "was removed, renamed or replaced" in done.stderr, done.stderr[-3000:]
+    assert "move it back and rerun the same command" in done.stderr or "move the folder back" in done.stderr
+    assert not folder.exists()  # nothing re-created at the old path, by either rank
+    written = {unit_key(r): r for path, _ in shard_files(moved / "r.jsonl") for r in read_records(path)
+               if r["kind"] != "manifest"}  # fmt: skip
+    assert len(written) >= 3
+
+    moved.rename(folder)
+    resumed = torchrun(2, "eval", *grid, "--out", str(out))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "the grid is complete" in resumed.stderr and not shard_files(out)
+    merged = _units(out)
+    assert len(merged) == 3 * 2 + 3 and all(merged[key] == record for key, record in written.items())

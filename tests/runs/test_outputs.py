@@ -48,23 +48,75 @@ def test_a_lock_names_its_holder_a_killed_holder_leaves_no_obstacle(tmp_path):
     assert OutputLock.holder(tmp_path / "out.jsonl.lock") is None  # the kernel dropped the dead process's lock
     with OutputLock(target, "eval") as lock:
         assert lock.held and json.loads((tmp_path / "out.jsonl.lock").read_text())["pid"] == os.getpid()
-    assert not (tmp_path / "out.jsonl.lock").exists()
+    assert (tmp_path / "out.jsonl.lock").read_text() == ""  # never deleted: released, it is free and empty
 
 
-def test_a_short_lived_holder_is_waited_for_others_are_not(tmp_path):
-    target = tmp_path / "out.jsonl"
-    child = _hold(target, "merge", tmp_path / "out.jsonl.lock", 1.0)
+def test_waiting_depends_on_the_lock_file_never_on_what_the_holder_wrote_in_it(tmp_path):
+    target, steps = tmp_path / "out.jsonl", tmp_path / "out.jsonl.steps.lock"
+    child = _hold(target, "merge", steps, 1.0)
+    steps.write_text("")  # its record unreadable, as another machine may see it on a network filesystem
     start = time.monotonic()
-    with OutputLock(target, "eval"):
-        assert time.monotonic() - start > 0.3  # waited for the merge to finish
+    with OutputLock(target, "join", path=steps, wait=30):
+        assert time.monotonic() - start > 0.3  # waited for the short step to finish
     child.wait(timeout=30)
-    child = _hold(target, "merge", tmp_path / "out.jsonl.lock", 30)
+    child = _hold(target, "merge", tmp_path / "out.jsonl.lock", 30)  # a writer's lock: whatever its purpose,
     try:
-        with pytest.raises(OutputLocked):
-            OutputLock(target, "merge", wait_for=(), timeout=0).acquire()
+        start = time.monotonic()
+        with pytest.raises(OutputLocked, match=f"pid {child.pid}"):  # refused at once
+            OutputLock(target, "eval").acquire()
+        assert time.monotonic() - start < 5
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=30)
+
+
+_CONTEND = """
+import os, sys, time
+from reasonkv.runs.outputs import OutputLock, OutputLocked
+target, path, wait, go = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]
+while not os.path.exists(go):
+    time.sleep(0.001)
+try:
+    lock = OutputLock(target, "test", path=path, wait=wait).acquire()
+except OutputLocked as error:
+    print("refused", error, flush=True)
+    sys.exit(0)
+start = time.time()
+time.sleep(0.3)
+print("held", start, time.time(), flush=True)
+lock.release()
+"""
+
+LOCKS = {  # every lock file the commands take: (target, lock file, seconds a contender waits)
+    "a results file's writer": ("r.jsonl", "r.jsonl.lock", 0),
+    "a shard file's writer": ("r.shard-1-of-2.jsonl", "r.shard-1-of-2.jsonl.lock", 0),
+    "a run's steps (join, merge)": ("r.jsonl", "r.jsonl.steps.lock", 30),
+    "a folder's writer (report, bench, calibrate)": ("out", "out/.reasonkv.lock", 0),
+}
+
+
+@pytest.mark.parametrize("lock", sorted(LOCKS))
+def test_two_processes_contending_for_each_lock_never_hold_it_together(tmp_path, lock):
+    target, path, wait = LOCKS[lock]
+    (tmp_path / "out").mkdir()
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    for round in range(2):  # both released at the same moment, twice
+        go = tmp_path / f"go-{round}"
+        args = [str(tmp_path / target), str(tmp_path / path), str(wait), str(go)]
+        children = [
+            subprocess.Popen([sys.executable, "-c", _CONTEND, *args], env=env, stdout=subprocess.PIPE, text=True)
+            for _ in range(2)
+        ]
+        time.sleep(0.5)  # both started and waiting for the signal
+        go.touch()
+        outcomes = {child.pid: child.communicate(timeout=60)[0].split() for child in children}
+        held = sorted((float(words[1]), float(words[2]), pid) for pid, words in outcomes.items() if words[0] == "held")
+        refused = [" ".join(words) for words in outcomes.values() if words[0] == "refused"]
+        if wait:  # a short step's lock: the second waits, then holds it after the first
+            assert len(held) == 2 and held[0][1] <= held[1][0], outcomes
+        else:  # a writer's lock: the second is refused at once, naming the first
+            assert len(held) == 1 and len(refused) == 1, outcomes
+            assert f"in use by pid {held[0][2]}" in refused[0]
 
 
 NAMES = ["results.jsonl", "table.md"]

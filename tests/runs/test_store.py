@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from reasonkv.runs.outputs import OutputLocked
+from reasonkv.runs.outputs import OutputError, OutputLock, OutputLocked
 from reasonkv.runs.store import JsonlStore, compact_line, json_safe, numbered_records, read_records
 
 SRC = Path(__file__).resolve().parents[2] / "src"
@@ -133,9 +135,10 @@ def test_each_record_is_visible_to_another_reader_at_once_and_a_second_writer_is
     with JsonlStore(path, lock="eval") as store:  # the kernel dropped the dead writer's lock: resume
         assert [r["id"] for r in store.records()] == ["first", "second"]
         assert json.loads((tmp_path / "runs.jsonl.lock").read_text())["pid"] == os.getpid()
-    assert not (tmp_path / "runs.jsonl.lock").exists()
+    assert (tmp_path / "runs.jsonl.lock").read_text() == ""  # released; lock files are never deleted
     with pytest.raises(ValueError, match="was closed"):
         store.append({"id": "late"})  # its lock is gone
+    (tmp_path / "runs.jsonl.lock").unlink()
     JsonlStore(path).start()
     assert not (tmp_path / "runs.jsonl.lock").exists()  # lock=None: the caller holds the lock that covers it
 
@@ -153,6 +156,112 @@ def test_rewrite_and_discard_replace_the_whole_file(tmp_path):
     assert not path.exists()
     assert store.append({"id": "again", "pair": (1, math.nan)}) == {"id": "again", "pair": [1, None]}  # as read back
     assert read_records(path) == [{"id": "again", "pair": [1, None]}]
+
+
+@pytest.mark.parametrize("how", ["file deleted", "folder deleted", "folder renamed", "file replaced"])
+def test_a_file_removed_or_moved_while_written_is_an_error_naming_it_never_a_silent_success(tmp_path, how):
+    folder = tmp_path / "D"
+    path = folder / "runs.jsonl"
+    store = JsonlStore(path, lock="eval")
+    store.start(HEADER)
+    store.append(RECORDS[0])
+    if how == "file deleted":
+        path.unlink()
+    elif how == "folder deleted":
+        shutil.rmtree(folder)
+    elif how == "folder renamed":
+        folder.rename(tmp_path / "D_moved")
+    else:  # a new file under the old name (not the one being written)
+        (folder / "new").write_text("someone else's file\n")
+        os.replace(folder / "new", path)
+    with pytest.raises(OutputError, match=re.escape(f"{path} was removed, renamed or replaced while this process")):
+        store.append(RECORDS[1])
+    with pytest.raises(OutputError, match=re.escape(str(path))) as error:
+        store.close()  # the end of a run checks too, and says so rather than report a success
+    if how == "folder renamed":
+        moved = tmp_path / "D_moved" / "runs.jsonl"
+        assert f"(it is now {moved})" in str(error.value) and "move it back and rerun the same command" in str(
+            error.value
+        )
+        assert read_records(moved) == [HEADER, RECORDS[0]]  # nothing written after the move
+    elif how == "file replaced":
+        assert path.read_text() == "someone else's file\n"  # never written to
+    else:
+        assert "it was deleted" in str(error.value) and not path.exists()  # never silently re-created
+
+
+@pytest.mark.parametrize("held", ["by the store", "by the caller"])
+def test_a_folder_moved_after_its_lock_was_taken_and_before_the_file_exists_is_never_re_created(tmp_path, held):
+    # A process takes its lock, then spends minutes loading a model: the folder moved meanwhile holds the lock,
+    # and a file created at the old path would be written where no lock guards it and no resume looks.
+    folder, moved = tmp_path / "D", tmp_path / "D_moved"
+    path = folder / "runs.jsonl"
+    folder.mkdir()
+    lock = OutputLock(path, "eval").acquire() if held == "by the caller" else None
+    try:
+        store = JsonlStore(path, lock=lock or "eval")
+        folder.rename(moved)
+        refusal = f"{path}: its folder was removed, renamed or replaced while this process held its lock (the lock "
+        refusal += f"{folder / 'runs.jsonl.lock'} is now {moved / 'runs.jsonl.lock'})"
+        with pytest.raises(OutputError, match=re.escape(refusal) + ".*move the folder back and rerun the same command"):
+            store.start(HEADER)
+        with pytest.raises(OutputError, match=re.escape(refusal)):
+            store.append(RECORDS[0])
+        store.close(check=False)
+        if lock is not None:
+            with pytest.raises(OutputError, match=re.escape(refusal)):
+                JsonlStore(path, lock=lock)  # a store opened after the move: refused before it makes a folder
+    finally:
+        if lock is not None:
+            lock.release()
+    assert not folder.exists() and sorted(p.name for p in moved.iterdir()) == ["runs.jsonl.lock"]
+
+
+def test_a_full_disk_leaves_only_whole_records_and_says_what_is_safe_and_how_to_resume(tmp_path, monkeypatch):
+    path = tmp_path / "runs.jsonl"
+    store = JsonlStore(path, fsync=True)
+    store.start(HEADER)
+    store.append(RECORDS[0])
+    write = os.write
+
+    def full(fd, data):  # an fd on a full disk: half the line goes in, then ENOSPC
+        if fd != store._fd:
+            return write(fd, data)
+        write(fd, bytes(data[: len(data) // 2]))
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "write", full)
+    with pytest.raises(OutputError) as error:
+        store.append(RECORDS[1])
+    monkeypatch.undo()
+    assert str(error.value) == (
+        f"{path}: appending a record failed (No space left on device); the 2 complete records in it are safe; "
+        "free some space, then rerun the same command: it resumes"
+    )
+    assert path.read_bytes().endswith(b"\n") and read_records(path) == [HEADER, RECORDS[0]]  # the torn half cut off
+    store.append(RECORDS[1])  # space again: the same store goes on
+    assert read_records(path) == [HEADER, RECORDS[0], RECORDS[1]]
+
+
+_KILLED_WHILE_CREATING = """
+import os, sys
+from reasonkv.runs import outputs
+from reasonkv.runs.store import JsonlStore
+outputs.os.link = lambda *args: os._exit(9)  # killed after the temporary file is written, before it is linked
+JsonlStore(sys.argv[1]).start({"kind": "header"})
+"""
+
+
+def test_a_kill_while_the_file_is_created_leaves_a_temporary_file_the_next_writer_removes(tmp_path):
+    path = tmp_path / "runs.jsonl"
+    assert _python(_KILLED_WHILE_CREATING, str(path)).wait(timeout=60) == 9
+    [stale] = [p.name for p in tmp_path.iterdir()]
+    assert stale.startswith(".runs.jsonl.reasonkv-tmp-") and not path.exists()
+    (tmp_path / ".runs.jsonl.notes").write_text("a user's file with a similar name\n")
+    with JsonlStore(path, lock="eval") as store:
+        assert store.start(HEADER)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".runs.jsonl.notes", "runs.jsonl", "runs.jsonl.lock"]
+    assert read_records(path) == [HEADER]
 
 
 def test_records_are_strict_json_by_default_and_the_encoding_is_the_callers():

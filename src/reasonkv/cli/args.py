@@ -65,14 +65,25 @@ def quantized_argument(text: str) -> int:
     return value
 
 
-def add_buffer_argument(parser) -> None:
-    """``--buffer B`` (one default for every command)."""
+def add_buffer_argument(parser, *, default: int = DEFAULT_BUFFER) -> None:
+    """``--buffer B`` (one default for every command but the demo's)."""
     parser.add_argument(
         "--buffer",
-        type=int,
-        default=DEFAULT_BUFFER,
-        help=f"B: tokens added between evictions (default {DEFAULT_BUFFER})",
+        type=non_negative_argument,
+        default=default,
+        help=f"B: tokens added between evictions (default {default})",
     )
+
+
+def non_negative_argument(text: str) -> int:
+    """A non-negative integer, refused by the parser (naming the flag) before anything loads."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {value}")
+    return value
 
 
 def load_model_from(args: argparse.Namespace):

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from reasonkv.cache.spec import CacheSpec
-from reasonkv.cli.args import add_model_arguments, add_policy_options, load_model_from
+from reasonkv.cli.args import add_buffer_argument, add_model_arguments, add_policy_options, load_model_from
 from reasonkv.cli.generate import chat_format
 from reasonkv.generation import generate
 from reasonkv.generation.sampling import Sampling
@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--policy", default=DEFAULT_POLICY, help=f"evicting policy to compare (default {DEFAULT_POLICY}: {WHY_DEFAULT})"
     )
     parser.add_argument("--budget", type=int, default=128, help="K (default 128)")
-    parser.add_argument("--buffer", type=int, default=32, help="B (default 32)")
+    add_buffer_argument(parser, default=32)
     add_policy_options(parser)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--prompt", default=PROMPT)

@@ -123,6 +123,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     run.add_argument("--retry-errors", action="store_true", help="run again the units whose record is an error")
     run.add_argument(
+        "--repair",
+        action="store_true",
+        help="move the lines of --out (and its shard files) that are not records, e.g. after a hand edit, to "
+        "<file>.rejected-<date>, and resume from the rest",
+    )
+    run.add_argument(
         "--plan",
         action="store_true",
         help="print the grid's units, the most tokens they may generate and each shard's share; load nothing",
@@ -216,6 +222,7 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         shard=args.shard,
         retry_errors=args.retry_errors,
+        repair=args.repair,
         command=command_line(),
     )
     print(result.summary(), file=sys.stderr)

@@ -24,7 +24,7 @@ from reasonkv.eval.grid import Cell, GridSpec
 from reasonkv.eval.prompts import build_prompt
 from reasonkv.eval.records import ResultsFile, conflict, outcome, unit_key
 from reasonkv.generation.inputs import encode_prompt
-from reasonkv.hf import model_info
+from reasonkv.hf import model_info, text_config
 
 __all__ = ["Context", "Ledger", "attempt", "chunks", "now", "progress", "reason"]
 
@@ -171,6 +171,12 @@ class Context:
             "base_seed": self.grid.seed,
             "prompt_format": self.prompt_format,
         }
+
+    @property
+    def context(self) -> int | None:
+        """The model's context length (``max_position_embeddings``), when its config says."""
+        length = getattr(text_config(self.model), "max_position_embeddings", None)
+        return length if isinstance(length, int) and length > 0 else None
 
     def tier(self, cell: Cell) -> dict[str, int] | None:
         """The cell's quantized tier as recorded (with the group size it gets on this model), or None."""

@@ -3,6 +3,10 @@
 The bundled files live in ``reasonkv/data/`` (see the README there for sources and licences).
 GPQA-Diamond ships inside a password-protected zip, as its authors ask, and is only ever
 decompressed in memory.
+
+A user's file is UTF-8 (a byte-order mark is accepted), one JSON object per line, with ``id``,
+``problem`` (or ``question``) and ``answer``; optional ``kind``, ``source``, ``solution``, anything
+else kept in :attr:`Problem.extra`. An error names the file, the line and every missing field.
 """
 
 from __future__ import annotations
@@ -44,7 +48,9 @@ _GPQA_MEMBER = "gpqa_diamond.jsonl"
 _GPQA_PASSWORD = b"deserted-untie-orchid"
 
 _REQUIRED = ("id", "problem", "answer")
+_SPELLINGS = {"problem": "question"}  # another common name of a required field, used when the field is absent
 _KNOWN = {"id", "problem", "answer", "source", "kind", "solution"}
+_FORMAT = "a problem needs id, problem (or question) and answer; see the README, 'Your own problems'"
 _KINDS = ("math", "choice")
 
 
@@ -95,9 +101,10 @@ def load_dataset(name_or_path: str | os.PathLike[str], limit: int | None = None)
     ----------
     name_or_path : str or path
         One of :data:`DATASETS` (``math500``, ``gsm8k``, ``aime24``, ``aime25``, ``hmmt25``, ``gpqa``)
-        or a path to a JSONL file whose rows have ``id``, ``problem`` and ``answer`` (required) and
-        optionally ``source``, ``kind`` (``"math"``/``"choice"``; default ``"choice"`` when the row
-        has ``choices``, else ``"math"``), ``solution`` and any other fields (kept in ``extra``).
+        or a path to a UTF-8 JSONL file whose rows have ``id``, ``problem`` (or ``question``) and
+        ``answer`` (required) and optionally ``source``, ``kind`` (``"math"``/``"choice"``; default
+        ``"choice"`` when the row has ``choices``, else ``"math"``), ``solution`` and any other fields
+        (kept in ``extra``).
     limit : int, optional
         Keep only the first ``limit`` problems, in file order.
 
@@ -130,8 +137,23 @@ def load_dataset(name_or_path: str | os.PathLike[str], limit: int | None = None)
     if path.name.endswith(".gz"):  # HumanEval as published: decompressed in memory
         return _parse_rows(gzip.decompress(path.read_bytes()).decode("utf-8").splitlines(), path, default_kind, limit)
     zipped = path.name.endswith(".zip")
-    lines = _read_zip_lines(path) if zipped else path.read_text(encoding="utf-8").splitlines()
+    lines = _read_zip_lines(path) if zipped else _read_lines(path)
     return _parse_rows(lines, path, default_kind, limit)
+
+
+def _read_lines(path: Path) -> list[str]:
+    """The lines of a UTF-8 text file (a byte-order mark is dropped); a line that is not UTF-8 is named."""
+    data = path.read_bytes().removeprefix(b"\xef\xbb\xbf")
+    lines = []
+    for number, raw in enumerate(data.split(b"\n"), start=1):
+        try:
+            lines.append(raw.decode("utf-8").removesuffix("\r"))
+        except UnicodeDecodeError as error:
+            raise ValueError(
+                f"{path}, line {number}: not UTF-8 text (byte 0x{raw[error.start]:02x} at column {error.start + 1}); "
+                "save the file as UTF-8"
+            ) from None
+    return lines
 
 
 def _read_zip_lines(path: Path) -> list[str]:
@@ -168,10 +190,15 @@ def _row_to_problem(row: dict[str, Any], where: str, default_kind: Kind, path: P
     code = code_fields(row, where, path.name)  # HumanEval, LiveCodeBench and code-* rows
     if code is not None:
         return Problem(**code)
+    for name, other in _SPELLINGS.items():
+        if name not in row and other in row:
+            row = {name: row[other], **{k: v for k, v in row.items() if k != other}}
+    missing = [name for name in _REQUIRED if _absent(row.get(name))]
+    if missing:
+        fields = ", ".join(map(repr, missing))
+        raise ValueError(f"{where}: missing required field{'s' if len(missing) > 1 else ''} {fields} ({_FORMAT})")
     for name in _REQUIRED:
-        value = row.get(name)
-        if value is None or (isinstance(value, str) and not value.strip()):
-            raise ValueError(f"{where}: missing required field {name!r}")
+        value = row[name]
         if not isinstance(value, (str, int)) or isinstance(value, bool):
             raise ValueError(f"{where}: field {name!r} must be a string, got {type(value).__name__}")
     kind = row.get("kind") or ("choice" if "choices" in row else default_kind)
@@ -187,3 +214,7 @@ def _row_to_problem(row: dict[str, Any], where: str, default_kind: Kind, path: P
         solution=None if solution is None else str(solution),
         extra={k: v for k, v in row.items() if k not in _KNOWN},
     )
+
+
+def _absent(value: Any) -> bool:
+    return value is None or (isinstance(value, str) and not value.strip())

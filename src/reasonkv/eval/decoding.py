@@ -5,9 +5,11 @@ alone, so the split across processes and the batching never change a result.
 
 One bad cell does not sink a grid:
 
-- Checked up front, before any decoding: a policy that protects the whole prompt (``protect_prompt``)
-  cannot evict a prompt longer than its budget once an eviction is due (prompt + token limit - 1
-  reaches ``K + B``). Such units get an error record at once and the rest of the grid runs.
+- Checked up front, before any decoding: a prompt and the tokens it may generate must fit the
+  model's context (``max_position_embeddings``), and a policy that protects the whole prompt
+  (``protect_prompt``) cannot evict a prompt longer than its budget once an eviction is due (prompt +
+  token limit - 1 reaches ``K + B``). Such units get an error record at once, with the numbers, and
+  the rest of the grid runs.
 - Anything that fails while decoding a batch: the batch is run again one unit at a time, and only a
   unit that fails alone gets an error record (``"kind": "error"``: the unit's identity fields,
   ``unit``, ``stage`` and ``error``, the reason).
@@ -36,8 +38,17 @@ from reasonkv.generation import GenerationResult, generate
 __all__ = ["refused_prompt", "run_generation"]
 
 
-def refused_prompt(cell: Cell, prompt_tokens: int, new_tokens: int) -> str | None:
-    """Why ``cell`` cannot run a prompt of ``prompt_tokens`` for ``new_tokens`` tokens, if it cannot."""
+def refused_prompt(cell: Cell, prompt_tokens: int, new_tokens: int, context: int | None = None) -> str | None:
+    """Why ``cell`` cannot run a prompt of ``prompt_tokens`` for ``new_tokens`` tokens, if it cannot.
+
+    ``context``: the model's context length (positions it was trained for), when known.
+    """
+    if context is not None and prompt_tokens + new_tokens > context:
+        return (
+            f"checked before decoding: the prompt ({prompt_tokens:,} tokens) and up to {new_tokens:,} new tokens "
+            f"({prompt_tokens + new_tokens:,}) exceed the model's context of {context:,} tokens "
+            "(max_position_embeddings); shorten the problem or lower the token limit"
+        )
     if not cell.evicts or not cell.spec.policy.protect_prompt:
         return None
     room = cell.spec.room  # a quantized tier holds protected tokens too
@@ -74,7 +85,7 @@ def run_generation(ctx: Context, dataset: str, problems: Sequence[Problem], mine
                         tally[0] += correct
                         tally[1] += 1
                     continue
-                why = refused_prompt(cell, len(ctx.prompt_ids(problem)), grid.sampling.max_new_tokens)
+                why = refused_prompt(cell, len(ctx.prompt_ids(problem)), grid.sampling.max_new_tokens, ctx.context)
                 if why is not None:
                     ctx.error(key, why, "generation", sample_seed(grid.seed, problem.id, s))
                 else:

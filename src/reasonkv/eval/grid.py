@@ -190,6 +190,12 @@ def make_cells(
     evicting = [p for p in policies if classes[p].evicts]
     if evicting and not budgets:
         raise ValueError(f"policies {', '.join(evicting)} evict: give at least one budget")
+    if quantized and not evicting:
+        raise ValueError(
+            f"a quantized tier (--quantized {quantized}) keeps what an evicting policy evicts, and "
+            f"{', '.join(policies)} evict{'' if len(policies) > 1 else 's'} nothing: add an evicting policy to "
+            "--policies, or drop --quantized"
+        )
     cells: dict[Cell, None] = {}
     for evicts in (False, True):  # the full cache first: its outputs are the fidelity references
         for budget in budgets or [None]:

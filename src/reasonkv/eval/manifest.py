@@ -16,13 +16,16 @@ a later run into the same file appends its own when it differs. Its fields:
 ``grid``
     ``datasets`` (name, ``file``, ``sha256`` of the file, ``limit``, ``problems``, ``samples``),
     ``policies`` (label, budget, buffer, config of every cell), ``fidelity``, ``fidelity_tokens``,
-    ``batch_size``; with code problems ``code``: how their programs run (the test limits, the
-    contest-date window, and the sandbox: its mechanism, the isolation in force, the guarantees
-    missing and those the user allowed to be missing). A dataset name whose file hash differs from an
-    earlier manifest is refused.
+    ``generation``, ``batch_size``, and ``sha256``: the grid's identity (:func:`grid_identity`: what
+    decides its units and their split across processes, known before any model loads); with code
+    problems ``code``: how their programs run (the test limits, the contest-date window, and the
+    sandbox: its mechanism, the isolation in force, the guarantees missing and those the user allowed
+    to be missing). A dataset name whose file hash differs from an earlier manifest is refused; the
+    shard files of one run all hold one grid (see :mod:`reasonkv.eval.shards`).
 ``id``
     16 hex digits of a SHA-256 over setup, environment and grid: the ranks of one launch and a rerun of
-    the same command share one manifest. Records name theirs in ``run``.
+    the same command share one manifest. Records name theirs in ``run``. A manifest whose id does not
+    match its content was edited after it was written, and is refused (:func:`manifest_problem`).
 ``command``, ``launch``, ``created``
     The command line (when run from it), the launch (``world_size``), the date: context, not identity.
 """
@@ -32,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -46,7 +50,11 @@ __all__ = [
     "describe",
     "file_sha256",
     "git_commit",
+    "grid_differences",
+    "grid_identity",
+    "grid_sha256",
     "manifest_id",
+    "manifest_problem",
     "tokenizer_sha256",
 ]
 
@@ -64,6 +72,9 @@ SETUP_FIELDS = (
     "top_k",
     "seed",
 )
+
+#: The setup fields that also decide a grid's units and their cost (so its split across processes).
+GRID_SETUP_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed")
 
 
 def file_sha256(path: str | os.PathLike[str]) -> str:
@@ -113,38 +124,133 @@ def manifest_id(manifest: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def grid_identity(grid: Mapping[str, Any], setup: Mapping[str, Any]) -> dict[str, Any]:
+    """What decides a grid's units and their split across processes, from a manifest's ``grid`` and ``setup``.
+
+    Datasets (name, file hash, limit, samples), cells (label, budget, buffer, config), fidelity, its
+    length, generation on or off, and the decoding settings that decide sample counts and costs. Not
+    the batch size, the file paths or the model: the same grid may be resumed with other batches, and
+    the setup is compared on its own (:func:`check_compatible`).
+    """
+    datasets = [d if isinstance(d, Mapping) else {} for d in grid.get("datasets") or []]
+    policies = [p if isinstance(p, Mapping) else {} for p in grid.get("policies") or []]
+    return {
+        "datasets": [{k: d.get(k) for k in ("name", "sha256", "limit", "samples")} for d in datasets],
+        "policies": [{k: p.get(k) for k in ("label", "budget", "buffer", "config")} for p in policies],
+        "fidelity": grid.get("fidelity"),
+        "fidelity_tokens": grid.get("fidelity_tokens") if grid.get("fidelity") else None,
+        "generation": grid.get("generation", True),
+        **{k: setup.get(k) for k in GRID_SETUP_FIELDS},
+    }
+
+
+def grid_sha256(identity: Mapping[str, Any]) -> str:
+    """SHA-256 of a :func:`grid_identity`."""
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _cell(policy: Mapping[str, Any]) -> str:
+    return str(policy.get("label")) + ("" if policy.get("budget") is None else f"@{policy.get('budget')}")
+
+
+def _dataset(dataset: Mapping[str, Any]) -> str:
+    limit = dataset.get("limit") or "all"
+    return f"{dataset.get('name')}:{limit} x{dataset.get('samples')} (sha256 {str(dataset.get('sha256'))[:12]}...)"
+
+
+def grid_differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    """What differs between two :func:`grid_identity` dicts, in words (``policies: [a] there, [b] now``)."""
+    found = []
+    for key in sorted(set(old) | set(new)):
+        if old.get(key) == new.get(key):
+            continue
+        if key in ("policies", "datasets"):
+            show = _cell if key == "policies" else _dataset
+            there, now = (", ".join(map(show, grid.get(key) or [])) for grid in (old, new))
+            found.append(f"{key}: [{there}] there, [{now}] now" if there != now else f"{key}: their options differ")
+        else:
+            found.append(f"{key}: {old.get(key)!r} there, {new.get(key)!r} now")
+    return found
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+_SETUP_TYPES: dict[str, tuple[type, ...]] = {
+    "model": (str,),
+    "dtype": (str,),
+    "prompt_format": (str,),
+    "max_new_tokens": (int,),
+    "temperature": (int, float),
+    "top_p": (int, float),
+    "top_k": (int,),
+    "seed": (int,),
+}
+
+
+def manifest_problem(manifest: Mapping[str, Any]) -> str | None:
+    """What is wrong with a manifest read from a file (a hand edit), in words; None when it is sound.
+
+    Its sections must be objects, the fields reasonkv reads must have their types, and its ``id`` must
+    match its content (:func:`manifest_id`): a manifest edited after it was written no longer says what
+    the records after it were computed with.
+    """
+    if not isinstance(manifest.get("id"), str) or not manifest.get("id"):
+        return f"the manifest's field 'id' must be a non-empty string, got {_shown(manifest.get('id'))}"
+    for name in ("setup", "environment", "grid"):
+        if not isinstance(manifest.get(name), dict):
+            return f"the manifest's field '{name}' must be an object, got {_shown(manifest.get(name))}"
+    for name, types in _SETUP_TYPES.items():
+        value = manifest["setup"].get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
+            return f"the manifest's field 'setup.{name}' has the wrong type: {_shown(value)}"
+    grid = manifest["grid"]
+    for name, needed in (("datasets", "name"), ("policies", "label")):
+        items = grid.get(name, [])
+        if not isinstance(items, list) or not all(
+            isinstance(i, dict) and isinstance(i.get(needed), str) for i in items
+        ):
+            return (
+                f"the manifest's field 'grid.{name}' must be a list of objects with a '{needed}', got {_shown(items)}"
+            )
+    launch = manifest.get("launch", {})
+    if not isinstance(launch, dict) or not isinstance(launch.get("world_size", 1), int):
+        return f"the manifest's field 'launch' must be an object with an integer 'world_size', got {_shown(launch)}"
+    command = manifest.get("command")
+    if command is not None and not (isinstance(command, list) and all(isinstance(c, str) for c in command)):
+        return f"the manifest's field 'command' must be a list of strings or null, got {_shown(command)}"
+    if manifest_id(manifest) != manifest["id"]:
+        return (
+            f"the manifest's id {manifest['id']} does not match its content (its setup, environment or grid was "
+            "edited after it was written, so it no longer says what the records after it were computed with)"
+        )
+    return None
+
+
 def build_manifest(
     *,
     setup: Mapping[str, Any],
     environment: Mapping[str, Any],
-    datasets: Sequence[Mapping[str, Any]],
-    policies: Sequence[Mapping[str, Any]],
-    fidelity: bool,
-    fidelity_tokens: int,
-    batch_size: int,
+    grid: Mapping[str, Any],
     command: Sequence[str] | None,
     world_size: int,
     code: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The manifest record of a run (``setup`` holds :data:`SETUP_FIELDS`)."""
+    """The manifest record of a run (``setup`` holds :data:`SETUP_FIELDS`; ``grid`` as :mod:`~reasonkv.eval.plan`
+    describes it)."""
     missing = [k for k in SETUP_FIELDS if k not in setup]
     if missing:
         raise ValueError(f"manifest setup lacks {', '.join(missing)}")
     manifest: dict[str, Any] = {
         "kind": "manifest",
         "tool": "reasonkv",
-        "format": 1,
+        "format": 2,
         "id": "",
         "setup": {k: setup[k] for k in SETUP_FIELDS},
         "environment": dict(environment),
-        "grid": {
-            "datasets": [dict(d) for d in datasets],
-            "policies": [dict(p) for p in policies],
-            "fidelity": bool(fidelity),
-            "fidelity_tokens": fidelity_tokens,
-            "batch_size": batch_size,
-            **({} if code is None else {"code": dict(code)}),
-        },
+        "grid": {**dict(grid), **({} if code is None else {"code": dict(code)})},
         "command": None if command is None else list(command),
         "launch": {"world_size": world_size},
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -166,8 +272,8 @@ def check_compatible(
     Returns the environment differences from the file's latest manifest (for a warning).
     """
     first = manifests[0]
-    problems = _differences(first.get("setup", {}), new["setup"], SETUP_FIELDS)
-    hashes = {d.get("name"): d.get("sha256") for m in manifests for d in m.get("grid", {}).get("datasets", [])}
+    problems = _differences(first["setup"], new["setup"], SETUP_FIELDS)
+    hashes = {d.get("name"): d.get("sha256") for m in manifests for d in m["grid"].get("datasets", [])}
     for dataset in new["grid"]["datasets"]:
         old = hashes.get(dataset["name"])
         if old is not None and old != dataset["sha256"]:
@@ -177,13 +283,13 @@ def check_compatible(
             f"{path} holds results of another setup ({'; '.join(problems)}): results of two setups never share "
             "a file; use another --out, or the same settings to resume"
         )
-    latest = manifests[-1].get("environment", {})
+    latest = manifests[-1]["environment"]
     return _differences(latest, new["environment"], sorted(set(latest) | set(new["environment"])))
 
 
 def describe(manifest: Mapping[str, Any]) -> list[str]:
     """The manifest as markdown bullet lines (for ``reasonkv report``)."""
-    setup, env, grid = manifest.get("setup", {}), manifest.get("environment", {}), manifest.get("grid", {})
+    setup, env, grid = (_object(manifest.get(k)) for k in ("setup", "environment", "grid"))
 
     def short(value: Any) -> str:
         return "—" if value is None else str(value)[:12]
@@ -194,13 +300,15 @@ def describe(manifest: Mapping[str, Any]) -> list[str]:
     datasets = ", ".join(
         f"{d.get('name')} ({d.get('problems')} problems x {d.get('samples')} "
         f"sample{'' if d.get('samples') == 1 else 's'}, sha256 {short(d.get('sha256'))})"
-        for d in grid.get("datasets", [])
+        for d in map(_object, _list(grid.get("datasets")))
     )
     policies = ", ".join(
-        p.get("label", "?") + ("" if p.get("budget") is None else f"@{p['budget']}") for p in grid.get("policies", [])
+        str(p.get("label", "?")) + ("" if p.get("budget") is None else f"@{p['budget']}")
+        for p in map(_object, _list(grid.get("policies")))
     )
     command = manifest.get("command")
-    world = manifest.get("launch", {}).get("world_size", 1)
+    world = _object(manifest.get("launch")).get("world_size", 1)
+    world = world if isinstance(world, int) else 1
     lines = [
         f"- run `{manifest.get('id')}`, {manifest.get('created')}" + (f", {world} processes" if world > 1 else ""),
         f"  - model {setup.get('model')}{revision}, weights sha256 {short(setup.get('weights_sha256'))}, "
@@ -213,17 +321,23 @@ def describe(manifest: Mapping[str, Any]) -> list[str]:
         f"transformers {env.get('transformers')}, python {env.get('python')}, {env.get('device_name')}",
     ]
     code = grid.get("code")
-    if code:
+    if isinstance(code, dict) and code:
         lines.append(
             f"  - code: tests of {code.get('timeout')} s and {code.get('memory_mb')} MiB each, {code.get('workers')} "
             f"at once; sandbox {code.get('mechanism')} ({', '.join(code.get('isolation') or []) or 'no isolation'})"
             + (f"; missing, allowed: {', '.join(code['missing'])}" if code.get("missing") else "")
         )
-    if command:
-        import shlex
-
-        lines.append(f"  - command: `{shlex.join(command)}`")
+    if isinstance(command, list) and command:
+        lines.append(f"  - command: `{shlex.join(map(str, command))}`")
     return lines
+
+
+def _object(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
+def _list(value: Any) -> list:
+    return value if isinstance(value, list) else []
 
 
 def command_line(argv: Sequence[str] | None = None) -> list[str]:

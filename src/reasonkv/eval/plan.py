@@ -1,17 +1,23 @@
 """A grid made concrete, before any model loads: its problems, its units and their split across shards.
 
-``--plan`` prints :meth:`GridPlan.summary`; a run does the units :meth:`GridPlan.mine` gives it.
+``--plan`` prints :meth:`GridPlan.summary`; a run does the units :meth:`GridPlan.mine` gives it, and
+records :meth:`GridPlan.description` (with the grid's identity, :meth:`GridPlan.identity`) in its
+manifest.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 from reasonkv.eval.datasets import Problem, dataset_path, load_dataset
 from reasonkv.eval.extraction import CODE_KINDS
 from reasonkv.eval.grid import Cell, GridSpec
 from reasonkv.eval.livecodebench import in_window, parse_day
+from reasonkv.eval.manifest import file_sha256, grid_identity, grid_sha256
 from reasonkv.eval.shards import Shard
 from reasonkv.eval.units import Unit, assign, grid_units, unit_cost
 
@@ -49,6 +55,50 @@ class GridPlan:
 
     def dataset_files(self) -> list[Path]:
         return [dataset_file(name) for name, _ in self.datasets]
+
+    def sampling(self) -> dict[str, Any]:
+        """The decoding settings as the manifest's setup records them."""
+        sampling = self.grid.sampling
+        return {
+            "max_new_tokens": sampling.max_new_tokens,
+            "temperature": float(sampling.temperature),
+            "top_p": float(sampling.top_p),
+            "top_k": sampling.top_k,
+            "seed": self.grid.seed,
+        }
+
+    @cached_property
+    def description(self) -> dict[str, Any]:
+        """The manifest's ``grid``: datasets (with their files' SHA-256), cells, what is measured, and
+        ``sha256``, the grid's identity (see :func:`reasonkv.eval.manifest.grid_identity`)."""
+        limits = dict(self.grid.datasets)
+        datasets = [
+            {
+                "name": name,
+                "file": str(path),
+                "sha256": file_sha256(path),
+                "limit": limits[name],
+                "problems": len(problems),
+                "samples": self.grid.samples[name],
+            }
+            for (name, problems), path in zip(self.datasets, self.dataset_files(), strict=True)
+        ]
+        policies = [{"label": c.label, "budget": c.budget, "buffer": c.buffer, "config": c.config} for c in self.cells]
+        grid = {
+            "datasets": datasets,
+            "policies": policies,
+            "fidelity": bool(self.fidelity),
+            "fidelity_tokens": self.grid.replay_tokens,
+            "generation": self.grid.generation,
+            "batch_size": self.grid.batch_size,
+        }
+        grid = json.loads(json.dumps(grid, default=str))  # as a manifest reads back
+        grid["sha256"] = grid_sha256(grid_identity(grid, self.sampling()))
+        return grid
+
+    def identity(self) -> dict[str, Any]:
+        """What decides this grid's units and their split (:func:`~reasonkv.eval.manifest.grid_identity`)."""
+        return grid_identity(self.description, self.sampling())
 
     def summary(self) -> str:
         """Units, the most tokens they may generate, and each shard's share of the expected cost."""

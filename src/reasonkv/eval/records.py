@@ -7,11 +7,15 @@ Record kinds
     with the unit's identity fields, ``unit`` (the kind of record it would have been) and ``error``
     (the reason).
 
-A results file is a :class:`reasonkv.runs.store.JsonlStore`. ``eval`` and ``report`` read it the
-same way, with :func:`read_results`: a torn last line is skipped, and any other line that is not a
-record of these kinds with fields of the right types (:func:`check_record`) is an error naming the
-file, the line and the field. It is this tool's own when its first line is a manifest
-(:func:`scan_results`); nothing else is ever written to (see :mod:`reasonkv.runs.outputs`).
+A results file is a :class:`reasonkv.runs.store.JsonlStore` (a torn last line is skipped, then cut
+off); ``eval`` and ``report`` check its lines alike (:func:`scan_results`, :func:`read_results`). It is
+this tool's own when its first line is a sound manifest of this tool (:func:`scan_results`); nothing
+else is ever written to (see :mod:`reasonkv.runs.outputs`). Every other line must be a record
+of one of these kinds whose identity fields have their types (:func:`record_problem`); a line that is
+not (a hand edit, a collision) is an error naming the file, the line and the field, never skipped
+silently, and :func:`repair_results` moves such lines aside, keeping every other record. A manifest
+that was edited (its ``id`` no longer matches its content) is refused: it no longer says what the
+records after it were computed with.
 
 :func:`unit_key` names the unit of work a record completes (or failed), so a rerun skips exactly the
 work already on disk. Two results of one unit are the same result when :func:`outcome` finds them
@@ -25,14 +29,18 @@ import json
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from reasonkv.runs.store import JsonlStore, numbered_records
+from reasonkv.eval.manifest import manifest_problem
+from reasonkv.runs.outputs import OutputLock, create_exclusive, write_atomic
+from reasonkv.runs.store import JsonlStore, numbered_lines
 
 __all__ = [
     "KEY_FIELDS",
     "KINDS",
+    "FIELD_TYPES",
     "OUTCOME_FIELDS",
     "ResultsFile",
     "check_record",
@@ -40,6 +48,8 @@ __all__ = [
     "outcome",
     "read_results",
     "record_key",
+    "record_problem",
+    "repair_results",
     "scan_results",
     "unit_key",
 ]
@@ -82,6 +92,46 @@ KEY_FIELDS: dict[str, tuple[str, ...]] = {
 #: Every record kind a results file may hold.
 KINDS = ("manifest", "generation", "fidelity", "error")
 
+_INT = (int,)
+_NUMBER = (int, float)
+#: The types of the fields reasonkv reads back from a record (a field may be missing, or null), and what
+#: to say when one is not: ``(types, what, smallest value)``.
+FIELD_TYPES: dict[str, tuple[tuple[type, ...], str, float | None]] = {
+    "model": ((str,), "a string", None),
+    "dtype": ((str,), "a string", None),
+    "dataset": ((str,), "a string", None),
+    "problem_id": ((str, int), "a string", None),
+    "prompt_format": ((str,), "a string", None),
+    "policy": ((str,), "a string", None),
+    "policy_label": ((str,), "a string", None),
+    "policy_config": ((dict,), "an object", None),
+    "budget": (_INT, "a positive integer", 1),
+    "buffer": (_INT, "a non-negative integer", 0),
+    "tier": ((dict,), "an object", None),
+    "sample": (_INT, "a non-negative integer", 0),
+    "base_seed": (_INT, "an integer", None),
+    "seed": (_INT, "an integer", None),
+    "max_new_tokens": (_INT, "a positive integer", 1),
+    "temperature": (_NUMBER, "a number", None),
+    "top_p": (_NUMBER, "a number", None),
+    "top_k": (_INT, "an integer", None),
+    "fidelity_tokens": (_INT, "a positive integer", 1),
+    "correct": ((bool,), "true or false", None),
+    "output_ids": ((list,), "a list", None),
+    "output_tokens": (_INT, "an integer", None),
+    "tokens_per_second": (_NUMBER, "a number", None),
+    "extracted_answer": ((str,), "a string", None),
+    "grading_method": ((str,), "a string", None),
+    "finish_reason": ((str,), "a string", None),
+    "collapse": ((dict,), "an object", None),
+    "collapsed": ((bool,), "true or false", None),
+    "top1_agreement": (_NUMBER, "a number between 0 and 1", 0),
+    "kl_mean": (_NUMBER, "a number", None),
+    "answer_logprob_delta": (_NUMBER, "a number", None),
+    "answer_logprob_delta_mean": (_NUMBER, "a number", None),
+    "run": ((str,), "a string", None),
+}
+
 
 def _canonical(value: Any) -> Any:
     """A hashable form of a JSON value (dicts sorted, lists as tuples, floats normalised)."""
@@ -118,101 +168,65 @@ def _jsonable(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
 
-# ---------------------------------------------------------------------------------- reading
+def record_problem(record: Mapping[str, Any]) -> str | None:
+    """What is wrong with a record read from a results file (a hand edit), in words; None when it is sound.
+
+    Its ``kind`` must be one of :data:`KINDS`, a manifest must be sound (:func:`manifest_problem`), a
+    generation record must hold ``correct`` as true or false (``"yes"`` is not correct), an error record
+    must name its ``unit`` and its ``error``, and each field of :data:`FIELD_TYPES` that is there and not
+    null must have its type and range (``"budget": {}``, ``"budget": 0`` or ``"top1_agreement": 1.5`` are
+    refused).
+    """
+    kind = record.get("kind")
+    if kind not in KINDS:
+        return f"field 'kind' must be one of {', '.join(KINDS)}, got {_shown(kind)}"
+    if kind == "manifest":
+        if record.get("tool") != "reasonkv":
+            return f"a manifest of {record.get('tool')!r}, not of reasonkv"
+        return manifest_problem(record)
+    if kind == "generation" and not isinstance(record.get("correct"), bool):
+        return f"field 'correct' must be true or false, got {_shown(record.get('correct'))}"
+    if kind == "error" and record.get("unit") not in KEY_FIELDS:
+        return f"field 'unit' must be one of {', '.join(KEY_FIELDS)}, got {_shown(record.get('unit'))}"
+    if kind == "error" and not isinstance(record.get("error"), str):
+        return f"field 'error' must be the reason, a string, got {_shown(record.get('error'))}"
+    for name, (types, what, smallest) in FIELD_TYPES.items():
+        value = record.get(name)
+        if value is None:
+            continue
+        wrong_type = (isinstance(value, bool) and bool not in types) or not isinstance(value, types)
+        out_of_range = not wrong_type and smallest is not None and value < smallest
+        if wrong_type or out_of_range or (name == "top1_agreement" and value > 1):
+            return f"field '{name}' must be {what} (or null), got {_shown(value)}"
+    return None
+
+
+def check_record(record: Mapping[str, Any], where: str) -> None:
+    """Raise ``ValueError`` naming ``where`` (``"results.jsonl, line 7"``) when :func:`record_problem` finds one."""
+    problem = record_problem(record)
+    if problem is not None:
+        raise ValueError(f"{where}: {problem}")
+
+
+def read_results(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line number, record)`` for every complete record of a results file, each checked (:func:`record_problem`).
+
+    The one reader of results records for ``report`` (``eval`` resumes through :func:`scan_results`, which
+    applies the same checks). Nothing when the file does not exist; a torn last line is skipped; any other
+    bad line raises ``ValueError`` naming the file, the line and the field.
+    """
+    for number, _, record, problem in numbered_lines(path):
+        problem = problem or record_problem(record)
+        if problem is not None:
+            raise ValueError(f"{path}, line {number}: {problem}")
+        yield number, record
+
 
 #: What a result says, per kind: two records of one unit that differ here are a conflict.
 OUTCOME_FIELDS: dict[str, tuple[str, ...]] = {
     "generation": ("correct", "extracted_answer", "grading_method", "finish_reason"),
     "fidelity": ("top1_agreement", "kl_mean", "answer_logprob_delta"),
 }
-
-_INT = (int,)
-_NUMBER = (int, float)
-# Field -> (allowed types, what to say); None is allowed for every field below unless it is required.
-_FIELD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
-    "model": ((str,), "a string"),
-    "dataset": ((str,), "a string"),
-    "problem_id": ((str, int), "a string"),
-    "policy": ((str,), "a string"),
-    "policy_label": ((str,), "a string"),
-    "policy_config": ((dict,), "an object"),
-    "dtype": ((str,), "a string"),
-    "prompt_format": ((str,), "a string"),
-    "run": ((str,), "a string"),
-    "budget": (_INT, "a positive integer or null"),
-    "buffer": (_INT, "a non-negative integer or null"),
-    "tier": ((dict,), "an object or null"),
-    "sample": (_INT, "a non-negative integer"),
-    "base_seed": (_INT, "an integer"),
-    "max_new_tokens": (_INT, "a positive integer"),
-    "fidelity_tokens": (_INT, "a positive integer"),
-    "temperature": (_NUMBER, "a number"),
-    "top_p": (_NUMBER, "a number"),
-    "top_k": (_INT, "an integer"),
-    "output_tokens": (_INT, "an integer"),
-    "tokens_per_second": (_NUMBER, "a number"),
-    "extracted_answer": ((str,), "a string or null"),
-    "grading_method": ((str,), "a string"),
-    "finish_reason": ((str,), "a string"),
-    "collapse": ((dict,), "an object"),
-    "collapsed": ((bool,), "true or false"),
-    "top1_agreement": (_NUMBER, "a number between 0 and 1"),
-    "kl_mean": (_NUMBER, "a number"),
-    "answer_logprob_delta": (_NUMBER, "a number"),
-    "answer_logprob_delta_mean": (_NUMBER, "a number"),
-}
-_BOUNDS = {"budget": 1, "buffer": 0, "sample": 0, "max_new_tokens": 1, "fidelity_tokens": 1}
-
-
-def _bad(where: str, name: str, what: str, value: Any) -> ValueError:
-    shown = repr(value)
-    shown = shown if len(shown) <= 60 else shown[:57] + "..."
-    return ValueError(f"{where}: {name!r} must be {what}, got {shown}")
-
-
-def check_record(record: Mapping[str, Any], where: str) -> None:
-    """Refuse a record that is not one of :data:`KINDS` with fields of the right types.
-
-    ``where`` names the record in the error (``"results.jsonl, line 7"``). A generation record must hold
-    ``correct`` as ``true`` or ``false`` (``"yes"`` is not correct), an error record its ``unit`` and
-    ``error``; the identity and result fields that a record holds must have their types (``budget`` a
-    positive integer or null, ``top1_agreement`` a number between 0 and 1, ...). A manifest is checked by
-    :mod:`reasonkv.eval.manifest`.
-    """
-    kind = record.get("kind")
-    if kind not in KINDS:
-        what = "no 'kind' field" if "kind" not in record else f"kind {kind!r}"
-        raise ValueError(f"{where}: {what}; a results record's kind is one of {', '.join(KINDS)}")
-    if kind == "manifest":
-        return
-    if kind == "generation" and not isinstance(record.get("correct"), bool):
-        raise _bad(where, "correct", "true or false", record.get("correct", "nothing"))
-    if kind == "error":
-        if record.get("unit") not in KEY_FIELDS:
-            raise _bad(where, "unit", f"one of {', '.join(KEY_FIELDS)}", record.get("unit", "nothing"))
-        if not isinstance(record.get("error"), str):
-            raise _bad(where, "error", "the reason, a string", record.get("error", "nothing"))
-    for name, (types, what) in _FIELD_TYPES.items():
-        value = record.get(name)
-        if value is None:
-            continue
-        if isinstance(value, bool) and bool not in types or not isinstance(value, types):
-            raise _bad(where, name, what, value)
-        if name in _BOUNDS and value < _BOUNDS[name]:
-            raise _bad(where, name, what, value)
-        if name == "top1_agreement" and not 0.0 <= value <= 1.0:
-            raise _bad(where, name, what, value)
-
-
-def read_results(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str, Any]]]:
-    """``(line number, record)`` for every complete record of a results file, each checked (:func:`check_record`).
-
-    The one reader of results records (``eval`` resuming, ``report``). Nothing when the file does not exist;
-    a torn last line is skipped; any other bad line raises ``ValueError`` naming the file and the line.
-    """
-    for number, record in numbered_records(path):
-        check_record(record, f"{path}, line {number}")
-        yield number, record
 
 
 def outcome(record: Mapping[str, Any]) -> dict[str, Any]:
@@ -234,8 +248,26 @@ def conflict(first: Mapping[str, Any], second: Mapping[str, Any]) -> list[str]:
     return [name for name, value in first.items() if not _same(value, second.get(name))]
 
 
+def _shown(value: Any) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _not_ours(path: Path, why: str) -> ValueError:
     return ValueError(f"{path} is not a reasonkv results file ({why}): nothing was written to it; use another --out")
+
+
+def _damaged(path: Path, number: int, why: str, repairable: bool) -> ValueError:
+    if not repairable:
+        return ValueError(
+            f"{path}, line {number}: {why}: restore that line as it was written, or move the file away and use "
+            "another --out; nothing was written"
+        )
+    return ValueError(
+        f"{path}, line {number}: {why}; nothing was written. Every other line is kept if you rerun with --repair "
+        f"(Python: repair=True): lines that are not records are moved to {path.name}.rejected-<date>, and the run "
+        "resumes from the rest"
+    )
 
 
 def scan_results(
@@ -248,10 +280,11 @@ def scan_results(
     """Check that ``path`` is this tool's results file and read it; returns its manifests.
 
     ``visit`` is called with every other record in file order. Raises ``ValueError`` for a file that
-    is not a results file (its first record is not a manifest, or a line is not a record of
-    :data:`KINDS`), naming the reason; a file written before run manifests existed is named as such.
-    A missing file is an empty run (``[]``). ``first_only`` checks the first record only (quick);
-    ``include_manifests`` passes the manifests to ``visit`` too.
+    is not a results file (its first record is not a sound manifest of this tool), naming the reason (a
+    file written before run manifests existed is named as such), and for a line that is not a sound
+    record (:func:`record_problem`), naming the file, the line and the field. A missing file is an
+    empty run (``[]``). ``first_only`` checks the first record only (quick); ``include_manifests``
+    passes the manifests to ``visit`` too.
     """
     path = Path(path)
     if path.is_dir():
@@ -261,35 +294,71 @@ def scan_results(
     if path.stat().st_size == 0:
         raise _not_ours(path, "it is empty")
     manifests: list[dict[str, Any]] = []
-    records = read_results(path)
-    first = True
-    while True:
-        try:
-            number, record = next(records)
-        except StopIteration:
-            break
-        except ValueError as error:
-            raise _not_ours(path, str(error).removeprefix(f"{path}, ")) from None
-        kind = record.get("kind")
-        if first and kind in KEY_FIELDS:
-            raise ValueError(
-                f"{path} holds records written before run manifests existed: reasonkv report reads it, "
-                "but a run appends only to a results file that starts with a manifest; use another --out"
-            )
-        if first and kind != "manifest":
-            raise _not_ours(path, "its first record is not a run manifest")
-        first = False
-        if kind == "manifest":
-            if record.get("tool") != "reasonkv":
-                raise _not_ours(path, f"line {number} is a manifest of {record.get('tool')!r}")
+    for number, _, record, problem in numbered_lines(path):
+        if not manifests:
+            _check_first(path, number, record, problem)
+        else:
+            problem = problem or record_problem(record)
+            if problem is not None:
+                raise _damaged(path, number, problem, repairable=record is None or record.get("kind") != "manifest")
+        if record["kind"] == "manifest":
             manifests.append(record)
-        if visit is not None and (include_manifests or kind != "manifest"):
+        if visit is not None and (include_manifests or record["kind"] != "manifest"):
             visit(record)
         if first_only:
             break
     if not manifests:
         raise _not_ours(path, "it holds no complete record")
     return manifests
+
+
+def _check_first(path: Path, number: int, record: dict[str, Any] | None, problem: str | None) -> None:
+    """Refuse a file whose first record is not a sound manifest of this tool."""
+    if record is None:
+        raise _not_ours(path, f"line {number}: {problem}")
+    kind = record.get("kind")
+    if kind in KEY_FIELDS:
+        raise ValueError(
+            f"{path} holds records written before run manifests existed: reasonkv report reads it, "
+            "but a run appends only to a results file that starts with a manifest; use another --out"
+        )
+    if kind != "manifest":
+        raise _not_ours(path, "its first record is not a run manifest")
+    if record.get("tool") != "reasonkv":
+        raise _not_ours(path, f"record 1 is a manifest of {record.get('tool')!r}")
+    problem = manifest_problem(record)
+    if problem is not None:
+        raise _damaged(path, number, problem, repairable=False)
+
+
+def repair_results(path: str | os.PathLike[str]) -> str | None:
+    """Move the lines of ``path`` that are not sound records aside, keeping every other line as it was.
+
+    The lines go, as they were, to a new file ``<name>.rejected-<UTC date>`` next to it, and ``path`` is
+    replaced (whole) by the rest. A file that is not this tool's, or whose manifests are unsound, is
+    refused (:func:`scan_results`), as a manifest is never set aside. The caller holds the file's lock.
+    Returns what was done, in words, or None when nothing was wrong.
+    """
+    path = Path(path)
+    scan_results(path, first_only=True)
+    kept: list[bytes] = []
+    rejected: list[tuple[int, bytes]] = []
+    for number, line, record, problem in numbered_lines(path):
+        problem = problem or (record_problem(record) if kept else None)
+        if problem is None:
+            kept.append(line if line.endswith(b"\n") else line + b"\n")
+        elif record is not None and record.get("kind") == "manifest":
+            raise _damaged(path, number, problem, repairable=False)
+        else:
+            rejected.append((number, line if line.endswith(b"\n") else line + b"\n"))
+    if not rejected:
+        return None
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
+    aside = path.with_name(f"{path.name}.rejected-{stamp}")
+    create_exclusive(aside, b"".join(line for _, line in rejected))
+    write_atomic(path, b"".join(kept).decode("utf-8"))
+    lines = ", ".join(str(number) for number, _ in rejected)
+    return f"{path}: moved {len(rejected)} line(s) that were not records (line {lines}) to {aside}; kept {len(kept)}"
 
 
 def _line(record: Mapping[str, Any]) -> str:
@@ -318,7 +387,8 @@ class ResultsFile:
     check
         Called with the file's manifests (oldest first) before anything is written.
     lock
-        Take the file's lock (default); ``False`` when the caller already holds it.
+        The lock the caller holds that covers the file (checked with it: a folder moved meanwhile is an
+        error); ``None`` (default) takes the file's own lock.
     fsync
         Also force each record to disk (survives a machine crash, not only a killed process).
     """
@@ -330,14 +400,14 @@ class ResultsFile:
         *,
         visit: Callable[[dict[str, Any]], None] | None = None,
         check: Callable[[list[dict[str, Any]]], None] | None = None,
-        lock: bool = True,
+        lock: OutputLock | None = None,
         fsync: bool = False,
     ):
         self.path = Path(path)
         if manifest.get("kind") != "manifest" or not manifest.get("id"):
             raise ValueError("a results file starts with a manifest record (kind 'manifest', with an id)")
         scan_results(self.path, first_only=True)  # refuse a foreign file before creating its lock file
-        self._store = JsonlStore(self.path, lock="eval" if lock else None, encode=_line, fsync=fsync)
+        self._store = JsonlStore(self.path, lock="eval" if lock is None else lock, encode=_line, fsync=fsync)
         try:
             manifests = scan_results(self.path, visit)
             if check is not None and manifests:
@@ -347,7 +417,7 @@ class ResultsFile:
             if not created and manifest["id"] not in {m.get("id") for m in manifests}:
                 self.manifests.append(self._store.append(manifest))
         except BaseException:
-            self._store.close()
+            self._store.close(check=False)
             raise
 
     def append(self, record: Mapping[str, Any]) -> None:
@@ -356,12 +426,20 @@ class ResultsFile:
             raise ValueError(f"record kind must be one of {KINDS}, got {record.get('kind')!r}")
         self._store.append(record)
 
-    def close(self) -> None:
-        """Force the records to disk and release the file's lock."""
-        self._store.close()
+    @property
+    def appended(self) -> int:
+        """Records this process wrote to the file (its manifest included)."""
+        return self._store.appended
+
+    def close(self, *, check: bool = True) -> None:
+        """Force the records to disk, check the file is still where it was, and release its lock.
+
+        ``check=False`` (closing after another error): just let go of the file and the lock.
+        """
+        self._store.close(check=check)
 
     def __enter__(self) -> ResultsFile:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, kind, *exc) -> None:
+        self.close(check=kind is None)

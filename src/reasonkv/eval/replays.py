@@ -38,7 +38,7 @@ def run_fidelity(ctx: Context, dataset: str, problems: Sequence[Problem], mine: 
                 ctx.counts["skipped"] += 1
                 ctx.note_fidelity(dataset, cell, ctx.ledger.outcomes.get(unit_key(key)))
                 continue
-            why = refused_prompt(cell, len(ctx.prompt_ids(problem)), grid.replay_tokens)
+            why = refused_prompt(cell, len(ctx.prompt_ids(problem)), grid.replay_tokens, ctx.context)
             if why is not None:
                 ctx.error(key, why, "fidelity", sample_seed(grid.seed, problem.id, 0))
             else:

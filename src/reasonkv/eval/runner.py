@@ -18,11 +18,21 @@ expected cost (:mod:`reasonkv.eval.units`); each process writes its own shard fi
 and the last to finish merges them into ``out`` (:mod:`reasonkv.eval.shards`). Launch them with
 ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``; ``cuda`` becomes ``cuda:LOCAL_RANK``) or give
 each its ``shard="I/N"``. Every run reads ``out`` and all its shard files, so it resumes with any
-number of processes; each unit ends up exactly once in ``out``.
+number of processes; each unit ends up exactly once in ``out``. In fp32 the records do not depend on
+the number of processes; in bf16 and fp16 a prompt's tokens can depend on the batch it is decoded in
+(rounding differs with the batch), and the split changes batches: there, only ``batch_size=1`` makes
+the records independent of the number of processes.
+
+Before the model loads: everything that needs no model is checked (the grid, the datasets, the output
+path and its folder, the free space there, every line of the run's files), and this process joins the
+run (:func:`reasonkv.eval.shards.join_run`: it takes the lock of the file it writes, refuses another
+launch, a shard file of another grid, or a process of the same run with other settings).
 
 The first record of a results file is the run manifest (:mod:`reasonkv.eval.manifest`): a run
 with another setup (model, weights, dtype, sampling, ...) is refused, and an existing file that is
-not a results file is never written to (:mod:`reasonkv.runs.outputs`).
+not a results file is never written to (:mod:`reasonkv.runs.outputs`). The file is written through
+one open file whose place is checked at every record and at the end: a results file removed or
+moved while the run writes it is an error naming it, never a success.
 
 Seeds: sample ``s`` of problem ``p`` uses ``sample_seed(seed, p.id, s)`` (the first 31 bits of
 ``sha256(f"{seed}/{p.id}/{s}")``) for both its sampling and its eviction randomness, whatever the
@@ -90,13 +100,14 @@ from reasonkv.eval.context import Context, Ledger
 from reasonkv.eval.decoding import run_generation
 from reasonkv.eval.environment import environment, weights_sha256
 from reasonkv.eval.grid import GridSpec
-from reasonkv.eval.manifest import build_manifest, check_compatible, file_sha256, tokenizer_sha256
+from reasonkv.eval.manifest import build_manifest, check_compatible, tokenizer_sha256
 from reasonkv.eval.plan import GridPlan, has_code, plan_grid
 from reasonkv.eval.records import ResultsFile, scan_results, unit_key
 from reasonkv.eval.replays import run_fidelity
-from reasonkv.eval.shards import Shard, lock_for_writing, merge_shards, shard_files, writer_path
+from reasonkv.eval.shards import Shard, join_run, merge_shards, read_run, run_files, shard_files, writer_path
 from reasonkv.models import load_model
-from reasonkv.runs.outputs import refuse_inputs
+from reasonkv.models.devices import resolve_dtype
+from reasonkv.runs.outputs import OutputError, OutputLock, make_folder, refuse_inputs
 from reasonkv.sandbox import Sandbox
 
 __all__ = ["GridResult", "run_grid"]
@@ -147,9 +158,15 @@ class GridResult:
         return "\n".join(lines)
 
 
-def _dtype_name(model) -> str:
-    dtype = next(model.parameters()).dtype
+MIN_FREE_BYTES = 64 * 1024  # less free space than this where --out lives: refused before the model loads
+
+
+def _dtype_label(dtype: torch.dtype) -> str:
     return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
+
+
+def _dtype_name(model) -> str:
+    return _dtype_label(next(model.parameters()).dtype)
 
 
 def _model_name(model) -> str:
@@ -163,7 +180,7 @@ def _prompt_format(tokenizer, thinking: bool | None) -> str:
 
 
 def _manifest(ctx: Context, plan: GridPlan, command: Sequence[str] | None) -> dict[str, Any]:
-    grid, config = plan.grid, getattr(ctx.model, "config", None)
+    config = getattr(ctx.model, "config", None)
     setup = {
         "model": ctx.model_name,
         "model_revision": getattr(config, "_commit_hash", None),
@@ -172,36 +189,15 @@ def _manifest(ctx: Context, plan: GridPlan, command: Sequence[str] | None) -> di
         "dtype": ctx.dtype,
         "attn_implementation": getattr(config, "_attn_implementation", None),
         "prompt_format": ctx.prompt_format,
-        "max_new_tokens": grid.sampling.max_new_tokens,
-        "temperature": float(grid.sampling.temperature),
-        "top_p": float(grid.sampling.top_p),
-        "top_k": grid.sampling.top_k,
-        "seed": grid.seed,
+        **plan.sampling(),
     }
-    limits = dict(grid.datasets)
-    datasets = [
-        {
-            "name": name,
-            "file": str(path),
-            "sha256": file_sha256(path),
-            "limit": limits[name],
-            "problems": len(problems),
-            "samples": grid.samples[name],
-        }
-        for (name, problems), path in zip(plan.datasets, plan.dataset_files(), strict=True)
-    ]
-    policies = [{"label": c.label, "budget": c.budget, "buffer": c.buffer, "config": c.config} for c in grid.cells]
     return build_manifest(
         setup=setup,
         environment=environment(ctx.device),
-        datasets=datasets,
-        policies=policies,
-        fidelity=plan.fidelity,
-        fidelity_tokens=grid.replay_tokens,
-        batch_size=grid.batch_size,
+        grid=plan.description,
         command=command,
         world_size=plan.shard.count,
-        code=None if ctx.grader is None else _code_manifest(grid, ctx.grader),
+        code=None if ctx.grader is None else _code_manifest(plan.grid, ctx.grader),
     )
 
 
@@ -222,6 +218,32 @@ def _grader(plan: GridPlan) -> CodeGrader | None:
     )
 
 
+def _plan_record(plan: GridPlan, model_name: str, dtype: str) -> dict[str, Any]:
+    """What every process of a sharded run must agree on (see :func:`reasonkv.eval.shards.join_run`)."""
+    return {
+        "tool": "reasonkv",
+        "kind": "plan",
+        "sha256": plan.description["sha256"],
+        "grid": plan.identity(),
+        "model": model_name,
+        "dtype": dtype,
+    }
+
+
+def _check_space(out: Path) -> None:
+    """Refuse before the model loads when the filesystem of ``out`` is (nearly) full."""
+    try:
+        stat = os.statvfs(out.parent)
+    except OSError:
+        return
+    free = stat.f_bavail * stat.f_frsize
+    if free < MIN_FREE_BYTES:
+        kept = " (the records already there are kept)" if out.exists() else ""
+        raise OutputError(
+            f"--out {out}: its filesystem has {free:,} bytes free: free some space, then rerun the same command{kept}"
+        )
+
+
 # ---------------------------------------------------------------------------------- the grid
 
 
@@ -239,6 +261,7 @@ def run_grid(
     on_record: Callable[[dict], None] | None = None,
     shard: Shard | str | tuple[int, int] | None = None,
     retry_errors: bool = False,
+    repair: bool = False,
     command: Sequence[str] | None = None,
     **settings,
 ) -> GridResult:
@@ -267,6 +290,9 @@ def run_grid(
         (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``), else the whole grid.
     retry_errors
         Run again the units whose record is an error.
+    repair
+        Move the lines of the run's files that are not records (a hand edit) aside, to
+        ``<file>.rejected-<date>``, and resume from the rest (see :func:`reasonkv.eval.records.repair_results`).
     command
         The command line, for the manifest.
 
@@ -276,40 +302,79 @@ def run_grid(
     """
     plan = plan_grid(grid, shard=shard, **settings)  # everything that needs no model, checked before it loads
     out = Path(out)
-    target = writer_path(out, plan.shard)
-    refuse_inputs([out, target], plan.dataset_files())
-    for path in _run_files(out):
-        scan_results(path, first_only=True)  # a file that is not ours is refused before the model loads
-    grader = _grader(plan)  # a sandbox that cannot run is refused before the model loads
-
+    grader = _grader(plan)  # a sandbox that cannot run is refused before anything is created or loaded
     if isinstance(model, (str, os.PathLike)):
         model_name = model_name or os.fspath(model)
-        device = plan.shard.device(device)
-        print(f"loading {model_name} ({dtype}, {device}, {attn_implementation}) ...", file=sys.stderr, flush=True)
-        model, tokenizer = load_model(
-            model,
-            dtype=dtype,
-            device=device,
-            attn_implementation=attn_implementation,
-            progress=None if progress else False,
+        dtype_name = _dtype_label(resolve_dtype(dtype))
+    else:
+        model_name = model_name or _model_name(model)
+        dtype_name = _dtype_name(model)
+    lock = _join(out, plan, _plan_record(plan, model_name, dtype_name), repair)
+    try:
+        if isinstance(model, (str, os.PathLike)):
+            device = plan.shard.device(device)
+            print(f"loading {model_name} ({dtype}, {device}, {attn_implementation}) ...", file=sys.stderr, flush=True)
+            model, tokenizer = load_model(
+                model,
+                dtype=dtype,
+                device=device,
+                attn_implementation=attn_implementation,
+                progress=None if progress else False,
+            )
+        if tokenizer is None:
+            raise ValueError("the eval needs a tokenizer (shape: models have none)")
+        ctx = Context(
+            model=model,
+            tokenizer=tokenizer,
+            grid=plan.grid,
+            model_name=model_name,
+            dtype=_dtype_name(model),
+            device=str(next(model.parameters()).device),
+            prompt_format=_prompt_format(tokenizer, plan.grid.thinking),
+            progress=progress,
+            on_record=on_record,
+            label=f"[{plan.shard.label}] " if plan.shard.count > 1 else "",
+            ledger=Ledger(retry_errors=retry_errors),
+            grader=grader,
         )
-    if tokenizer is None:
-        raise ValueError("the eval needs a tokenizer (shape: models have none)")
+        _write(ctx, plan, out, lock, command)
+    finally:
+        lock.release()
+    result = GridResult(path=out, written_to=writer_path(out, plan.shard), shard=plan.shard)
+    result.generated, result.fidelity = ctx.counts["generation"], ctx.counts["fidelity"]
+    result.errors, result.skipped = ctx.counts["error"], ctx.counts["skipped"]
+    result.accuracy = {name: tuple(tally) for name, tally in ctx.tally.items()}
+    result.fidelity_means = {
+        name: (t[0] / t[2], t[1] / t[2], int(t[2])) for name, t in ctx.fidelity_tally.items() if t[2]
+    }
+    _finish(result, plan, ctx, ctx.ledger if plan.shard.count == 1 else None)  # a single process knows the run
+    return result
 
-    ctx = Context(
-        model=model,
-        tokenizer=tokenizer,
-        grid=plan.grid,
-        model_name=model_name or _model_name(model),
-        dtype=_dtype_name(model),
-        device=str(next(model.parameters()).device),
-        prompt_format=_prompt_format(tokenizer, plan.grid.thinking),
-        progress=progress,
-        on_record=on_record,
-        label=f"[{plan.shard.label}] " if plan.shard.count > 1 else "",
-        ledger=Ledger(retry_errors=retry_errors),
-        grader=grader,
-    )
+
+def _join(out: Path, plan: GridPlan, plan_record: dict[str, Any], repair: bool) -> OutputLock:
+    """Everything about the output that needs no model, before it loads (every line of the run's files is
+    checked): returns the lock of the file this process writes (held)."""
+    refuse_inputs([out, writer_path(out, plan.shard)], plan.dataset_files())
+    for path in run_files(out):
+        scan_results(path, first_only=True)  # a file that is not ours is refused before anything is created
+    make_folder(out.parent, f"--out {out}")
+    lock, repaired = join_run(out, plan.shard, plan_record, repair=repair)
+    try:
+        for note in repaired:
+            print(note, file=sys.stderr, flush=True)
+        for path in run_files(out):
+            scan_results(path)  # a line that is not a record is named (with the repair) now, not after the load
+        _check_space(out)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def _write(ctx: Context, plan: GridPlan, out: Path, lock: OutputLock, command: Sequence[str] | None) -> None:
+    """Read what the run writing ``out`` holds now (other processes may have written, and merged, while the
+    model loaded), then decode and replay this process's units not done yet into the file ``lock`` guards."""
+    target = lock.target
     manifest = _manifest(ctx, plan, command)
     ctx.run_id = manifest["id"]
     warned: list[str] = []
@@ -318,53 +383,28 @@ def run_grid(
         differences = check_compatible(path, manifests, manifest)
         if differences and not warned:
             warned.append(path.name)
-            print(
-                f"warning: {path} was written in another environment ({'; '.join(differences)}); "
-                "this run's manifest is added",
-                file=sys.stderr,
-            )
+            added = "" if manifest["id"] in {m.get("id") for m in manifests} else "; this run's manifest is added"
+            print(f"warning: {path} was written in another environment ({'; '.join(differences)}){added}",
+                  file=sys.stderr)  # fmt: skip
 
-    result = GridResult(path=out, written_to=target, shard=plan.shard)
-    mine = plan.mine()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    lock = lock_for_writing(out, plan.shard)
-    try:
-        for path in _run_files(out):
-            if path != target:
-                manifests = scan_results(path, ctx.ledger.note)
-                compatible(path, manifests)
-        ctx.results = ResultsFile(
-            target, manifest, visit=ctx.ledger.note, check=lambda ms: compatible(target, ms), lock=False
-        )
-        with ctx.results:
-            for name, problems in plan.datasets:
-                run_generation(ctx, name, problems, mine)
-                if plan.fidelity:
-                    run_fidelity(ctx, name, problems, mine)
-        ledger = ctx.ledger if plan.shard.count == 1 else None  # a single process knows the whole run
-    finally:
-        lock.release()
-    result.generated, result.fidelity = ctx.counts["generation"], ctx.counts["fidelity"]
-    result.errors, result.skipped = ctx.counts["error"], ctx.counts["skipped"]
-    result.accuracy = {name: tuple(tally) for name, tally in ctx.tally.items()}
-    result.fidelity_means = {
-        name: (t[0] / t[2], t[1] / t[2], int(t[2])) for name, t in ctx.fidelity_tally.items() if t[2]
-    }
-    _finish(result, plan, ctx, ledger)
-    return result
-
-
-def _run_files(out: Path) -> list[Path]:
-    """``out`` (when it exists) and its shard files: every file of the run."""
-    return [p for p in [out] if p.exists()] + [p for p, _ in shard_files(out)]
+    for path, manifests in read_run(out, plan.description["sha256"], ctx.ledger.note, exclude=target).items():
+        compatible(path, manifests)
+    ctx.results = ResultsFile(
+        target, manifest, visit=ctx.ledger.note, check=lambda ms: compatible(target, ms), lock=lock
+    )
+    with ctx.results:
+        for name, problems in plan.datasets:
+            run_generation(ctx, name, problems, plan.mine())
+            if plan.fidelity:
+                run_fidelity(ctx, name, problems, plan.mine())
 
 
 def _finish(result: GridResult, plan: GridPlan, ctx, ledger) -> None:
     """Whether the grid is complete; if so, merge the shard files into ``--out``."""
+    grid = plan.description["sha256"]
     if ledger is None:  # other shards wrote too: read what the run's files hold now
         ledger = Ledger()
-        for path in _run_files(result.path):
-            scan_results(path, ledger.note)
+        read_run(result.path, grid, ledger.note)
     problems = {(name, p.id): p for name, problems in plan.datasets for p in problems}
     missing = 0
     failed = set()  # a problem's generation and fidelity units that both failed count once
@@ -379,4 +419,4 @@ def _finish(result: GridResult, plan: GridPlan, ctx, ledger) -> None:
             failed.add((unit.dataset, unit.problem, unit.cell, unit.sample))
     result.complete, result.missing, result.failed = missing == 0, missing, len(failed)
     if result.complete and shard_files(result.path):
-        result.merged = merge_shards(result.path)
+        result.merged = merge_shards(result.path, grid)

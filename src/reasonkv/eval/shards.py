@@ -1,4 +1,4 @@
-"""One evaluation across processes: which shard this process is, its file, its lock, and the merge.
+"""One evaluation across processes: which shard this process is, its file, its locks, its plan, and the merge.
 
 A run with ``--out results.jsonl`` split into ``N`` shards (``torchrun --nproc_per_node N -m reasonkv
 eval ...``, or ``--shard I/N`` for schedulers that start independent jobs) writes shard ``I`` to
@@ -6,32 +6,66 @@ eval ...``, or ``--shard I/N`` for schedulers that start independent jobs) write
 Every run reads the records of ``--out`` and of all its shard files, whatever their ``N``, so a
 run resumes with any number of processes and skips exactly the units already on disk.
 
-Locks (see :mod:`reasonkv.runs.outputs`): each process holds the lock of the file it writes. A sharded
-process starts under the lock of ``--out`` (held for a moment), where it also makes sure no other
-launch writes to the same run: a single process (which holds the lock of ``--out`` for its whole
-run) or shards of another ``N``. Shards of the same ``N`` are one launch; one index twice is refused
-by the shard's own lock.
+Joining a run (:func:`join_run`), before any model loads, under ``results.jsonl.steps.lock`` (the
+lock of the run's short steps: waited for):
 
-Merge: the process that finds the whole grid done after writing its last record (the last to finish)
-merges, under the lock of ``--out``: every record of every shard file that ``--out`` lacks is appended
-(a unit already there, or an error record for a unit already there, is skipped: each unit appears
-once), the file is synced, and then the shard files are deleted (each only once its writer has
-finished and nothing was appended since it was read). A merge that is interrupted is simply done again.
+- the process takes the lock of the file it writes (``results.jsonl.lock``, or its shard file's);
+  one index twice is refused there;
+- it refuses while another launch writes to the same run: a single process (which holds the lock of
+  ``--out`` for its whole run) or shards of another ``N``; shards of the same ``N`` are one launch;
+- it refuses a shard file of another grid (:func:`~reasonkv.eval.manifest.grid_identity`): such a
+  file is never merged into ``--out`` and never deleted;
+- a sharded process compares the run's plan file ``results.plan.json`` (the grid's identity, the
+  model and dtype, written by the first process that joins) with its own and refuses at once,
+  naming what differs, when another process of the run has other settings: ranks with different
+  grids would compute different splits, and some units would never run.
+
+Merge: a process that has written its last record reads the run's files under the steps lock
+(:func:`read_run`: no merge moves records meanwhile); the one that finds the whole grid done merges,
+under the steps lock and the lock of ``--out``: every record of every shard file of its grid that
+``--out`` lacks is appended (a unit already there, or an error record for a unit already there,
+is skipped: each unit appears once), the file is synced, and then the shard files are deleted (each
+only once its writer has finished and nothing was appended since it was read), and the plan file
+with the last of them. A merge that is interrupted is simply done again; a clean-up that fails after
+it (a read-only folder) is a warning.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from reasonkv.eval.manifest import check_compatible
-from reasonkv.eval.records import ResultsFile, scan_results, unit_key
-from reasonkv.runs.outputs import OutputLock, OutputLocked
+from reasonkv.eval.manifest import check_compatible, grid_differences, grid_identity, grid_sha256
+from reasonkv.eval.records import ResultsFile, repair_results, scan_results, unit_key
+from reasonkv.runs.outputs import (
+    OutputError,
+    OutputLock,
+    OutputLocked,
+    lock_path,
+    remove_stale_temps,
+    warn,
+    write_atomic,
+)
 
-__all__ = ["Shard", "lock_for_writing", "merge_shards", "shard_files", "shard_path", "writer_path"]
+__all__ = [
+    "Shard",
+    "join_run",
+    "merge_shards",
+    "plan_path",
+    "read_run",
+    "run_files",
+    "shard_files",
+    "shard_path",
+    "steps_lock_path",
+    "writer_path",
+]
+
+STEPS_WAIT = 600.0  # the longest a process waits for another's short step (joining, merging)
 
 
 @dataclass(frozen=True)
@@ -142,67 +176,222 @@ def shard_files(out: str | os.PathLike[str], *, locks: bool = False) -> list[tup
     return sorted(found, key=lambda item: (item[1].count, item[1].index))
 
 
-def _refuse_other_launches(out: Path, count: int) -> None:
-    for path, shard in shard_files(out, locks=True):
-        if shard.count == count:
+def steps_lock_path(out: str | os.PathLike[str]) -> Path:
+    """``results.jsonl.steps.lock``: the lock of a run's short steps (joining it, merging it)."""
+    out = Path(out)
+    return out.with_name(out.name + ".steps.lock")
+
+
+def plan_path(out: str | os.PathLike[str]) -> Path:
+    """``results.plan.json``: what every process of a sharded run must agree on."""
+    out = Path(out)
+    return out.with_name(f"{_split(out)[0]}.plan.json")
+
+
+def _plan_of(path: Path) -> dict:
+    """The plan a results file was written under, from its first manifest (see :func:`join_run`)."""
+    first = scan_results(path, first_only=True)[0]
+    grid = grid_identity(first["grid"], first["setup"])
+    return {"sha256": grid_sha256(grid), "grid": grid, "model": first["setup"].get("model"),
+            "dtype": first["setup"].get("dtype")}  # fmt: skip
+
+
+def run_files(out: str | os.PathLike[str], grid: str | None = None) -> list[Path]:
+    """``out`` (when it exists) and its shard files (only those of ``grid``, a grid SHA-256, when given)."""
+    out = Path(out)
+    shards = [p for p, _ in shard_files(out)]
+    if grid is not None:
+        shards = [p for p in shards if _plan_of(p)["sha256"] == grid]
+    return [p for p in [out] if p.exists()] + shards
+
+
+def read_run(
+    out: str | os.PathLike[str],
+    grid: str,
+    visit: Callable[[dict[str, Any]], None],
+    *,
+    exclude: Path | None = None,
+) -> dict[Path, list[dict[str, Any]]]:
+    """Pass every record of ``out`` and its shard files of ``grid`` (but ``exclude``) to ``visit``, read while
+    no merge runs; returns each file's manifests.
+
+    A merge by another process of the run moves records from the shard files into ``out`` and deletes
+    them: read meanwhile, a unit could be missed or a file vanish between its listing and its reading.
+    """
+    with OutputLock(out, "read", path=steps_lock_path(out), wait=STEPS_WAIT):
+        return {path: scan_results(path, visit) for path in run_files(out, grid) if path != exclude}
+
+
+def _refuse_other_launches(out: Path, shard: Shard) -> None:
+    if shard.count > 1:
+        holder = OutputLock.holder(lock_path(out))
+        if holder is not None:
+            raise OutputLocked(
+                f"{out} is in use by {OutputLock.describe(holder)}, a single process: wait for it to finish, or "
+                "use another --out"
+            )
+    for path, other in shard_files(out, locks=True):
+        if other.count == shard.count and shard.count > 1:
             continue
         holder = OutputLock.holder(path)
         if holder is not None:
             raise OutputLocked(
-                f"{out} is being written by a run split into {shard.count} shards "
-                f"(shard {shard.label}: {OutputLock.describe(holder)}): wait for it to finish, or use another --out"
+                f"{out} is being written by a run split into {other.count} shards "
+                f"(shard {other.label}: {OutputLock.describe(holder)}): wait for it to finish, or use another --out"
             )
 
 
-def lock_for_writing(out: str | os.PathLike[str], shard: Shard) -> OutputLock:
-    """Lock the file ``shard`` writes, refusing while another launch writes to the same run."""
-    out = Path(out)
-    if shard.count == 1:
-        lock = OutputLock(out, "eval").acquire()
-        try:
-            _refuse_other_launches(out, 1)
-        except BaseException:
-            lock.release()
-            raise
-        return lock
-    with OutputLock(out, "admission"):
-        lock = OutputLock(shard_path(out, shard), "eval").acquire()
-        try:
-            _refuse_other_launches(out, shard.count)
-        except BaseException:
-            lock.release()
-            raise
-    return lock
+def _refuse_foreign_shards(out: Path, plan: dict) -> None:
+    """Refuse shard files written with another grid (never merged, never deleted) or another model or dtype."""
+    for path, _ in shard_files(out):
+        theirs = _plan_of(path)
+        if theirs["sha256"] != plan["sha256"]:
+            differences = "; ".join(grid_differences(theirs["grid"], plan["grid"]))
+            raise ValueError(
+                f"{path} is a shard of a run with another grid ({differences}): "
+                f"it is never merged into {out} or deleted. Finish that run first (its own command, with any number "
+                "of processes), or move the file away"
+            )
+        differences = _plan_differences(theirs, plan)
+        if differences:
+            raise ValueError(
+                f"{path} holds results of another setup ({'; '.join(differences)}): results of two setups never "
+                "share a run; use another --out, or the same settings to resume"
+            )
 
 
-def merge_shards(out: str | os.PathLike[str]) -> int | None:
-    """Append the records of every shard file that ``out`` lacks, then delete the shard files.
-
-    Returns the number of records appended, or ``None`` when a single-process run holds ``out`` (it
-    merges when it finishes).
-    """
-    out = Path(out)
-    try:
-        lock = OutputLock(out, "merge").acquire()
-    except OutputLocked:
+def _read_plan(path: Path) -> dict | None:
+    if not path.exists():
         return None
     try:
-        shards = shard_files(out)
-        if not shards:
-            return 0
-        first = scan_results(shards[0][0], first_only=True)[0]
-        settled: dict[tuple, int] = {}  # unit -> 1 (an error record), 2 (a result)
+        found = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        found = None
+    if not isinstance(found, dict) or found.get("tool") != "reasonkv" or found.get("kind") != "plan":
+        raise ValueError(f"{path} is not a reasonkv plan file: move it away or use another --out")
+    return found
 
-        def note(record: dict) -> None:
-            key = unit_key(record)
-            settled[key] = max(settled.get(key, 0), 1 if record.get("kind") == "error" else 2)
 
+def _plan_differences(old: dict, new: dict) -> list[str]:
+    found = [f"{k}: {old.get(k)!r} there, {new.get(k)!r} now" for k in ("model", "dtype") if old.get(k) != new.get(k)]
+    if old.get("sha256") != new["sha256"]:
+        found += grid_differences(old.get("grid") if isinstance(old.get("grid"), dict) else {}, new["grid"])
+    return found
+
+
+def _check_plan(out: Path, shard: Shard, plan: dict) -> None:
+    """Refuse a plan that differs from the one of the processes in the run; a sharded process records it."""
+    path = plan_path(out)
+    found = _read_plan(path)
+    others = [p for p, s in shard_files(out, locks=True) if s != shard and OutputLock.holder(p) is not None]
+    live = bool(shard_files(out) or others)
+    if found is not None and live:
+        differences = _plan_differences(found, plan)
+        if differences:
+            raise ValueError(
+                f"{out} is being run with other settings ({'; '.join(differences)}; the run's plan is {path}): every "
+                "process of a run needs the same arguments, or the processes would split different grids; use "
+                "another --out, or the same arguments"
+            )
+    if shard.count > 1 and found != plan:  # the first process of a launch (every check above passed)
+        remove_stale_temps(path)
+        write_atomic(path, json.dumps(plan, indent=1) + "\n")
+
+
+def _repair(out: Path) -> list[str]:
+    """Move the lines that are not records out of the run's files nobody writes now."""
+    done = []
+    for path in run_files(out):
+        lock = OutputLock(path, "repair")
+        try:
+            lock.acquire()
+        except OutputLocked:
+            continue  # its writer repaired it when it joined
+        try:
+            note = repair_results(path)
+        finally:
+            lock.release()
+        if note is not None:
+            done.append(note)
+    return done
+
+
+def join_run(
+    out: str | os.PathLike[str], shard: Shard, plan: dict, *, repair: bool = False
+) -> tuple[OutputLock, list[str]]:
+    """Take this process's place in the run writing ``out``, before any model loads.
+
+    ``plan`` is this process's plan record (``tool``, ``kind``: ``plan``, ``sha256`` and ``grid``: the
+    grid's identity, ``model``, ``dtype``). Returns the lock of the file this process writes (held; the
+    caller releases it) and, with ``repair``, what :func:`~reasonkv.eval.records.repair_results` did.
+
+    Raises
+    ------
+    OutputLocked
+        The file is written by another process, or another launch writes to the run.
+    ValueError
+        A shard file of another grid, or another process of the run has other settings.
+    """
+    out = Path(out)
+    with OutputLock(out, "join", path=steps_lock_path(out), wait=STEPS_WAIT):
+        notes = _repair(out) if repair else []
+        lock = OutputLock(writer_path(out, shard), "eval").acquire()
+        try:
+            _refuse_other_launches(out, shard)
+            _refuse_foreign_shards(out, plan)
+            _check_plan(out, shard, plan)
+        except BaseException:
+            lock.release()
+            raise
+    return lock, notes
+
+
+def merge_shards(out: str | os.PathLike[str], grid: str) -> int | None:
+    """Append the records of every shard file of ``grid`` (a grid SHA-256) that ``out`` lacks, then delete them.
+
+    Shard files of another grid are left as they are (a warning). Returns the number of records
+    appended, or ``None`` when a single-process run holds ``out`` (it merges when it finishes).
+    """
+    out = Path(out)
+    with OutputLock(out, "merge", path=steps_lock_path(out), wait=STEPS_WAIT):
+        try:
+            lock = OutputLock(out, "merge").acquire()
+        except OutputLocked:
+            return None
+        try:
+            shards = []
+            for path, _ in shard_files(out):
+                if _plan_of(path)["sha256"] == grid:
+                    shards.append(path)
+                else:
+                    warn(f"{path} holds another grid: it was not merged into {out}, nor deleted")
+            appended, sizes = _merge(lock, shards) if shards else (0, {})
+            for path, size in sizes.items():
+                _delete_if_finished(path, size, out)
+            if not shard_files(out) and plan_path(out).exists():
+                _remove(plan_path(out), "the run is merged")
+            return appended
+        finally:
+            lock.release()
+
+
+def _merge(lock: OutputLock, shards: list[Path]) -> tuple[int, dict[Path, int]]:
+    """Append what the output ``lock`` guards lacks of ``shards``; returns the count and each shard's size as read."""
+    out = lock.target
+    first = scan_results(shards[0], first_only=True)[0]
+    settled: dict[tuple, int] = {}  # unit -> 1 (an error record), 2 (a result)
+
+    def note(record: dict) -> None:
+        key = unit_key(record)
+        settled[key] = max(settled.get(key, 0), 1 if record.get("kind") == "error" else 2)
+
+    appended = 0
+    sizes: dict[Path, int] = {}
+    try:
         results = ResultsFile(
-            out, first, visit=note, check=lambda manifests: check_compatible(out, manifests, first), lock=False
+            out, first, visit=note, check=lambda manifests: check_compatible(out, manifests, first), lock=lock
         )
         ids = {m.get("id") for m in results.manifests}
-        appended = 0
-        sizes = {}
 
         def take(record: dict) -> None:
             nonlocal appended
@@ -220,25 +409,38 @@ def merge_shards(out: str | os.PathLike[str]) -> int | None:
                 appended += 1
 
         with results:
-            for path, _ in shards:
+            for path in shards:
                 sizes[path] = path.stat().st_size
                 scan_results(path, take, include_manifests=True)
-        for path, _ in shards:
-            _delete_if_finished(path, sizes[path])
-        return appended
-    finally:
-        lock.release()
+    except OutputError as error:
+        raise OutputError(
+            f"merging the shard files into {out}: {error} (the shard files are complete and kept)"
+        ) from error
+    return appended, sizes
 
 
-def _delete_if_finished(path: Path, size: int) -> None:
+def _delete_if_finished(path: Path, size: int, out: Path) -> None:
     """Delete a merged shard file unless its writer still runs or it grew after it was read."""
-    lock = OutputLock(path, "merge", wait_for=())
+    lock = OutputLock(path, "merge")
     try:
         lock.acquire()
     except OutputLocked:
         return
+    except OSError as error:
+        warn(f"could not check whether {path} is still written ({error}); its records are in {out}: delete it yourself")
+        return
     try:
         if path.stat().st_size == size:
-            path.unlink()
+            _remove(path, f"its records are in {out}")
     finally:
         lock.release()
+
+
+def _remove(path: Path, why: str) -> None:
+    """Delete a file the run no longer needs; failing to is a warning (the work is done)."""
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as error:
+        warn(f"could not delete {path} ({error.strerror or error}); {why}: delete it yourself")

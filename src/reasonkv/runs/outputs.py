@@ -1,4 +1,4 @@
-"""What the commands write: only their own outputs, one writer at a time.
+"""What the commands write: only their own outputs, one writer at a time, failures said in full.
 
 Two rules hold for every ``--out`` (``eval``, ``report``, ``bench``, ``calibrate``):
 
@@ -16,13 +16,29 @@ is refused with an error and left exactly as it was.
 - An input is never an output: a command refuses an ``--out`` that would write over one of its inputs.
 
 **One writer.** A writer holds an exclusive advisory lock (``flock``) on ``<file>.lock`` (a results
-file) or ``<folder>/.reasonkv.lock`` for its whole run; the lock file records its pid and host. A
-second writer fails at once with a message naming the output and that pid. The kernel drops the lock
-of a killed process, so a stale lock file never blocks a resume; a writer removes its lock file when
-it finishes. The output must live on a filesystem with working ``flock`` (local disks, NFSv4).
+file) or ``<folder>/.reasonkv.lock`` for its whole run. A second writer fails at once with a message
+naming the output and the holder. Each lock file serves one purpose, and whether to wait for its
+holder is decided by that purpose, never by reading the file: a writer's lock is never waited for;
+the lock of a run's short steps (``<file>.steps.lock``: a process joining a sharded run, a merge) is
+waited for (:class:`OutputLock` ``wait``). The holder record in the file (pid, host, purpose, since)
+is written after the lock is taken and forced to disk, for messages only. Lock files are never
+deleted (deleting a lock file while others may hold it open is what breaks locks on network
+filesystems): a lock file nobody holds is free, whatever it holds, and the kernel drops the lock of
+a killed process, so a stale lock file never blocks a resume. Because they stay, a lock whose path no
+longer names the file it holds (:meth:`OutputLock.check_in_place`) means the folder was moved or removed
+meanwhile: the writer stops rather than write at the old path. The output must live on a filesystem
+with working ``flock`` (local disks; across machines NFSv4 or a cluster filesystem mounted with
+``flock`` support).
 
 **Whole files.** A file written in one go is complete or absent, never half-written:
-:func:`create_exclusive` makes a new one, :func:`write_atomic` replaces one of the command's own.
+:func:`create_exclusive` makes a new one, :func:`write_atomic` replaces one of the command's own,
+both through a temporary file (``.<name>.reasonkv-tmp-*``) that a killed process may leave behind
+and the next writer of the file removes (:func:`remove_stale_temps`).
+
+**Failures said in full.** A write that fails (a full disk, a folder that vanished or became
+read-only) raises :class:`OutputError`, whose message names the file, the step, what is safe and
+how to go on; a clean-up that fails after the work is done is a warning (:func:`warn`), never a
+failure of the run.
 """
 
 from __future__ import annotations
@@ -33,6 +49,7 @@ import fcntl
 import json
 import os
 import socket
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -44,22 +61,53 @@ __all__ = [
     "FOLDER_LOCK",
     "MARKER",
     "ClaimedFolder",
+    "OutputError",
     "OutputLock",
     "OutputLocked",
     "claim_folder",
     "create_exclusive",
     "lock_path",
+    "make_folder",
     "refuse_inputs",
+    "remove_stale_temps",
+    "warn",
+    "where_now",
     "write_atomic",
 ]
 
 MARKER = ".reasonkv.json"
 FOLDER_LOCK = ".reasonkv.lock"
+TEMP_TAG = ".reasonkv-tmp-"  # in the names of temporary files: .<name>.reasonkv-tmp-XXXXXXXX
 _TOOL = "reasonkv"
+_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 class OutputLocked(ValueError):
     """Another process holds the lock of an output."""
+
+
+class OutputError(OSError):
+    """An output could not be written: the message names the file, the step and what to do."""
+
+    def __init__(self, message: str):
+        super().__init__(message)  # one argument: str() is the message alone
+
+
+def warn(message: str) -> None:
+    """Tell the user about a failed clean-up after the work (the run itself succeeded)."""
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def advice(error: OSError) -> str:
+    """What to do about a failed write, by its cause."""
+    if error.errno in _FULL:
+        return "free some space, then rerun the same command: it resumes"
+    return "fix the cause, then rerun the same command: it resumes"
+
+
+def reason(error: OSError) -> str:
+    """``No space left on device`` (the operating system's words, without the file name)."""
+    return error.strerror or str(error)
 
 
 def lock_path(target: str | os.PathLike[str]) -> Path:
@@ -68,14 +116,22 @@ def lock_path(target: str | os.PathLike[str]) -> Path:
     return target / FOLDER_LOCK if target.is_dir() else target.with_name(target.name + ".lock")
 
 
-def _read_holder(path: Path) -> dict[str, Any] | None:
-    """The holder a lock file names, ``{}`` when it is empty, ``None`` when it is not one of ours."""
+def make_folder(folder: str | os.PathLike[str], argument: str) -> None:
+    """Create ``folder`` and its parents, or raise :class:`OutputError` naming ``argument`` (``--out X``)."""
+    folder = Path(folder)
+    for existing in [folder, *folder.parents]:
+        if existing.exists():
+            if not existing.is_dir():
+                raise OutputError(f"{argument}: {existing} is a file, not a folder")
+            break
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return {}
-    except (OSError, UnicodeDecodeError):
-        return None
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise OutputError(f"{argument}: cannot create the folder {folder} ({reason(error)})") from error
+
+
+def _parse_holder(text: str) -> dict[str, Any] | None:
+    """The holder a lock file's text names, ``{}`` when it is empty, ``None`` when it is not one of ours."""
     if not text.strip():
         return {}
     try:
@@ -83,6 +139,15 @@ def _read_holder(path: Path) -> dict[str, Any] | None:
     except json.JSONDecodeError:
         return None
     return holder if isinstance(holder, dict) and holder.get("tool") == _TOOL else None
+
+
+def _read_holder(path: Path) -> dict[str, Any] | None:
+    try:
+        return _parse_holder(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def _describe(holder: dict[str, Any] | None) -> str:
@@ -98,17 +163,19 @@ def _describe(holder: dict[str, Any] | None) -> str:
 
 
 class OutputLock:
-    """An exclusive ``flock`` on the lock file of ``target``, held until :meth:`release`.
+    """An exclusive ``flock`` on one lock file, held until :meth:`release`.
 
     Parameters
     ----------
     target
-        The output (a results file or a folder); the lock file is :func:`lock_path` of it.
+        The output the lock guards (named in messages).
     purpose
-        What the holder does (``eval``, ``merge``, ``bench``, ...): shown to whoever is refused.
-    wait_for
-        Holders with one of these purposes are short-lived (a merge, the start of a sharded run):
-        :meth:`acquire` waits for them, up to ``timeout`` seconds. Any other holder is refused at once.
+        What the holder does (``eval``, ``merge``, ``bench``, ...): written to the holder record.
+    path
+        The lock file (default: :func:`lock_path` of ``target``). One file per purpose.
+    wait
+        Seconds to wait while another process holds it: 0 (refuse at once, for a writer's lock), or
+        the longest a short step (joining a run, a merge) may take.
     """
 
     def __init__(
@@ -116,15 +183,13 @@ class OutputLock:
         target: str | os.PathLike[str],
         purpose: str,
         *,
-        wait_for: Iterable[str] = ("merge", "admission"),
-        timeout: float = 600.0,
         path: str | os.PathLike[str] | None = None,
+        wait: float = 0.0,
     ):
         self.target = Path(target)
         self.path = Path(path) if path is not None else lock_path(self.target)
         self.purpose = purpose
-        self.wait_for = tuple(wait_for)
-        self.timeout = timeout
+        self.wait = wait
         self._fd: int | None = None
 
     @property
@@ -132,59 +197,98 @@ class OutputLock:
         return self._fd is not None
 
     def acquire(self) -> OutputLock:
-        """Take the lock; raises :class:`OutputLocked` naming the holder when another process has it."""
-        deadline = time.monotonic() + self.timeout
-        while True:
+        """Take the lock; raises :class:`OutputLocked` naming the holder when another process keeps it."""
+        try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as error:
+            raise OutputError(
+                f"cannot create the lock file {self.path} of {self.target} ({reason(error)}): write --out to a "
+                "folder where this user can create files"
+            ) from error
+        try:
+            self._lock(fd)
+            held = _parse_holder(os.pread(fd, 1 << 16, 0).decode("utf-8", errors="replace"))
+            if held is None:
+                raise ValueError(f"{self.path} is not a reasonkv lock file: move it away or use another --out")
+            self._record(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        return self
+
+    def _lock(self, fd: int) -> None:
+        deadline = time.monotonic() + self.wait
+        while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
             except OSError as error:
-                os.close(fd)
                 if error.errno not in (errno.EAGAIN, errno.EACCES):
                     raise
-                holder = _read_holder(self.path)
-                if holder and holder.get("purpose") in self.wait_for and time.monotonic() < deadline:
-                    time.sleep(0.1)
-                    continue
+            if time.monotonic() >= deadline:
+                waited = f" (waited {self.wait:.0f} s)" if self.wait else ""
                 raise OutputLocked(
-                    f"{self.target} is in use by {_describe(holder)}: wait for it to finish, or write to "
-                    f"another --out (the lock is {self.path})"
-                ) from None
-            # A releasing holder unlinks the file while holding it: make sure this is still the file the path names.
-            try:
-                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
-            except FileNotFoundError:
-                same = False
-            if not same:
-                os.close(fd)
-                continue
-            if _read_holder(self.path) is None:
-                os.close(fd)
-                raise ValueError(f"{self.path} is not a reasonkv lock file: move it away or use another --out")
-            holder = {
-                "tool": _TOOL,
-                "pid": os.getpid(),
-                "host": socket.gethostname(),
-                "purpose": self.purpose,
-                "since": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            }
+                    f"{self.target} is in use by {_describe(self._holder_now())}{waited}: wait for it to finish, "
+                    f"or write to another --out (the lock is {self.path})"
+                )
+            time.sleep(0.1)
+
+    def _holder_now(self) -> dict[str, Any] | None:
+        """The record of the process that holds the lock (it writes it right after taking the lock)."""
+        for _ in range(10):
+            holder = _read_holder(self.path)
+            if holder != {}:
+                return holder
+            time.sleep(0.1)
+        return {}
+
+    def _record(self, fd: int) -> None:
+        """Write this holder's record and force it to disk (for messages only: a full disk does not stop us)."""
+        holder = {
+            "tool": _TOOL,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "purpose": self.purpose,
+            "since": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        }
+        with contextlib.suppress(OSError):
             os.ftruncate(fd, 0)
             os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
-            self._fd = fd
-            return self
+            os.fsync(fd)
+
+    def check_in_place(self) -> None:
+        """Raise :class:`OutputError` when the lock file's path no longer names the file this lock holds.
+
+        Lock files are never deleted, so the folder holding it (and the output) was removed, renamed or
+        replaced: whatever is written to the output's path now would be written where no lock guards it.
+        """
+        if self._fd is None:
+            return
+        try:
+            here = os.path.samestat(os.stat(self.path), os.fstat(self._fd))
+        except OSError:
+            here = False
+        if here:
+            return
+        now = where_now(self._fd)
+        where = f"the lock {self.path} is now {now}" if now else f"the lock {self.path} was deleted"
+        what = "move the folder back and rerun the same command to resume" if now else "rerun the same command"
+        raise OutputError(
+            f"{self.target}: its folder was removed, renamed or replaced while this process held its lock ({where}): "
+            f"nothing more is written to it; {what}"
+        )
 
     def release(self) -> None:
-        """Remove the lock file and drop the lock (a no-op when not held)."""
+        """Drop the lock (a no-op when not held). The lock file stays; its holder record is cleared."""
         if self._fd is None:
             return
         fd, self._fd = self._fd, None
         try:
-            if os.path.samestat(os.fstat(fd), os.stat(self.path)):
-                os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
         finally:
-            os.close(fd)
+            os.close(fd)  # closing drops the flock
 
     def __enter__(self) -> OutputLock:
         return self.acquire()
@@ -217,22 +321,61 @@ class OutputLock:
         return _describe(holder)
 
 
+def where_now(fd: int) -> str | None:
+    """Where the open file ``fd`` is now (Linux: ``/proc/self/fd``), or None when it was deleted or unknown."""
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None
+    return None if target.endswith(" (deleted)") else target
+
+
 @contextlib.contextmanager
 def _complete_copy(path: Path, data: bytes) -> Iterator[str]:
     """A temporary file next to ``path`` holding ``data``, on disk, with the usual permissions; removed after."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the usual permissions
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}{TEMP_TAG}", dir=path.parent)
+    except OSError as error:
+        message = f"{path}: cannot create a file in {path.parent} ({reason(error)}); {advice(error)}"
+        raise OutputError(message) from error
+    try:
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the usual permissions
+        except OSError as error:
+            message = f"{path}: writing it failed ({reason(error)}); nothing was changed; {advice(error)}"
+            raise OutputError(message) from error
         yield tmp
     finally:
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
+
+
+def remove_stale_temps(path: str | os.PathLike[str]) -> list[Path]:
+    """Remove the temporary files of ``path`` that a killed writer left (call it holding ``path``'s lock).
+
+    Returns the files removed; one that cannot be removed is a warning.
+    """
+    path = Path(path)
+    removed = []
+    try:
+        stale = [p for p in path.parent.iterdir() if p.name.startswith(f".{path.name}{TEMP_TAG}")]
+    except OSError:
+        return []
+    for tmp in stale:
+        try:
+            tmp.unlink()
+            removed.append(tmp)
+        except FileNotFoundError:
+            pass
+        except OSError as error:
+            warn(f"could not remove {tmp}, a temporary file a killed run left ({reason(error)}); it is harmless")
+    return removed
 
 
 def create_exclusive(path: Path, data: bytes) -> None:
@@ -242,13 +385,22 @@ def create_exclusive(path: Path, data: bytes) -> None:
     file): a run killed meanwhile leaves no half-written output that would later look foreign.
     """
     with _complete_copy(path, data) as tmp:
-        os.link(tmp, path)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            raise
+        except OSError as error:
+            raise OutputError(f"{path}: cannot create it ({reason(error)}); {advice(error)}") from error
 
 
 def write_atomic(path: Path, text: str) -> None:
     """Replace ``path`` (this command's own file) by one holding ``text``: readers see the old or the new, whole."""
     with _complete_copy(path, text.encode("utf-8")) as tmp:
-        os.replace(tmp, path)
+        try:
+            os.replace(tmp, path)
+        except OSError as error:
+            message = f"{path}: cannot replace it ({reason(error)}); it is unchanged; {advice(error)}"
+            raise OutputError(message) from error
 
 
 def refuse_inputs(outputs: Iterable[str | os.PathLike[str]], inputs: Iterable[str | os.PathLike[str]]) -> None:
@@ -359,14 +511,14 @@ def claim_folder(
     names = list(names)
     refuse_inputs([folder / n for n in [*names, MARKER]], inputs)
     _owned_names(folder, command, names, recognise)  # refuse before creating anything
-    folder.mkdir(parents=True, exist_ok=True)
+    make_folder(folder, f"--out {folder}")
     lock = OutputLock(folder, command, path=folder / FOLDER_LOCK).acquire()
     try:
         owned = _owned_names(folder, command, names, recognise)  # again, now that nobody else can write
+        for name in [*owned, MARKER]:
+            remove_stale_temps(folder / name)
         marker = {"tool": _TOOL, "command": command, "files": sorted(owned)}
-        tmp = folder / f".{MARKER}.tmp-{os.getpid()}"
-        tmp.write_text(json.dumps(marker, indent=1) + "\n", encoding="utf-8")
-        os.replace(tmp, folder / MARKER)
+        write_atomic(folder / MARKER, json.dumps(marker, indent=1) + "\n")
     except BaseException:
         lock.release()
         raise

@@ -17,6 +17,15 @@ Writing
     also forces it to disk, which survives a machine crash). A new file with a header is created holding
     it, complete or not at all. Lines are never changed in place: only a torn last line is cut off, and
     the owner may replace the whole file (:meth:`~JsonlStore.rewrite`, :meth:`~JsonlStore.discard`).
+The file stays where it was
+    The store writes through one open file and checks, before every record and when it closes, that
+    its path still names that file: if the file (or its folder) was removed, renamed or replaced
+    meanwhile, it fails naming the path and where the file is now, rather than writing records
+    nobody will find or reporting a success for them.
+A failed write
+    A record that cannot be written whole (a full disk) is cut off again, so the file keeps only
+    complete records, and the error (:class:`~reasonkv.runs.outputs.OutputError`) names the file, the
+    step, how many records in it are safe, and that rerunning the same command resumes.
 Lock
     One writer at a time: the store holds the lock of its file (:class:`reasonkv.runs.outputs.OutputLock`)
     until :meth:`~JsonlStore.close`, or the caller holds a lock that covers it (a claimed folder, a merge).
@@ -24,6 +33,7 @@ Lock
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import numbers
@@ -32,9 +42,27 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from reasonkv.runs.outputs import OutputLock, create_exclusive, write_atomic
+from reasonkv.runs.outputs import (
+    OutputError,
+    OutputLock,
+    advice,
+    create_exclusive,
+    make_folder,
+    reason,
+    remove_stale_temps,
+    where_now,
+    write_atomic,
+)
 
-__all__ = ["JsonlStore", "compact_line", "iter_records", "json_safe", "numbered_records", "read_records"]
+__all__ = [
+    "JsonlStore",
+    "compact_line",
+    "iter_records",
+    "json_safe",
+    "numbered_lines",
+    "numbered_records",
+    "read_records",
+]
 
 
 def json_safe(value: Any) -> Any:
@@ -63,12 +91,12 @@ def compact_line(record: Mapping[str, Any]) -> str:
     return json.dumps(json_safe(record), allow_nan=False, separators=(",", ":"))
 
 
-def numbered_records(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str, Any]]]:
-    """``(line number, record)`` for every complete record of ``path``; nothing when it does not exist.
+def numbered_lines(path: str | os.PathLike[str]) -> Iterator[tuple[int, bytes, dict[str, Any] | None, str | None]]:
+    """``(line number, line, record, problem)`` for every line of ``path`` but blank ones and a torn tail.
 
-    Blank lines are skipped, and so is a last line without a newline that is not JSON (the tail of an
-    interrupted write). Any other line that is not a JSON object raises ``ValueError`` naming the file
-    and the line.
+    ``record`` is the line's JSON object, or None with ``problem`` saying why the line is not one. The
+    last line is skipped when it lacks its newline and is not JSON (the tail of an interrupted write).
+    Nothing when ``path`` does not exist.
     """
     path = Path(path)
     if not path.exists():
@@ -82,10 +110,25 @@ def numbered_records(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[s
             except (json.JSONDecodeError, UnicodeDecodeError) as error:
                 if not line.endswith(b"\n"):
                     return  # the tail of an interrupted write (only the last line can lack its newline)
-                raise ValueError(f"{path}, line {number}: not a JSON record ({error})") from None
+                yield number, line, None, f"not a JSON record ({error})"
+                continue
             if not isinstance(record, dict):
-                raise ValueError(f"{path}, line {number}: expected a JSON object, got {type(record).__name__}")
-            yield number, record
+                yield number, line, None, f"expected a JSON object, got {type(record).__name__}"
+                continue
+            yield number, line, record, None
+
+
+def numbered_records(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line number, record)`` for every complete record of ``path``; nothing when it does not exist.
+
+    Blank lines are skipped, and so is a last line without a newline that is not JSON (the tail of an
+    interrupted write). Any other line that is not a JSON object raises ``ValueError`` naming the file
+    and the line.
+    """
+    for number, _, record, problem in numbered_lines(path):
+        if record is None:
+            raise ValueError(f"{path}, line {number}: {problem}")
+        yield number, record
 
 
 def iter_records(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
@@ -112,7 +155,9 @@ class JsonlStore:
     lock
         What this writer does (``eval``, ``merge``, ...): the store takes the file's lock
         (:class:`~reasonkv.runs.outputs.OutputLock`) for it, and another holder is refused with an
-        error naming it. ``None`` when the caller already holds a lock that covers the file.
+        error naming it. Or the lock the caller holds that covers the file (it stays held), or
+        ``None`` (a claimed folder's lock covers it). A lock the store knows is checked with the
+        file: a folder moved while its lock was held is an error, never a new folder at the old path.
     encode
         Turns a record into its line (without the newline); :func:`compact_line` by default.
     fsync
@@ -123,18 +168,24 @@ class JsonlStore:
         self,
         path: str | os.PathLike[str],
         *,
-        lock: str | None = None,
+        lock: str | OutputLock | None = None,
         encode: Callable[[Mapping[str, Any]], str] = compact_line,
         fsync: bool = False,
     ):
         self.path = Path(path)
         self.encode = encode
         self.fsync = fsync
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock = OutputLock(self.path, lock).acquire() if lock is not None else None
+        self._covering = lock if isinstance(lock, OutputLock) else None  # held by the caller
+        if self._covering is not None:
+            self._covering.check_in_place()  # its folder is still there: never re-create it elsewhere
+        make_folder(self.path.parent, str(self.path))
+        self._lock = OutputLock(self.path, lock).acquire() if isinstance(lock, str) else None
+        self._fd: int | None = None  # the file this store writes, once started
+        self._identity: tuple[int, int] | None = None  # its (device, inode)
         self._started = False
         self._unsynced = False
         self._closed = False
+        self.appended = 0  # records this store wrote
 
     def records(self) -> Iterator[dict[str, Any]]:
         """The complete records already in the file (see :func:`iter_records`)."""
@@ -145,29 +196,34 @@ class JsonlStore:
 
         A missing file is created holding ``header`` when one is given, complete or not at all (without
         one, the first :meth:`append` creates it). An existing file loses a torn last line; a complete
-        last record that only lacks its newline gets it. :meth:`append` starts a store not started yet.
+        last record that only lacks its newline gets it. Temporary files a killed writer of this file
+        left are removed. :meth:`append` starts a store not started yet.
         """
         self._check_open()
         if self._started:
             return False
         self._started = True
+        remove_stale_temps(self.path)
         if self.path.exists():
+            self._open(create=False)
             self._mend_tail()
             return False
         if header is None:
             return False
+        self.check_in_place()
         create_exclusive(self.path, self._line(header))
+        self._open(create=False)
         return True
 
     def append(self, record: Mapping[str, Any]) -> dict[str, Any]:
         """Write ``record`` as one line and flush it; returns the record as it reads back."""
         self.start()
         line = self._line(record)
-        with open(self.path, "ab") as handle:
-            handle.write(line)
-            handle.flush()
-            if self.fsync:
-                os.fsync(handle.fileno())
+        self.check_in_place()
+        if self._fd is None:
+            self._open(create=True)  # a store without a header: the first record creates the file
+        self._write(line, "appending a record")
+        self.appended += 1
         self._unsynced = not self.fsync
         return json.loads(line)
 
@@ -176,34 +232,66 @@ class JsonlStore:
         self._check_open()
         write_atomic(self.path, "".join(self.encode(r) + "\n" for r in records))
         self._started = True
+        self._close_file()
+        self._open(create=False)
 
     def discard(self) -> None:
         """Delete the file (the owner cannot use its records); the next :meth:`append` begins a new one."""
         self._check_open()
+        self._close_file()
         self.path.unlink(missing_ok=True)
         self._started = True
 
-    def close(self) -> None:
-        """Force what was appended to disk and release the lock (when the store took it)."""
+    def check_in_place(self) -> None:
+        """Raise :class:`OutputError` when the path no longer names the file this store writes, or the
+        lock guarding it no longer names the lock file held (its folder was moved)."""
+        if self._fd is None or self._in_place():
+            for lock in (self._lock, self._covering):
+                if lock is not None:
+                    lock.check_in_place()
+            return
+        now = where_now(self._fd)
+        where = f"it is now {now}" if now else "it was deleted"
+        what = "move it back and rerun the same command to resume" if now else "rerun the same command"
+        raise OutputError(
+            f"{self.path} was removed, renamed or replaced while this process wrote to it ({where}): nothing more "
+            f"is written, and the {self.appended} records written since it started are not at {self.path}; "
+            f"{what}"
+        )
+
+    def _in_place(self) -> bool:
+        try:
+            stat = os.stat(self.path)
+        except OSError:
+            return False
+        return (stat.st_dev, stat.st_ino) == self._identity
+
+    def close(self, *, check: bool = True) -> None:
+        """Force what was appended to disk, check the file is still in place, and release the lock.
+
+        ``check=False`` (closing after another error): no checks, just let go of the file and the lock.
+        """
         if self._closed:
             return
         self._closed = True
         try:
-            if self._unsynced and self.path.exists():
-                fd = os.open(self.path, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+            if check and self._fd is not None:
+                if self._unsynced:
+                    try:
+                        os.fsync(self._fd)
+                    except OSError as error:
+                        raise self._failed("forcing the records to disk", error) from error
+                self.check_in_place()
         finally:
+            self._close_file()
             if self._lock is not None:
                 self._lock.release()
 
     def __enter__(self) -> JsonlStore:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, kind, *exc) -> None:
+        self.close(check=kind is None)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -212,21 +300,61 @@ class JsonlStore:
     def _line(self, record: Mapping[str, Any]) -> bytes:
         return (self.encode(record) + "\n").encode("utf-8")
 
+    def _open(self, *, create: bool) -> None:
+        flags = os.O_WRONLY | os.O_APPEND | (os.O_CREAT if create else 0)
+        try:
+            self._fd = os.open(self.path, flags, 0o666)
+        except OSError as error:
+            raise self._failed("opening it to append", error) from error
+        stat = os.fstat(self._fd)
+        self._identity = (stat.st_dev, stat.st_ino)
+
+    def _close_file(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
+
+    def _write(self, data: bytes, step: str) -> None:
+        """Append ``data`` whole, or cut the file back to where it was and raise naming the step."""
+        size = os.fstat(self._fd).st_size
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view) :]
+            if self.fsync:
+                os.fsync(self._fd)
+        except OSError as error:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, size)  # no torn line for the next reader or writer
+            raise self._failed(step, error) from error
+
+    def _failed(self, step: str, error: OSError) -> OutputError:
+        try:
+            safe = sum(1 for _ in iter_records(self.path))
+            kept = f"the {safe} complete records in it are safe"
+        except (OSError, ValueError):
+            kept = "the complete records in it are safe"
+        return OutputError(f"{self.path}: {step} failed ({reason(error)}); {kept}; {advice(error)}")
+
     def _mend_tail(self) -> None:
-        with open(self.path, "r+b") as handle:
-            size = handle.seek(0, os.SEEK_END)
-            tail = b""
-            while len(tail) < size and b"\n" not in tail:  # read back to the last newline
-                step = min(1 << 20, size - len(tail))
-                handle.seek(size - len(tail) - step)
-                tail = handle.read(step) + tail
-            if not tail or tail.endswith(b"\n"):
-                return
-            cut = tail.rfind(b"\n") + 1
-            try:
-                json.loads(tail[cut:])
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                handle.truncate(size - len(tail) + cut)  # the torn line of an interrupted write
-                return
-            handle.seek(0, os.SEEK_END)
-            handle.write(b"\n")  # a complete record that only lacks its newline
+        try:
+            with open(self.path, "r+b") as handle:
+                size = handle.seek(0, os.SEEK_END)
+                tail = b""
+                while len(tail) < size and b"\n" not in tail:  # read back to the last newline
+                    step = min(1 << 20, size - len(tail))
+                    handle.seek(size - len(tail) - step)
+                    tail = handle.read(step) + tail
+                if not tail or tail.endswith(b"\n"):
+                    return
+                cut = tail.rfind(b"\n") + 1
+                try:
+                    json.loads(tail[cut:])
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    handle.truncate(size - len(tail) + cut)  # the torn line of an interrupted write
+                    return
+            self._write(b"\n", "ending its last record")  # a complete record that only lacks its newline
+        except OutputError:
+            raise
+        except OSError as error:
+            raise self._failed("cutting off the torn line an interrupted run left", error) from error
