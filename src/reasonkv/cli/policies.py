@@ -28,10 +28,11 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2, default=str))
         return 0
+    width = max(len(row["name"]) for row in rows)
     for row in rows:
-        print(f"{row['name']:<12} [{row['granularity']}] {row['summary']}")
+        print(f"{row['name']:<{width}} [{row['granularity']}] {row['summary']}")
         if row["paper"]:
-            print(f"{'':<12} {row['paper']}")
+            print(f"{'':<{width}} {row['paper']}")
         options = ", ".join(f"{k}={v!r}" for k, v in row["options"].items())
-        print(f"{'':<12} options: {options}")
+        print(f"{'':<{width}} options: {options}")
     return 0
