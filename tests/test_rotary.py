@@ -105,3 +105,12 @@ def test_fingerprint_follows_the_weights_not_the_dtype():
     assert model_info(tiny_llama(dtype=torch.bfloat16)).fingerprint == fingerprint
     assert model_info(tiny_llama(seed=1)).fingerprint != fingerprint
     assert model_info(model.config).fingerprint == "" and model_info(model.config).rotary == ()
+
+
+def test_a_model_on_the_meta_device_has_no_fingerprint_and_refuses_its_rotation():
+    with torch.device("meta"):
+        model = _llama({"rope_type": "default", "rope_theta": 10000.0})
+    info = model_info(model)
+    assert info.fingerprint == ""
+    with pytest.raises(ValueError, match="meta device"):
+        info.rotary_of(0, "triattention")

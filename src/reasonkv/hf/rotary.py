@@ -106,6 +106,8 @@ def _rotation(model, module, attention, layer_type: str | None, head_dim: int) -
         return Rotary(kind, head_dim=head_dim, refused=f"{reason} (it can for: {', '.join(STATIC_TYPES)})")
     if not isinstance(inv_freq, torch.Tensor) or 2 * inv_freq.numel() > head_dim:
         return Rotary(kind, head_dim=head_dim, refused=f"cannot read the frequencies of {type(module).__name__}")
+    if inv_freq.is_meta:
+        return Rotary(kind, head_dim=head_dim, refused="the model is on the meta device: its tables hold no values")
     candidate = Rotary(kind, tuple(inv_freq.float().cpu().tolist()), float(scaling), "half", head_dim)
     rotary = _probe(module, attention, layer_type, candidate)
     if rotary is None:
@@ -116,7 +118,10 @@ def _rotation(model, module, attention, layer_type: str | None, head_dim: int) -
 
 def weights_fingerprint(model: torch.nn.Module) -> str:
     """A SHA-256 of every parameter's name, shape and a sample of its values rounded to bf16: the same
-    weights give the same fingerprint in every dtype, another checkpoint another one. One device read."""
+    weights give the same fingerprint in every dtype, another checkpoint another one (empty for a model on the
+    meta device, whose weights hold no values). One device read."""
+    if any(parameter.is_meta for parameter in model.parameters()):
+        return ""
     digest = hashlib.sha256(type(model).__name__.encode())
     samples = []
     with torch.no_grad():
