@@ -14,7 +14,7 @@ from fixed_view import FixedCache, fixed_view, hf_rotate, hf_unrotate, model_inf
 from reasonkv.calibrate.centers import compute_centers
 from reasonkv.hf import cache_keyword
 from reasonkv.hf import model_info as hf_model_info
-from reasonkv.policies.query_centers import QueryCenters
+from reasonkv.policies.query_centers import QueryCenters, bundled_centers
 from reasonkv.policies.rotary import Rotary
 
 HEADS, KV_HEADS, DIM, LAYERS, SLOTS = 4, 2, 8, 2, 12
@@ -202,3 +202,10 @@ def test_a_rotary_type_that_cannot_be_undone_is_refused_by_name():
     for name in ("triattention", "expected-attention"):
         with pytest.raises(ValueError, match=f"{name}: cannot rotate keys back .*'dynamic'"):
             reasonkv.get_policy(name).reset(info, 1, torch.device("cpu"))
+
+
+@pytest.mark.integration
+def test_the_bundled_models_centers_are_found_by_their_fingerprint(smollm2):
+    model, _ = smollm2
+    centers, name = bundled_centers(hf_model_info(model), "triattention")
+    assert name == "smollm2-135m.pt" and (centers.num_layers, centers.num_heads, centers.tokens) == (30, 9, 56486)
