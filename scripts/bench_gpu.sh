@@ -2,7 +2,8 @@
 # Speed and memory of an 8B model's shape on one GPU (random weights: shapes decide speed, not weights).
 #
 # Part 1, lengths: Llama-3.1-8B / R1-Distill-Llama-8B shape, bf16, SDPA, batch 1, budget K = 4096,
-#   buffer B = 128; full, epikv, vase-dkv, h2o, tova (streaming runs as the reference). Each length
+#   buffer B = 128; full, epikv, vase-dkv, h2o, tova, triattention, expected-attention (streaming runs
+#   as the reference; triattention's query centers come from the prefill: random weights). Each length
 #   L in 8k/16k/32k/64k is reached by a prefill of L - n - 2 tokens (a 32-token prompt, then the
 #   rest as if generated, in chunks of 8192; an evicting policy is evicted to K after each chunk
 #   once due), 2 untimed decode steps, then n = 128 timed decode steps (one eviction cycle), so the
@@ -45,7 +46,8 @@ else
 fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 if [[ "${SMOKE:-0}" == "1" ]]; then
-  : "${MODEL:=shape:tiny}" "${DEVICE:=cpu}" "${POLICIES:=full,h2o,tova}" "${BATCH_POLICIES:=full,random}"
+  : "${MODEL:=shape:tiny}" "${DEVICE:=cpu}" "${POLICIES:=full,h2o,tova,triattention,expected-attention}"
+  : "${BATCH_POLICIES:=full,random}"
   : "${BUDGET:=32}" "${BUFFER:=16}" "${LENGTHS:=64,128,256}" "${DECODE_STEPS:=16}" "${PREFILL_CHUNK:=128}"
   : "${MEMORY_LIMIT:=1GiB}" "${BATCH_LENGTH:=128}" "${MAX_MEASURED_BATCH:=8}"
   : "${OUT:=bench-gpu-smoke}" "${BENCH_ARGS:=--threads 1}" "${TIER_POLICY:=random}" "${TIER_QUANTIZED:=16}"
@@ -53,7 +55,7 @@ if [[ "${SMOKE:-0}" == "1" ]]; then
 fi
 MODEL="${MODEL:-shape:llama-3.1-8b}"
 DEVICE="${DEVICE:-cuda}"
-POLICIES="${POLICIES:-full,epikv,vase-dkv,h2o,tova}"
+POLICIES="${POLICIES:-full,epikv,vase-dkv,h2o,tova,triattention,expected-attention}"
 BATCH_POLICIES="${BATCH_POLICIES:-full,epikv,vase-dkv}"
 BUDGET="${BUDGET:-4096}"
 BUFFER="${BUFFER:-128}"
@@ -65,8 +67,8 @@ BATCH_LENGTH="${BATCH_LENGTH:-16384}"
 BATCH_STEPS="${BATCH_STEPS:-$((BUFFER + 16))}"
 MAX_MEASURED_BATCH="${MAX_MEASURED_BATCH:-512}"
 OUT="${OUT:-bench-gpu}"
-PART1_SECONDS="${PART1_SECONDS:-300}"
-PART2_SECONDS="${PART2_SECONDS:-150}"
+PART1_SECONDS="${PART1_SECONDS:-330}"
+PART2_SECONDS="${PART2_SECONDS:-120}"
 TIER_POLICY="${TIER_POLICY:-vase-dkv}"
 TIER_QUANTIZED="${TIER_QUANTIZED:-4096}"
 TIER_BITS="${TIER_BITS:-4}"

@@ -205,9 +205,11 @@ _ENGINE_FREE = textwrap.dedent(
     from reasonkv.policies import get_policy, list_policies
     from reasonkv.policies.recorded import Recorded
     from reasonkv.policies.view import EvictionView
+    from reasonkv.policies.rotary import Rotary
 
     torch.manual_seed(0)
-    info = ModelInfo(num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8)
+    rotary = Rotary("default", tuple(10000.0 ** (-i / 4) for i in range(4)), 1.0, "half", 8)  # the engine's RoPE
+    info = ModelInfo(num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8, rotary=(rotary,) * 3)
     batch, slots, budget = 2, 96, 48
 
     class Layer:
@@ -239,6 +241,9 @@ _ENGINE_FREE = textwrap.dedent(
         policy.reset(info, batch, torch.device("cpu"))
         positions = torch.arange(slots).expand(batch, slots)
         valid = torch.ones(batch, slots, dtype=torch.bool)
+        if needs.queries:
+            for layer in range(3):
+                policy.observe_queries(layer, torch.randn(batch, 4, slots, 8), positions, valid)
         prompt = Step(input_valid=valid, input_positions=positions, position_bound=slots)
         for layer in needs.hidden_layers:
             prompt.hidden[layer] = torch.randn(batch, slots, 16)

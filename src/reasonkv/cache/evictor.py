@@ -162,7 +162,7 @@ class Evictor:
             heads = [cache.layers[i].keys.shape[1] for i in cache.full_layers]
             full = [split.full.unsqueeze(1).expand(-1, h, -1) for h in heads]
             return full, ([split.quantized.unsqueeze(1).expand(-1, h, -1) for h in heads], split.counts)
-        splits = [split_tiers(self.policy.ranking(view.at(i)), held.unsqueeze(1), **sizes) for i in cache.full_layers]
+        splits = [split_tiers(ranking, held.unsqueeze(1), **sizes) for ranking in self.policy.ranking_layers(view)]
         # Every head of a row holds as many tokens, so every head keeps as many quantized.
         return [s.full for s in splits], ([s.quantized for s in splits], splits[0].counts[:, 0])
 

@@ -2,6 +2,7 @@
 
 - residual-stream hidden states of named decoder layers (forward hooks on the decoder layers);
 - the most recent ``w`` post-RoPE queries of every layer (kept in :class:`~reasonkv.policies.recorded.Recorded`);
+- every forward's post-RoPE queries, handed straight to the policy (``Needs.queries``);
 - attention rows and column sums for the attention readers (H2O, RaaS, ThinKV), recomputed from
   recorded queries and the cached keys (:mod:`reasonkv.policies.attention`), with the kernel's soft-cap and
   learned sinks when the model has them, and handed to the policy as
@@ -123,6 +124,8 @@ class Observer:
             recorded.sinks[layer] = sinks.detach()
         if needs.query_window:
             recorded.push_queries(layer, query, step.input_positions, step.input_valid)
+        if needs.queries:
+            self.policy.observe_queries(layer, query, step.input_positions, step.input_valid)
         if not self.reads_attention:
             return
         q, slots = query.shape[2], key.shape[2]

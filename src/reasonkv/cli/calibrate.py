@@ -1,4 +1,7 @@
-"""``reasonkv calibrate``: find a model's EPIKV layer bands from counterfactual importance labels.
+"""``reasonkv calibrate``: find a model's EPIKV layer bands from counterfactual importance labels, or, with
+``--centers``, write the query centers file TriAttention loads (``--out`` is then that file; the traces
+come from ``--dataset`` / ``--traces`` / ``--max-trace-tokens``, or from a plain-text file, ``--text``;
+:func:`reasonkv.calibrate.centers.run_centers`).
 
 Writes into ``--out``: ``labels.jsonl`` and ``signals.jsonl`` (one record per trace, appended as
 they are computed: rerunning the same command resumes, and a larger ``--traces`` adds traces),
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from reasonkv.calibrate.centers import CentersSettings, run_centers
 from reasonkv.calibrate.labels import TARGETS, LabelSettings
 from reasonkv.calibrate.pipeline import SIGNALS
 from reasonkv.calibrate.profile import CONTROLS
@@ -137,13 +141,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--bootstrap", type=_positive_int, default=D["bootstrap"], help=f"trace resamples (default {D['bootstrap']})"
     )
     analysis.add_argument("--seed", type=int, default=D["seed"], help=f"bootstrap seed (default {D['seed']})")
-    parser.add_argument("--out", type=Path, required=True, help="output folder (reused to resume)")
+    centers = parser.add_argument_group("query centers (TriAttention)")
+    centers.add_argument(
+        "--centers",
+        action="store_true",
+        help="write TriAttention's query centers of the model to the file --out instead of the layer anatomy",
+    )
+    centers.add_argument("--text", type=Path, help="with --centers: a plain-text file to read instead of --dataset")
+    parser.add_argument(
+        "--out", type=Path, required=True, help="output folder (reused to resume); a file with --centers"
+    )
     parser.add_argument("--analyse-only", action="store_true", help="no model: analyse the records already in --out")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def settings_from(args: argparse.Namespace) -> CalibrateSettings:
+def settings_from(args: argparse.Namespace) -> CalibrateSettings | CentersSettings:
     """The settings the arguments describe (``ValueError`` for anything wrong, before any folder is touched)."""
+    if args.centers:
+        if args.analyse_only:
+            raise ValueError("--analyse-only analyses anatomy records; --centers has none")
+        return CentersSettings(
+            model=args.model,
+            dtype=args.dtype,
+            device=args.device,
+            attn=args.attn,
+            dataset=args.dataset,
+            traces=args.traces,
+            text=args.text,
+            max_tokens=args.max_trace_tokens,
+            out=args.out,
+        )
+    if args.text is not None:
+        raise ValueError("--text is read by --centers only (the layer anatomy reads --dataset)")
     return CalibrateSettings(
         model=args.model,
         dtype=args.dtype,
@@ -171,4 +200,5 @@ def settings_from(args: argparse.Namespace) -> CalibrateSettings:
 
 
 def run(args: argparse.Namespace) -> int:
-    return run_calibration(settings_from(args))
+    settings = settings_from(args)
+    return run_centers(settings) if isinstance(settings, CentersSettings) else run_calibration(settings)

@@ -3,11 +3,13 @@ of every layer, its attention shape and its attention implementation. One defini
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 
+from reasonkv.hf.rotary import rotary_embeddings, weights_fingerprint
 from reasonkv.policies.contract import ModelInfo
 
 __all__ = [
@@ -87,12 +89,18 @@ def layer_kinds(model_or_config: Any) -> tuple[str, ...]:
 
 
 def model_info(model_or_config: Any) -> ModelInfo:
-    """The attention shape of a model or config: layers, heads, kv heads, head dim, layer kinds."""
+    """The attention shape of a model or config: layers, heads, kv heads, head dim, layer kinds; for a
+    model (not a config) also each layer's rotary embedding and a fingerprint of its weights."""
     config = text_config(model_or_config)
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return ModelInfo(num_layers(config), heads, kv_heads, head_dim, layer_kinds(config))
+    info = ModelInfo(num_layers(config), heads, kv_heads, head_dim, layer_kinds(config))
+    if not isinstance(model_or_config, torch.nn.Module):
+        return info
+    model = model_or_config
+    rotary = rotary_embeddings(model, config, attention_modules(model), head_dim)
+    return dataclasses.replace(info, rotary=rotary, fingerprint=weights_fingerprint(model))
 
 
 def sliding_window(model_or_config: Any) -> int | None:

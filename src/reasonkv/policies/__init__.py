@@ -29,8 +29,10 @@ from reasonkv.policies.view import EvictionView
 from reasonkv.policies import (  # noqa: E402, F401  isort: skip
     curdkv,
     epikv,
+    expected_attention,
     full,
     h2o,
+    keydiff,
     knorm,
     lagkv,
     raas,
@@ -40,6 +42,7 @@ from reasonkv.policies import (  # noqa: E402, F401  isort: skip
     streaming,
     thinkv,
     tova,
+    triattention,
     vase,
 )
 

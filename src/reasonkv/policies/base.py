@@ -86,6 +86,11 @@ class Policy:
         """Attention owed for ``Needs.attention_last`` / ``attention_sum``, per layer, in the order the
         queries came; always before the eviction that follows them (see :mod:`reasonkv.cache.observe`)."""
 
+    def observe_queries(self, layer: int, queries: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> None:
+        """``Needs.queries``: one forward's post-RoPE queries of a full-attention layer, as its attention
+        kernel received them: ``queries [batch, heads, q, head_dim]``, ``positions`` and ``valid`` ``[batch, q]``.
+        Called during the forward, layer by layer, before :meth:`observe` sees its step."""
+
     # -- eviction -------------------------------------------------------------------------------
     def score(self, view: EvictionView) -> torch.Tensor:
         """Scores of the stored slots, higher = keep: ``[rows, slots]`` or ``[rows, kv_heads, slots]``."""
@@ -118,6 +123,11 @@ class Policy:
         """Head granularity: the kept indices of every full-attention layer, ``keep(view.at(layer))`` each.
         A policy may override it to do work for all layers at once (one batched pass, not one per layer)."""
         return [self.keep(view.at(layer)) for layer in view.info.full_layers]
+
+    def ranking_layers(self, view: EvictionView) -> list[torch.Tensor]:
+        """Head granularity: the ranking of every full-attention layer (what a quantized tier splits),
+        ``ranking(view.at(layer))`` each; a policy that overrides :meth:`keep_layers` overrides this alike."""
+        return [self.ranking(view.at(layer)) for layer in view.info.full_layers]
 
     # -- description ----------------------------------------------------------------------------
     @classmethod

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from reasonkv.policies.rotary import Rotary
+
 __all__ = ["LAYER_KINDS", "AttentionChunk", "ModelInfo", "Needs", "Step"]
 
 # What a decoder layer keeps: "full" attention (the layers a policy evicts in), a "sliding" window,
@@ -25,7 +27,11 @@ class ModelInfo:
     """The attention shape of a model.
 
     ``layer_kinds`` names each decoder layer's kind (see ``LAYER_KINDS``); empty means every layer
-    is full attention.
+    is full attention. ``rotary`` holds each layer's rotary embedding (:class:`~reasonkv.policies.rotary.Rotary`,
+    ``None`` for a layer without one; empty when unknown, e.g. built from a config alone), what a policy
+    needs to rotate keys or queries back to pre-RoPE space. ``fingerprint`` identifies the weights (a
+    hash of a sample of every parameter, the same in every dtype; empty when unknown), so that a file
+    computed on one model is not used with another.
     """
 
     num_layers: int
@@ -33,6 +39,8 @@ class ModelInfo:
     num_kv_heads: int
     head_dim: int
     layer_kinds: tuple[str, ...] = ()
+    rotary: tuple[Rotary | None, ...] = ()
+    fingerprint: str = ""
 
     @property
     def scaling(self) -> float:
@@ -54,6 +62,14 @@ class ModelInfo:
         """
         return tuple(i for i in range(self.num_layers) if self.kind(i) == "full")
 
+    def rotary_of(self, layer: int, who: str) -> Rotary:
+        """Layer ``layer``'s rotary embedding; ``ValueError`` naming ``who`` when it is unknown or cannot be undone."""
+        rotary = self.rotary[layer] if layer < len(self.rotary) else None
+        if rotary is None:
+            raise ValueError(f"{who}: the rotary embedding of layer {layer} is unknown, so keys cannot be rotated back")
+        rotary.check(who)
+        return rotary
+
 
 @dataclass(frozen=True)
 class Needs:
@@ -70,10 +86,11 @@ class Needs:
     query_window: int = 0  # keep the most recent `query_window` post-RoPE queries of every layer
     attention_last: bool = False  # attention row of each forward's newest query, every layer
     attention_sum: bool = False  # attention each stored key received from every query, every layer
+    queries: bool = False  # every forward's post-RoPE queries, handed to ``Policy.observe_queries``
 
     @property
     def taps_attention(self) -> bool:
-        return self.query_window > 0 or self.attention_last or self.attention_sum
+        return self.query_window > 0 or self.attention_last or self.attention_sum or self.queries
 
 
 @dataclass

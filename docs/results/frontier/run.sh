@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Fidelity of triattention, expected-attention and keydiff on the bundled models (CPU), beside the
+# policies already measured.
+#
+# SmolLM2-135M: the settings of ../results.jsonl (GSM8K 40 + MATH-500 20, greedy, 512 new tokens,
+# B = 32, K = 128 and 256, bf16, batch 32): the full cache's greedy traces are generated again here
+# (the replays feed them; they must equal the ones in ../results.jsonl, which the note checks) and
+# replayed through the three new policies (fidelity only: the model solves nothing either way).
+# triattention reads the query centers the package ships for the model (-o stats=bundled).
+#
+# Gemma 3 270M: GSM8K (first 20) as completions, 640 greedy tokens replayed (prompt + trace beyond
+# its 512-token sliding window), K = 64 and 128 of its 3 full-attention layers, B = 16, fp32, every
+# policy of the comparison (new settings: nothing earlier to reuse).
+#
+# Resumable: rerun to continue. One torch thread each.
+set -euo pipefail
+cd "$(dirname "$0")/../../.."
+PY="${PYTHON:-.venv/bin/python}"
+OUT=docs/results/frontier
+export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+"$PY" -m reasonkv.cli eval --model smollm2-135m --dataset gsm8k:40,math500:20 \
+  --policies full,triattention,expected-attention,keydiff -o triattention.stats=bundled --budgets 128,256 \
+  --buffer 32 --max-new-tokens 512 --batch-size 32 --dtype bf16 --fidelity-only --no-progress \
+  --out "$OUT/smollm2-135m.jsonl"
+"$PY" -m reasonkv.cli eval --model gemma3-270m --dtype fp32 --dataset gsm8k:20 \
+  --policies full,streaming,epikv,vase-attnv,snapkv,h2o,rkv,triattention,expected-attention,keydiff \
+  -o triattention.stats=bundled --budgets 64,128 --buffer 16 --max-new-tokens 640 --batch-size 10 \
+  --fidelity-only --no-progress --out "$OUT/gemma3-270m.jsonl"
+"$PY" -m reasonkv.cli report docs/results/results.jsonl "$OUT/smollm2-135m.jsonl" --out "$OUT/smollm2-report"
+"$PY" -m reasonkv.cli report "$OUT/gemma3-270m.jsonl" --out "$OUT/gemma3-report"

@@ -1,0 +1,140 @@
+"""Expected Attention: score keys by the attention that future queries are expected to pay them, from the
+mean and covariance of recent queries; attention-free."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from reasonkv.policies.base import Policy
+from reasonkv.policies.common import group_mean
+from reasonkv.policies.contract import ModelInfo, Needs
+from reasonkv.policies.options import check_at_least, check_option
+from reasonkv.policies.registry import register
+from reasonkv.policies.rotary import RotaryTables
+
+__all__ = ["ExpectedAttention", "query_moments"]
+
+
+def query_moments(
+    queries: torch.Tensor, weight: torch.Tensor, covariance: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Mean ``[rows, heads, d]`` and population covariance ``[rows, heads, d, d]`` of ``queries
+    [rows, heads, w, d]`` over the ``w`` axis, counting only queries of ``weight [rows, w]`` 1."""
+    weight = weight.float().view(weight.shape[0], 1, -1, 1)
+    count = weight.sum(dim=2).clamp(min=1.0)  # [rows, 1, 1]
+    mean = (queries * weight).sum(dim=2) / count
+    if not covariance:
+        return mean, None
+    centered = (queries - mean.unsqueeze(2)) * weight
+    return mean, centered.transpose(-1, -2) @ centered / count.unsqueeze(-1)
+
+
+@register
+@dataclass
+class ExpectedAttention(Policy):
+    """Expected Attention (kvpress's ``ExpectedAttentionPress``, Devoto et al., 2025) at decode time: keep,
+    per (layer, kv-head), the keys with the largest expected attention from the queries to come,
+    weighted by their value norm.
+
+    At every eviction, per layer and query head: the recorded recent post-RoPE queries (the last
+    ``query_window``, those at positions ``>= sinks`` only, as kvpress drops the first ``n_sink``)
+    are rotated back to pre-RoPE space with the model's own rotary tables at their positions
+    (:mod:`reasonkv.policies.rotary`), giving their mean ``μ`` and population covariance ``Σ``. The
+    average rotation ``R̄`` over the next ``n_future_positions`` positions (``t .. t + n - 1``, ``t``
+    the position the next token takes) carries them to where future queries will be:
+    ``μ' = R̄ μ``, ``Σ' = R̄ Σ R̄ᵀ``. A Gaussian query ``q ~ N(μ', Σ')`` gives each key ``k`` (post-RoPE,
+    as cached) the expected unnormalised attention ``E[exp(q·k/√d)] = exp(k·μ'/√d + kᵀΣ'k/(2d))``;
+    the softmax of these logits over the candidate keys, averaged over the query heads of each kv
+    group, times ``‖v‖`` (``(score + epsilon) · ‖v‖``), is the score.
+
+    Parameters
+    ----------
+    n_future_positions
+        Future positions the rotation is averaged over (default 512, kvpress's).
+    use_covariance
+        Include the ``kᵀΣ'k/(2d)`` term (default True).
+    use_vnorm
+        Multiply by the value norm (default True).
+    epsilon
+        Added to the probabilities before the value norm (default 0).
+    query_window
+        Recent queries the statistics come from (default 256, kvpress's decoding buffer of hidden states).
+    sinks, window, protect_prompt
+        Protection (base class): 4 sinks (kvpress's ``n_sink``), no window, prompt not protected.
+
+    Where this follows kvpress 0.5.5 and where it deviates
+    ------------------------------------------------------
+    - The statistics, the averaged rotation, the logit, the softmax, the group mean and the value
+      norm follow ``expected_attention_press.py``; ``√d`` is the head dimension's, as there (not the
+      model's own attention scaling). The softmax runs over the unprotected real keys: kvpress's
+      over every key but the ``n_sink`` sinks, the same with this project's defaults.
+    - Future positions: kvpress's decoding press averages the rotation over positions counted from
+      the number of buffered hidden states (``q_len``), which after the prefill is not where the
+      next token goes; here they start at the next token's position, as kvpress's prefill does.
+    - Queries: kvpress recomputes pre-RoPE queries from buffered hidden states through ``q_proj``
+      (and ``q_norm``); here the queries the attention kernel received are recorded and rotated back,
+      the same vectors without touching the model's weights. The sink rule drops queries at positions
+      ``< sinks`` (kvpress drops the first ``n_sink`` buffered states, which in decoding are not the
+      sinks).
+    - Schedule: kvpress's ``DecodingPress`` compresses to ``target_size`` every
+      ``compression_interval`` steps; reasonkv's ``K + B`` is that with ``target_size = K`` and
+      ``compression_interval = B``, plus one eviction of a long prompt right after prefill.
+    """
+
+    name: ClassVar[str] = "expected-attention"
+    granularity: ClassVar[str] = "head"
+    chunk_exact: ClassVar[bool] = True  # reads the recorded window of queries at eviction time only
+    summary: ClassVar[str] = "expected attention of future queries (mean + covariance, averaged RoPE) x value norm"
+    paper: ClassVar[str] = "https://arxiv.org/abs/2510.00636"
+
+    n_future_positions: int = 512
+    use_covariance: bool = True
+    use_vnorm: bool = True
+    epsilon: float = 0.0
+    query_window: int = 256
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_at_least(self, "n_future_positions", 1)
+        check_at_least(self, "query_window", 1)
+        check_option(self, "epsilon", self.epsilon >= 0, "a number >= 0")
+        self.epsilon = float(self.epsilon)
+        self._tables: dict[int, RotaryTables] = {}  # full-attention layer -> its rotation (set by reset)
+        self._future: torch.Tensor | None = None  # the offsets 0 .. n - 1 of the future positions
+
+    def needs(self, info: ModelInfo) -> Needs:
+        return Needs(query_window=self.query_window)
+
+    def reset(self, info: ModelInfo, batch: int, device: torch.device) -> None:
+        self._tables = {layer: info.rotary_of(layer, self.name).tables(device) for layer in info.full_layers}
+        self._future = torch.arange(self.n_future_positions, device=device)
+
+    def score(self, view) -> torch.Tensor:
+        tables = self._tables[view.layer]
+        queries, positions, valid = view.recent_queries()  # [rows, heads, w, d], [rows, w], [rows, w]
+        pre = tables.unrotate(queries, positions.unsqueeze(1))
+        mean, cov = query_moments(pre, valid & (positions >= self.sinks), self.use_covariance)
+        # The average of the rotations to t .. t + n - 1, per pair: s e^{iωt} mean_j e^{iωj}.
+        t = view.newest + 1
+        average = tables.phases(t.unsqueeze(1) + self._future).mean(dim=1)  # [rows, pairs]
+        keys = view.keys().float()  # [rows, kv_heads, slots, d], post-RoPE
+        rows, kv_heads, slots, d = keys.shape
+        group = queries.shape[1] // kv_heads
+        grouped = keys.unsqueeze(2)  # [rows, kv_heads, 1, slots, d]
+        # k·(R̄μ) = (R̄ᵀk)·μ: rotate the keys by the transposed average (its conjugate, per pair).
+        back = tables.channels(tables.pairs(grouped) * average.conj().view(rows, 1, 1, 1, -1))
+        mean = mean.view(rows, kv_heads, group, 1, d)
+        logits = (back * mean).sum(-1) / math.sqrt(d)  # [rows, kv_heads, group, slots]
+        if cov is not None:
+            spread = back @ cov.view(rows, kv_heads, group, d, d)
+            logits = logits + (spread * back).sum(-1) / (2 * d)
+        candidates = (view.valid_mask() & ~view.protected()).unsqueeze(2)
+        probs = torch.softmax(logits.masked_fill(~candidates, float("-inf")), dim=-1).nan_to_num(0.0)
+        scores = group_mean(probs.reshape(rows, kv_heads * group, slots), kv_heads)
+        if self.use_vnorm:
+            scores = (scores + self.epsilon) * view.values().float().norm(dim=-1)
+        return scores
