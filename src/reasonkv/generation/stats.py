@@ -12,7 +12,7 @@ from reasonkv.cache.evicting import EvictingCache
 from reasonkv.generation.rows import Rows
 from reasonkv.hf import synchronize
 
-__all__ = ["GenerationResult", "Meter"]
+__all__ = ["GenerationResult", "Meter", "peak_row_tokens"]
 
 
 @dataclass
@@ -86,7 +86,7 @@ class Meter:
                 "quantized": spec.quantized,
                 "bits": spec.bits,
                 "evictions": evictions,
-                "peak_row_tokens": _peak_row_tokens(len(prompt), len(tokens), evictions, spec),
+                "peak_row_tokens": peak_row_tokens(len(prompt), len(tokens), evictions, spec),
                 "peak_slots": cache.peak_slots,
                 "prefill_seconds": self.prefilled - self.started,
                 "decode_seconds": seconds,
@@ -106,8 +106,8 @@ class Meter:
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
 
-def _peak_row_tokens(prompt_tokens: int, output_tokens: int, evictions: int, spec) -> int:
-    """The most tokens a row held at once: every token fed while it was live (the last sampled one never
+def peak_row_tokens(prompt_tokens: int, output_tokens: int, evictions: int, spec) -> int:
+    """The most tokens a row held at once: every token fed while it was live (the last output token never
     is) until its first eviction; after one, ``K + B``, the trigger (or the whole prompt, if longer), plus
     the ``Q`` of a quantized tier."""
     if evictions == 0:
