@@ -1,0 +1,72 @@
+"""The tables of README.md from lm-eval's outputs: one folder per run (runs/NAME), the first is the full cache.
+
+python summarize.py runs/full runs/streaming runs/h2o     # the policies against the full cache
+python summarize.py --hf runs/full runs/hf                # reasonkv's full cache against lm-eval's hf model
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from statistics import mean
+
+GENERATE, REFERENCE = "reasonkv_gsm8k", "reasonkv_gsm8k_reference"
+
+
+def load(folder: str) -> tuple[dict, dict[str, list[dict]]]:
+    [results] = Path(folder).rglob("results_*.json")
+    samples = {}
+    for task in (GENERATE, REFERENCE):
+        [path] = Path(folder).rglob(f"samples_{task}_*.jsonl")
+        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+        samples[task] = sorted(rows, key=lambda row: row["doc_id"])
+    return json.loads(results.read_text(encoding="utf-8")), samples
+
+
+def statistics(sample: dict) -> dict:
+    """reasonkv's statistics of a logged sample: the last argument of its (one) request."""
+    [arguments] = sample["arguments"].values()
+    [row] = list(arguments.values())[-1]["reasonkv"]
+    return row
+
+
+def logprob(sample: dict) -> float:
+    [[(value, _)]] = sample["resps"]  # the samples file writes numbers as text
+    return float(value)
+
+
+def policies(folders: list[str]) -> None:
+    runs = [load(folder) for folder in folders]
+    _, base = runs[0]
+    header = ["policy", "K / B", "exact match", "outputs identical to full", "evictions per output"]
+    header += ["reference log-prob", "Δ vs full", "evictions per reference"]
+    print("| " + " | ".join(header) + " |")
+    print("|---|---|---|---|---|---|---|---|")
+    for results, samples in runs:
+        settings = results["config"]["reasonkv"]
+        gen, ref = samples[GENERATE], samples[REFERENCE]
+        same = sum(a["resps"] == b["resps"] for a, b in zip(gen, base[GENERATE], strict=True))
+        values = [logprob(row) for row in ref]
+        delta = [a - logprob(b) for a, b in zip(values, base[REFERENCE], strict=True)]
+        sizes = "–" if settings["budget"] is None else f"{settings['budget']} / {settings['buffer']}"
+        print(
+            f"| {settings['policy']} | {sizes} | {results['results'][GENERATE]['exact_match,none']:.2f} | "
+            f"{same}/{len(gen)} | {mean(statistics(s)['evictions'] for s in gen):.1f} | {mean(values):.2f} | "
+            f"{mean(delta):+.2f} | {mean(statistics(s)['evictions'] for s in ref):.1f} |"
+        )
+
+
+def against_hf(ours: str, theirs: str) -> None:
+    (_, a), (_, b) = load(ours), load(theirs)
+    same = sum(x["resps"] == y["resps"] for x, y in zip(a[GENERATE], b[GENERATE], strict=True))
+    gaps = [abs(logprob(x) - logprob(y)) for x, y in zip(a[REFERENCE], b[REFERENCE], strict=True)]
+    print(f"greedy generations identical: {same}/{len(a[GENERATE])}")
+    print(f"log-likelihoods: largest difference {max(gaps):.2e} over {len(gaps)} reference solutions")
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--hf":
+        against_hf(*sys.argv[2:])
+    else:
+        policies(sys.argv[1:])
