@@ -80,7 +80,7 @@ def evicting_run(tmp_path_factory) -> dict:
     run = json.loads(results.read_text())
     run["samples"] = {}
     for task in TASKS:
-        [path] = out.rglob(f"samples_{task}_*.jsonl")
+        [path] = out.rglob(f"samples_{task}_[0-9]*.jsonl")  # the date follows the task's name
         rows = [json.loads(line) for line in path.read_text().splitlines()]
         for row in rows:  # the file spells each request's arguments {"gen_args_0": {"arg_0": ...}}, and numbers as text
             row["arguments"] = [tuple(request.values()) for request in row["arguments"].values()]

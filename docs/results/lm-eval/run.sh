@@ -2,7 +2,7 @@
 # The lm-evaluation-harness run of README "With lm-evaluation-harness": reasonkv's local GSM8K tasks (bundled
 # data, no network) on the bundled SmolLM2-135M-Instruct, CPU, fp32: the full cache against two evicting
 # policies at K = 64, B = 16 (a prompt longer than K + B is evicted after prefill, every output as it grows),
-# then the table in README.md from lm-eval's outputs. compare-hf.sh runs lm-eval's own hf model on the same.
+# then the table in README.md from lm-eval's outputs.
 set -euo pipefail
 cd "$(dirname "$0")"
 for policy in full streaming h2o; do

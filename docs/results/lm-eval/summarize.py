@@ -1,7 +1,6 @@
-"""The tables of README.md from lm-eval's outputs: one folder per run (runs/NAME), the first is the full cache.
+"""The table of README.md from lm-eval's outputs: one folder per policy (runs/POLICY), the first the full cache.
 
-python summarize.py runs/full runs/streaming runs/h2o     # the policies against the full cache
-python summarize.py --hf runs/full runs/hf                # reasonkv's full cache against lm-eval's hf model
+python summarize.py runs/full runs/streaming runs/h2o
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ def load(folder: str) -> tuple[dict, dict[str, list[dict]]]:
     [results] = Path(folder).rglob("results_*.json")
     samples = {}
     for task in (GENERATE, REFERENCE):
-        [path] = Path(folder).rglob(f"samples_{task}_*.jsonl")
+        [path] = Path(folder).rglob(f"samples_{task}_[0-9]*.jsonl")  # the date follows the task's name
         rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
         samples[task] = sorted(rows, key=lambda row: row["doc_id"])
     return json.loads(results.read_text(encoding="utf-8")), samples
@@ -57,16 +56,5 @@ def policies(folders: list[str]) -> None:
         )
 
 
-def against_hf(ours: str, theirs: str) -> None:
-    (_, a), (_, b) = load(ours), load(theirs)
-    same = sum(x["resps"] == y["resps"] for x, y in zip(a[GENERATE], b[GENERATE], strict=True))
-    gaps = [abs(logprob(x) - logprob(y)) for x, y in zip(a[REFERENCE], b[REFERENCE], strict=True)]
-    print(f"greedy generations identical: {same}/{len(a[GENERATE])}")
-    print(f"log-likelihoods: largest difference {max(gaps):.2e} over {len(gaps)} reference solutions")
-
-
 if __name__ == "__main__":
-    if sys.argv[1] == "--hf":
-        against_hf(*sys.argv[2:])
-    else:
-        policies(sys.argv[1:])
+    policies(sys.argv[1:])
