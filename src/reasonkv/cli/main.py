@@ -1,9 +1,11 @@
-"""The ``reasonkv`` command line: generate | policies | demo | eval | report | bench | calibrate.
+"""The ``reasonkv`` command line: generate | policies | demo | eval | report | bench | calibrate | lm-eval.
 
 Every command lives in its own module of this package exposing ``add_arguments(parser)`` and
 ``run(args)``; this file dispatches (importing the chosen command's module only, so ``--help`` stays
 fast), checks at start-up that reasonkv's dependencies are installed, and turns user errors into one
 line and exit code 2 (``errors.py`` decides which errors are the user's; others keep their traceback).
+A module with ``FORWARDS_ARGUMENTS = True`` hands its arguments to another program's command line
+(``lm-eval``): its parser takes every word as it is, options and ``--help`` included.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ COMMANDS = {
     "report": ("reasonkv.cli.report", "tables and plots from an eval results file"),
     "bench": ("reasonkv.cli.bench", "speed and memory benchmark"),
     "calibrate": ("reasonkv.cli.calibrate", "find a model's EPIKV layer bands"),
+    "lm-eval": ("reasonkv.cli.lm_eval", "lm-evaluation-harness with reasonkv's model and local tasks (extra: lm-eval)"),
 }
 DEBUG_ENV = "REASONKV_DEBUG"
 DEBUG_HELP = f"show the Python traceback of every error, not just one line (or set {DEBUG_ENV}=1)"
@@ -62,13 +65,16 @@ def build_parser(load: Iterable[str] | None = None) -> argparse.ArgumentParser:
                 continue  # command not part of this installation
             if not error.name or error.name.split(".")[0] == "reasonkv":
                 raise
-            # A third-party package is missing: the command stays listed and, whatever its arguments
-            # (no prefix characters: every one is taken as is), says what to install.
-            command = sub.add_parser(name, help=help_text, prefix_chars="\0", add_help=False)
+            # A third-party package is missing: the command stays listed and, whatever its arguments, says
+            # what to install.
+            command = _taking_every_word(sub, name, help_text)
             command.add_argument("arguments", nargs="*")
             command.set_defaults(run=functools.partial(_raise, error))
             continue
-        command = sub.add_parser(name, help=help_text, description=help_text, parents=[debug])
+        if getattr(module, "FORWARDS_ARGUMENTS", False):
+            command = _taking_every_word(sub, name, help_text)
+        else:
+            command = sub.add_parser(name, help=help_text, description=help_text, parents=[debug])
         module.add_arguments(command)
         command.set_defaults(run=module.run)
     return parser
@@ -100,6 +106,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"{name}: error: {message}", file=sys.stderr)
         return 2
+
+
+def _taking_every_word(sub, name: str, help_text: str) -> argparse.ArgumentParser:
+    """A command parser with no prefix characters: every argument, ``--help`` included, is taken as it is."""
+    return sub.add_parser(name, help=help_text, prefix_chars="\0", add_help=False)
 
 
 def _raise(error: BaseException, args: argparse.Namespace) -> int:

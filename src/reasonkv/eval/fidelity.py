@@ -47,11 +47,13 @@ from reasonkv.policies import Policy
 __all__ = [
     "AnswerFidelity",
     "Replay",
+    "TeacherForced",
     "TraceFidelity",
     "answer_logprob",
     "answer_span",
     "reference_continuation",
     "replay_logits",
+    "teacher_force",
     "trace_fidelity",
 ]
 
@@ -100,13 +102,22 @@ def _is_chunk_exact(policy: Policy) -> bool:
     return bool(getattr(type(policy), "chunk_exact", False))
 
 
-# consume(start, evicting_logits [B, s, V], full_logits [B, s, V], active rows): column t of row r
-# predicts continuation[r][start + t].
-Consumer = Callable[[int, torch.Tensor, torch.Tensor, list[int]], None]
+# consume(start, evicting_logits [B, s, V], full_logits [B, s, V] or None, active rows): column t of
+# row r predicts continuation[r][start + t].
+Consumer = Callable[[int, torch.Tensor, torch.Tensor | None, list[int]], None]
+
+
+@dataclass
+class TeacherForced:
+    """What the evicting cache did in :func:`teacher_force`."""
+
+    evictions: list[int]  # per row, when its last token was fed
+    peak_slots: int  # the most slots the batch's cache held (padding included; a long prompt before its eviction)
+    kv_bytes: int  # K/V storage the cache held after the last forward (allocated capacity, all tiers)
 
 
 @torch.inference_mode()
-def _replay(
+def teacher_force(
     model,
     prompts: Sequence[Sequence[int]],
     continuations: Sequence[Sequence[int]],
@@ -116,10 +127,12 @@ def _replay(
     max_chunk: int,
     pad_id: int,
     consume: Consumer,
-) -> list[int]:
-    """Feed ``prompt + continuation`` rows through an evicting and a full cache in lockstep.
-
-    Returns the evictions each row had when its last token was fed.
+    reference: bool = True,
+) -> TeacherForced:
+    """Feed ``prompt + continuation`` rows through an evicting cache, and with ``reference`` through a full
+    cache in lockstep (see the module docstring: one prefill, then chunks that end where an eviction is due,
+    or one token at a time). ``consume`` receives the logits as they come (``None`` for the full cache's
+    without ``reference``).
     """
     if len(prompts) != len(continuations) or not prompts:
         raise ValueError("need one continuation per prompt, and at least one row")
@@ -134,15 +147,15 @@ def _replay(
     batch = len(prompts)
     lengths = [len(c) for c in continuations]
     evicting = EvictingCache(model=model, spec=spec)
-    full = EvictingCache(model=model, spec=CacheSpec("full"))
+    full = EvictingCache(model=model, spec=CacheSpec("full")) if reference else None
     evictions = [0] * batch
     try:
         ids, mask = left_pad(prompts, pad_id, device)
         out_e = forward(ids, evicting, attention_mask=mask, last_logits_only=True)
-        out_f = forward(ids, full, attention_mask=mask, last_logits_only=True)
+        out_f = forward(ids, full, attention_mask=mask, last_logits_only=True) if reference else None
         started = [r for r in range(batch) if lengths[r] > 0]
         if started:
-            consume(0, out_e.logits[:, -1:], out_f.logits[:, -1:], started)
+            consume(0, out_e.logits[:, -1:], out_f.logits[:, -1:] if reference else None, started)
         for r in range(batch):
             if lengths[r] <= 1:
                 evictions[r] = int(evicting.row_evictions[r])
@@ -165,16 +178,17 @@ def _replay(
                     [forward(tokens[:, t : t + 1], evicting).logits for t in range(span)],
                     dim=1,
                 )
-            logits_f = forward(tokens, full).logits
+            logits_f = forward(tokens, full).logits if reference else None
             consume(fed + 1, logits_e, logits_f, active)
             fed += span
             for r in active:
                 if fed >= lengths[r] - 1:
                     evictions[r] = int(evicting.row_evictions[r])
+        return TeacherForced(evictions, evicting.peak_slots, evicting.kv_bytes())
     finally:
         evicting.detach()
-        full.detach()
-    return evictions
+        if full is not None:
+            full.detach()
 
 
 def _renamed(cache_keywords: dict) -> dict:
@@ -231,7 +245,7 @@ def replay_logits(
         pieces_f.append(logits_f[0].float().cpu())
 
     spec = resolve_spec(spec, **_renamed(cache_keywords))
-    [evictions] = _replay(
+    [evictions] = teacher_force(
         model,
         [list(prompt_ids)],
         [list(continuation_ids)],
@@ -240,7 +254,7 @@ def replay_logits(
         max_chunk=max_chunk,
         pad_id=pad_id,
         consume=consume,
-    )
+    ).evictions
     evicting = torch.cat(pieces_e)[:n] if pieces_e else torch.empty(0)
     full = torch.cat(pieces_f)[:n] if pieces_f else torch.empty(0)
     return Replay(evicting=evicting, full=full, evictions=evictions)
@@ -300,9 +314,9 @@ def trace_fidelity(
             kl_sum[r] += float(kl.sum())
             kl_max[r] = max(kl_max[r], float(kl.max()))
 
-    evictions = _replay(
+    evictions = teacher_force(
         model, prompts, traces, spec, chunked=chunked, max_chunk=max_chunk, pad_id=pad_id, consume=consume
-    )
+    ).evictions
     chunk_flag = _is_chunk_exact(spec.policy) if chunked is None else chunked
     results = []
     for r in range(batch):
@@ -380,9 +394,9 @@ def answer_logprob(
             logp_e[r] += float(logits_e[r, cols].float().log_softmax(-1).gather(-1, target).sum())
             logp_f[r] += float(logits_f[r, cols].float().log_softmax(-1).gather(-1, target).sum())
 
-    evictions = _replay(
+    evictions = teacher_force(
         model, prompts, continuations, spec, chunked=chunked, max_chunk=max_chunk, pad_id=pad_id, consume=consume
-    )
+    ).evictions
     results = []
     for r in range(batch):
         _, a, b = references[r]

@@ -13,7 +13,7 @@ from reasonkv.cache.layer import EvictingLayer
 from reasonkv.generation.rows import Rows
 from reasonkv.hf import synchronize
 
-__all__ = ["GenerationResult", "Meter", "kv_bytes_held"]
+__all__ = ["GenerationResult", "Meter", "kv_bytes_held", "peak_row_tokens"]
 
 
 def kv_bytes_held(cache: EvictingCache) -> dict[str, int]:
@@ -103,7 +103,7 @@ class Meter:
                 "quantized": spec.quantized,
                 "bits": spec.bits,
                 "evictions": evictions,
-                "peak_row_tokens": _peak_row_tokens(len(prompt), len(tokens), evictions, spec),
+                "peak_row_tokens": peak_row_tokens(len(prompt), len(tokens), evictions, spec),
                 "peak_slots": cache.peak_slots,
                 "prefill_seconds": self.prefilled - self.started,
                 "decode_seconds": seconds,
@@ -124,8 +124,8 @@ class Meter:
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
 
-def _peak_row_tokens(prompt_tokens: int, output_tokens: int, evictions: int, spec) -> int:
-    """The most tokens a row held at once: every token fed while it was live (the last sampled one never
+def peak_row_tokens(prompt_tokens: int, output_tokens: int, evictions: int, spec) -> int:
+    """The most tokens a row held at once: every token fed while it was live (the last output token never
     is) until its first eviction; after one, ``K + B``, the trigger (or the whole prompt, if longer), plus
     the ``Q`` of a quantized tier."""
     if evictions == 0:

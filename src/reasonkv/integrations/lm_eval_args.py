@@ -1,0 +1,176 @@
+"""The ``--model_args`` of lm-eval's ``reasonkv`` model, read and checked before any model loads.
+
+lm-eval hands a model its ``--model_args`` as keyword arguments, typed by its own parser (``budget=64`` is an
+int, ``policy.layers=[1,2]`` a list) or, from Python, as given. They are of three kinds:
+
+- the cache: ``policy``, ``budget``, ``buffer``, ``quantized``, ``bits``, ``group_size``, ``seed``, and the
+  policy's options as ``policy.KEY=VALUE`` (``POLICY.KEY=VALUE`` too), parsed by the option's type with the
+  command line's own parser (what ``-o KEY=VALUE`` does);
+- the model: ``pretrained`` (a hub id, a local directory, a .gguf file, a bundled name, or in Python a loaded
+  model with its ``tokenizer``), ``dtype``, ``device``, ``attn_implementation``, and ``scoring``: how
+  loglikelihood requests are scored (``evicting``: through the evicting cache, as decoding would see the text;
+  ``full``: lm-eval's own full-context forward);
+- the settings of lm-eval's HuggingFace model that still apply (``batch_size``, ``max_length``, ...).
+
+Anything else is refused by name, so a misspelt argument fails at start, before a model loads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from reasonkv.cache.spec import DEFAULT_BUFFER, CacheSpec
+from reasonkv.policies import Policy, parse_options, policy_class
+from reasonkv.policies.options import field_types, split_option
+
+__all__ = ["CACHE_ARGS", "HARNESS_ARGS", "MODEL_ARGS", "SCORING", "ModelArgs", "parse_model_args"]
+
+SCORING = ("evicting", "full")
+CACHE_ARGS = ("policy", "budget", "buffer", "quantized", "bits", "group_size", "seed")
+MODEL_ARGS = ("pretrained", "tokenizer", "dtype", "device", "attn_implementation", "scoring")
+# lm-eval's HF-model settings that keep their meaning; max_batch_size is what lm-eval passes with every model
+# (for batch_size=auto, which reasonkv refuses) and is accepted to be ignored.
+HARNESS_ARGS = (
+    "batch_size",
+    "max_batch_size",
+    "max_length",
+    "truncation",
+    "add_bos_token",
+    "prefix_token_id",
+    "think_end_token",
+    "enable_thinking",
+    "chat_template_args",
+)
+_KNOWN = CACHE_ARGS + MODEL_ARGS + HARNESS_ARGS
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """``--model_args``, checked: the cache's :class:`CacheSpec`, how to load the model, lm-eval's settings."""
+
+    pretrained: Any
+    spec: CacheSpec
+    tokenizer: Any = None
+    scoring: str = "evicting"
+    dtype: str = "fp32"
+    device: str | None = None  # None: cuda when there is one, else cpu
+    attn_implementation: str = "sdpa"
+    batch_size: int = 1
+    harness: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_model_args(args: Mapping[str, Any]) -> ModelArgs:
+    """Check ``args`` (lm-eval's ``--model_args`` as keywords) and build the cache's spec.
+
+    Raises
+    ------
+    ValueError
+        Naming the argument: an unknown one, an unknown policy or option, a value of the wrong type, a budget
+        the policy's protected tokens do not fit, a scoring mode other than ``evicting`` / ``full``, ...
+    """
+    args = dict(args)
+    for key, value in args.items():
+        if key not in _KNOWN and "." not in key:
+            raise ValueError(_unknown(key, value, args.get("policy", "full")))
+    policy = args.get("policy", "full")
+    if not isinstance(policy, Policy):
+        try:
+            policy_class(policy if isinstance(policy, str) else repr(policy))
+        except ValueError as error:
+            raise ValueError(f"model_args policy={policy!r}: {error}") from None
+    name = policy.name if isinstance(policy, Policy) else policy
+    options = {}
+    for key, value in args.items():
+        if "." in key:
+            options.update(_policy_option(name, key, value))
+    budget, buffer = _integer(args, "budget", none=True), _integer(args, "buffer", default=DEFAULT_BUFFER)
+    tier = {"quantized": _integer(args, "quantized", default=0)}
+    tier.update({name: _integer(args, name, none=True) for name in ("bits", "group_size")})
+    try:
+        spec = CacheSpec.build(policy, budget, buffer, **tier, seed=_integer(args, "seed", default=0), **options)
+    except ValueError as error:
+        raise ValueError(f"model_args: {error}") from None
+    scoring = args.get("scoring", "evicting")
+    if scoring not in SCORING:
+        raise ValueError(
+            f"model_args scoring={scoring!r}: expected 'evicting' (loglikelihoods through the evicting cache) "
+            "or 'full' (lm-eval's own full-context scoring)"
+        )
+    batch_size = args.get("batch_size", 1)
+    if isinstance(batch_size, str) and batch_size.strip().isdigit():
+        batch_size = int(batch_size)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(
+            f"model_args batch_size={batch_size!r}: expected a positive integer (reasonkv sizes no batch "
+            "automatically: its cache holds at most K + B tokens per row, so pick the batch the device fits)"
+        )
+    pretrained = args.get("pretrained", "smollm2-135m")
+    if not isinstance(pretrained, str) and args.get("tokenizer") is None:
+        raise ValueError("model_args pretrained=<a loaded model> needs its tokenizer= too")
+    harness = {k: args[k] for k in HARNESS_ARGS if k in args and k not in ("batch_size", "max_batch_size")}
+    return ModelArgs(
+        pretrained=pretrained,
+        spec=spec,
+        tokenizer=args.get("tokenizer"),
+        scoring=scoring,
+        dtype=args.get("dtype", "fp32"),
+        device=args.get("device"),
+        attn_implementation=args.get("attn_implementation", "sdpa"),
+        batch_size=batch_size,
+        harness=harness,
+    )
+
+
+def _policy_option(policy: str, key: str, value: Any) -> dict[str, Any]:
+    """``policy.KEY=VALUE`` (or ``POLICY.KEY=VALUE``) as a typed option of ``policy``."""
+    target, option, _ = split_option(f"{key}=")
+    pair = f"{option}={_as_text(value)}" if target == "policy" else f"{key}={_as_text(value)}"
+    try:
+        return parse_options(policy, [pair])
+    except ValueError as error:
+        raise ValueError(f"model_args {key}={value!r}: {error}") from None
+
+
+def _as_text(value: Any) -> str:
+    """A value lm-eval's parser typed, as the text the option parser reads (lists as ``1,2``)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "none"
+    if isinstance(value, (list, tuple)):
+        return ",".join(_as_text(v) for v in value)
+    return str(value)
+
+
+def _integer(args: Mapping[str, Any], name: str, *, default: int | None = None, none: bool = False) -> int | None:
+    """``args[name]`` as an integer (text of digits is one); ``none`` also allows None / "none"."""
+    value = args.get(name, default)
+    if value is None or (isinstance(value, str) and value.strip().lower() == "none"):
+        if none or value is default:
+            return None
+    elif isinstance(value, int) and not isinstance(value, bool):
+        return value
+    elif isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+        return int(value)
+    allowed = "an integer or none" if none else "an integer"
+    raise ValueError(f"model_args {name}={value!r}: expected {allowed}")
+
+
+def _unknown(key: str, value: Any, policy: Any) -> str:
+    hint = ""
+    name = policy.name if isinstance(policy, Policy) else policy
+    if isinstance(name, str) and key in _options_of(name):
+        hint = f" (a policy option? write policy.{key}={_as_text(value)})"
+    return (
+        f"model_args {key}={value!r}: unknown argument{hint}; reasonkv's model takes {', '.join(_KNOWN)}, "
+        "and policy.KEY=VALUE for the policy's options (`reasonkv policies` lists them)"
+    )
+
+
+def _options_of(policy: str) -> set[str]:
+    try:
+        return set(field_types(policy_class(policy)))
+    except ValueError:
+        return set()
