@@ -51,10 +51,10 @@ def test_a_quantized_token_is_never_promoted_whatever_its_rank():
     assert split.full.tolist() == [[2, 3]] and split.quantized.tolist() == [[0]]
 
 
-def test_protected_tokens_beyond_k_are_kept_quantized_oldest_at_full_precision():
+def test_protected_tokens_beyond_k_are_kept_quantized_newest_at_full_precision():
     priority = torch.tensor([[1.0, 2.0, MUST, MUST, MUST, 3.0]])
     split = split_tiers(priority, torch.zeros(6, dtype=torch.bool), full=1, quantized=2)
-    assert split.full.tolist() == [[2]] and split.quantized.tolist() == [[3, 4]]
+    assert split.full.tolist() == [[4]] and split.quantized.tolist() == [[2, 3]]
     with pytest.raises(ValueError, match=r"3 protected tokens exceed the budget K \+ Q = 1 \+ 1"):
         split_tiers(priority, torch.zeros(6, dtype=torch.bool), full=1, quantized=1)
 
@@ -64,6 +64,22 @@ def test_rows_with_fewer_tokens_quantize_fewer_and_pad_on_the_left():
     split = split_tiers(priority, torch.zeros(4, dtype=torch.bool), full=1, quantized=3)
     assert split.full.tolist() == [[0], [2]]
     assert split.quantized.tolist() == [[1, 2, 3], [-1, -1, 3]] and split.counts.tolist() == [3, 1]
+
+
+def test_ties_break_as_the_policy_alone_breaks_them_the_full_tier_is_its_keep_at_k():
+    # Scores of few distinct values, so most of every ranking is ties; protected and padding slots too.
+    generator = torch.Generator().manual_seed(0)
+    scores = torch.randint(0, 3, (4, 3, 60), generator=generator).float()
+    valid = torch.ones(4, 1, 60, dtype=torch.bool)
+    valid[1, :, :9] = False
+    protected = torch.zeros(4, 1, 60, dtype=torch.bool)
+    protected[..., 9:13] = True
+    ranking = select.rank_top(scores, valid=valid, protected=protected)
+    for full, quantized in ((8, 20), (16, 16), (30, 21)):
+        split = split_tiers(ranking, torch.zeros(60, dtype=torch.bool), full=full, quantized=quantized)
+        assert torch.equal(split.full, select.keep_ranked(ranking, k=full))
+        both = torch.cat([split.full, split.quantized], -1).sort(-1).values
+        assert torch.equal(both, select.keep_ranked(ranking, k=full + quantized))
 
 
 def test_too_few_full_precision_tokens_is_a_clear_error():

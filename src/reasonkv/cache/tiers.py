@@ -33,7 +33,7 @@ from reasonkv.cache.quantize import (
     quantize_channels,
     quantize_tokens,
 )
-from reasonkv.policies.select import MUST_KEEP, NEVER_KEEP
+from reasonkv.policies.select import MUST_KEEP, NEVER_KEEP, rank_order
 
 __all__ = [
     "QuantizedTier",
@@ -83,7 +83,8 @@ def split_tiers(priority: torch.Tensor, held_quantized: torch.Tensor, *, full: i
     full, quantized
         ``K`` and ``Q``.
 
-    Taking tokens in priority order (ties: the lower slot, i.e. the older token, first), the full
+    Taking tokens in priority order (ties: the higher slot, i.e. the newer token, first, the rule of
+    :func:`reasonkv.policies.select.top_indices`), the full
     tier gets the first ``K`` tokens not yet quantized and the quantized tier the next ``Q`` of the
     others. For a sampling policy the priority is one Gumbel-perturbed draw, so the order is a
     sample without replacement: the first ``K`` full-precision tokens are what the policy alone
@@ -91,7 +92,7 @@ def split_tiers(priority: torch.Tensor, held_quantized: torch.Tensor, *, full: i
     sample of ``K + Q``.
     """
     held = torch.broadcast_to(held_quantized, priority.shape)
-    order = torch.sort(priority, dim=-1, descending=True, stable=True).indices
+    order = rank_order(priority)
     ranked = priority.gather(-1, order)
     real = ranked > NEVER_KEEP
     protected = int((ranked >= MUST_KEEP).sum(-1).max()) if ranked.numel() else 0

@@ -36,6 +36,7 @@ __all__ = [
     "keep_sampled",
     "keep_top",
     "protected_mask",
+    "rank_order",
     "rank_sampled",
     "rank_top",
     "reserve_top",
@@ -134,6 +135,12 @@ def _tie_broken(keys: torch.Tensor) -> torch.Tensor:
     bits = (keys.float() + 0.0).view(torch.int32)  # + 0.0: -0.0 and 0.0 are one value, as they compare
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: flip the magnitude bits
     return (ordered.long() << 32) | torch.arange(keys.shape[-1], device=keys.device)
+
+
+def rank_order(keys: torch.Tensor) -> torch.Tensor:
+    """Every index along the last axis, best first: ``keys`` (no NaN) descending, ties to the higher index,
+    the order :func:`top_indices` takes from (so its ``k`` first are the top ``k``)."""
+    return _tie_broken(keys).sort(dim=-1, descending=True).values & 0xFFFFFFFF
 
 
 def top_indices(keys: torch.Tensor, k: int) -> torch.Tensor:
