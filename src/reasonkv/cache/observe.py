@@ -170,7 +170,8 @@ class Observer:
             visible = torch.arange(slots, device=key_valid.device) <= query_slots.view(-1, 1)  # [n, slots]
             visible = visible & key_valid.unsqueeze(1) & valid.unsqueeze(2)  # [batch, n, slots]
             for layer, layer_queries in queries.items():
-                keys = self.cache.attended(layer)[0]  # a quantized tier's keys dequantized, as attention saw them
+                # A quantized tier's keys dequantized, as attention saw them; float32 once for every chunk.
+                keys = self.cache.attended(layer)[0].float()
                 b, hq, n, _ = layer_queries.shape
                 scaling, softcap = self.recorded.scalings[layer], self.recorded.softcaps.get(layer)
                 sinks = self.recorded.sinks.get(layer)
