@@ -67,28 +67,36 @@ def test_a_tier_gets_its_own_records_beside_the_plain_ones_and_resumes(dataset, 
     out = tmp_path / "results.jsonl"
     model, tokenizer = tiny_llama(), NoEosTokenizer()
     plain = run_grid(model, tokenizer, **_grid(dataset, out))
-    tiered = run_grid(model, tokenizer, **_grid(dataset, out, quantized=6, bits=4))
+    tiered = run_grid(model, tokenizer, **_grid(dataset, out, quantized=16, bits=4))
     assert tiered.generated == 2 and tiered.fidelity == 2  # full (2 generation records) was already there
     records = read_records(out)
     assert len(records) == plain.generated + plain.fidelity + 4
     mine = [r for r in records if r.get("tier")]
-    assert {r["policy_label"] for r in mine} == {"streaming+int4:6"} and len(mine) == 4
+    assert {r["policy_label"] for r in mine} == {"streaming+int4:16"} and len(mine) == 4
+    per_token = 3 * 2 * 2 * 16 * 4  # layers x (K and V) x kv_heads x head_dim x fp32
     for record in mine:
-        assert record["tier"] == {"quantized": 6, "bits": 4, "group_size": 16}  # head_dim 16
+        assert record["tier"] == {"quantized": 16, "bits": 4, "group_size": 16}  # head_dim 16
         assert record["budget"] == 10
-        # 6 int4 tokens (codes 16 + statistics 8 + 8 + id 2 = 34 bytes) beside 10 fp32 ones (128 bytes)
-        assert record["equivalent_budget"] == pytest.approx(10 + 6 * 34 / 128, abs=0.01)
+        # 16 int4 tokens (codes 16 + statistics 8 + 8 + id 2 = 34 bytes) beside 10 fp32 ones (128 bytes)
+        assert record["equivalent_budget"] == pytest.approx(10 + 16 * 34 / 128, abs=0.01)
+        # Measured: K full-precision tokens, and the tier's real bytes (its pending tokens at full precision)
+        held = record["steady_kv_bytes_by_tier"]
+        assert held["full"] == 10 * per_token and held["quantized"] > 0
+        assert record["steady_kv_tokens"] == pytest.approx((held["full"] + held["quantized"]) / per_token, abs=1e-3)
     generation = [r for r in mine if r["kind"] == "generation"]
     assert all(r["evictions"] > 0 and r["peak_kv_bytes_by_tier"]["quantized"] > 0 for r in generation)
-    assert all(r["peak_row_tokens"] == max(r["prompt_tokens"], 10 + 4 + 6) for r in generation)
+    assert all(r["peak_row_tokens"] == max(r["prompt_tokens"], 10 + 4 + 16) for r in generation)
     assert all(r["tier"] is None for r in records if r["policy"] == "full" or r not in mine)
-    again = run_grid(model, tokenizer, **_grid(dataset, out, quantized=6, bits=4))
+    plain_fidelity = [r for r in records if r["kind"] == "fidelity" and not r.get("tier")]
+    assert all(r["steady_kv_bytes_by_tier"] == {"full": 10 * per_token, "quantized": 0} for r in plain_fidelity)
+    assert all(r["steady_kv_tokens"] == 10 for r in plain_fidelity)
+    again = run_grid(model, tokenizer, **_grid(dataset, out, quantized=16, bits=4))
     assert again.generated == again.fidelity == 0 and again.skipped == len(mine) + 2
 
 
 def test_fidelity_only_writes_no_generation_records_for_evicting_cells(dataset, tmp_path):
     out = tmp_path / "results.jsonl"
-    result = run_grid(tiny_llama(), NoEosTokenizer(), **_grid(dataset, out, quantized=6, generation=False))
+    result = run_grid(tiny_llama(), NoEosTokenizer(), **_grid(dataset, out, quantized=16, generation=False))
     records = read_records(out)
     kinds = sorted((r["kind"], r["policy"]) for r in records)
     assert kinds == [("fidelity", "streaming")] * 2 + [("generation", "full")] * 2

@@ -69,7 +69,9 @@ class Replay:
 
 @dataclass
 class TraceFidelity:
-    """Trace fidelity of one row (see the module docstring)."""
+    """Trace fidelity of one row (see the module docstring). ``steady_kv_bytes`` is the K/V the row held
+    right after its evictions, averaged over them (:meth:`~reasonkv.cache.KVStorage.steady_kv_bytes`), None if
+    it was never evicted."""
 
     steps: int
     top1_agreement: float
@@ -78,6 +80,7 @@ class TraceFidelity:
     kl_max: float
     evictions: int
     chunked: bool
+    steady_kv_bytes: dict | None = None
 
 
 @dataclass
@@ -119,7 +122,8 @@ def _replay(
 ) -> list[int]:
     """Feed ``prompt + continuation`` rows through an evicting and a full cache in lockstep.
 
-    Returns the evictions each row had when its last token was fed.
+    Returns the evictions each row had when its last token was fed, and each row's steady K/V bytes
+    (:meth:`~reasonkv.cache.KVStorage.steady_kv_bytes`).
     """
     if len(prompts) != len(continuations) or not prompts:
         raise ValueError("need one continuation per prompt, and at least one row")
@@ -174,7 +178,7 @@ def _replay(
     finally:
         evicting.detach()
         full.detach()
-    return evictions
+    return evictions, evicting.steady_kv_bytes()
 
 
 def _renamed(cache_keywords: dict) -> dict:
@@ -231,7 +235,7 @@ def replay_logits(
         pieces_f.append(logits_f[0].float().cpu())
 
     spec = resolve_spec(spec, **_renamed(cache_keywords))
-    [evictions] = _replay(
+    [evictions], _ = _replay(
         model,
         [list(prompt_ids)],
         [list(continuation_ids)],
@@ -300,7 +304,7 @@ def trace_fidelity(
             kl_sum[r] += float(kl.sum())
             kl_max[r] = max(kl_max[r], float(kl.max()))
 
-    evictions = _replay(
+    evictions, held = _replay(
         model, prompts, traces, spec, chunked=chunked, max_chunk=max_chunk, pad_id=pad_id, consume=consume
     )
     chunk_flag = _is_chunk_exact(spec.policy) if chunked is None else chunked
@@ -317,6 +321,7 @@ def trace_fidelity(
                 kl_max=kl_max[r] if n else nan,
                 evictions=evictions[r],
                 chunked=chunk_flag,
+                steady_kv_bytes=held[r],
             )
         )
     return results
@@ -380,7 +385,7 @@ def answer_logprob(
             logp_e[r] += float(logits_e[r, cols].float().log_softmax(-1).gather(-1, target).sum())
             logp_f[r] += float(logits_f[r, cols].float().log_softmax(-1).gather(-1, target).sum())
 
-    evictions = _replay(
+    evictions, _ = _replay(
         model, prompts, continuations, spec, chunked=chunked, max_chunk=max_chunk, pad_id=pad_id, consume=consume
     )
     results = []
