@@ -158,4 +158,3 @@ def _fidelity_batch(ctx: Context, dataset, cell: Cell, batch, traces, sources, r
         )
         records.append(record)
     return records
-
