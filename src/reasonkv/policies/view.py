@@ -62,8 +62,8 @@ class EvictionView:
         if attended is None:
             entry = self.cache.layers[layer]
             return entry.keys, entry.values
-        if layer not in self._attended:  # dequantized once per layer and eviction
-            self._attended[layer] = attended(layer)
+        if layer not in self._attended:  # dequantized once per layer and eviction; only the latest layer is
+            self._attended = {layer: attended(layer)}  # kept, so reading every layer holds one at a time
         return self._attended[layer]
 
     def keys(self, layer: int | None = None) -> torch.Tensor:
