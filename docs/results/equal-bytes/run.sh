@@ -31,7 +31,7 @@ all=$(IFS=,; echo "${policies[*]}")
 
 # 1. Calibration: Q = 32 and 64 beside K = 16, Q = 64 and 128 beside K = 32, for int8 and int4.
 calibration=(--dataset gsm8k:3 --out "$OUT/calibration.jsonl")
-"$PY" -m reasonkv.cli eval "${common[@]}" "${calibration[@]}" --policies full --budgets 16  # the traces
+"$PY" -m reasonkv.cli eval "${common[@]}" "${calibration[@]}" --policies full,snapkv,vase-attnv --budgets 16
 for bits in 8 4; do
   for q in 32 64; do
     "$PY" -m reasonkv.cli eval "${common[@]}" "${calibration[@]}" --policies "$all" --budgets 16 --quantized "$q" \
