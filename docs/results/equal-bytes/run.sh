@@ -8,9 +8,11 @@
 #
 #   1. calibration.jsonl: each tiered policy at two Q (first 3 GSM8K problems); the Q that fills the
 #      budget comes from the line through the two measurements (python -m reasonkv.cli.equal_bytes
-#      --size-for), rounded down;
+#      --size-for), rounded down, and is at least 32 (a tier holds at least one key group);
 #   2. results.jsonl (bytes of 32 tokens: 32 full | 16 full + Q) and results-64.jsonl (bytes of 64:
-#      64 full | 32 full + Q), GSM8K (first 12) and MATH-500 (first 6);
+#      64 full | 32 full + Q), GSM8K (first 12) and MATH-500 (first 6). Beside 16 full-precision tokens
+#      even the smallest tier (Q = 32) measures more than 32 tokens' bytes for most policies (its pending
+#      tokens alone take up to 31), so the bytes of 32 also get plain cells at K = 40, above every tier;
 #   3. the tables and plots (python -m reasonkv.cli.equal_bytes).
 #
 # 128 greedy tokens of the full cache replayed through each evicting cache (fidelity only), B = 16, so
@@ -44,22 +46,22 @@ for bits in 8 4; do
 done
 
 # 2. Each byte budget: the plain cells, then every policy's tier at the Q its measured bytes allow.
-run_budget() {  # $1: the byte budget in tokens, $2: its results file
-  local tokens=$1 results=$2 half=$(($1 / 2))
-  "$PY" -m reasonkv.cli eval "${common[@]}" "${data[@]}" --out "$results" --policies "full,$all" --budgets "$tokens"
+run_budget() {  # $1: the byte budget in tokens, $2: its results file, $3: the plain budgets
+  local tokens=$1 results=$2 plain=$3 half=$(($1 / 2))
+  "$PY" -m reasonkv.cli eval "${common[@]}" "${data[@]}" --out "$results" --policies "full,$all" --budgets "$plain"
   "$PY" -m reasonkv.cli.equal_bytes "$OUT/calibration.jsonl" --size-for "$tokens" |
     while read -r policy bits budget quantized; do
       [[ "$budget" == "$half" ]] || continue
       "$PY" -m reasonkv.cli eval "${common[@]}" "${data[@]}" --out "$results" --policies "$policy" \
-        --budgets "$half" --quantized "$quantized" --bits "$bits" </dev/null
+        --budgets "$half" --quantized "$((quantized < 32 ? 32 : quantized))" --bits "$bits" </dev/null
     done
 }
 group="${1:-all}"
 if [[ "$group" == 32 || "$group" == all ]]; then
-  run_budget 32 "$OUT/results.jsonl"
+  run_budget 32 "$OUT/results.jsonl" 32,40
 fi
 if [[ "$group" == 64 || "$group" == all ]]; then
-  run_budget 64 "$OUT/results-64.jsonl"
+  run_budget 64 "$OUT/results-64.jsonl" 64
 fi
 
 # 3. The tables and plots.
