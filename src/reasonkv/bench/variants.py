@@ -64,8 +64,8 @@ def ragged_markdown(summary: dict) -> list[str]:
             f"### Rows evicting at different steps against rows evicting together (batch {batch})",
             "",
             "The ragged variant's rows are prefilled to lengths B / batch apart: more evictions, each of fewer "
-            "rows. Step time relative to the rows evicting together, evictions in the window (row evictions "
-            "summed over the batch) and the share of a step spent compacting the cache (gather).",
+            "rows. Step time relative to the rows evicting together, evictions in the window (eviction events: "
+            "rows evicting together count once) and the share of a step spent compacting the cache (gather).",
             "",
             "| variant | length | step vs together | evictions (together) | gather share (together) |",
             "|---|---|---|---|---|",
