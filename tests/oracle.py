@@ -8,9 +8,10 @@ On hybrid models a sliding-window layer's query ``j`` sees the logical positions
 .. j`` (the model's own window rule), and linear-attention layers run as they do without a cache.
 The kernel reproduces the model's own extras: learned attention sinks (``s_aux``) and soft-capping.
 
-With a quantized tier, the positions held quantized when token ``j`` was processed are seen by
-query ``j`` with the K/V the cache dequantized for them instead of the model's own; the oracle also
-checks that those never change while a token is held and stay within the format's rounding error.
+With a quantized tier, the positions held coded when token ``j`` was processed are seen by query ``j``
+with the K/V the cache dequantized for them instead of the model's own (the tier's pending tokens, at
+full precision, with the model's own); the oracle also checks that those never change while a token is
+held and stay within the format's rounding error.
 """
 
 from __future__ import annotations
@@ -150,10 +151,10 @@ def _row(positions: torch.Tensor, total: int, query: int | None) -> torch.Tensor
 
 
 def _record_quantized(cache, layer: int, seen: dict) -> torch.Tensor:
-    """Positions held quantized in ``layer`` (``[kv_heads, width]``), noting their dequantized K/V in
-    ``seen``; a token's dequantized K/V must never change while it is held."""
+    """Positions held coded in ``layer`` (``[kv_heads, width]``, -1 elsewhere), noting their dequantized K/V
+    in ``seen``; a token's dequantized K/V must never change while it is held."""
     width = cache.low_width
-    positions = cache.positions(layer)[0, :, :width]
+    positions = cache.coded_positions(layer)[0]
     if not width:
         return positions
     keys, values = cache.attended(layer)

@@ -87,7 +87,9 @@ def test_buffers_are_reserved_once_for_what_generate_can_need():
     reasonkv.generate(
         model, tokenizer, prompts, policy="streaming", budget=12, buffer=6, max_new_tokens=40, on_step=on_step
     )
-    assert seen["capacities"] == {18} and seen["slots"] <= 18
+    # The long prompt is evicted alone (a ragged batch), so the layers keep up to B slots more than K + B:
+    # its prompt's 23, allocated once.
+    assert seen["capacities"] == {23} and seen["slots"] <= 18
 
 
 def test_without_a_known_length_the_buffers_grow_by_a_small_factor():

@@ -222,6 +222,7 @@ _ENGINE_FREE = textwrap.dedent(
         def __init__(self):
             self.layers = [Layer() for _ in range(3)]
             self.valid = torch.ones(batch, slots, dtype=torch.bool)
+            self.valid[1, :10] = False  # row 1 is shorter: right-aligned, padding at the left
             self.next_position = torch.full((batch,), slots)
             self.prompt_lengths = torch.full((batch,), 4)
             self.row_evictions = torch.zeros(batch, dtype=torch.long)
@@ -240,7 +241,7 @@ _ENGINE_FREE = textwrap.dedent(
         recorded = Recorded(needs.query_window)
         policy.reset(info, batch, torch.device("cpu"))
         positions = torch.arange(slots).expand(batch, slots)
-        valid = torch.ones(batch, slots, dtype=torch.bool)
+        valid = storage.valid
         if needs.queries:
             for layer in range(3):
                 policy.observe_queries(layer, torch.randn(batch, 4, slots, 8), positions, valid)
@@ -269,7 +270,9 @@ _ENGINE_FREE = textwrap.dedent(
             kept = [policy.keep(view)]
         else:
             kept = [policy.keep(view.at(layer)) for layer in range(3)]
+        # [rows, kv_heads, K] or [rows, K] slot indices: the same count in every head, none a padding slot
         assert all(k.shape[-1] == budget for k in kept), name
+        assert all(bool(storage.valid[1, k[1]].all()) for k in kept), name
         scored.append(name)
     print(" ".join(scored))
     """

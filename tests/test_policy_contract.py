@@ -73,7 +73,7 @@ def test_oracle_with_a_quantized_tier(name, model_name, bits):
 @pytest.mark.parametrize("name", EVICTING)
 def test_batch_with_a_quantized_tier_equals_each_alone(name):
     model, tokenizer = tiny_llama(), NoEosTokenizer()
-    kw = dict(policy=name, budget=12, buffer=4, quantized=8, bits=4, max_new_tokens=30, seed=7)
+    kw = dict(policy=name, budget=12, buffer=4, quantized=8, bits=4, group_size=4, max_new_tokens=30, seed=7)
     kw.update(_small_options(name))
     together = reasonkv.generate(model, tokenizer, PROMPTS, **kw)
     for prompt, result in zip(PROMPTS, together, strict=True):

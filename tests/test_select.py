@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from reasonkv.policies import select
 
@@ -125,9 +126,43 @@ def test_top_indices_equal_a_stable_sort_over_signs_zeros_infinities_and_ties():
         assert torch.equal(select.top_indices(keys, k), want), k
 
 
-def test_attention_logits_keep_the_cache_dtype_on_cuda_only():
-    from reasonkv.policies.attention import logit_dtype
+class _MatmulDtypes(TorchDispatchMode):
+    """The dtypes of the operands of every matrix product run inside the block."""
 
-    assert logit_dtype(torch.device("cuda", 0), torch.bfloat16) == torch.bfloat16
-    assert logit_dtype(torch.device("cuda"), torch.float16) == torch.float16
-    assert logit_dtype(torch.device("cpu"), torch.bfloat16) == torch.float32
+    def __init__(self):
+        super().__init__()
+        self.seen: list[torch.dtype] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func).split(".")[1] in ("mm", "bmm", "matmul", "addmm", "baddbmm"):
+            self.seen += [a.dtype for a in args if isinstance(a, torch.Tensor)]
+        return func(*args, **(kwargs or {}))
+
+
+def _bf16_attention_inputs(device):
+    generator = torch.Generator().manual_seed(0)
+    queries = (4 * torch.randn(2, 4, 3, 64, generator=generator)).to(device, torch.bfloat16)
+    keys = (4 * torch.randn(2, 2, 50, 64, generator=generator)).to(device, torch.bfloat16)
+    return queries, keys
+
+
+def test_recomputed_logits_are_float32_products_as_sdpa_computes_them():
+    from reasonkv.policies.attention import grouped_logits
+
+    queries, keys = _bf16_attention_inputs("cpu")
+    with _MatmulDtypes() as dtypes:
+        logits = grouped_logits(queries, keys, 0.125)
+    assert dtypes.seen and set(dtypes.seen) == {torch.float32}
+    want = torch.matmul(queries.float().view(2, 2, 6, 64), keys.float().transpose(2, 3)) * 0.125
+    torch.testing.assert_close(logits.view(2, 2, 6, 50), want, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA, where a bf16 product rounds to bf16")
+def test_recomputed_logits_on_cuda_are_not_rounded_to_the_cache_dtype():
+    from reasonkv.policies.attention import grouped_logits
+
+    queries, keys = _bf16_attention_inputs("cuda")
+    logits = grouped_logits(queries, keys, 0.125).view(2, 2, 6, 50)
+    want = torch.matmul(queries.double().view(2, 2, 6, 64), keys.double().transpose(2, 3)) * 0.125
+    # bf16 output rounding alone would move logits of this size by up to about 0.06
+    assert float((logits.double() - want).abs().max()) < 1e-3

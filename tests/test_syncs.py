@@ -11,11 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import DynamicCache
 
 import reasonkv
-from conftest import tiny_llama
-from reasonkv.hf import cache_keyword
+from conftest import tiny_gemma3, tiny_gpt_oss, tiny_llama, tiny_qwen3_next
+from reasonkv.hf import cache_keyword, native_cache
 from reasonkv.policies import get_policy, list_policies
 
 # ops that make the host wait for the device
@@ -81,7 +80,7 @@ def _padded(prompts):
 def _plain_step_syncs(model) -> int:
     """Syncs of one decode step of plain transformers with its own cache, on the same input."""
     ids, mask = _padded(PROMPTS)
-    cache = DynamicCache()
+    cache = native_cache(model)  # the cache model.generate builds (a DynamicCache for a plain model)
     key = cache_keyword(model)
     out = model(input_ids=ids, attention_mask=mask, **{key: cache})
     step_ids = out.logits[:, -1:].argmax(-1)
@@ -92,10 +91,10 @@ def _plain_step_syncs(model) -> int:
 
 
 @torch.inference_mode()
-def _steps(model, policy, *, batch_prompts, steps, budget=40, buffer=6, with_mask=False):
+def _steps(model, policy, *, batch_prompts, steps, budget=40, buffer=6, with_mask=False, **cache_options):
     """Sync ops per decode step (a list) and which steps evicted."""
     ids, mask = _padded(batch_prompts)
-    cache = reasonkv.EvictingCache(budget, buffer, model=model, policy=policy)
+    cache = reasonkv.EvictingCache(budget, buffer, model=model, policy=policy, **cache_options)
     key = cache_keyword(model)
     out = model(input_ids=ids, attention_mask=mask, **{key: cache})
     counts, evicted = [], []
@@ -141,3 +140,33 @@ def test_an_eviction_syncs_a_fixed_few_whatever_the_batch_and_layers(policy, one
     assert big == small, (small, big)
     # ThinKV types each new segment and groups segments for its K-means on the host: a few reads more.
     assert big <= (16 if policy == "thinkv" else 6), big
+
+
+TIER = dict(quantized=16, bits=4, group_size=4)  # a quantized tier beside K = 24
+
+
+@pytest.mark.parametrize("policy", EVICTING)
+def test_with_a_tier_a_quiet_step_syncs_no_more_than_plain_and_an_eviction_a_fixed_few(policy, one_torch_thread):
+    """The tier's sizes are host-side bounds or one read per eviction, whatever the layers (not one per layer)."""
+
+    def syncs(layers, rows):
+        model = tiny_llama(layers=layers)
+        counts, evicted = _steps(model, policy, batch_prompts=(PROMPTS * 3)[:rows], steps=36, budget=24, **TIER)
+        quiet = [len(ops) for ops, e in zip(counts, evicted, strict=True) if not e]
+        assert quiet and max(quiet) <= _plain_step_syncs(model), quiet
+        return max(len(ops) for ops, e in zip(counts, evicted, strict=True) if e)
+
+    small, big = syncs(2, 2), syncs(6, 6)
+    assert big == small, (small, big)
+    assert big <= (17 if policy == "thinkv" else 8), big
+
+
+@pytest.mark.parametrize("make", [tiny_gemma3, tiny_gpt_oss, tiny_qwen3_next], ids=["gemma3", "gpt-oss", "qwen3-next"])
+@pytest.mark.parametrize("with_mask", [False, True], ids=["own-loop", "generate-style"])
+def test_on_a_hybrid_model_a_quiet_step_syncs_no_more_than_plain_transformers(make, with_mask, one_torch_thread):
+    model = make()
+    plain = _plain_step_syncs(model)
+    counts, evicted = _steps(model, "h2o", batch_prompts=PROMPTS, steps=30, budget=16, with_mask=with_mask)
+    quiet = [ops for ops, e in zip(counts, evicted, strict=True) if not e]
+    assert quiet and any(evicted)
+    assert max(len(ops) for ops in quiet) <= plain, (plain, [ops for ops in quiet if len(ops) > plain][:1])

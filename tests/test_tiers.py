@@ -17,7 +17,6 @@ from oracle import run_and_check
 from reasonkv.cache import EvictingCache
 from reasonkv.cache.quantize import QuantFormat
 from reasonkv.cache.tiers import (
-    QuantizedTier,
     budget_for_bytes,
     equivalent_budget,
     full_token_bytes,
@@ -51,10 +50,10 @@ def test_a_quantized_token_is_never_promoted_whatever_its_rank():
     assert split.full.tolist() == [[2, 3]] and split.quantized.tolist() == [[0]]
 
 
-def test_protected_tokens_beyond_k_are_kept_quantized_oldest_at_full_precision():
+def test_protected_tokens_beyond_k_are_kept_quantized_newest_at_full_precision():
     priority = torch.tensor([[1.0, 2.0, MUST, MUST, MUST, 3.0]])
     split = split_tiers(priority, torch.zeros(6, dtype=torch.bool), full=1, quantized=2)
-    assert split.full.tolist() == [[2]] and split.quantized.tolist() == [[3, 4]]
+    assert split.full.tolist() == [[4]] and split.quantized.tolist() == [[2, 3]]
     with pytest.raises(ValueError, match=r"3 protected tokens exceed the budget K \+ Q = 1 \+ 1"):
         split_tiers(priority, torch.zeros(6, dtype=torch.bool), full=1, quantized=1)
 
@@ -64,6 +63,22 @@ def test_rows_with_fewer_tokens_quantize_fewer_and_pad_on_the_left():
     split = split_tiers(priority, torch.zeros(4, dtype=torch.bool), full=1, quantized=3)
     assert split.full.tolist() == [[0], [2]]
     assert split.quantized.tolist() == [[1, 2, 3], [-1, -1, 3]] and split.counts.tolist() == [3, 1]
+
+
+def test_ties_break_as_the_policy_alone_breaks_them_the_full_tier_is_its_keep_at_k():
+    # Scores of few distinct values, so most of every ranking is ties; protected and padding slots too.
+    generator = torch.Generator().manual_seed(0)
+    scores = torch.randint(0, 3, (4, 3, 60), generator=generator).float()
+    valid = torch.ones(4, 1, 60, dtype=torch.bool)
+    valid[1, :, :9] = False
+    protected = torch.zeros(4, 1, 60, dtype=torch.bool)
+    protected[..., 9:13] = True
+    ranking = select.rank_top(scores, valid=valid, protected=protected)
+    for full, quantized in ((8, 20), (16, 16), (30, 21)):
+        split = split_tiers(ranking, torch.zeros(60, dtype=torch.bool), full=full, quantized=quantized)
+        assert torch.equal(split.full, select.keep_ranked(ranking, k=full))
+        both = torch.cat([split.full, split.quantized], -1).sort(-1).values
+        assert torch.equal(both, select.keep_ranked(ranking, k=full + quantized))
 
 
 def test_too_few_full_precision_tokens_is_a_clear_error():
@@ -89,39 +104,6 @@ def test_sampled_tiers_are_one_draw_the_full_tier_what_the_policy_alone_keeps_at
 
 
 # ---------------------------------------------------------------------------------- the storage
-
-
-def _tier(bits: int, keys: torch.Tensor, values: torch.Tensor, select_: torch.Tensor) -> QuantizedTier:
-    positions = torch.arange(keys.shape[2]).expand(keys.shape[:3]).clone()
-    return QuantizedTier.empty(QuantFormat(bits, 4), keys).rebuild(select_, keys, values, positions)
-
-
-def test_tokens_kept_quantized_keep_their_codes_and_dropped_groups_are_released():
-    torch.manual_seed(1)
-    keys, values = torch.randn(1, 2, 12, 8), torch.randn(1, 2, 12, 8)
-    first = _tier(8, keys, values, torch.arange(8).expand(1, 2, 8))  # 8 tokens: two key groups of 4
-    assert first.width == 8 and first.key_stats.shape[2] == 2
-    k1, v1 = first.dequantize()
-    assert (k1 - keys[:, :, :8]).abs().max() < 0.05 and (v1 - values[:, :, :8]).abs().max() < 0.05
-    # Keep tokens 4..7 (the second group only) and add full-precision slots 0 and 1 of a new full tier.
-    new_keys, new_values = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
-    chosen = torch.tensor([4, 5, 6, 7, 8, 9]).expand(1, 2, 6)  # 8, 9: full-tier slots 0, 1
-    second = first.rebuild(chosen, new_keys, new_values, torch.tensor([20, 21, 22]).expand(1, 2, 3))
-    k2, v2 = second.dequantize()
-    assert torch.equal(k2[:, :, :4], k1[:, :, 4:]) and torch.equal(v2[:, :, :4], v1[:, :, 4:])  # never refitted
-    assert (k2[:, :, 4:] - new_keys[:, :, :2]).abs().max() < 0.05
-    assert second.positions[0, 0].tolist() == [4, 5, 6, 7, 20, 21]
-    assert second.key_stats.shape[2] == 2  # the first group was released, one fresh group added
-
-
-def test_int4_codes_take_half_the_bytes_of_int8():
-    keys, values = torch.randn(2, 3, 40, 16), torch.randn(2, 3, 40, 16)
-    chosen = torch.arange(32).expand(2, 3, 32)
-    int8, int4 = _tier(8, keys, values, chosen), _tier(4, keys, values, chosen)
-    assert int4.key_codes.numel() * 2 == int8.key_codes.numel() == 2 * 3 * 32 * 16
-    assert int4.value_codes.numel() * 2 == int8.value_codes.numel()
-    codes = 2 * 3 * 32 * 16  # bytes of int8 codes for the keys (and as many for the values)
-    assert int8.nbytes() - int4.nbytes() == codes  # all the difference is in the codes
 
 
 def test_nominal_bytes_per_token_and_equal_byte_budgets():
@@ -150,7 +132,7 @@ def _decode(model, cache, steps: int, on_step=None) -> None:
 
 def test_the_tiers_hold_k_full_and_up_to_q_quantized_and_quantized_tokens_never_return():
     model = tiny_llama()
-    cache = EvictingCache(10, 4, model=model, policy="random", quantized=6, bits=4)
+    cache = EvictingCache(10, 4, model=model, policy="random", quantized=6, bits=4, group_size=2)
     seen_quantized: set[tuple[int, int, int]] = set()
 
     def check(step):
@@ -174,7 +156,7 @@ def test_bytes_are_reported_per_tier_and_int4_holds_fewer_than_int8():
     model = tiny_llama()
     held = {}
     for bits in (8, 4):
-        cache = EvictingCache(10, 4, model=model, policy="streaming", quantized=8, bits=bits)
+        cache = EvictingCache(10, 4, model=model, policy="streaming", quantized=8, bits=bits, group_size=4)
         _decode(model, cache, 30)
         cache.detach()
         held[bits] = cache.kv_bytes_by_tier()
@@ -191,7 +173,8 @@ def test_bytes_are_reported_per_tier_and_int4_holds_fewer_than_int8():
 
 def test_protected_tokens_beyond_k_stay_held_quantized_and_match_the_oracle():
     model = tiny_llama()
-    cache = run_and_check(model, "streaming", PROMPT, budget=8, buffer=3, steps=25, window=10, quantized=6, bits=8)
+    tier = dict(quantized=6, bits=8, group_size=2)
+    cache = run_and_check(model, "streaming", PROMPT, budget=8, buffer=3, steps=25, window=10, **tier)
     newest = len(PROMPT) + 25 - 1
     newest_at_eviction = newest - (cache.slots - cache.low_width - 8)
     for layer in range(len(cache.layers)):
@@ -201,13 +184,13 @@ def test_protected_tokens_beyond_k_stay_held_quantized_and_match_the_oracle():
 
 def test_model_generate_and_reasonkv_generate_take_the_tier():
     model, tokenizer = tiny_llama(), NoEosTokenizer()
-    with EvictingCache(12, 4, model=model, policy="snapkv", window=4, quantized=8, bits=4) as cache:
+    with EvictingCache(12, 4, model=model, policy="snapkv", window=4, quantized=8, bits=4, group_size=4) as cache:
         ids = torch.tensor([tokenizer("Hello, a longer prompt of many characters")["input_ids"]])
         model.generate(ids, max_new_tokens=20, do_sample=False, **{cache_keyword(model): cache})
     assert cache.evictions > 0 and cache.low_width == 8
     [result] = reasonkv.generate(
         model, tokenizer, "Hello, a longer prompt", policy="snapkv", budget=12, buffer=4, quantized=8, bits=4,
-        max_new_tokens=30, window=4,
+        group_size=4, max_new_tokens=30, window=4,
     )  # fmt: skip
     stats = result.stats
     assert stats["quantized"] == 8 and stats["bits"] == 4 and stats["peak_kv_bytes_by_tier"]["quantized"] > 0
@@ -264,6 +247,7 @@ def test_vase_reserves_by_value_range_among_full_precision_tokens_only():
         (dict(bits=4), "bits=4 has no effect without a quantized tier"),
         (dict(group_size=8), "group_size=8 has no effect without a quantized tier"),
         (dict(quantized=4, group_size=5), "group_size 5 does not divide head_dim 16; allowed: 1, 2, 4, 8, 16"),
+        (dict(quantized=8), r"quantized=8 holds fewer tokens than one key group \(16 tokens, head_dim 16\)"),
     ],
 )
 def test_bad_tier_settings_are_clear_errors(kwargs, message):
@@ -308,7 +292,7 @@ def test_a_policy_that_only_overrides_keep_cannot_fill_a_tier():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_models_keep_their_statistics_in_their_dtype(dtype):
     model, tokenizer = tiny_llama(dtype=dtype), NoEosTokenizer()
-    with EvictingCache(12, 4, model=model, policy="vase-dkv", quantized=8, bits=4) as cache:
+    with EvictingCache(12, 4, model=model, policy="vase-dkv", quantized=8, bits=4, group_size=4) as cache:
         ids = torch.tensor([tokenizer("A prompt that is long enough to be evicted at once")["input_ids"]])
         model.generate(ids, max_new_tokens=16, do_sample=False, **{cache_keyword(model): cache})
     tier = cache.layers[0].quantized

@@ -443,7 +443,8 @@ def test_retention_depths_in_size_buckets_equal_clustering_every_group_at_full_w
     positions = torch.randperm(len(group), generator=generator)
     features = torch.randn(len(group), 24, generator=generator) + 3.0 * torch.randn(len(group), 1, generator=generator)
     policy = ThinKV()
-    got = policy._retention_depths(features, group, positions, len(sizes))
+    # The features read in pieces of 8 columns, as an eviction reads every layer's keys in a bounded workspace.
+    got = policy._retention_depths(lambda tokens: iter(features[tokens].split(8, 1)), group, positions, len(sizes))
     assert torch.equal(got, _dense_depths(policy, features, group, positions, len(sizes)))
     assert set(got.tolist()) == set(range(len(policy.retention) + 1))  # 130 > 64: some tokens stop at every level
 

@@ -9,7 +9,7 @@ Two ways to reach a length ``L``:
   generated), decodes two untimed warm-up steps, then times ``n`` steps (ending at ``L``) with the
   same cache and hooks. An evicting policy is evicted to ``K`` by the prefill (once, or after each
   prefill chunk once it is due), so the ``n`` steps measure its steady state at length ``L``
-  without decoding ``L`` tokens one by one.
+  without decoding ``L`` tokens one by one. ``ragged`` staggers the rows (see :func:`ragged_shifts`).
 
 The cache is given as a :class:`~reasonkv.cache.CacheSpec`; the prefilled mode also takes ``None``,
 transformers' own cache (the one ``model.generate`` builds, no reasonkv hook).
@@ -335,6 +335,14 @@ def prefill_chunks(
     return sizes
 
 
+def ragged_shifts(batch: int, buffer: int) -> list[int]:
+    """Tokens each row of a ragged batch lacks: row ``r`` is ``r x max(1, B // batch)`` tokens behind, so the
+    rows reach ``K + B`` at steps spread over one eviction cycle (as prompts of different lengths below
+    ``K + B`` make them), instead of all at once."""
+    step = max(1, buffer // batch)
+    return [row * step for row in range(batch)]
+
+
 def measure_prefilled(
     model,
     spec: CacheSpec | None,
@@ -348,6 +356,7 @@ def measure_prefilled(
     seed: int = 0,
     bar=None,
     sync_timing: bool = True,
+    ragged: bool = False,
 ) -> dict:
     """Prefill the cache ``spec`` with ``batch`` seeded random rows, then time ``decode_steps`` decode steps
     that end at ``length``.
@@ -364,19 +373,26 @@ def measure_prefilled(
 
     ``spec=None`` runs the same loop with the cache ``model.generate`` itself builds
     (:func:`reasonkv.hf.native_cache`) and no reasonkv hook: the reference for what reasonkv adds.
+
+    ``ragged``: a prefill longer than ``K + B`` leaves every row at ``K``, in step; so the untimed steps
+    first stagger the rows, row ``r`` fed padding for its first ``ragged_shifts(batch, B)[r]`` steps (as a
+    finished row is), then run ``B + 1`` steps more, so that every row has evicted (and been
+    right-aligned) once before the timed steps see the rows evict at different steps. ``row_shifts``
+    in the result.
     """
-    if decode_steps < 1 or length - decode_steps - WARMUP_STEPS < 1:
-        raise ValueError(
-            f"length {length} must exceed the {decode_steps} decode steps plus {WARMUP_STEPS} warm-up steps"
-        )
+    shifts = ragged_shifts(batch, 0 if spec is None else spec.buffer) if ragged else [0] * batch
+    untimed = WARMUP_STEPS + (max(shifts) + spec.buffer + 1 if ragged else 0)
+    if decode_steps < 1 or length - decode_steps - untimed < 1:
+        raise ValueError(f"length {length} must exceed the {decode_steps} decode steps plus {untimed} untimed steps")
     device = model_device(model)
-    prefilled = length - decode_steps - WARMUP_STEPS
+    prefilled = length - decode_steps - untimed
     window = decode_steps if window is None else min(window, decode_steps)
     vocab = vocab_size(model)
     ids = torch.tensor(make_prompts(vocab, batch, prefilled, seed), device=device)
     plain = spec is None
     grows = plain or spec.trigger is None  # a cache that never evicts grows its buffers as it fills
     chunks = prefill_chunks(prefilled, length, batch, prefill_chunk, prompt_length=prompt_length, grows=grows)
+    behind = torch.tensor(shifts, device=device)
     recorder = StepRecorder(
         device=device, prompt_length=prefilled, windows={length: length - window}, batch=batch, bar=bar
     )
@@ -400,9 +416,10 @@ def measure_prefilled(
             prefill_phases = {} if plain else cache.evictor.timings
             prefill_evictions = 0 if plain else cache.evictor.eviction_count
             recorder(0, cache)
-            for step in range(1, decode_steps + WARMUP_STEPS + 1):
+            for step in range(1, decode_steps + untimed + 1):
                 next_ids = out.logits[:, -1].argmax(-1, keepdim=True)
-                out = forward(next_ids, cache, last_logits_only=True)
+                stagger = {"attention_mask": (behind < step).long().unsqueeze(1)} if step <= max(shifts) else {}
+                out = forward(next_ids, cache, last_logits_only=True, **stagger)
                 recorder(step, cache)
     finally:
         if not plain:
@@ -416,8 +433,10 @@ def measure_prefilled(
         prefill_evictions=prefill_evictions,
         prefill_chunks=len(chunks),
         peak_slots=int(cache.get_seq_length() if plain else cache.peak_slots),
-        step_s=[round(s, 7) for s in recorder.step_seconds[WARMUP_STEPS:]],
+        step_s=[round(s, 7) for s in recorder.step_seconds[untimed:]],
     )
+    if ragged:
+        result["row_shifts"] = shifts
     return result
 
 
@@ -434,6 +453,7 @@ def measure_prefilled_sweep(
     seed: int = 0,
     progress: bool = False,
     sync_timing: bool = True,
+    ragged: bool = False,
 ) -> dict:
     """:func:`measure_prefilled` at every length (one fresh cache each); same record layout as the sweep."""
     lengths = sorted(set(lengths))
@@ -454,6 +474,7 @@ def measure_prefilled_sweep(
                     seed=seed,
                     bar=bar,
                     sync_timing=sync_timing,
+                    ragged=ragged,
                 )
             )
     finally:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from reasonkv.bench.measure import WARMUP_STEPS
 from reasonkv.bench.settings import EVICTION, MAX_BATCH, SWEEP, TRANSFORMERS, BenchSettings
 from reasonkv.bench.tiers import tier_label
+from reasonkv.bench.variants import ragged_label
 from reasonkv.cache import CacheSpec
 from reasonkv.policies import Policy, get_policy, list_policies, options_by_policy, policy_class
 
@@ -49,6 +50,7 @@ class Plan:
     for the eviction cost, ``full`` for the max batch; then the quantized-tier variants.
     ``specs[mode][entry]`` is the entry's cache in that mode (``None``: transformers' own cache; a
     tiered variant holds its plain policy's, tiered once the model gives the bytes of a token).
+    ``ragged`` maps each ragged variant (``--ragged``) to its policy; it is measured at batch sizes above 1.
     """
 
     settings: BenchSettings
@@ -60,6 +62,7 @@ class Plan:
     tiers: dict[str, dict]  # tiered variant -> its policy, quantized, bits
     configs: dict[str, dict]
     warnings: list[str]
+    ragged: dict[str, str]  # ragged variant -> its policy
 
     @property
     def modes(self) -> list[str]:
@@ -78,11 +81,15 @@ class Plan:
         out: list[tuple[str, str, int | None]] = []
         for mode in self.modes:
             batches = self.batch_sizes if mode == SWEEP else [1] if mode == EVICTION else [None]
-            out += [(mode, p, b) for p in self.policies if p in self.specs[mode] for b in batches]
+            for p in self.policies:
+                if p in self.specs[mode]:
+                    out += [(mode, p, b) for b in batches if b is None or b > 1 or p not in self.ragged]
         return out
 
     def sweep_lengths(self, policy: str) -> list[int]:
         config = self.configs[SWEEP]
+        if policy in self.ragged:  # compared with its policy at the requested lengths only
+            return list(config["lengths"])
         extra = reference_lengths(
             evicts=self.evicts[policy],
             budget=config["budget"],
@@ -150,13 +157,14 @@ def build_plan(settings: BenchSettings) -> Plan:
         options[TRANSFORMERS] = {}
         instances[TRANSFORMERS] = None
         specs[SWEEP][TRANSFORMERS] = None
-    for label, tier in tiers.items():
+    ragged = {ragged_label(p): p for p in requested if instances[p].evicts} if settings.ragged else {}
+    for label, policy in [*((label, tier["policy"]) for label, tier in tiers.items()), *ragged.items()]:
         policies.append(label)
         requested.append(label)
-        options[label] = options[tier["policy"]]
-        instances[label] = instances[tier["policy"]]
+        options[label] = options[policy]
+        instances[label] = instances[policy]
         if SWEEP in specs:  # variants are measured in the length sweep only
-            specs[SWEEP][label] = specs[SWEEP][tier["policy"]]
+            specs[SWEEP][label] = specs[SWEEP][policy]
     return Plan(
         settings=settings,
         policies=policies,
@@ -167,6 +175,7 @@ def build_plan(settings: BenchSettings) -> Plan:
         tiers=tiers,
         configs=_configs(settings, tiers, warnings),
         warnings=warnings,
+        ragged=ragged,
     )
 
 
@@ -221,6 +230,8 @@ def _configs(settings: BenchSettings, tiers: dict[str, dict], warnings: list[str
 def _sweep_config(s: BenchSettings, common: dict, warnings: list[str]) -> dict:
     lengths, budget, buffer, window = list(s.sweep_lengths), s.budget, s.buffer, s.sweep_window
     config = {**common, "budget": budget, "buffer": buffer, "lengths": lengths, "sync_timing": s.sync_timing}
+    if s.ragged:  # only then, so that folders written before ragged variants existed resume
+        config["ragged"] = True
     if s.prefill_to_length:
         config.update(
             prefill_to_length=True,

@@ -30,7 +30,7 @@ from reasonkv.bench.targets import (
     sweep_targets,
     targets_markdown,
 )
-from reasonkv.bench.tiers import tier_markdown, tier_summary
+from reasonkv.bench.variants import RAGGED, variant_markdown, variant_summaries
 from reasonkv.models import bundled_model
 
 __all__ = ["markdown", "summarise", "summary_text"]
@@ -150,8 +150,8 @@ def _sweep_summary(records: list[dict]) -> dict:
                 ratio = _ratio(long_pick[1]["step_mean_s"], windows[first]["step_mean_s"])
                 summary["flatness_steady"] = {"ratio": ratio, "long_length": long_pick[0], "short_length": first}
             if per_token:
-                # Full-attention layers: K + B tokens; sliding-window layers: their window, whatever the length.
-                bound = (budget + buffer) * per_token * batch
+                # Full-attention layers: K + B tokens (K + 2B when rows evict apart); sliding layers: their window.
+                bound = (budget + buffer * (2 if name.endswith(RAGGED) else 1)) * per_token * batch
                 window_bound = (record.get("window_kv_bytes") or 0) * batch
                 held = max((w["kv_bytes"] for w in windows.values()), default=0)
                 summary["kv_bytes_max"] = held
@@ -181,7 +181,7 @@ def _pct(part, whole):
 
 def summarise(records: list[dict]) -> dict:
     """Overhead summary, eviction-cost and max-batch comparisons of every finished record."""
-    out: dict = {"sweep": {}, "eviction_cost": None, "max_batch": None, "tiers": tier_summary(records)}
+    out: dict = {"sweep": {}, "eviction_cost": None, "max_batch": None, **variant_summaries(records)}
     sweeps: dict[int, list[dict]] = defaultdict(list)
     for record in records:
         if record.get("mode") == "sweep":
@@ -500,7 +500,7 @@ def markdown(records: list[dict], summary: dict, meta: dict) -> str:
     sweeps = [r for r in records if r.get("mode") == "sweep"]
     if sweeps:
         lines += _sweep_markdown(sweeps, summary, meta)
-        lines += tier_markdown(summary.get("tiers") or {})
+        lines += variant_markdown(summary)
     evictions = [r for r in records if r.get("mode") == "eviction-cost"]
     if evictions:
         lines += _eviction_markdown(evictions, summary.get("eviction_cost"))
@@ -520,7 +520,7 @@ def summary_text(records: list[dict], summary: dict, meta: dict) -> str:
     lines: list[str] = []
     for batch, batch_summary in summary["sweep"].items():
         lines += _summary_markdown(int(batch), batch_summary)
-    lines += tier_markdown(summary.get("tiers") or {})
+    lines += variant_markdown(summary)
     evictions = [r for r in records if r.get("mode") == "eviction-cost"]
     if evictions:
         lines += _eviction_markdown(evictions, summary.get("eviction_cost"))

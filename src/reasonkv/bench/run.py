@@ -27,7 +27,7 @@ from reasonkv.bench.plots import write_plots
 from reasonkv.bench.report import markdown, summarise, summary_text
 from reasonkv.bench.settings import EVICTION, SWEEP, BenchSettings
 from reasonkv.bench.store import ResultStore, claim_output, entry_key, now_iso
-from reasonkv.bench.tiers import tiered_budget
+from reasonkv.bench.tiers import equal_measured_bytes, tiered_budget
 from reasonkv.hf import model_info
 from reasonkv.models import load_model
 from reasonkv.runs.outputs import write_atomic
@@ -64,10 +64,13 @@ def measure_entry(model, plan: Plan, mode: str, policy: str, batch: int | None, 
     config = plan.configs[mode]
     spec = plan.specs[mode][policy]
     variant = plan.tiers.get(policy)
-    if variant is not None:  # a tiered variant: the policy with a quantized tier, at the plain K/V bytes
-        tier = tiered_budget(model, spec.budget, variant["quantized"], variant["bits"])
-        spec = spec.replace(budget=tier["budget"], quantized=tier["quantized"], bits=tier["bits"])
     common = dict(prompt_length=config["prompt_length"], seed=config["seed"])
+    if variant is not None:  # a tiered variant: the policy with a quantized tier, at the plain K/V bytes measured
+        tier = tiered_budget(model, spec.budget, variant["quantized"], variant["bits"])
+        tier = equal_measured_bytes(
+            model, spec, tier, batch=batch, prefill_chunk=config.get("prefill_chunk", 0), **common
+        )
+        spec = spec.replace(budget=tier["budget"], quantized=tier["quantized"], bits=tier["bits"])
     if mode == SWEEP:
         common.update(
             batch=batch,
@@ -77,8 +80,14 @@ def measure_entry(model, plan: Plan, mode: str, policy: str, batch: int | None, 
             sync_timing=config["sync_timing"],
         )
         if config["prefill_to_length"]:
+            ragged = policy in plan.ragged
             data = measure_prefilled_sweep(
-                model, spec, decode_steps=config["decode_steps"], prefill_chunk=config["prefill_chunk"], **common
+                model,
+                spec,
+                decode_steps=config["decode_steps"],
+                prefill_chunk=config["prefill_chunk"],
+                ragged=ragged,
+                **common,
             )
         else:
             data = measure_sweep(model, spec, **common)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from reasonkv.bench.measure import WARMUP_STEPS
+from reasonkv.bench.measure import WARMUP_STEPS, ragged_shifts
 from reasonkv.bench.memory import parse_bytes
 from reasonkv.cache import DEFAULT_BUFFER
 from reasonkv.cache.tiers import check_settings
@@ -85,7 +85,7 @@ def _names(value: str | Sequence[str]) -> tuple[str, ...]:
     return names
 
 
-_SWITCHES = ("prefill_to_length", "transformers_cache", "sync_timing", "eviction_cost", "max_batch", "force")
+_SWITCHES = ("prefill_to_length", "transformers_cache", "sync_timing", "ragged", "eviction_cost", "max_batch", "force")
 _SWITCHES += ("progress", "plots")
 
 
@@ -108,7 +108,9 @@ class BenchSettings:
     ``quantized``/``bits`` (a quantized-tier variant of each requested evicting policy). Length sweep:
     ``lengths`` (None: :data:`DEFAULT_LENGTHS`, and the sweep runs only when no other measurement is
     asked for), ``batch_sizes``, ``prompt_length``, ``window`` (None: see :attr:`sweep_window`),
-    ``prefill_to_length``, ``transformers_cache``, ``decode_steps``, ``sync_timing``, ``prefill_chunk``.
+    ``prefill_to_length``, ``transformers_cache``, ``decode_steps``, ``sync_timing``, ``prefill_chunk``,
+    ``ragged`` (a variant of each requested evicting policy whose rows are prefilled to lengths ``B /
+    batch`` apart, so that they evict at different steps, beside the one whose rows evict together).
     Eviction cost: ``eviction_cost``, ``cached`` ``N``, ``repeats``. Max batch: ``max_batch``,
     ``memory_limit`` (as written: ``"24GiB"``), ``length``, ``probe_batches``, ``probe_steps``,
     ``max_measured_batch``. Output: ``out``, ``force``, ``progress``, ``plots``.
@@ -135,6 +137,7 @@ class BenchSettings:
     decode_steps: int = 256
     sync_timing: bool = True
     prefill_chunk: int = 0
+    ragged: bool = False
     eviction_cost: bool = False
     cached: int | None = None
     repeats: int = 5
@@ -162,6 +165,8 @@ class BenchSettings:
             )
         if self.runs_sweep:
             self._check_sweep()
+        if self.ragged:
+            self._check_ragged()
         if self.max_batch:
             self._check_max_batch()
 
@@ -225,6 +230,20 @@ class BenchSettings:
                 raise ValueError(f"--window {self.sweep_window} exceeds --decode-steps {self.decode_steps}")
         elif lengths[0] <= self.prompt_length:
             raise ValueError(f"every length must exceed --prompt-length {self.prompt_length}, got {lengths[0]}")
+
+    def _check_ragged(self) -> None:
+        if not (self.runs_sweep and self.prefill_to_length and max(self.batch_sizes) > 1):
+            raise ValueError(
+                "--ragged needs the length sweep with --prefill-to-length and a batch size above 1 "
+                f"(--batch-sizes {_joined(self.batch_sizes)}): it staggers the rows of a batch"
+            )
+        batch = max(self.batch_sizes)
+        untimed = WARMUP_STEPS + ragged_shifts(batch, self.buffer)[-1] + self.buffer + 1
+        if self.sweep_lengths[0] <= self.decode_steps + untimed:
+            raise ValueError(
+                f"--ragged: every length must exceed --decode-steps {self.decode_steps} plus the {untimed} untimed "
+                f"steps that stagger a batch of {batch} rows, got {self.sweep_lengths[0]}"
+            )
 
     def _check_max_batch(self) -> None:
         if self.memory_limit is None or self.length is None:
@@ -295,6 +314,8 @@ class BenchSettings:
         words += ["--decode-steps", str(self.decode_steps), "--prefill-chunk", str(self.prefill_chunk)]
         if not self.sync_timing:
             words.append("--no-sync-timing")
+        if self.ragged:
+            words.append("--ragged")
         if self.eviction_cost:
             words += ["--eviction-cost", "--cached", str(self.cached), "--repeats", str(self.repeats)]
         if self.max_batch:

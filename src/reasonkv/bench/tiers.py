@@ -1,20 +1,26 @@
 """The quantized tier in the bench: each requested policy again, with a tier, at the plain K/V bytes.
 
 ``reasonkv bench --quantized Q --bits b`` adds a variant ``POLICY+intb:Q`` of every requested
-evicting policy: the same policy with ``Q`` tokens per head kept quantized and its full-precision
-budget lowered from ``K`` to the ``K'`` that leaves the nominal K/V bytes of ``K`` plain tokens
-(:func:`reasonkv.cache.tiers.budget_for_bytes`). Plain and tiered run side by side in one run, so the
-summary compares their step time and the K/V bytes they really held.
+evicting policy: the same policy with ``Q`` tokens per head in the tier and its full-precision budget
+lowered from ``K`` to the ``K'`` at which its cache holds, *measured*, the K/V bytes of ``K`` plain
+tokens (:func:`equal_measured_bytes`: the tier's nominal bytes, :func:`reasonkv.cache.tiers.budget_for_bytes`,
+leave out its pending tokens at full precision and its key groups' partial fill). Plain and tiered
+run side by side in one run, so the summary compares their step time at equal measured bytes, and
+the K/V bytes they really held.
 """
 
 from __future__ import annotations
 
-from reasonkv.bench.memory import format_bytes
+import math
+
+from reasonkv.bench.measure import WARMUP_STEPS, measure_prefilled, model_dtype
+from reasonkv.bench.memory import format_bytes, kv_bytes_per_token
+from reasonkv.cache import CacheSpec
 from reasonkv.cache.quantize import QuantFormat, default_group_size
 from reasonkv.cache.tiers import budget_for_bytes
 from reasonkv.hf import model_info
 
-__all__ = ["tier_label", "tier_markdown", "tier_summary", "tiered_budget"]
+__all__ = ["equal_measured_bytes", "tier_label", "tier_markdown", "tier_summary", "tiered_budget"]
 
 
 def tier_label(policy: str, quantized: int, bits: int) -> str:
@@ -37,6 +43,40 @@ def tiered_budget(model, budget: int, quantized: int, bits: int) -> dict:
     return {"quantized": quantized, "bits": bits, "group_size": fmt.group_size, "budget": full}
 
 
+def equal_measured_bytes(
+    model, plain: CacheSpec, tier: dict, *, batch: int, prefill_chunk: int, prompt_length: int, seed: int
+) -> dict:
+    """``tier`` (from :func:`tiered_budget`) with the full-precision budget at which the tiered cache holds,
+    measured, the K/V bytes of ``plain`` (its budget ``K``, buffer ``B``): a short run of the tiered cache
+    at the nominal budget, long enough to fill the tier and evict once more, gives the bytes its tier
+    allocates; the full-precision budget drops by as many tokens' bytes. Adds ``nominal_budget`` and
+    ``calibration`` (the run's length and the tier's bytes)."""
+    tiered = plain.replace(budget=tier["budget"], quantized=tier["quantized"], bits=tier["bits"])
+    steps = plain.buffer + 1  # one eviction after the prefill's
+    prefilled = tier["budget"] + tier["quantized"] + plain.buffer + prompt_length  # fills the tier at once
+    length = prefilled + steps + WARMUP_STEPS
+    measured = measure_prefilled(
+        model,
+        tiered,
+        batch=batch,
+        length=length,
+        decode_steps=steps,
+        prefill_chunk=prefill_chunk,
+        prompt_length=prompt_length,
+        seed=seed,
+        sync_timing=False,
+    )
+    held = measured["kv_bytes_quantized"]
+    budget = plain.budget - math.ceil(held / (kv_bytes_per_token(model, model_dtype(model)) * batch))
+    if budget < 1:
+        raise ValueError(
+            f"{tier['quantized']} int{tier['bits']} tokens hold {format_bytes(held)} measured, more than the budget "
+            f"{plain.budget}: lower --quantized or raise --budget"
+        )
+    calibration = {"length": length, "batch": batch, "tier_bytes": held}
+    return {**tier, "nominal_budget": tier["budget"], "budget": budget, "calibration": calibration}
+
+
 def _by_length(record: dict) -> dict[int, dict]:
     return {int(w["length"]): w for w in record.get("windows", [])}
 
@@ -57,6 +97,7 @@ def tier_summary(records: list[dict]) -> dict:
         out.setdefault(str(record["batch"]), {})[record["policy"]] = {
             "policy": tier["policy"],
             "budget": tier["budget"],
+            "nominal_budget": tier.get("nominal_budget", tier["budget"]),
             "quantized": tier["quantized"],
             "bits": tier["bits"],
             "plain_budget": plain["config"]["budget"],
@@ -76,17 +117,20 @@ def tier_markdown(summary: dict) -> list[str]:
         lines += [
             f"### Quantized tier against the plain policy at the same K/V bytes (batch {batch})",
             "",
-            "K' full-precision + Q quantized tokens per head, K' chosen so that the nominal bytes equal K plain "
-            "ones; step time and K/V bytes held relative to the plain policy at K, at each length.",
+            "K' full-precision + Q quantized tokens per head, K' chosen so that the measured K/V bytes equal K "
+            "plain ones (the nominal K' in parentheses); step time and K/V bytes held relative to the plain "
+            "policy at K, at each length.",
             "",
-            "| variant | K' + Q (vs K) | length | step vs plain | K/V held | K/V vs plain |",
+            "| variant | K' (nominal) + Q (vs K) | length | step vs plain | K/V held | K/V vs plain |",
             "|---|---|---|---|---|---|",
         ]
         for label, s in variants.items():
             for n, ratio in s["step_vs_plain"].items():
                 kv = s["kv_bytes_vs_plain"].get(n)
+                nominal = s.get("nominal_budget", s["budget"])
                 lines.append(
-                    f"| {label} | {s['budget']} + {s['quantized']} int{s['bits']} (vs {s['plain_budget']}) | {n} | "
+                    f"| {label} | {s['budget']} ({nominal}) + {s['quantized']} int{s['bits']} (vs {s['plain_budget']}) "
+                    f"| {n} | "
                     f"{ratio:.3f} | {format_bytes(s['kv_bytes'][n])} | {'-' if kv is None else f'{kv:.3f}'} |"
                 )
         lines.append("")

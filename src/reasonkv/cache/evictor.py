@@ -10,7 +10,8 @@ Two hooks on the model do everything, so ``reasonkv.generate`` and ``model.gener
   the ranking into full precision, quantized and dropped.
 
 A decode step that evicts nothing reads no device value (the cache keeps host-side bounds), so it
-costs the host no synchronisation; an eviction costs a fixed few, whatever the batch and the layers.
+costs the host no synchronisation; an eviction costs a fixed few, whatever the batch and the layers,
+with a quantized tier too (the tier's sizes are read once for all layers).
 """
 
 from __future__ import annotations
@@ -156,7 +157,7 @@ class Evictor:
         """Full-precision slots per evicting layer, and the quantized slots per layer with their count per row."""
         cache, view = self.cache, self._view(rows)
         held = cache.quantized_mask().index_select(0, rows.to(cache.valid.device))
-        sizes = dict(full=cache.budget, quantized=cache.quantized)
+        sizes = dict(full=cache.budget, quantized=cache.quantized, width=self._tier_width(rows))
         if self.policy.granularity == "token":
             split = split_tiers(self.policy.ranking(view), held, **sizes)
             heads = [cache.layers[i].keys.shape[1] for i in cache.full_layers]
@@ -165,6 +166,15 @@ class Evictor:
         splits = [split_tiers(ranking, held.unsqueeze(1), **sizes) for ranking in self.policy.ranking_layers(view)]
         # Every head of a row holds as many tokens, so every head keeps as many quantized.
         return [s.full for s in splits], ([s.quantized for s in splits], splits[0].counts[:, 0])
+
+    def _tier_width(self, rows: torch.Tensor) -> int:
+        """The quantized tier's width after evicting ``rows`` (one host read for every layer): the most tier
+        tokens a row holds, each evicted row ``min(Q, its tokens - K)``, the others what they hold."""
+        cache = self.cache
+        valid = cache.valid
+        counts = valid[:, : cache.low_width].sum(-1)
+        evicted = (valid.index_select(0, rows).sum(-1) - cache.budget).clamp(0, cache.quantized)
+        return int(counts.index_copy(0, rows, evicted).max())
 
 
 def _weak(ref: weakref.ReferenceType, method: str):

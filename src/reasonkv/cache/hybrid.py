@@ -72,21 +72,25 @@ class WindowValidity:
         self.stored: torch.Tensor | None = None  # [batch, <= window - 1], what the layers hold between forwards
         self.current: torch.Tensor | None = None  # [batch, held_before + q]: the announced forward's keys
         self.held_before = 0  # slots the layers held when the announced forward started
+        self.maybe_padded = False  # host-side: whether the announced forward's keys may hold padding
 
     @property
     def stored_slots(self) -> int:
         return 0 if self.stored is None else self.stored.shape[1]
 
-    def announce(self, incoming: torch.Tensor) -> None:
-        """The next forward brings ``incoming`` (``[batch, q]`` bool) to every sliding layer."""
+    def announce(self, incoming: torch.Tensor, *, maybe_padded: bool = True) -> None:
+        """The next forward brings ``incoming`` (``[batch, q]`` bool) to every sliding layer; ``maybe_padded``
+        (host-side) says whether any token announced so far, these included, may be padding."""
         incoming = incoming.bool()
         self.held_before = self.stored_slots
         self.current = incoming if self.stored is None else torch.cat([self.stored, incoming.to(self.stored.device)], 1)
         self.stored = self.current[:, -(self.window - 1) :]
+        self.maybe_padded = maybe_padded
 
     def mask(self) -> torch.Tensor | None:
-        """The 2-D padding mask of the announced forward's sliding layers (None: no padding)."""
-        return None if bool(self.current.all()) else self.current.long()
+        """The 2-D padding mask of the announced forward's sliding layers (None: no padding). Decided on the
+        host, reading nothing from the device: a batch that may hold padding always gets the mask."""
+        return self.current.long() if self.maybe_padded else None
 
     def positions(self, next_position: torch.Tensor) -> torch.Tensor:
         """Logical positions of the stored slots, ``[batch, stored]`` (-1: padding).

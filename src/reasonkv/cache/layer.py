@@ -1,9 +1,14 @@
 """One evicting layer's storage: dense K/V and the logical position of every slot.
 
 ``keys``/``values`` are ``[batch, kv_heads, slots, head_dim]``, ``positions`` ``[batch, kv_heads, slots]``
-(``-1`` for padding). What the layers share (which slots are real, the positions of the forward in
-progress, the capacity rule) is the cache's :class:`~reasonkv.cache.rows.RowState`, handed to each
-layer; with a quantized tier the layer also holds its :class:`~reasonkv.cache.tiers.QuantizedTier`.
+(``-1`` for padding): views of buffers of ``capacity`` slots, starting at buffer slot ``start``. What the
+layers share (which slots are real, the positions of the forward in progress, the capacity rule) is the
+cache's :class:`~reasonkv.cache.rows.RowState`, handed to each layer; with a quantized tier the layer
+also holds its :class:`~reasonkv.cache.quantized_tier.QuantizedTier`.
+
+An eviction rewrites only the rows it evicts (:meth:`EvictingLayer.compact_rows`): when the other rows
+leave slots at the left that no row uses, the view's ``start`` moves past them instead of moving every
+row. Every row moves only when a write would pass the end of the buffers (:meth:`EvictingLayer.write`).
 """
 
 from __future__ import annotations
@@ -14,10 +19,10 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from reasonkv.cache.quantize import QuantFormat
+from reasonkv.cache.quantized_tier import DequantizeBuffer, QuantizedTier
 from reasonkv.cache.rows import RowState
-from reasonkv.cache.tiers import QuantizedTier
 
-__all__ = ["EvictingLayer", "take_slots"]
+__all__ = ["EvictingLayer", "put_row_slots", "take_row_slots", "take_slots"]
 
 
 class EvictingLayer(CacheLayerMixin):
@@ -32,6 +37,9 @@ class EvictingLayer(CacheLayerMixin):
         raises if the cache must evict, or announces the tokens as all real.
     tier_format
         The quantized tier's format for a head_dim (None: the cache has no tier).
+    workspace
+        Where the forward's K/V are assembled when the layer holds quantized tokens (one buffer that every
+        layer of the cache shares: a layer's attention reads it before the next layer writes it).
     """
 
     is_sliding = False
@@ -43,9 +51,12 @@ class EvictingLayer(CacheLayerMixin):
         rows: RowState,
         unannounced: Callable[[int, int, torch.device], None],
         tier_format: Callable[[int], QuantFormat] | None = None,
+        workspace: DequantizeBuffer | None = None,
     ):
         super().__init__()
         self.rows, self.unannounced, self.tier_format = rows, unannounced, tier_format
+        self.workspace = workspace
+        self.start = 0  # the buffer slot of the views' first slot
         self.length = 0  # slots written by this layer (equals rows.slots - rows.low_width between forwards)
         self._keys: torch.Tensor | None = None
         self._values: torch.Tensor | None = None
@@ -67,22 +78,31 @@ class EvictingLayer(CacheLayerMixin):
         return 0 if self._keys is None else self._keys.shape[2]
 
     def resize(self, capacity: int) -> None:
-        """Reallocate the buffers to ``capacity`` slots, keeping the first ``length``."""
-        n = self.length
+        """Reallocate the buffers to ``capacity`` slots, the views' slots first."""
+        n, a = self.length, self.start
         k, v, p = self._keys, self._values, self._positions
         self._keys = k.new_empty((*k.shape[:2], capacity, k.shape[3]))
         self._values = v.new_empty((*v.shape[:2], capacity, v.shape[3]))
         self._positions = p.new_full((*p.shape[:2], capacity), -1)
-        self._keys[:, :, :n] = k[:, :, :n]
-        self._values[:, :, :n] = v[:, :, :n]
-        self._positions[:, :, :n] = p[:, :, :n]
+        self._keys[:, :, :n] = k[:, :, a : a + n]
+        self._values[:, :, :n] = v[:, :, a : a + n]
+        self._positions[:, :, :n] = p[:, :, a : a + n]
+        self.start = 0
+        self._refresh_views()
+
+    def _to_front(self) -> None:
+        """Move every row's slots to the front of the buffers (``start`` back to 0)."""
+        n, a = self.length, self.start
+        for buffer in (self._keys, self._values, self._positions):
+            buffer[:, :, :n] = buffer[:, :, a : a + n].clone()  # the ranges may overlap
+        self.start = 0
         self._refresh_views()
 
     def _refresh_views(self) -> None:
-        n = self.length
-        self.keys = self._keys[:, :, :n]
-        self.values = self._values[:, :, :n]
-        self.positions = self._positions[:, :, :n]
+        a, b = self.start, self.start + self.length
+        self.keys = self._keys[:, :, a:b]
+        self.values = self._values[:, :, a:b]
+        self.positions = self._positions[:, :, a:b]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -93,35 +113,64 @@ class EvictingLayer(CacheLayerMixin):
                 self.unannounced(batch, q, key_states.device)
             self.rows.open_step(q)
         self.write(key_states, value_states, self.rows.step_positions)
-        return self.attended()
+        return self._assembled(self.workspace)  # read by this layer's attention before the next layer's write
 
     def write(self, key_states: torch.Tensor, value_states: torch.Tensor, positions: torch.Tensor) -> None:
-        start, q = self.length, key_states.shape[2]
-        if start + q > self.capacity:
-            self.resize(self.rows.capacity_for(start + q, self.capacity))
-        self._keys[:, :, start : start + q] = key_states
-        self._values[:, :, start : start + q] = value_states
-        self._positions[:, :, start : start + q] = positions.unsqueeze(1)
-        self.length = start + q
+        q = key_states.shape[2]
+        needed = self.length + q
+        if self.start + needed > self.capacity:
+            wanted = self.rows.capacity_for(needed, self.capacity)
+            if wanted > self.capacity:  # more rows than room, or a ragged batch's slack not allocated yet
+                self.resize(wanted)
+            else:
+                self._to_front()
+        end = self.start + self.length
+        self._keys[:, :, end : end + q] = key_states
+        self._values[:, :, end : end + q] = value_states
+        self._positions[:, :, end : end + q] = positions.unsqueeze(1)
+        self.length = needed
         self._refresh_views()
 
-    def gather(self, index: torch.Tensor, valid: torch.Tensor) -> None:
-        """Keep slots ``index`` ``[batch, heads, new_slots]``; where ``valid`` is False, padding."""
-        n = index.shape[-1]
-        keys, values = take_slots(self._keys, index), take_slots(self._values, index)
-        positions = self.positions.gather(2, index).masked_fill(~valid.unsqueeze(1), -1)
-        self._keys[:, :, :n] = keys
-        self._values[:, :, :n] = values
-        self._positions[:, :, :n] = positions
-        self.length = n
+    def read_rows(self, rows: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Keys, values ``[n, heads, m, head_dim]`` and positions ``[n, heads, m]`` of the slots ``slots``
+        ``[n, heads, m]`` (of the views; a slot before the view's start reads the buffers there) of ``rows``."""
+        at = slots + self.start
+        positions = self._positions.index_select(0, rows).gather(2, at)
+        return take_row_slots(self._keys, rows, at), take_row_slots(self._values, rows, at), positions
+
+    def compact_rows(self, rows: torch.Tensor, keep: torch.Tensor, length: int) -> None:
+        """Rows ``rows`` ``[n]`` keep their slots ``keep`` ``[n, heads, k]`` (in the order given), right-aligned
+        in views of ``length`` slots that end where the current ones end; the other rows are not touched
+        (their tokens must fit in the last ``length`` slots)."""
+        end, k = self.start + self.length, keep.shape[-1]
+        keys, values, positions = self.read_rows(rows, keep)
+        target = torch.arange(end - k, end, device=keep.device).expand_as(keep)
+        put_row_slots(self._keys, rows, target, keys)
+        put_row_slots(self._values, rows, target, values)
+        padding = positions.new_full((*positions.shape[:2], length - k), -1)  # the rows' slots before them
+        self._positions[rows, :, end - length : end] = torch.cat([padding, positions], dim=2)
+        self.start, self.length = end - length, length
         self._refresh_views()
 
     def attended(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V as attention sees them: the quantized tier dequantized, then the full tier."""
-        if self.quantized is None or self.quantized.width == 0:
+        """K/V as attention sees them, the quantized tier dequantized, then the full tier: views of the
+        storage, or new tensors when the layer holds quantized tokens."""
+        return self._assembled(None)
+
+    def _assembled(self, workspace: DequantizeBuffer | None) -> tuple[torch.Tensor, torch.Tensor]:
+        tier = self.quantized
+        if tier is None or tier.width == 0:
             return self.keys, self.values
-        keys, values = self.quantized.dequantize()
-        return torch.cat([keys, self.keys], dim=2), torch.cat([values, self.values], dim=2)
+        width, (batch, heads, n, dim) = tier.width, self.keys.shape
+        shape = (batch, heads, width + n, dim)
+        if workspace is None:
+            keys, values = self.keys.new_empty(shape), self.values.new_empty(shape)
+        else:
+            keys, values = workspace.take(shape, self.keys.dtype, self.keys.device, reserve=width + self.capacity)
+        tier.dequantize_into(keys[:, :, :width], values[:, :, :width])
+        keys[:, :, width:].copy_(self.keys)
+        values[:, :, width:].copy_(self.values)
+        return keys, values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.rows.slots + query_length, 0
@@ -133,7 +182,7 @@ class EvictingLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.__init__(self.rows, self.unannounced, self.tier_format)
+        self.__init__(self.rows, self.unannounced, self.tier_format, self.workspace)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError("EvictingCache does not support beam search")
@@ -146,6 +195,28 @@ class EvictingLayer(CacheLayerMixin):
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         raise NotImplementedError("EvictingCache does not support selecting batch rows")
+
+
+def _row_slot_index(buffer: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Flat indices of ``buffer[rows[i], h, slots[i, h, j]]`` into ``buffer`` ``[batch, heads, capacity, ...]``
+    viewed as ``[batch * heads * capacity, ...]``."""
+    heads, capacity = buffer.shape[1], buffer.shape[2]
+    first = (rows.view(-1, 1, 1) * heads + torch.arange(heads, device=slots.device).view(1, -1, 1)) * capacity
+    return (first + slots).flatten()
+
+
+def take_row_slots(buffer: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``buffer[rows[i], h, slots[i, h, j]]`` as ``[n, heads, m, dim]``: one ``index_select`` over the flattened
+    slots, reading only the named rows."""
+    dim = buffer.shape[3]
+    picked = buffer.view(-1, dim).index_select(0, _row_slot_index(buffer, rows, slots))
+    return picked.view(*slots.shape, dim)
+
+
+def put_row_slots(buffer: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """``buffer[rows[i], h, slots[i, h, j]] = values[i, h, j]``, in place, writing only the named rows."""
+    dim = buffer.shape[3]
+    buffer.view(-1, dim).index_copy_(0, _row_slot_index(buffer, rows, slots), values.reshape(-1, dim))
 
 
 def take_slots(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

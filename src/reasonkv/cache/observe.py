@@ -40,6 +40,16 @@ LOG_LIMIT = 64  # recorded queries per layer before the observer flushes on its 
 CHUNK_ELEMENTS = 1 << 24  # attention logits computed at once in a flush (bounds its memory)
 
 
+def _newest(tensor: torch.Tensor) -> torch.Tensor:
+    """The newest token's entry of a forward's tensor (queries ``[b, h, q, d]``, positions ``[b, q]``), in
+    storage of its own: a view would keep the whole tensor it came from (a prefill's queries, every
+    layer's) alive until the log is flushed, for up to ``LOG_LIMIT`` steps."""
+    newest = tensor.narrow(tensor.dim() - 2 if tensor.dim() == 4 else 1, -1, 1)
+    if newest.untyped_storage().nbytes() > newest.numel() * newest.element_size():
+        return newest.clone()
+    return newest
+
+
 def _hidden_hook(ref: weakref.ReferenceType, index: int):
     def record(module, args, output):
         observer = ref()
@@ -143,9 +153,9 @@ class Observer:
             if not needs.attention_last:
                 return
         if not self._logged:  # the first layer of this forward logs its slot, position and validity
-            recorded.log.add_forward(slots - 1, step.input_positions[:, -1:], step.input_valid[:, -1:])
+            recorded.log.add_forward(slots - 1, _newest(step.input_positions), _newest(step.input_valid))
             self._logged = True
-        recorded.log.add_query(layer, query if q == 1 else query[:, :, -1:])
+        recorded.log.add_query(layer, _newest(query))
 
     # ---------------------------------------------------------------- the owed attention
     def flush(self) -> None:
@@ -163,7 +173,8 @@ class Observer:
             visible = torch.arange(slots, device=key_valid.device) <= query_slots.view(-1, 1)  # [n, slots]
             visible = visible & key_valid.unsqueeze(1) & valid.unsqueeze(2)  # [batch, n, slots]
             for layer, layer_queries in queries.items():
-                keys = self.cache.attended(layer)[0]  # a quantized tier's keys dequantized, as attention saw them
+                # A quantized tier's keys dequantized, as attention saw them; float32 once for every chunk.
+                keys = self.cache.attended(layer)[0].float()
                 b, hq, n, _ = layer_queries.shape
                 scaling, softcap = self.recorded.scalings[layer], self.recorded.softcaps.get(layer)
                 sinks = self.recorded.sinks.get(layer)

@@ -27,10 +27,14 @@ class RowState:
     ----------
     trigger
         ``K + B``: the full-precision tokens at which a row is due for eviction (None: never).
+    slack
+        Slots of capacity beyond ``trigger`` once rows evict at different steps (a ragged batch): an
+        eviction then rewrites only its own rows, and the others move once every ``slack`` steps at most
+        (see :class:`~reasonkv.cache.layer.EvictingLayer`). ``B`` for the cache.
     """
 
-    def __init__(self, trigger: int | None):
-        self.trigger = trigger
+    def __init__(self, trigger: int | None, slack: int = 0):
+        self.trigger, self.slack = trigger, slack
         self.expected_tokens: int | None = None  # the most tokens a row can reach, when known (see reserve)
         self.clear()
 
@@ -46,6 +50,7 @@ class RowState:
         self.longest = 0  # no row holds more real full-precision tokens than this
         self.low_width = 0  # slots of the quantized tier (the first ones of every evicting layer)
         self.maybe_padded = False  # whether a slot may hold padding
+        self.ragged = False  # whether some eviction left rows out (then capacity has `slack` slots more)
         self.decoded = False  # whether a single-token step followed the first forward
         self.announced: tuple[int, torch.Tensor] | None = None  # (q, positions [batch, q]) of the next forward
         self.step_positions: torch.Tensor | None = None  # [batch, q] positions of the forward in progress
@@ -71,12 +76,20 @@ class RowState:
     def capacity_for(self, needed: int, current: int) -> int:
         """Slots to allocate when ``needed`` exceed the ``current`` capacity: what the run can reach at most
         (``K + B`` once evicting), or 25% more when that is not known."""
+        limit = self.limit
         if self.expected_tokens is not None:
-            most = self.expected_tokens if self.trigger is None else min(self.expected_tokens, self.trigger)
+            most = self.expected_tokens if limit is None else min(self.expected_tokens, limit)
             return max(needed, most)
-        if self.trigger is not None:
-            return max(needed, self.trigger)
+        if limit is not None:
+            return max(needed, limit)
         return max(needed, math.ceil(current * GROWTH))
+
+    @property
+    def limit(self) -> int | None:
+        """Full-precision slots a layer allocates once evicting: ``K + B``, plus ``slack`` in a ragged batch."""
+        if self.trigger is None:
+            return None
+        return self.trigger + (self.slack if self.ragged else 0)
 
     # ------------------------------------------------------------------ a forward pass
     def announce(
@@ -166,6 +179,13 @@ class RowState:
         full-precision tokens it holds; quantized ones do not count)."""
         return self.trigger - self.full_valid().sum(-1)
 
+    def holey_rows(self) -> torch.Tensor:
+        """``[batch]``: rows with padding after their first real full-precision slot (rows fed padding after
+        they finished), whose tokens an eviction must right-align again."""
+        valid = self.full_valid()
+        first = valid.to(torch.int8).argmax(-1)  # the first real slot (0 for a row of padding only)
+        return valid.shape[1] - first > valid.sum(-1)
+
     def compacted(self, rows: torch.Tensor, low_valid: torch.Tensor, full_valid: torch.Tensor) -> None:
         """After ``rows`` were evicted: the new validity of both tiers (``[batch, width]`` each)."""
         width, total = low_valid.shape[1], low_valid.shape[1] + full_valid.shape[1]
@@ -176,6 +196,8 @@ class RowState:
         self.slots, self.low_width = total, width
         self.longest = full_valid.shape[1]
         self.row_evictions[rows] += 1
+        if rows.numel() < self.buffer.shape[0]:  # host-known: this eviction left rows out
+            self.ragged = self.maybe_padded = True
 
     def release(self, limit: int) -> None:
         """Give back capacity beyond ``limit`` slots (a long prompt grew the buffer past ``K + B`` once)."""

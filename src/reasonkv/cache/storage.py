@@ -20,11 +20,16 @@ sliding-window and linear-attention layers are transformers' own cache layers fo
 sliding layers' mask sizes are their own (``window``).
 
 With a quantized tier (``quantized=Q``, :mod:`reasonkv.cache.tiers`) the slots are ``[quantized | full
-precision]``: the first ``low_width`` slots of every layer hold the quantized tokens (packed, per
-layer in ``layer.quantized``), the rest the full-precision ones (``layer.keys``/``values``). Each
-region keeps a row's tokens right-aligned, so a row may have padding in both. The attention kernel
-gets the quantized tokens dequantized in front of the full-precision ones (:meth:`KVStorage.attended`),
-built once per layer and forward and not kept, so the cache holds only the packed codes.
+precision]``: the first ``low_width`` slots of every layer hold the tier's tokens (packed, and a few
+pending at full precision, per layer in ``layer.quantized``), the rest the full-precision ones
+(``layer.keys``/``values``). Each region keeps a row's tokens right-aligned, so a row may have
+padding in both. The attention kernel gets the tier dequantized in front of the full-precision
+tokens, assembled per layer and forward in one buffer the layers share, so the cache holds only the
+packed codes.
+
+An eviction rewrites the rows it evicts, in both regions, and no other (rows fed padding after they
+finished are right-aligned again too); see :class:`~reasonkv.cache.layer.EvictingLayer` for how the
+others stay where they are.
 """
 
 from __future__ import annotations
@@ -35,9 +40,10 @@ from transformers.cache_utils import Cache
 from reasonkv.cache.hybrid import WindowValidity, check_layer_kinds
 from reasonkv.cache.layer import EvictingLayer
 from reasonkv.cache.quantize import QuantFormat, default_group_size
+from reasonkv.cache.quantized_tier import DequantizeBuffer, QuantizedTier
 from reasonkv.cache.rows import RowState
 from reasonkv.cache.spec import DEFAULT_BUFFER, check_sizes
-from reasonkv.cache.tiers import QuantizedTier, check_settings
+from reasonkv.cache.tiers import check_settings
 from reasonkv.hf import model_info, native_cache_layers
 
 __all__ = ["KVStorage", "kv_bytes_by_kind"]
@@ -80,7 +86,9 @@ class KVStorage(Cache):
         self.bits = bits if bits is not None or not quantized else 8
         self.group_size = group_size
         self._format: QuantFormat | None = None
-        self.rows = RowState(None if budget is None else budget + buffer)
+        self.rows = RowState(None if budget is None else budget + buffer, slack=buffer)
+        self.workspace = DequantizeBuffer()  # the K/V of a layer with a tier, assembled for its attention
+        self._after_evictions: dict[str, torch.Tensor] | None = None  # per row: bytes summed after its evictions
         self.window: WindowValidity | None = None  # the sliding-window layers' padding, if any
         if model is not None:
             super().__init__(layers=self._layers_of(model))
@@ -92,7 +100,9 @@ class KVStorage(Cache):
             super().__init__(layers=[self._new_layer() for _ in range(num_layers)])
 
     def _new_layer(self) -> EvictingLayer:
-        return EvictingLayer(self.rows, self._unannounced, self.tier_format if self.quantized else None)
+        if not self.quantized:
+            return EvictingLayer(self.rows, self._unannounced)
+        return EvictingLayer(self.rows, self._unannounced, self.tier_format, self.workspace)
 
     def _layers_of(self, model) -> list:
         """One cache layer per decoder layer: evicting for full attention, the model's own otherwise."""
@@ -219,25 +229,76 @@ class KVStorage(Cache):
 
     def kv_bytes_by_tier(self) -> dict[str, int]:
         """Bytes the evicting layers hold per tier: ``full`` (full-precision K/V, allocated capacity) and
-        ``quantized`` (codes, key-group ids, scales and zero points)."""
+        ``quantized`` (codes, key-group ids, scales and zero points, the pending tokens' K/V)."""
         held = self.kv_bytes_by_kind()
         return {"full": held["full"], "quantized": held["quantized"]}
 
+    def row_kv_bytes_by_tier(self) -> dict[str, torch.Tensor]:
+        """The bytes each row's tokens need in the evicting layers, ``[batch]`` per tier: ``full`` (its
+        full-precision tokens) and ``quantized`` (its tier: codes, group ids and value statistics per
+        coded token, the statistics of every key group still holding one of its tokens, the K/V of its
+        pending tokens). Padding and spare capacity are not counted (:meth:`kv_bytes_by_tier` counts them)."""
+        full = self.rows.full_valid().sum(-1) if self.rows.started else torch.zeros(0, dtype=torch.long)
+        quantized = torch.zeros_like(full)
+        for index in self.full_layers:
+            if self.layers[index].quantized is not None:
+                quantized = quantized + self.layers[index].quantized.row_bytes()
+        return {"full": full * self.full_token_kv_bytes(), "quantized": quantized}
+
+    def full_token_kv_bytes(self) -> int:
+        """Bytes of one full-precision token in every evicting layer and kv-head (0 before the first forward)."""
+        layers = [self.layers[i] for i in self.full_layers if self.layers[i].is_initialized]
+        return sum(2 * layer.keys.shape[1] * layer.keys.shape[3] * layer.keys.element_size() for layer in layers)
+
+    def steady_kv_bytes(self) -> list[dict[str, float] | None]:
+        """Per row: the mean over its evictions of :meth:`row_kv_bytes_by_tier` right after each eviction
+        (``full``, ``quantized``: what the budget and the tier hold in steady state, the buffer ``B``
+        empty), and ``tokens``, the full-precision tokens per (layer, kv-head) those bytes would hold;
+        ``None`` for a row never evicted. Reads the device once."""
+        if self._after_evictions is None:
+            return [None] * (0 if self.rows.row_evictions is None else self.rows.row_evictions.shape[0])
+        counts = self.rows.row_evictions.double()
+        held = torch.stack([self._after_evictions["full"], self._after_evictions["quantized"], counts]).tolist()
+        per_token = self.full_token_kv_bytes()
+        rows = []
+        for full, quantized, n in zip(*held, strict=True):
+            if not n:
+                rows.append(None)
+                continue
+            full, quantized = full / n, quantized / n
+            rows.append({"full": full, "quantized": quantized, "tokens": (full + quantized) / per_token})
+        return rows
+
     def quantized_mask(self) -> torch.Tensor:
-        """``[batch, slots]``: True where a slot holds a quantized token."""
+        """``[batch, slots]``: True where a slot holds a token of the quantized tier (coded or pending)."""
         return self.rows.quantized_mask()
+
+    def coded_positions(self, layer_idx: int) -> torch.Tensor:
+        """``[batch, kv_heads, low_width]``: the positions of one layer's coded tokens, the ones attention sees
+        dequantized (``-1`` elsewhere: padding, and pending tokens, which it sees at full precision)."""
+        tier = self.layers[layer_idx].quantized
+        if tier is None or not self.low_width:
+            return self.positions(layer_idx)[:, :, :0]
+        return tier.positions.masked_fill(~tier.coded_mask(), -1)
 
     def attended(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's keys and values ``[batch, kv_heads, slots, head_dim]`` as attention sees them
-        (quantized tokens dequantized: a new tensor each call, views of the storage otherwise)."""
+        (the tier dequantized: new tensors each call, views of the storage otherwise)."""
         return self.layers[layer_idx].attended()
 
     def tier_format(self, head_dim: int) -> QuantFormat:
-        """The quantized tier's format for this head_dim (``ValueError`` if the group size does not divide it)."""
+        """The quantized tier's format for this head_dim (``ValueError`` if the group size does not divide it,
+        or if the tier could never hold a whole key group)."""
         if self._format is None:
             size = self.group_size if self.group_size is not None else default_group_size(head_dim)
             fmt = QuantFormat(self.bits, size)
             fmt.check_head_dim(head_dim)
+            if self.quantized < size:
+                raise ValueError(
+                    f"quantized={self.quantized} holds fewer tokens than one key group ({size} tokens, head_dim "
+                    f"{head_dim}): its tokens would wait at full precision forever; use quantized >= {size} or a "
+                    "smaller group_size"
+                )
             self._format = fmt
         return self._format
 
@@ -279,7 +340,8 @@ class KVStorage(Cache):
         announced = self.rows.announce(batch, q, incoming, device)
         if self.window is not None:
             real = torch.ones((batch, q), dtype=torch.bool, device=device) if incoming is None else incoming
-            self.window.announce(real)
+            # The window holds a subset of the tokens announced: no padding among those, none in it.
+            self.window.announce(real, maybe_padded=self.rows.maybe_padded)
         return announced
 
     def _unannounced(self, batch: int, q: int, device: torch.device) -> None:
@@ -299,14 +361,16 @@ class KVStorage(Cache):
         keep: list[torch.Tensor],
         quantized: tuple[list[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
-        """Shrink ``rows`` to the slots in ``keep`` (one ``[len(rows), kv_heads, K]`` tensor per layer).
+        """Shrink ``rows`` (distinct, ascending) to the slots in ``keep`` (one ``[len(rows), kv_heads, K]``
+        tensor per layer, ascending).
 
-        Rows not listed keep every real token. Afterwards every row is right-aligned again and the
-        slot count is the longest row's length, so no slot is wasted on padding beyond that.
-        With a quantized tier, ``quantized`` names the slots the rows keep quantized (as
+        Rows not listed keep every real token and are not rewritten (unless they hold padding between
+        their tokens: rows fed padding after they finished are right-aligned again). Afterwards every row
+        is right-aligned and the slot count is the longest row's length. With a quantized tier,
+        ``quantized`` names the slots the rows keep in the tier (as
         :func:`reasonkv.cache.tiers.split_tiers` returns them: one ``[len(rows), kv_heads, m]`` tensor per
-        layer, right-aligned, ``-1`` for none, and the count per row), and ``keep`` only
-        full-precision slots.
+        layer, right-aligned, ``-1`` for none, and the count per row; ``m`` at least every row's tier count
+        afterwards, the other rows' too), and ``keep`` only full-precision slots.
         """
         evicting = len(self.full_layers)
         if len(keep) != evicting:
@@ -323,59 +387,75 @@ class KVStorage(Cache):
         full_valid = self._compact_full(rows, keep)
         self.rows.compacted(rows, low_valid, full_valid)
         self._release_spare_capacity()
+        self._count_bytes(rows)
 
     def _compact_full(self, rows: torch.Tensor, keep: list[torch.Tensor]) -> torch.Tensor:
-        """Gather the full-precision tier; returns its new ``[batch, slots]`` validity."""
+        """Rewrite the full-precision tier of ``rows`` (and of rows holding padding between their tokens);
+        returns its new ``[batch, slots]`` validity."""
         k = keep[0].shape[-1]
         valid = self.rows.full_valid()
-        slots = valid.shape[1]
+        batch, slots = valid.shape
         lengths = valid.sum(-1)
         lengths[rows] = k
-        new_slots = int(lengths.max())
-        # Stable sort puts padding first and real tokens last, in order: the tail is right-aligned.
-        order = torch.sort(valid.to(torch.int8), dim=-1, stable=True).indices[:, slots - new_slots :]
-        new_valid = valid.gather(1, order)
+        evicted = torch.zeros(batch, dtype=torch.bool, device=valid.device)
+        evicted[rows] = True
+        holey = self.rows.holey_rows() & ~evicted
+        new_slots, any_holey = torch.stack([lengths.max(), holey.any().long()]).tolist()
+        new_valid = valid[:, slots - new_slots :].clone()
         new_valid[rows] = torch.arange(new_slots, device=valid.device) >= new_slots - k
-        for layer, layer_keep in zip([self.layers[i] for i in self.full_layers], keep, strict=True):
-            heads = layer.keys.shape[1]
-            index = order.unsqueeze(1).expand(-1, heads, -1).clone()
-            index[rows, :, new_slots - k :] = layer_keep.to(index.device)
-            index[rows, :, : new_slots - k] = 0
-            layer.gather(index, new_valid)
+        layers = [self.layers[i] for i in self.full_layers]
+        for layer, layer_keep in zip(layers, keep, strict=True):
+            layer.compact_rows(rows, layer_keep.to(valid.device), new_slots)
+        if any_holey:  # right-align them: their padding first, then their tokens in order
+            again = holey.nonzero().flatten()
+            order = torch.sort(valid[again].to(torch.int8), dim=-1, stable=True).indices[:, slots - new_slots :]
+            new_valid[again] = valid[again].gather(1, order)
+            offset = slots - new_slots  # the views start `offset` slots later now: old slot j is slot j - offset
+            for layer in layers:
+                index = (order - offset).unsqueeze(1).expand(-1, layer.keys.shape[1], -1)
+                layer.compact_rows(again, index, new_slots)
         return new_valid
 
     def _compact_quantized(self, rows: torch.Tensor, selected: list[torch.Tensor], counts: torch.Tensor):
-        """Rebuild every layer's quantized tier: ``rows`` hold ``selected``, the others what they held.
-        Returns the tier's new ``[batch, width]`` validity (right-aligned)."""
+        """Update every layer's quantized tier for ``rows`` (the others keep theirs). Returns the tier's new
+        ``[batch, width]`` validity (right-aligned)."""
         width = self.rows.low_width
         held = self.valid[:, :width]
         device = held.device
+        new_width = selected[0].shape[-1]
+        if not (new_width or width):
+            return held
         per_row = held.sum(-1)
         per_row[rows] = counts.to(device)
-        new_width = int(per_row.max())
-        slot = torch.arange(new_width, device=device)
-        # Rows not evicted keep their quantized slots, re-right-aligned to the new width.
-        current = torch.where(held, torch.arange(width, device=device), -1)
-        current = torch.cat([current.new_full((current.shape[0], max(new_width - width, 0)), -1), current], 1)
-        current = current[:, current.shape[1] - new_width :]
-        for layer, chosen in zip([self.layers[i] for i in self.full_layers], selected, strict=True):
-            heads = layer.keys.shape[1]
-            select = current.unsqueeze(1).expand(-1, heads, -1).clone()
-            chosen = chosen.to(device)
-            padding = chosen.new_full((*chosen.shape[:2], new_width - chosen.shape[-1]), -1)
-            select[rows] = torch.cat([padding, chosen], -1)
+        layers = [self.layers[i] for i in self.full_layers]
+        updates = []
+        for layer, chosen in zip(layers, selected, strict=True):
             tier = layer.quantized or QuantizedTier.empty(self.tier_format(layer.keys.shape[-1]), layer.keys)
-            layer.quantized = tier.rebuild(select, layer.keys, layer.values, layer.positions)
+            updates.append(tier.plan(rows, chosen.to(device), lambda slots, at=layer: at.read_rows(rows, slots)))
+            layer.quantized = tier
+        # One host read sizes every layer's key-group table.
+        tables = torch.stack([update.needed.max() for update in updates]).tolist()
+        for layer, update, groups in zip(layers, updates, tables, strict=True):
+            layer.quantized = layer.quantized.apply(update, groups)
+        slot = torch.arange(new_width, device=device)
         return slot >= (new_width - per_row).unsqueeze(1)
 
     def _release_spare_capacity(self) -> None:
         # A long prompt grows the buffers past K + B once; give that memory back after its eviction.
-        limit = self.budget + self.buffer
+        limit = self.rows.limit
         self.rows.release(limit + self.quantized)
         for index in self.full_layers:
             layer = self.layers[index]
             if layer.capacity > limit >= layer.length:
                 layer.resize(limit)
+
+    def _count_bytes(self, rows: torch.Tensor) -> None:
+        """Add the evicted rows' bytes per tier, right after their eviction, to their sums (on the device)."""
+        held = self.row_kv_bytes_by_tier()
+        if self._after_evictions is None:
+            self._after_evictions = {tier: torch.zeros_like(b, dtype=torch.float64) for tier, b in held.items()}
+        for tier, sums in self._after_evictions.items():
+            sums[rows] += held[tier][rows].double()
 
     # ------------------------------------------------------------------ lifetime
     def clear(self) -> None:
@@ -383,6 +463,7 @@ class KVStorage(Cache):
         for layer in self.layers:
             layer.reset()
         self.rows.clear()
+        self._after_evictions = None
         if self.window is not None:  # the same window, nothing stored yet
             self.window = WindowValidity(self.window.window)
 

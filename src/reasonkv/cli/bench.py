@@ -137,6 +137,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="most tokens per prefill forward, summed over the batch (default 0: one forward; an evicting "
         "policy evicts after each chunk once due)",
     )
+    sweep.add_argument(
+        "--ragged",
+        action="store_true",
+        help="also measure every requested evicting policy as 'POLICY~ragged' at each batch size above 1: its "
+        "rows prefilled to lengths B / batch apart, so that they evict at different steps (as prompts of "
+        "different lengths do), beside the rows that evict together (needs --prefill-to-length)",
+    )
 
     evict = parser.add_argument_group("eviction cost")
     evict.add_argument(
@@ -203,6 +210,7 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
         decode_steps=args.decode_steps,
         sync_timing=not args.no_sync_timing,
         prefill_chunk=args.prefill_chunk,
+        ragged=args.ragged,
         eviction_cost=args.eviction_cost,
         cached=args.cached,
         repeats=args.repeats,

@@ -35,7 +35,7 @@ from reasonkv.eval.records import unit_key
 from reasonkv.eval.units import Unit, sample_seed
 from reasonkv.generation import GenerationResult, generate
 
-__all__ = ["refused_prompt", "run_generation"]
+__all__ = ["refused_prompt", "run_generation", "steady_bytes_fields"]
 
 
 def refused_prompt(cell: Cell, prompt_tokens: int, new_tokens: int, context: int | None = None) -> str | None:
@@ -144,7 +144,8 @@ def _grade_code(ctx: Context, results: list) -> dict[int, CodeGrade | Exception]
 def _decode(ctx: Context, cell: Cell, batch: list[tuple[Problem, int]]) -> list[GenerationResult]:
     sampling = ctx.grid.sampling
     seeds = tuple(sample_seed(ctx.grid.seed, p.id, s) for p, s in batch)
-    return generate(
+    caches = []
+    results = generate(
         ctx.model,
         ctx.tokenizer,
         [ctx.prompt_ids(p) for p, _ in batch],
@@ -153,7 +154,12 @@ def _decode(ctx: Context, cell: Cell, batch: list[tuple[Problem, int]]) -> list[
         temperature=sampling.temperature,
         top_p=sampling.top_p,
         top_k=sampling.top_k,
+        on_step=lambda step, cache: caches.append(cache) if step == 0 else None,
     )
+    # Each row's steady K/V bytes per tier (after its evictions), read from the cache once it is done.
+    for result, held in zip(results, caches[0].steady_kv_bytes(), strict=True):
+        result.stats["steady_kv_bytes"] = held
+    return results
 
 
 def _generation_record(
@@ -192,6 +198,7 @@ def _generation_record(
         peak_kv_bytes=stats["peak_kv_bytes"],
         peak_kv_bytes_by_tier=stats.get("peak_kv_bytes_by_tier"),
         peak_kv_bytes_allocated=stats.get("peak_kv_bytes_allocated"),
+        **steady_bytes_fields(stats.get("steady_kv_bytes")),
         peak_memory_bytes=stats["peak_memory_bytes"],
         policy_seconds={k: float(v) for k, v in stats.get("timings", {}).items()},
         reasonkv_version=reasonkv.__version__,
@@ -201,3 +208,13 @@ def _generation_record(
     if code is not None:
         record.update(code.fields())
     return record
+
+
+def steady_bytes_fields(held: dict | None) -> dict[str, Any]:
+    """A record's fields for the K/V a row held in steady state: bytes per tier right after its evictions
+    (averaged over them) and the full-precision tokens per (layer, kv-head) those bytes would hold; None
+    for a row never evicted."""
+    if held is None:
+        return {"steady_kv_bytes_by_tier": None, "steady_kv_tokens": None}
+    by_tier = {"full": round(held["full"], 1), "quantized": round(held["quantized"], 1)}
+    return {"steady_kv_bytes_by_tier": by_tier, "steady_kv_tokens": round(held["tokens"], 3)}

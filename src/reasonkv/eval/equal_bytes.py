@@ -1,12 +1,18 @@
 """Fidelity at equal K/V bytes: full-precision tokens only, against fewer of them plus a quantized tier.
 
-Reads the fidelity records of ``reasonkv eval`` runs and groups every cell by its *byte budget*:
-``equivalent_budget`` rounded, the full-precision budget holding the same nominal K/V bytes (a
-plain cell's own budget; ``K + Q x quantized bytes / full bytes`` for a tiered one). Per dataset,
-policy and byte budget it tabulates top-1 agreement and mean KL of each variant (full precision
-only, int8 tier, int4 tier), and plots them::
+Reads the fidelity records of ``reasonkv eval`` runs and groups every cell by its *byte budget*: the
+K/V bytes its rows held in steady state, measured right after each eviction (``steady_kv_tokens``:
+those bytes in full-precision tokens per layer and kv-head; a plain cell's own budget), averaged over
+its problems and rounded. Per dataset, policy and byte budget it tabulates top-1 agreement and mean
+KL of each variant (full precision only, int8 tier, int4 tier), with the nominal bytes the tier's
+formula gives beside the measured ones, and plots them::
 
     python -m reasonkv.cli.equal_bytes docs/results/equal-bytes/results.jsonl --out docs/results/equal-bytes
+
+A tier's measured bytes are not its nominal ones (its pending tokens wait at full precision, key
+groups that lost members cost more per member), so the ``Q`` that fills a byte budget is measured too:
+:func:`tier_sizes` fits, per policy and format, the measured bytes of a few ``Q`` on a calibration run
+and solves for the ``Q`` that holds a target.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from pathlib import Path
 
 from reasonkv.eval.report import load_results
 
-__all__ = ["Cell", "cells", "markdown", "plot", "write_tables"]
+__all__ = ["Cell", "cells", "markdown", "plot", "tier_sizes", "write_tables"]
 
 PLAIN = "full precision"
 
@@ -33,13 +39,15 @@ class Cell:
 
     dataset: str
     policy: str
-    bytes_budget: int  # in full-precision tokens per head
+    bytes_budget: int  # the measured bytes, rounded, in full-precision tokens per (layer, kv-head)
     variant: str  # "full precision", "int8" or "int4"
     budget: int  # K of the cell
     quantized: int  # Q of the cell
     top1: float
     kl: float
     problems: int
+    measured: float = math.nan  # the measured bytes, in full-precision tokens (mean over problems)
+    nominal: float = math.nan  # the nominal bytes (tiers.equivalent_budget), in the same unit
 
 
 def _variant(record: dict) -> tuple[str, int]:
@@ -47,22 +55,67 @@ def _variant(record: dict) -> tuple[str, int]:
     return (PLAIN, 0) if not tier else (f"int{tier['bits']}", int(tier["quantized"]))
 
 
-def cells(records: Iterable[dict]) -> list[Cell]:
-    """Fidelity records grouped into cells (records without ``equivalent_budget`` are skipped)."""
+def _measured_records(records: Iterable[dict]) -> dict[tuple, list[dict]]:
+    """Fidelity records with measured steady bytes, by (dataset, policy, variant, K, Q)."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in records:
-        if r.get("kind") != "fidelity" or r.get("equivalent_budget") is None:
+        if r.get("kind") != "fidelity" or not _finite(r.get("steady_kv_tokens")):
             continue
         variant, quantized = _variant(r)
-        key = (r["dataset"], r["policy"], round(r["equivalent_budget"]), variant, r["budget"], quantized)
-        groups[key].append(r)
+        groups[(r["dataset"], r["policy"], variant, r["budget"], quantized)].append(r)
+    return groups
+
+
+def cells(records: Iterable[dict]) -> list[Cell]:
+    """Fidelity records grouped into cells by their measured bytes (records without ``steady_kv_tokens``,
+    a row never evicted or a run before it was measured, are skipped)."""
     out = []
-    for (dataset, policy, bytes_budget, variant, budget, quantized), group in groups.items():
+    for (dataset, policy, variant, budget, quantized), group in _measured_records(records).items():
         top1 = [r["top1_agreement"] for r in group if _finite(r.get("top1_agreement"))]
         kl = [r["kl_mean"] for r in group if _finite(r.get("kl_mean"))]
-        out.append(Cell(dataset, policy, bytes_budget, variant, budget, quantized, _mean(top1), _mean(kl), len(group)))
+        measured = _mean([r["steady_kv_tokens"] for r in group])
+        nominal = _mean([r["equivalent_budget"] for r in group if _finite(r.get("equivalent_budget"))])
+        out.append(
+            Cell(
+                dataset,
+                policy,
+                round(measured),
+                variant,
+                budget,
+                quantized,
+                _mean(top1),
+                _mean(kl),
+                len(group),
+                measured=measured,
+                nominal=nominal,
+            )  # fmt: skip
+        )
     order = {PLAIN: 0, "int8": 1, "int4": 2}
     return sorted(out, key=lambda c: (c.dataset, c.policy, c.bytes_budget, order.get(c.variant, 3)))
+
+
+def tier_sizes(records: Iterable[dict], target: float) -> list[dict]:
+    """Per (policy, bits, K) of the tiered fidelity records measured at two or more ``Q``: the ``Q`` whose
+    measured bytes (``steady_kv_tokens``, the mean over every dataset's problems) would hold ``target``
+    full-precision tokens, from the least-squares line through the measured points (rounded down, so the
+    tier stays within the target). Each entry: ``policy``, ``bits``, ``budget``, ``quantized``, the
+    ``points`` ``(Q, tokens)`` it was fitted on."""
+    points: dict[tuple, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for (_, policy, variant, budget, quantized), group in _measured_records(records).items():
+        if variant != PLAIN:
+            points[(policy, group[0]["tier"]["bits"], budget)][quantized] += [r["steady_kv_tokens"] for r in group]
+    sizes = []
+    for (policy, bits, budget), measured in sorted(points.items()):
+        xs = sorted(measured)
+        if len(xs) < 2:
+            continue
+        ys = [_mean(measured[q]) for q in xs]
+        mx, my = _mean(xs), _mean(ys)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+        quantized = math.floor(xs[0] + (target - (my + slope * (xs[0] - mx))) / slope)
+        fitted = list(zip(xs, ys, strict=True))
+        sizes.append({"policy": policy, "bits": bits, "budget": budget, "quantized": quantized, "points": fitted})
+    return sizes
 
 
 def _finite(value) -> bool:
@@ -80,6 +133,11 @@ def markdown(table: Sequence[Cell]) -> str:
         mine = [c for c in table if c.dataset == dataset]
         budgets = sorted({c.bytes_budget for c in mine})
         lines += [f"### {dataset}", ""]
+        lines += [
+            "Byte budgets in full-precision tokens per (layer, kv-head), as measured (the rows' steady K/V "
+            "bytes after each eviction); a tier's own measure in parentheses.",
+            "",
+        ]
         lines.append("| policy | variant | " + " | ".join(f"bytes of {b}: K + Q | top-1 | KL" for b in budgets) + " |")
         lines.append("|---|---|" + "---|---|---|" * len(budgets))
         rows: dict[tuple[str, str], dict[int, Cell]] = defaultdict(dict)
@@ -92,7 +150,7 @@ def markdown(table: Sequence[Cell]) -> str:
                 if c is None:
                     cells_text += ["-", "-", "-"]
                     continue
-                size = str(c.budget) if not c.quantized else f"{c.budget} + {c.quantized}"
+                size = str(c.budget) if not c.quantized else f"{c.budget} + {c.quantized} ({c.measured:.1f})"
                 cells_text += [size, f"{c.top1:.3f}", f"{c.kl:.3f}"]
             lines.append(f"| {policy} | {variant} | " + " | ".join(cells_text) + " |")
         lines.append("")
@@ -147,7 +205,7 @@ def write_tables(results: Sequence[str | os.PathLike], out: str | os.PathLike) -
     """``equal-bytes.md`` and the PNGs of ``results`` in ``out``; the paths written."""
     table = cells(load_results(results))
     if not table:
-        raise ValueError("no fidelity records with equivalent_budget in the results")
+        raise ValueError("no fidelity records with measured bytes (steady_kv_tokens) in the results")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "equal-bytes.md").write_text(markdown(table), encoding="utf-8")

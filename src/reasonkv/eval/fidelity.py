@@ -71,7 +71,9 @@ class Replay:
 
 @dataclass
 class TraceFidelity:
-    """Trace fidelity of one row (see the module docstring)."""
+    """Trace fidelity of one row (see the module docstring). ``steady_kv_bytes`` is the K/V the row held
+    right after its evictions, averaged over them (:meth:`~reasonkv.cache.KVStorage.steady_kv_bytes`), None if
+    it was never evicted."""
 
     steps: int
     top1_agreement: float
@@ -80,6 +82,7 @@ class TraceFidelity:
     kl_max: float
     evictions: int
     chunked: bool
+    steady_kv_bytes: dict | None = None
 
 
 @dataclass
@@ -114,6 +117,7 @@ class TeacherForced:
     evictions: list[int]  # per row, when its last token was fed
     peak_slots: int  # the most slots the batch's cache held (padding included; a long prompt before its eviction)
     kv_bytes: int  # K/V storage the cache held after the last forward (allocated capacity, all tiers)
+    steady_kv_bytes: list[dict | None]  # per row: held right after its evictions, averaged (KVStorage.steady_kv_bytes)
 
 
 @torch.inference_mode()
@@ -184,7 +188,7 @@ def teacher_force(
             for r in active:
                 if fed >= lengths[r] - 1:
                     evictions[r] = int(evicting.row_evictions[r])
-        return TeacherForced(evictions, evicting.peak_slots, evicting.kv_bytes())
+        return TeacherForced(evictions, evicting.peak_slots, evicting.kv_bytes(), evicting.steady_kv_bytes())
     finally:
         evicting.detach()
         if full is not None:
@@ -314,9 +318,10 @@ def trace_fidelity(
             kl_sum[r] += float(kl.sum())
             kl_max[r] = max(kl_max[r], float(kl.max()))
 
-    evictions = teacher_force(
+    forced = teacher_force(
         model, prompts, traces, spec, chunked=chunked, max_chunk=max_chunk, pad_id=pad_id, consume=consume
-    ).evictions
+    )
+    evictions, held = forced.evictions, forced.steady_kv_bytes
     chunk_flag = _is_chunk_exact(spec.policy) if chunked is None else chunked
     results = []
     for r in range(batch):
@@ -331,6 +336,7 @@ def trace_fidelity(
                 kl_max=kl_max[r] if n else nan,
                 evictions=evictions[r],
                 chunked=chunk_flag,
+                steady_kv_bytes=held[r],
             )
         )
     return results

@@ -14,7 +14,7 @@ from typing import Any
 from reasonkv.eval import fidelity
 from reasonkv.eval.context import Context, attempt, chunks, now, progress, reason
 from reasonkv.eval.datasets import Problem
-from reasonkv.eval.decoding import refused_prompt
+from reasonkv.eval.decoding import refused_prompt, steady_bytes_fields
 from reasonkv.eval.grid import Cell
 from reasonkv.eval.records import unit_key
 from reasonkv.eval.units import Unit, sample_seed
@@ -145,6 +145,7 @@ def _fidelity_batch(ctx: Context, dataset, cell: Cell, batch, traces, sources, r
             kl_max=tf.kl_max,
             evictions=tf.evictions,
             chunked=tf.chunked,
+            **steady_bytes_fields(tf.steady_kv_bytes),
             reference_tokens=ans.reference_tokens if ans else None,
             answer_tokens=ans.answer_tokens if ans else None,
             answer_logprob_full=ans.logprob_full if ans else None,

@@ -21,33 +21,28 @@ __all__ = [
     "column_sums",
     "grouped_logits",
     "grouped_sinks",
-    "logit_dtype",
     "masked_softmax_",
     "newest_row",
     "window_attention",
 ]
 
 
-def logit_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
-    """The dtype the ``q . K^T`` product runs in: the cache's own on CUDA (its matmuls accumulate in
-    float32, and upcasting every cached key would move the whole cache once more), float32 on the CPU
-    (whose half-precision matmuls are slow)."""
-    return dtype if device.type == "cuda" else torch.float32
-
-
 def grouped_logits(
     queries: torch.Tensor, keys: torch.Tensor, scaling: float, softcap: float | None = None
 ) -> torch.Tensor:
-    """Attention logits, upcast to float32, grouped by kv head: ``[B, Hkv, g, w, S]`` with ``g = Hq // Hkv``.
+    """Attention logits in float32, grouped by kv head: ``[B, Hkv, g, w, S]`` with ``g = Hq // Hkv``.
 
+    The product runs in float32 on every device, as SDPA and FlashAttention compute their logits (a
+    half-precision matmul would round them to the cache dtype before the scaling, as only eager
+    attention does). The queries are few (a window, or the newest of each forward); the keys are upcast
+    once per call, so a caller that reads one layer's keys several times passes them as float32.
     ``softcap`` (when not None) caps them as the model's kernel does: ``softcap * tanh(x / softcap)``.
     """
     b, hq, w, d = queries.shape
     hkv, s = keys.shape[1], keys.shape[2]
     g = hq // hkv
-    dtype = logit_dtype(keys.device, keys.dtype)
-    grouped = queries.reshape(b, hkv, g * w, d).to(dtype)  # query head h -> kv head h // g
-    logits = torch.matmul(grouped, keys.to(dtype).transpose(2, 3)).float()
+    grouped = queries.reshape(b, hkv, g * w, d).float()  # query head h -> kv head h // g
+    logits = torch.matmul(grouped, keys.float().transpose(2, 3))
     # In place on the fresh product: the same arithmetic as out-of-place, without a buffer per step.
     logits.mul_(scaling)
     if softcap is not None:
@@ -143,6 +138,7 @@ def column_sums(
     b, hq, q, _ = queries.shape
     s = keys.shape[2]
     total = queries.new_zeros((b, hq, s), dtype=torch.float32)
+    keys = keys.float()  # once, not per chunk
     chunk = max(1, chunk_elements // max(1, b * hq * s))
     slot = torch.arange(s, device=queries.device)
     sink = None if sinks is None else sinks.float().view(1, hq, 1, 1)

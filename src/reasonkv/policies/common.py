@@ -5,7 +5,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["PositionTable", "group_mean", "pool1d"]
+__all__ = ["WORKSPACE_ELEMENTS", "PositionTable", "group_mean", "pool1d"]
+
+# The most elements of keys a policy copies (and upcasts) at once at an eviction: R-KV's redundancy and
+# ThinKV's K-means read every layer's keys in pieces of this size, never the whole cache at once.
+WORKSPACE_ELEMENTS = 1 << 24
 
 
 class PositionTable:

@@ -20,7 +20,7 @@ import torch
 from reasonkv.policies import select
 from reasonkv.policies.attention import grouped_logits, grouped_sinks, masked_softmax_
 from reasonkv.policies.base import Policy
-from reasonkv.policies.common import pool1d
+from reasonkv.policies.common import WORKSPACE_ELEMENTS, pool1d
 from reasonkv.policies.contract import Needs
 from reasonkv.policies.options import check_at_least, check_choice, check_option
 from reasonkv.policies.registry import register
@@ -229,6 +229,25 @@ def _settle(
     pending[head, target] = False
 
 
+def _pieces(view, layers) -> list[list[tuple[int, slice]]]:
+    """``layers``' kv heads in pieces of at most ``WORKSPACE_ELEMENTS`` keys (at least one head each), in
+    order: ``[(layer, heads), ...]`` per piece."""
+    rows, slots = view.valid.shape
+    pieces, current, size = [], [], 0
+    for layer in layers:
+        heads, dim = view.info.num_kv_heads, view.info.head_dim
+        per_head = rows * slots * dim
+        step = max(1, WORKSPACE_ELEMENTS // per_head)
+        for start in range(0, heads, step):
+            count = min(step, heads - start)
+            if current and size + count * per_head > WORKSPACE_ELEMENTS:
+                pieces.append(current)
+                current, size = [], 0
+            current.append((layer, slice(start, start + count)))
+            size += count * per_head
+    return pieces + [current] if current else pieces
+
+
 @register
 @dataclass
 class RKV(Policy):
@@ -368,16 +387,22 @@ class RKV(Policy):
         return lam * importance - (1.0 - lam) * redundancy
 
     def keep_layers(self, view) -> list[torch.Tensor]:
-        """Every layer's kept set, the redundancy of all layers' keys computed in one pass."""
+        """Every layer's kept set. The redundancy of many layers' keys is computed in one pass, in pieces of
+        at most ``WORKSPACE_ELEMENTS`` keys (whole layers together, or a layer's kv heads apart), so an
+        eviction never copies (and upcasts) more keys than that at once."""
         layers = view.info.full_layers
-        keys = torch.cat([view.keys(layer) for layer in layers], dim=1)  # [rows, layers x kv_heads, slots, dim]
-        redundancy = key_redundancy(
-            keys, view.valid, threshold=self.threshold, retain=self.retain, duplicate_window=self.duplicate_window
-        )
-        redundancy = redundancy.unflatten(1, (len(layers), -1))
+        redundancy: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
+        for piece in _pieces(view, layers):
+            keys = torch.cat([view.keys(layer)[:, heads] for layer, heads in piece], dim=1)
+            found = key_redundancy(
+                keys, view.valid, threshold=self.threshold, retain=self.retain, duplicate_window=self.duplicate_window
+            )
+            sizes = [heads.stop - heads.start for _, heads in piece]
+            for (layer, _), part in zip(piece, found.split(sizes, 1), strict=True):
+                redundancy[layer].append(part)
         kept = []
-        for index, layer in enumerate(layers):
+        for layer in layers:
             at = view.at(layer)
-            scores = self._combine(self.importance(at), redundancy[:, index])
+            scores = self._combine(self.importance(at), torch.cat(redundancy[layer], dim=1))
             kept.append(select.keep_top(scores, valid=at.valid_mask(), protected=at.protected(), k=at.budget))
         return kept

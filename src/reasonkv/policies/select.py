@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -30,12 +30,14 @@ from reasonkv.policies import noise
 __all__ = [
     "MUST_KEEP",
     "NEVER_KEEP",
+    "check_counts",
     "checks_at_exit",
     "gumbel_noise",
     "keep_ranked",
     "keep_sampled",
     "keep_top",
     "protected_mask",
+    "rank_order",
     "rank_sampled",
     "rank_top",
     "reserve_top",
@@ -89,13 +91,14 @@ def _selection_keys(scores: torch.Tensor, valid: torch.Tensor, protected: torch.
     return keys.masked_fill(~valid, _NEVER)
 
 
-_PENDING: list[list[tuple[torch.Tensor, int]]] = []  # open checks_at_exit blocks, innermost last
+# open checks_at_exit blocks, innermost last: (two device counts, the check that reads them) each
+_PENDING: list[list[tuple[torch.Tensor, Callable[[int, int], None]]]] = []
 
 
 @contextlib.contextmanager
 def checks_at_exit() -> Iterator[None]:
     """Collect the budget checks of the selections made inside the block; raise after it, reading once."""
-    pending: list[tuple[torch.Tensor, int]] = []
+    pending: list[tuple[torch.Tensor, Callable[[int, int], None]]] = []
     _PENDING.append(pending)
     try:
         yield
@@ -103,8 +106,17 @@ def checks_at_exit() -> Iterator[None]:
         _PENDING.pop()
     if pending:
         counts = torch.stack([c.to(pending[0][0].device) for c, _ in pending]).tolist()
-        for (n_protected, n_valid), (_, k) in zip(counts, pending, strict=True):
-            _raise_if_short(n_protected, n_valid, k)
+        for (first, second), (_, check) in zip(counts, pending, strict=True):
+            check(first, second)
+
+
+def check_counts(counts: torch.Tensor, check: Callable[[int, int], None]) -> None:
+    """Call ``check`` with the two numbers of the device tensor ``counts`` ``[2]``: inside
+    :func:`checks_at_exit` when the block ends (one host read for all its checks), else now."""
+    if _PENDING:
+        _PENDING[-1].append((counts, check))
+    else:
+        check(*counts.tolist())
 
 
 def _raise_if_short(n_protected: int, n_valid: int, k: int) -> None:
@@ -121,10 +133,7 @@ def _check_capacity(valid: torch.Tensor, protected: torch.Tensor, k: int) -> Non
     if not valid.numel():
         return
     counts = torch.stack([(protected & valid).sum(-1).amax(), valid.sum(-1).amin()])
-    if _PENDING:
-        _PENDING[-1].append((counts, k))
-    else:
-        _raise_if_short(*counts.tolist(), k)
+    check_counts(counts, lambda n_protected, n_valid: _raise_if_short(n_protected, n_valid, k))
 
 
 def _tie_broken(keys: torch.Tensor) -> torch.Tensor:
@@ -134,6 +143,12 @@ def _tie_broken(keys: torch.Tensor) -> torch.Tensor:
     bits = (keys.float() + 0.0).view(torch.int32)  # + 0.0: -0.0 and 0.0 are one value, as they compare
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: flip the magnitude bits
     return (ordered.long() << 32) | torch.arange(keys.shape[-1], device=keys.device)
+
+
+def rank_order(keys: torch.Tensor) -> torch.Tensor:
+    """Every index along the last axis, best first: ``keys`` (no NaN) descending, ties to the higher index,
+    the order :func:`top_indices` takes from (so its ``k`` first are the top ``k``)."""
+    return _tie_broken(keys).sort(dim=-1, descending=True).values & 0xFFFFFFFF
 
 
 def top_indices(keys: torch.Tensor, k: int) -> torch.Tensor:

@@ -17,6 +17,7 @@ not part of an eviction policy and are not reproduced.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 
 from reasonkv.policies import select
 from reasonkv.policies.base import Policy
-from reasonkv.policies.common import PositionTable
+from reasonkv.policies.common import WORKSPACE_ELEMENTS, PositionTable
 from reasonkv.policies.contract import Needs
 from reasonkv.policies.options import check_at_least, check_option
 from reasonkv.policies.registry import register
@@ -187,6 +188,26 @@ def _kmeans_representatives(gram: torch.Tensor, present: torch.Tensor, k: int, i
     reps = torch.zeros((groups, members), dtype=torch.long, device=g.device)
     reps.scatter_add_(1, best, member_of.any(-1).long())
     return (reps > 0) & present
+
+
+FeatureReader = Callable[[torch.Tensor], Iterator[torch.Tensor]]
+
+
+def _key_features(view, layers, rows: torch.Tensor, slots: torch.Tensor) -> FeatureReader:
+    """The K-means features of the tokens at ``(rows, slots)``: their keys in ``layers``, concatenated, read in
+    pieces of at most ``WORKSPACE_ELEMENTS`` float32 numbers (a layer's kv heads split when one layer is more),
+    ``[n, part]`` each, for the tokens (indices into ``rows``/``slots``) in the order asked."""
+
+    def read(tokens: torch.Tensor) -> Iterator[torch.Tensor]:
+        row, slot = rows[tokens], slots[tokens]
+        for layer in layers:
+            keys = view.keys(layer)  # [rows, kv_heads, slots, head_dim]: a view, or one layer's evicted rows
+            heads, dim = keys.shape[1], keys.shape[3]
+            step = max(1, WORKSPACE_ELEMENTS // max(1, tokens.numel() * dim))
+            for head in range(0, heads, step):
+                yield keys[row, head : head + step, slot].reshape(tokens.numel(), -1).float()
+
+    return read
 
 
 @register
@@ -469,18 +490,20 @@ class ThinKV(Policy):
         return select.rank_top(self.eviction_rank(view), valid=view.valid_mask(), protected=view.protected())
 
     def _retention_depths(
-        self, features: torch.Tensor, group: torch.Tensor, positions: torch.Tensor, n_groups: int
+        self, features: FeatureReader, group: torch.Tensor, positions: torch.Tensor, n_groups: int
     ) -> torch.Tensor:
         """How many levels of ``retention`` each token survives, ``[n]``, clustering each group's present
         tokens (in position order) to ``retention[0]``, those representatives to ``retention[1]``, and so on.
 
-        ``features`` ``[n, dim]``, ``group`` ``[n]`` (ids ``0 .. n_groups - 1``) and ``positions`` ``[n]``.
-        Groups are clustered in buckets of similar size (power-of-two widths), so a group costs its own
-        members squared, not the longest segment's: after many evictions most segments hold a few floor
-        tokens. A bucket runs K-means only at levels where one of its groups has more members than the
-        level keeps; the host reads the group sizes once.
+        ``features(tokens)`` yields the tokens' features in pieces ``[n, part]`` (float32, tokens in the
+        order given); ``group`` ``[n]`` (ids ``0 .. n_groups - 1``) and ``positions`` ``[n]``. Groups are
+        clustered in buckets of similar size (power-of-two widths), so a group costs its own members
+        squared, not the longest segment's: after many evictions most segments hold a few floor tokens.
+        A bucket runs K-means only at levels where one of its groups has more members than the level
+        keeps; its Gram matrix is summed over the pieces of features, so no more than one piece is held
+        at once. The host reads the group sizes once.
         """
-        device, n = features.device, features.shape[0]
+        device, n = group.device, group.shape[0]
         counts = torch.zeros(n_groups, dtype=torch.long, device=device).scatter_add_(0, group, torch.ones_like(group))
         sizes = counts.tolist()
         # Groups by size (a stable sort, the same on the host); tokens by their group's place there, then position.
@@ -488,11 +511,12 @@ class ThinKV(Policy):
         place = torch.empty_like(order).scatter_(0, order, torch.arange(n_groups, device=device))[group]
         tokens = torch.sort(positions, stable=True).indices
         tokens = tokens[torch.sort(place[tokens], stable=True).indices]
-        features, place = features[tokens], place[tokens]
+        place = place[tokens]
         ahead = counts[order].cumsum(0) - counts[order]  # tokens of the groups before each place
         rank = torch.arange(n, device=device) - ahead[place]  # member index within its group
         by_size = sorted(sizes)
         depth = torch.zeros(n, dtype=torch.long, device=device)
+        buckets = []  # (members, at, active, width, biggest) of the buckets that cluster
         first_group = first_token = 0
         while first_group < n_groups:
             width = 1 << max(0, by_size[first_group] - 1).bit_length()  # the bucket's power-of-two width
@@ -506,22 +530,28 @@ class ThinKV(Policy):
                 depth[members] = len(self.retention)
             else:
                 at = (place[members] - first_group, rank[members])
-                x = features.new_zeros((last_group - first_group, width, features.shape[-1]))
-                x[at] = features[members]
-                active = torch.zeros(x.shape[:2], dtype=torch.bool, device=device)
+                active = torch.zeros((last_group - first_group, width), dtype=torch.bool, device=device)
                 active[at] = True
+                buckets.append((members, at, active, biggest))
+            first_group, first_token = last_group, last_token
+        grams = [None] * len(buckets)  # every distance below comes from them
+        for part in features(tokens) if buckets else ():
+            for index, (members, at, active, _) in enumerate(buckets):
+                x = part.new_zeros((*active.shape, part.shape[-1]))
+                x[at] = part[members]
                 count = active.sum(-1, keepdim=True).clamp(min=1)
                 x.sub_(x.sum(1, keepdim=True) / count.unsqueeze(-1)).mul_(active.unsqueeze(-1))  # centred per group
-                gram = torch.bmm(x, x.transpose(1, 2))  # every distance below comes from it
-                levels = torch.zeros(x.shape[:2], dtype=torch.long, device=device)
-                for size in self.retention:
-                    if biggest > size:
-                        clustered = active.sum(-1, keepdim=True) > size
-                        kept = _kmeans_representatives(gram, active, size, self.kmeans_iters)
-                        active = torch.where(clustered, kept, active)
-                    levels += active.long()
-                depth[members] = levels[at]
-            first_group, first_token = last_group, last_token
+                gram = torch.bmm(x, x.transpose(1, 2))
+                grams[index] = gram if grams[index] is None else grams[index].add_(gram)
+        for (members, at, active, biggest), gram in zip(buckets, grams, strict=True):
+            levels = torch.zeros(active.shape, dtype=torch.long, device=device)
+            for size in self.retention:
+                if biggest > size:
+                    clustered = active.sum(-1, keepdim=True) > size
+                    kept = _kmeans_representatives(gram, active, size, self.kmeans_iters)
+                    active = torch.where(clustered, kept, active)
+                levels += active.long()
+            depth[members] = levels[at]
         return torch.empty_like(depth).scatter_(0, tokens, depth)
 
     def eviction_rank(self, view) -> torch.Tensor:
@@ -551,10 +581,10 @@ class ThinKV(Policy):
         n_groups = int(group.max()) + 1 if group.numel() else 0
         slot_depth = torch.zeros_like(positions)
         if n_groups:
-            layers = self.cluster_layers or view.info.full_layers
-            # [rows, slots, layers x kv_heads x head_dim], indexed once (one host read, whatever the layers)
-            keys = torch.cat([view.keys(layer).transpose(1, 2).reshape(n_rows, slots, -1) for layer in layers], -1)
-            slot_depth[valid] = self._retention_depths(keys[valid].float(), group, positions[valid], n_groups)
+            at = valid.flatten().nonzero().flatten()  # the valid slots (one host read, whatever the layers)
+            features = _key_features(view, self.cluster_layers or view.info.full_layers, at // slots, at % slots)
+            depths = self._retention_depths(features, group, positions.flatten()[at], n_groups)
+            slot_depth.view(-1).index_copy_(0, at, depths)
         # -- scenario 1: each trigger segment demotes every earlier segment one retention step
         kinds = self._types.lookup(rows, segment).long().to(device)
         type_rank = self._type_rank.to(device)[kinds.masked_fill(kinds < 0, len(THOUGHT_TYPES))]

@@ -1,7 +1,10 @@
 """What a policy may read at eviction time: the rows being evicted, their stored K/V, positions and
 the recorded signals. Torch only: a serving engine that reuses ``policies/`` builds this same view over
 its own storage (anything with ``layers[i].keys/values``, ``positions(i)``, ``valid``, ``next_position``,
-``prompt_lengths``, ``row_evictions`` and ``budget``) and a :class:`~reasonkv.policies.recorded.Recorded`.
+``prompt_lengths``, ``row_evictions`` and ``budget``) and a :class:`~reasonkv.policies.recorded.Recorded`,
+in the layout the policies assume: dense ``[batch, kv_heads, slots, head_dim]`` per layer, each row's
+tokens right-aligned in the order they came, the same number kept in every head of a row (paged
+storage gathers a row's blocks into it first).
 Storage with a quantized tier also has ``attended(i)`` (its K/V as attention sees them, quantized
 tokens dequantized) and ``quantized_mask()`` (which slots are quantized).
 """
@@ -62,8 +65,8 @@ class EvictionView:
         if attended is None:
             entry = self.cache.layers[layer]
             return entry.keys, entry.values
-        if layer not in self._attended:  # dequantized once per layer and eviction
-            self._attended[layer] = attended(layer)
+        if layer not in self._attended:  # dequantized once per layer and eviction; only the latest layer is
+            self._attended = {layer: attended(layer)}  # kept, so reading every layer holds one at a time
         return self._attended[layer]
 
     def keys(self, layer: int | None = None) -> torch.Tensor:

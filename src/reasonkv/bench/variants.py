@@ -1,0 +1,90 @@
+"""The length sweep's variants against their plain entries: tiered (``--quantized``, :mod:`reasonkv.bench.tiers`)
+and ragged (``--ragged``).
+
+A ragged variant ``POLICY~ragged`` runs the policy with its rows prefilled to lengths ``B / batch`` apart
+(:func:`reasonkv.bench.measure.ragged_shifts`), so that they evict at different steps, as prompts of
+different lengths do; the plain entry's rows evict together. Side by side in one run, the summary
+compares their step time and the share of it spent compacting the cache (``gather``): with rows
+evicting on their own schedules there are more evictions, each compacting fewer rows.
+"""
+
+from __future__ import annotations
+
+from reasonkv.bench.tiers import tier_markdown, tier_summary
+
+__all__ = ["RAGGED", "ragged_label", "ragged_markdown", "ragged_summary", "variant_markdown", "variant_summaries"]
+
+RAGGED = "~ragged"
+
+
+def ragged_label(policy: str) -> str:
+    """``snapkv~ragged``: the name a ragged variant is measured and reported under."""
+    return policy + RAGGED
+
+
+def _by_length(record: dict) -> dict[int, dict]:
+    return {int(w["length"]): w for w in record.get("windows", [])}
+
+
+def _gather_share(window: dict) -> float:
+    step = window["step_mean_s"]
+    return window["split_s"].get("gather", 0.0) / step if step > 0 else float("nan")
+
+
+def ragged_summary(records: list[dict]) -> dict:
+    """Per batch (as a string) and ragged variant: step time over the plain entry's, evictions in the window
+    and the share of a step spent compacting, for both, at each length they share."""
+    out: dict = {}
+    sweeps = [r for r in records if r.get("mode") == "sweep"]
+    for record in sweeps:
+        if not record["policy"].endswith(RAGGED):
+            continue
+        policy = record["policy"][: -len(RAGGED)]
+        plain = next((r for r in sweeps if r["policy"] == policy and r["batch"] == record["batch"]), None)
+        if plain is None:
+            continue
+        mine, theirs = _by_length(record), _by_length(plain)
+        common = sorted(set(mine) & set(theirs))
+        out.setdefault(str(record["batch"]), {})[record["policy"]] = {
+            "policy": policy,
+            "step_vs_lockstep": {n: mine[n]["step_mean_s"] / theirs[n]["step_mean_s"] for n in common},
+            "evictions": {n: mine[n]["evictions"] for n in common},
+            "lockstep_evictions": {n: theirs[n]["evictions"] for n in common},
+            "gather_share": {n: _gather_share(mine[n]) for n in common},
+            "lockstep_gather_share": {n: _gather_share(theirs[n]) for n in common},
+        }
+    return out
+
+
+def ragged_markdown(summary: dict) -> list[str]:
+    """The comparison as markdown tables, one per batch size."""
+    lines: list[str] = []
+    for batch, variants in summary.items():
+        lines += [
+            f"### Rows evicting at different steps against rows evicting together (batch {batch})",
+            "",
+            "The ragged variant's rows are prefilled to lengths B / batch apart: more evictions, each of fewer "
+            "rows. Step time relative to the rows evicting together, evictions in the window (eviction events: "
+            "rows evicting together count once) and the share of a step spent compacting the cache (gather).",
+            "",
+            "| variant | length | step vs together | evictions (together) | gather share (together) |",
+            "|---|---|---|---|---|",
+        ]
+        for label, s in variants.items():
+            for n, ratio in s["step_vs_lockstep"].items():
+                lines.append(
+                    f"| {label} | {n} | {ratio:.3f} | {s['evictions'][n]} ({s['lockstep_evictions'][n]}) | "
+                    f"{100 * s['gather_share'][n]:.2f}% ({100 * s['lockstep_gather_share'][n]:.2f}%) |"
+                )
+        lines.append("")
+    return lines
+
+
+def variant_summaries(records: list[dict]) -> dict:
+    """The summaries of both kinds of variant: ``{"tiers": ..., "ragged": ...}``."""
+    return {"tiers": tier_summary(records), "ragged": ragged_summary(records)}
+
+
+def variant_markdown(summary: dict) -> list[str]:
+    """Both comparisons as markdown (nothing for a run without variants)."""
+    return tier_markdown(summary.get("tiers") or {}) + ragged_markdown(summary.get("ragged") or {})

@@ -1,0 +1,395 @@
+"""One layer's quantized tier: packed codes, key groups, the pending group, and its K/V for attention (torch only).
+
+Which tokens the tier holds is :func:`reasonkv.cache.tiers.split_tiers`' decision; this module stores
+them. Per (row, kv-head) the tier's slots are laid out as ``[padding | coded | pending]``:
+
+- **coded** tokens hold int8 or int4 codes: values per token (a scale and zero point per
+  ``group_size`` channels), keys per channel over a *key group* of ``group_size`` tokens (KIVI). A
+  token's codes are fixed when it is coded and never change while it is held; a group's statistics
+  stay as long as one of its members is held (a group may lose members to later evictions, never
+  gain them).
+- **pending** tokens were demoted from full precision but wait there, at full precision, until
+  ``group_size`` of them can form a whole key group (KIVI's full-precision residual): every group is
+  formed full, of the oldest pending tokens by position, so that a group is a run of neighbouring
+  tokens where the demotions allow it. Fewer than ``group_size`` tokens per head are pending after an
+  eviction; they count against ``Q`` like the coded ones and are never promoted back.
+
+Every head of a row holds as many tier tokens (the cache's slot validity is per row), but heads may
+split them differently between coded and pending. The pending tokens sit at the end of a head's
+slots, in a buffer aligned with the tier's last ``pending_width`` slots.
+
+An eviction updates only the rows it evicts (:meth:`QuantizedTier.plan` then :meth:`QuantizedTier.apply`:
+the key-group tables of all layers are sized with one host read between the two). For attention, the
+tier is dequantized straight into the K/V dtype, into a buffer every layer of the cache shares
+(:class:`DequantizeBuffer`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from reasonkv.cache.quantize import QuantFormat, quantize_channels, quantize_tokens, unpack
+
+__all__ = ["DequantizeBuffer", "QuantizedTier", "TierUpdate"]
+
+# take_full(slots [n, heads, m]) -> keys, values [n, heads, m, head_dim] and positions [n, heads, m] of the
+# evicted rows' full-precision slots (slots index the full tier's view).
+FullTake = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def _take(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``buffer[b, h, index[b, h, i]]``: ``[batch, heads, n, *rest]`` by ``[batch, heads, m]`` ->
+    ``[batch, heads, m, *rest]`` (one ``index_select`` over the flattened slots)."""
+    batch, heads, n = buffer.shape[:3]
+    rest = buffer.shape[3:]
+    first = torch.arange(batch * heads, device=index.device).view(batch, heads, 1) * n
+    rows = buffer.reshape(batch * heads * n, *rest).index_select(0, (first + index).flatten())
+    return rows.view(batch, heads, index.shape[-1], *rest)
+
+
+def _id_dtype(groups: int) -> torch.dtype:
+    return torch.int16 if groups < 2**15 else torch.int32
+
+
+def _aligned(tensor: torch.Tensor, width: int, fill: float | int = 0) -> torch.Tensor:
+    """``tensor`` ``[b, h, w, ...]`` right-aligned to ``width`` slots: cut on the left, or padded with ``fill``."""
+    w = tensor.shape[2]
+    if w >= width:
+        return tensor[:, :, w - width :].contiguous()
+    padding = tensor.new_full((*tensor.shape[:2], width - w, *tensor.shape[3:]), fill)
+    return torch.cat([padding, tensor], dim=2)
+
+
+def _widened(tensor: torch.Tensor, groups: int) -> torch.Tensor:
+    """A key-group table ``[b, h, T, 2, d]`` with ``groups`` entries (extra ones zero, at the end)."""
+    extra = groups - tensor.shape[2]
+    if extra <= 0:
+        return tensor
+    return torch.cat([tensor, tensor.new_zeros((*tensor.shape[:2], extra, *tensor.shape[3:]))], dim=2)
+
+
+class DequantizeBuffer:
+    """The K/V a layer with quantized tokens hands its attention, assembled in one buffer pair that every
+    layer of a cache shares (a layer's attention reads it before the next layer writes it), grown when a
+    forward needs more and never freed while the cache lives: no allocation per layer and step."""
+
+    def __init__(self):
+        self._keys: torch.Tensor | None = None
+        self._values: torch.Tensor | None = None
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, reserve: int = 0):
+        """Views ``shape`` (``[batch, heads, slots, head_dim]``) of the buffers, in ``dtype`` on ``device``; a
+        buffer that must grow is made large enough for ``reserve`` slots (the most the next forwards need)."""
+        batch, heads, slots, dim = shape
+        numel = batch * heads * slots * dim
+        held = self._keys
+        if held is None or held.numel() < numel or held.dtype != dtype or held.device != device:
+            size = batch * heads * max(slots, reserve) * dim
+            self._keys = torch.empty(size, dtype=dtype, device=device)
+            self._values = torch.empty(size, dtype=dtype, device=device)
+        return self._keys[:numel].view(shape), self._values[:numel].view(shape)
+
+    def nbytes(self) -> int:
+        return 0 if self._keys is None else 2 * self._keys.numel() * self._keys.element_size()
+
+
+@dataclass
+class TierUpdate:
+    """What one eviction changes in one layer's tier, for the evicted rows (see :meth:`QuantizedTier.plan`);
+    ``needed`` ``[n, heads]`` is the key groups each evicted head holds afterwards."""
+
+    rows: torch.Tensor
+    key_codes: torch.Tensor
+    key_group: torch.Tensor
+    key_stats: torch.Tensor  # [n, h, live + fresh, 2, d]: the live old groups, then the fresh ones
+    value_codes: torch.Tensor
+    value_stats: torch.Tensor
+    positions: torch.Tensor
+    pending_keys: torch.Tensor
+    pending_values: torch.Tensor
+    pending_count: torch.Tensor
+    needed: torch.Tensor
+
+
+class QuantizedTier:
+    """One layer's quantized tier, ``[batch, kv_heads, width]`` slots (see the module docstring).
+
+    Per slot: packed key and value codes, the id of the key's group (``key_group``), the value's
+    statistics and the token's position (``-1``: padding); per (row, head, key group): the key
+    statistics ``[2, head_dim]`` (scale, zero point); per (row, head): ``pending_count``, and the pending
+    tokens' K/V ``[batch, kv_heads, pending_width, head_dim]`` aligned with the last slots.
+    """
+
+    def __init__(
+        self,
+        fmt: QuantFormat,
+        *,
+        key_codes: torch.Tensor,  # [b, h, w, d or d/2] uint8
+        key_group: torch.Tensor,  # [b, h, w] int16/int32
+        key_stats: torch.Tensor,  # [b, h, groups, 2, d]
+        value_codes: torch.Tensor,  # [b, h, w, d or d/2] uint8
+        value_stats: torch.Tensor,  # [b, h, w, 2, d/G]
+        positions: torch.Tensor,  # [b, h, w] long
+        pending_keys: torch.Tensor,  # [b, h, p, d]
+        pending_values: torch.Tensor,  # [b, h, p, d]
+        pending_count: torch.Tensor,  # [b, h] long
+    ):
+        self.fmt = fmt
+        self.key_codes, self.key_group, self.key_stats = key_codes, key_group, key_stats
+        self.value_codes, self.value_stats, self.positions = value_codes, value_stats, positions
+        self.pending_keys, self.pending_values, self.pending_count = pending_keys, pending_values, pending_count
+
+    @classmethod
+    def empty(cls, fmt: QuantFormat, like: torch.Tensor) -> QuantizedTier:
+        """A tier of width 0 for K/V shaped like ``like`` ``[batch, kv_heads, slots, head_dim]``."""
+        batch, heads, _, dim = like.shape
+        fmt.check_head_dim(dim)
+        packed = dim * fmt.bits // 8
+        device = like.device
+        codes = torch.zeros((batch, heads, 0, packed), dtype=torch.uint8, device=device)
+        return cls(
+            fmt,
+            key_codes=codes,
+            key_group=torch.zeros((batch, heads, 0), dtype=torch.int16, device=device),
+            key_stats=like.new_zeros((batch, heads, 0, 2, dim)),
+            value_codes=codes.clone(),
+            value_stats=like.new_zeros((batch, heads, 0, 2, dim // fmt.group_size)),
+            positions=torch.zeros((batch, heads, 0), dtype=torch.long, device=device),
+            pending_keys=like.new_zeros((batch, heads, 0, dim)),
+            pending_values=like.new_zeros((batch, heads, 0, dim)),
+            pending_count=torch.zeros((batch, heads), dtype=torch.long, device=device),
+        )
+
+    # ------------------------------------------------------------------ shape and bytes
+    @property
+    def width(self) -> int:
+        return self.positions.shape[2]
+
+    @property
+    def pending_width(self) -> int:
+        return self.pending_keys.shape[2]
+
+    @property
+    def groups(self) -> int:
+        """Entries of the key-group table (per row and head)."""
+        return self.key_stats.shape[2]
+
+    def _parts(self) -> tuple[torch.Tensor, ...]:
+        return (self.key_codes, self.key_group, self.key_stats, self.value_codes, self.value_stats)
+
+    def nbytes(self) -> int:
+        """Bytes allocated: codes, group ids, statistics and the pending tokens' K/V (positions are
+        bookkeeping, as for the full tier)."""
+        parts = (*self._parts(), self.pending_keys, self.pending_values)
+        return sum(t.numel() * t.element_size() for t in parts)
+
+    def coded_mask(self) -> torch.Tensor:
+        """``[batch, kv_heads, width]``: slots holding a coded token (not padding, not pending)."""
+        slot = torch.arange(self.width, device=self.positions.device)
+        return (self.positions >= 0) & (slot < self.width - self.pending_count.unsqueeze(-1))
+
+    def row_bytes(self) -> torch.Tensor:
+        """``[batch]``: the bytes each row's tokens need, summed over heads: per coded token its codes, group
+        id and value statistics, per key group still holding a member its statistics, per pending token its
+        full-precision K/V. Padding and unused table entries are not counted (:meth:`nbytes` counts them)."""
+        batch, heads, width = self.positions.shape
+        coded = self.coded_mask()
+        codes = self.key_codes.shape[-1] + self.value_codes.shape[-1]  # uint8
+        value_stats = self.value_stats.shape[-1] * 2 * self.value_stats.element_size()
+        per_token = codes + self.key_group.element_size() + value_stats
+        per_group = 2 * self.key_stats.shape[-1] * self.key_stats.element_size()
+        groups = self.groups
+        live = torch.zeros((batch, heads, groups + 1), dtype=torch.bool, device=coded.device)
+        if width and groups:
+            live.scatter_(2, torch.where(coded, self.key_group.long(), groups), True)
+        pending = 2 * self.pending_keys.shape[-1] * self.pending_keys.element_size()
+        held = coded.sum(-1) * per_token + live[..., :groups].sum(-1) * per_group + self.pending_count * pending
+        return held.sum(-1)
+
+    # ------------------------------------------------------------------ reading
+    def dequantize_into(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write the tier's K/V ``[batch, kv_heads, width, head_dim]`` into ``keys`` and ``values`` (in their
+        dtype): the coded tokens dequantized there, in that dtype, the pending ones copied."""
+        fmt, dim = self.fmt, keys.shape[-1]
+        if self.groups:  # (a tier of pending tokens only has no group yet)
+            keys.copy_(unpack(self.key_codes, fmt.bits))
+            index = self.key_group.long()
+            keys.mul_(_take(self.key_stats[:, :, :, 0], index)).add_(_take(self.key_stats[:, :, :, 1], index))
+        else:
+            keys.zero_()
+        grouped = values.view(*values.shape[:3], dim // fmt.group_size, fmt.group_size)
+        grouped.copy_(unpack(self.value_codes, fmt.bits).view(grouped.shape))
+        stats = self.value_stats.to(values.dtype)
+        grouped.mul_(stats[:, :, :, 0, :, None]).add_(stats[:, :, :, 1, :, None])
+        p = self.pending_width
+        if p:
+            slot = torch.arange(p, device=keys.device)
+            pending = (slot >= p - self.pending_count.unsqueeze(-1)).unsqueeze(-1)  # [b, h, p, 1]
+            tail = slice(self.width - p, self.width)
+            keys[:, :, tail] = torch.where(pending, self.pending_keys.to(keys.dtype), keys[:, :, tail])
+            values[:, :, tail] = torch.where(pending, self.pending_values.to(values.dtype), values[:, :, tail])
+
+    def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[batch, kv_heads, width, head_dim]`` in the K/V dtype (new tensors)."""
+        shape = (*self.positions.shape, self.key_stats.shape[-1])
+        keys = self.key_stats.new_empty(shape)
+        values = self.key_stats.new_empty(shape)
+        self.dequantize_into(keys, values)
+        return keys, values
+
+    # ------------------------------------------------------------------ an eviction
+    def plan(self, rows: torch.Tensor, select: torch.Tensor, take_full: FullTake) -> TierUpdate:
+        """The evicted ``rows`` ``[n]``' tier after an eviction: ``select`` ``[n, kv_heads, width']`` names
+        their tier's tokens, right-aligned and ascending, as slots of ``[this tier | the full tier]``
+        (``-1``: padding); ``take_full`` reads their full-precision slots.
+
+        Coded tokens kept keep their codes (their groups renumbered, groups left without a member
+        released). The others (pending ones kept, and full-precision ones demoted now) are ordered by
+        position; the oldest whole ``group_size``-token runs of them are coded now, one key group each,
+        and the rest (fewer than ``group_size``) stay pending.
+        """
+        fmt, size = self.fmt, self.fmt.group_size
+        width, pending_width, groups = self.width, self.pending_width, self.groups
+        n, heads, new_width = select.shape
+        old = {name: t.index_select(0, rows) for name, t in self._named().items()}
+        real = select >= 0
+        coded_end = width - old["pending_count"].unsqueeze(-1)
+        old_coded = real & (select < coded_end)
+        was_pending = real & (select >= coded_end) & (select < width)
+        at_old = select.clamp(0, max(width - 1, 0))
+        full_keys, full_values, full_positions = take_full(torch.where(select >= width, select - width, 0))
+        keys, values = full_keys, full_values
+        if pending_width:
+            at_pending = (select - (width - pending_width)).clamp(0, pending_width - 1)
+            where = was_pending.unsqueeze(-1)
+            keys = torch.where(where, _take(old["pending_keys"], at_pending).to(keys.dtype), keys)
+            values = torch.where(where, _take(old["pending_values"], at_pending).to(values.dtype), values)
+        positions = full_positions
+        if width:
+            positions = torch.where(select < width, old["positions"].gather(2, at_old), positions)
+        positions = positions.masked_fill(~real, -1)
+
+        # The layout: padding, the coded tokens kept (in their order), then the others by position.
+        place = torch.where(old_coded, torch.arange(new_width, device=select.device), new_width + positions)
+        order = torch.where(real, place, -1).sort(dim=-1, stable=True).indices
+        gather = lambda t: t.gather(2, order)  # noqa: E731
+        real, old_coded, positions, at_old = map(gather, (real, old_coded, positions, at_old))
+        keys, values = _take(keys, order), _take(values, order)
+        others = real & ~old_coded
+        rank = others.long().cumsum(-1) - 1
+        count = others.sum(-1)  # [n, h]
+        fresh = count // size  # whole groups coded now
+        coded_now = others & (rank < (fresh * size).unsqueeze(-1))
+
+        # Coded now: values per token, keys per channel in groups of `size` consecutive candidates.
+        value_codes, value_stats = quantize_tokens(values, fmt)
+        bound = new_width // size  # the most fresh groups a head can form (host-known)
+        local = torch.where(coded_now, rank // size, bound)
+        key_codes, fresh_stats = quantize_channels(keys.flatten(0, 1), local.flatten(0, 1), bound, fmt)
+        key_codes, fresh_stats = key_codes.unflatten(0, (n, heads)), fresh_stats.unflatten(0, (n, heads))
+
+        # Kept coded: their codes, and their groups compacted to the front of the table.
+        live = torch.zeros((n, heads), dtype=torch.long, device=select.device)
+        group = torch.zeros_like(select)
+        stats = fresh_stats
+        if width and groups:
+            old_group = torch.where(old_coded, old["key_group"].long().gather(2, at_old), groups)
+            used = torch.zeros((n, heads, groups + 1), dtype=torch.bool, device=select.device)
+            used = used.scatter_(2, old_group, True)[..., :groups]
+            live = used.sum(-1)
+            renumbered = (used.long().cumsum(-1) - 1).gather(2, old_group.clamp(max=groups - 1))
+            group = torch.where(old_coded, renumbered, group)
+            compacted = _take(old["key_stats"], torch.sort(~used, dim=-1, stable=True).indices)
+            # live old groups first; fresh ones from each head's own live count on
+            slot = torch.arange(groups + bound, device=select.device)
+            source = torch.where(slot < live.unsqueeze(-1), slot, groups + slot - live.unsqueeze(-1))
+            source = source.clamp(max=groups + max(bound, 1) - 1)
+            table = torch.cat([compacted, fresh_stats if bound else compacted[:, :, :1]], dim=2)
+            stats = _take(table, source)
+
+            def kept(fresh_part: torch.Tensor, old_part: torch.Tensor) -> torch.Tensor:
+                where = old_coded.view(*old_coded.shape, *[1] * (fresh_part.dim() - 3))
+                return torch.where(where, _take(old_part, at_old), fresh_part)
+
+            key_codes = kept(key_codes, old["key_codes"])
+            value_codes = kept(value_codes, old["value_codes"])
+            value_stats = kept(value_stats, old["value_stats"])
+        group = torch.where(coded_now, live.unsqueeze(-1) + local, group)
+
+        # Pending: the last `count - fresh * size` slots of each head, in a buffer of the last slots.
+        pending_count = count - fresh * size
+        p = min(size - 1, new_width)
+        slot = torch.arange(p, device=select.device)
+        waiting = (slot >= p - pending_count.unsqueeze(-1)).unsqueeze(-1)
+        pending_keys = keys[:, :, new_width - p :].masked_fill(~waiting, 0)
+        pending_values = values[:, :, new_width - p :].masked_fill(~waiting, 0)
+        return TierUpdate(
+            rows=rows,
+            key_codes=key_codes,
+            key_group=group,
+            key_stats=stats,
+            value_codes=value_codes,
+            value_stats=value_stats,
+            positions=positions,
+            pending_keys=pending_keys.to(self.pending_keys.dtype),
+            pending_values=pending_values.to(self.pending_values.dtype),
+            pending_count=pending_count,
+            needed=live + fresh,
+        )
+
+    def apply(self, update: TierUpdate, groups: int) -> QuantizedTier:
+        """This tier with ``update``'s rows replaced; ``groups`` (host-known) covers every evicted head's
+        key groups. Other rows keep their tokens, re-right-aligned if the width changed. In place when the
+        shapes stay (the steady state: a full tier, the table large enough), a new tier otherwise."""
+        width, p = update.positions.shape[2], update.pending_keys.shape[2]
+        groups = max(groups, self.groups, 1)
+        if (width, p, groups) != (self.width, self.pending_width, self.groups):
+            tier = self._reshaped(width, p, groups)
+        else:
+            tier = self
+        new = {
+            "key_codes": update.key_codes,
+            "key_group": update.key_group.to(tier.key_group.dtype if tier is self else _id_dtype(groups)),
+            "key_stats": _widened(update.key_stats, groups)[:, :, :groups],
+            "value_codes": update.value_codes,
+            "value_stats": update.value_stats,
+            "positions": update.positions,
+            "pending_keys": update.pending_keys,
+            "pending_values": update.pending_values,
+            "pending_count": update.pending_count,
+        }
+        for name, target in tier._named().items():
+            target.index_copy_(0, update.rows, new[name].to(target.dtype))
+        return tier
+
+    def _named(self) -> dict[str, torch.Tensor]:
+        return {
+            "key_codes": self.key_codes,
+            "key_group": self.key_group,
+            "key_stats": self.key_stats,
+            "value_codes": self.value_codes,
+            "value_stats": self.value_stats,
+            "positions": self.positions,
+            "pending_keys": self.pending_keys,
+            "pending_values": self.pending_values,
+            "pending_count": self.pending_count,
+        }
+
+    def _reshaped(self, width: int, pending_width: int, groups: int) -> QuantizedTier:
+        """A copy of this tier at a new width, pending width and table size, every row's slots kept
+        right-aligned (a row's tokens fit: its count is at most the new width)."""
+        return QuantizedTier(
+            self.fmt,
+            key_codes=_aligned(self.key_codes, width),
+            key_group=_aligned(self.key_group, width).to(_id_dtype(groups)),
+            key_stats=_widened(self.key_stats, groups),
+            value_codes=_aligned(self.value_codes, width),
+            value_stats=_aligned(self.value_stats, width),
+            positions=_aligned(self.positions, width, -1),
+            pending_keys=_aligned(self.pending_keys, pending_width),
+            pending_values=_aligned(self.pending_values, pending_width),
+            pending_count=self.pending_count.clone(),
+        )
