@@ -11,6 +11,7 @@ import torch
 from reasonkv.cache.evicting import EvictingCache
 from reasonkv.generation.rows import Rows
 from reasonkv.hf import synchronize
+from reasonkv.inspect.trace import Trace
 
 __all__ = ["GenerationResult", "Meter"]
 
@@ -36,6 +37,7 @@ class GenerationResult:
     prompt_tokens: int
     finish_reason: str  # "eos", "stop" or "length"
     stats: dict = field(default_factory=dict)
+    trace: Trace | None = None  # every eviction of this row, with generate(..., trace=True)
 
     @property
     def num_tokens(self) -> int:
