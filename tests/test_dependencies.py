@@ -58,7 +58,7 @@ def test_the_test_extra_adds_only_test_tools():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
     extras = project.get("optional-dependencies", {})
     assert set(extras) == {"test"}, "a command must not need an extra: make it a dependency instead"
-    assert {normalise(r.split(">")[0].split("=")[0]) for r in extras["test"]} == {"pytest", "ruff"}
+    assert {normalise(r.split(">")[0].split("=")[0]) for r in extras["test"]} == {"pytest", "ruff", "selenium"}
 
 
 def test_every_data_file_is_package_data():

@@ -60,8 +60,16 @@ def _decode_checking(model, policy: str, **kw) -> tuple[reasonkv.GenerationResul
             for e, layer in enumerate(cache.full_layers):
                 expected = cache.positions(layer)[0][:, held_quantized]
                 assert np.array_equal(quantized[e], _held(expected, last.seen))
+        n = before[0, 0].sum()
         if last.scores is not None:
-            assert last.scores.shape == (len(full), kept.shape[1], before[0, 0].sum())
+            assert last.scores.shape == (len(full), kept.shape[1], n)
+        if last.ranks is not None:  # ranks 1..n over the held slots; the kept are the top K (a tier ranks on)
+            assert (np.sort(last.ranks, -1) == np.arange(1, n + 1)).all()
+            if not cache.quantized:
+                for e, t in enumerate(full):
+                    for h in range(kept.shape[1]):
+                        held = np.flatnonzero(before[e, h])
+                        assert np.array_equal(last.ranks[e, h] <= cache.budget, kept[t, h, held]), (policy, e, h)
         checked += 1
 
     [result] = reasonkv.generate(model, NoEosTokenizer(), PROMPT, policy=policy, trace=True, on_step=check, **kw)
@@ -108,6 +116,7 @@ def test_a_trace_round_trips_through_its_file(tmp_path, one_torch_thread):
     assert trace.kinds == result.trace.kinds and len(trace.evictions) == len(result.trace.evictions) > 0
     for a, b in zip(trace.evictions, result.trace.evictions, strict=True):
         assert a.seen == b.seen and np.array_equal(a.kept, b.kept) and np.array_equal(a.scores, b.scores)
+        assert np.array_equal(a.ranks, b.ranks) and a.ranks is not None
     (tmp_path / "other.npz").write_bytes(b"not a trace")
     with pytest.raises(ValueError, match="not a reasonkv trace"):
         load_trace(tmp_path / "other.npz")

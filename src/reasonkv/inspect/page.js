@@ -47,6 +47,8 @@ class Eviction {
     this.protected = bytes(raw.protected);
     this.quantized = bytes(raw.quantized);
     this.scores = halfs(raw.scores);
+    const ranks = bytes(raw.ranks);
+    this.ranks = ranks === null ? null : raw.rankBytes === 4 ? new Int32Array(ranks.buffer) : new Int16Array(ranks.buffer);
     this.held = null;
   }
   bit(mask, row, p) {
@@ -78,16 +80,17 @@ class Eviction {
       else state = this.bit(this.protected, erow, p) ? "protected" : "kept";
     }
     const out = { state };
-    if (this.scores !== null) {
-      // scores hold the positions of `before` in increasing order
-      const order = [];
-      for (let q = 0; q < this.seen; q++) if (this.bit(this.before, erow, q)) order.push(q);
-      const base = erow * order.length, priority = (i) =>
-        this.bit(this.protected, erow, order[i]) ? Infinity : this.scores[base + i];
-      const j = order.indexOf(p), mine = priority(j);
-      let rank = 1;
-      for (let i = 0; i < order.length; i++) if (priority(i) > mine) rank++;
-      Object.assign(out, { score: this.scores[base + j], rank, of: order.length });
+    if (this.scores !== null || this.ranks !== null) {
+      // scores and ranks hold the positions of `before` in increasing order
+      let j = 0, n = 0;
+      for (let q = 0; q < this.seen; q++) {
+        if (this.bit(this.before, erow, q)) {
+          if (q < p) j++;
+          n++;
+        }
+      }
+      if (this.scores !== null) out.score = this.scores[erow * n + j];
+      if (this.ranks !== null) Object.assign(out, { rank: this.ranks[erow * n + j], of: n });
     }
     return out;
   }
@@ -239,8 +242,9 @@ function showGrid(run, p) {
       for (let h = 0; h < run.heads; h++) {
         const cell = e.cell(t, h, p);
         let title = `layer ${layer} head ${h}, eviction at ${e.seen}: ${STATES[cell.state]}`;
-        if (cell.score !== undefined) {
-          title += `; score ${cell.score.toPrecision(4)}, rank ${cell.rank} of ${cell.of} (budget ${run.settings.budget})`;
+        if (cell.score !== undefined) title += `; score ${cell.score.toPrecision(4)}`;
+        if (cell.rank !== undefined) {
+          title += `; rank ${cell.rank} of ${cell.of} (budget ${run.settings.budget})`;
           ranks[c].push(cell.rank);
         }
         td.append(el("span", { class: `cell s-${cell.state}`, title, "data-state": cell.state }));

@@ -57,6 +57,10 @@ def _run_data(run: Run, full: Run) -> dict:
                 "protected": _b64(e.protected),
                 "quantized": _b64(e.quantized),
                 "scores": _b64(None if e.scores is None else e.scores.astype("<f2")),
+                "ranks": _b64(
+                    None if e.ranks is None else e.ranks.astype("<i4" if e.ranks.dtype == np.int32 else "<i2")
+                ),
+                "rankBytes": None if e.ranks is None else e.ranks.dtype.itemsize,
             }
             for e in trace.evictions
         ],

@@ -28,6 +28,7 @@ from reasonkv.policies.view import EvictionView
 __all__ = ["Eviction", "Trace", "TraceRecorder", "load_trace", "save_trace"]
 
 FORMAT = "reasonkv-trace/1"
+ARRAYS = ("kept", "before", "protected", "quantized", "scores", "ranks")  # an Eviction's arrays
 
 
 def pack(mask: np.ndarray) -> np.ndarray:
@@ -48,7 +49,9 @@ class Eviction:
     evicting layers only (``Trace.evicting`` indexes them among the traced ones): ``before``, the positions
     held just before; ``protected``, those the policy's sinks, window or prompt protection kept; ``scores``
     ``[evicting, heads, n]`` float16, the policy's score of each position of ``before`` in increasing
-    position order (None for a policy that keeps without scoring). Every mask is packed (:func:`pack`).
+    position order (None for a policy that keeps without scoring); ``ranks``, likewise, each position's
+    rank in the policy's ranking (1 = kept first; without a quantized tier the kept are ranks 1 to K;
+    None for a policy that keeps without ranking). Every mask is packed (:func:`pack`).
     """
 
     seen: int
@@ -57,6 +60,7 @@ class Eviction:
     protected: np.ndarray
     quantized: np.ndarray | None = None
     scores: np.ndarray | None = None
+    ranks: np.ndarray | None = None
 
     def kept_mask(self) -> np.ndarray:
         """``[layers, heads, seen]`` bool."""
@@ -93,7 +97,7 @@ class Trace:
 
     def nbytes(self) -> int:
         """Bytes the arrays hold."""
-        arrays = [a for e in self.evictions for a in (e.kept, e.before, e.protected, e.quantized, e.scores)]
+        arrays = [getattr(e, key) for e in self.evictions for key in ARRAYS]
         return sum(a.nbytes for a in arrays if a is not None)
 
 
@@ -131,10 +135,11 @@ class TraceRecorder:
             protected = view.protected()[:, None, None, :].expand_as(before)
         else:
             protected = torch.stack([view.at(i).protected() for i in evicting], 1)
-        self._pending = (rows, before, protected, self._scores(view, evicting, before))
+        scores, ranks = self._scores(view, evicting, before), self._ranks(view, evicting, before)
+        self._pending = (rows, before, protected, scores, ranks)
 
     def after_gather(self) -> None:
-        rows, before, protected, scores = self._pending
+        rows, before, protected, scores, ranks = self._pending
         self._pending = None
         cache = self.cache
         seen = cache.next_position.index_select(0, rows).tolist()
@@ -152,7 +157,8 @@ class TraceRecorder:
                 before=pack(_mask(before[j], n)),
                 protected=pack(_mask(torch.where(protected[j], before[j], -1), n)),
                 quantized=None if quantized is None else pack(np.stack([_mask(q[j], n) for q in quantized])),
-                scores=None if scores is None else _in_position_order(scores[j], before[j]),
+                scores=None if scores is None else _in_position_order(scores[j], before[j], torch.float16),
+                ranks=None if ranks is None else _in_position_order(ranks[j], before[j], _rank_dtype(ranks)),
             )
             self.by_row[row].append(eviction)
 
@@ -163,6 +169,25 @@ class TraceRecorder:
         if self.policy.granularity == "token":
             return self.policy.score(view).float()[:, None, None, :].expand(before.shape)
         return torch.stack([self.policy.score(view.at(i)).float() for i in evicting], 1)
+
+    def _ranks(self, view: EvictionView, evicting: list[int], before: torch.Tensor) -> torch.Tensor | None:
+        """``[rows, L, H, S]``: each slot's rank in the policy's ranking, 1 first (ties: the newer slot first,
+        as ``select`` takes them), or None for a policy that keeps without ranking."""
+        if not self.policy.can_rank():
+            return None
+        if self.policy.granularity == "token":
+            ranking = self.policy.ranking(view)[:, None, None, :].expand(before.shape)
+        else:
+            ranking = torch.stack([self.policy.ranking(view.at(i)) for i in evicting], 1)
+        order = torch.argsort(ranking.flip(-1), dim=-1, descending=True, stable=True)  # ties: higher index first
+        slots = ranking.shape[-1]
+        ranks = torch.empty_like(order)
+        ranks.scatter_(-1, slots - 1 - order, torch.arange(1, slots + 1, device=order.device).expand_as(order))
+        return ranks
+
+
+def _rank_dtype(ranks: torch.Tensor) -> torch.dtype:
+    return torch.int16 if ranks.shape[-1] < 2**15 else torch.int32
 
 
 def settings_of(cache: EvictingCache) -> dict:
@@ -186,13 +211,13 @@ def _mask(positions: torch.Tensor, seen: int) -> np.ndarray:
     return mask[:, :seen].reshape(*positions.shape[:-1], seen).numpy()
 
 
-def _in_position_order(scores: torch.Tensor, positions: torch.Tensor) -> np.ndarray:
-    """``[L, H, S]`` scores of slots at ``positions`` -> float16 ``[L, H, n]`` over the held ones, by position.
-    Every head of a row holds as many tokens, so ``n`` is the same for all."""
+def _in_position_order(values: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
+    """``[L, H, S]`` values of slots at ``positions`` -> ``[L, H, n]`` over the held ones, by position, as
+    ``dtype``. Every head of a row holds as many tokens, so ``n`` is the same for all."""
     held = positions >= 0
     order = torch.sort(torch.where(held, positions, positions.new_tensor(2**62)), dim=-1).indices
     n = int(held[0, 0].sum())
-    return scores.cpu().gather(-1, order.cpu())[..., :n].to(torch.float16).numpy()
+    return values.cpu().gather(-1, order.cpu())[..., :n].to(dtype).numpy()
 
 
 # -- files ------------------------------------------------------------------------------------------
@@ -213,7 +238,7 @@ def save_trace(path: Path | str, traces: dict[str, dict]) -> None:
             **extras,
         )
         for e, eviction in enumerate(trace.evictions):
-            for key in ("kept", "before", "protected", "quantized", "scores"):
+            for key in ARRAYS:
                 value = getattr(eviction, key)
                 if value is not None:
                     arrays[f"{r}.{e}.{key}"] = value
@@ -240,11 +265,7 @@ def load_trace(path: Path | str) -> dict[str, dict]:
         seen = run.pop("seen")
         evictions = []
         for e, n in enumerate(seen):
-            parts = {
-                k: data[f"{r}.{e}.{k}"]
-                for k in ("kept", "before", "protected", "quantized", "scores")
-                if f"{r}.{e}.{k}" in data
-            }
+            parts = {k: data[f"{r}.{e}.{k}"] for k in ARRAYS if f"{r}.{e}.{k}" in data}
             evictions.append(Eviction(seen=n, **parts))
         trace = Trace(
             tuple(run.pop("layers")), tuple(run.pop("kinds")), run.pop("heads"), run.pop("settings"), evictions
