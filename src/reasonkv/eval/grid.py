@@ -226,6 +226,8 @@ class GridSpec:
         ``enable_thinking`` of Qwen3-style chat templates (None: the template's default).
     max_chunk
         Most tokens per forward pass in fidelity replays (None: the default).
+    trace_problems
+        Problem ids whose generations keep their eviction trace (``reasonkv inspect --trace`` opens them).
     """
 
     datasets: tuple[tuple[str, int | None], ...]
@@ -239,6 +241,7 @@ class GridSpec:
     generation: bool = True
     thinking: bool | None = None
     max_chunk: int | None = None
+    trace_problems: frozenset[str] = frozenset()
 
     @classmethod
     def build(
@@ -264,6 +267,7 @@ class GridSpec:
         generation: bool = True,
         thinking: bool | None = None,
         max_chunk: int | None = None,
+        trace_problems: str | Sequence[str] = (),
     ) -> GridSpec:
         """A grid from loose settings (strings as the command line gives them, or Python values).
 
@@ -301,6 +305,7 @@ class GridSpec:
             generation=generation,
             thinking=thinking,
             max_chunk=max_chunk,
+            trace_problems=_problem_ids(trace_problems),
         )
 
     @property
@@ -311,3 +316,11 @@ class GridSpec:
     def samples_for(self, dataset: str, cell: Cell) -> int:
         """Samples of each problem of ``dataset`` in ``cell``: one where the output cannot differ."""
         return self.samples[dataset] if (self.sampling.temperature > 0 or cell.stochastic) else 1
+
+
+def _problem_ids(ids: str | Sequence[str]) -> frozenset[str]:
+    """``"id1,id2"`` or a list of ids -> a set of non-empty ids."""
+    parts = ids.split(",") if isinstance(ids, str) else list(ids)
+    if not all(isinstance(part, str) for part in parts):
+        raise ValueError(f"trace_problems takes problem ids (text), got {ids!r}")
+    return frozenset(part.strip() for part in parts if part.strip())

@@ -87,6 +87,9 @@ def plan_grid(
     datasets = [(name, load_dataset(name, limit=limit)) for name, limit in grid.datasets]
     if all(len(problems) == 0 for _, problems in datasets):
         raise ValueError("the datasets hold no problems")
+    unknown = grid.trace_problems - {p.id for _, problems in datasets for p in problems}
+    if unknown:
+        raise ValueError(f"trace_problems names problems that are not in the grid's datasets: {sorted(unknown)}")
     fidelity = grid.fidelity
     if fidelity is None:
         fidelity = any(p.solution for _, problems in datasets for p in problems)

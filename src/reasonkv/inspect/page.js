@@ -171,7 +171,7 @@ function continuation(run, from) {
 }
 
 function renderRuns() {
-  const main = document.getElementById("runs"), full = runs[0];
+  const main = document.getElementById("runs"), full = runs.find((r) => r.name === "full");
   for (const run of runs) {
     const text = el("div", { class: "text" });
     run.pieces.forEach((piece, p) => {
@@ -188,7 +188,7 @@ function renderRuns() {
       box.append(el("div", { class: "departure" }, `departs from full at position ${run.depart} ` +
         `(output token ${run.depart - run.prompt}). full: `, el("code", { text: continuation(full, run.depart) }),
       ` | ${run.name}: `, el("code", { text: continuation(run, run.depart) })));
-    } else if (run !== full) {
+    } else if (full && run !== full) {
       box.append(el("div", { class: "departure", text: "same output as full" }));
     }
     box.append(text);

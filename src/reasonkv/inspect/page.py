@@ -33,12 +33,12 @@ def departure(full: list[int], other: list[int]) -> int | None:
 
 def page_data(inspection: Inspection) -> dict:
     """What the page's script reads (JSON-able)."""
-    full = inspection.runs[0]
+    full = next((run for run in inspection.runs if run.name == "full"), None)
     return {"model": inspection.model, "runs": [_run_data(run, full) for run in inspection.runs]}
 
 
-def _run_data(run: Run, full: Run) -> dict:
-    depart = None if run is full else departure(full.token_ids, run.token_ids)
+def _run_data(run: Run, full: Run | None) -> dict:
+    depart = None if full is None or run is full else departure(full.token_ids, run.token_ids)
     trace = run.trace
     return {
         "name": run.name,
@@ -73,8 +73,8 @@ def _b64(array: np.ndarray | None) -> str | None:
 
 def render_page(inspection: Inspection) -> str:
     """The page as one string."""
-    if not inspection.runs or inspection.runs[0].name != "full":
-        raise ValueError("an inspection's first run must be the full cache, which the others are compared with")
+    if not inspection.runs:
+        raise ValueError("an inspection without runs has nothing to show")
     assets = resources.files("reasonkv.inspect")
     script = assets.joinpath("page.js").read_text(encoding="utf-8")
     style = assets.joinpath("page.css").read_text(encoding="utf-8")

@@ -37,7 +37,7 @@ class Run:
 
 @dataclass
 class Inspection:
-    """The runs of one prompt, ``full`` first, and the model's name."""
+    """The runs of one prompt (``full`` first when it is one of them: the others are compared with it)."""
 
     model: str
     runs: list[Run]
