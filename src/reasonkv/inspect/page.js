@@ -136,7 +136,7 @@ function el(tag, attrs = {}, ...children) {
 }
 
 function options(settings) {
-  const skip = new Set(["policy", "budget", "buffer", "quantized", "bits", "seed"]);
+  const skip = new Set(["policy", "granularity", "budget", "buffer", "quantized", "bits", "seed"]);
   return Object.entries(settings).filter(([k]) => !skip.has(k)).map(([k, v]) => `${k}=${JSON.stringify(v)}`).join(" ");
 }
 
@@ -144,7 +144,9 @@ function renderSettings() {
   const head = el("tr", {}, ...["run", "K", "B", "Q", "bits", "seed", "evictions", "options"].map((t) => el("th", { text: t })));
   const rows = runs.map((r) => {
     const s = r.settings;
-    const cells = [r.name, s.budget, s.buffer, s.quantized, s.quantized ? s.bits : "", JSON.stringify(s.seed),
+    const evicts = s.budget !== null && s.budget !== undefined;  // full: no K, B or tier
+    const cells = [r.name, s.budget, evicts ? s.buffer : "", evicts ? s.quantized : "", s.quantized ? s.bits : "",
+      JSON.stringify(s.seed),
       r.evictions.length, options(s)];
     return el("tr", {}, ...cells.map((c) => el("td", { text: c === null || c === undefined ? "" : String(c) })));
   });
@@ -192,6 +194,13 @@ function renderRuns() {
       box.append(el("div", { class: "departure", text: "same output as full" }));
     }
     box.append(text);
+    if (run.evictions.some((e) => e.scores !== null)) {
+      const what = run.name.startsWith("epikv") ? "EPIKV's signal (band A z-score minus band B)" : "the policy's score";
+      const where = run.settings.granularity === "token" ? "" : ", first evicting layer, head 0";
+      run.canvas = el("canvas", { class: "signal", width: "800", height: "40" });
+      box.append(el("div", { class: "options", text: `${what} of each held token at the chosen eviction${where}; ` +
+        "blue: kept, vermillion: evicted" }), run.canvas);
+    }
     main.append(box);
   }
 }
@@ -203,6 +212,7 @@ function update() {
   document.getElementById("moment-label").textContent = label;
   for (const run of runs) {
     const e = i === 0 ? null : run.at(t), held = e === null ? null : e.heldCounts();
+    drawSignal(run, e);
     run.spans.forEach((span, p) => {
       const future = p >= t;
       const count = future ? 0 : held === null || p >= e.seen ? run.slots : held[p];
@@ -213,6 +223,25 @@ function update() {
       span.style.color = f < 0.55 ? "#fff" : "#111";
     });
   }
+}
+
+function drawSignal(run, e) {
+  const canvas = run.canvas;
+  if (!canvas) return;
+  const ctx = canvas.getContext("2d"), w = canvas.width, h = canvas.height;
+  ctx.clearRect(0, 0, w, h);
+  if (e === null || e.scores === null) return;
+  const t = run.evicting[0], row = run.evicting.indexOf(t) * run.heads, held = [];
+  for (let p = 0; p < e.seen; p++) if (e.bit(e.before, row, p)) held.push(p);
+  const values = held.map((p, j) => e.scores[row * held.length + j]).filter(Number.isFinite);
+  const top = Math.max(1e-9, ...values.map(Math.abs)), x = w / run.pieces.length;
+  held.forEach((p, j) => {
+    const v = e.scores[row * held.length + j];
+    if (!Number.isFinite(v)) return;
+    ctx.fillStyle = e.bit(e.kept, t * run.heads, p) ? "#0072B2" : "#D55E00";
+    const y = (v / top) * (h / 2 - 1);
+    ctx.fillRect(p * x, y > 0 ? h / 2 - y : h / 2, Math.max(1, x - 0.5), Math.abs(y));
+  });
 }
 
 function showGrid(run, p) {

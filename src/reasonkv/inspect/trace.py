@@ -195,6 +195,7 @@ def settings_of(cache: EvictingCache) -> dict:
     spec = cache.spec
     return {
         **spec.policy.config(),
+        "granularity": spec.policy.granularity,
         "budget": spec.budget,
         "buffer": spec.buffer,
         "quantized": spec.quantized,
