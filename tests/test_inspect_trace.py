@@ -125,3 +125,13 @@ def test_a_trace_round_trips_through_its_file(tmp_path, one_torch_thread):
 def test_a_recorder_needs_an_attached_cache():
     with pytest.raises(ValueError, match="attached to a model"):
         TraceRecorder(reasonkv.EvictingCache(8, 4))
+
+
+def test_tracing_is_off_by_default_and_then_records_nothing(monkeypatch, one_torch_thread):
+    """No recorder unless asked: the evictor's only cost is one attribute check per eviction."""
+    monkeypatch.setattr("reasonkv.generation.loop.TraceRecorder", lambda cache: pytest.fail("a recorder was made"))
+    recorders = []
+    kw = dict(policy="h2o", budget=10, buffer=4, max_new_tokens=20)
+    on_step = lambda step, cache: recorders.append(cache.evictor.recorder)  # noqa: E731
+    [result] = reasonkv.generate(tiny_llama(), NoEosTokenizer(), PROMPT, on_step=on_step, **kw)
+    assert result.trace is None and result.stats["evictions"] >= 2 and set(recorders) == {None}
