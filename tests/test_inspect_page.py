@@ -137,3 +137,15 @@ def test_the_demo_page_stays_under_its_size_limit():
     size = len(render_page(inspection).encode())
     assert 1 * 2**20 < size < PAGE_LIMIT_BYTES, size
     assert page_data(inspection)["runs"][1]["settings"]["budget"] == 128
+
+
+def test_the_command_takes_a_dataset_problem(tmp_path, monkeypatch, capsys, one_torch_thread):
+    monkeypatch.setattr("reasonkv.cli.inspect.load_model_from", lambda args: (tiny_llama(), NoEosTokenizer()))
+    path = tmp_path / "problems.jsonl"
+    path.write_text(json.dumps({"id": "q1", "problem": "Half of 10?", "answer": "5"}) + "\n", encoding="utf-8")
+    args = ["inspect", "--dataset", str(path), "--policies", "h2o", "--budget", "12", "--buffer", "4"]
+    out = tmp_path / "q1.html"
+    assert main([*args, "--problem", "q1", "--max-new-tokens", "20", "--out", str(out)]) == 0
+    assert "Half of 10?" in "".join(embedded_data(out.read_text())["runs"][0]["pieces"])
+    assert main([*args, "--problem", "q9", "--out", str(out)]) == 2
+    assert "no problem 'q9'" in capsys.readouterr().err
