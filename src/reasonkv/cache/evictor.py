@@ -48,6 +48,8 @@ class Evictor:
         # Sliding-window layers hold other keys than the evicting ones: one mask per layer type.
         self.masks = LayerMasks(model, cache) if cache.window is not None else None
         self.eviction_count = 0
+        # An eviction trace (reasonkv.inspect.trace): told before and after each gather; None costs nothing.
+        self.recorder = None
         self._started = False
         me = weakref.ref(self)
         self._hooks = [
@@ -127,8 +129,12 @@ class Evictor:
                 keep, quantized = self._tiered_indices(rows)
             else:
                 keep, quantized = self._kept_indices(rows), None
+        if self.recorder is not None:
+            self.recorder.before_gather(self._view(rows))
         with self.stopwatch("gather"):
             cache.compact(rows, keep, quantized)
+        if self.recorder is not None:
+            self.recorder.after_gather()
         self.eviction_count += 1
 
     @property

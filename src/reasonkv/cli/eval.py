@@ -112,6 +112,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="length of the full-cache greedy trace replayed for fidelity (default --max-new-tokens)",
     )
+    output.add_argument(
+        "--trace-problems",
+        default="",
+        metavar="ID,...",
+        help="keep the eviction trace of these problems' generations in OUT's .traces folder "
+        "(open one with `reasonkv inspect --trace FILE --out page.html`)",
+    )
     output.add_argument("--no-progress", action="store_true", help="no progress bars")
     run = parser.add_argument_group("processes")
     run.add_argument(
@@ -204,6 +211,7 @@ def grid_from(args: argparse.Namespace) -> GridSpec:
             after=args.after,
             before=args.before,
         ),
+        trace_problems=args.trace_problems,
     )
 
 

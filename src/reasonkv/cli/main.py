@@ -1,4 +1,4 @@
-"""The ``reasonkv`` command line: generate | policies | demo | eval | report | bench | calibrate | lm-eval.
+"""The ``reasonkv`` command line: generate | policies | demo | inspect | eval | report | bench | calibrate | lm-eval.
 
 Every command lives in its own module of this package exposing ``add_arguments(parser)`` and
 ``run(args)``; this file dispatches (importing the chosen command's module only, so ``--help`` stays
@@ -26,6 +26,7 @@ COMMANDS = {
     "generate": ("reasonkv.cli.generate", "decode prompts with an evicting KV cache"),
     "policies": ("reasonkv.cli.policies", "list the eviction policies and their options"),
     "demo": ("reasonkv.cli.demo", "full cache vs an evicting policy, side by side, on the bundled model"),
+    "inspect": ("reasonkv.cli.inspect", "one prompt, full vs policies: an interactive page of every eviction"),
     "eval": ("reasonkv.cli.eval", "run a benchmark grid (datasets x policies x budgets)"),
     "report": ("reasonkv.cli.report", "tables and plots from an eval results file"),
     "bench": ("reasonkv.cli.bench", "speed and memory benchmark"),

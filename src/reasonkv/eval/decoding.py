@@ -20,7 +20,9 @@ a later result for the unit replaces the error in reports and merges.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import reasonkv
@@ -34,6 +36,7 @@ from reasonkv.eval.grid import Cell
 from reasonkv.eval.records import unit_key
 from reasonkv.eval.units import Unit, sample_seed
 from reasonkv.generation import GenerationResult, generate
+from reasonkv.inspect.runs import Inspection, Run, token_pieces
 
 __all__ = ["refused_prompt", "run_generation", "steady_bytes_fields"]
 
@@ -112,6 +115,8 @@ def run_generation(ctx: Context, dataset: str, problems: Sequence[Problem], mine
                     else:
                         record = _generation_record(ctx, key, problem, cell, seed, out, code.get(index))
                         ctx.emit(record)
+                        if problem.id in grid.trace_problems:
+                            _keep_trace(ctx, dataset, problem, cell, s, out)
                         tally[0] += bool(record["correct"])
                         tally[1] += 1
                     bar.set_postfix_str(_running(cell.name, tally), refresh=False)
@@ -155,11 +160,22 @@ def _decode(ctx: Context, cell: Cell, batch: list[tuple[Problem, int]]) -> list[
         top_p=sampling.top_p,
         top_k=sampling.top_k,
         on_step=lambda step, cache: caches.append(cache) if step == 0 else None,
+        trace=any(p.id in ctx.grid.trace_problems for p, _ in batch),
     )
     # Each row's steady K/V bytes per tier (after its evictions), read from the cache once it is done.
     for result, held in zip(results, caches[0].steady_kv_bytes(), strict=True):
         result.stats["steady_kv_bytes"] = held
     return results
+
+
+def _keep_trace(ctx: Context, dataset: str, problem: Problem, cell: Cell, sample: int, out: GenerationResult) -> None:
+    """Write one generation's eviction trace beside the results file: ``<results>.traces/<unit>.npz``."""
+    folder = ctx.results.path.with_name(ctx.results.path.stem + ".traces")
+    folder.mkdir(exist_ok=True)
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{Path(dataset).stem}.{problem.id}.{cell.name}.{sample}")
+    ids = ctx.prompt_ids(problem)
+    run = Run(cell.name, ids, out.token_ids, token_pieces(ctx.tokenizer, ids + out.token_ids), out.trace)
+    Inspection(ctx.model_name, [run]).save(folder / f"{name}.npz")
 
 
 def _generation_record(

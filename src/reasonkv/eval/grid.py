@@ -306,6 +306,8 @@ class GridSpec:
     code
         How code answers are run (:class:`CodeSettings`): the explicit opt-in, the sandbox's limits and
         the guarantees it may lack; and the contest-date window of LiveCodeBench problems.
+    trace_problems
+        Problem ids whose generations keep their eviction trace (``reasonkv inspect --trace`` opens them).
     """
 
     datasets: tuple[tuple[str, int | None], ...]
@@ -320,6 +322,7 @@ class GridSpec:
     thinking: bool | None = None
     max_chunk: int | None = None
     code: CodeSettings = field(default_factory=CodeSettings)
+    trace_problems: frozenset[str] = frozenset()
 
     @classmethod
     def build(
@@ -346,6 +349,7 @@ class GridSpec:
         thinking: bool | None = None,
         max_chunk: int | None = None,
         code: CodeSettings | Mapping[str, Any] | None = None,
+        trace_problems: str | Sequence[str] = (),
     ) -> GridSpec:
         """A grid from loose settings (strings as the command line gives them, or Python values).
 
@@ -384,6 +388,7 @@ class GridSpec:
             thinking=thinking,
             max_chunk=max_chunk,
             code=code if isinstance(code, CodeSettings) else CodeSettings.build(**(code or {})),
+            trace_problems=_problem_ids(trace_problems),
         )
 
     @property
@@ -394,3 +399,11 @@ class GridSpec:
     def samples_for(self, dataset: str, cell: Cell) -> int:
         """Samples of each problem of ``dataset`` in ``cell``: one where the output cannot differ."""
         return self.samples[dataset] if (self.sampling.temperature > 0 or cell.stochastic) else 1
+
+
+def _problem_ids(ids: str | Sequence[str]) -> frozenset[str]:
+    """``"id1,id2"`` or a list of ids -> a set of non-empty ids."""
+    parts = ids.split(",") if isinstance(ids, str) else list(ids)
+    if not all(isinstance(part, str) for part in parts):
+        raise ValueError(f"trace_problems takes problem ids (text), got {ids!r}")
+    return frozenset(part.strip() for part in parts if part.strip())

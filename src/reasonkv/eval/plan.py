@@ -159,6 +159,9 @@ def plan_grid(
             f"{', '.join(code)} holds code problems, graded by running the model's programs: pass "
             "--allow-code-execution to run them in the sandbox (allow_execution=True in Python)"
         )
+    unknown = grid.trace_problems - {p.id for _, problems in datasets for p in problems}
+    if unknown:
+        raise ValueError(f"trace_problems names problems that are not in the grid's datasets: {sorted(unknown)}")
     fidelity = grid.fidelity
     if fidelity is None:
         fidelity = any(p.solution for _, problems in datasets for p in problems)

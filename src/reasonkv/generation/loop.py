@@ -22,6 +22,7 @@ from reasonkv.generation.rows import Rows
 from reasonkv.generation.sampling import Sampling
 from reasonkv.generation.stats import GenerationResult, Meter
 from reasonkv.hf import Forward, left_pad
+from reasonkv.inspect.trace import TraceRecorder
 from reasonkv.policies import noise
 
 __all__ = ["GenerationResult", "generate", "row_seeds"]
@@ -50,6 +51,7 @@ def generate(
     progress: bool = False,
     on_step: Callable[[int, EvictingCache], None] | None = None,
     sync_timing: bool = False,
+    trace: bool = False,
     **policy_options,
 ) -> list[GenerationResult]:
     """Decode ``prompts`` (one batch) with a KV cache held to ``budget + buffer`` tokens per head.
@@ -82,9 +84,12 @@ def generate(
         Called as ``on_step(step, cache)`` after every forward pass (prefill is step 0).
     sync_timing
         Synchronise CUDA around each eviction phase so ``stats["timings"]`` splits time exactly.
+    trace
+        Record every eviction: each result's ``trace`` is then a :class:`~reasonkv.inspect.trace.Trace`
+        (what each layer and head held, protected and scored; see ``reasonkv inspect``).
     """
     sampling = Sampling(max_new_tokens, temperature, top_p, top_k)
-    check_flags(ignore_eos=ignore_eos, progress=progress, sync_timing=sync_timing)
+    check_flags(ignore_eos=ignore_eos, progress=progress, sync_timing=sync_timing, trace=trace)
     if on_step is not None and not callable(on_step):
         raise ValueError(f"on_step must be a function on_step(step, cache) or None, got {on_step!r}")
     stop = stop_strings(stop)
@@ -101,6 +106,7 @@ def generate(
 
     cache = EvictingCache(model=model, spec=spec, sync_timing=sync_timing)
     cache.reserve(ids.shape[1] + max_new_tokens)
+    recorder = TraceRecorder(cache) if trace else None
     rows = Rows(len(prompt_ids), device, tokenizer, set() if ignore_eos else eos_ids(model, tokenizer), stop)
     seeds = sampling.seeds(noise.seed_tensor(list(spec.seed), len(prompt_ids), device))
     forward, meter = Forward(model), Meter(cache, device)
@@ -121,7 +127,11 @@ def generate(
         meter.stop()
     finally:
         cache.detach()
-    return meter.results(rows, prompt_ids)
+    results = meter.results(rows, prompt_ids)
+    if recorder is not None:
+        for row, result in enumerate(results):
+            result.trace = recorder.trace(row)
+    return results
 
 
 def row_seeds(seed: int | Sequence[int], batch: int) -> tuple[int, ...]:

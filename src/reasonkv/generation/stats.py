@@ -12,6 +12,7 @@ from reasonkv.cache.evicting import EvictingCache
 from reasonkv.cache.layer import EvictingLayer
 from reasonkv.generation.rows import Rows
 from reasonkv.hf import synchronize
+from reasonkv.inspect.trace import Trace
 
 __all__ = ["GenerationResult", "Meter", "kv_bytes_held", "peak_row_tokens"]
 
@@ -51,6 +52,7 @@ class GenerationResult:
     prompt_tokens: int
     finish_reason: str  # "eos", "stop" or "length"
     stats: dict = field(default_factory=dict)
+    trace: Trace | None = None  # every eviction of this row, with generate(..., trace=True)
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,307 @@
+// reasonkv inspect: colour each token by how many (layer, head) slots hold it after the chosen eviction,
+// mark where each run departs from full, and show a clicked token's layer x head grid over the evictions.
+"use strict";
+
+const DATA = JSON.parse(document.getElementById("data").textContent);
+const VIRIDIS = [[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]];
+const STATES = {
+  kept: "kept at full precision",
+  quantized: "kept quantized",
+  protected: "protected (sink, window or prompt)",
+  evicted: "evicted at this eviction",
+  gone: "evicted earlier",
+  window: "in a sliding layer's window",
+};
+
+function bytes(b64) {
+  if (b64 === null) return null;
+  const text = atob(b64);
+  const out = new Uint8Array(text.length);
+  for (let i = 0; i < text.length; i++) out[i] = text.charCodeAt(i);
+  return out;
+}
+
+function halfs(b64) {
+  // float16, little-endian, to numbers
+  const raw = bytes(b64);
+  if (raw === null) return null;
+  const out = new Float32Array(raw.length / 2);
+  for (let i = 0; i < out.length; i++) {
+    const h = raw[2 * i] | (raw[2 * i + 1] << 8);
+    const sign = h & 0x8000 ? -1 : 1, exp = (h >> 10) & 0x1f, frac = h & 0x3ff;
+    if (exp === 0) out[i] = sign * Math.pow(2, -14) * (frac / 1024);
+    else if (exp === 31) out[i] = frac ? NaN : sign * Infinity;
+    else out[i] = sign * Math.pow(2, exp - 15) * (1 + frac / 1024);
+  }
+  return out;
+}
+
+// One eviction: masks [layers, heads, seen] packed eight positions to a byte, big-endian bits.
+class Eviction {
+  constructor(raw, run) {
+    this.seen = raw.seen;
+    this.run = run;
+    this.stride = Math.ceil(raw.seen / 8);
+    this.kept = bytes(raw.kept);
+    this.before = bytes(raw.before);
+    this.protected = bytes(raw.protected);
+    this.quantized = bytes(raw.quantized);
+    this.scores = halfs(raw.scores);
+    const ranks = bytes(raw.ranks);
+    this.ranks = ranks === null ? null : raw.rankBytes === 4 ? new Int32Array(ranks.buffer) : new Int16Array(ranks.buffer);
+    this.held = null;
+  }
+  bit(mask, row, p) {
+    return (mask[row * this.stride + (p >> 3)] >> (7 - (p & 7))) & 1;
+  }
+  // Slots of the evicting layers that hold each position afterwards.
+  heldCounts() {
+    if (this.held === null) {
+      const run = this.run, held = new Uint16Array(this.seen);
+      for (const t of run.evicting) {
+        for (let h = 0; h < run.heads; h++) {
+          for (let p = 0; p < this.seen; p++) held[p] += this.bit(this.kept, t * run.heads + h, p);
+        }
+      }
+      this.held = held;
+    }
+    return this.held;
+  }
+  // State, score and rank of position p in traced layer t, head h.
+  cell(t, h, p) {
+    const run = this.run, row = t * run.heads + h;
+    const kept = this.bit(this.kept, row, p);
+    if (run.kinds[t] !== "full") return { state: kept ? "window" : "gone" };
+    const e = run.evicting.indexOf(t), erow = e * run.heads + h;
+    if (!this.bit(this.before, erow, p)) return { state: "gone" };
+    let state = "evicted";
+    if (kept) {
+      if (this.quantized && this.bit(this.quantized, erow, p)) state = "quantized";
+      else state = this.bit(this.protected, erow, p) ? "protected" : "kept";
+    }
+    const out = { state };
+    if (this.scores !== null || this.ranks !== null) {
+      // scores and ranks hold the positions of `before` in increasing order
+      let j = 0, n = 0;
+      for (let q = 0; q < this.seen; q++) {
+        if (this.bit(this.before, erow, q)) {
+          if (q < p) j++;
+          n++;
+        }
+      }
+      if (this.scores !== null) out.score = this.scores[erow * n + j];
+      if (this.ranks !== null) Object.assign(out, { rank: this.ranks[erow * n + j], of: n });
+    }
+    return out;
+  }
+}
+
+class Run {
+  constructor(raw, index) {
+    Object.assign(this, raw);
+    this.index = index;
+    this.evicting = this.kinds.map((k, i) => (k === "full" ? i : -1)).filter((i) => i >= 0);
+    this.evictions = raw.evictions.map((e) => new Eviction(e, this));
+    this.slots = this.evicting.length * this.heads;
+    this.spans = [];
+  }
+  // The last eviction at or before moment t (tokens seen), or null.
+  at(t) {
+    let found = null;
+    for (const e of this.evictions) if (e.seen <= t) found = e;
+    return found;
+  }
+}
+
+const runs = DATA.runs.map((r, i) => new Run(r, i));
+const moments = [...new Set(runs.flatMap((r) => r.evictions.map((e) => e.seen)))].sort((a, b) => a - b);
+const slider = document.getElementById("moment");
+let selected = null;
+
+function viridis(f) {
+  const x = Math.min(Math.max(f, 0), 1) * (VIRIDIS.length - 1), i = Math.min(Math.floor(x), VIRIDIS.length - 2);
+  const a = VIRIDIS[i], b = VIRIDIS[i + 1], w = x - i;
+  return `rgb(${a.map((v, k) => Math.round(v + (b[k] - v) * w)).join(",")})`;
+}
+
+function el(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) {
+    if (k === "class") node.className = v;
+    else if (k === "text") node.textContent = v;
+    else node.setAttribute(k, v);
+  }
+  for (const child of children) node.append(child);
+  return node;
+}
+
+function options(settings) {
+  const skip = new Set(["policy", "granularity", "budget", "buffer", "quantized", "bits", "seed"]);
+  return Object.entries(settings).filter(([k]) => !skip.has(k)).map(([k, v]) => `${k}=${JSON.stringify(v)}`).join(" ");
+}
+
+function renderSettings() {
+  const head = el("tr", {}, ...["run", "K", "B", "Q", "bits", "seed", "evictions", "options"].map((t) => el("th", { text: t })));
+  const rows = runs.map((r) => {
+    const s = r.settings;
+    const evicts = s.budget !== null && s.budget !== undefined;  // full: no K, B or tier
+    const cells = [r.name, s.budget, evicts ? s.buffer : "", evicts ? s.quantized : "", s.quantized ? s.bits : "",
+      JSON.stringify(s.seed),
+      r.evictions.length, options(s)];
+    return el("tr", {}, ...cells.map((c) => el("td", { text: c === null || c === undefined ? "" : String(c) })));
+  });
+  const layers = runs[0].kinds.filter((k) => k === "full").length;
+  const note = el("p", { text: `model ${DATA.model}: ${runs[0].layers.length} layers with tokens (${layers} evicting), ` +
+    `${runs[0].heads} kv-heads each; prompt ${runs[0].prompt} tokens` });
+  document.getElementById("settings").append(note, el("table", {}, head, ...rows));
+}
+
+function renderLegend() {
+  const legend = document.getElementById("legend");
+  legend.append(el("span", { text: "evicted from every head " }), el("span", { class: "ramp" }),
+    el("span", { text: " held by every head of the evicting layers" }));
+  const depart = el("span", { class: "tok depart", text: "token" });
+  legend.append(el("span", {}, depart, " first departure from full"));
+  legend.append(el("span", { text: "faded: not generated yet" }));
+  for (const [state, words] of Object.entries(STATES)) {
+    legend.append(el("span", {}, el("span", { class: `swatch s-${state}` }), words));
+  }
+}
+
+function continuation(run, from) {
+  return run.pieces.slice(from, from + 24).join("");
+}
+
+function renderRuns() {
+  const main = document.getElementById("runs"), full = runs.find((r) => r.name === "full");
+  for (const run of runs) {
+    const text = el("div", { class: "text" });
+    run.pieces.forEach((piece, p) => {
+      const span = el("span", { class: "tok" + (p < run.prompt ? " prompt" : ""), "data-run": run.index, "data-pos": p,
+        text: piece });
+      if (p === run.depart) span.classList.add("depart");
+      span.addEventListener("click", () => showGrid(run, p));
+      run.spans.push(span);
+      text.append(span);
+    });
+    const box = el("section", { class: "run", id: `run-${run.name}` }, el("h2", { text: run.name }),
+      el("div", { class: "options", text: options(run.settings) || "default options" }));
+    if (run.depart !== null && run.depart !== undefined) {
+      box.append(el("div", { class: "departure" }, `departs from full at position ${run.depart} ` +
+        `(output token ${run.depart - run.prompt}). full: `, el("code", { text: continuation(full, run.depart) }),
+      ` | ${run.name}: `, el("code", { text: continuation(run, run.depart) })));
+    } else if (full && run !== full) {
+      box.append(el("div", { class: "departure", text: "same output as full" }));
+    }
+    box.append(text);
+    if (run.evictions.some((e) => e.scores !== null)) {
+      const what = run.name.startsWith("epikv") ? "EPIKV's signal (band A z-score minus band B)" : "the policy's score";
+      const where = run.settings.granularity === "token" ? "" : ", first evicting layer, head 0";
+      run.canvas = el("canvas", { class: "signal", width: "800", height: "40" });
+      box.append(el("div", { class: "options", text: `${what} of each held token at the chosen eviction${where}; ` +
+        "blue: kept, vermillion: evicted" }), run.canvas);
+    }
+    main.append(box);
+  }
+}
+
+function update() {
+  const i = Number(slider.value), t = i === 0 ? Infinity : moments[i - 1];
+  const label = i === 0 ? "no eviction yet: the whole output" :
+    `after the evictions at ${t} tokens seen (${i} of ${moments.length})`;
+  document.getElementById("moment-label").textContent = label;
+  for (const run of runs) {
+    const e = i === 0 ? null : run.at(t), held = e === null ? null : e.heldCounts();
+    drawSignal(run, e);
+    run.spans.forEach((span, p) => {
+      const future = p >= t;
+      const count = future ? 0 : held === null || p >= e.seen ? run.slots : held[p];
+      span.classList.toggle("future", future);
+      span.dataset.held = String(count);
+      const f = run.slots ? count / run.slots : 1;
+      span.style.background = viridis(f);
+      span.style.color = f < 0.55 ? "#fff" : "#111";
+    });
+  }
+}
+
+function drawSignal(run, e) {
+  const canvas = run.canvas;
+  if (!canvas) return;
+  const ctx = canvas.getContext("2d"), w = canvas.width, h = canvas.height;
+  ctx.clearRect(0, 0, w, h);
+  if (e === null || e.scores === null) return;
+  const t = run.evicting[0], row = run.evicting.indexOf(t) * run.heads, held = [];
+  for (let p = 0; p < e.seen; p++) if (e.bit(e.before, row, p)) held.push(p);
+  const values = held.map((p, j) => e.scores[row * held.length + j]).filter(Number.isFinite);
+  const top = Math.max(1e-9, ...values.map(Math.abs)), x = w / run.pieces.length;
+  held.forEach((p, j) => {
+    const v = e.scores[row * held.length + j];
+    if (!Number.isFinite(v)) return;
+    ctx.fillStyle = e.bit(e.kept, t * run.heads, p) ? "#0072B2" : "#D55E00";
+    const y = (v / top) * (h / 2 - 1);
+    ctx.fillRect(p * x, y > 0 ? h / 2 - y : h / 2, Math.max(1, x - 0.5), Math.abs(y));
+  });
+}
+
+function showGrid(run, p) {
+  if (selected) selected.classList.remove("selected");
+  selected = run.spans[p];
+  selected.classList.add("selected");
+  const panel = document.getElementById("grid-panel");
+  panel.replaceChildren();
+  const close = el("button", { text: "close" });
+  close.addEventListener("click", () => { panel.hidden = true; });
+  const shown = run.evictions.filter((e) => e.seen > p);
+  panel.append(close, el("h3", { text: `${run.name}: position ${p} ${JSON.stringify(run.pieces[p])}` +
+    (p < run.prompt ? " (prompt)" : ` (output token ${p - run.prompt})`) }));
+  if (!shown.length) {
+    panel.append(el("p", { text: "no eviction after this token: every slot holds it" }));
+    panel.hidden = false;
+    return;
+  }
+  const grid = el("table", { class: "grid", "data-run": run.index, "data-pos": p });
+  grid.append(el("tr", {}, el("th", { text: "layer" }), ...shown.map((e) =>
+    el("th", { text: `#${run.evictions.indexOf(e) + 1} @${e.seen}` }))));
+  const ranks = shown.map(() => []);
+  run.layers.forEach((layer, t) => {
+    const row = el("tr", {}, el("th", { text: `${layer} ${run.kinds[t]}` }));
+    shown.forEach((e, c) => {
+      const td = el("td");
+      for (let h = 0; h < run.heads; h++) {
+        const cell = e.cell(t, h, p);
+        let title = `layer ${layer} head ${h}, eviction at ${e.seen}: ${STATES[cell.state]}`;
+        if (cell.score !== undefined) title += `; score ${cell.score.toPrecision(4)}`;
+        if (cell.rank !== undefined) {
+          title += `; rank ${cell.rank} of ${cell.of} (budget ${run.settings.budget})`;
+          ranks[c].push(cell.rank);
+        }
+        td.append(el("span", { class: `cell s-${cell.state}`, title, "data-state": cell.state }));
+      }
+      row.append(td);
+    });
+    grid.append(row);
+  });
+  const median = (xs) => xs.length ? xs.slice().sort((a, b) => a - b)[Math.floor(xs.length / 2)] : "";
+  grid.append(el("tr", { class: "ranks" }, el("th", { text: "median rank" }),
+    ...ranks.map((xs) => el("td", { text: String(median(xs)) }))));
+  grid.append(el("tr", { class: "ranks" }, el("th", { text: `within budget ${run.settings.budget}` }),
+    ...ranks.map((xs) => el("td", { text: xs.length ? `${xs.filter((r) => r <= run.settings.budget).length}/${xs.length}` : "" }))));
+  panel.append(grid, el("p", { text: "each cell: one kv-head; hover for its score and rank against the budget" }));
+  panel.hidden = false;
+}
+
+document.addEventListener("keydown", (event) => {
+  if (event.target === slider || !["ArrowLeft", "ArrowRight"].includes(event.key)) return;
+  const step = event.key === "ArrowRight" ? 1 : -1;
+  slider.value = String(Math.min(Math.max(Number(slider.value) + step, 0), moments.length));
+  update();
+  event.preventDefault();
+});
+slider.addEventListener("input", update);
+slider.max = String(moments.length);
+slider.value = "0";
+renderSettings();
+renderLegend();
+renderRuns();
+update();

@@ -1,0 +1,128 @@
+"""Decode one prompt with ``full`` and each policy, keeping every eviction: what ``reasonkv inspect`` shows.
+
+An :class:`Inspection` is the runs of one prompt (``full`` first), each with its tokens, the text of
+each token and its :class:`~reasonkv.inspect.trace.Trace`; it saves to one trace file and loads back, so
+a page can be built again (or another way) without decoding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from reasonkv.cache.spec import CacheSpec
+from reasonkv.generation import generate
+from reasonkv.generation.inputs import encode_prompt
+from reasonkv.inspect.trace import Trace, load_trace, save_trace
+
+__all__ = ["Inspection", "Run", "check_compared", "inspect_prompt", "token_pieces"]
+
+
+@dataclass
+class Run:
+    """One decode of the prompt: ``pieces`` is the text of every token, prompt then output."""
+
+    name: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    pieces: list[str]
+    trace: Trace
+
+    @property
+    def ids(self) -> list[int]:
+        """Prompt and output, by logical position."""
+        return self.prompt_ids + self.token_ids
+
+
+@dataclass
+class Inspection:
+    """The runs of one prompt (``full`` first when it is one of them: the others are compared with it)."""
+
+    model: str
+    runs: list[Run]
+
+    def save(self, path: Path | str) -> None:
+        """Write the runs (tokens, texts and traces) to one ``.npz`` trace file."""
+        save_trace(
+            path,
+            {
+                run.name: {
+                    "trace": run.trace,
+                    "prompt_ids": run.prompt_ids,
+                    "token_ids": run.token_ids,
+                    "pieces": run.pieces,
+                    "model": self.model,
+                }
+                for run in self.runs
+            },
+        )
+
+    @classmethod
+    def load(cls, path: Path | str) -> Inspection:
+        entries = load_trace(path)
+        missing = [name for name, e in entries.items() if not {"prompt_ids", "token_ids", "pieces"} <= set(e)]
+        if missing or not entries:
+            raise ValueError(f"{path} holds traces without their tokens ({', '.join(missing) or 'no runs'})")
+        runs = [Run(name, e["prompt_ids"], e["token_ids"], e["pieces"], e["trace"]) for name, e in entries.items()]
+        return cls(next(iter(entries.values())).get("model", "?"), runs)
+
+
+def inspect_prompt(
+    model,
+    tokenizer,
+    prompt: str,
+    specs: Sequence[CacheSpec],
+    *,
+    model_name: str = "",
+    max_new_tokens: int = 512,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+) -> Inspection:
+    """Decode ``prompt`` (already chat-formatted) with the full cache, then with each spec, keeping traces.
+
+    Parameters
+    ----------
+    specs
+        The evicting caches to compare (each :class:`~reasonkv.cache.spec.CacheSpec`'s policy is named in
+        the page by its policy name, so two specs of one policy need distinct policies).
+    model_name
+        The name shown in the page (default: the model's class).
+    """
+    check_compared(specs)
+    runs = []
+    seed = specs[0].seed if specs else 0
+    for spec in [CacheSpec("full", seed=seed), *specs]:
+        [result] = generate(
+            model,
+            tokenizer,
+            prompt,
+            spec,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            trace=True,
+        )
+        prompt_ids = encode_prompt(tokenizer, prompt)
+        ids = prompt_ids + result.token_ids
+        runs.append(Run(spec.policy.name, prompt_ids, result.token_ids, token_pieces(tokenizer, ids), result.trace))
+    return Inspection(model_name or type(model).__name__, runs)
+
+
+def check_compared(specs: Sequence[CacheSpec]) -> None:
+    """The runs compared with full are named by their policies: distinct, and none of them full."""
+    names = [spec.policy.name for spec in specs]
+    if "full" in names or len(set(names)) != len(names):
+        raise ValueError(f"policies to compare with full must be distinct and not full itself, got {names}")
+
+
+def token_pieces(tokenizer, ids: Sequence[int]) -> list[str]:
+    """The text each token adds, decoded in context (a character split over tokens lands on the last)."""
+    pieces, before = [], ""
+    for i in range(len(ids)):
+        start = max(0, i - 8)
+        before = tokenizer.decode(ids[start:i], skip_special_tokens=False) if i > start else ""
+        pieces.append(tokenizer.decode(ids[start : i + 1], skip_special_tokens=False)[len(before) :])
+    return pieces

@@ -1,0 +1,275 @@
+"""The eviction trace: what every (layer, kv-head) held, before and after each eviction of one row.
+
+A :class:`TraceRecorder` attached to an :class:`~reasonkv.cache.evicting.EvictingCache` is told by the
+evictor around each gather; it reads the cache and the policy's view and keeps, per evicted row, one
+:class:`Eviction`. Nothing is recorded (and nothing costs) without a recorder.
+
+Positions are kept as bit masks over the row's logical positions, packed eight to a byte
+(``numpy.packbits``), and scores in float16, so that a trace of 2,048 tokens x 30 layers x 3 kv-heads x 16
+evictions takes about 2 MB. Layers are the cache's layers that hold tokens: the evicting (full-attention)
+layers and, on hybrid models, the sliding-window layers (their window, the same in every head); linear
+layers hold no tokens and are not traced.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from reasonkv.cache.evicting import EvictingCache
+from reasonkv.policies.base import Policy
+from reasonkv.policies.view import EvictionView
+
+__all__ = ["Eviction", "Trace", "TraceRecorder", "load_trace", "save_trace"]
+
+FORMAT = "reasonkv-trace/1"
+ARRAYS = ("kept", "before", "protected", "quantized", "scores", "ranks")  # an Eviction's arrays
+
+
+def pack(mask: np.ndarray) -> np.ndarray:
+    """Bool ``[..., n]`` to uint8 ``[..., ceil(n / 8)]`` (big-endian bits, as ``numpy.packbits``)."""
+    return np.packbits(mask, axis=-1)
+
+
+def unpack(bits: np.ndarray, n: int) -> np.ndarray:
+    return np.unpackbits(bits, axis=-1, count=n).astype(bool)
+
+
+@dataclass
+class Eviction:
+    """One eviction of one row. ``seen``: the row's logical tokens at that moment (positions ``0..seen-1``).
+
+    ``kept`` ``[layers, heads, bytes]``: the positions each traced layer and head holds afterwards (either
+    precision); ``quantized``: those of them held quantized (None without a quantized tier). Over the
+    evicting layers only (``Trace.evicting`` indexes them among the traced ones): ``before``, the positions
+    held just before; ``protected``, those the policy's sinks, window or prompt protection kept; ``scores``
+    ``[evicting, heads, n]`` float16, the policy's score of each position of ``before`` in increasing
+    position order (None for a policy that keeps without scoring); ``ranks``, likewise, each position's
+    rank in the policy's ranking (1 = kept first; without a quantized tier the kept are ranks 1 to K;
+    None for a policy that keeps without ranking). Every mask is packed (:func:`pack`).
+    """
+
+    seen: int
+    kept: np.ndarray
+    before: np.ndarray
+    protected: np.ndarray
+    quantized: np.ndarray | None = None
+    scores: np.ndarray | None = None
+    ranks: np.ndarray | None = None
+
+    def kept_mask(self) -> np.ndarray:
+        """``[layers, heads, seen]`` bool."""
+        return unpack(self.kept, self.seen)
+
+    def before_mask(self) -> np.ndarray:
+        return unpack(self.before, self.seen)
+
+    def protected_mask(self) -> np.ndarray:
+        return unpack(self.protected, self.seen)
+
+    def quantized_mask(self) -> np.ndarray | None:
+        return None if self.quantized is None else unpack(self.quantized, self.seen)
+
+
+@dataclass
+class Trace:
+    """The evictions of one generated row, and what they are over.
+
+    ``layers``: the model's layer indices traced; ``kinds``: ``"full"`` or ``"sliding"`` for each;
+    ``evicting``: the indices (into ``layers``) of the full-attention ones; ``heads``: kv-heads per layer;
+    ``settings``: the cache's settings (policy and its options, budget, buffer, quantized, bits, seed).
+    """
+
+    layers: tuple[int, ...]
+    kinds: tuple[str, ...]
+    heads: int
+    settings: dict
+    evictions: list[Eviction] = field(default_factory=list)
+
+    @property
+    def evicting(self) -> tuple[int, ...]:
+        return tuple(i for i, kind in enumerate(self.kinds) if kind == "full")
+
+    def nbytes(self) -> int:
+        """Bytes the arrays hold."""
+        arrays = [getattr(e, key) for e in self.evictions for key in ARRAYS]
+        return sum(a.nbytes for a in arrays if a is not None)
+
+
+class TraceRecorder:
+    """Records every eviction of ``cache`` (attached on construction, until :meth:`detach`)."""
+
+    def __init__(self, cache: EvictingCache):
+        if cache.evictor is None:
+            raise ValueError("only a cache attached to a model (EvictingCache(model=...)) evicts: nothing to trace")
+        self.cache, self.policy = cache, cache.evictor.policy
+        kinds = cache.evictor.info.layer_kinds or ("full",) * len(cache.layers)
+        traced = [(i, kind) for i, kind in enumerate(kinds) if kind in ("full", "sliding")]
+        self.layers = tuple(i for i, _ in traced)
+        self.kinds = tuple(kind for _, kind in traced)
+        self.settings = settings_of(cache)
+        self.by_row: dict[int, list[Eviction]] = defaultdict(list)
+        self._pending: tuple | None = None
+        cache.evictor.recorder = self
+
+    def detach(self) -> None:
+        if self.cache.evictor.recorder is self:
+            self.cache.evictor.recorder = None
+
+    def trace(self, row: int = 0) -> Trace:
+        """The trace of one row of the batch."""
+        heads = self.cache.evictor.info.num_kv_heads
+        return Trace(self.layers, self.kinds, heads, dict(self.settings), list(self.by_row.get(row, [])))
+
+    # -- called by the evictor ---------------------------------------------------------------------
+    def before_gather(self, view: EvictionView) -> None:
+        cache, evicting = self.cache, self.cache.full_layers
+        rows = view.rows.to(cache.valid.device)
+        before = torch.stack([cache.positions(i).index_select(0, rows) for i in evicting], 1)  # [r, L, H, S]
+        if self.policy.granularity == "token":
+            protected = view.protected()[:, None, None, :].expand_as(before)
+        else:
+            protected = torch.stack([view.at(i).protected() for i in evicting], 1)
+        scores, ranks = self._scores(view, evicting, before), self._ranks(view, evicting, before)
+        self._pending = (rows, before, protected, scores, ranks)
+
+    def after_gather(self) -> None:
+        rows, before, protected, scores, ranks = self._pending
+        self._pending = None
+        cache = self.cache
+        seen = cache.next_position.index_select(0, rows).tolist()
+        kept = [cache.positions(i).index_select(0, rows) for i in self.layers]  # [r, H, S_layer] each
+        quantized = None
+        if cache.quantized:  # a tier's slots come first in every evicting layer
+            held = cache.quantized_mask().index_select(0, rows)[:, None, :]
+            evicting = [kept[i] for i, kind in enumerate(self.kinds) if kind == "full"]
+            quantized = [torch.where(held, k[..., : held.shape[-1]], -1) for k in evicting]
+        for j, row in enumerate(rows.tolist()):
+            n = seen[j]
+            eviction = Eviction(
+                seen=n,
+                kept=pack(np.stack([_mask(k[j], n) for k in kept])),
+                before=pack(_mask(before[j], n)),
+                protected=pack(_mask(torch.where(protected[j], before[j], -1), n)),
+                quantized=None if quantized is None else pack(np.stack([_mask(q[j], n) for q in quantized])),
+                scores=None if scores is None else _in_position_order(scores[j], before[j], torch.float16),
+                ranks=None if ranks is None else _in_position_order(ranks[j], before[j], _rank_dtype(ranks)),
+            )
+            self.by_row[row].append(eviction)
+
+    def _scores(self, view: EvictionView, evicting: list[int], before: torch.Tensor) -> torch.Tensor | None:
+        """``[rows, L, H, S]`` scores of the stored slots, or None for a policy without ``score``."""
+        if type(self.policy).score is Policy.score:
+            return None
+        if self.policy.granularity == "token":
+            return self.policy.score(view).float()[:, None, None, :].expand(before.shape)
+        return torch.stack([self.policy.score(view.at(i)).float() for i in evicting], 1)
+
+    def _ranks(self, view: EvictionView, evicting: list[int], before: torch.Tensor) -> torch.Tensor | None:
+        """``[rows, L, H, S]``: each slot's rank in the policy's ranking, 1 first (ties: the newer slot first,
+        as ``select`` takes them), or None for a policy that keeps without ranking."""
+        if not self.policy.can_rank():
+            return None
+        if self.policy.granularity == "token":
+            ranking = self.policy.ranking(view)[:, None, None, :].expand(before.shape)
+        else:
+            ranking = torch.stack([self.policy.ranking(view.at(i)) for i in evicting], 1)
+        order = torch.argsort(ranking.flip(-1), dim=-1, descending=True, stable=True)  # ties: higher index first
+        slots = ranking.shape[-1]
+        ranks = torch.empty_like(order)
+        ranks.scatter_(-1, slots - 1 - order, torch.arange(1, slots + 1, device=order.device).expand_as(order))
+        return ranks
+
+
+def _rank_dtype(ranks: torch.Tensor) -> torch.dtype:
+    return torch.int16 if ranks.shape[-1] < 2**15 else torch.int32
+
+
+def settings_of(cache: EvictingCache) -> dict:
+    """The cache's settings as JSON-able values: the policy and its options, K, B, the tier, the seed."""
+    spec = cache.spec
+    return {
+        **spec.policy.config(),
+        "granularity": spec.policy.granularity,
+        "budget": spec.budget,
+        "buffer": spec.buffer,
+        "quantized": spec.quantized,
+        "bits": spec.bits,
+        "seed": list(spec.seed) if isinstance(spec.seed, tuple) else spec.seed,
+    }
+
+
+def _mask(positions: torch.Tensor, seen: int) -> np.ndarray:
+    """``[..., S]`` positions (-1: none) -> ``[..., seen]`` bool, True where held."""
+    flat = positions.reshape(-1, positions.shape[-1]).long().cpu()
+    mask = torch.zeros(flat.shape[0], seen + 1, dtype=torch.bool)
+    mask.scatter_(1, torch.where(flat >= 0, flat, seen), True)
+    return mask[:, :seen].reshape(*positions.shape[:-1], seen).numpy()
+
+
+def _in_position_order(values: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
+    """``[L, H, S]`` values of slots at ``positions`` -> ``[L, H, n]`` over the held ones, by position, as
+    ``dtype``. Every head of a row holds as many tokens, so ``n`` is the same for all."""
+    held = positions >= 0
+    order = torch.sort(torch.where(held, positions, positions.new_tensor(2**62)), dim=-1).indices
+    n = int(held[0, 0].sum())
+    return values.cpu().gather(-1, order.cpu())[..., :n].to(dtype).numpy()
+
+
+# -- files ------------------------------------------------------------------------------------------
+def save_trace(path: Path | str, traces: dict[str, dict]) -> None:
+    """Write traces (name -> ``{"trace": Trace, **json-able extras}``) to one ``.npz`` file."""
+    arrays: dict[str, np.ndarray] = {}
+    meta = {"format": FORMAT, "runs": {}}
+    for r, (name, entry) in enumerate(traces.items()):
+        trace: Trace = entry["trace"]
+        extras = {k: v for k, v in entry.items() if k != "trace"}
+        meta["runs"][name] = dict(
+            layers=list(trace.layers),
+            kinds=list(trace.kinds),
+            heads=trace.heads,
+            settings=trace.settings,
+            seen=[e.seen for e in trace.evictions],
+            index=r,
+            **extras,
+        )
+        for e, eviction in enumerate(trace.evictions):
+            for key in ARRAYS:
+                value = getattr(eviction, key)
+                if value is not None:
+                    arrays[f"{r}.{e}.{key}"] = value
+    arrays["meta"] = np.frombuffer(json.dumps(meta, default=str).encode(), dtype=np.uint8)
+    with open(path, "wb") as handle:
+        np.savez_compressed(handle, **arrays)
+
+
+def load_trace(path: Path | str) -> dict[str, dict]:
+    """Read what :func:`save_trace` wrote: name -> ``{"trace": Trace, **extras}``."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"trace file not found: {path}")
+    try:
+        data = np.load(path, allow_pickle=False)
+        meta = json.loads(bytes(data["meta"]).decode())
+    except (OSError, ValueError, KeyError) as error:
+        raise ValueError(f"{path} is not a reasonkv trace file ({error})") from None
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a reasonkv trace file (format {meta.get('format')!r}, expected {FORMAT})")
+    out = {}
+    for name, run in meta["runs"].items():
+        r = run.pop("index")
+        seen = run.pop("seen")
+        evictions = []
+        for e, n in enumerate(seen):
+            parts = {k: data[f"{r}.{e}.{k}"] for k in ARRAYS if f"{r}.{e}.{k}" in data}
+            evictions.append(Eviction(seen=n, **parts))
+        trace = Trace(
+            tuple(run.pop("layers")), tuple(run.pop("kinds")), run.pop("heads"), run.pop("settings"), evictions
+        )
+        out[name] = {"trace": trace, **run}
+    return out

@@ -1,0 +1,156 @@
+"""The inspect page in a real browser: headless Chromium (the system's, driven by Selenium) opens it from a file
+URL with no console error and no request; the slider recolours exactly the tokens the trace says were evicted;
+a click opens the token's grid, whose cells are the trace's. A screenshot is kept (``REASONKV_TEST_ARTIFACTS``).
+
+Skipped, saying why, where Chromium, its driver or Selenium is missing (``scripts/setup.sh`` installs them
+when it runs as root on Debian); CI sets ``REASONKV_REQUIRE_BROWSER`` so that there it fails instead."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import NoEosTokenizer, tiny_llama
+from reasonkv.cache.spec import CacheSpec
+from reasonkv.inspect.page import write_page
+from reasonkv.inspect.runs import Inspection, inspect_prompt
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+DRIVER = shutil.which("chromedriver")
+MISSING = "no system Chromium and chromedriver (Debian: apt-get install chromium chromium-driver)"
+if os.environ.get("REASONKV_REQUIRE_BROWSER") and not (CHROMIUM and DRIVER):
+    pytest.fail(f"REASONKV_REQUIRE_BROWSER is set but there is {MISSING}", pytrace=False)
+pytestmark = pytest.mark.skipif(not (CHROMIUM and DRIVER), reason=MISSING)
+if os.environ.get("REASONKV_REQUIRE_BROWSER"):
+    from selenium import webdriver  # required: an ImportError fails the run
+else:
+    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install selenium)")
+
+
+@pytest.fixture(scope="module")
+def inspection() -> Inspection:
+    specs = [CacheSpec.build("h2o", 12, 4), CacheSpec.build("streaming", 12, 6)]
+    return inspect_prompt(tiny_llama(), NoEosTokenizer(), "What is two plus two? Think.", specs, max_new_tokens=40)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--window-size=1400,1000",
+    ):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
+    driver = webdriver.Chrome(service=Service(DRIVER), options=options)
+    yield driver
+    driver.quit()
+
+
+def held_counts(run, eviction_index: int | None) -> np.ndarray:
+    """Per position, the evicting layers' slots holding it after an eviction (None: before any)."""
+    trace = run.trace
+    slots = len(trace.evicting) * trace.heads
+    counts = np.full(len(run.pieces), slots)
+    if eviction_index is not None:
+        eviction = trace.evictions[eviction_index]
+        kept = eviction.kept_mask()[list(trace.evicting)]
+        counts[: eviction.seen] = kept.sum((0, 1))
+    return counts
+
+
+def read_tokens(driver, name: str) -> tuple[list[str], list[int]]:
+    script = (
+        f"const s = [...document.querySelectorAll('#run-{name} .tok')];"
+        "return [s.map(x => getComputedStyle(x).backgroundColor), s.map(x => Number(x.dataset.held))];"
+    )
+    colours, held = driver.execute_script(script)
+    return colours, held
+
+
+def test_the_page_in_chromium(inspection, browser, tmp_path):
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    page = write_page(tmp_path / "inspect.html", inspection)
+    browser.get_log("performance")  # drop what came before
+    browser.get(page.resolve().as_uri())
+    assert browser.title.startswith("reasonkv inspect")
+
+    # The slider steps through the union of the runs' eviction moments; step with the arrow keys to the
+    # h2o run's second eviction, then one more: each step recolours exactly the tokens that lost slots.
+    h2o = next(run for run in inspection.runs if run.name == "h2o")
+    moments = sorted({e.seen for run in inspection.runs for e in run.trace.evictions})
+    second, third = h2o.trace.evictions[1], h2o.trace.evictions[2]
+    body = browser.find_element(By.TAG_NAME, "body")
+    for _ in range(moments.index(second.seen) + 1):
+        ActionChains(browser).send_keys_to_element(body, Keys.ARROW_RIGHT).perform()
+    before_colours, before_held = read_tokens(browser, "h2o")
+    assert before_held[: second.seen] == held_counts(h2o, 1)[: second.seen].tolist()
+    steps = moments.index(third.seen) - moments.index(second.seen)
+    for _ in range(steps):
+        ActionChains(browser).send_keys_to_element(body, Keys.ARROW_RIGHT).perform()
+    after_colours, after_held = read_tokens(browser, "h2o")
+    assert after_held[: third.seen] == held_counts(h2o, 2)[: third.seen].tolist()
+    old = held_counts(h2o, 1)
+    evicted = [p for p in range(second.seen) if held_counts(h2o, 2)[p] < old[p]]
+    unchanged = [p for p in range(second.seen) if held_counts(h2o, 2)[p] == old[p]]
+    assert evicted and unchanged
+    assert all(after_colours[p] != before_colours[p] for p in evicted)
+    assert all(after_colours[p] == before_colours[p] for p in unchanged)
+
+    # A click on a token the eviction dropped opens its layer x head grid: one cell per layer, head and
+    # eviction after it, in the states the trace holds.
+    p = evicted[0]
+    browser.find_element(By.CSS_SELECTOR, f'#run-h2o .tok[data-pos="{p}"]').click()
+    panel = browser.find_element(By.ID, "grid-panel")
+    assert panel.is_displayed()
+    states = browser.execute_script(
+        "return [...document.querySelectorAll('#grid-panel .grid tr')].slice(1, -2)"
+        ".map(r => [...r.querySelectorAll('td')].map(td => [...td.children].map(c => c.dataset.state)));"
+    )
+    shown = [e for e in h2o.trace.evictions if e.seen > p]
+    trace = h2o.trace
+    assert len(states) == len(trace.layers) and all(len(row) == len(shown) for row in states)
+    column = shown.index(third)
+    kept, before = third.kept_mask()[:, :, p], third.before_mask()[:, :, p]
+    protected = third.protected_mask()[:, :, p]
+    for t in range(len(trace.layers)):
+        expected = [
+            "gone" if not before[t, h] else "evicted" if not kept[t, h] else "protected" if protected[t, h] else "kept"
+            for h in range(trace.heads)
+        ]
+        assert states[t][column] == expected, (t, p)
+    assert "evicted" in [s for row in states for s in row[column]]
+    # Each cell names the token's rank in the policy's ranking at that eviction, as the trace holds it.
+    title = browser.execute_script(
+        f"return document.querySelectorAll('#grid-panel .grid tr')[1].querySelectorAll('td')[{column}]"
+        ".children[0].title;"
+    )
+    rank = int(third.ranks[0, 0][np.flatnonzero(third.before_mask()[0, 0]).tolist().index(p)])
+    assert f"rank {rank} of " in title, title
+
+    artifacts = Path(os.environ.get("REASONKV_TEST_ARTIFACTS", tmp_path))
+    artifacts.mkdir(parents=True, exist_ok=True)
+    assert browser.save_screenshot(str(artifacts / "inspect-page.png"))
+
+    errors = [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
+    assert not errors, errors
+    requests = []
+    for entry in browser.get_log("performance"):
+        message = json.loads(entry["message"])["message"]
+        if message["method"] == "Network.requestWillBeSent":
+            requests.append(message["params"]["request"]["url"])
+    assert requests and all(url == page.resolve().as_uri() for url in requests), requests

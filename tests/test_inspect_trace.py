@@ -1,0 +1,137 @@
+"""The eviction trace agrees with the cache at every eviction, for every policy, with a quantized tier and on
+a hybrid model; recording it changes nothing; it round-trips through its file and stays small."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import reasonkv
+from conftest import NoEosTokenizer, tiny_gemma3, tiny_llama
+from reasonkv.inspect.trace import Eviction, Trace, TraceRecorder, load_trace, save_trace
+from reasonkv.policies import policy_class
+
+EVICTING = [name for name in reasonkv.list_policies() if policy_class(name).evicts]
+PROMPT = "A prompt of some length."
+# Small enough to evict several times in a short run, large enough for every policy's protection.
+SMALL = {"snapkv": dict(window=4, query_window=4), "vase-attnv": dict(window=4, query_window=4)}
+
+
+def _options(policy: str) -> dict:
+    options = dict(SMALL.get(policy, {}))
+    if policy_class(policy).options().get("protect_prompt"):
+        options["protect_prompt"] = False  # the prompt exceeds K
+    if policy_class(policy).options().get("window", 0) > 4:
+        options["window"] = 4
+    return options
+
+
+def _held(positions: torch.Tensor, seen: int) -> np.ndarray:
+    """``[heads, S]`` positions of row 0 -> ``[heads, seen]`` bool."""
+    mask = np.zeros((positions.shape[0], seen), dtype=bool)
+    for h, row in enumerate(positions.tolist()):
+        mask[h, [p for p in row if p >= 0]] = True
+    return mask
+
+
+def _decode_checking(model, policy: str, **kw) -> tuple[reasonkv.GenerationResult, int]:
+    """Decode with a trace, checking after each forward that a new eviction's record equals the cache."""
+    checked = 0
+
+    def check(step, cache):
+        nonlocal checked
+        evictions = cache.evictor.recorder.by_row[0]
+        if len(evictions) == checked:
+            return
+        assert len(evictions) == checked + 1, "one eviction per forward at most"
+        last: Eviction = evictions[-1]
+        recorder = cache.evictor.recorder
+        assert last.seen == int(cache.next_position[0])
+        kept, before = last.kept_mask(), last.before_mask()
+        for t, layer in enumerate(recorder.layers):
+            assert np.array_equal(kept[t], _held(cache.positions(layer)[0], last.seen)), (policy, step, layer)
+        full = [t for t, kind in enumerate(recorder.kinds) if kind == "full"]
+        assert (kept[full] <= before).all() and before.sum() > kept[full].sum()
+        assert (last.protected_mask() <= kept[full]).all()  # protected tokens are never evicted
+        if cache.quantized:
+            quantized = last.quantized_mask()
+            held_quantized = cache.quantized_mask()[0]
+            for e, layer in enumerate(cache.full_layers):
+                expected = cache.positions(layer)[0][:, held_quantized]
+                assert np.array_equal(quantized[e], _held(expected, last.seen))
+        n = before[0, 0].sum()
+        if last.scores is not None:
+            assert last.scores.shape == (len(full), kept.shape[1], n)
+        if last.ranks is not None:  # ranks 1..n over the held slots; the kept are the top K (a tier ranks on)
+            assert (np.sort(last.ranks, -1) == np.arange(1, n + 1)).all()
+            if not cache.quantized:
+                for e, t in enumerate(full):
+                    for h in range(kept.shape[1]):
+                        held = np.flatnonzero(before[e, h])
+                        assert np.array_equal(last.ranks[e, h] <= cache.budget, kept[t, h, held]), (policy, e, h)
+        checked += 1
+
+    [result] = reasonkv.generate(model, NoEosTokenizer(), PROMPT, policy=policy, trace=True, on_step=check, **kw)
+    assert result.trace is not None and len(result.trace.evictions) == checked == result.stats["evictions"]
+    return result, checked
+
+
+@pytest.mark.parametrize("policy", EVICTING)
+def test_trace_equals_the_cache_at_every_eviction(policy, one_torch_thread):
+    model = tiny_llama()
+    kw = dict(budget=12, buffer=4, max_new_tokens=28, seed=3, **_options(policy))
+    traced, evictions = _decode_checking(model, policy, **kw)
+    assert evictions >= 3
+    [plain] = reasonkv.generate(model, NoEosTokenizer(), PROMPT, policy=policy, **kw)
+    assert plain.token_ids == traced.token_ids and plain.trace is None  # recording changes nothing
+
+
+@pytest.mark.parametrize("policy", ["h2o", "random", "snapkv"])
+def test_trace_with_a_quantized_tier(policy, one_torch_thread):
+    kw = dict(budget=10, buffer=4, quantized=6, bits=4, max_new_tokens=28, seed=1, **_options(policy))
+    result, evictions = _decode_checking(tiny_llama(), policy, **kw)
+    assert evictions >= 3 and result.trace.evictions[-1].quantized_mask().any()
+
+
+@pytest.mark.parametrize("policy", ["h2o", "streaming", "epikv", "vase-attnv"])
+def test_trace_on_a_hybrid_model_shows_the_sliding_layers_as_such(policy, one_torch_thread):
+    result, evictions = _decode_checking(
+        tiny_gemma3(), policy, budget=12, buffer=5, max_new_tokens=24, **_options(policy)
+    )
+    assert evictions >= 2
+    trace = result.trace
+    assert trace.kinds == ("sliding", "full", "sliding", "full") and trace.layers == (0, 1, 2, 3)
+
+
+def test_a_trace_round_trips_through_its_file(tmp_path, one_torch_thread):
+    [result] = reasonkv.generate(
+        tiny_llama(), NoEosTokenizer(), PROMPT, policy="h2o", budget=10, buffer=4, max_new_tokens=20, trace=True
+    )
+    path = tmp_path / "trace.npz"
+    save_trace(path, {"h2o": {"trace": result.trace, "token_ids": result.token_ids}})
+    loaded = load_trace(path)["h2o"]
+    trace: Trace = loaded["trace"]
+    assert loaded["token_ids"] == result.token_ids and trace.settings == result.trace.settings
+    assert trace.kinds == result.trace.kinds and len(trace.evictions) == len(result.trace.evictions) > 0
+    for a, b in zip(trace.evictions, result.trace.evictions, strict=True):
+        assert a.seen == b.seen and np.array_equal(a.kept, b.kept) and np.array_equal(a.scores, b.scores)
+        assert np.array_equal(a.ranks, b.ranks) and a.ranks is not None
+    (tmp_path / "other.npz").write_bytes(b"not a trace")
+    with pytest.raises(ValueError, match="not a reasonkv trace"):
+        load_trace(tmp_path / "other.npz")
+
+
+def test_a_recorder_needs_an_attached_cache():
+    with pytest.raises(ValueError, match="attached to a model"):
+        TraceRecorder(reasonkv.EvictingCache(8, 4))
+
+
+def test_tracing_is_off_by_default_and_then_records_nothing(monkeypatch, one_torch_thread):
+    """No recorder unless asked: the evictor's only cost is one attribute check per eviction."""
+    monkeypatch.setattr("reasonkv.generation.loop.TraceRecorder", lambda cache: pytest.fail("a recorder was made"))
+    recorders = []
+    kw = dict(policy="h2o", budget=10, buffer=4, max_new_tokens=20)
+    on_step = lambda step, cache: recorders.append(cache.evictor.recorder)  # noqa: E731
+    [result] = reasonkv.generate(tiny_llama(), NoEosTokenizer(), PROMPT, on_step=on_step, **kw)
+    assert result.trace is None and result.stats["evictions"] >= 2 and set(recorders) == {None}
