@@ -45,8 +45,10 @@ def test_after_a_long_prefill_the_recorder_holds_only_what_it_will_read(policy, 
     held = _held_tensors(cache.evictor.observer.recorded)  # before detach, which hands the owed attention over
     cache.detach()
     assert cache.evictions == 0
-    # H2O takes a prefill's column sums at once and logs nothing; the others log the newest query.
-    assert bool(held) == (policy != "h2o")
+    # Policies that read recent queries or the last query's attention log the newest query; H2O takes a
+    # prefill's column sums at once and TriAttention each forward's queries as they come: neither logs.
+    needs = cache.evictor.needs
+    assert bool(held) == bool(needs.query_window or needs.attention_last), policy
     # The queries a policy reads: the newest of the prefill, and its window of recent ones, per layer.
     window = cache.evictor.needs.query_window
     batch = len(PROMPT_LENGTHS)

@@ -149,8 +149,7 @@ def _grade_code(ctx: Context, results: list) -> dict[int, CodeGrade | Exception]
 def _decode(ctx: Context, cell: Cell, batch: list[tuple[Problem, int]]) -> list[GenerationResult]:
     sampling = ctx.grid.sampling
     seeds = tuple(sample_seed(ctx.grid.seed, p.id, s) for p, s in batch)
-    caches = []
-    results = generate(
+    return generate(
         ctx.model,
         ctx.tokenizer,
         [ctx.prompt_ids(p) for p, _ in batch],
@@ -159,13 +158,8 @@ def _decode(ctx: Context, cell: Cell, batch: list[tuple[Problem, int]]) -> list[
         temperature=sampling.temperature,
         top_p=sampling.top_p,
         top_k=sampling.top_k,
-        on_step=lambda step, cache: caches.append(cache) if step == 0 else None,
         trace=any(p.id in ctx.grid.trace_problems for p, _ in batch),
     )
-    # Each row's steady K/V bytes per tier (after its evictions), read from the cache once it is done.
-    for result, held in zip(results, caches[0].steady_kv_bytes(), strict=True):
-        result.stats["steady_kv_bytes"] = held
-    return results
 
 
 def _keep_trace(ctx: Context, dataset: str, problem: Problem, cell: Cell, sample: int, out: GenerationResult) -> None:

@@ -42,9 +42,11 @@ class GenerationResult:
     ``peak_kv_bytes`` (the most K/V bytes held: the slots in use, see :func:`kv_bytes_held`),
     ``peak_kv_bytes_by_tier`` (that peak's full-attention K/V split into ``full`` and ``quantized``),
     ``peak_kv_bytes_allocated`` (the most K/V bytes allocated: storage grows ahead of use, so it can
-    exceed what is held), ``peak_memory_bytes`` (CUDA max allocated, or the process's peak RSS on CPU),
-    ``timings`` (seconds per eviction phase), ``budget``, ``buffer``, ``quantized``, ``bits`` and
-    ``policy``.
+    exceed what is held), ``steady_kv_bytes`` (this row's K/V right after its evictions, averaged over
+    them, per tier, with the full-precision tokens it amounts to; None before its first eviction; see
+    :meth:`reasonkv.cache.KVStorage.steady_kv_bytes`), ``peak_memory_bytes`` (CUDA max allocated, or the
+    process's peak RSS on CPU), ``timings`` (seconds per eviction phase), ``budget``, ``buffer``,
+    ``quantized``, ``bits`` and ``policy``.
     """
 
     text: str
@@ -93,6 +95,7 @@ class Meter:
     def results(self, rows: Rows, prompt_ids: list[list[int]]) -> list[GenerationResult]:
         rows.close(self.stopped, self.cache)
         cache, spec, peak_memory = self.cache, self.cache.spec, self._peak_memory()
+        steady = cache.steady_kv_bytes()
         results = []
         for i, prompt in enumerate(prompt_ids):
             tokens = rows.tokens[i]
@@ -114,6 +117,7 @@ class Meter:
                 "peak_kv_bytes": self.peak_kv,
                 "peak_kv_bytes_by_tier": self.peak_tiers,
                 "peak_kv_bytes_allocated": self.peak_allocated,
+                "steady_kv_bytes": steady[i],
                 "peak_memory_bytes": peak_memory,
                 "timings": cache.evictor.timings,
             }
