@@ -52,10 +52,11 @@ def test_demo_runs(capsys):
 
 def test_generate_command_with_a_quantized_tier(capsys):
     args = ["generate", "--prompt", "Count from one to twenty in words.", "--policy", "h2o", "--budget", "24"]
-    args += ["--buffer", "8", "--quantized", "16", "--bits", "4", "--max-new-tokens", "60", "--json"]
+    # a tier holds at least one key group: head_dim (64) tokens on SmolLM2
+    args += ["--buffer", "8", "--quantized", "64", "--bits", "4", "--max-new-tokens", "60", "--json"]
     assert main(args) == 0
     stats = json.loads(capsys.readouterr().out.splitlines()[-1])["stats"]
-    assert stats["quantized"] == 16 and stats["bits"] == 4 and stats["evictions"] > 0
+    assert stats["quantized"] == 64 and stats["bits"] == 4 and stats["evictions"] > 0
     assert stats["peak_kv_bytes_by_tier"]["quantized"] > 0
     assert main([*args[:-1], "--policy", "full"]) == 2  # full does not rank tokens
     assert "policy 'full' does not rank tokens" in capsys.readouterr().err
