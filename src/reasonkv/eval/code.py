@@ -297,11 +297,13 @@ class CodeGrader:
             ThreadPoolExecutor(self.workers, thread_name_prefix="sandbox") as runs,
             ThreadPoolExecutor(len(items), thread_name_prefix="grade") as outputs,
         ):
-            futures = [outputs.submit(self._grade, text, problem, runs) for text, problem in items]
+            # Programs are found here, in one thread: Python 3.11's ast.parse is not safe to call from several.
+            found = [(program_for(text, problem), problem) for text, problem in items]
+            futures = [outputs.submit(self._grade, program, problem, runs) for program, problem in found]
             return [future.result() for future in futures]
 
-    def _grade(self, text: str, problem: Problem, runs: ThreadPoolExecutor) -> CodeGrade:
-        program, method, from_thinking = program_for(text, problem)
+    def _grade(self, found: tuple[str | None, str, bool], problem: Problem, runs: ThreadPoolExecutor) -> CodeGrade:
+        program, method, from_thinking = found
         total = 1 if problem.extra.get("entry_point") else len(problem.extra["tests"])
         if program is None:
             return CodeGrade(None, False, method, from_thinking, "no-code", 0, total)
