@@ -43,7 +43,6 @@ __all__ = [
     "FIELD_TYPES",
     "OUTCOME_FIELDS",
     "ResultsFile",
-    "check_record",
     "conflict",
     "outcome",
     "read_results",
@@ -199,13 +198,6 @@ def record_problem(record: Mapping[str, Any]) -> str | None:
         if wrong_type or out_of_range or (name == "top1_agreement" and value > 1):
             return f"field '{name}' must be {what} (or null), got {_shown(value)}"
     return None
-
-
-def check_record(record: Mapping[str, Any], where: str) -> None:
-    """Raise ``ValueError`` naming ``where`` (``"results.jsonl, line 7"``) when :func:`record_problem` finds one."""
-    problem = record_problem(record)
-    if problem is not None:
-        raise ValueError(f"{where}: {problem}")
 
 
 def read_results(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str, Any]]]:
