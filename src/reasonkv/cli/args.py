@@ -43,7 +43,7 @@ def add_tier_arguments(parser, *, what: str = "") -> None:
     """Add ``--quantized Q`` and ``--bits {4,8}`` (the quantized tier) to a parser or an argument group."""
     parser.add_argument(
         "--quantized",
-        type=quantized_argument,
+        type=non_negative_argument,
         default=0,
         metavar="Q",
         help="Q: tokens per head kept quantized beside the K at full precision, ranked by the policy "
@@ -54,15 +54,13 @@ def add_tier_arguments(parser, *, what: str = "") -> None:
     )
 
 
-def quantized_argument(text: str) -> int:
-    """``--quantized`` accepts a non-negative integer."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {value}")
-    return value
+def add_decoding_arguments(parser, *, max_new_tokens: int) -> None:
+    """``--max-new-tokens`` (default ``max_new_tokens``), ``--temperature``, ``--top-p``, ``--top-k`` and ``--seed``."""
+    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0)
 
 
 def add_buffer_argument(parser, *, default: int = DEFAULT_BUFFER) -> None:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from reasonkv.bench.run import run_bench
 from reasonkv.bench.settings import DEFAULT_DTYPE, DEFAULT_LENGTHS, BenchSettings
-from reasonkv.cli.args import add_buffer_argument, add_model_arguments, add_policy_options, quantized_argument
+from reasonkv.cli.args import add_buffer_argument, add_model_arguments, add_policy_options, non_negative_argument
 
 __all__ = ["add_arguments", "run", "settings_from"]
 
@@ -69,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     policy.add_argument("--seed", type=int, default=D["seed"], help="seeds the prompts and the policies (default 0)")
     policy.add_argument(
         "--quantized",
-        type=quantized_argument,
+        type=non_negative_argument,
         default=0,
         metavar="Q",
         help="also measure every requested evicting policy with Q tokens per head kept quantized, its "

@@ -10,6 +10,7 @@ from pathlib import Path
 from reasonkv.cache.spec import CacheSpec
 from reasonkv.cli.args import (
     add_buffer_argument,
+    add_decoding_arguments,
     add_model_arguments,
     add_policy_options,
     add_tier_arguments,
@@ -32,11 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_buffer_argument(parser)
     add_tier_arguments(parser)
     add_policy_options(parser)
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=0)
+    add_decoding_arguments(parser, max_new_tokens=256)
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     parser.add_argument("--no-chat", action="store_true", help="do not apply the model's chat template")
     parser.add_argument("--json", action="store_true", help="print one JSON record per prompt")

@@ -9,6 +9,7 @@ from pathlib import Path
 from reasonkv.cache.spec import CacheSpec
 from reasonkv.cli.args import (
     add_buffer_argument,
+    add_decoding_arguments,
     add_model_arguments,
     add_policy_options,
     add_tier_arguments,
@@ -39,11 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_buffer_argument(parser)
     add_tier_arguments(parser)
     add_policy_options(parser)
-    parser.add_argument("--max-new-tokens", type=int, default=512)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=0)
+    add_decoding_arguments(parser, max_new_tokens=512)
     parser.add_argument("--no-chat", action="store_true", help="do not apply the model's chat template")
     parser.add_argument("--out", type=Path, required=True, help="the page to write (*.html)")
     parser.add_argument("--save-trace", type=Path, help="also write the runs and their traces (*.npz)")
