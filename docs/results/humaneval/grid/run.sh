@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The HumanEval grid: the first 40 problems on both bundled models, every completion's hidden tests
+# run in the sandbox; the full cache against streaming, h2o, snapkv, vase-attnv and epikv at K = 128
+# and 256, with fidelity replays of the full cache's traces. 384 greedy tokens, fp32, one CPU thread.
+# Resumable: rerun to continue.
+set -euo pipefail
+cd "$(dirname "$0")/../../../.."
+PY="${PYTHON:-.venv/bin/python}"
+OUT=docs/results/humaneval/grid
+export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+for MODEL in smollm2-135m gemma3-270m; do
+  "$PY" -m reasonkv.cli eval --model "$MODEL" --dtype fp32 --dataset humaneval:40 --allow-code-execution \
+    --policies full,streaming,h2o,snapkv,vase-attnv,epikv --budgets 128,256 --buffer 32 \
+    --max-new-tokens 384 --batch-size 20 --fidelity --no-progress --out "$OUT/$MODEL.jsonl"
+  "$PY" -m reasonkv.cli report "$OUT/$MODEL.jsonl" --out "$OUT/$MODEL-report"
+done
