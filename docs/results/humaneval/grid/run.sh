@@ -8,7 +8,7 @@ cd "$(dirname "$0")/../../../.."
 PY="${PYTHON:-.venv/bin/python}"
 OUT=docs/results/humaneval/grid
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
-for MODEL in smollm2-135m gemma3-270m; do
+for MODEL in ${MODELS:-smollm2-135m gemma3-270m}; do
   "$PY" -m reasonkv.cli eval --model "$MODEL" --dtype fp32 --dataset humaneval:40 --allow-code-execution \
     --policies full,streaming,h2o,snapkv,vase-attnv,epikv --budgets 128,256 --buffer 32 \
     --max-new-tokens 384 --batch-size 20 --fidelity --no-progress --out "$OUT/$MODEL.jsonl"
