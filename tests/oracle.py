@@ -20,6 +20,7 @@ import torch
 from transformers.modeling_utils import AttentionInterface
 
 import reasonkv
+from reasonkv.generation.compiled import CompiledDecode
 from reasonkv.hf import cache_keyword, layer_kinds, sliding_window
 
 _MASKS: dict[int, torch.Tensor] = {}  # layer -> [1, kv_heads, T, T] bool
@@ -62,10 +63,13 @@ AttentionInterface.register("oracle_masked", _masked_attention)
 
 
 @torch.inference_mode()
-def run_and_check(model, policy: str, prompt: list[int], *, budget: int, buffer: int, steps: int, atol=1e-4, **kw):
+def run_and_check(
+    model, policy: str, prompt: list[int], *, budget: int, buffer: int, steps: int, atol=1e-4, compiled=None, **kw
+):
     """Decode greedily with eviction, then check every step's logits against the masked reference.
 
-    Returns the evicting cache (for further assertions) and the number of evictions.
+    ``compiled``: a ``torch.compile`` backend to run the decode steps with, as compiled steps over the cache's
+    fixed-shape layout (:class:`reasonkv.generation.compiled.CompiledDecode`). Returns the evicting cache.
     """
     num_layers = model.config.num_hidden_layers
     kinds = layer_kinds(model)
@@ -78,6 +82,7 @@ def run_and_check(model, policy: str, prompt: list[int], *, budget: int, buffer:
     quantized_before: list[dict[int, torch.Tensor]] = []  # the same for the quantized tier alone
     dequantized: dict[int, dict] = {layer: {} for layer in full}  # layer -> (head, position) -> (key, value)
     logits = []
+    decode = None if compiled is None else CompiledDecode(model, cache, backend=compiled)
     out = model(input_ids=torch.tensor([tokens]), use_cache=True, **{key: cache})
     logits.append(out.logits[0, -1])
     slot_bound = budget + buffer + cache.quantized
@@ -91,10 +96,12 @@ def run_and_check(model, policy: str, prompt: list[int], *, budget: int, buffer:
                 want = list(range(max(0, newest - window + 2), newest + 1))
                 for head in cache.positions(layer)[0]:
                     assert head[head >= 0].tolist() == want, (layer, head.tolist(), want)
-        token = int(out.logits[0, -1].argmax())
+        token = int(logits[-1].argmax())
         tokens.append(token)
-        out = model(input_ids=torch.tensor([[token]]), use_cache=True, **{key: cache})
-        logits.append(out.logits[0, -1])
+        if decode is None:
+            logits.append(model(input_ids=torch.tensor([[token]]), use_cache=True, **{key: cache}).logits[0, -1])
+        else:
+            logits.append(decode(torch.tensor([[token]]))[0])
         assert cache.slots <= slot_bound
     cache.detach()
 

@@ -18,6 +18,7 @@ TRANSFORMERS_IMPORTERS = (
     "hf/",
     "cache/storage.py",
     "cache/layer.py",
+    "cache/static.py",
     "models/shapes.py",
     "models/checkpoint.py",
     "models/gguf.py",

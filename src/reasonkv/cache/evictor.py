@@ -17,6 +17,7 @@ with a quantized tier too (the tier's sizes are read once for all layers).
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -25,11 +26,24 @@ from reasonkv.cache.spec import CacheSpec
 from reasonkv.cache.storage import KVStorage
 from reasonkv.cache.tiers import split_tiers
 from reasonkv.cache.timing import Stopwatch
-from reasonkv.hf import LayerMasks, model_info
+from reasonkv.hf import LayerMasks, StepCapture, model_info
 from reasonkv.policies import noise, select
 from reasonkv.policies.view import EvictionView
 
-__all__ = ["Evictor"]
+__all__ = ["Announced", "Evictor"]
+
+
+@dataclass(frozen=True)
+class Announced:
+    """A forward the cache was told of: its tokens' positions for RoPE (``[batch, q]``, 0 at padding), the
+    same with -1 at padding, which are real, the slot-space attention mask (None: no slot is padding) and
+    the bound on positions the policy may see."""
+
+    positions: torch.Tensor
+    step_positions: torch.Tensor
+    valid: torch.Tensor
+    slot_mask: torch.Tensor | None
+    position_bound: int
 
 
 class Evictor:
@@ -86,24 +100,45 @@ class Evictor:
         if mask is not None and mask.dim() != 2:
             raise ValueError("EvictingCache builds its own attention mask: pass a 2-D padding mask or none")
         incoming = None if mask is None else mask[:, -q:].to(device=tokens.device, dtype=torch.bool)
-        if not self._started:
-            self._start(batch, tokens.device)
-        positions, step_positions, slot_mask = self.cache.begin_forward(batch, q, incoming, tokens.device)
-        kwargs["attention_mask"] = self.masks(batch, q, slot_mask, positions) if self.masks else slot_mask
-        kwargs["position_ids"] = positions
-        valid = step_positions >= 0 if incoming is None else incoming
-        self.observer.begin(valid, step_positions, position_bound=self.cache.seen + q)
+        forward = self.announce(batch, q, incoming, tokens.device)
+        kwargs["attention_mask"] = (
+            self.masks(batch, q, forward.slot_mask, forward.positions) if self.masks else forward.slot_mask
+        )
+        kwargs["position_ids"] = forward.positions
+        self.observe(forward)
         return args, kwargs
 
     def _after_forward(self, module, args, kwargs, output):
         if not self._uses_my_cache(kwargs):
             return None
+        self.finish()
+        return None
+
+    # ------------------------------------------------------------------ one forward, in three parts
+    # The hooks call these around the model's forward; a compiled decode step
+    # (reasonkv.generation.compiled) calls them around its graph, observing only after it has run.
+    def announce(self, batch: int, q: int, incoming: torch.Tensor | None, device: torch.device) -> Announced:
+        """The next forward feeds ``q`` tokens per row, ``incoming`` ``[batch, q]`` True where real (None: all)."""
+        if not self._started:
+            self._start(batch, device)
+        positions, step_positions, slot_mask = self.cache.begin_forward(batch, q, incoming, device)
+        valid = step_positions >= 0 if incoming is None else incoming
+        return Announced(positions, step_positions, valid, slot_mask, position_bound=self.cache.seen + q)
+
+    def observe(self, forward: Announced, capture: StepCapture | None = None) -> None:
+        """Record the signals of the forward ``announce`` described (until :meth:`finish`): during it, or,
+        for a compiled step that has run, from what it wrote into ``capture``."""
+        self.observer.begin(forward.valid, forward.step_positions, forward.position_bound, claim=capture is None)
+        if capture is not None:
+            self.observer.take_capture(capture)
+
+    def finish(self) -> None:
+        """After the forward: hand the policy what it recorded, then evict the rows that are due."""
         step = self.observer.end()
         with self.stopwatch("observe"):
             self.policy.observe(step)
         self.observer.settle()
         self.evict_due()
-        return None
 
     def _start(self, batch: int, device: torch.device) -> None:
         self.policy.reset(self.info, batch, device)

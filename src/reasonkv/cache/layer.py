@@ -74,6 +74,11 @@ class EvictingLayer(CacheLayerMixin):
         self.is_initialized = True
 
     @property
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole key and value buffers (``capacity`` slots), of which the views are a window."""
+        return self._keys, self._values
+
+    @property
     def capacity(self) -> int:
         return 0 if self._keys is None else self._keys.shape[2]
 
@@ -81,8 +86,9 @@ class EvictingLayer(CacheLayerMixin):
         """Reallocate the buffers to ``capacity`` slots, the views' slots first."""
         n, a = self.length, self.start
         k, v, p = self._keys, self._values, self._positions
-        self._keys = k.new_empty((*k.shape[:2], capacity, k.shape[3]))
-        self._values = v.new_empty((*v.shape[:2], capacity, v.shape[3]))
+        # Zeros, not garbage: a compiled step reads every slot, masked or not, and 0 * NaN is NaN.
+        self._keys = k.new_zeros((*k.shape[:2], capacity, k.shape[3]))
+        self._values = v.new_zeros((*v.shape[:2], capacity, v.shape[3]))
         self._positions = p.new_full((*p.shape[:2], capacity), -1)
         self._keys[:, :, :n] = k[:, :, a : a + n]
         self._values[:, :, :n] = v[:, :, a : a + n]
@@ -117,6 +123,14 @@ class EvictingLayer(CacheLayerMixin):
 
     def write(self, key_states: torch.Tensor, value_states: torch.Tensor, positions: torch.Tensor) -> None:
         q = key_states.shape[2]
+        end = self.make_room(q)
+        self._keys[:, :, end : end + q] = key_states
+        self._values[:, :, end : end + q] = value_states
+        self.advance(positions)
+
+    def make_room(self, q: int) -> int:
+        """Make the buffers hold ``q`` more slots after the views (growing them, or moving every row to the
+        front); returns the buffer slot where they go."""
         needed = self.length + q
         if self.start + needed > self.capacity:
             wanted = self.rows.capacity_for(needed, self.capacity)
@@ -124,11 +138,14 @@ class EvictingLayer(CacheLayerMixin):
                 self.resize(wanted)
             else:
                 self._to_front()
-        end = self.start + self.length
-        self._keys[:, :, end : end + q] = key_states
-        self._values[:, :, end : end + q] = value_states
+        return self.start + self.length
+
+    def advance(self, positions: torch.Tensor) -> None:
+        """The K/V of ``positions`` ``[batch, q]`` were written after the views (by :meth:`write`, or by a
+        compiled step into the buffers): record their positions and extend the views over them."""
+        end, q = self.start + self.length, positions.shape[1]
         self._positions[:, :, end : end + q] = positions.unsqueeze(1)
-        self.length = needed
+        self.length += q
         self._refresh_views()
 
     def read_rows(self, rows: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -29,7 +29,7 @@ import weakref
 import torch
 
 from reasonkv.cache.timing import Stopwatch
-from reasonkv.hf import AttentionTap, decoder_layers
+from reasonkv.hf import AttentionTap, StepCapture, decoder_layers
 from reasonkv.policies import attention
 from reasonkv.policies.contract import AttentionChunk, Needs, Step
 from reasonkv.policies.recorded import Recorded
@@ -89,8 +89,12 @@ class Observer:
         if self.active:
             self._step.hidden[index] = output[0] if isinstance(output, tuple) else output
 
-    def begin(self, input_valid: torch.Tensor, input_positions: torch.Tensor, position_bound: int) -> None:
-        if self.tap is not None:  # another cache on the same model may have claimed the modules since
+    def begin(
+        self, input_valid: torch.Tensor, input_positions: torch.Tensor, position_bound: int, claim: bool = True
+    ) -> None:
+        """Record the forward about to run (``claim``: and claim the attention modules for this observer's
+        tap; not for a compiled step, whose forward has run and reported through a ``StepCapture``)."""
+        if claim and self.tap is not None:  # another cache on the same model may have claimed the modules since
             self.tap.claim()
         self._step = Step(input_valid=input_valid, input_positions=input_positions, position_bound=position_bound)
         self._logged = False
@@ -108,6 +112,22 @@ class Observer:
 
     def reset(self) -> None:
         self.recorded.reset()
+
+    # ---------------------------------------------------------------- a compiled decode step's signals
+    def take_capture(self, capture: StepCapture) -> None:
+        """Between :meth:`begin` and :meth:`end` of a compiled step (whose forward ran while this observer
+        was not active): record the signals it wrote into ``capture`` as the hooks record them during an
+        eager forward."""
+        step, recorded = self._step, self.recorded
+        for index in self.needs.hidden_layers:
+            step.hidden[index] = capture.hidden[index].clone()  # the buffers are written again by the next step
+        if self.tap is None:
+            return
+        for layer in sorted(self.attention_layers):
+            kernel = {"scaling": recorded.scalings.get(layer), "softcap": recorded.softcaps.get(layer)}
+            kernel["s_aux"] = recorded.sinks.get(layer)
+            with self.stopwatch("record"):
+                self._record(layer, capture.queries[layer].clone(), self.cache.attended(layer)[0], kernel)
 
     def detach(self) -> None:
         self.active = False

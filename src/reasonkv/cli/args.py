@@ -63,6 +63,17 @@ def add_decoding_arguments(parser, *, max_new_tokens: int) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
+def add_compile_argument(parser, *, what: str = "decode step") -> None:
+    """``--compile``: each decode step as one compiled, fixed-shape graph."""
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help=f"run each {what} as one compiled graph (torch.compile: inductor; CUDA graphs on a GPU); the prefill "
+        "and the evictions stay eager, the compilation's time is reported apart, and a cache that cannot be "
+        "compiled (a quantized tier, a hybrid model) decodes eagerly and says why",
+    )
+
+
 def add_buffer_argument(parser, *, default: int = DEFAULT_BUFFER) -> None:
     """``--buffer B`` (one default for every command but the demo's)."""
     parser.add_argument(

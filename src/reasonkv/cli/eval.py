@@ -19,7 +19,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from reasonkv.cli.args import add_buffer_argument, add_model_arguments, add_policy_options, add_tier_arguments
+from reasonkv.cli.args import (
+    add_buffer_argument,
+    add_compile_argument,
+    add_model_arguments,
+    add_policy_options,
+    add_tier_arguments,
+)
 from reasonkv.eval.grid import GridSpec
 from reasonkv.eval.manifest import command_line
 from reasonkv.eval.plan import plan_grid
@@ -84,6 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--seed", type=int, default=0, help="base seed; sample s of problem p uses a hash of (seed, p, s)"
     )
     sampling.add_argument("--batch-size", type=int, default=8, help="prompts decoded together (default 8)")
+    add_compile_argument(sampling, what="generation's decode step (fidelity replays stay eager)")
     sampling.add_argument(
         "--thinking",
         choices=("auto", "on", "off"),
@@ -212,6 +219,7 @@ def grid_from(args: argparse.Namespace) -> GridSpec:
             before=args.before,
         ),
         trace_problems=args.trace_problems,
+        compile=args.compile,
     )
 
 

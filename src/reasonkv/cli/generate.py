@@ -10,6 +10,7 @@ from pathlib import Path
 from reasonkv.cache.spec import CacheSpec
 from reasonkv.cli.args import (
     add_buffer_argument,
+    add_compile_argument,
     add_decoding_arguments,
     add_model_arguments,
     add_policy_options,
@@ -34,6 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_tier_arguments(parser)
     add_policy_options(parser)
     add_decoding_arguments(parser, max_new_tokens=256)
+    add_compile_argument(parser)
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     parser.add_argument("--no-chat", action="store_true", help="do not apply the model's chat template")
     parser.add_argument("--json", action="store_true", help="print one JSON record per prompt")
@@ -90,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
         top_k=sampling.top_k,
         stop=args.stop,
         progress=sys.stderr.isatty(),
+        compile=args.compile,
     )
     for prompt, result in zip(prompts, results, strict=True):
         if args.json:
@@ -102,9 +105,18 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"[{stats['policy']} K={stats['budget']} B={stats['buffer']}{_tier(stats)}] {result.num_tokens} tokens "
             f"({result.finish_reason}), {stats['tokens_per_second']:.1f} tok/s, "
-            f"{stats['evictions']} evictions, peak {stats['peak_slots']} slots\n"
+            f"{stats['evictions']} evictions, peak {stats['peak_slots']} slots{_compiled(stats)}\n"
         )
     return 0
+
+
+def _compiled(stats: dict) -> str:
+    ran = stats.get("compile")
+    if ran is None:
+        return ""
+    if not ran["compiled"]:
+        return f"; decoded eagerly: {ran['eager_reason']}"
+    return f"; compiled ({ran['backend']}): {ran['compilations']} compilation(s), {ran['warmup_seconds']:.1f} s apart"
 
 
 def _tier(stats: dict) -> str:

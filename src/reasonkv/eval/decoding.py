@@ -159,6 +159,7 @@ def _decode(ctx: Context, cell: Cell, batch: list[tuple[Problem, int]]) -> list[
         top_p=sampling.top_p,
         top_k=sampling.top_k,
         trace=any(p.id in ctx.grid.trace_problems for p, _ in batch),
+        compile=ctx.grid.compile,
     )
 
 
@@ -202,6 +203,7 @@ def _generation_record(
         decode_seconds=stats["decode_seconds"],
         tokens_per_second=stats["tokens_per_second"],
         batch_size=stats["batch_size"],
+        compiled=bool(stats.get("compile", {}).get("compiled", False)),
         evictions=stats["evictions"],
         peak_cache_slots=stats["peak_slots"],
         peak_row_tokens=stats["peak_row_tokens"],

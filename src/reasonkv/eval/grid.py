@@ -308,6 +308,9 @@ class GridSpec:
         the guarantees it may lack; and the contest-date window of LiveCodeBench problems.
     trace_problems
         Problem ids whose generations keep their eviction trace (``reasonkv inspect --trace`` opens them).
+    compile
+        Decode each step as one compiled graph (``generate(..., compile=True)``): speed, not results
+        (fidelity replays stay eager). Like the batch size it is not part of the grid's identity.
     """
 
     datasets: tuple[tuple[str, int | None], ...]
@@ -323,6 +326,7 @@ class GridSpec:
     max_chunk: int | None = None
     code: CodeSettings = field(default_factory=CodeSettings)
     trace_problems: frozenset[str] = frozenset()
+    compile: bool = False
 
     @classmethod
     def build(
@@ -350,6 +354,7 @@ class GridSpec:
         max_chunk: int | None = None,
         code: CodeSettings | Mapping[str, Any] | None = None,
         trace_problems: str | Sequence[str] = (),
+        compile: bool = False,
     ) -> GridSpec:
         """A grid from loose settings (strings as the command line gives them, or Python values).
 
@@ -366,7 +371,7 @@ class GridSpec:
             _check_int("fidelity_tokens", fidelity_tokens, 1)
         if max_chunk is not None:
             _check_int("max_chunk", max_chunk, 1)
-        for name, value in (("generation", generation), ("fidelity", fidelity)):
+        for name, value in (("generation", generation), ("fidelity", fidelity), ("compile", compile)):
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"{name} must be True or False, got {value!r}")
         if not generation:
@@ -389,6 +394,7 @@ class GridSpec:
             max_chunk=max_chunk,
             code=code if isinstance(code, CodeSettings) else CodeSettings.build(**(code or {})),
             trace_problems=_problem_ids(trace_problems),
+            compile=compile,
         )
 
     @property

@@ -16,7 +16,7 @@ a later run into the same file appends its own when it differs. Its fields:
 ``grid``
     ``datasets`` (name, ``file``, ``sha256`` of the file, ``limit``, ``problems``, ``samples``),
     ``policies`` (label, budget, buffer, config of every cell), ``fidelity``, ``fidelity_tokens``,
-    ``generation``, ``batch_size``, and ``sha256``: the grid's identity (:func:`grid_identity`: what
+    ``generation``, ``batch_size``, ``compile``, and ``sha256``: the grid's identity (:func:`grid_identity`: what
     decides its units and their split across processes, known before any model loads); with code
     problems ``code``: how their programs run (the test limits, the contest-date window, and the
     sandbox: its mechanism, the isolation in force, the guarantees missing and those the user allowed

@@ -91,6 +91,7 @@ class GridPlan:
             "fidelity_tokens": self.grid.replay_tokens,
             "generation": self.grid.generation,
             "batch_size": self.grid.batch_size,
+            "compile": self.grid.compile,
         }
         grid = json.loads(json.dumps(grid, default=str))  # as a manifest reads back
         grid["sha256"] = grid_sha256(grid_identity(grid, self.sampling()))

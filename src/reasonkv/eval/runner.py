@@ -61,7 +61,9 @@ Generation records (``"kind": "generation"``)
     Collapse: ``collapse`` (the flags of :func:`reasonkv.eval.collapse_flags`) and ``collapsed``.
     Cost: ``seconds`` (wall time of the batch this record was decoded in: prefill + decode),
     ``prefill_seconds``, ``decode_seconds``, ``tokens_per_second`` (this row's tokens over the batch's
-    decode time), ``batch_size``, ``evictions`` (this row), ``peak_cache_slots`` (the batch's cache),
+    decode time), ``batch_size``, ``compiled`` (whether its decode steps ran as a compiled graph, with
+    ``--compile``; the compilation's time is not in ``decode_seconds``), ``evictions`` (this row),
+    ``peak_cache_slots`` (the batch's cache),
     ``peak_row_tokens`` (most tokens this row held), ``peak_kv_bytes`` (the batch's most K/V bytes held,
     and ``peak_kv_bytes_by_tier``: ``full``, ``quantized``), ``peak_kv_bytes_allocated`` (the most allocated,
     spare capacity included), ``peak_memory_bytes`` (CUDA max

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from reasonkv.cache.evicting import EvictingCache
 from reasonkv.cache.spec import CacheSpec, resolve_spec
+from reasonkv.generation.compiled import CompiledDecode, compile_backend
 from reasonkv.generation.inputs import check_flags, encode_prompts, eos_ids, stop_strings, vocab_size
 from reasonkv.generation.rows import Rows
 from reasonkv.generation.sampling import Sampling
@@ -52,6 +53,7 @@ def generate(
     on_step: Callable[[int, EvictingCache], None] | None = None,
     sync_timing: bool = False,
     trace: bool = False,
+    compile: bool | str = False,
     **policy_options,
 ) -> list[GenerationResult]:
     """Decode ``prompts`` (one batch) with a KV cache held to ``budget + buffer`` tokens per head.
@@ -87,9 +89,16 @@ def generate(
     trace
         Record every eviction: each result's ``trace`` is then a :class:`~reasonkv.inspect.trace.Trace`
         (what each layer and head held, protected and scored; see ``reasonkv inspect``).
+    compile
+        ``True`` (or a ``torch.compile`` backend's name: ``"inductor"``, the default, ``"aot_eager"``, ...):
+        run each decode step as one compiled, fixed-shape graph (:class:`~reasonkv.generation.compiled.CompiledDecode`;
+        the prefill and the evictions stay eager). The steps that compile are left out of
+        ``decode_seconds`` and reported in ``stats["compile"]``, with the reason when the cache cannot be
+        compiled and decoded eagerly.
     """
     sampling = Sampling(max_new_tokens, temperature, top_p, top_k)
     check_flags(ignore_eos=ignore_eos, progress=progress, sync_timing=sync_timing, trace=trace)
+    backend = compile_backend(compile)
     if on_step is not None and not callable(on_step):
         raise ValueError(f"on_step must be a function on_step(step, cache) or None, got {on_step!r}")
     stop = stop_strings(stop)
@@ -107,9 +116,11 @@ def generate(
     cache = EvictingCache(model=model, spec=spec, sync_timing=sync_timing)
     cache.reserve(ids.shape[1] + max_new_tokens)
     recorder = TraceRecorder(cache) if trace else None
-    rows = Rows(len(prompt_ids), device, tokenizer, set() if ignore_eos else eos_ids(model, tokenizer), stop)
-    seeds = sampling.seeds(noise.seed_tensor(list(spec.seed), len(prompt_ids), device))
     forward, meter = Forward(model), Meter(cache, device)
+    eos = set() if ignore_eos else eos_ids(model, tokenizer)
+    rows = Rows(len(prompt_ids), device, tokenizer, eos, stop, clock=meter.clock)
+    seeds = sampling.seeds(noise.seed_tensor(list(spec.seed), len(prompt_ids), device))
+    decode = None if backend is None else CompiledDecode(model, cache, backend=backend)
     try:
         meter.start()
         logits = forward(ids, cache, attention_mask=mask, last_logits_only=True).logits[:, -1]
@@ -122,12 +133,20 @@ def generate(
             if rows.done or step == max_new_tokens - 1:
                 break
             inputs, mask = rows.next_input(tokens, pad_id)
-            logits = forward(inputs, cache, attention_mask=mask, last_logits_only=True).logits[:, -1]
+            if decode is None:
+                logits = forward(inputs, cache, attention_mask=mask, last_logits_only=True).logits[:, -1]
+            else:
+                warmed = decode.warmup_seconds
+                logits = decode(inputs, mask)
+                meter.exclude(decode.warmup_seconds - warmed)
             _notify(on_step, step + 1, cache)
         meter.stop()
     finally:
         cache.detach()
     results = meter.results(rows, prompt_ids)
+    if decode is not None:
+        for result in results:
+            result.stats["compile"] = decode.describe()
     if recorder is not None:
         for row, result in enumerate(results):
             result.trace = recorder.trace(row)

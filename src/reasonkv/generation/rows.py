@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -13,11 +14,19 @@ class Rows:
     """The tokens each row has produced and which rows are still live.
 
     A finished row is fed padding from then on, which the cache neither stores nor evicts for.
-    ``ended[i]`` is ``(time, evictions)`` when row ``i`` ended, read when it did.
+    ``ended[i]`` is ``(time, evictions)`` when row ``i`` ended, read from ``clock`` when it did.
     """
 
-    def __init__(self, batch: int, device: torch.device, tokenizer, eos: set[int], stop: list[str]):
-        self.tokenizer, self.eos, self.stop = tokenizer, eos, stop
+    def __init__(
+        self,
+        batch: int,
+        device: torch.device,
+        tokenizer,
+        eos: set[int],
+        stop: list[str],
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        self.tokenizer, self.eos, self.stop, self.clock = tokenizer, eos, stop, clock
         self.tokens: list[list[int]] = [[] for _ in range(batch)]
         self.finish: list[str | None] = [None] * batch
         self.ended: list[tuple[float, int] | None] = [None] * batch
@@ -42,7 +51,7 @@ class Rows:
                 self.alive[i] = False
                 newly.append(i)
         if newly:
-            now, evictions = time.perf_counter(), cache.row_evictions.tolist()
+            now, evictions = self.clock(), cache.row_evictions.tolist()
             for i in newly:
                 self.ended[i] = (now, evictions[i])
 

@@ -70,10 +70,19 @@ class Meter:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         self.started = self.prefilled = self.stopped = 0.0
+        self.excluded = 0.0  # seconds left out of every time read since (a compiled step's warm-up)
+
+    def clock(self) -> float:
+        """The time, less the seconds excluded so far."""
+        return time.perf_counter() - self.excluded
 
     def now(self) -> float:
         synchronize(self.device)
-        return time.perf_counter()
+        return self.clock()
+
+    def exclude(self, seconds: float) -> None:
+        """Leave ``seconds`` just spent out of the decode time (they are reported apart)."""
+        self.excluded += seconds
 
     def start(self) -> None:
         self.started = self.now()

@@ -6,6 +6,7 @@ facts (:mod:`~reasonkv.hf.model`), and the attention tap (:mod:`~reasonkv.hf.tap
 ``models/`` loads checkpoints; nothing else in reasonkv imports transformers.
 """
 
+from reasonkv.hf.capture import StepCapture
 from reasonkv.hf.forward import (
     Forward,
     cache_keyword,
@@ -32,6 +33,7 @@ from reasonkv.hf.model import (
 from reasonkv.hf.tap import AttentionTap
 
 __all__ = [
+    "StepCapture",
     "AttentionTap",
     "Forward",
     "LayerMasks",

@@ -39,10 +39,23 @@ _installed: dict[str, list] = {}  # kernel name -> [original, wrapper, open taps
 
 
 class _Claim:
-    __slots__ = ("layer", "listener")
+    """A claimed module's layer index and its listener, held weakly: a bound method as its owner (weakly)
+    and its function, a plain function as a weak reference to itself. (Not ``weakref.WeakMethod``, which
+    ``torch.compile`` cannot trace: a compiled decode step runs through this wrapper.)"""
 
-    def __init__(self, layer: int, listener: weakref.ReferenceType):
-        self.layer, self.listener = layer, listener
+    __slots__ = ("function", "layer", "owner")
+
+    def __init__(self, layer: int, listener: Listener):
+        self.layer = layer
+        bound = hasattr(listener, "__self__")
+        self.owner = weakref.ref(listener.__self__ if bound else listener)
+        self.function = listener.__func__ if bound else None
+
+    def listener(self) -> Listener | None:
+        owner = self.owner()
+        if owner is None or self.function is None:
+            return owner
+        return self.function.__get__(owner)
 
 
 def _module_eager(module, *args, **kwargs):
@@ -111,8 +124,7 @@ class AttentionTap:
         self.modules = attention_modules(model)
         if all(m is None for m in self.modules):
             raise ValueError(f"{type(model).__name__} has no attention module to tap")
-        ref = weakref.WeakMethod(listener) if hasattr(listener, "__self__") else weakref.ref(listener)
-        self._claims = [None if m is None else _Claim(i, ref) for i, m in enumerate(self.modules)]
+        self._claims = [None if m is None else _Claim(i, listener) for i, m in enumerate(self.modules)]
         _acquire(self.name)
         self._finalizer = weakref.finalize(self, _release, self.name)
         self.claim()

@@ -1,0 +1,150 @@
+"""Compiled decode: each decode step one fixed-shape graph, the eviction between steps.
+
+A decode step of a small batch is bound by kernel launches and Python, not by reading weights and K/V.
+:class:`CompiledDecode` runs the model's single-token forward through ``torch.compile`` (inductor;
+CUDA graphs on a GPU) over the cache's :class:`~reasonkv.cache.static.StaticLayout`: the whole K/V
+buffers, a validity mask and the write slot, the same tensors at the same shapes at every step. What
+changes shape stays outside the graph, in eager PyTorch between steps, exactly as without compiling:
+
+- the evictor's bookkeeping (:meth:`Evictor.announce <reasonkv.cache.evictor.Evictor.announce>`), the
+  policy's scoring and the gather into the same buffers (:meth:`Evictor.finish`);
+- the signals a policy reads: the step writes the newest token's hidden states and post-RoPE queries
+  into fixed buffers (:class:`~reasonkv.cache.observe.Captured`), and the observer records them after
+  the step as its hooks record them during an eager forward.
+
+So the graph is traced once per (batch size, capacity); a run that evicts hundreds of times compiles
+once. Caches without a fixed-shape layout (a quantized tier, a hybrid model's sliding layers) decode
+eagerly, and :attr:`CompiledDecode.eager_reason` says why.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch._dynamo.utils import counters
+
+from reasonkv.cache.evicting import EvictingCache
+from reasonkv.cache.static import StaticLayout, static_blocker
+from reasonkv.hf import Forward, StepCapture, synchronize
+
+__all__ = ["CompiledDecode", "compile_backend", "compile_mode"]
+
+
+def compile_backend(compile: bool | str) -> str | None:
+    """The ``torch.compile`` backend that ``compile=`` asks for: None (eager), ``inductor`` for True, or
+    the backend named."""
+    if compile is False:
+        return None
+    if compile is True:
+        return "inductor"
+    backends = torch._dynamo.list_backends(exclude_tags=())
+    if isinstance(compile, str) and compile in backends:
+        return compile
+    raise ValueError(f"compile must be True, False or a torch.compile backend ({', '.join(backends)}), got {compile!r}")
+
+
+def compile_mode(device: torch.device) -> str | None:
+    """``torch.compile``'s mode for ``device``: CUDA graphs on a GPU (``reduce-overhead``), the default on a CPU."""
+    return "reduce-overhead" if device.type == "cuda" else None
+
+
+def _logits(model, cache_key: str, input_ids, position_ids, attention_mask, cache) -> torch.Tensor:
+    """The single-token forward the graph holds: the newest logits ``[batch, vocab]``. (``model.forward``,
+    not ``model(...)``: the evictor's hooks on the model run between steps, not inside the graph.)"""
+    inputs = {cache_key: cache, "position_ids": position_ids, "attention_mask": attention_mask}
+    return model.forward(input_ids=input_ids, use_cache=True, logits_to_keep=1, **inputs).logits[:, -1]
+
+
+# Every run's steps share one compiled function, which holds a graph per (model, batch size, capacity,
+# hooks): more than torch's default of 8. Past this many it fails rather than silently running eager.
+_GRAPH_LIMITS = torch._dynamo.config.patch(recompile_limit=256, fail_on_recompile_limit_hit=True)
+
+_compiled: dict[tuple[str, str | None], object] = {}  # one compiled function per (backend, mode) per process
+
+
+def _compiled_logits(backend: str, mode: str | None):
+    # One wrapper for every run: its traced graphs are reused from one generate call to the next (guarded
+    # by the model and the shapes), instead of each call tracing its own.
+    key = (backend, mode)
+    if key not in _compiled:
+        _compiled[key] = torch.compile(_logits, fullgraph=True, dynamic=False, backend=backend, mode=mode)
+    return _compiled[key]
+
+
+class CompiledDecode:
+    """The decode steps of ``model`` with its attached ``cache``, compiled (after an eager prefill).
+
+    Parameters
+    ----------
+    model, cache
+        The model and the :class:`~reasonkv.cache.EvictingCache` attached to it, which has seen the prompt.
+    backend, mode
+        ``torch.compile``'s backend (default ``inductor``) and mode (default: :func:`compile_mode`).
+
+    Calling it with a step's ``[batch, 1]`` input ids and padding mask (None: every row live) runs the
+    step and returns the newest logits ``[batch, vocab]``; the cache evicts after it as it would after an
+    eager forward. :attr:`compilations` counts the graphs traced, :attr:`warmup_seconds` the time the
+    steps that traced one took (to report apart from decoding speed).
+    """
+
+    def __init__(self, model, cache: EvictingCache, *, backend: str = "inductor", mode: str | None = None):
+        if cache.evictor is None:
+            raise ValueError("CompiledDecode needs an EvictingCache attached to the model (built with model=...)")
+        self.model, self.cache = model, cache
+        self.device = next(model.parameters()).device
+        self.backend, self.mode = backend, compile_mode(self.device) if mode is None else mode
+        self.eager_reason = static_blocker(cache)
+        self.compilations = 0
+        self.warmup_seconds = 0.0
+        self._forward = Forward(model)
+        self._layout = None if self.eager_reason is not None else StaticLayout(cache)
+        self._graph = None if self.eager_reason is not None else _compiled_logits(self.backend, self.mode)
+        self._capture = None if self.eager_reason is not None else StepCapture.of(model)
+
+    @property
+    def compiled(self) -> bool:
+        return self.eager_reason is None
+
+    def describe(self) -> dict:
+        """What ran, for a run's statistics."""
+        return {
+            "compiled": self.compiled,
+            "backend": self.backend if self.compiled else None,
+            "mode": self.mode if self.compiled else None,
+            "compilations": self.compilations,
+            "warmup_seconds": self.warmup_seconds,
+            "eager_reason": self.eager_reason,
+        }
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if input_ids.shape[1] != 1:
+            raise ValueError(f"a compiled decode step takes one token per row, got {input_ids.shape[1]}")
+        if not self.compiled:
+            return self._forward(input_ids, self.cache, attention_mask=attention_mask, last_logits_only=True).logits[
+                :, -1
+            ]
+        evictor, batch = self.cache.evictor, input_ids.shape[0]
+        incoming = None if attention_mask is None else attention_mask[:, -1:].to(dtype=torch.bool)
+        announced = evictor.announce(batch, 1, incoming, input_ids.device)
+        info, dtype = evictor.info, next(self.model.parameters()).dtype
+        self._capture.allocate(batch, info.num_heads, info.head_dim, dtype, self.device)
+        cache, mask = self._layout.open_step()
+        self._capture.tap.claim()  # the attention modules report to the capture, not to an observer's tap
+        graphs, started = counters["stats"]["unique_graphs"], time.perf_counter()
+        self._capture.active = True
+        try:
+            with _GRAPH_LIMITS:
+                logits = self._graph(self.model, self._forward.cache_key, input_ids, announced.positions, mask, cache)
+        finally:
+            self._capture.active = False
+        if counters["stats"]["unique_graphs"] != graphs:  # this step traced and compiled a graph
+            synchronize(self.device)
+            self.compilations += counters["stats"]["unique_graphs"] - graphs
+            self.warmup_seconds += time.perf_counter() - started
+        if self.mode == "reduce-overhead":
+            logits = logits.clone()  # a CUDA graph's output is overwritten by its next replay
+        self._layout.close_step(announced.step_positions)
+        evictor.observe(announced, self._capture)
+        evictor.finish()
+        return logits
