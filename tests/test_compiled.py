@@ -64,6 +64,16 @@ def test_every_policy_decodes_the_same_tokens_compiled_as_eager_in_fp32(deep_lla
         assert compiled[0].stats[key] == eager[0].stats[key], key
 
 
+@pytest.mark.parametrize("policy", ["full", "streaming", "h2o", "snapkv", "epikv", "vase-attnv", "tova", "rkv"])
+def test_in_bf16_a_lone_row_decodes_the_same_tokens_compiled_as_eager(policy):
+    model = tiny_llama(layers=6, dtype=torch.bfloat16)
+    settings = dict(policy=policy, budget=16, buffer=4, max_new_tokens=64, ignore_eos=True, **_options(policy))
+    eager = reasonkv.generate(model, None, [PROMPTS[0]], **settings)
+    compiled = reasonkv.generate(model, None, [PROMPTS[0]], compile="aot_eager", **settings)
+    assert compiled[0].token_ids == eager[0].token_ids
+    assert compiled[0].stats["evictions"] >= 8 or policy == "full"
+
+
 @pytest.mark.parametrize("policy", EVICTING)
 def test_the_oracle_holds_in_the_fixed_shape_layout(policy):
     """Each compiled step's logits equal the full cache's with the evicted positions masked."""
