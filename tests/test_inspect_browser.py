@@ -201,14 +201,17 @@ def test_the_policies_signals_in_chromium(signal_inspection, browser, tmp_path):
         assert pixels != drawn_before
         drawn_before = pixels
 
+        # Outlined: the tokens some (layer, head) reserved, as strongly as the share of heads (the most: opaque).
         at = max((e for e in vase.trace.evictions if e.seen <= eviction.seen), key=lambda e: e.seen, default=None)
-        expected = set() if at is None else set(np.flatnonzero(at.signal("reserve").any((0, 1))).tolist())
+        counts = at.signal("reserve").sum((0, 1))
         outlined = browser.execute_script(
             "return [...document.querySelectorAll('#run-vase-attnv .tok.reserve')]"
-            ".map(s => [Number(s.dataset.pos), getComputedStyle(s).boxShadow]);"
+            ".map(s => [Number(s.dataset.pos), Number(s.dataset.reserve), getComputedStyle(s).boxShadow]);"
         )
-        assert {p for p, _ in outlined} == expected and len(expected) >= 4
-        assert all("204, 121, 167" in shadow for _, shadow in outlined)  # the reserve's outline colour
+        assert {p: n for p, n, _ in outlined} == {p: int(counts[p]) for p in np.flatnonzero(counts)}
+        assert len(outlined) >= 4 and all("204, 121, 167" in shadow for *_, shadow in outlined)
+        strongest = [shadow for p, _, shadow in outlined if counts[p] == counts.max()]
+        assert strongest and all("rgb(204, 121, 167)" in shadow for shadow in strongest)  # opaque
         assert not browser.execute_script("return document.querySelectorAll('#run-epikv .tok.reserve').length;")
     artifacts = Path(os.environ.get("REASONKV_TEST_ARTIFACTS", tmp_path))
     artifacts.mkdir(parents=True, exist_ok=True)

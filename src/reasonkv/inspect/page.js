@@ -194,7 +194,7 @@ function renderLegend() {
   }
   if (runs.some((r) => r.evictions.some((e) => e.signals[RESERVE]))) {
     legend.append(el("span", {}, el("span", { class: "tok reserve", text: "token" }),
-      " in VASE's value-range reserve at this eviction (kept for its value range in at least one head)"));
+      " in VASE's value-range reserve at this eviction (kept for its value range; the stronger, the more heads)"));
   }
 }
 
@@ -270,13 +270,17 @@ function update() {
   for (const run of runs) {
     const e = i === 0 ? null : run.at(t), held = e === null ? null : e.heldCounts();
     const reserve = e === null ? null : e.setCounts(RESERVE);
+    const most = reserve === null ? 0 : Math.max(0, ...reserve);
     drawSignal(run, e);
     drawLines(run, e);
     run.spans.forEach((span, p) => {
       const future = p >= t;
       const reserved = reserve !== null && p < e.seen ? reserve[p] : 0;
+      // The outline is as strong as the share of reserving (layer, head) slots, against the most any token has.
       span.classList.toggle("reserve", reserved > 0);
       span.dataset.reserve = String(reserved);
+      span.style.boxShadow = reserved > 0 ? `inset 0 0 0 2px rgba(204, 121, 167, ${(reserved / most).toFixed(3)})` : "";
+      span.title = reserved > 0 ? `in the value-range reserve of ${reserved} of ${run.slots} (layer, head) slots` : "";
       const count = future ? 0 : held === null || p >= e.seen ? run.slots : held[p];
       span.classList.toggle("future", future);
       span.dataset.held = String(count);
