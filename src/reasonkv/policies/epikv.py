@@ -346,7 +346,8 @@ class EPIKV(Policy):
         """The two sides of the score of each stored token, ``[rows, slots]``: ``band_a`` (``z_a``, the
         important layer or band) and ``band_b`` (``z_b``, the filler one), whose difference is ``s``
         (``raw``: ``gbar_a`` and ``gbar_b``). ``NaN`` for padding and tokens not scored yet (``lag``'s
-        pending ones). Recomputed from the stored ``g`` as the score was: nothing of the state changes."""
+        pending ones). Recomputed from the stored ``g`` by the score's own maths; the state changes only as
+        :meth:`score` changes it (tokens due are scored)."""
         positions, rows = view.token_positions(), view.rows
         unscored = self.token_scores(positions, rows).isnan()  # scores whatever is due first
         state = self._state
