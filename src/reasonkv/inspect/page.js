@@ -270,7 +270,7 @@ function update() {
   for (const run of runs) {
     const e = i === 0 ? null : run.at(t), held = e === null ? null : e.heldCounts();
     const reserve = e === null ? null : e.setCounts(RESERVE);
-    const most = reserve === null ? 0 : Math.max(0, ...reserve);
+    const most = reserve === null ? 0 : reserve.reduce((a, b) => Math.max(a, b), 0);
     drawSignal(run, e);
     drawLines(run, e);
     run.spans.forEach((span, p) => {
@@ -325,7 +325,8 @@ function drawLines(run, e) {
     ({ ...l, values: held.map((p, j) => e.signals[l.name].data[row * held.length + j]) }));
   const finite = series.flatMap((s) => s.values.filter(Number.isFinite));
   if (!finite.length) return;
-  const low = Math.min(0, ...finite), high = Math.max(0, ...finite), span = Math.max(high - low, 1e-9);
+  const low = finite.reduce((a, b) => Math.min(a, b), 0), high = finite.reduce((a, b) => Math.max(a, b), 0);
+  const span = Math.max(high - low, 1e-9);
   const y = (v) => h - 2 - ((v - low) / span) * (h - 4), x = w / run.pieces.length;
   ctx.strokeStyle = "#bbb";
   ctx.setLineDash([]);
