@@ -154,3 +154,67 @@ def test_the_page_in_chromium(inspection, browser, tmp_path):
         if message["method"] == "Network.requestWillBeSent":
             requests.append(message["params"]["request"]["url"])
     assert requests and all(url == page.resolve().as_uri() for url in requests), requests
+
+
+@pytest.fixture(scope="module")
+def signal_inspection() -> Inspection:
+    specs = [
+        CacheSpec.build("epikv", 12, 4),
+        CacheSpec.build("vase-attnv", 12, 4, window=4, query_window=4, reserve=4),
+    ]
+    return inspect_prompt(tiny_llama(), NoEosTokenizer(), "What is two plus two? Think.", specs, max_new_tokens=40)
+
+
+def near(pixels: list[int], colour: tuple[int, int, int]) -> int:
+    """How many opaque pixels of RGBA ``pixels`` are close to ``colour`` (lines are anti-aliased)."""
+    return sum(
+        1
+        for i in range(0, len(pixels), 4)
+        if pixels[i + 3] > 200 and sum(abs(pixels[i + k] - colour[k]) for k in range(3)) < 60
+    )
+
+
+def test_the_policies_signals_in_chromium(signal_inspection, browser, tmp_path):
+    """At each eviction, EPIKV's band A and band B are drawn as two lines under its text (one point per token
+    the policy scored), and the tokens of VASE's value-range reserve are outlined, exactly those the trace holds."""
+    page = write_page(tmp_path / "signals.html", signal_inspection)
+    browser.get(page.resolve().as_uri())
+    epikv, vase = signal_inspection.runs[1], signal_inspection.runs[2]
+    moments = sorted({e.seen for run in signal_inspection.runs for e in run.trace.evictions})
+    legend = browser.find_element("id", "legend").text
+    assert "value-range reserve" in legend
+    drawn_before = None
+    for eviction in (epikv.trace.evictions[1], epikv.trace.evictions[-1]):
+        browser.execute_script(
+            "const s = document.getElementById('moment'); s.value = arguments[0]; s.dispatchEvent(new Event('input'));",
+            moments.index(eviction.seen) + 1,
+        )
+        drawn, pixels = browser.execute_script(
+            "const c = document.querySelector('canvas.lines[data-run=\"epikv\"]');"
+            "return [JSON.parse(c.dataset.drawn), [...c.getContext('2d').getImageData(0, 0, c.width, c.height).data]];"
+        )
+        finite = {
+            name: int(np.isfinite(eviction.signal(name).astype(np.float32)).sum()) for name in ("band_a", "band_b")
+        }
+        assert drawn == finite and min(finite.values()) >= 8
+        assert near(pixels, (0, 114, 178)) > 50 and near(pixels, (230, 159, 0)) > 30  # band A blue, band B orange
+        assert pixels != drawn_before
+        drawn_before = pixels
+
+        # Outlined: the tokens some (layer, head) reserved, as strongly as the share of heads (the most: opaque).
+        at = max((e for e in vase.trace.evictions if e.seen <= eviction.seen), key=lambda e: e.seen, default=None)
+        counts = at.signal("reserve").sum((0, 1))
+        outlined = browser.execute_script(
+            "return [...document.querySelectorAll('#run-vase-attnv .tok.reserve')]"
+            ".map(s => [Number(s.dataset.pos), Number(s.dataset.reserve), getComputedStyle(s).boxShadow]);"
+        )
+        assert {p: n for p, n, _ in outlined} == {p: int(counts[p]) for p in np.flatnonzero(counts)}
+        assert len(outlined) >= 4 and all("204, 121, 167" in shadow for *_, shadow in outlined)
+        strongest = [shadow for p, _, shadow in outlined if counts[p] == counts.max()]
+        assert strongest and all("rgb(204, 121, 167)" in shadow for shadow in strongest)  # opaque
+        assert not browser.execute_script("return document.querySelectorAll('#run-epikv .tok.reserve').length;")
+    artifacts = Path(os.environ.get("REASONKV_TEST_ARTIFACTS", tmp_path))
+    artifacts.mkdir(parents=True, exist_ok=True)
+    assert browser.save_screenshot(str(artifacts / "inspect-signals.png"))
+    errors = [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
+    assert not errors, errors

@@ -60,6 +60,30 @@ def test_the_page_is_self_contained_and_carries_the_trace(tmp_path, one_torch_th
     assert data["runs"][1]["settings"]["budget"] == 12 and data["runs"][1]["settings"]["policy"] == "h2o"
 
 
+def test_the_page_carries_the_policies_signals(one_torch_thread):
+    """EPIKV's two bands and VASE's value ranges and reserve reach the page as the trace holds them."""
+    specs = [
+        CacheSpec.build("epikv", 12, 4),
+        CacheSpec.build("vase-attnv", 12, 4, window=4, query_window=4, reserve=4),
+    ]
+    inspection = inspect_prompt(tiny_llama(), NoEosTokenizer(), PROMPT, specs, max_new_tokens=30)
+    data = embedded_data(render_page(inspection))
+    expected = {"full": set(), "epikv": {"band_a", "band_b"}, "vase-attnv": {"value_range", "reserve"}}
+    for run, shown in zip(inspection.runs, data["runs"], strict=True):
+        assert len(shown["evictions"]) == len(run.trace.evictions) >= (0 if run.name == "full" else 3)
+        for eviction, raw in zip(run.trace.evictions, shown["evictions"], strict=True):
+            assert set(raw["signals"]) == set(eviction.signals) == expected[run.name]
+            for name, signal in raw["signals"].items():
+                stored = base64.b64decode(signal["data"])
+                if signal["kind"] == "set":
+                    assert np.array_equal(np.frombuffer(stored, np.uint8), eviction.signals[name].ravel())
+                else:
+                    values = np.frombuffer(stored, "<f2")
+                    assert np.array_equal(values, eviction.signals[name].ravel(), equal_nan=True)
+    vase = inspection.runs[2].trace.evictions[-1]
+    assert vase.signal("reserve").sum() == 4 * vase.kept_mask().shape[1] * len(inspection.runs[2].trace.evicting)
+
+
 def test_write_page_overwrites_only_its_own_pages(tmp_path, one_torch_thread):
     inspection = small_inspection(max_new_tokens=20)
     path = write_page(tmp_path / "page.html", inspection)
@@ -124,7 +148,13 @@ def demo_shaped_inspection(seed: int = 0) -> Inspection:
         for seen in range(budget + buffer, prompt + new, buffer):
             bits = np.packbits(rng.random((layers, heads, seen)) < 0.3, axis=-1)
             scores = rng.standard_normal((layers, heads, budget + buffer)).astype(np.float16)
-            evictions.append(Eviction(seen, bits, bits, bits, scores=scores))
+            if name == "epikv":  # one kept set: two bands per token
+                signals = {band: scores[0, 0] for band in ("band_a", "band_b")}
+            elif name == "vase-attnv":  # per layer and head: value ranges and the reserve
+                signals = {"value_range": scores, "reserve": bits}
+            else:
+                signals = {}
+            evictions.append(Eviction(seen, bits, bits, bits, scores=scores, signals=signals))
         settings = {"policy": name, "budget": budget, "buffer": buffer}
         trace = Trace(tuple(range(layers)), ("full",) * layers, heads, settings, evictions)
         runs.append(Run(name, ids[:prompt], ids[prompt:], pieces, trace))

@@ -107,6 +107,76 @@ def test_trace_on_a_hybrid_model_shows_the_sliding_layers_as_such(policy, one_to
     assert trace.kinds == ("sliding", "full", "sliding", "full") and trace.layers == (0, 1, 2, 3)
 
 
+@pytest.mark.parametrize("variant", ["zscore", "band", "raw"])
+def test_epikv_records_its_two_bands_whose_difference_is_its_score(variant, one_torch_thread):
+    """At every eviction: band A minus band B is the score the policy ranked with (float16 apart)."""
+    kw = dict(budget=12, buffer=4, max_new_tokens=28, seed=3, variant=variant)
+    [result] = reasonkv.generate(tiny_llama(), NoEosTokenizer(), PROMPT, policy="epikv", trace=True, **kw)
+    assert len(result.trace.evictions) >= 3
+    for eviction in result.trace.evictions:
+        a, b = (eviction.signal(name).astype(np.float32) for name in ("band_a", "band_b"))
+        score = eviction.scores[0, 0].astype(np.float32)  # one kept set: every layer and head scores alike
+        assert a.shape == b.shape == score.shape == (eviction.before_mask()[0, 0].sum(),)
+        assert (eviction.scores == eviction.scores[0, 0]).all()
+        difference = np.nan_to_num(a - b) if variant == "raw" else a - b  # raw: an undefined mean scores 0
+        tolerance = 1e-3 * (np.abs(np.nan_to_num(a)) + np.abs(np.nan_to_num(b)) + np.abs(score)) + 1e-6
+        assert (np.abs(difference - score) <= tolerance).all(), (variant, eviction.seen, difference, score)
+        assert np.ptp(np.nan_to_num(a)) > 0.01 and not np.allclose(np.nan_to_num(a), np.nan_to_num(b))
+
+
+def test_epikv_lag_records_no_band_of_a_token_it_has_not_scored(one_torch_thread):
+    """``lag``: the pending tokens (ranked first, above every position) have no bands; the others are ordered
+    by band A minus band B, as the policy ranked them."""
+    kw = dict(budget=12, buffer=4, max_new_tokens=28, seed=3, variant="lag", lag=4)
+    [result] = reasonkv.generate(tiny_llama(), NoEosTokenizer(), PROMPT, policy="epikv", trace=True, **kw)
+    for eviction in result.trace.evictions:
+        a, b = (eviction.signal(name).astype(np.float32) for name in ("band_a", "band_b"))
+        score = eviction.scores[0, 0].astype(np.float32)
+        pending = score >= len(score)  # "recent": the slot count plus the position
+        assert pending.any() and (~pending).sum() >= 4
+        assert np.array_equal(np.isnan(a), pending) and np.array_equal(np.isnan(b), pending)
+        difference = (a - b)[~pending]
+        ranked = score[~pending]
+        clearly_below = difference[:, None] + 0.01 < difference[None, :]
+        assert clearly_below.any() and (ranked[:, None] < ranked[None, :])[clearly_below].all()
+
+
+@pytest.mark.parametrize("policy", ["vase-attnv", "vase-dkv"])
+def test_vase_records_the_value_ranges_and_the_reserve_it_kept(policy, one_torch_thread):
+    """The recorded value range of every kept token is its value's in the cache; the reserve is the ``N_v``
+    unprotected tokens of each head with the largest range, and the policy kept all of them."""
+    reserve, budget = 4, 12
+    checked = []
+
+    def check(step, cache):
+        evictions = cache.evictor.recorder.by_row[0]
+        if len(evictions) == len(checked):
+            return
+        last: Eviction = evictions[-1]
+        before, kept, protected = last.before_mask(), last.kept_mask(), last.protected_mask()
+        ranges, reserved = last.signal("value_range").astype(np.float32), last.signal("reserve")
+        for e, layer in enumerate(cache.full_layers):
+            values = cache.layers[layer].values[0].float()  # [heads, slots, head_dim], after the gather
+            for h, slots in enumerate(cache.positions(layer)[0].tolist()):
+                held = np.flatnonzero(before[e, h]).tolist()
+                for slot, position in enumerate(slots):
+                    if position >= 0:
+                        in_cache = float(values[h, slot].max() - values[h, slot].min())
+                        assert ranges[e, h, held.index(position)] == pytest.approx(in_cache, rel=2e-3, abs=1e-4)
+                candidates = before[e, h] & ~protected[e, h]
+                assert reserved[e, h].sum() == min(reserve, budget - protected[e, h].sum(), candidates.sum())
+                assert (reserved[e, h] <= candidates).all() and (reserved[e, h] <= kept[e, h]).all()
+                by_position = np.full(last.seen, np.nan, dtype=np.float32)
+                by_position[held] = ranges[e, h]
+                others = candidates & ~reserved[e, h]
+                assert by_position[reserved[e, h]].min() >= by_position[others].max(), (policy, e, h)
+        checked.append(last.seen)
+
+    kw = dict(budget=budget, buffer=4, max_new_tokens=28, seed=3, reserve=reserve, **_options(policy))
+    [result] = reasonkv.generate(tiny_llama(), NoEosTokenizer(), PROMPT, policy=policy, trace=True, on_step=check, **kw)
+    assert len(checked) == len(result.trace.evictions) >= 3
+
+
 def test_a_trace_round_trips_through_its_file(tmp_path, one_torch_thread):
     [result] = reasonkv.generate(
         tiny_llama(), NoEosTokenizer(), PROMPT, policy="h2o", budget=10, buffer=4, max_new_tokens=20, trace=True
@@ -120,6 +190,22 @@ def test_a_trace_round_trips_through_its_file(tmp_path, one_torch_thread):
     for a, b in zip(trace.evictions, result.trace.evictions, strict=True):
         assert a.seen == b.seen and np.array_equal(a.kept, b.kept) and np.array_equal(a.scores, b.scores)
         assert np.array_equal(a.ranks, b.ranks) and a.ranks is not None
+    [vase] = reasonkv.generate(
+        tiny_llama(),
+        NoEosTokenizer(),
+        PROMPT,
+        policy="vase-attnv",
+        budget=10,
+        buffer=4,
+        max_new_tokens=20,
+        trace=True,
+        **_options("vase-attnv"),
+    )
+    save_trace(path, {"vase-attnv": {"trace": vase.trace}})
+    for a, b in zip(load_trace(path)["vase-attnv"]["trace"].evictions, vase.trace.evictions, strict=True):
+        assert set(a.signals) == set(b.signals) == {"value_range", "reserve"}
+        assert all(np.array_equal(a.signal(name), b.signal(name)) for name in a.signals)
+        assert a.signal("reserve").dtype == bool and a.signal("reserve").any()
     (tmp_path / "other.npz").write_bytes(b"not a trace")
     with pytest.raises(ValueError, match="not a reasonkv trace"):
         load_trace(tmp_path / "other.npz")

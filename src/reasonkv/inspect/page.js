@@ -1,5 +1,7 @@
 // reasonkv inspect: colour each token by how many (layer, head) slots hold it after the chosen eviction,
 // mark where each run departs from full, and show a clicked token's layer x head grid over the evictions.
+// A policy's per-token signals at the chosen eviction: values as lines under the text (EPIKV's two bands, VASE's
+// value range), a set of positions as outlined tokens (VASE's value-range reserve).
 "use strict";
 
 const DATA = JSON.parse(document.getElementById("data").textContent);
@@ -12,6 +14,14 @@ const STATES = {
   gone: "evicted earlier",
   window: "in a sliding layer's window",
 };
+// Signals drawn as lines: their words and Okabe-Ito colour and dash (colour-blind safe); others get the rest.
+const LINES = {
+  band_a: ["band A (important layers)", "#0072B2", []],
+  band_b: ["band B (filler layers)", "#E69F00", [5, 3]],
+  value_range: ["value range max(v) - min(v)", "#009E73", []],
+};
+const SPARE = [["#CC79A7", [2, 2]], ["#56B4E9", [8, 3]], ["#000000", []]];
+const RESERVE = "reserve";  // the set of positions outlined
 
 function bytes(b64) {
   if (b64 === null) return null;
@@ -49,7 +59,23 @@ class Eviction {
     this.scores = halfs(raw.scores);
     const ranks = bytes(raw.ranks);
     this.ranks = ranks === null ? null : raw.rankBytes === 4 ? new Int32Array(ranks.buffer) : new Int16Array(ranks.buffer);
+    this.signals = {};
+    for (const [name, s] of Object.entries(raw.signals || {})) {
+      this.signals[name] = { kind: s.kind, data: s.kind === "set" ? bytes(s.data) : halfs(s.data) };
+    }
     this.held = null;
+    this.sets = {};
+  }
+  // How many (layer, head) rows of a set signal hold each position (a token-granularity policy has one row).
+  setCounts(name) {
+    const signal = this.signals[name];
+    if (!signal || signal.kind !== "set") return null;
+    if (!(name in this.sets)) {
+      const counts = new Uint16Array(this.seen), rows = signal.data.length / this.stride;
+      for (let r = 0; r < rows; r++) for (let p = 0; p < this.seen; p++) counts[p] += this.bit(signal.data, r, p);
+      this.sets[name] = counts;
+    }
+    return this.sets[name];
   }
   bit(mask, row, p) {
     return (mask[row * this.stride + (p >> 3)] >> (7 - (p & 7))) & 1;
@@ -166,6 +192,20 @@ function renderLegend() {
   for (const [state, words] of Object.entries(STATES)) {
     legend.append(el("span", {}, el("span", { class: `swatch s-${state}` }), words));
   }
+  if (runs.some((r) => r.evictions.some((e) => e.signals[RESERVE]))) {
+    legend.append(el("span", {}, el("span", { class: "tok reserve", text: "token" }),
+      " in VASE's value-range reserve at this eviction (kept for its value range; the stronger, the more heads)"));
+  }
+}
+
+// The value signals a run recorded, each with its words, colour and dash.
+function lineStyles(run) {
+  const names = [...new Set(run.evictions.flatMap((e) => Object.keys(e.signals).filter((n) => e.signals[n].kind === "values")))];
+  let spare = 0;
+  return names.map((name) => {
+    const [words, colour, dash] = LINES[name] || [name, ...SPARE[spare++ % SPARE.length]];
+    return { name, words, colour, dash };
+  });
 }
 
 function continuation(run, from) {
@@ -195,11 +235,28 @@ function renderRuns() {
     }
     box.append(text);
     if (run.evictions.some((e) => e.scores !== null)) {
-      const what = run.name.startsWith("epikv") ? "EPIKV's signal (band A z-score minus band B)" : "the policy's score";
+      const lag = run.settings.variant === "lag";
+      const what = !run.name.startsWith("epikv") ? "the policy's score" : lag ?
+        "EPIKV's order (tokens not yet scored first, then band A minus band B)" : "EPIKV's score (band A minus band B)";
       const where = run.settings.granularity === "token" ? "" : ", first evicting layer, head 0";
       run.canvas = el("canvas", { class: "signal", width: "800", height: "40" });
       box.append(el("div", { class: "options", text: `${what} of each held token at the chosen eviction${where}; ` +
         "blue: kept, vermillion: evicted" }), run.canvas);
+    }
+    run.lines = lineStyles(run);
+    if (run.lines.length) {
+      const where = run.settings.granularity === "token" ? "" : " (first evicting layer, head 0)";
+      const epikv = run.lines.some((l) => l.name === "band_a") ? ", each band's residual-stream change" +
+        (run.settings.variant === "raw" ? "" : " as a z-score") : "";
+      const key = el("div", { class: "options" },
+        `the policy's signals of each held token at the chosen eviction${where}${epikv}: `);
+      for (const line of run.lines) {
+        const swatch = el("span", { class: "line-key" });
+        swatch.style.borderTop = `2px ${line.dash.length ? "dashed" : "solid"} ${line.colour}`;
+        key.append(el("span", { class: "line-name", "data-signal": line.name }, swatch, ` ${line.words} `));
+      }
+      run.lineCanvas = el("canvas", { class: "signal lines", width: "800", height: "60", "data-run": run.name });
+      box.append(key, run.lineCanvas);
     }
     main.append(box);
   }
@@ -212,9 +269,18 @@ function update() {
   document.getElementById("moment-label").textContent = label;
   for (const run of runs) {
     const e = i === 0 ? null : run.at(t), held = e === null ? null : e.heldCounts();
+    const reserve = e === null ? null : e.setCounts(RESERVE);
+    const most = reserve === null ? 0 : reserve.reduce((a, b) => Math.max(a, b), 0);
     drawSignal(run, e);
+    drawLines(run, e);
     run.spans.forEach((span, p) => {
       const future = p >= t;
+      const reserved = reserve !== null && p < e.seen ? reserve[p] : 0;
+      // The outline is as strong as the share of reserving (layer, head) slots, against the most any token has.
+      span.classList.toggle("reserve", reserved > 0);
+      span.dataset.reserve = String(reserved);
+      span.style.boxShadow = reserved > 0 ? `inset 0 0 0 2px rgba(204, 121, 167, ${(reserved / most).toFixed(3)})` : "";
+      span.title = reserved > 0 ? `in the value-range reserve of ${reserved} of ${run.slots} (layer, head) slots` : "";
       const count = future ? 0 : held === null || p >= e.seen ? run.slots : held[p];
       span.classList.toggle("future", future);
       span.dataset.held = String(count);
@@ -242,6 +308,49 @@ function drawSignal(run, e) {
     const y = (v / top) * (h / 2 - 1);
     ctx.fillRect(p * x, y > 0 ? h / 2 - y : h / 2, Math.max(1, x - 0.5), Math.abs(y));
   });
+}
+
+// The run's value signals at eviction e as lines over the positions (x: a position's share of the output),
+// one scale for all so that the bands compare; a gap where a value is missing. Records what it drew.
+function drawLines(run, e) {
+  const canvas = run.lineCanvas;
+  if (!canvas) return;
+  const ctx = canvas.getContext("2d"), w = canvas.width, h = canvas.height, drawn = {};
+  ctx.clearRect(0, 0, w, h);
+  canvas.dataset.drawn = "{}";
+  if (e === null) return;
+  const row = 0, held = [];  // the first evicting layer's head 0 (a token-granularity signal has that row only)
+  for (let p = 0; p < e.seen; p++) if (e.bit(e.before, row, p)) held.push(p);
+  const series = run.lines.filter((l) => e.signals[l.name]).map((l) =>
+    ({ ...l, values: held.map((p, j) => e.signals[l.name].data[row * held.length + j]) }));
+  const finite = series.flatMap((s) => s.values.filter(Number.isFinite));
+  if (!finite.length) return;
+  const low = finite.reduce((a, b) => Math.min(a, b), 0), high = finite.reduce((a, b) => Math.max(a, b), 0);
+  const span = Math.max(high - low, 1e-9);
+  const y = (v) => h - 2 - ((v - low) / span) * (h - 4), x = w / run.pieces.length;
+  ctx.strokeStyle = "#bbb";
+  ctx.setLineDash([]);
+  ctx.beginPath();
+  ctx.moveTo(0, y(0));
+  ctx.lineTo(w, y(0));
+  ctx.stroke();
+  for (const s of series) {
+    ctx.strokeStyle = s.colour;
+    ctx.lineWidth = 1.5;
+    ctx.setLineDash(s.dash);
+    ctx.beginPath();
+    let open = false, count = 0;
+    held.forEach((p, j) => {
+      const v = s.values[j];
+      if (!Number.isFinite(v)) { open = false; return; }
+      if (open) ctx.lineTo((p + 0.5) * x, y(v)); else ctx.moveTo((p + 0.5) * x, y(v));
+      open = true;
+      count++;
+    });
+    ctx.stroke();
+    drawn[s.name] = count;
+  }
+  canvas.dataset.drawn = JSON.stringify(drawn);
 }
 
 function showGrid(run, p) {

@@ -2,7 +2,8 @@
 nothing fetched, so it opens from ``file://`` and can be mailed or committed.
 
 The data is JSON inside the page: per run its token texts, where it departs from ``full``, and each eviction's
-packed masks and float16 scores in base64 (as the trace holds them; the script unpacks them). The script
+packed masks, float16 scores and the policy's per-token signals in base64 (as the trace holds them; the script
+unpacks them). The script
 (``page.js``) and the styles (``page.css``) sit next to this module.
 """
 
@@ -61,10 +62,18 @@ def _run_data(run: Run, full: Run | None) -> dict:
                     None if e.ranks is None else e.ranks.astype("<i4" if e.ranks.dtype == np.int32 else "<i2")
                 ),
                 "rankBytes": None if e.ranks is None else e.ranks.dtype.itemsize,
+                "signals": {name: _signal(value) for name, value in e.signals.items()},
             }
             for e in trace.evictions
         ],
     }
+
+
+def _signal(value: np.ndarray) -> dict:
+    """A trace's signal for the script: a set of positions (packed, as the masks) or float16 values."""
+    if value.dtype == np.uint8:
+        return {"kind": "set", "data": _b64(value)}
+    return {"kind": "values", "data": _b64(value.astype("<f2"))}
 
 
 def _b64(array: np.ndarray | None) -> str | None:

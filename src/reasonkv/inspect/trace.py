@@ -6,9 +6,11 @@ evictor around each gather; it reads the cache and the policy's view and keeps, 
 
 Positions are kept as bit masks over the row's logical positions, packed eight to a byte
 (``numpy.packbits``), and scores in float16, so that a trace of 2,048 tokens x 30 layers x 3 kv-heads x 16
-evictions takes about 2 MB. Layers are the cache's layers that hold tokens: the evicting (full-attention)
-layers and, on hybrid models, the sliding-window layers (their window, the same in every head); linear
-layers hold no tokens and are not traced.
+evictions takes about 2 MB. A policy's per-token signals (:meth:`~reasonkv.policies.base.Policy.signals`:
+EPIKV's two bands, VASE's value ranges and reserve) are kept alike, float16 or packed. Layers are the
+cache's layers that hold tokens: the evicting (full-attention) layers and, on hybrid models, the
+sliding-window layers (their window, the same in every head); linear layers hold no tokens and are not
+traced.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ __all__ = ["Eviction", "Trace", "TraceRecorder", "load_trace", "save_trace"]
 
 FORMAT = "reasonkv-trace/1"
 ARRAYS = ("kept", "before", "protected", "quantized", "scores", "ranks")  # an Eviction's arrays
+SIGNAL = "signal."  # the file's key of a signal: "{run}.{eviction}.signal.{name}"
 
 
 def pack(mask: np.ndarray) -> np.ndarray:
@@ -51,7 +54,11 @@ class Eviction:
     ``[evicting, heads, n]`` float16, the policy's score of each position of ``before`` in increasing
     position order (None for a policy that keeps without scoring); ``ranks``, likewise, each position's
     rank in the policy's ranking (1 = kept first; without a quantized tier the kept are ranks 1 to K;
-    None for a policy that keeps without ranking). Every mask is packed (:func:`pack`).
+    None for a policy that keeps without ranking). ``signals``: the policy's per-token signals by name
+    (:meth:`~reasonkv.policies.base.Policy.signals`), over the positions of ``before`` in increasing order:
+    a float one as float16 ``[n]`` (a token-granularity policy) or ``[evicting, heads, n]``, a set of
+    positions as a packed mask ``[seen bytes]`` or ``[evicting, heads, seen bytes]`` (uint8; see
+    :meth:`signal`). Every mask is packed (:func:`pack`).
     """
 
     seen: int
@@ -61,6 +68,12 @@ class Eviction:
     quantized: np.ndarray | None = None
     scores: np.ndarray | None = None
     ranks: np.ndarray | None = None
+    signals: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def signal(self, name: str) -> np.ndarray:
+        """One signal: float16 values as recorded, or a set of positions unpacked to bool ``[..., seen]``."""
+        value = self.signals[name]
+        return unpack(value, self.seen) if value.dtype == np.uint8 else value
 
     def kept_mask(self) -> np.ndarray:
         """``[layers, heads, seen]`` bool."""
@@ -98,6 +111,7 @@ class Trace:
     def nbytes(self) -> int:
         """Bytes the arrays hold."""
         arrays = [getattr(e, key) for e in self.evictions for key in ARRAYS]
+        arrays += [a for e in self.evictions for a in e.signals.values()]
         return sum(a.nbytes for a in arrays if a is not None)
 
 
@@ -136,10 +150,10 @@ class TraceRecorder:
         else:
             protected = torch.stack([view.at(i).protected() for i in evicting], 1)
         scores, ranks = self._scores(view, evicting, before), self._ranks(view, evicting, before)
-        self._pending = (rows, before, protected, scores, ranks)
+        self._pending = (rows, before, protected, scores, ranks, self._signals(view, evicting, before))
 
     def after_gather(self) -> None:
-        rows, before, protected, scores, ranks = self._pending
+        rows, before, protected, scores, ranks, signals = self._pending
         self._pending = None
         cache = self.cache
         seen = cache.next_position.index_select(0, rows).tolist()
@@ -159,6 +173,7 @@ class TraceRecorder:
                 quantized=None if quantized is None else pack(np.stack([_mask(q[j], n) for q in quantized])),
                 scores=None if scores is None else _in_position_order(scores[j], before[j], torch.float16),
                 ranks=None if ranks is None else _in_position_order(ranks[j], before[j], _rank_dtype(ranks)),
+                signals={name: self._signal_of_row(value[j], before[j], n) for name, value in signals.items()},
             )
             self.by_row[row].append(eviction)
 
@@ -169,6 +184,26 @@ class TraceRecorder:
         if self.policy.granularity == "token":
             return self.policy.score(view).float()[:, None, None, :].expand(before.shape)
         return torch.stack([self.policy.score(view.at(i)).float() for i in evicting], 1)
+
+    def _signals(self, view: EvictionView, evicting: list[int], before: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``name -> [rows, L, H, S]``: the policy's per-token signals of the stored slots (none for most)."""
+        if type(self.policy).signals is Policy.signals:
+            return {}
+        if self.policy.granularity == "token":
+            return {
+                name: value[:, None, None, :].expand(before.shape) for name, value in self.policy.signals(view).items()
+            }
+        layers = [self.policy.signals(view.at(i)) for i in evicting]
+        return {name: torch.stack([signals[name] for signals in layers], 1) for name in layers[0]}
+
+    def _signal_of_row(self, value: torch.Tensor, before: torch.Tensor, seen: int) -> np.ndarray:
+        """One row's ``[L, H, S]`` signal as the trace keeps it: float16 values in position order, or a packed
+        mask of the positions in the set; one ``[n]`` / ``[bytes]`` for a token-granularity policy."""
+        if value.dtype == torch.bool:
+            out = pack(_mask(torch.where(value, before, -1), seen))
+        else:
+            out = _in_position_order(value.float(), before, torch.float16)
+        return out[0, 0] if self.policy.granularity == "token" else out
 
     def _ranks(self, view: EvictionView, evicting: list[int], before: torch.Tensor) -> torch.Tensor | None:
         """``[rows, L, H, S]``: each slot's rank in the policy's ranking, 1 first (ties: the newer slot first,
@@ -243,6 +278,8 @@ def save_trace(path: Path | str, traces: dict[str, dict]) -> None:
                 value = getattr(eviction, key)
                 if value is not None:
                     arrays[f"{r}.{e}.{key}"] = value
+            for name, value in eviction.signals.items():
+                arrays[f"{r}.{e}.{SIGNAL}{name}"] = value
     arrays["meta"] = np.frombuffer(json.dumps(meta, default=str).encode(), dtype=np.uint8)
     with open(path, "wb") as handle:
         np.savez_compressed(handle, **arrays)
@@ -267,7 +304,9 @@ def load_trace(path: Path | str) -> dict[str, dict]:
         evictions = []
         for e, n in enumerate(seen):
             parts = {k: data[f"{r}.{e}.{k}"] for k in ARRAYS if f"{r}.{e}.{k}" in data}
-            evictions.append(Eviction(seen=n, **parts))
+            prefix = f"{r}.{e}.{SIGNAL}"
+            signals = {key[len(prefix) :]: data[key] for key in data.files if key.startswith(prefix)}
+            evictions.append(Eviction(seen=n, **parts, signals=signals))
         trace = Trace(
             tuple(run.pop("layers")), tuple(run.pop("kinds")), run.pop("heads"), run.pop("settings"), evictions
         )

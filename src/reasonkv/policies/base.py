@@ -106,6 +106,13 @@ class Policy:
         ``budget`` of :meth:`ranking`."""
         return select.keep_ranked(self.ranking(view), k=view.budget)
 
+    def signals(self, view: EvictionView) -> dict[str, torch.Tensor]:
+        """The per-token signals this policy scored with at this eviction, by name, for an eviction trace
+        (:mod:`reasonkv.inspect.trace`) to show; read-only, never needed to evict. Each is shaped like the
+        scores (``[rows, slots]`` or ``[rows, kv_heads, slots]``): float (``NaN`` = none) or bool (a set of
+        slots). None by default."""
+        return {}
+
     @classmethod
     def can_rank(cls) -> bool:
         """Whether :meth:`ranking` orders the slots the way :meth:`keep` takes them, so that a

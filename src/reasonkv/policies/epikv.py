@@ -291,24 +291,29 @@ class EPIKV(Policy):
         """Scores of the tokens at ``positions`` ``[batch, q]`` whose signals ``g`` ``[batch, used, q]``
         are already in the table (the history window reads the table)."""
         state = self._state
+        used = len(state.layers)
+        side_a, side_b = self._causal_sides(positions, g, lambda at: state.table.get(at, bound=state.bound)[:, :used])
+        s = side_a - side_b
+        return s.nan_to_num(0.0) if self.variant == "raw" else s
+
+    def _causal_sides(self, positions: torch.Tensor, g: torch.Tensor, read) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(side_a, side_b)`` ``[batch, q]`` of the non-``lag`` variants (``raw``: ``gbar_a``, ``gbar_b``,
+        ``NaN`` where undefined; else ``z_a``, ``z_b``): the score is their difference. ``read(positions)``
+        gives the table's ``g`` ``[batch, used, n]`` at ``positions`` ``[batch, n]``."""
         batch, used, q = g.shape
         if self.variant == "raw":
             start, length = 1 - self.smooth, self.smooth
         else:
             start, length = -self.stats_window, self.stats_window
         chunk = max(1, _WINDOW_ELEMENTS // max(1, batch * (used + 1) * length))
-        parts = []
+        sides_a, sides_b = [], []
         for lo in range(0, q, chunk):
             hi = min(q, lo + chunk)
-            history = state.table.get(window_positions(positions[:, lo:hi], start, length), bound=state.bound)[:, :used]
-            history = history.reshape(batch, used, hi - lo, length)
-            if self.variant == "raw":
-                gbar = window_mean(history)
-                parts.append((_side(gbar, state.a) - _side(gbar, state.b)).nan_to_num(0.0))
-                continue
-            z = rolling_zscore(g[..., lo:hi], history, self.eps)
-            parts.append(_side(z, state.a) - _side(z, state.b))
-        return torch.cat(parts, dim=-1)
+            history = read(window_positions(positions[:, lo:hi], start, length)).reshape(batch, used, hi - lo, length)
+            z = window_mean(history) if self.variant == "raw" else rolling_zscore(g[..., lo:hi], history, self.eps)
+            sides_a.append(_side(z, self._state.a))
+            sides_b.append(_side(z, self._state.b))
+        return torch.cat(sides_a, dim=-1), torch.cat(sides_b, dim=-1)
 
     # -- eviction -----------------------------------------------------------------------------------
     def token_scores(self, positions: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -336,6 +341,33 @@ class EPIKV(Policy):
         finalised = scores.masked_fill(scores.isnan(), float("-inf"))
         rank = finalised.argsort(dim=-1).argsort(dim=-1).float()
         return torch.where(pending, scores.shape[-1] + positions.float(), rank)
+
+    def signals(self, view) -> dict[str, torch.Tensor]:
+        """The two sides of the score of each stored token, ``[rows, slots]``: ``band_a`` (``z_a``, the
+        important layer or band) and ``band_b`` (``z_b``, the filler one), whose difference is ``s``
+        (``raw``: ``gbar_a`` and ``gbar_b``). ``NaN`` for padding and tokens not scored yet (``lag``'s
+        pending ones). Recomputed from the stored ``g`` by the score's own maths; the state changes only as
+        :meth:`score` changes it (tokens due are scored)."""
+        positions, rows = view.token_positions(), view.rows
+        unscored = self.token_scores(positions, rows).isnan()  # scores whatever is due first
+        state = self._state
+        used = range(len(state.layers))
+
+        def read(at: torch.Tensor) -> torch.Tensor:
+            return torch.stack([state.table.lookup(rows, at, column) for column in used], dim=1)
+
+        g = read(positions)
+        if self.variant == "lag":  # each token against the chunk after its own, as _score_pending does
+            following = ((positions // self.lag + 1) * self.lag).unsqueeze(-1) + torch.arange(self.lag, device=g.device)
+            reference = read(following.flatten(-2)).reshape(*g.shape, self.lag)
+            z = lag_normalise(g.unsqueeze(-1), reference, self.eps).squeeze(-1)
+            side_a, side_b = _side(z, state.a), _side(z, state.b)
+        else:
+            side_a, side_b = self._causal_sides(positions, g, read)
+        return {
+            "band_a": side_a.masked_fill(unscored, float("nan")),
+            "band_b": side_b.masked_fill(unscored, float("nan")),
+        }
 
 
 @register

@@ -18,7 +18,7 @@ from reasonkv.policies.options import check_option
 from reasonkv.policies.registry import register
 from reasonkv.policies.snapkv import SnapKV
 
-__all__ = ["VaseAttnV", "VaseDKV", "reserve_count", "value_aware_rank"]
+__all__ = ["VaseAttnV", "VaseDKV", "reserve_count", "value_aware_rank", "value_reserve", "value_signals"]
 
 
 def reserve_count(reserve: float, budget: int) -> int:
@@ -41,26 +41,30 @@ def check_vase_options(policy) -> None:
     check_option(policy, "temperature", math.isfinite(temperature) and temperature > 0, "a positive number")
 
 
+def value_reserve(policy, view, ranges: torch.Tensor) -> torch.Tensor:
+    """VASE's value-range reserve for one layer, ``[rows, kv_heads, slots]`` bool: the ``N_v`` valid,
+    unprotected slots of each head still held at full precision with the largest ``ranges`` (fewer if the
+    protected tokens leave less room in the budget; none when ``N_v`` is 0)."""
+    # A quantized token cannot be promoted back, so the reservation (full precision) skips it.
+    eligible = view.valid_mask() & ~view.quantized_mask()
+    n_reserve = reserve_count(policy.reserve, view.budget)
+    return select.reserve_top(ranges, valid=eligible, protected=view.protected(), n=n_reserve, k=view.budget)
+
+
 def value_aware_rank(policy, view, weights: torch.Tensor) -> torch.Tensor:
     """VASE's ranking for one layer: protected tokens, then ``N_v`` reserved by value range, then the fill.
 
-    ``weights`` ``[rows, kv_heads, slots]`` are the base scores. Reservation ranks the valid,
-    unprotected tokens of each head still held at full precision by ``max(v) - min(v)`` over
-    ``head_dim`` and puts the top ``N_v`` (fewer if the protected tokens leave less room in the
-    budget) with the protected ones, at the top. The rest are ordered by a sample without
-    replacement with probability proportional to ``weight ** (1 / temperature)`` (Gumbel-top-k,
-    draws keyed by row seed, eviction, layer, head and position), or by the weights when
+    ``weights`` ``[rows, kv_heads, slots]`` are the base scores. Reservation (:func:`value_reserve`) ranks
+    the valid, unprotected tokens of each head still held at full precision by ``max(v) - min(v)`` over
+    ``head_dim`` and puts the top ``N_v`` with the protected ones, at the top. The rest are ordered by a
+    sample without replacement with probability proportional to ``weight ** (1 / temperature)``
+    (Gumbel-top-k, draws keyed by row seed, eviction, layer, head and position), or by the weights when
     ``policy.sample`` is False; keeping the top ``budget`` is VASE's selection.
     """
     valid = view.valid_mask()
     protected = view.protected()
-    k = view.budget
-    n_reserve = reserve_count(policy.reserve, k)
-    if n_reserve > 0:
-        # A quantized token cannot be promoted back, so the reservation (full precision) skips it.
-        eligible = valid & ~view.quantized_mask()
-        ranges = select.value_range(view.values())
-        protected = protected | select.reserve_top(ranges, valid=eligible, protected=protected, n=n_reserve, k=k)
+    if reserve_count(policy.reserve, view.budget) > 0:
+        protected = protected | value_reserve(policy, view, select.value_range(view.values()))
     if policy.sample:
         return select.rank_sampled(
             weights,
@@ -71,6 +75,12 @@ def value_aware_rank(policy, view, weights: torch.Tensor) -> torch.Tensor:
             temperature=float(policy.temperature),
         )
     return select.rank_top(weights, valid=valid, protected=protected)
+
+
+def value_signals(policy, view) -> dict[str, torch.Tensor]:
+    """What VASE reads per token of one layer: each slot's value range and the reserve it earns."""
+    ranges = select.value_range(view.values())
+    return {"value_range": ranges, "reserve": value_reserve(policy, view, ranges)}
 
 
 _SELECTION_DOC = """
@@ -141,6 +151,9 @@ class VaseAttnV(SnapKV):
     def ranking(self, view) -> torch.Tensor:
         return value_aware_rank(self, view, self.score(view))
 
+    def signals(self, view) -> dict[str, torch.Tensor]:
+        return value_signals(self, view)
+
 
 @register
 @dataclass
@@ -199,3 +212,6 @@ class VaseDKV(CurDKV):
 
     def ranking(self, view) -> torch.Tensor:
         return value_aware_rank(self, view, self.score(view))
+
+    def signals(self, view) -> dict[str, torch.Tensor]:
+        return value_signals(self, view)
