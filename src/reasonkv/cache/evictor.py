@@ -9,6 +9,9 @@ Two hooks on the model do everything, so ``reasonkv.generate`` and ``model.gener
   cache gathers. With a quantized tier the policy ranks instead, and ``tiers.split_tiers`` splits
   the ranking into full precision, quantized and dropped.
 
+A compiled decode step (:mod:`reasonkv.generation.compiled`) runs the same three parts the hooks run
+(:meth:`Evictor.announce`, :meth:`Evictor.observe`, :meth:`Evictor.finish`) around its graph instead.
+
 A decode step that evicts nothing reads no device value (the cache keeps host-side bounds), so it
 costs the host no synchronisation; an eviction costs a fixed few, whatever the batch and the layers,
 with a quantized tier too (the tier's sizes are read once for all layers).

@@ -66,6 +66,9 @@ class StepCapture:
             return
         self.hidden = {i: torch.zeros(hidden_shape, dtype=dtype, device=device) for i in range(len(self._handles))}
         self.queries = {i: torch.zeros(query_shape, dtype=dtype, device=device) for i in self._layers}
+        if device.type == "cuda":  # CUDA graphs write these in place at every replay
+            for buffer in (*self.hidden.values(), *self.queries.values()):
+                torch._dynamo.mark_static_address(buffer)
 
     def _on_attention(self, layer: int, query: torch.Tensor, key: torch.Tensor, mask, kwargs: dict) -> None:
         if self.active:
