@@ -12,8 +12,10 @@ import pytest
 import torch
 
 import reasonkv
+import reasonkv.generation.loop
 from conftest import tiny_gemma3, tiny_llama
 from oracle import run_and_check
+from reasonkv.cli.main import main
 from reasonkv.generation.compiled import CompiledDecode
 from reasonkv.policies import policy_class
 
@@ -161,3 +163,15 @@ def test_a_bad_compile_setting_is_a_clear_error(compile, message, tokenizer):
 def test_compiled_decode_refuses_a_cache_without_a_model(tokenizer):
     with pytest.raises(ValueError, match="attached to the model"):
         CompiledDecode(tiny_llama(), reasonkv.EvictingCache(8, 4))
+
+
+@pytest.mark.integration
+def test_reasonkv_generate_compile_on_the_bundled_model_says_what_ran(monkeypatch, capsys):
+    monkeypatch.setattr(reasonkv.generation.loop, "compile_backend", lambda compile: "aot_eager" if compile else None)
+    command = ["generate", "--model", "smollm2-135m", "--prompt", "Count to ten:", "--no-chat", "--compile"]
+    assert main([*command, "--policy", "h2o", "--budget", "16", "--buffer", "4", "--max-new-tokens", "40"]) == 0
+    out = capsys.readouterr().out
+    assert "compiled (aot_eager): 1 compilation(s)" in out
+    tiered = [*command, "--policy", "h2o", "--budget", "16", "--buffer", "4", "--quantized", "32", "--bits", "8"]
+    assert main([*tiered, "--max-new-tokens", "8"]) == 0
+    assert "decoded eagerly: a quantized tier (quantized=32)" in capsys.readouterr().out

@@ -13,6 +13,7 @@ import pytest
 
 import reasonkv
 import reasonkv.eval.decoding
+import reasonkv.generation.loop
 from conftest import NoEosTokenizer, tiny_llama
 from reasonkv.eval import collapse_flags, grade, load_dataset
 from reasonkv.eval.grid import make_cells, parse_dataset_spec, policy_options
@@ -158,6 +159,24 @@ def test_batch_size_does_not_change_any_output(dataset, tmp_path):
         r["output_ids"] for r in results_of(tmp_path / "a.jsonl") if (r["problem_id"], r["policy"]) == ("p1", "full")
     ]
     assert len(samples) == 2 and samples[0] != samples[1]  # the two samples differ
+
+
+def test_compiled_decode_writes_the_records_eager_decode_writes(dataset, tmp_path, monkeypatch):
+    # aot_eager traces the step as inductor does, without generating code (seconds, not minutes).
+    monkeypatch.setattr(reasonkv.generation.loop, "compile_backend", lambda compile: "aot_eager" if compile else None)
+    model = tiny_llama()
+    kwargs = dict(fidelity=False, budgets=[10], max_new_tokens=24)
+    run_grid(model, NoEosTokenizer(), **_grid(dataset, tmp_path / "eager.jsonl", **kwargs))
+    run_grid(model, NoEosTokenizer(), **_grid(dataset, tmp_path / "compiled.jsonl", compile=True, **kwargs))
+    eager, compiled = results_of(tmp_path / "eager.jsonl"), results_of(tmp_path / "compiled.jsonl")
+    assert {record_key(r): r["output_ids"] for r in compiled} == {record_key(r): r["output_ids"] for r in eager}
+    assert all(r["compiled"] for r in compiled) and not any(r["compiled"] for r in eager)
+    assert max(r["evictions"] for r in compiled) >= 2
+    [manifest] = [r for r in read_records(tmp_path / "compiled.jsonl") if r.get("kind") == "manifest"]
+    assert manifest["grid"]["compile"] is True
+    # Speed, not results: the same file resumes with or without it, and nothing is left to do.
+    done = run_grid(model, NoEosTokenizer(), **_grid(dataset, tmp_path / "compiled.jsonl", **kwargs))
+    assert len(results_of(tmp_path / "compiled.jsonl")) == len(compiled), done
 
 
 def test_sample_seed_is_the_documented_hash():
