@@ -80,7 +80,8 @@ class CompiledDecode:
     model, cache
         The model and the :class:`~reasonkv.cache.EvictingCache` attached to it, which has seen the prompt.
     backend, mode
-        ``torch.compile``'s backend (default ``inductor``) and mode (default: :func:`compile_mode`).
+        ``torch.compile``'s backend (default ``inductor``) and mode (default: :func:`compile_mode` for
+        inductor, none for other backends).
 
     Calling it with a step's ``[batch, 1]`` input ids and padding mask (None: every row live) runs the
     step and returns the newest logits ``[batch, vocab]``; the cache evicts after it as it would after an
@@ -93,7 +94,9 @@ class CompiledDecode:
             raise ValueError("CompiledDecode needs an EvictingCache attached to the model (built with model=...)")
         self.model, self.cache = model, cache
         self.device = next(model.parameters()).device
-        self.backend, self.mode = backend, compile_mode(self.device) if mode is None else mode
+        if mode is None and backend == "inductor":  # modes are inductor's; other backends take none
+            mode = compile_mode(self.device)
+        self.backend, self.mode = backend, mode
         self.eager_reason = static_blocker(cache)
         self.compilations = 0
         self.warmup_seconds = 0.0
