@@ -12,7 +12,9 @@ Two ways to reach a length ``L``:
   without decoding ``L`` tokens one by one. ``ragged`` staggers the rows (see :func:`ragged_shifts`).
 
 The cache is given as a :class:`~reasonkv.cache.CacheSpec`; the prefilled mode also takes ``None``,
-transformers' own cache (the one ``model.generate`` builds, no reasonkv hook).
+transformers' own cache (the one ``model.generate`` builds, no reasonkv hook). Either mode can run its
+decode steps compiled (``compile=``, a ``torch.compile`` backend): a step that compiled a graph is left
+out of the windows, and its time is reported apart as the warm-up.
 
 A step's time runs from the end of the previous step's callback to the end of its own forward
 (on CUDA the callback synchronises first), so it covers sampling, the forward with its recording
