@@ -132,6 +132,7 @@ def test_compile_settings_are_checked_and_recorded_only_when_asked_for(tmp_path)
     decoded = build_plan(BenchSettings(**common, compile=True))
     assert decoded.configs["sweep"]["compile"] == "inductor"
     assert decoded.compiled == {"full~compiled": "full", "streaming~compiled": "streaming"}  # no transformers pair
+    assert decoded.policies == ["full", "full~compiled", "streaming", "streaming~compiled"]  # each beside its entry
     assert "--compile" in decoded.settings.command().split()
     prefilled = build_plan(BenchSettings(**common, compile="eager", prefill_to_length=True, decode_steps=32))
     assert prefilled.compiled["transformers~compiled"] == "transformers"

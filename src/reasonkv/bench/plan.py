@@ -167,7 +167,9 @@ def build_plan(settings: BenchSettings) -> Plan:
     compiled = compiled if settings.compile is not False else {}
     variants = [*((label, tier["policy"]) for label, tier in tiers.items()), *ragged.items(), *compiled.items()]
     for label, policy in variants:
-        policies.append(label)
+        # A compiled variant is measured right after its entry, so that the machine's load is alike for both.
+        at = policies.index(policy) + 1 if label in compiled else len(policies)
+        policies.insert(at, label)
         requested.append(label)
         options[label] = options[policy]
         instances[label] = instances[policy]
