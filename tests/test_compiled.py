@@ -40,7 +40,7 @@ def _options(policy: str) -> dict:
 
 def _generate(model, policy: str, compile=False, **kw):
     settings = dict(policy=policy, budget=16, buffer=4, max_new_tokens=64, ignore_eos=True, seed=[1, 2, 3])
-    return reasonkv.generate(model, None, PROMPTS, compile=compile, **settings, **_options(policy), **kw)
+    return reasonkv.generate(model, None, PROMPTS, compile=compile, **{**settings, **kw}, **_options(policy))
 
 
 @pytest.fixture(scope="module")
