@@ -22,20 +22,29 @@
 #   same measured K/V bytes (bench --quantized: a short run of the tiered cache measures what its tier
 #   holds, pending tokens included), side by side: step time and K/V bytes held.
 #
+# Part 4, compiled: COMPILE_POLICIES (with full and streaming, the references) at COMPILE_LENGTH, eager and
+#   compiled side by side (bench --compile: each decode step one fixed-shape graph, torch.compile with CUDA
+#   graphs, the eviction between steps), and plain transformers eager and compiled (a StaticCache and
+#   torch.compile of its forward), at batch 1, 8 and 32, one bench run per batch size into the same folder
+#   (batch 1 first: a run cut short by the time limit keeps the smaller batches). Compiling is timed apart
+#   and never counted in tokens/s. Goal: compiled faster than eager, and at least as fast as transformers
+#   compiled.
+#
 # Runs as is on a bare copy of the repository: it uses $PYTHON, else ./.venv/bin/python if there is
 # one, else python3, with the package taken from src/ (PYTHONPATH), and needs only torch and
 # transformers (no gguf, no math-verify, no plots). Sized for <= 9 minutes on one H200 by
-# construction: each part has a time limit (PART1_SECONDS + PART2_SECONDS + PART3_SECONDS = 9
-# minutes), and a part stopped by it keeps every entry it finished. Results: $OUT/lengths,
-# $OUT/max-batch and $OUT/tier (bench.json, bench.md, results.jsonl each: 9 result files), then a
-# goal summary on stdout.
+# construction: each part has a time limit (PART1_SECONDS + PART2_SECONDS + PART3_SECONDS + PART4_SECONDS
+# = 210 + 140 + 60 + 130 s = 9 minutes; parts 1-3 had 270 + 180 + 90 before part 4 came), and a part
+# stopped by it keeps every entry it finished. Results: $OUT/lengths, $OUT/max-batch, $OUT/tier and
+# $OUT/compiled (bench.json, bench.md, results.jsonl each: 12 result files), then a goal summary on stdout.
 #
 # Environment overrides: PYTHON, OUT (default bench-gpu), MODEL, DEVICE, POLICIES, BATCH_POLICIES,
 # BUDGET, BUFFER, LENGTHS, DECODE_STEPS, PREFILL_CHUNK, MEMORY_LIMIT, BATCH_LENGTH, BATCH_STEPS,
 # MAX_MEASURED_BATCH, PART1_SECONDS, PART2_SECONDS, TIER_POLICY, TIER_QUANTIZED, TIER_BITS, TIER_LENGTH,
-# PART3_SECONDS, BENCH_ARGS (extra arguments for every command).
-# SMOKE=1 runs the same two commands on the tiny shape on the CPU (a check of the recipe itself,
-# well under a minute; needs only the built-in policies).
+# PART3_SECONDS, COMPILE_POLICIES, COMPILE_LENGTH, COMPILE_BATCHES, COMPILE_BACKEND (default inductor),
+# PART4_SECONDS, BENCH_ARGS (extra arguments for every command).
+# SMOKE=1 runs the same commands on the tiny shape on the CPU (a check of the recipe itself, about a
+# minute; needs only the built-in policies; part 4 traces with aot_eager instead of compiling).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -54,6 +63,8 @@ if [[ "${SMOKE:-0}" == "1" ]]; then
   : "${MEMORY_LIMIT:=1GiB}" "${BATCH_LENGTH:=128}" "${MAX_MEASURED_BATCH:=8}"
   : "${OUT:=bench-gpu-smoke}" "${BENCH_ARGS:=--threads 1}" "${TIER_POLICY:=random}" "${TIER_QUANTIZED:=32}"
   : "${TIER_LENGTH:=160}" "${PART3_SECONDS:=300}"
+  : "${COMPILE_POLICIES:=streaming}" "${COMPILE_LENGTH:=96}" "${COMPILE_BATCHES:=1,2}" "${COMPILE_BACKEND:=aot_eager}"
+  : "${PART4_SECONDS:=300}"
 fi
 MODEL="${MODEL:-shape:llama-3.1-8b}"
 DEVICE="${DEVICE:-cuda}"
@@ -69,13 +80,18 @@ BATCH_LENGTH="${BATCH_LENGTH:-16384}"
 BATCH_STEPS="${BATCH_STEPS:-$((BUFFER + 16))}"
 MAX_MEASURED_BATCH="${MAX_MEASURED_BATCH:-512}"
 OUT="${OUT:-bench-gpu}"
-PART1_SECONDS="${PART1_SECONDS:-270}"
-PART2_SECONDS="${PART2_SECONDS:-180}"
+PART1_SECONDS="${PART1_SECONDS:-210}"
+PART2_SECONDS="${PART2_SECONDS:-140}"
 TIER_POLICY="${TIER_POLICY:-vase-dkv}"
 TIER_QUANTIZED="${TIER_QUANTIZED:-4096}"
 TIER_BITS="${TIER_BITS:-4}"
 TIER_LENGTH="${TIER_LENGTH:-16384}"
-PART3_SECONDS="${PART3_SECONDS:-90}"
+PART3_SECONDS="${PART3_SECONDS:-60}"
+COMPILE_POLICIES="${COMPILE_POLICIES:-epikv}"
+COMPILE_LENGTH="${COMPILE_LENGTH:-8192}"
+COMPILE_BATCHES="${COMPILE_BATCHES:-1,8,32}"
+COMPILE_BACKEND="${COMPILE_BACKEND:-inductor}"
+PART4_SECONDS="${PART4_SECONDS:-130}"
 
 # shellcheck disable=SC2206  # BENCH_ARGS: extra bench arguments, split on spaces on purpose
 common=(--model "$MODEL" --dtype bf16 --device "$DEVICE" --attn sdpa --budget "$BUDGET" --buffer "$BUFFER"
@@ -99,6 +115,16 @@ timeout --signal=TERM "$PART3_SECONDS" "$PY" -m reasonkv.cli bench "${common[@]}
   --quantized "$TIER_QUANTIZED" --bits "$TIER_BITS" --lengths "$TIER_LENGTH" --prefill-to-length \
   --decode-steps "$DECODE_STEPS" --prefill-chunk "$PREFILL_CHUNK" --batch-sizes 1 --no-plots --out "$OUT/tier" \
   || status=$?
+
+echo "== part 4: eager against compiled decoding at $COMPILE_LENGTH tokens, batch $COMPILE_BATCHES" >&2
+deadline=$((SECONDS + PART4_SECONDS))
+for batch in ${COMPILE_BATCHES//,/ }; do
+  left=$((deadline - SECONDS))
+  ((left > 0)) || break
+  timeout --signal=TERM "$left" "$PY" -m reasonkv.cli bench "${common[@]}" --policies "$COMPILE_POLICIES" \
+    --lengths "$COMPILE_LENGTH" --prefill-to-length --decode-steps "$DECODE_STEPS" --prefill-chunk "$PREFILL_CHUNK" \
+    --batch-sizes "$batch" --compile "$COMPILE_BACKEND" --out "$OUT/compiled" || status=$?
+done
 
 "$PY" - "$OUT" "$BATCH_LENGTH" <<'EOF'
 import json
@@ -156,6 +182,21 @@ if tier.is_file():
                     f"  {label}: K' = {s['budget']} (nominal {s.get('nominal_budget', s['budget'])}) + Q = "
                     f"{s['quantized']} vs K = {s['plain_budget']} at {length}: "
                     f"step {ratio:.3f}x, K/V {'-' if kv is None else f'{kv:.3f}x'}"
+                )
+compiled = out / "compiled" / "bench.json"
+if compiled.is_file():
+    doc = json.loads(compiled.read_text())
+    print("compiled against eager (tokens/s), and against transformers compiled; warm-up apart:")
+    for batch, variants in (doc["summary"].get("compiled") or {}).items():
+        for s in variants.values():
+            for length, ratio in s["compiled_vs_eager"].items():
+                versus = s["vs_transformers_compiled"].get(length)
+                warmup = s["warmup_seconds"]
+                print(
+                    f"  batch {batch} {s['policy']:>12} at {length}: {s['compiled_tokens_per_s'][length]:.1f} tok/s "
+                    f"compiled, {ratio:.2f}x eager, {'-' if versus is None else f'{versus:.2f}x'} transformers "
+                    f"compiled; warm-up {'-' if warmup is None else f'{warmup:.0f} s'}"
+                    + (f" (ran eager: {s['eager_reason']})" if s["eager_reason"] else "")
                 )
 EOF
 exit "$status"

@@ -1,9 +1,9 @@
 """The GPU recipe starts on the GPU machine as is: a bare copy of the repository (no .venv), run from
-src/, with torch and transformers but no gguf, no math-verify and no plotting; 9 result files (and
+src/, with torch and transformers but no gguf, no math-verify and no plotting; 12 result files (and
 each folder's ownership marker).
 
 CI runs this file on the oldest supported transformers (5.17, what the GPU machines have) too. The
-recipe's SMOKE mode runs its exact three commands on the tiny shape on the CPU.
+recipe's SMOKE mode runs its exact commands on the tiny shape on the CPU.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def test_the_recipe_runs_on_a_bare_copy_without_optional_packages(tmp_path):
     assert "== goals" in done.stdout
     # per part: bench.json, bench.md, results.jsonl (besides the folder's marker and its lock, kept for reruns)
     files = [p for p in out.rglob("*") if p.is_file() and p.name != MARKER and p.suffix != ".lock"]
-    assert len(files) <= 9, sorted(str(p.relative_to(out)) for p in files)
+    assert len(files) <= 12, sorted(str(p.relative_to(out)) for p in files)
     assert not any(p.suffix == ".png" for p in files)
 
     lengths = json.loads((out / "lengths" / "bench.json").read_text())
@@ -63,6 +63,12 @@ def test_the_recipe_runs_on_a_bare_copy_without_optional_packages(tmp_path):
     assert evicting and all(_window_evictions(r) >= 1 for r in evicting), "part 2's timed window holds no eviction"
     tier = json.loads((out / "tier" / "bench.json").read_text())
     assert any(r.get("tier") for r in tier["records"]), "part 3 measured no tiered cache"
+    compiled = json.loads((out / "compiled" / "bench.json").read_text())
+    entries = {(r["policy"], r["batch"]) for r in compiled["records"]}
+    wanted = {"full", "streaming", "transformers"}
+    assert {(p + suffix, b) for p in wanted for suffix in ("", "~compiled") for b in (1, 2)} <= entries
+    assert set(compiled["summary"]["compiled"]) == {"1", "2"}, "part 4 compared no compiled entry with its eager one"
+    assert "compiled against eager" in done.stdout
     assert not (repo / ".venv").exists()
 
 

@@ -9,6 +9,9 @@ Modules, one job each:
 - :mod:`~reasonkv.bench.memory`: exact KV bytes, weights, peak-memory readers, the max-batch model;
 - :mod:`~reasonkv.bench.maxbatch`: largest batch within a memory limit and its throughput;
 - :mod:`~reasonkv.bench.tiers`: the quantized-tier variants;
+- :mod:`~reasonkv.bench.compiled`: the compiled variants (``--compile``) and the compiled transformers
+  reference;
+- :mod:`~reasonkv.bench.variants`: every variant against its plain entry;
 - :mod:`~reasonkv.bench.settings`: every setting of a run, checked once (:class:`BenchSettings`);
   :mod:`~reasonkv.bench.plan`: the entries and their caches; :mod:`~reasonkv.bench.run`: the run
   (:func:`run_bench`); :mod:`~reasonkv.bench.store`: results on disk, resume;

@@ -12,7 +12,9 @@ Two ways to reach a length ``L``:
   without decoding ``L`` tokens one by one. ``ragged`` staggers the rows (see :func:`ragged_shifts`).
 
 The cache is given as a :class:`~reasonkv.cache.CacheSpec`; the prefilled mode also takes ``None``,
-transformers' own cache (the one ``model.generate`` builds, no reasonkv hook).
+transformers' own cache (the one ``model.generate`` builds, no reasonkv hook). Either mode can run its
+decode steps compiled (``compile=``, a ``torch.compile`` backend): a step that compiled a graph is left
+out of the windows, and its time is reported apart as the warm-up.
 
 A step's time runs from the end of the previous step's callback to the end of its own forward
 (on CUDA the callback synchronises first), so it covers sampling, the forward with its recording
@@ -29,11 +31,14 @@ import time
 from collections.abc import Sequence
 
 import torch
+from torch._dynamo.utils import counters
 from tqdm.auto import tqdm
 
+from reasonkv.bench.compiled import StaticReference
 from reasonkv.bench.memory import PeakTracker, kv_bytes_per_token, window_kv_bytes
 from reasonkv.cache import CacheSpec, EvictingCache, kv_bytes_by_kind
 from reasonkv.generation import generate
+from reasonkv.generation.compiled import CompiledDecode
 from reasonkv.hf import Forward, native_cache, synchronize, vocab_size
 
 __all__ = [
@@ -124,6 +129,9 @@ class StepRecorder:
         Rows decoded together.
     bar
         Optional progress bar, advanced once per decode step.
+
+    A step that traced and compiled a ``torch.compile`` graph (``--compile``) is timed but left out of
+    every window and total: its time is the compilation's (:attr:`compiling_steps`, :meth:`warmup_seconds`).
     """
 
     def __init__(self, *, device: torch.device, prompt_length: int, windows: dict[int, int], batch: int, bar=None):
@@ -140,6 +148,8 @@ class StepRecorder:
         self._snap_at = set(self.windows) | set(self.windows.values())
         self._resume = 0.0
         self._per_token: int | None = None
+        self.compiling_steps: set[int] = set()  # indices into step_seconds
+        self._graphs = counters["stats"]["unique_graphs"]
 
     def __call__(self, step: int, cache) -> None:
         synchronize(self.device)
@@ -149,8 +159,11 @@ class StepRecorder:
             self.tracker.reset()
         else:
             self.step_seconds.append(now - self._resume)
+            if counters["stats"]["unique_graphs"] != self._graphs:
+                self.compiling_steps.add(len(self.step_seconds) - 1)
             if self.bar is not None:
                 self.bar.update(1)
+        self._graphs = counters["stats"]["unique_graphs"]
         length = self.prompt_length + step
         if length in self._snap_at:
             evictor = getattr(cache, "evictor", None)  # transformers' own cache has none: no phases
@@ -189,6 +202,15 @@ class StepRecorder:
             "peak_memory_bytes": self.tracker.peak(),
         }
 
+    def timed(self, first: int = 0, last: int | None = None) -> list[float]:
+        """The times of steps ``first`` to ``last`` (indices into :attr:`step_seconds`), less those that compiled."""
+        last = len(self.step_seconds) if last is None else last
+        return [self.step_seconds[i] for i in range(first, last) if i not in self.compiling_steps]
+
+    def warmup_seconds(self) -> float:
+        """The time of the steps that compiled a graph."""
+        return sum(self.step_seconds[i] for i in self.compiling_steps)
+
     def window(self, end: int) -> dict:
         """Statistics of the window ending at length ``end``."""
         start = self.windows[end]
@@ -198,12 +220,15 @@ class StepRecorder:
         before, evictions_before = self.snapshots[start]
         after, evictions_after = self.snapshots[end]
         stats = window_stats(
-            self.step_seconds[first:last],
+            self.timed(first, last),
             before,
             after,
             evictions=evictions_after - evictions_before,
             batch=self.batch,
         )
+        excluded = sum(1 for i in self.compiling_steps if first <= i < last)
+        if excluded:
+            stats["compiling_steps_excluded"] = excluded
         return {"length": end, "window_start": start, **stats, **self.readings[end]}
 
 
@@ -234,6 +259,7 @@ def measure_sweep(
     seed: int = 0,
     progress: bool = False,
     sync_timing: bool = True,
+    compile: str | None = None,
 ) -> dict:
     """Decode ``batch`` seeded random prompts with :func:`reasonkv.generate` and the cache ``spec`` from
     ``prompt_length`` tokens to ``max(lengths)`` (``seed`` seeds the prompts; the spec, the policy).
@@ -243,7 +269,9 @@ def measure_sweep(
     first at length ``trace["first_length"]``), and the run's totals. Every window also carries
     ``cumulative_tokens_per_s``: tokens over time from the first decode step to its length.
     ``sync_timing`` (CUDA only) synchronises around every timed phase for an exact split; it
-    costs policies that record inside the forward a little speed.
+    costs policies that record inside the forward a little speed. ``compile`` (a ``torch.compile``
+    backend) decodes through ``generate(..., compile=compile)``; the result's ``compile`` is its
+    ``stats["compile"]``, and the steps that compiled are left out of every window.
     """
     device = model_device(model)
     lengths = sorted(set(lengths))
@@ -270,6 +298,7 @@ def measure_sweep(
             ignore_eos=True,
             on_step=recorder,
             sync_timing=sync_timing and device.type == "cuda",
+            compile=compile or False,
         )
     finally:
         if bar is not None:
@@ -278,10 +307,11 @@ def measure_sweep(
     windows = []
     for length in lengths:
         entry = recorder.window(length)
-        done = recorder.step_seconds[: length - prompt_length]
+        done = recorder.timed(0, length - prompt_length)
         entry["cumulative_tokens_per_s"] = batch * len(done) / sum(done)
         windows.append(entry)
-    return {
+    timed = recorder.timed()
+    result = {
         "prompt_length": prompt_length,
         "kv_bytes_per_token": kv_bytes_per_token(model, model_dtype(model)),
         "window_kv_bytes": window_kv_bytes(model, model_dtype(model)),
@@ -290,13 +320,16 @@ def measure_sweep(
         "totals": {
             "decode_steps": len(recorder.step_seconds),
             "prefill_s": stats["prefill_seconds"],
-            "decode_s": sum(recorder.step_seconds),
-            "tokens_per_s": batch * len(recorder.step_seconds) / sum(recorder.step_seconds),
+            "decode_s": sum(timed),
+            "tokens_per_s": batch * len(timed) / sum(timed),
             "evictions": int(stats["evictions"]),
             "peak_slots": int(stats["peak_slots"]),
             "phases_s": dict(stats["timings"]),
         },
     }
+    if compile:
+        result["compile"] = stats["compile"]
+    return result
 
 
 def prefill_chunks(
@@ -357,6 +390,7 @@ def measure_prefilled(
     bar=None,
     sync_timing: bool = True,
     ragged: bool = False,
+    compile: str | None = None,
 ) -> dict:
     """Prefill the cache ``spec`` with ``batch`` seeded random rows, then time ``decode_steps`` decode steps
     that end at ``length``.
@@ -379,7 +413,14 @@ def measure_prefilled(
     finished row is), then run ``B + 1`` steps more, so that every row has evicted (and been
     right-aligned) once before the timed steps see the rows evict at different steps. ``row_shifts``
     in the result.
+
+    ``compile`` (a ``torch.compile`` backend) runs the decode steps compiled: through
+    :class:`~reasonkv.generation.compiled.CompiledDecode`, or for ``spec=None`` through
+    :class:`~reasonkv.bench.compiled.StaticReference` (transformers' ``StaticCache``, its forward compiled).
+    The result's ``compile`` says what compiled and how long it took; those steps are not timed.
     """
+    if compile and ragged:
+        raise ValueError("a compiled decode is measured with rows in step (ragged=False)")
     shifts = ragged_shifts(batch, 0 if spec is None else spec.buffer) if ragged else [0] * batch
     untimed = WARMUP_STEPS + (max(shifts) + spec.buffer + 1 if ragged else 0)
     if decode_steps < 1 or length - decode_steps - untimed < 1:
@@ -396,11 +437,13 @@ def measure_prefilled(
     recorder = StepRecorder(
         device=device, prompt_length=prefilled, windows={length: length - window}, batch=batch, bar=bar
     )
+    reference = StaticReference(model, length, backend=compile) if plain and compile else None
     if plain:
-        cache = native_cache(model)
+        cache = native_cache(model) if reference is None else reference.cache
     else:
         cache = EvictingCache(model=model, spec=spec, sync_timing=sync_timing and device.type == "cuda")
         cache.reserve(length)  # as reasonkv.generate does: the buffers are allocated once, at the size the run needs
+    decode = CompiledDecode(model, cache, backend=compile) if compile and not plain else None
     forward = Forward(model)
     try:
         with torch.inference_mode():
@@ -408,7 +451,11 @@ def measure_prefilled(
             start = time.perf_counter()
             offset = 0
             for size in chunks:
-                out = forward(ids[:, offset : offset + size], cache, last_logits_only=True)
+                chunk = ids[:, offset : offset + size]
+                if reference is not None:
+                    logits = reference.prefill(chunk)
+                else:
+                    logits = forward(chunk, cache, last_logits_only=True).logits[:, -1]
                 offset += size
             synchronize(device)
             prefill_s = time.perf_counter() - start
@@ -417,9 +464,14 @@ def measure_prefilled(
             prefill_evictions = 0 if plain else cache.evictor.eviction_count
             recorder(0, cache)
             for step in range(1, decode_steps + untimed + 1):
-                next_ids = out.logits[:, -1].argmax(-1, keepdim=True)
-                stagger = {"attention_mask": (behind < step).long().unsqueeze(1)} if step <= max(shifts) else {}
-                out = forward(next_ids, cache, last_logits_only=True, **stagger)
+                next_ids = logits.argmax(-1, keepdim=True)
+                if decode is not None:
+                    logits = decode(next_ids)
+                elif reference is not None:
+                    logits = reference.step(next_ids)
+                else:
+                    stagger = {"attention_mask": (behind < step).long().unsqueeze(1)} if step <= max(shifts) else {}
+                    logits = forward(next_ids, cache, last_logits_only=True, **stagger).logits[:, -1]
                 recorder(step, cache)
     finally:
         if not plain:
@@ -437,6 +489,17 @@ def measure_prefilled(
     )
     if ragged:
         result["row_shifts"] = shifts
+    if decode is not None:
+        result["compile"] = decode.describe()
+    elif reference is not None:
+        result["compile"] = {
+            "compiled": True,
+            "backend": compile,
+            "mode": reference.mode,
+            "compilations": len(recorder.compiling_steps),
+            "warmup_seconds": recorder.warmup_seconds(),
+            "eager_reason": None,
+        }
     return result
 
 
@@ -454,6 +517,7 @@ def measure_prefilled_sweep(
     progress: bool = False,
     sync_timing: bool = True,
     ragged: bool = False,
+    compile: str | None = None,
 ) -> dict:
     """:func:`measure_prefilled` at every length (one fresh cache each); same record layout as the sweep."""
     lengths = sorted(set(lengths))
@@ -475,13 +539,14 @@ def measure_prefilled_sweep(
                     bar=bar,
                     sync_timing=sync_timing,
                     ragged=ragged,
+                    compile=compile,
                 )
             )
     finally:
         if bar is not None:
             bar.close()
     decode_s = sum(w["step_mean_s"] * w["window_steps"] for w in windows)
-    return {
+    result = {
         "kv_bytes_per_token": kv_bytes_per_token(model, model_dtype(model)),
         "window_kv_bytes": window_kv_bytes(model, model_dtype(model)),
         "windows": windows,
@@ -491,3 +556,10 @@ def measure_prefilled_sweep(
             "peak_slots": max(w["peak_slots"] for w in windows),
         },
     }
+    if compile:  # one compilation per length at most (a cache of another capacity is another graph)
+        result["compile"] = {
+            **windows[0]["compile"],
+            "compilations": sum(w["compile"]["compilations"] for w in windows),
+            "warmup_seconds": sum(w["compile"]["warmup_seconds"] for w in windows),
+        }
+    return result

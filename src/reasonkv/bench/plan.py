@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from reasonkv.bench.compiled import compiled_label
 from reasonkv.bench.measure import WARMUP_STEPS
 from reasonkv.bench.settings import EVICTION, MAX_BATCH, SWEEP, TRANSFORMERS, BenchSettings
 from reasonkv.bench.tiers import tier_label
@@ -51,6 +52,8 @@ class Plan:
     ``specs[mode][entry]`` is the entry's cache in that mode (``None``: transformers' own cache; a
     tiered variant holds its plain policy's, tiered once the model gives the bytes of a token).
     ``ragged`` maps each ragged variant (``--ragged``) to its policy; it is measured at batch sizes above 1.
+    ``compiled`` maps each compiled variant (``--compile``) to its entry: every plain policy, and with
+    ``--prefill-to-length`` ``transformers`` (measured then even without ``--transformers-cache``).
     """
 
     settings: BenchSettings
@@ -63,6 +66,7 @@ class Plan:
     configs: dict[str, dict]
     warnings: list[str]
     ragged: dict[str, str]  # ragged variant -> its policy
+    compiled: dict[str, str]  # compiled variant -> its entry
 
     @property
     def modes(self) -> list[str]:
@@ -152,14 +156,20 @@ def build_plan(settings: BenchSettings) -> Plan:
             specs[mode][name] = spec
     requested = [p for p in requested if p in policies]
     tiers = _tier_variants(settings, [p for p in requested if instances[p].evicts])
-    if settings.transformers_cache:  # the settings made sure the prefilled sweep runs
+    prefilled = settings.runs_sweep and settings.prefill_to_length
+    if settings.transformers_cache or (settings.compile is not False and prefilled):
         policies.insert(policies.index("full") + 1, TRANSFORMERS)
         options[TRANSFORMERS] = {}
         instances[TRANSFORMERS] = None
         specs[SWEEP][TRANSFORMERS] = None
     ragged = {ragged_label(p): p for p in requested if instances[p].evicts} if settings.ragged else {}
-    for label, policy in [*((label, tier["policy"]) for label, tier in tiers.items()), *ragged.items()]:
-        policies.append(label)
+    compiled = {compiled_label(p): p for p in policies if SWEEP in specs and p in specs[SWEEP]}
+    compiled = compiled if settings.compile is not False else {}
+    variants = [*((label, tier["policy"]) for label, tier in tiers.items()), *ragged.items(), *compiled.items()]
+    for label, policy in variants:
+        # A compiled variant is measured right after its entry, so that the machine's load is alike for both.
+        at = policies.index(policy) + 1 if label in compiled else len(policies)
+        policies.insert(at, label)
         requested.append(label)
         options[label] = options[policy]
         instances[label] = instances[policy]
@@ -176,6 +186,7 @@ def build_plan(settings: BenchSettings) -> Plan:
         configs=_configs(settings, tiers, warnings),
         warnings=warnings,
         ragged=ragged,
+        compiled=compiled,
     )
 
 
@@ -232,6 +243,8 @@ def _sweep_config(s: BenchSettings, common: dict, warnings: list[str]) -> dict:
     config = {**common, "budget": budget, "buffer": buffer, "lengths": lengths, "sync_timing": s.sync_timing}
     if s.ragged:  # only then, so that folders written before ragged variants existed resume
         config["ragged"] = True
+    if s.compile is not False:  # likewise
+        config["compile"] = s.compile_backend
     if s.prefill_to_length:
         config.update(
             prefill_to_length=True,

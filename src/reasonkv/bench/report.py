@@ -10,7 +10,8 @@ The summary compares policies measured side by side in one run (ratios, never ab
     not reached);
 (d) tokens/s relative to the full cache at each length;
 (e) with ``--transformers-cache``: tokens/s relative to transformers' own cache (no reasonkv hook) at
-    each length, so ``full`` shows what reasonkv's bookkeeping costs and every policy what it gains;
+    each length, so ``full`` shows what reasonkv's bookkeeping costs and every policy what it gains (a
+    compiled entry, ``--compile``: relative to transformers compiled, ``transformers~compiled``);
 (f) with ``--prefill-to-length``: the prefill's evictions (a long prompt evicted to ``K``) and the
     policy's bookkeeping during the prefill, at each length.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from reasonkv.bench.compiled import COMPILED, compiled_label
 from reasonkv.bench.memory import format_bytes, held_bytes
 from reasonkv.bench.settings import TRANSFORMERS
 from reasonkv.bench.targets import (
@@ -74,8 +76,11 @@ def _sweep_summary(records: list[dict]) -> dict:
         else {"length": reference[0], "wanted_length": reference_length, "step_median_s": full_step},
         "policies": {},
     }
+    static = by_policy.get(compiled_label(TRANSFORMERS))
+    static_windows = _by_length(static) if static else {}
     for name, record in by_policy.items():
         windows = _by_length(record)
+        versus = static_windows if name.endswith(COMPILED) else plain_windows  # compiled against compiled
         per_token = record.get("kv_bytes_per_token")
         batch = record["batch"]
         summary: dict = {"evicts": record.get("evicts", name not in ("full", TRANSFORMERS))}
@@ -107,9 +112,9 @@ def _sweep_summary(records: list[dict]) -> dict:
             if tokens in windows and tokens in full_windows
         }
         summary["tokens_per_s_vs_transformers"] = {
-            tokens: _ratio(windows[tokens]["tokens_per_s"], plain_windows[tokens]["tokens_per_s"])
+            tokens: _ratio(windows[tokens]["tokens_per_s"], versus[tokens]["tokens_per_s"])
             for tokens in lengths
-            if tokens in windows and tokens in plain_windows
+            if tokens in windows and tokens in versus
         }
         summary["cumulative_tokens_per_s_vs_full"] = {
             tokens: _ratio(
@@ -382,7 +387,7 @@ def _summary_markdown(batch: int, summary: dict) -> list[str]:
     if TRANSFORMERS in policies:
         lines += [
             "(e) Tokens/s relative to transformers' own cache (the one `model.generate` builds, no reasonkv hook; "
-            "same loop, prompts and lengths):",
+            "same loop, prompts and lengths; a compiled entry relative to transformers~compiled):",
             "",
         ]
         rows = [

@@ -78,6 +78,7 @@ def measure_entry(model, plan: Plan, mode: str, policy: str, batch: int | None, 
             window=config["window"],
             progress=progress,
             sync_timing=config["sync_timing"],
+            compile=config["compile"] if policy in plan.compiled else None,
         )
         if config["prefill_to_length"]:
             ragged = policy in plan.ragged

@@ -22,6 +22,7 @@ from reasonkv.bench.measure import WARMUP_STEPS, ragged_shifts
 from reasonkv.bench.memory import parse_bytes
 from reasonkv.cache import DEFAULT_BUFFER
 from reasonkv.cache.tiers import check_settings
+from reasonkv.generation.compiled import compile_backend
 from reasonkv.models import (
     DEFAULT_MODEL,
     SHAPE_PREFIX,
@@ -110,7 +111,10 @@ class BenchSettings:
     asked for), ``batch_sizes``, ``prompt_length``, ``window`` (None: see :attr:`sweep_window`),
     ``prefill_to_length``, ``transformers_cache``, ``decode_steps``, ``sync_timing``, ``prefill_chunk``,
     ``ragged`` (a variant of each requested evicting policy whose rows are prefilled to lengths ``B /
-    batch`` apart, so that they evict at different steps, beside the one whose rows evict together).
+    batch`` apart, so that they evict at different steps, beside the one whose rows evict together), ``compile``
+    (each plain entry again as ``ENTRY~compiled``, its decode steps compiled: ``True`` for inductor, or a
+    ``torch.compile`` backend's name; with ``prefill_to_length`` also the pair ``transformers`` /
+    ``transformers~compiled``).
     Eviction cost: ``eviction_cost``, ``cached`` ``N``, ``repeats``. Max batch: ``max_batch``,
     ``memory_limit`` (as written: ``"24GiB"``), ``length``, ``probe_batches``, ``probe_steps``,
     ``max_measured_batch``. Output: ``out``, ``force``, ``progress``, ``plots``.
@@ -138,6 +142,7 @@ class BenchSettings:
     sync_timing: bool = True
     prefill_chunk: int = 0
     ragged: bool = False
+    compile: bool | str = False
     eviction_cost: bool = False
     cached: int | None = None
     repeats: int = 5
@@ -167,6 +172,8 @@ class BenchSettings:
             self._check_sweep()
         if self.ragged:
             self._check_ragged()
+        if self.compile is not False:
+            self._check_compile()
         if self.max_batch:
             self._check_max_batch()
 
@@ -245,6 +252,14 @@ class BenchSettings:
                 f"steps that stagger a batch of {batch} rows, got {self.sweep_lengths[0]}"
             )
 
+    def _check_compile(self) -> None:
+        try:
+            compile_backend(self.compile)
+        except ValueError as error:
+            raise ValueError(f"--compile: {error}") from None
+        if not self.runs_sweep:
+            raise ValueError("--compile needs the length sweep (--lengths): it compiles the sweep's decode steps")
+
     def _check_max_batch(self) -> None:
         if self.memory_limit is None or self.length is None:
             raise ValueError("--max-batch needs --memory-limit (e.g. 24GiB) and --length L")
@@ -287,6 +302,11 @@ class BenchSettings:
         return self.buffer * math.ceil(32 / self.buffer) if self.buffer else 32
 
     @property
+    def compile_backend(self) -> str | None:
+        """The ``torch.compile`` backend of the compiled variants (None: no ``--compile``)."""
+        return compile_backend(self.compile)
+
+    @property
     def memory_limit_bytes(self) -> int | None:
         return None if self.memory_limit is None else parse_bytes(self.memory_limit)
 
@@ -316,6 +336,10 @@ class BenchSettings:
             words.append("--no-sync-timing")
         if self.ragged:
             words.append("--ragged")
+        if self.compile is True:
+            words.append("--compile")
+        elif self.compile:
+            words += ["--compile", self.compile]
         if self.eviction_cost:
             words += ["--eviction-cost", "--cached", str(self.cached), "--repeats", str(self.repeats)]
         if self.max_batch:

@@ -1,5 +1,5 @@
-"""The length sweep's variants against their plain entries: tiered (``--quantized``, :mod:`reasonkv.bench.tiers`)
-and ragged (``--ragged``).
+"""The length sweep's variants against their plain entries: tiered (``--quantized``, :mod:`reasonkv.bench.tiers`),
+compiled (``--compile``, :mod:`reasonkv.bench.compiled`) and ragged (``--ragged``).
 
 A ragged variant ``POLICY~ragged`` runs the policy with its rows prefilled to lengths ``B / batch`` apart
 (:func:`reasonkv.bench.measure.ragged_shifts`), so that they evict at different steps, as prompts of
@@ -10,6 +10,7 @@ evicting on their own schedules there are more evictions, each compacting fewer 
 
 from __future__ import annotations
 
+from reasonkv.bench.compiled import compiled_markdown, compiled_summary
 from reasonkv.bench.tiers import tier_markdown, tier_summary
 
 __all__ = ["RAGGED", "ragged_label", "ragged_markdown", "ragged_summary", "variant_markdown", "variant_summaries"]
@@ -81,10 +82,11 @@ def ragged_markdown(summary: dict) -> list[str]:
 
 
 def variant_summaries(records: list[dict]) -> dict:
-    """The summaries of both kinds of variant: ``{"tiers": ..., "ragged": ...}``."""
-    return {"tiers": tier_summary(records), "ragged": ragged_summary(records)}
+    """The summaries of every kind of variant: ``{"tiers": ..., "ragged": ..., "compiled": ...}``."""
+    return {"tiers": tier_summary(records), "ragged": ragged_summary(records), "compiled": compiled_summary(records)}
 
 
 def variant_markdown(summary: dict) -> list[str]:
-    """Both comparisons as markdown (nothing for a run without variants)."""
-    return tier_markdown(summary.get("tiers") or {}) + ragged_markdown(summary.get("ragged") or {})
+    """The comparisons as markdown (nothing for a run without variants)."""
+    lines = tier_markdown(summary.get("tiers") or {}) + ragged_markdown(summary.get("ragged") or {})
+    return lines + compiled_markdown(summary.get("compiled") or {})

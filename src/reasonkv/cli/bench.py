@@ -145,6 +145,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "different lengths do), beside the rows that evict together (needs --prefill-to-length)",
     )
 
+    sweep.add_argument(
+        "--compile",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="BACKEND",
+        help="also measure every policy as 'POLICY~compiled', its decode steps run as one compiled fixed-shape "
+        "graph each (torch.compile; BACKEND: inductor, the default, or another torch.compile backend), and "
+        "with --prefill-to-length plain transformers eager and compiled (a StaticCache and torch.compile of "
+        "its forward) as 'transformers' and 'transformers~compiled'; compiling is timed apart, never in tok/s",
+    )
+
     evict = parser.add_argument_group("eviction cost")
     evict.add_argument(
         "--eviction-cost", action="store_true", help="time one eviction per policy (batch 1, K = --cached - --buffer)"
@@ -211,6 +223,7 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
         sync_timing=not args.no_sync_timing,
         prefill_chunk=args.prefill_chunk,
         ragged=args.ragged,
+        compile=args.compile,
         eviction_cost=args.eviction_cost,
         cached=args.cached,
         repeats=args.repeats,

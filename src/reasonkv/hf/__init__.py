@@ -15,6 +15,7 @@ from reasonkv.hf.forward import (
     native_cache,
     native_cache_layers,
     plain_cache,
+    static_cache,
     synchronize,
 )
 from reasonkv.hf.masks import LayerMasks
@@ -50,6 +51,7 @@ __all__ = [
     "model_info",
     "plain_cache",
     "sliding_window",
+    "static_cache",
     "synchronize",
     "text_config",
     "transformers_version",

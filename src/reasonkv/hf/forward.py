@@ -18,6 +18,7 @@ __all__ = [
     "native_cache",
     "native_cache_layers",
     "plain_cache",
+    "static_cache",
     "synchronize",
 ]
 
@@ -94,6 +95,14 @@ def native_cache(model: torch.nn.Module):
     from transformers import DynamicCache
 
     return DynamicCache(config=model.config)
+
+
+def static_cache(model: torch.nn.Module, capacity: int):
+    """transformers' fixed-size cache of ``capacity`` slots per row (allocated at the first forward): what
+    transformers compiles decoding over, the reference for reasonkv's compiled steps."""
+    from transformers import StaticCache
+
+    return StaticCache(config=model.config, max_cache_len=capacity)
 
 
 def native_cache_layers(model: torch.nn.Module) -> list:

@@ -1,0 +1,141 @@
+"""The length sweep's compiled variants (``--compile``): each policy decoded eagerly and compiled, side by side.
+
+A compiled variant ``POLICY~compiled`` runs the policy's decode steps as one fixed-shape graph each
+(:class:`~reasonkv.generation.compiled.CompiledDecode`), the evictions between them eager. Its reference
+pair is plain transformers: ``transformers`` (its own dynamic cache, eager) and ``transformers~compiled``
+(a ``StaticCache`` and ``torch.compile`` of the model's forward, as transformers compiles decoding), the
+same prompts, steps and timing. The summary sets, per batch size and length, each policy's compiled
+tokens/s against its eager tokens/s and against ``transformers~compiled``; the time spent compiling is
+reported apart and never inside tokens/s (the steps that traced a graph are left out of every window).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from reasonkv.generation.compiled import compile_mode
+from reasonkv.hf import Forward, static_cache
+
+__all__ = ["COMPILED", "StaticReference", "compiled_label", "compiled_markdown", "compiled_summary"]
+
+COMPILED = "~compiled"
+
+
+def compiled_label(entry: str) -> str:
+    """``snapkv~compiled``: the name a compiled variant is measured and reported under."""
+    return entry + COMPILED
+
+
+def _static_logits(model, cache_key: str, input_ids, position_ids, cache) -> torch.Tensor:
+    inputs = {cache_key: cache, "position_ids": position_ids}
+    return model.forward(input_ids=input_ids, use_cache=True, logits_to_keep=1, **inputs).logits[:, -1]
+
+
+# Per-length caches of the full-size reference need a graph each: more than torch's default of 8.
+_GRAPH_LIMITS = torch._dynamo.config.patch(recompile_limit=256, fail_on_recompile_limit_hit=True)
+_compiled: dict[tuple[str, str | None], object] = {}  # one compiled function per (backend, mode) per process
+
+
+class StaticReference:
+    """Plain transformers decoding compiled: a ``StaticCache`` of ``capacity`` slots per row, the prefill eager
+    and each single-token step through ``torch.compile`` of the model's forward (CUDA graphs on a GPU).
+
+    ``prefill(ids)`` and ``step(ids)`` return the newest logits ``[batch, vocab]``; :attr:`cache` is the
+    ``StaticCache``.
+    """
+
+    def __init__(self, model, capacity: int, *, backend: str):
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.cache = static_cache(model, capacity)
+        self.mode = compile_mode(self.device)
+        self._forward = Forward(model)
+        key = (backend, self.mode)
+        if key not in _compiled:
+            options = dict(fullgraph=True, dynamic=False, backend=backend, mode=self.mode)
+            _compiled[key] = torch.compile(_static_logits, **options)
+        self._graph = _compiled[key]
+        self._length = 0
+
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        self._length += ids.shape[1]
+        return self._forward(ids, self.cache, last_logits_only=True).logits[:, -1]
+
+    def step(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.full((ids.shape[0], 1), self._length, dtype=torch.long, device=self.device)
+        with _GRAPH_LIMITS:
+            logits = self._graph(self.model, self._forward.cache_key, ids, positions, self.cache)
+        self._length += 1
+        return logits.clone() if self.mode == "reduce-overhead" else logits  # a CUDA graph reuses its output
+
+
+def _by_length(record: dict) -> dict[int, dict]:
+    return {int(w["length"]): w for w in record.get("windows", [])}
+
+
+def compiled_summary(records: list[dict]) -> dict:
+    """Per batch (as a string) and compiled variant: tokens/s eager and compiled at each length both reached,
+    compiled over eager, compiled over ``transformers~compiled``, and the compilation (warm-up seconds,
+    graphs, and why a cache decoded eagerly, if it did)."""
+    sweeps = [r for r in records if r.get("mode") == "sweep"]
+    find = {(r["policy"], r["batch"]): r for r in sweeps}
+    out: dict = {}
+    for record in sweeps:
+        if not record["policy"].endswith(COMPILED):
+            continue
+        policy = record["policy"][: -len(COMPILED)]
+        eager = find.get((policy, record["batch"]))
+        if eager is None:
+            continue
+        mine, theirs = _by_length(record), _by_length(eager)
+        reference = find.get(("transformers" + COMPILED, record["batch"]))
+        static = _by_length(reference) if reference is not None else {}
+        common = sorted(set(mine) & set(theirs))
+        compile_info = record.get("compile") or {}
+        out.setdefault(str(record["batch"]), {})[record["policy"]] = {
+            "policy": policy,
+            "eager_tokens_per_s": {n: theirs[n]["tokens_per_s"] for n in common},
+            "compiled_tokens_per_s": {n: mine[n]["tokens_per_s"] for n in common},
+            "compiled_vs_eager": {n: mine[n]["tokens_per_s"] / theirs[n]["tokens_per_s"] for n in common},
+            "vs_transformers_compiled": {
+                n: mine[n]["tokens_per_s"] / static[n]["tokens_per_s"] for n in common if n in static
+            },
+            "warmup_seconds": compile_info.get("warmup_seconds"),
+            "compilations": compile_info.get("compilations"),
+            "eager_reason": compile_info.get("eager_reason"),
+        }
+    return out
+
+
+def _cell(value, fmt: str) -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def compiled_markdown(summary: dict) -> list[str]:
+    """The comparison as markdown tables, one per batch size, and a sentence per cache that ran eagerly."""
+    lines: list[str] = []
+    for batch, variants in summary.items():
+        lines += [
+            f"### Compiled against eager decoding (batch {batch})",
+            "",
+            "Tokens/s of each entry's decode steps run eagerly and as one compiled graph per step, in the same "
+            "run. The steps that compiled a graph are left out of tokens/s; their time is the warm-up. The last "
+            "column sets the compiled entry against plain transformers compiled (a StaticCache and torch.compile "
+            "of the model's forward) at the same length.",
+            "",
+            "| entry | length | eager tok/s | compiled tok/s | compiled / eager | warm-up s (graphs) "
+            "| vs transformers~compiled |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        eager_runs = []
+        for label, s in variants.items():
+            warmup = f"{_cell(s['warmup_seconds'], '{:.1f}')} ({_cell(s['compilations'], '{}')})"
+            for n, ratio in s["compiled_vs_eager"].items():
+                lines.append(
+                    f"| {s['policy']} | {n} | {s['eager_tokens_per_s'][n]:.1f} | {s['compiled_tokens_per_s'][n]:.1f} "
+                    f"| {ratio:.3f} | {warmup} | {_cell(s['vs_transformers_compiled'].get(n), '{:.3f}')} |"
+                )
+            if s["eager_reason"]:
+                eager_runs.append(f"{label} decoded eagerly: {s['eager_reason']}.")
+        lines += ["", *eager_runs, ""] if eager_runs else [""]
+    return lines
