@@ -56,7 +56,7 @@ class StepCapture:
         self._handles = [
             layer.register_forward_hook(_hidden_hook(me, i)) for i, layer in enumerate(decoder_layers(model))
         ]
-        self.tap = AttentionTap(model, self._on_attention, keep_kernel_wrapped=True)
+        self.tap = AttentionTap(model, self._on_attention)
 
     def allocate(self, batch: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
         """Buffers for a batch of ``batch`` rows (kept when they already have that shape)."""

@@ -7,9 +7,7 @@ wrapper calls a listener only for attention modules claimed by an :class:`Attent
 module (another model, or this one once released) goes straight to the original kernel, so tapping
 one model never changes another's results. The wrapper is installed when the first tap on a kernel
 name opens and the original is registered back when the last one closes (or is garbage-collected):
-a model's ``attn_implementation`` is never changed, and nothing stays wrapped afterwards, but for a
-kernel a compiled decode step traced through (``keep_kernel_wrapped``: it stays wrapped, passing calls
-through, so that the kernel never changes under a graph being traced).
+a model's ``attn_implementation`` is never changed, and nothing stays wrapped afterwards.
 
 ``"eager"`` has no registry entry of its own (models fall back to their module's
 ``eager_attention_forward``): tapping it registers a plain dispatcher to that function, which is what
@@ -98,10 +96,6 @@ def _acquire(name: str) -> None:
         _installed[name] = [original, wrapper, 1]
 
 
-def _keep(name: str) -> None:
-    """A tap closing that leaves the kernel wrapped (see ``keep_kernel_wrapped``)."""
-
-
 def _release(name: str) -> None:
     with _lock:
         entry = _installed.get(name)
@@ -125,18 +119,14 @@ class AttentionTap:
     arguments (``scaling``, ``softcap``, ``s_aux``, ...). It is held weakly.
     """
 
-    def __init__(self, model: torch.nn.Module, listener: Listener, *, keep_kernel_wrapped: bool = False):
+    def __init__(self, model: torch.nn.Module, listener: Listener):
         self.name = attention_implementation(model)
         self.modules = attention_modules(model)
         if all(m is None for m in self.modules):
             raise ValueError(f"{type(model).__name__} has no attention module to tap")
         self._claims = [None if m is None else _Claim(i, listener) for i, m in enumerate(self.modules)]
         _acquire(self.name)
-        # keep_kernel_wrapped: the wrapper stays registered for the rest of the process, even after this tap
-        # closes. A compiled graph traced through it; registering the original back (at whatever moment the
-        # garbage collector closes the tap, possibly while another graph is being traced) would change the
-        # kernel under torch.compile's feet. The wrapper only passes calls through for unclaimed modules.
-        self._finalizer = weakref.finalize(self, _release if not keep_kernel_wrapped else _keep, self.name)
+        self._finalizer = weakref.finalize(self, _release, self.name)
         self.claim()
 
     def claim(self) -> None:
