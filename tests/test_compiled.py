@@ -8,6 +8,8 @@ a wrong static layout or a hook that does not run inside the graph breaks); one 
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -175,3 +177,24 @@ def test_reasonkv_generate_compile_on_the_bundled_model_says_what_ran(monkeypatc
     tiered = [*command, "--policy", "h2o", "--budget", "16", "--buffer", "4", "--quantized", "32", "--bits", "8"]
     assert main([*tiered, "--max-new-tokens", "8"]) == 0
     assert "decoded eagerly: a quantized tier (quantized=32)" in capsys.readouterr().out
+
+
+def test_no_garbage_is_collected_while_a_step_is_traced():
+    """Collecting a freed model's attention tap puts the original kernel back in transformers' registry:
+    that must never happen in the middle of tracing the next model's step (dynamo fails)."""
+    seen = []
+
+    def probe(graph, inputs):
+        seen.append(gc.isenabled())
+        return graph.forward
+
+    torch._dynamo.register_backend(probe, name="reasonkv_gc_probe")
+    gone = tiny_llama(layers=2)
+    reasonkv.generate(gone, None, [PROMPTS[1]], policy="h2o", budget=8, buffer=4, max_new_tokens=6)
+    del gone  # its tap is garbage now, freed at the next collection
+    model = tiny_llama(layers=2, seed=1)
+    settings = dict(policy="h2o", budget=8, buffer=4, max_new_tokens=24, ignore_eos=True)
+    eager = reasonkv.generate(model, None, [PROMPTS[1]], **settings)
+    compiled = reasonkv.generate(model, None, [PROMPTS[1]], compile="reasonkv_gc_probe", **settings)
+    assert seen and not any(seen) and gc.isenabled()
+    assert compiled[0].token_ids == eager[0].token_ids

@@ -19,7 +19,9 @@ eagerly, and :attr:`CompiledDecode.eager_reason` says why.
 
 from __future__ import annotations
 
+import gc
 import time
+from contextlib import contextmanager
 
 import torch
 from torch._dynamo.utils import counters
@@ -59,6 +61,20 @@ def _logits(model, cache_key: str, input_ids, position_ids, attention_mask, cach
 # Every run's steps share one compiled function, which holds a graph per (model, batch size, capacity,
 # hooks): more than torch's default of 8. Past this many it fails rather than silently running eager.
 _GRAPH_LIMITS = torch._dynamo.config.patch(recompile_limit=256, fail_on_recompile_limit_hit=True)
+
+
+@contextmanager
+def _no_collection():
+    """No cyclic garbage collection while a step may be traced: collecting a freed model's attention tap
+    registers the original kernel back, which must not happen under a graph being traced (dynamo fails)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
 
 _compiled: dict[tuple[str, str | None], object] = {}  # one compiled function per (backend, mode) per process
 
@@ -137,7 +153,7 @@ class CompiledDecode:
         graphs, started = counters["stats"]["unique_graphs"], time.perf_counter()
         self._capture.active = True
         try:
-            with _GRAPH_LIMITS:
+            with _GRAPH_LIMITS, _no_collection():
                 logits = self._graph(self.model, self._forward.cache_key, input_ids, announced.positions, mask, cache)
         finally:
             self._capture.active = False
