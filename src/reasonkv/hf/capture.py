@@ -6,7 +6,7 @@ evictor's observer appends to logs, a new set for each run) cannot run inside it
 life, whose hooks copy the newest token's output of every decoder layer and post-RoPE query of every
 attention layer into buffers allocated for the batch, while :attr:`StepCapture.active`. The hooks and
 the buffers' places stay the same from one run to the next, so a compiled graph traced in one run is
-still right in the next (``torch.compile`` does not re-check a module's hooks once it has traced them).
+still right in the next (``torch.compile`` checks how many hooks a module has, not which ones).
 """
 
 from __future__ import annotations
