@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from reasonkv.bench.windows import by_length
 from reasonkv.generation.compiled import compile_mode
 from reasonkv.hf import Forward, static_cache
 
@@ -69,10 +70,6 @@ class StaticReference:
         return logits.clone() if self.mode == "reduce-overhead" else logits  # a CUDA graph reuses its output
 
 
-def _by_length(record: dict) -> dict[int, dict]:
-    return {int(w["length"]): w for w in record.get("windows", [])}
-
-
 def compiled_summary(records: list[dict]) -> dict:
     """Per batch (as a string) and compiled variant: tokens/s eager and compiled at each length both reached,
     compiled over eager, compiled over ``transformers~compiled``, and the compilation (warm-up seconds,
@@ -87,9 +84,9 @@ def compiled_summary(records: list[dict]) -> dict:
         eager = find.get((policy, record["batch"]))
         if eager is None:
             continue
-        mine, theirs = _by_length(record), _by_length(eager)
+        mine, theirs = by_length(record), by_length(eager)
         reference = find.get(("transformers" + COMPILED, record["batch"]))
-        static = _by_length(reference) if reference is not None else {}
+        static = by_length(reference) if reference is not None else {}
         common = sorted(set(mine) & set(theirs))
         compile_info = record.get("compile") or {}
         out.setdefault(str(record["batch"]), {})[record["policy"]] = {

@@ -33,13 +33,10 @@ from reasonkv.bench.targets import (
     targets_markdown,
 )
 from reasonkv.bench.variants import RAGGED, variant_markdown, variant_summaries
+from reasonkv.bench.windows import by_length
 from reasonkv.models import bundled_model
 
 __all__ = ["markdown", "summarise", "summary_text"]
-
-
-def _by_length(record: dict) -> dict[int, dict]:
-    return {int(w["length"]): w for w in record.get("windows", [])}
 
 
 def _nearest(windows: dict[int, dict], length: int) -> tuple[int, dict] | None:
@@ -59,10 +56,10 @@ def _sweep_summary(records: list[dict]) -> dict:
     by_policy = {r["policy"]: r for r in records}
     full = by_policy.get("full")
     streaming = by_policy.get("streaming")
-    full_windows = _by_length(full) if full else {}
-    streaming_windows = _by_length(streaming) if streaming else {}
+    full_windows = by_length(full) if full else {}
+    streaming_windows = by_length(streaming) if streaming else {}
     plain = by_policy.get(TRANSFORMERS)
-    plain_windows = _by_length(plain) if plain else {}
+    plain_windows = by_length(plain) if plain else {}
     reference_length = budget + buffer // 2
     reference = _nearest(full_windows, reference_length)
     full_step = reference[1]["step_median_s"] if reference else None
@@ -77,9 +74,9 @@ def _sweep_summary(records: list[dict]) -> dict:
         "policies": {},
     }
     static = by_policy.get(compiled_label(TRANSFORMERS))
-    static_windows = _by_length(static) if static else {}
+    static_windows = by_length(static) if static else {}
     for name, record in by_policy.items():
-        windows = _by_length(record)
+        windows = by_length(record)
         versus = static_windows if name.endswith(COMPILED) else plain_windows  # compiled against compiled
         per_token = record.get("kv_bytes_per_token")
         batch = record["batch"]
@@ -272,7 +269,7 @@ def _sweep_markdown(records: list[dict], summary: dict, meta: dict) -> list[str]
         rows = []
         hybrid = any(w.get("kv_bytes_sliding") for r in group.values() for w in r["windows"])
         for name in _policy_order(group):
-            windows = _by_length(group[name])
+            windows = by_length(group[name])
             for tokens in config["lengths"]:
                 w = windows.get(tokens)
                 if w is None:

@@ -15,6 +15,7 @@ import math
 
 from reasonkv.bench.measure import WARMUP_STEPS, measure_prefilled, model_dtype
 from reasonkv.bench.memory import format_bytes, kv_bytes_per_token
+from reasonkv.bench.windows import by_length
 from reasonkv.cache import CacheSpec
 from reasonkv.cache.quantize import QuantFormat, default_group_size
 from reasonkv.cache.tiers import budget_for_bytes
@@ -77,10 +78,6 @@ def equal_measured_bytes(
     return {**tier, "nominal_budget": tier["budget"], "budget": budget, "calibration": calibration}
 
 
-def _by_length(record: dict) -> dict[int, dict]:
-    return {int(w["length"]): w for w in record.get("windows", [])}
-
-
 def tier_summary(records: list[dict]) -> dict:
     """Per batch (as a string) and tiered variant: its step time and K/V bytes over the plain policy's."""
     out: dict = {}
@@ -92,7 +89,7 @@ def tier_summary(records: list[dict]) -> dict:
         plain = next((r for r in sweeps if r["policy"] == tier["policy"] and r["batch"] == record["batch"]), None)
         if plain is None:
             continue
-        mine, theirs = _by_length(record), _by_length(plain)
+        mine, theirs = by_length(record), by_length(plain)
         common = sorted(set(mine) & set(theirs))
         out.setdefault(str(record["batch"]), {})[record["policy"]] = {
             "policy": tier["policy"],

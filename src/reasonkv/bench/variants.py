@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from reasonkv.bench.compiled import compiled_markdown, compiled_summary
 from reasonkv.bench.tiers import tier_markdown, tier_summary
+from reasonkv.bench.windows import by_length
 
 __all__ = ["RAGGED", "ragged_label", "ragged_markdown", "ragged_summary", "variant_markdown", "variant_summaries"]
 
@@ -21,10 +22,6 @@ RAGGED = "~ragged"
 def ragged_label(policy: str) -> str:
     """``snapkv~ragged``: the name a ragged variant is measured and reported under."""
     return policy + RAGGED
-
-
-def _by_length(record: dict) -> dict[int, dict]:
-    return {int(w["length"]): w for w in record.get("windows", [])}
 
 
 def _gather_share(window: dict) -> float:
@@ -44,7 +41,7 @@ def ragged_summary(records: list[dict]) -> dict:
         plain = next((r for r in sweeps if r["policy"] == policy and r["batch"] == record["batch"]), None)
         if plain is None:
             continue
-        mine, theirs = _by_length(record), _by_length(plain)
+        mine, theirs = by_length(record), by_length(plain)
         common = sorted(set(mine) & set(theirs))
         out.setdefault(str(record["batch"]), {})[record["policy"]] = {
             "policy": policy,
