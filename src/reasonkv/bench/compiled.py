@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from reasonkv.bench.windows import by_length
-from reasonkv.generation.compiled import compile_mode
+from reasonkv.generation.compiled import GRAPH_LIMITS, compile_mode, compiled_function
 from reasonkv.hf import Forward, static_cache
 
 __all__ = ["COMPILED", "StaticReference", "compiled_label", "compiled_markdown", "compiled_summary"]
@@ -32,11 +32,6 @@ def _static_logits(model, cache_key: str, input_ids, position_ids, cache) -> tor
     return model.forward(input_ids=input_ids, use_cache=True, logits_to_keep=1, **inputs).logits[:, -1]
 
 
-# Per-length caches of the full-size reference need a graph each: more than torch's default of 8.
-_GRAPH_LIMITS = torch._dynamo.config.patch(recompile_limit=256, fail_on_recompile_limit_hit=True)
-_compiled: dict[tuple[str, str | None], object] = {}  # one compiled function per (backend, mode) per process
-
-
 class StaticReference:
     """Plain transformers decoding compiled: a ``StaticCache`` of ``capacity`` slots per row, the prefill eager
     and each single-token step through ``torch.compile`` of the model's forward (CUDA graphs on a GPU).
@@ -49,13 +44,9 @@ class StaticReference:
         self.model = model
         self.device = next(model.parameters()).device
         self.cache = static_cache(model, capacity)
-        self.mode = compile_mode(self.device)
+        self.mode = compile_mode(self.device, backend)
         self._forward = Forward(model)
-        key = (backend, self.mode)
-        if key not in _compiled:
-            options = dict(fullgraph=True, dynamic=False, backend=backend, mode=self.mode)
-            _compiled[key] = torch.compile(_static_logits, **options)
-        self._graph = _compiled[key]
+        self._graph = compiled_function(_static_logits, backend, self.mode)
         self._length = 0
 
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
@@ -64,7 +55,7 @@ class StaticReference:
 
     def step(self, ids: torch.Tensor) -> torch.Tensor:
         positions = torch.full((ids.shape[0], 1), self._length, dtype=torch.long, device=self.device)
-        with _GRAPH_LIMITS:
+        with GRAPH_LIMITS:
             logits = self._graph(self.model, self._forward.cache_key, ids, positions, self.cache)
         self._length += 1
         return logits.clone() if self.mode == "reduce-overhead" else logits  # a CUDA graph reuses its output

@@ -30,7 +30,7 @@ from reasonkv.cache.evicting import EvictingCache
 from reasonkv.cache.static import StaticLayout, static_blocker
 from reasonkv.hf import Forward, StepCapture, synchronize
 
-__all__ = ["CompiledDecode", "compile_backend", "compile_mode"]
+__all__ = ["GRAPH_LIMITS", "CompiledDecode", "compile_backend", "compile_mode", "compiled_function"]
 
 
 def compile_backend(compile: bool | str) -> str | None:
@@ -46,9 +46,10 @@ def compile_backend(compile: bool | str) -> str | None:
     raise ValueError(f"compile must be True, False or a torch.compile backend ({', '.join(backends)}), got {compile!r}")
 
 
-def compile_mode(device: torch.device) -> str | None:
-    """``torch.compile``'s mode for ``device``: CUDA graphs on a GPU (``reduce-overhead``), the default on a CPU."""
-    return "reduce-overhead" if device.type == "cuda" else None
+def compile_mode(device: torch.device, backend: str = "inductor") -> str | None:
+    """``torch.compile``'s mode for ``backend`` on ``device``: CUDA graphs on a GPU (``reduce-overhead``), the
+    default on a CPU; none for backends other than inductor, whose modes they are."""
+    return "reduce-overhead" if device.type == "cuda" and backend == "inductor" else None
 
 
 def _logits(model, cache_key: str, input_ids, position_ids, attention_mask, cache) -> torch.Tensor:
@@ -58,9 +59,9 @@ def _logits(model, cache_key: str, input_ids, position_ids, attention_mask, cach
     return model.forward(input_ids=input_ids, use_cache=True, logits_to_keep=1, **inputs).logits[:, -1]
 
 
-# Every run's steps share one compiled function, which holds a graph per (model, batch size, capacity,
-# hooks): more than torch's default of 8. Past this many it fails rather than silently running eager.
-_GRAPH_LIMITS = torch._dynamo.config.patch(recompile_limit=256, fail_on_recompile_limit_hit=True)
+# A compiled function holds a graph per (model, batch size, capacity, hooks) over every run: more than
+# torch's default of 8. Past this many it fails rather than silently running eager.
+GRAPH_LIMITS = torch._dynamo.config.patch(recompile_limit=256, fail_on_recompile_limit_hit=True)
 
 
 @contextmanager
@@ -76,15 +77,15 @@ def _no_collection():
             gc.enable()
 
 
-_compiled: dict[tuple[str, str | None], object] = {}  # one compiled function per (backend, mode) per process
+_compiled: dict[tuple, object] = {}  # (function, backend, mode) -> its compiled wrapper, one per process
 
 
-def _compiled_logits(backend: str, mode: str | None):
-    # One wrapper for every run: its traced graphs are reused from one generate call to the next (guarded
-    # by the model and the shapes), instead of each call tracing its own.
-    key = (backend, mode)
+def compiled_function(function, backend: str, mode: str | None):
+    """``function`` compiled (whole graph, static shapes) once per process: its traced graphs are reused from
+    one run to the next (guarded by the model and the shapes), instead of each run tracing its own."""
+    key = (function, backend, mode)
     if key not in _compiled:
-        _compiled[key] = torch.compile(_logits, fullgraph=True, dynamic=False, backend=backend, mode=mode)
+        _compiled[key] = torch.compile(function, fullgraph=True, dynamic=False, backend=backend, mode=mode)
     return _compiled[key]
 
 
@@ -109,16 +110,15 @@ class CompiledDecode:
         if cache.evictor is None:
             raise ValueError("CompiledDecode needs an EvictingCache attached to the model (built with model=...)")
         self.model, self.cache = model, cache
-        self.device = next(model.parameters()).device
-        if mode is None and backend == "inductor":  # modes are inductor's; other backends take none
-            mode = compile_mode(self.device)
-        self.backend, self.mode = backend, mode
+        parameter = next(model.parameters())
+        self.device, self.dtype = parameter.device, parameter.dtype
+        self.backend, self.mode = backend, compile_mode(self.device, backend) if mode is None else mode
         self.eager_reason = static_blocker(cache)
         self.compilations = 0
         self.warmup_seconds = 0.0
         self._forward = Forward(model)
         self._layout = None if self.eager_reason is not None else StaticLayout(cache)
-        self._graph = None if self.eager_reason is not None else _compiled_logits(self.backend, self.mode)
+        self._graph = None if self.eager_reason is not None else compiled_function(_logits, self.backend, self.mode)
         self._capture = None if self.eager_reason is not None else StepCapture.of(model)
 
     @property
@@ -146,14 +146,14 @@ class CompiledDecode:
         evictor, batch = self.cache.evictor, input_ids.shape[0]
         incoming = None if attention_mask is None else attention_mask[:, -1:].to(dtype=torch.bool)
         announced = evictor.announce(batch, 1, incoming, input_ids.device)
-        info, dtype = evictor.info, next(self.model.parameters()).dtype
-        self._capture.allocate(batch, info.num_heads, info.head_dim, dtype, self.device)
+        info = evictor.info
+        self._capture.allocate(batch, info.num_heads, info.head_dim, self.dtype, self.device)
         cache, mask = self._layout.open_step()
         self._capture.tap.claim()  # the attention modules report to the capture, not to an observer's tap
         graphs, started = counters["stats"]["unique_graphs"], time.perf_counter()
         self._capture.active = True
         try:
-            with _GRAPH_LIMITS, _no_collection():
+            with GRAPH_LIMITS, _no_collection():
                 logits = self._graph(self.model, self._forward.cache_key, input_ids, announced.positions, mask, cache)
         finally:
             self._capture.active = False
