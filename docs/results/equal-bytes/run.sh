@@ -25,14 +25,17 @@ cd "$(dirname "$0")/../../.."
 PY="${PYTHON:-.venv/bin/python}"
 OUT=docs/results/equal-bytes
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
-common=(--model smollm2-135m --dtype fp32 --buffer 16 --max-new-tokens 128 --batch-size 32 --fidelity-only
-  --no-progress -o snapkv.window=8 -o vase-attnv.window=8)  # their default observation window (32) would not fit K = 16
+common=(--model smollm2-135m --dtype fp32 --buffer 16 --max-new-tokens 128 --batch-size 32 --fidelity-only --no-progress)
+windows=(-o snapkv.window=8 -o vase-attnv.window=8)  # their default observation window (32) would not fit K = 16
+window_of() {  # $1: a policy; prints its window option if it has one (eval refuses options of unselected policies)
+  case "$1" in snapkv | vase-attnv) echo "-o $1.window=8" ;; esac
+}
 data=(--dataset gsm8k:12,math500:6)
 policies=(streaming snapkv vase-attnv vase-dkv epikv h2o)
 all=$(IFS=,; echo "${policies[*]}")
 
 # 1. Calibration: Q = 32 and 64 beside K = 16, Q = 64 and 128 beside K = 32, for int8 and int4.
-calibration=(--dataset gsm8k:3 --out "$OUT/calibration.jsonl")
+calibration=("${windows[@]}" --dataset gsm8k:3 --out "$OUT/calibration.jsonl")
 "$PY" -m reasonkv.cli eval "${common[@]}" "${calibration[@]}" --policies full,snapkv,vase-attnv --budgets 16
 for bits in 8 4; do
   for q in 32 64; do
@@ -48,11 +51,13 @@ done
 # 2. Each byte budget: the plain cells, then every policy's tier at the Q its measured bytes allow.
 run_budget() {  # $1: the byte budget in tokens, $2: its results file, $3: the plain budgets
   local tokens=$1 results=$2 plain=$3 half=$(($1 / 2))
-  "$PY" -m reasonkv.cli eval "${common[@]}" "${data[@]}" --out "$results" --policies "full,$all" --budgets "$plain"
+  "$PY" -m reasonkv.cli eval "${common[@]}" "${windows[@]}" "${data[@]}" --out "$results" --policies "full,$all" \
+    --budgets "$plain"
   "$PY" -m reasonkv.cli.equal_bytes "$OUT/calibration.jsonl" --size-for "$tokens" |
     while read -r policy bits budget quantized; do
       [[ "$budget" == "$half" ]] || continue
-      "$PY" -m reasonkv.cli eval "${common[@]}" "${data[@]}" --out "$results" --policies "$policy" \
+      # shellcheck disable=SC2046  # the window option splits into its two words
+      "$PY" -m reasonkv.cli eval "${common[@]}" $(window_of "$policy") "${data[@]}" --out "$results" --policies "$policy" \
         --budgets "$half" --quantized "$((quantized < 32 ? 32 : quantized))" --bits "$bits" </dev/null
     done
 }
