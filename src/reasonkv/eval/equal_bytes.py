@@ -1,11 +1,11 @@
 """Fidelity at equal K/V bytes: full-precision tokens only, against fewer of them plus a quantized tier.
 
-Reads the fidelity records of ``reasonkv eval`` runs and groups every cell by its *byte budget*: the
+Reads the fidelity records of ``reasonkv eval`` runs and measures every cell's *byte budget*: the
 K/V bytes its rows held in steady state, measured right after each eviction (``steady_kv_tokens``:
 those bytes in full-precision tokens per layer and kv-head; a plain cell's own budget), averaged over
-its problems and rounded. Per dataset, policy and byte budget it tabulates top-1 agreement and mean
-KL of each variant (full precision only, int8 tier, int4 tier), with the nominal bytes the tier's
-formula gives beside the measured ones, and plots them::
+its problems. Per dataset it tabulates each cell's top-1 agreement and mean KL, a policy's cells in the
+order of their measured bytes, with the nominal bytes the tier's formula gives beside them, and plots
+them against those bytes, a line per variant (full precision only, int8 tier, int4 tier)::
 
     python -m reasonkv.cli.equal_bytes docs/results/equal-bytes/results.jsonl --out docs/results/equal-bytes
 
@@ -127,38 +127,32 @@ def _mean(values: Sequence[float]) -> float:
 
 
 def markdown(table: Sequence[Cell]) -> str:
-    """One table per dataset: a row per policy and variant, top-1 / KL per byte budget."""
+    """One table per dataset: a row per cell, each policy's cells in the order of their measured bytes, so a
+    tier reads beside the plain cells of about its bytes."""
     lines = []
     for dataset in sorted({c.dataset for c in table}):
-        mine = [c for c in table if c.dataset == dataset]
-        budgets = sorted({c.bytes_budget for c in mine})
         lines += [f"### {dataset}", ""]
         lines += [
-            "Byte budgets in full-precision tokens per (layer, kv-head), as measured (the rows' steady K/V "
-            "bytes after each eviction); a tier's own measure in parentheses.",
+            "Bytes in full-precision tokens per (layer, kv-head): measured (the rows' steady K/V bytes after "
+            "each eviction, mean over the problems) and nominal (the tier's formula).",
             "",
+            "| policy | variant | K + Q | bytes, measured | bytes, nominal | top-1 | KL | problems |",
+            "|---|---|---|---|---|---|---|---|",
         ]
-        lines.append("| policy | variant | " + " | ".join(f"bytes of {b}: K + Q | top-1 | KL" for b in budgets) + " |")
-        lines.append("|---|---|" + "---|---|---|" * len(budgets))
-        rows: dict[tuple[str, str], dict[int, Cell]] = defaultdict(dict)
-        for c in mine:
-            rows[(c.policy, c.variant)][c.bytes_budget] = c
-        for (policy, variant), by_budget in rows.items():
-            cells_text = []
-            for b in budgets:
-                c = by_budget.get(b)
-                if c is None:
-                    cells_text += ["-", "-", "-"]
-                    continue
-                size = str(c.budget) if not c.quantized else f"{c.budget} + {c.quantized} ({c.measured:.1f})"
-                cells_text += [size, f"{c.top1:.3f}", f"{c.kl:.3f}"]
-            lines.append(f"| {policy} | {variant} | " + " | ".join(cells_text) + " |")
+        for c in sorted((c for c in table if c.dataset == dataset), key=lambda c: (c.policy, c.measured)):
+            size = str(c.budget) if not c.quantized else f"{c.budget} + {c.quantized}"
+            nominal = f"{c.nominal:.1f}" if math.isfinite(c.nominal) else "-"
+            lines.append(
+                f"| {c.policy} | {c.variant} | {size} | {c.measured:.1f} | {nominal} | {c.top1:.3f} | {c.kl:.3f} "
+                f"| {c.problems} |"
+            )
         lines.append("")
     return "\n".join(lines)
 
 
 def plot(table: Sequence[Cell], out_dir: str | os.PathLike[str]) -> list[Path]:
-    """Per dataset: grouped bars of top-1 agreement and mean KL, a panel per byte budget."""
+    """Per dataset: a column of panels per policy, top-1 agreement and mean KL against the measured bytes, a
+    line per variant, so a tier's point sits above or below the plain line at its own bytes."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -167,32 +161,27 @@ def plot(table: Sequence[Cell], out_dir: str | os.PathLike[str]) -> list[Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    variants = [PLAIN, "int8", "int4"]
     for dataset in sorted({c.dataset for c in table}):
         mine = [c for c in table if c.dataset == dataset]
-        budgets = sorted({c.bytes_budget for c in mine})
-        policies = list(dict.fromkeys(c.policy for c in mine))
-        fig, axes = plt.subplots(2, len(budgets), figsize=(5.5 * len(budgets), 7), squeeze=False)
-        width = 0.8 / len(variants)
-        for col, budget in enumerate(budgets):
+        policies = sorted({c.policy for c in mine})
+        variants = [v for v in (PLAIN, "int8", "int4") if any(c.variant == v for c in mine)]
+        variants += sorted({c.variant for c in mine} - set(variants))
+        fig, axes = plt.subplots(2, len(policies), figsize=(3.6 * len(policies), 6.5), squeeze=False)
+        for col, policy in enumerate(policies):
             for row, (attr, label) in enumerate((("top1", "top-1 agreement"), ("kl", "mean KL(full || cache)"))):
                 ax = axes[row][col]
-                for i, variant in enumerate(variants):
-                    values = []
-                    for policy in policies:
-                        hit = [c for c in mine if (c.policy, c.bytes_budget, c.variant) == (policy, budget, variant)]
-                        values.append(getattr(hit[0], attr) if hit else float("nan"))
-                    xs = [p + (i - 1) * width for p in range(len(policies))]
-                    ax.bar(xs, values, width, label=variant)
-                ax.set_xticks(range(len(policies)))
-                ax.set_xticklabels(policies, rotation=30, ha="right")
-                ax.set_ylabel(label)
-                ax.set_title(f"{dataset}: K/V bytes of {budget} full-precision tokens")
-                if attr == "top1":
-                    finite = [getattr(c, attr) for c in mine if math.isfinite(getattr(c, attr))]
-                    if finite:
-                        ax.set_ylim(max(0.0, min(finite) - 0.02), 1.0)
-                ax.legend(fontsize=8)
+                for variant in variants:
+                    hit = [c for c in mine if (c.policy, c.variant) == (policy, variant)]
+                    hit.sort(key=lambda c: c.measured)
+                    if hit:
+                        ax.plot([c.measured for c in hit], [getattr(c, attr) for c in hit], marker="o", label=variant)
+                ax.set_xlabel("K/V bytes, full-precision tokens")
+                if col == 0:
+                    ax.set_ylabel(label)
+                ax.set_title(policy if row == 0 else "")
+                ax.grid(alpha=0.3)
+        axes[0][0].legend(fontsize=8)
+        fig.suptitle(f"{dataset}: fidelity at measured K/V bytes")
         fig.tight_layout()
         path = out_dir / f"equal-bytes-{dataset}.png"
         fig.savefig(path, dpi=110)
