@@ -1,0 +1,125 @@
+"""Paired fidelity: each policy's top-1 agreement minus a reference policy's, problem by problem.
+
+Means over problems hide how far apart two policies are on the same traces: a problem whose trace is
+hard for one policy is often hard for the other. This pairs the fidelity records of each (model,
+dataset, K, B) cell by problem and gives, per policy, its mean top-1 agreement and KL(full ||
+evicting) over the problems it shares with the reference, its mean top-1 difference to the reference
+and the 95% bootstrap interval of that difference (resampling problems, as the report's Δ vs full;
+none below :data:`~reasonkv.eval.report_rows.MIN_PAIRED` problems)::
+
+    python -m reasonkv.cli.paired docs/results/results.jsonl docs/results/frontier/smollm2-135m.jsonl
+
+A policy is named by its label (``policy_label``: ``triattention[stats=bundled]``), a tiered one with
+its tier (``h2o + int4 x 116``). The files should hold one setup per model (dtype, token limit), as
+a grid's results file does; ``reasonkv report`` says when they do not.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from reasonkv.eval.report_rows import MIN_PAIRED, paired_interval
+
+__all__ = ["PairedRow", "markdown", "paired_fidelity"]
+
+
+@dataclass(frozen=True)
+class PairedRow:
+    """One policy of one cell against the reference, over the problems both have."""
+
+    model: str
+    dataset: str
+    budget: int
+    buffer: int | None
+    policy: str
+    problems: int
+    top1: float
+    kl: float
+    delta: float  # mean top-1 agreement minus the reference's, paired by problem
+    low: float  # the 95% bootstrap interval of delta (nan for the reference and below MIN_PAIRED problems)
+    high: float
+
+
+def _label(record: dict) -> str:
+    label = str(record.get("policy_label") or record["policy"])
+    tier = record.get("tier")
+    return f"{label} + int{tier['bits']} x {tier['quantized']}" if tier else label
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _order(cell: tuple) -> tuple:  # model, dataset, then K and B as numbers
+    model, dataset, budget, buffer = cell
+    return (str(model), str(dataset), budget, -1 if buffer is None else buffer)
+
+
+def paired_fidelity(records: Iterable[dict], against: str) -> list[PairedRow]:
+    """The rows of every cell that holds ``against``, each cell's in the order of their mean top-1.
+
+    Raises ``ValueError`` naming the policies there are when no cell holds ``against``."""
+    cells: dict[tuple, dict[str, dict[tuple, tuple[float, float]]]] = defaultdict(lambda: defaultdict(dict))
+    for r in records:
+        if r.get("kind") != "fidelity" or not _finite(r.get("top1_agreement")):
+            continue
+        cell = (r.get("model", "?"), r["dataset"], r["budget"], r.get("buffer"))
+        cells[cell][_label(r)][(r["problem_id"], r.get("sample", 0))] = (r["top1_agreement"], r.get("kl_mean"))
+    rows = []
+    for (model, dataset, budget, buffer), policies in sorted(cells.items(), key=lambda item: _order(item[0])):
+        base = policies.get(against)
+        if base is None:
+            continue
+        mine = []
+        for policy, scores in policies.items():
+            shared = sorted(set(scores) & set(base))
+            if not shared:
+                continue
+            differences = [scores[p][0] - base[p][0] for p in shared]
+            kls = [scores[p][1] for p in shared if _finite(scores[p][1])]
+            low, high = (math.nan, math.nan)
+            if len(shared) >= MIN_PAIRED and policy != against:
+                low, high = paired_interval(differences)
+            mine.append(
+                PairedRow(
+                    model,
+                    dataset,
+                    budget,
+                    buffer,
+                    policy,
+                    len(shared),
+                    top1=sum(scores[p][0] for p in shared) / len(shared),
+                    kl=sum(kls) / len(kls) if kls else math.nan,
+                    delta=sum(differences) / len(differences),
+                    low=low,
+                    high=high,
+                )
+            )
+        rows += sorted(mine, key=lambda row: (-row.top1, row.policy))
+    if not rows:
+        labels = sorted({label for policies in cells.values() for label in policies})
+        raise ValueError(f"no fidelity records of the reference policy {against!r}; the policies there are: {labels}")
+    return rows
+
+
+def markdown(rows: Sequence[PairedRow], against: str) -> str:
+    """A table per cell: policy, problems, top-1, KL, Δ top-1 to ``against`` and its interval."""
+    lines: list[str] = []
+    cell = None
+    for row in rows:
+        if (row.model, row.dataset, row.budget, row.buffer) != cell:
+            cell = (row.model, row.dataset, row.budget, row.buffer)
+            buffer = "" if row.buffer is None else f", B = {row.buffer}"
+            lines += [] if not lines else [""]
+            lines += [f"### {row.model}, {row.dataset}, K = {row.budget}{buffer}: against {against}", ""]
+            lines += ["| policy | problems | top-1 | KL | Δ top-1 | 95% interval |", "|---|---|---|---|---|---|"]
+        interval = f"[{row.low:+.3f}, {row.high:+.3f}]"
+        if math.isnan(row.low):
+            interval = "reference" if row.policy == against else f"— (fewer than {MIN_PAIRED} problems)"
+        lines.append(
+            f"| {row.policy} | {row.problems} | {row.top1:.3f} | {row.kl:.4f} | {row.delta:+.3f} | {interval} |"
+        )
+    return "\n".join(lines) + "\n"
