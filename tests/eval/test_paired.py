@@ -92,3 +92,7 @@ def test_the_command_reads_results_files_and_writes_the_tables(tmp_path, capsys)
     with pytest.raises(SystemExit):
         paired_command.main([str(tmp_path / "missing.jsonl")])
     assert "no such results file" in capsys.readouterr().err
+    shard = tmp_path / "run.shard-0-of-2.jsonl"  # a run in progress: only its shard files exist yet
+    shard.write_text(results.read_text(encoding="utf-8"), encoding="utf-8")
+    assert paired_command.main([str(tmp_path / "run.jsonl")]) == 0
+    assert "| snapkv | 12 | 0.835 | 0.3000 | -0.020 | [-0.020, -0.020] |" in capsys.readouterr().out

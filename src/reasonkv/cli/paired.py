@@ -16,12 +16,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--against", default="h2o", help="the reference policy's label (default h2o)")
     parser.add_argument("--out", type=Path, help="write the tables to this markdown file instead of printing them")
     args = parser.parse_args(argv)
-    missing = [path for path in args.results if not Path(path).is_file()]
-    if missing:
-        parser.error(f"no such results file: {', '.join(missing)}")
-    try:
+    try:  # a run still in progress has only its shard files: load_results reads those too
         text = markdown(paired_fidelity(load_results(args.results), args.against), args.against)
-    except ValueError as error:
+    except (FileNotFoundError, ValueError) as error:
         parser.error(str(error))
     if args.out is None:
         print(text, end="")
