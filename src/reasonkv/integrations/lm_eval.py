@@ -55,6 +55,7 @@ from reasonkv.eval.units import sample_seed
 from reasonkv.generation import GenerationResult, generate
 from reasonkv.generation.stats import peak_row_tokens
 from reasonkv.integrations.lm_eval_args import parse_model_args
+from reasonkv.integrations.lm_eval_tasks import Generation
 from reasonkv.models import load_model
 
 __all__ = ["ANNOTATION", "TASKS_DIR", "ReasonKVLM"]
@@ -213,8 +214,9 @@ class ReasonKVLM(HFLM):
             "top_k": int(sampling["top_k"]),
         }
 
-    def _text(self, result: GenerationResult, until: list[str]) -> str:
-        """The continuation as lm-eval's HF model returns it: after a thinking block, cut at the first stop."""
+    def _text(self, result: GenerationResult, until: list[str]) -> Generation:
+        """The continuation as lm-eval's HF model returns it: after a thinking block, cut at the first stop; it
+        says how decoding ended, so the task's grader never takes the last number of a cut-off output."""
         tokens = result.token_ids
         if isinstance(self.think_end_token, int) and self.think_end_token in tokens:
             tokens = tokens[len(tokens) - tokens[::-1].index(self.think_end_token) :]
@@ -222,7 +224,8 @@ class ReasonKVLM(HFLM):
         if isinstance(self.think_end_token, int):
             text = text.lstrip()
         think = self.think_end_token if isinstance(self.think_end_token, str) else None
-        return postprocess_generated_text(generation=text, stop=until, think_end_token=think)
+        text = postprocess_generated_text(generation=text, stop=until, think_end_token=think)
+        return Generation(text, result.finish_reason)
 
     # ------------------------------------------------------------------ loglikelihood
     def loglikelihood(self, requests: list, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
