@@ -77,6 +77,37 @@ def test_an_output_file_removed_mid_run_is_an_error_naming_it_and_never_comes_ba
     assert not out.exists()  # not re-created without its manifest by the next record
 
 
+@pytest.mark.parametrize("how", ["cp", "mv"])
+def test_an_output_file_overwritten_or_replaced_mid_run_is_an_error_and_nothing_more_is_written(
+    tmp_path, tiny_dir, dataset, how
+):
+    other = tmp_path / "other" / "r.jsonl"
+    other.parent.mkdir()
+    content = b"".join(_first_lines(tiny_dir, dataset, tmp_path / "first" / "r.jsonl", 2))
+    other.write_bytes(content)
+    out = tmp_path / "D" / "r.jsonl"
+    # cp keeps the file (its inode) and writes another run's manifest and records into it; mv puts another file
+    # in its place
+    done = _eval(tiny_dir, dataset, out, FAULT=f"{how} {other} {out}", FAULT_AFTER="3")
+    assert done.returncode == 2, done.stderr[-2000:]
+    if how == "cp":
+        assert f"{out} was overwritten while this process wrote to it (its size is " in done.stderr
+        assert "the 3 records written since it started may be gone from it" in done.stderr
+    else:
+        assert f"{out} was removed, renamed or replaced while this process wrote to it (another file took its " in (
+            done.stderr
+        )
+    assert "already there" not in done.stderr and "accuracy" not in done.stderr  # no summary of lost records
+    assert out.read_bytes() == content  # nothing written after the change
+
+
+def _first_lines(tiny_dir: Path, dataset: Path, out: Path, count: int) -> list[bytes]:
+    """The first ``count`` lines of a whole run's results file (the manifest first)."""
+    done = _eval(tiny_dir, dataset, out)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return out.read_bytes().splitlines(keepends=True)[:count]
+
+
 def test_an_output_folder_renamed_mid_run_is_an_error_and_the_run_resumes_once_moved_back(tmp_path, tiny_dir, dataset):
     folder, moved = tmp_path / "D", tmp_path / "D_moved"
     out = folder / "r.jsonl"
@@ -134,7 +165,7 @@ def test_a_full_disk_names_the_file_and_what_is_safe_and_a_rerun_resumes_once_th
     safe = read_records(logs / "mid-run.jsonl")  # only whole records: a torn line would raise
     assert rc == 2 and (logs / "mid-run.jsonl").read_bytes().endswith(b"\n"), text[-2000:]
     assert (
-        f"{out}: appending a record failed (No space left on device); the {len(safe)} complete records in it are "
+        f"{out}: appending a record failed (No space left on device); the {len(safe) - 1} complete records in it are "
         "safe; free some space, then rerun the same command: it resumes"
     ) in text
     assert "already there" not in text and len(safe) >= 4  # the manifest and at least the first 3 records

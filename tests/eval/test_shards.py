@@ -477,7 +477,7 @@ def test_a_full_disk_during_the_merge_names_the_step_keeps_the_shard_files_and_a
         with pytest.raises(OSError) as error:
             merge_shards(out, read_records(shard_path(out, Shard(0, 2)))[0]["grid"]["sha256"])
     assert str(error.value) == (
-        f"merging the shard files into {out}: {out}: appending a record failed (No space left on device); the 5 "
+        f"merging the shard files into {out}: {out}: appending a record failed (No space left on device); the 4 "
         "complete records in it are safe; free some space, then rerun the same command: it resumes (the shard "
         "files are complete and kept)"
     )

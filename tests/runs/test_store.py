@@ -95,6 +95,14 @@ def test_a_damaged_line_is_an_error_naming_the_file_and_the_line(tmp_path, damag
     assert path.read_text(encoding="utf-8") == compact_line(RECORDS[0]) + "\n" + damage
 
 
+def test_a_binary_junk_line_is_named_as_not_utf8_text(tmp_path):
+    path = tmp_path / "runs.jsonl"
+    path.write_bytes(compact_line(RECORDS[0]).encode() + b"\n\x00\xff\x00junk\n")
+    with pytest.raises(ValueError) as error:
+        read_records(path)
+    assert str(error.value) == f"{path}, line 2: not a JSON record (not UTF-8 text: byte 0xff at column 2)"
+
+
 def test_line_numbers_count_blank_lines(tmp_path):
     path = tmp_path / "runs.jsonl"
     path.write_text("\n" + compact_line(RECORDS[0]) + "\n\n" + compact_line(RECORDS[1]) + "\n", encoding="utf-8")
@@ -188,6 +196,66 @@ def test_a_file_removed_or_moved_while_written_is_an_error_naming_it_never_a_sil
         assert path.read_text() == "someone else's file\n"  # never written to
     else:
         assert "it was deleted" in str(error.value) and not path.exists()  # never silently re-created
+
+
+@pytest.mark.parametrize(
+    "change", ["another run's file, longer", "one line less", "the first line, same size", "the last line, same size"]
+)
+def test_a_file_overwritten_in_place_while_written_is_an_error_never_a_silent_success(tmp_path, change):
+    # ``cp other.jsonl runs.jsonl`` truncates and rewrites the same file (the inode stays): only its content tells
+    path = tmp_path / "runs.jsonl"
+    store = JsonlStore(path, lock="eval")
+    store.start(HEADER)
+    store.append(RECORDS[0])
+    store.append(RECORDS[1])
+    lines = path.read_bytes().splitlines(keepends=True)
+    if change == "another run's file, longer":
+        other = [compact_line({"kind": "header", "id": "run-2"}).encode() + b"\n"] + lines[1:] * 3
+    elif change == "one line less":
+        other = lines[:-1]
+    elif change == "the first line, same size":
+        other = [lines[0].replace(b"run-1", b"run-2"), *lines[1:]]
+    else:
+        other = [*lines[:-1], lines[-1].replace(b"r1", b"r9")]
+    inode = path.stat().st_ino
+    with open(path, "r+b") as handle:  # as cp writes it: truncated, then rewritten
+        handle.truncate(0)
+        handle.write(b"".join(other))
+    assert path.stat().st_ino == inode
+    with pytest.raises(OutputError) as error:
+        store.append(RECORDS[2])
+    assert str(error.value).startswith(f"{path} was overwritten while this process wrote to it (")
+    assert "the 2 records written since it started may be gone from it" in str(error.value)
+    with pytest.raises(OutputError, match=re.escape(f"{path} was overwritten")):
+        store.close()  # the end of a run checks too
+    assert path.read_bytes() == b"".join(other)  # nothing written after the change
+
+
+def test_a_file_replaced_by_mv_is_named_as_replaced_not_deleted(tmp_path):
+    path = tmp_path / "runs.jsonl"
+    store = JsonlStore(path, lock="eval")
+    store.start(HEADER)
+    (tmp_path / "other").write_text("someone else's file\n")
+    os.rename(tmp_path / "other", path)
+    with pytest.raises(OutputError) as error:
+        store.append(RECORDS[0])
+    assert "(another file took its place; the file written was deleted)" in str(error.value)
+    store.close(check=False)
+
+
+def test_messages_count_only_the_lines_the_caller_counts_as_records(tmp_path, monkeypatch):
+    path = tmp_path / "runs.jsonl"
+    store = JsonlStore(path, counts=lambda record: record.get("kind") != "header")
+    store.start(HEADER)
+    store.append(RECORDS[0])
+    monkeypatch.setattr(os, "write", lambda fd, data: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space")))
+    with pytest.raises(OutputError, match="the 1 complete records in it are safe"):
+        store.append(RECORDS[1])
+    monkeypatch.undo()
+    path.unlink()
+    with pytest.raises(OutputError, match="the 1 records written since it started are not at"):
+        store.append(RECORDS[1])
+    store.close(check=False)
 
 
 @pytest.mark.parametrize("held", ["by the store", "by the caller"])

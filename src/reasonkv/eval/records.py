@@ -353,6 +353,11 @@ def repair_results(path: str | os.PathLike[str]) -> str | None:
     return f"{path}: moved {len(rejected)} line(s) that were not records (line {lines}) to {aside}; kept {len(kept)}"
 
 
+def _is_result(record: Mapping[str, Any]) -> bool:
+    """Whether a line counts as a record in messages (a manifest says what the records were computed with)."""
+    return record.get("kind") != "manifest"
+
+
 def _line(record: Mapping[str, Any]) -> str:
     # Results keep their text readable (not ASCII-escaped) and write NaN as JSON's common extension.
     return json.dumps(dict(record), ensure_ascii=False, default=str)
@@ -399,7 +404,9 @@ class ResultsFile:
         if manifest.get("kind") != "manifest" or not manifest.get("id"):
             raise ValueError("a results file starts with a manifest record (kind 'manifest', with an id)")
         scan_results(self.path, first_only=True)  # refuse a foreign file before creating its lock file
-        self._store = JsonlStore(self.path, lock="eval" if lock is None else lock, encode=_line, fsync=fsync)
+        self._store = JsonlStore(
+            self.path, lock="eval" if lock is None else lock, encode=_line, fsync=fsync, counts=_is_result
+        )
         try:
             manifests = scan_results(self.path, visit)
             if check is not None and manifests:

@@ -23,8 +23,10 @@ the lock of a run's short steps (``<file>.steps.lock``: a process joining a shar
 waited for (:class:`OutputLock` ``wait``). The holder record in the file (pid, host, purpose, since)
 is written after the lock is taken and forced to disk, for messages only. Lock files are never
 deleted (deleting a lock file while others may hold it open is what breaks locks on network
-filesystems): a lock file nobody holds is free, whatever it holds, and the kernel drops the lock of
-a killed process, so a stale lock file never blocks a resume. Because they stay, a lock whose path no
+filesystems): a reasonkv lock file nobody holds is free, whatever holder it names, and the kernel drops
+the lock of a killed process, so a lock a killed run left never blocks a resume. A file at a lock's path
+that is not a reasonkv lock file (other content: maybe someone's own file) is never written over: the
+writer refuses, naming it, until it is moved away. Because they stay, a lock whose path no
 longer names the file it holds (:meth:`OutputLock.check_in_place`) means the folder was moved or removed
 meanwhile: the writer stops rather than write at the old path. The output must live on a filesystem
 with working ``flock`` (local disks; across machines NFSv4 or a cluster filesystem mounted with

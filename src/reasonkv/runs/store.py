@@ -17,11 +17,14 @@ Writing
     also forces it to disk, which survives a machine crash). A new file with a header is created holding
     it, complete or not at all. Lines are never changed in place: only a torn last line is cut off, and
     the owner may replace the whole file (:meth:`~JsonlStore.rewrite`, :meth:`~JsonlStore.discard`).
-The file stays where it was
+The file stays where it was, as this store left it
     The store writes through one open file and checks, before every record and when it closes, that
     its path still names that file: if the file (or its folder) was removed, renamed or replaced
     meanwhile, it fails naming the path and where the file is now, rather than writing records
-    nobody will find or reporting a success for them.
+    nobody will find or reporting a success for them. A file overwritten in place (``cp other.jsonl
+    file.jsonl`` keeps the inode) is caught by its content: its size must be the one this store left,
+    and its first line (an eval's run manifest) and its last bytes the ones it read or wrote (two short
+    reads per record).
 A failed write
     A record that cannot be written whole (a full disk) is cut off again, so the file keeps only
     complete records, and the error (:class:`~reasonkv.runs.outputs.OutputError`) names the file, the
@@ -53,6 +56,9 @@ from reasonkv.runs.outputs import (
     where_now,
     write_atomic,
 )
+
+_HEAD = 1 << 20  # the most of a first line remembered (a run manifest is a few KiB)
+_TAIL = 4096  # the last bytes remembered
 
 __all__ = [
     "JsonlStore",
@@ -106,16 +112,23 @@ def numbered_lines(path: str | os.PathLike[str]) -> Iterator[tuple[int, bytes, d
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                # Decoded here: json.loads on bytes guesses the encoding, and names UTF-16 for binary junk.
+                record = json.loads(line.decode("utf-8"))
             except (json.JSONDecodeError, UnicodeDecodeError) as error:
                 if not line.endswith(b"\n"):
                     return  # the tail of an interrupted write (only the last line can lack its newline)
-                yield number, line, None, f"not a JSON record ({error})"
+                yield number, line, None, _not_json(error)
                 continue
             if not isinstance(record, dict):
                 yield number, line, None, f"expected a JSON object, got {type(record).__name__}"
                 continue
             yield number, line, record, None
+
+
+def _not_json(error: ValueError) -> str:
+    if isinstance(error, UnicodeDecodeError):
+        return f"not a JSON record (not UTF-8 text: byte 0x{error.object[error.start]:02x} at column {error.start + 1})"
+    return f"not a JSON record ({error})"
 
 
 def numbered_records(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -162,6 +175,8 @@ class JsonlStore:
         Turns a record into its line (without the newline); :func:`compact_line` by default.
     fsync
         Also force each record to disk (survives a machine crash, not only a killed process).
+    counts
+        Which lines are records in messages (an eval's manifest is not); every line by default.
     """
 
     def __init__(
@@ -171,10 +186,12 @@ class JsonlStore:
         lock: str | OutputLock | None = None,
         encode: Callable[[Mapping[str, Any]], str] = compact_line,
         fsync: bool = False,
+        counts: Callable[[Mapping[str, Any]], bool] | None = None,
     ):
         self.path = Path(path)
         self.encode = encode
         self.fsync = fsync
+        self._counts = counts or (lambda record: True)
         self._covering = lock if isinstance(lock, OutputLock) else None  # held by the caller
         if self._covering is not None:
             self._covering.check_in_place()  # its folder is still there: never re-create it elsewhere
@@ -182,10 +199,14 @@ class JsonlStore:
         self._lock = OutputLock(self.path, lock).acquire() if isinstance(lock, str) else None
         self._fd: int | None = None  # the file this store writes, once started
         self._identity: tuple[int, int] | None = None  # its (device, inode)
+        self._end = 0  # the file's size as this store left it
+        self._head = b""  # its first line, as read or written
+        self._tail = b""  # its last bytes (up to _TAIL) before _end
         self._started = False
         self._unsynced = False
         self._closed = False
-        self.appended = 0  # records this store wrote
+        self.appended = 0  # lines this store wrote
+        self.counted = 0  # of which records (see ``counts``)
 
     def records(self) -> Iterator[dict[str, Any]]:
         """The complete records already in the file (see :func:`iter_records`)."""
@@ -207,6 +228,7 @@ class JsonlStore:
         if self.path.exists():
             self._open(create=False)
             self._mend_tail()
+            self._snapshot()  # as mended
             return False
         if header is None:
             return False
@@ -224,6 +246,7 @@ class JsonlStore:
             self._open(create=True)  # a store without a header: the first record creates the file
         self._write(line, "appending a record")
         self.appended += 1
+        self.counted += bool(self._counts(record))
         self._unsynced = not self.fsync
         return json.loads(line)
 
@@ -243,20 +266,50 @@ class JsonlStore:
         self._started = True
 
     def check_in_place(self) -> None:
-        """Raise :class:`OutputError` when the path no longer names the file this store writes, or the
-        lock guarding it no longer names the lock file held (its folder was moved)."""
+        """Raise :class:`OutputError` when the path no longer names the file this store writes, the lock
+        guarding it no longer names the lock file held (its folder was moved), or the file's content is
+        not what this store left there (it was overwritten in place)."""
         if self._fd is None or self._in_place():
             for lock in (self._lock, self._covering):
                 if lock is not None:
                     lock.check_in_place()
+            self._check_content()
             return
         now = where_now(self._fd)
-        where = f"it is now {now}" if now else "it was deleted"
+        replaced = self.path.exists()
+        if now:
+            where = f"it is now {now}" + (", and another file took its place" if replaced else "")
+        else:
+            where = "another file took its place; the file written was deleted" if replaced else "it was deleted"
         what = "move it back and rerun the same command to resume" if now else "rerun the same command"
         raise OutputError(
             f"{self.path} was removed, renamed or replaced while this process wrote to it ({where}): nothing more "
-            f"is written, and the {self.appended} records written since it started are not at {self.path}; "
+            f"is written, and the {self.counted} records written since it started are not at {self.path}; "
             f"{what}"
+        )
+
+    def _check_content(self) -> None:
+        """Raise :class:`OutputError` when the open file's size, first line or last bytes are not as left."""
+        if self._fd is None:
+            return
+        try:
+            size = os.fstat(self._fd).st_size
+            head = os.pread(self._fd, len(self._head), 0) if size == self._end else b""
+            tail = os.pread(self._fd, len(self._tail), self._end - len(self._tail)) if size == self._end else b""
+        except OSError as error:
+            raise self._failed("reading it back", error) from error
+        if size != self._end:
+            change = f"its size is {size:,} bytes, not the {self._end:,} this process left"
+        elif head != self._head:
+            change = "its first line is no longer the one this process read or wrote"
+        elif tail != self._tail:
+            change = "its last line is no longer the one this process read or wrote"
+        else:
+            return
+        raise OutputError(
+            f"{self.path} was overwritten while this process wrote to it ({change}): nothing more is written, and "
+            f"the {self.counted} records written since it started may be gone from it; find what wrote over it, "
+            "then rerun the same command: it resumes from what the file holds"
         )
 
     def _in_place(self) -> bool:
@@ -301,13 +354,25 @@ class JsonlStore:
         return (self.encode(record) + "\n").encode("utf-8")
 
     def _open(self, *, create: bool) -> None:
-        flags = os.O_WRONLY | os.O_APPEND | (os.O_CREAT if create else 0)
+        flags = os.O_RDWR | os.O_APPEND | (os.O_CREAT if create else 0)  # read: to check it is as left
         try:
             self._fd = os.open(self.path, flags, 0o666)
         except OSError as error:
             raise self._failed("opening it to append", error) from error
         stat = os.fstat(self._fd)
         self._identity = (stat.st_dev, stat.st_ino)
+        self._snapshot()
+
+    def _snapshot(self) -> None:
+        """Remember the open file's size, first line and last bytes (what :meth:`_check_content` compares)."""
+        try:
+            self._end = os.fstat(self._fd).st_size
+            first = os.pread(self._fd, min(self._end, _HEAD), 0)
+            self._head = first[: first.index(b"\n") + 1] if b"\n" in first else first
+            start = max(0, self._end - _TAIL)
+            self._tail = os.pread(self._fd, self._end - start, start)
+        except OSError as error:
+            raise self._failed("reading it", error) from error
 
     def _close_file(self) -> None:
         if self._fd is not None:
@@ -327,10 +392,15 @@ class JsonlStore:
             with contextlib.suppress(OSError):
                 os.ftruncate(self._fd, size)  # no torn line for the next reader or writer
             raise self._failed(step, error) from error
+        if size == 0 or (not self._head.endswith(b"\n") and len(self._head) < _HEAD):
+            self._snapshot()  # the file's first line was (being) written now
+        else:
+            self._end = size + len(data)
+            self._tail = (self._tail + data)[-_TAIL:]
 
     def _failed(self, step: str, error: OSError) -> OutputError:
         try:
-            safe = sum(1 for _ in iter_records(self.path))
+            safe = sum(1 for record in iter_records(self.path) if self._counts(record))
             kept = f"the {safe} complete records in it are safe"
         except (OSError, ValueError):
             kept = "the complete records in it are safe"
