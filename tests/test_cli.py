@@ -45,7 +45,7 @@ def test_policies_describes_one_policy(capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["options"]["query_window"] == 32 and data["meanings"]["query_window"].startswith("w, how many")
     assert main(["policies", "snap"]) == 2
-    assert "unknown policy 'snap'; valid policies: curdkv" in error_line(capsys)
+    assert "unknown policy 'snap'; did you mean 'snapkv'? valid policies: curdkv" in error_line(capsys)
 
 
 def test_an_entry_shared_by_several_options_keeps_each_ones_own_meaning():

@@ -126,7 +126,7 @@ def test_peak_kv_bytes_are_the_bytes_held_and_allocated_capacity_is_its_own_figu
         (dict(policy="streaming", budget=0), "budget must be a positive integer"),
         (dict(policy="streaming", budget=8, buffer=-2), "buffer must be a non-negative integer, got -2"),
         (dict(policy="streaming"), "policy 'streaming' needs a budget"),
-        (dict(policy="h2o2", budget=8), "unknown policy 'h2o2'; valid policies:"),
+        (dict(policy="h2o2", budget=8), "unknown policy 'h2o2'; did you mean 'h2o'\\? valid policies:"),
         (dict(max_new_tokens=0), "max_new_tokens must be a positive integer, got 0"),
         (dict(max_new_tokens=8.0), "max_new_tokens must be a positive integer, got 8.0"),
         (dict(max_new_tokens="8"), "max_new_tokens must be a positive integer, got '8'"),

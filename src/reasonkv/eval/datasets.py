@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from reasonkv.eval.codetasks import code_fields
+from reasonkv.suggest import did_you_mean
 
 __all__ = ["DATASETS", "DATA_DIR", "Problem", "dataset_path", "load_dataset"]
 
@@ -90,8 +91,12 @@ def dataset_path(name: str) -> Path:
     """Return the bundled file for a dataset name (or alias)."""
     key = _ALIASES.get(name, name)
     if key not in DATASETS:
-        raise ValueError(f"unknown dataset {name!r}; known names: {', '.join(DATASETS)}")
+        raise ValueError(f"unknown dataset {name!r}; {_did_you_mean(name)}known names: {', '.join(DATASETS)}")
     return DATA_DIR / DATASETS[key]
+
+
+def _did_you_mean(name: str) -> str:
+    return did_you_mean(name, [*DATASETS, *_ALIASES])
 
 
 def load_dataset(name_or_path: str | os.PathLike[str], limit: int | None = None) -> list[Problem]:
@@ -133,7 +138,9 @@ def load_dataset(name_or_path: str | os.PathLike[str], limit: int | None = None)
             names = ", ".join(DATASETS)
             if os.sep in text or "/" in text or path.suffix:
                 raise FileNotFoundError(f"no such dataset file: {text} (bundled names: {names})")
-            raise ValueError(f"unknown dataset {text!r}; known names: {names}; or pass a path to a .jsonl file")
+            raise ValueError(
+                f"unknown dataset {text!r}; {_did_you_mean(text)}known names: {names}; or pass a path to a .jsonl file"
+            )
     if path.name.endswith(".gz"):  # HumanEval as published: decompressed in memory
         return _parse_rows(gzip.decompress(path.read_bytes()).decode("utf-8").splitlines(), path, default_kind, limit)
     zipped = path.name.endswith(".zip")

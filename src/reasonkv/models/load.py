@@ -11,12 +11,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from reasonkv.models.bundled import bundled_model, load_bundled
+from reasonkv.models.bundled import ALIASES, BUNDLED, bundled_model, load_bundled
 from reasonkv.models.checkpoint import load_directory
 from reasonkv.models.devices import resolve_attn_implementation, resolve_device, resolve_dtype
 from reasonkv.models.gguf import load_gguf
 from reasonkv.models.hub import load_hub_id
 from reasonkv.models.shapes import SHAPE_PREFIX, random_model
+from reasonkv.suggest import did_you_mean
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -124,7 +125,18 @@ def _load_named(
         raise ValueError(f"Cannot load model from {name_str!r}: expected a directory or a .gguf file.")
     if _looks_local(name_str):
         raise FileNotFoundError(f"Model path does not exist: {name_str!r}.")
-    return load_hub_id(name_str, torch_dtype, dev, attn)
+    # A hub id is the last guess: one that fails and is close to a built-in name was most likely a typo of it.
+    hint = did_you_mean(name_str, [*BUNDLED, *ALIASES])
+    try:
+        return load_hub_id(name_str, torch_dtype, dev, attn)
+    except ValueError as error:  # not a hub id at all (its message lists no names)
+        if not hint:
+            raise
+        raise ValueError(f"unknown model {name_str!r}; {hint}built-in names: {', '.join(BUNDLED)}; {error}") from None
+    except OSError as error:  # not resolvable (its message lists the built-in names)
+        if not hint:
+            raise
+        raise OSError(f"unknown model {name_str!r}; {hint}{error}") from None
 
 
 def _looks_local(name: str) -> bool:

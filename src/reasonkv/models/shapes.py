@@ -19,6 +19,7 @@ from reasonkv.models.devices import (
     resolve_device,
     resolve_dtype,
 )
+from reasonkv.suggest import did_you_mean
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -60,7 +61,8 @@ def shape_config(shape_name: str) -> PretrainedConfig:
     path = SHAPES_DIR / f"{canonical}.json"
     # The name becomes a file name: refuse anything that could point outside the shapes folder.
     if not canonical or "/" in canonical or "\\" in canonical or not path.is_file():
-        raise ValueError(f"Unknown shape {shape_name!r}; available shapes: {', '.join(list_shapes())}.")
+        hint = did_you_mean(shape_name, list_shapes())
+        raise ValueError(f"Unknown shape {shape_name!r}; {hint}available shapes: {', '.join(list_shapes())}.")
     fields: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
     fields.pop(_SHAPE_META_KEY, None)
     model_type = fields.pop("model_type")

@@ -8,6 +8,7 @@ from typing import Any
 
 from reasonkv.policies.base import Policy
 from reasonkv.policies.options import field_types, parse_value, split_option
+from reasonkv.suggest import did_you_mean
 
 __all__ = ["get_policy", "list_policies", "options_by_policy", "parse_options", "policy_class", "register"]
 
@@ -31,7 +32,8 @@ def list_policies() -> list[str]:
 
 def policy_class(name: str) -> type[Policy]:
     if name not in _REGISTRY:
-        raise ValueError(f"unknown policy {name!r}; valid policies: {', '.join(sorted(_REGISTRY))}")
+        hint = did_you_mean(name, _REGISTRY)
+        raise ValueError(f"unknown policy {name!r}; {hint}valid policies: {', '.join(sorted(_REGISTRY))}")
     return _REGISTRY[name]
 
 
@@ -53,9 +55,9 @@ def _checked(cls: type[Policy], options: dict) -> dict:
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(options) - known)
     if unknown:
-        raise ValueError(
-            f"policy {cls.name!r} has no option {', '.join(map(repr, unknown))}; options: {', '.join(sorted(known))}"
-        )
+        hint = did_you_mean(unknown[0], known) if len(unknown) == 1 else ""
+        named = ", ".join(map(repr, unknown))
+        raise ValueError(f"policy {cls.name!r} has no option {named}; {hint}options: {', '.join(sorted(known))}")
     return options
 
 
@@ -82,11 +84,14 @@ def options_by_policy(policies: Sequence[str], pairs: Sequence[str]) -> dict[str
             takers = [name for name, cls in classes.items() if option in field_types(cls) and cls.evicts]
         for name in takers:
             if option not in field_types(classes[name]):
-                known = ", ".join(sorted(field_types(classes[name])))
-                raise ValueError(f"policy {name!r} has no option {option!r}; options: {known}")
+                known = sorted(field_types(classes[name]))
+                hint = did_you_mean(option, known)
+                raise ValueError(f"policy {name!r} has no option {option!r}; {hint}options: {', '.join(known)}")
             out[name][option] = parse_value(classes[name], option, value)
         if not takers:
-            raise ValueError(f"no selected policy has an option {option!r} (policies: {', '.join(policies)})")
+            offered = {o for name, cls in classes.items() if cls.evicts for o in field_types(cls)}
+            hint = did_you_mean(option, offered)
+            raise ValueError(f"no selected policy has an option {option!r}; {hint}(policies: {', '.join(policies)})")
     return out
 
 
