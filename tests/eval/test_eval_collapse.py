@@ -3,7 +3,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from reasonkv.eval.collapse import FLAGS, collapse_flags, tail_loop
+from reasonkv.eval.collapse import FLAGS, collapse_flags, stopped_early, tail_loop
 
 rng = np.random.default_rng(0)
 PROSE = rng.integers(100, 30000, size=400).tolist()  # stands in for ordinary text: no loop at the end
@@ -31,7 +31,14 @@ def test_loop_cut_mid_phrase_still_counts():
 
 def test_ordinary_text_is_not_a_loop():
     flags = _flags(PROSE)
-    assert flags == {"empty": False, "no_answer": False, "repetition": False, "max_tokens": False, "collapsed": False}
+    assert flags == {
+        "empty": False,
+        "no_answer": False,
+        "repetition": False,
+        "max_tokens": False,
+        "collapsed": False,
+        "early_stop": False,
+    }
 
 
 @pytest.mark.parametrize(
@@ -67,12 +74,13 @@ def test_thresholds_are_options():
 def test_empty_and_no_answer():
     flags = _flags([], text="  \n", eos_hit=True)
     assert flags["empty"] and flags["no_answer"] and flags["collapsed"]
-    # stopped early by EOS without an answer: not collapsed, just no answer
+    assert not flags["early_stop"]  # an empty output is a collapse, counted there only
+    # stopped early by EOS without an answer: not collapsed, an early stop
     flags = _flags(PROSE, text="I think it is 42")
-    assert flags["no_answer"] and not flags["collapsed"]
+    assert flags["no_answer"] and not flags["collapsed"] and flags["early_stop"]
     # ran out of tokens without an answer: collapsed
     flags = _flags(PROSE, text="still thinking about 42", max_new_tokens=len(PROSE), eos_hit=False)
-    assert flags["max_tokens"] and flags["no_answer"] and flags["collapsed"]
+    assert flags["max_tokens"] and flags["no_answer"] and flags["collapsed"] and not flags["early_stop"]
     # ran out of tokens but had answered: not collapsed
     flags = _flags(PROSE, text="Answer: 42", max_new_tokens=len(PROSE), eos_hit=False)
     assert flags["max_tokens"] and not flags["no_answer"] and not flags["collapsed"]
@@ -100,3 +108,10 @@ def test_reference_solutions_are_not_loops():
         ids = [vocab.setdefault(w, len(vocab)) for w in p.solution.replace("$", " $ ").split()]
         flags = _flags(ids, text=p.solution)
         assert not flags["repetition"] and not flags["collapsed"], p.id
+
+
+def test_records_written_before_the_early_stop_flag_are_read_from_their_other_flags():
+    old = {"empty": False, "no_answer": True, "repetition": False, "max_tokens": False, "collapsed": False}
+    assert stopped_early(old)
+    assert not stopped_early({**old, "max_tokens": True, "collapsed": True})
+    assert not stopped_early({**old, "no_answer": False}) and not stopped_early(None)

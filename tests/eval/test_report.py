@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from reasonkv.eval.collapse import collapse_flags
 from reasonkv.eval.manifest import manifest_id
 from reasonkv.eval.report import (
     load_results,
@@ -115,20 +116,40 @@ def test_rows_hold_the_right_numbers(results):
     assert (math_row.n, math_row.accuracy, math_row.fidelity_n) == (1, 0.0, 0)
 
 
+def test_an_early_stop_without_an_answer_is_counted_apart_from_collapse():
+    # full runs out of tokens on one problem of two (a collapse); epikv stops after a few tokens without an
+    # answer on both: its collapse rate is 0, and only the early-stop rate shows that it answered nothing
+    def flags(text, *, max_new_tokens, eos_hit):
+        return {"collapse": collapse_flags(text, [1] * 23, max_new_tokens=max_new_tokens, eos_hit=eos_hit)}
+
+    records = [
+        _gen("a", "full", None, True, 60, 1.0, False, **flags("so \\boxed{3}", max_new_tokens=100, eos_hit=True)),
+        _gen("b", "full", None, False, 100, 1.0, True, **flags("still going", max_new_tokens=23, eos_hit=False)),
+        _gen("a", "epikv", 64, False, 23, 1.0, False, **flags("Let me think", max_new_tokens=100, eos_hit=True)),
+        _gen("b", "epikv", 64, False, 23, 1.0, False, **flags("Well", max_new_tokens=100, eos_hit=True)),
+    ]
+    by = {r.policy: r for r in summarize(records)}
+    assert (by["full"].collapse_rate, by["full"].early_stop_rate) == (0.5, 0.0)
+    assert (by["epikv"].collapse_rate, by["epikv"].early_stop_rate) == (0.0, 1.0)
+    text = markdown(list(by.values()))
+    assert "| collapse rate | early stop rate |" in text and "| 23.0 | 1.0 | 0.000 | 1.000 |" in text
+
+
 def test_markdown_table(results):
     text = markdown(summarize(load_results(results)), source="results.jsonl")
     lo, hi = _wilson_by_quadratic(1, 4)
     # streaming@128 against the full cache, problem by problem: a 0, b -1, c 0, d -1; 4 problems are too
     # few for a bootstrap interval, and two that agree say only that they agree
     assert "## gsm8k · m (max 100 new tokens; temperature 0), buffer B=64" in text
-    assert "| full | — | 4 | 0 | 0.750 [0.301, 0.954] | 0.750 | — | — | 25.0 | 25.0 | 0.250 | — | — | — | — |" in text
+    full = "| full | — | 4 | 0 | 0.750 [0.301, 0.954] | 0.750 | — | — | 25.0 | 25.0 | 0.250 | — | — | — | — | — |"
+    assert full in text
     assert (
         f"| streaming | 128 | 4 | 0 | 0.250 [{lo:.3f}, {hi:.3f}] | 0.250 | — | -0.500 (4 problems: too few for an "
-        "interval) | 65.0 | 2.5 | 0.500 | 0.700 | 0.2 | -1.000 | -0.500 |" in text
+        "interval) | 65.0 | 2.5 | 0.500 | — | 0.700 | 0.2 | -1.000 | -0.500 |" in text
     )
     assert (
         "| streaming | 256 | 2 | 0 | 1.000 [0.342, 1.000] | 1.000 | — | +0.000 (no problem differs, 2 problems) "
-        "| 95.0 | 5.0 | 0.000 | 1.000 | 0 | +0.000 | +0.000 |" in text
+        "| 95.0 | 5.0 | 0.000 | — | 1.000 | 0 | +0.000 | +0.000 |" in text
     )
     assert "## math500 · m" in text
     assert text.count("| full |") == 2

@@ -1,4 +1,5 @@
-"""Detect degenerate generations: empty output, a token loop at the end, or running out of tokens.
+"""Detect degenerate generations: empty output, a token loop at the end, or running out of tokens; and an
+output that stopped by itself without an answer.
 
 A *tail loop* has period ``n`` when every one of the last ``L + n`` tokens equals the token ``n``
 positions before it for the last ``L`` of them, i.e. the final ``n``-token block repeats
@@ -8,19 +9,25 @@ and spans at least ``min_span`` tokens. The span floor keeps short legitimate ru
 a row of ``=``) from counting; the repeat floor keeps a long phrase said twice from counting.
 With the defaults (64, 4) a 7-token phrase must occur about 10 times, a single token 64 times,
 and a 64-token paragraph 4 times.
+
+An output that ends by itself (an end of sequence, not the token limit) before giving an answer is not a
+collapse, but it is no success either: a policy that makes the model stop early would otherwise look
+better on the collapse rate than the full cache whose long outputs run out of tokens. It is flagged
+``early_stop`` and counted apart (the report's early-stop rate).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from reasonkv.eval.extraction import extract_answer
 
-__all__ = ["FLAGS", "collapse_flags", "tail_loop"]
+__all__ = ["FLAGS", "collapse_flags", "stopped_early", "tail_loop"]
 
-FLAGS = ("empty", "no_answer", "repetition", "max_tokens", "collapsed")
+FLAGS = ("empty", "no_answer", "repetition", "max_tokens", "collapsed", "early_stop")
 
 
 def _tail_spans(ids: np.ndarray, max_period: int) -> list[tuple[int, int]]:
@@ -92,17 +99,32 @@ def collapse_flags(
         ``empty``: no non-whitespace text. ``no_answer``: no boxed answer or "answer is/:" phrase
         (the last-number fallback is not used here). ``repetition``: a tail loop as defined above.
         ``max_tokens``: stopped at ``max_new_tokens`` without EOS. ``collapsed``: ``empty`` or
-        ``repetition`` or (``max_tokens`` and ``no_answer``).
+        ``repetition`` or (``max_tokens`` and ``no_answer``). ``early_stop``: ended before the limit with
+        ``no_answer`` and not ``collapsed`` (see :func:`stopped_early`).
     """
     ids = np.asarray(token_ids, dtype=np.int64).ravel()
     empty = not text.strip()
     no_answer = extract_answer(text, kind, last_number=False) is None
     repetition = any(span >= min_span and span / n >= min_repeats for n, span in _tail_spans(ids, max_period))
     max_tokens = not eos_hit and len(ids) >= max_new_tokens
-    return {
+    flags = {
         "empty": empty,
         "no_answer": no_answer,
         "repetition": repetition,
         "max_tokens": max_tokens,
         "collapsed": empty or repetition or (max_tokens and no_answer),
     }
+    return {**flags, "early_stop": stopped_early(flags)}
+
+
+def stopped_early(flags: Mapping[str, Any] | None) -> bool:
+    """Whether collapse flags say the output ended by itself without an answer and did not collapse.
+
+    Reads the flags of records written before ``early_stop`` existed too (from ``no_answer``,
+    ``max_tokens`` and ``collapsed``); ``False`` when there are none.
+    """
+    if not isinstance(flags, Mapping):
+        return False
+    if "early_stop" in flags:
+        return flags["early_stop"] is True
+    return flags.get("no_answer") is True and flags.get("max_tokens") is False and flags.get("collapsed") is False

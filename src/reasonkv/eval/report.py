@@ -65,6 +65,8 @@ LEGEND = (
     f"and sample seeds (paired), 95% bootstrap interval over problems, given from {MIN_PAIRED} problems on. "
     "Errors: units that could not run (a problem whose generation and fidelity both failed counts once; reasons "
     "below the table). Collapse: empty output, a repetition loop, or running out of tokens without an answer. "
+    "Early stop: the output ended by itself before the token limit without an answer (not a collapse, counted "
+    "apart). "
     "Fidelity (evicting vs full cache, teacher-forced): top-1 agreement and mean KL along the full cache's greedy "
     "trace; Δ answer log-prob: log-probability of the reference answer with the evicting cache minus with the "
     "full cache (0 is perfect, negative is worse); the plots show 95% intervals of these means over problems."
@@ -72,7 +74,7 @@ LEGEND = (
 
 HEADER = (
     "| policy | budget | n | errors | accuracy [95% CI] | pass@1 | pass@k | Δ vs full [95% CI] | mean output tokens "
-    "| tokens/s | collapse rate | top-1 agreement | KL(full‖evicting) | Δ answer log-prob (sum) "
+    "| tokens/s | collapse rate | early stop rate | top-1 agreement | KL(full‖evicting) | Δ answer log-prob (sum) "
     "| Δ answer log-prob (per token) |"
 )
 
@@ -114,6 +116,7 @@ def _cells(r: Row, uniform: bool) -> list[str]:
         _num(r.mean_output_tokens, ".1f"),
         _num(r.tokens_per_second, ".1f"),
         _num(r.collapse_rate, ".3f"),
+        _num(r.early_stop_rate, ".3f"),
         _num(r.top1_agreement, ".3f"),
         _num(r.kl_mean, ".4g"),
         _num(r.answer_logprob_delta, "+.3f"),
@@ -219,7 +222,7 @@ def markdown(
         title = titles[section][0]
         if uniform and buffers:
             title += f", buffer B={next(iter(buffers))}"
-        lines += [f"## {title}", "", HEADER, "|" + "---|" * 15]
+        lines += [f"## {title}", "", HEADER, "|" + "---|" * 16]
         lines += ["| " + " | ".join(_cells(r, uniform)) + " |" for r in part]
         lines += outcome_table(part)
         lines += _section_notes(part)

@@ -31,7 +31,10 @@ LINESTYLES = ("-", "--", "-.", ":")
 # (attribute, interval attributes or None, y label) of each panel of a plot.
 PANELS: dict[str, list[tuple[str, tuple[str, str] | None, str]]] = {
     "accuracy": [("accuracy", ("ci_low", "ci_high"), "accuracy (95% Wilson interval)")],
-    "collapse": [("collapse_rate", None, "collapse rate (share of answers)")],
+    "collapse": [
+        ("collapse_rate", None, "collapse rate (share of answers)"),
+        ("early_stop_rate", None, "early stop rate (ended without an answer)"),
+    ],
     "throughput": [("tokens_per_second", None, "decode tokens/s (mean over answers)")],
     "fidelity": [
         ("top1_agreement", ("top1_low", "top1_high"), "top-1 agreement with the full cache"),
@@ -135,7 +138,7 @@ def _panel(ax, rows: Sequence[Row], attr: str, band: tuple[str, str] | None, yla
     _full_reference(ax, rows, attr, band)
     if log_y:
         ax.set_yscale("log")
-    if attr in ("accuracy", "collapse_rate", "top1_agreement"):
+    if attr in ("accuracy", "collapse_rate", "early_stop_rate", "top1_agreement"):
         ax.set_ylim(-0.03 if attr != "top1_agreement" else None, 1.03)
     if attr == "tokens_per_second":
         ax.set_ylim(bottom=0)

@@ -36,7 +36,10 @@ Rows (:class:`Row`), one per (policy, budget) of a section
       its accuracy counts only the units that ran). A problem whose generation and fidelity units both
       failed counts once. ``conflicts``: units left out for conflicting records.
     - ``mean_output_tokens``, ``tokens_per_second`` (mean over records), ``collapse_rate`` (share of
-      records flagged ``collapsed``).
+      records flagged ``collapsed``), ``early_stop_rate`` (share of records that ended by themselves
+      before the token limit without an answer and did not collapse:
+      :func:`reasonkv.eval.collapse.stopped_early`; a policy that makes the model stop early shows here,
+      not as a low collapse rate alone).
     - fidelity (``"kind": "fidelity"`` records of the section): mean ``top1_agreement``, mean ``kl_mean``
       (KL(full || evicting) per step), and the mean answer log-probability deltas (evicting minus full;
       summed over the answer, and per answer token), each with a 95% interval of the mean over problems
@@ -57,6 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from reasonkv.eval.code_report import code_summary
+from reasonkv.eval.collapse import stopped_early
 from reasonkv.eval.grading import counts_as_correct, cut_off_guess
 from reasonkv.eval.records import KEY_FIELDS, conflict, outcome, read_results, unit_key
 from reasonkv.eval.shards import shard_files
@@ -360,6 +364,7 @@ class Row:
     mean_output_tokens: float = math.nan
     tokens_per_second: float = math.nan
     collapse_rate: float = math.nan
+    early_stop_rate: float = math.nan  # ended by itself without an answer (not a collapse)
     fidelity_n: int = 0
     top1_agreement: float = math.nan
     top1_low: float = math.nan
@@ -466,6 +471,7 @@ def _fill(row: Row, group: _Group) -> None:
     row.mean_output_tokens = _mean(r.get("output_tokens") for r in recs)
     row.tokens_per_second = _mean(r.get("tokens_per_second") for r in recs)
     row.collapse_rate = _mean(float(bool(r.get("collapsed"))) for r in recs if "collapsed" in r)
+    row.early_stop_rate = _mean(float(stopped_early(r.get("collapse"))) for r in recs if "collapse" in r)
     row.code = code_summary(recs)
     fid = group.fidelities
     row.fidelity_n = len(fid)
