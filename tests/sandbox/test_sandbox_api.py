@@ -12,6 +12,7 @@ import pytest
 
 from reasonkv import sandbox
 from reasonkv.sandbox import GUARANTEES, Sandbox, SandboxUnavailable
+from reasonkv.sandbox.limits import machine_memory_mb
 
 ALL = tuple(GUARANTEES)
 
@@ -67,6 +68,7 @@ def test_the_process_runner_runs_only_when_allowed_and_says_what_it_lacks(monkey
     if os.geteuid() == 0:
         assert result.stdout.split()[-1] == str(plain.setup.user.uid) != "0"  # dropped to an unprivileged uid
     assert "rlimits" in result.isolation and not {"pid-namespace", "network-namespace"} & set(result.isolation)
+    assert "memory-per-process" in result.isolation  # no run-wide memory limit without bubblewrap: said so
     assert set(Path(tempfile.gettempdir()).glob("reasonkv-sandbox-*")) == before  # its directory is removed
     assert plain.run("x = bytearray(2**31)\n", memory_mb=256).status == "memory"
     assert plain.run("while True:\n    pass\n", timeout=1).status == "timeout"
@@ -101,10 +103,16 @@ def test_statuses(usable, program, status, returncode):
 
 
 def test_bad_arguments_are_refused(usable):
+    top = machine_memory_mb()
     for kwargs, message in [
-        (dict(timeout=0), "timeout must be a positive"),
-        (dict(timeout=float("inf")), "timeout must be a positive"),
-        (dict(memory_mb=16), "memory_mb must be an integer >= 64"),
+        (dict(timeout=0), r"timeout must be a number of seconds in \(0, 3600\], got 0$"),
+        (dict(timeout=float("inf")), r"in \(0, 3600\], got inf$"),
+        (dict(timeout=1e9), r"in \(0, 3600\], got 1000000000.0$"),  # it once raised OverflowError
+        (dict(timeout=3600.5), r"got 3600.5$"),
+        (dict(memory_mb=16), rf"memory_mb must be an integer number of MiB from 64 to {top} .*got 16$"),
+        (dict(memory_mb=top + 1), rf"from 64 to {top} \(this machine's memory\), got {top + 1}$"),
+        (dict(memory_mb=2**62), "got 4611686018427387904$"),
+        (dict(memory_mb=512.0), "got 512.0$"),
     ]:
         with pytest.raises(ValueError, match=message):
             usable.run("pass", **kwargs)

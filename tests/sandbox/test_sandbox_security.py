@@ -249,3 +249,94 @@ def test_every_result_names_its_isolation():
     assert result.status == "ok" and result.stdout == "hi\n"
     for mechanism in ("pid-namespace", "network-namespace", "mount-namespace", "user-namespace", "rlimits"):
         assert mechanism in result.isolation
+
+
+# Each child touches every page of its block, so the memory is resident, not only reserved.
+CHILDREN = (
+    "import time\n"
+    "kids = []\n"
+    "for _ in range({n}):\n"
+    "    pid = os.fork()\n"
+    "    if pid == 0:\n"
+    "        block = bytearray({mib} * 2**20)\n"
+    "        block[::4096] = b'x' * len(range(0, len(block), 4096))\n"
+    "        time.sleep({hold})\n"
+    "        os._exit(0)\n"
+    "    kids.append(pid)\n"
+    "for pid in kids:\n"
+    "    os.waitpid(pid, 0)\n"
+    "print('children done')\n"
+)
+
+
+def test_memory_is_limited_for_the_run_not_per_process():
+    # 8 children of 200 MiB each at 256 MiB: every one fits its own address space, the run does not.
+    result = contained(CHILDREN.format(n=8, mib=200, hold=1.5), timeout=8, memory_mb=256)
+    assert result.status == "memory" and "children done" not in result.stdout
+    assert f"memory-per-run:{SETUP.memory_limit}" in result.isolation
+
+
+def test_a_run_within_its_memory_runs_ok():
+    result = contained(CHILDREN.format(n=4, mib=30, hold=0.5), timeout=8, memory_mb=256)
+    assert result.status == "ok" and "children done" in result.stdout
+
+
+def test_dev_shm_is_capped_and_dev_is_read_only():
+    # /dev/shm was a tmpfs of half the machine's memory: 1 GiB written there ran ok at 256 MiB.
+    result = contained(
+        "written = 0\n"
+        "try:\n"
+        "    for n in range(80):  # 15 MiB files (the file-size limit is 16 MiB): 1200 MiB in all\n"
+        "        with open(f'/dev/shm/f{n}', 'wb') as handle:\n"
+        "            for _ in range(15):\n"
+        "                handle.write(b'x' * 2**20)\n"
+        "                written += 1\n"
+        "except OSError as error:\n"
+        "    print('refused after', written, 'MiB:', error.strerror)\n"
+        "try:\n"
+        "    open('/dev/escape', 'w')\n"
+        "    print('wrote /dev')\n"
+        "except OSError as error:\n"
+        "    print('/dev refused:', error.strerror)\n"
+        "print(open('/dev/null', 'w').write('fine'))\n",
+        memory_mb=512,
+    )
+    assert result.status == "ok", result.stderr
+    refused = next(line for line in result.stdout.splitlines() if line.startswith("refused after"))
+    assert int(refused.split()[2]) <= 64 and "No space left on device" in refused
+    assert "/dev refused: Read-only file system" in result.stdout and "\n4\n" in result.stdout
+
+
+# 180 MiB in the three tmpfs of 64 MiB each (files of 15 MiB: the file-size limit is 16 MiB).
+FILL = (
+    "import time\n"
+    "for folder in ('/work', '/tmp', '/dev/shm'):\n"
+    "    for n in range(4):\n"
+    "        with open(f'{folder}/f{n}', 'wb') as handle:\n"
+    "            for _ in range(15):\n"
+    "                handle.write(b'x' * 2**20)\n"
+)
+
+
+def test_its_tmpfs_and_memfds_count_towards_its_memory():
+    # Three tmpfs of 64 MiB each hold more than a 128 MiB run may: their contents are its memory.
+    memfds = (
+        "import time\n"
+        "held = []\n"
+        "for n in range(20):  # memfds live in no mount: only their holders know them\n"
+        "    fd = os.memfd_create(f'm{n}')\n"
+        "    for _ in range(15):\n"
+        "        os.write(fd, b'x' * 2**20)\n"
+        "    held.append(fd)\n"
+        "time.sleep(1)\n"
+        "print('kept')\n"
+    )
+    for program in (FILL + "time.sleep(1)\nprint('kept')\n", memfds):
+        result = contained(program, memory_mb=128)
+        assert result.status == "memory" and "kept" not in result.stdout
+
+
+def test_a_run_that_closed_its_output_is_still_watched():
+    # One process cannot pass its address space, but its files can pass the run's memory.
+    result = contained("os.close(1)\nos.close(2)\n" + FILL + "time.sleep(60)\n", memory_mb=128)
+    assert result.status == "memory"

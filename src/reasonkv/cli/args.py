@@ -7,6 +7,7 @@ import sys
 
 from reasonkv.cache.spec import DEFAULT_BUFFER
 from reasonkv.models import DEFAULT_MODEL, list_shapes, load_model
+from reasonkv.sandbox.limits import check_memory, check_timeout
 
 
 def add_model_arguments(
@@ -116,3 +117,27 @@ def budget_argument(text: str) -> int | None:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"budget must be a positive integer, got {value}")
     return value
+
+
+def code_timeout_argument(text: str) -> float:
+    """``--code-timeout``: seconds in the sandbox's allowed range, refused before anything loads."""
+    try:
+        value: object = float(text)
+    except ValueError:
+        value = text  # check_timeout names it and the range
+    try:
+        return check_timeout(value, "--code-timeout")
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def code_memory_argument(text: str) -> int:
+    """``--code-memory``: MiB in the sandbox's allowed range, refused before anything loads."""
+    try:
+        value: object = int(text)
+    except ValueError:
+        value = text  # check_memory names it and the range
+    try:
+        return check_memory(value, "--code-memory")
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None

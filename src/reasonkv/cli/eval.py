@@ -17,6 +17,7 @@ or one job per shard (``--shard I/N``, e.g. a Slurm array): each process writes
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from reasonkv.cli.args import (
@@ -25,11 +26,15 @@ from reasonkv.cli.args import (
     add_model_arguments,
     add_policy_options,
     add_tier_arguments,
+    code_memory_argument,
+    code_timeout_argument,
 )
+from reasonkv.cli.outputs import check_results_path
 from reasonkv.eval.grid import GridSpec
 from reasonkv.eval.manifest import command_line
-from reasonkv.eval.plan import plan_grid
+from reasonkv.eval.plan import GridPlan, plan_grid
 from reasonkv.eval.runner import run_grid
+from reasonkv.sandbox.limits import MAX_TIMEOUT
 
 
 def _int_list(text: str) -> list[int]:
@@ -147,6 +152,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="print the grid's units, the most tokens they may generate and each shard's share; load nothing",
     )
+    run.add_argument(
+        "--tokens-per-second",
+        type=_positive_rate,
+        default=None,
+        metavar="N",
+        help="with --plan: the decode speed measured on this machine (e.g. the tok/s `reasonkv generate` prints "
+        "for this model and device), for a time estimate beside the token counts",
+    )
 
 
 def add_code_arguments(parser: argparse.ArgumentParser) -> None:
@@ -162,8 +175,20 @@ def add_code_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run the programs the model writes (in the sandbox); without it a grid with code problems is refused",
     )
-    code.add_argument("--code-timeout", type=float, default=6.0, help="seconds per test run (default 6)")
-    code.add_argument("--code-memory", type=int, default=1024, metavar="MIB", help="memory per test run (default 1024)")
+    code.add_argument(
+        "--code-timeout",
+        type=code_timeout_argument,
+        default=6.0,
+        help=f"seconds per test run, at most {MAX_TIMEOUT:g} (default 6)",
+    )
+    code.add_argument(
+        "--code-memory",
+        type=code_memory_argument,
+        default=1024,
+        metavar="MIB",
+        help="memory per test run, all its processes together (default 1024): a cgroup of its own where this "
+        "machine allows one, else summed and enforced by the sandbox's supervisor; run manifests name which",
+    )
     code.add_argument(
         "--code-workers", type=int, default=None, help="test runs at once (default: one per CPU); results do not change"
     )
@@ -185,6 +210,33 @@ def add_code_arguments(parser: argparse.ArgumentParser) -> None:
     code.add_argument(
         "--before", default=None, metavar="YYYY-MM-DD", help="only problems of contests on or before this day"
     )
+
+
+def time_estimate(plan: GridPlan, tokens_per_second: float | None) -> str:
+    """The plan's most decode steps at a measured speed: an upper bound, since answers that stop early take less.
+
+    A fidelity replay steps the reference trace through the full cache and the evicting one (both counted).
+    """
+    most, replay = plan.grid.sampling.max_new_tokens, plan.grid.replay_tokens
+    steps = sum(most if unit.kind == "generation" else 2 * replay for unit in plan.mine())
+    whose = "this shard's" if plan.shard.count > 1 else "the"
+    if tokens_per_second is None:
+        return (
+            f"time: {whose} units decode at most {steps:,} tokens; pass --tokens-per-second N (measured here, e.g. "
+            "the tok/s `reasonkv generate` prints) for an estimate"
+        )
+    return (
+        f"time: at most {_duration(steps / tokens_per_second)} for {whose} {steps:,} decoded tokens at "
+        f"{tokens_per_second:g} tok/s (the speed given with --tokens-per-second; answers that stop early take less, "
+        f"and {plan.grid.batch_size} rows of a batch decode together, often faster than one)"
+    )
+
+
+def _duration(seconds: float) -> str:
+    minutes = round(seconds / 60)
+    if minutes < 1:
+        return f"{seconds:.0f} s"
+    return f"{minutes // 60} h {minutes % 60:02d} min" if minutes >= 60 else f"{minutes} min"
 
 
 def grid_from(args: argparse.Namespace) -> GridSpec:
@@ -223,11 +275,26 @@ def grid_from(args: argparse.Namespace) -> GridSpec:
     )
 
 
+def _positive_rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number of tokens per second, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of tokens per second, got {text!r}")
+    return value
+
+
 def run(args: argparse.Namespace) -> int:
     grid = grid_from(args)
+    if args.tokens_per_second is not None and not args.plan:
+        raise ValueError("--tokens-per-second is for the time estimate of --plan: add --plan, or leave it out")
     if args.plan:
-        print(plan_grid(grid, shard=args.shard).summary())
+        plan = plan_grid(grid, shard=args.shard)
+        print(plan.summary())
+        print(time_estimate(plan, args.tokens_per_second))
         return 0
+    check_results_path(args.out)
     result = run_grid(
         args.model,
         grid=grid,

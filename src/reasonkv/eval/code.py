@@ -43,6 +43,7 @@ from reasonkv.eval.datasets import Problem
 from reasonkv.eval.extraction import find_code
 from reasonkv.eval.prompts import strip_thinking
 from reasonkv.sandbox import RunResult, Sandbox
+from reasonkv.sandbox.limits import check_memory, check_timeout
 
 __all__ = ["OUTCOMES", "CodeGrade", "CodeGrader", "program_for", "stdio_equal"]
 
@@ -266,7 +267,7 @@ class CodeGrader:
     sandbox
         Where the tests run (its missing guarantees are checked at once: :class:`SandboxUnavailable`).
     timeout, memory_mb
-        Per test run: wall-clock seconds (and CPU seconds), address space.
+        Per test run: wall-clock seconds (and CPU seconds), and the memory (MiB) of the run as a whole.
     workers
         Test runs at once (default: the CPUs this process may use).
     """
@@ -274,6 +275,8 @@ class CodeGrader:
     def __init__(self, sandbox: Sandbox, *, timeout: float = 6.0, memory_mb: int = 1024, workers: int | None = None):
         if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
             raise ValueError(f"workers must be a positive integer, got {workers!r}")
+        timeout = check_timeout(timeout)  # here, not in every test run: one clear error, not one per unit
+        check_memory(memory_mb)
         sandbox.check()
         self.sandbox = sandbox
         self.timeout = timeout

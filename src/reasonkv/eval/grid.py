@@ -23,6 +23,7 @@ from reasonkv.eval.livecodebench import parse_day
 from reasonkv.generation.sampling import Sampling
 from reasonkv.policies import options_by_policy, policy_class
 from reasonkv.sandbox import GUARANTEES
+from reasonkv.sandbox.limits import check_memory, check_timeout
 
 __all__ = ["Cell", "CodeSettings", "GridSpec", "make_cells", "parse_dataset_spec", "parse_samples", "policy_options"]
 
@@ -215,7 +216,8 @@ class CodeSettings:
     allow_execution
         The explicit opt-in: a grid with code problems is refused without it.
     timeout, memory_mb
-        Per test run: wall-clock and CPU seconds, address space (MiB).
+        Per test run: wall-clock and CPU seconds (at most :data:`reasonkv.sandbox.limits.MAX_TIMEOUT`), and
+        the memory (MiB) of the run as a whole (see :mod:`reasonkv.sandbox`).
     workers
         Test runs at once (None: one per CPU this process may use).
     allow_missing
@@ -248,9 +250,8 @@ class CodeSettings:
         """Checked settings (``allow_missing`` may be comma-separated)."""
         if not isinstance(allow_execution, bool):
             raise ValueError(f"allow_execution must be True or False, got {allow_execution!r}")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
-            raise ValueError(f"code timeout must be a positive number of seconds, got {timeout!r}")
-        _check_int("code memory_mb", memory_mb, 64)
+        timeout = check_timeout(timeout, "code timeout")
+        check_memory(memory_mb, "code memory_mb")
         if workers is not None:
             _check_int("code workers", workers, 1)
         missing = tuple(sorted(set(_split_names(allow_missing))))

@@ -2,27 +2,35 @@
 
 Every run gets new user, PID, network, mount, IPC, UTS and cgroup namespaces (``--unshare-all``, with
 the user namespace required, not tried), no nested user namespaces, a root filesystem of its own in
-which ``/usr`` and the interpreter's folder are read-only, fresh ``/proc`` and ``/dev``, two size-capped
-tmpfs (the working directory ``/work`` and ``/tmp``), the program read-only at ``/prog/main.py``, an
-empty environment but ``PATH``, a new terminal session, and death with its parent. bubblewrap writes the
-namespaces it created to a status pipe; :func:`namespaces` reads them back, so every result names what
-was really in force, not what was asked for.
+which ``/usr`` and the interpreter's folder are read-only, a fresh ``/proc``, a fresh ``/dev`` made
+read-only (its device nodes still work), three size-capped tmpfs (the working directory ``/work``,
+``/tmp`` and ``/dev/shm``), the program read-only at ``/prog/main.py``, an empty environment but
+``PATH``, a new terminal session, and death with its parent. bubblewrap writes the namespaces it
+created to a status pipe; :func:`namespaces` reads them back, so every result names what was really in
+force, not what was asked for. It then waits on a gate (``--block-fd``) before it starts the program, so
+the caller can put the sandbox under its memory limit before the program's first instruction.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import select
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from reasonkv.sandbox.host import Interpreter, SandboxUser
 
-__all__ = ["PROGRAM", "TMPFS_MB", "WORKDIR", "bwrap_argv", "init_process", "namespaces"]
+__all__ = ["PROGRAM", "TMPFS", "TMPFS_MB", "WORKDIR", "StatusPipe", "bwrap_argv", "init_process", "namespaces"]
 
 #: Where the program lives inside the sandbox (read-only), and its working directory (a fresh tmpfs).
 PROGRAM = "/prog/main.py"
 WORKDIR = "/work"
-#: Size of each of the sandbox's two tmpfs (``/work`` and ``/tmp``), in MiB.
+#: The sandbox's writable folders, each a tmpfs of :data:`TMPFS_MB` (bubblewrap's ``/dev`` tmpfs has no size
+#: option: a capped ``/dev/shm`` is mounted on it and the rest made read-only).
+TMPFS = (WORKDIR, "/tmp", "/dev/shm")
+#: Size of each of the sandbox's tmpfs, in MiB.
 TMPFS_MB = 64
 
 # Top-level entries that are links into /usr on merged-/usr systems, or folders of their own elsewhere.
@@ -58,11 +66,14 @@ def bwrap_argv(
     *,
     program_fd: int,
     status_fd: int,
+    gate_fd: int,
     disable_userns: bool,
     command: list[str],
 ) -> list[str]:
-    """The ``bwrap`` command that runs ``command`` (the launcher and the program) in a fresh sandbox."""
+    """The ``bwrap`` command that runs ``command`` (the launcher and the program) in a fresh sandbox, once a
+    byte can be read from ``gate_fd``."""
     size = str(TMPFS_MB * 2**20)
+    tmpfs = [arg for folder in TMPFS for arg in ("--size", size, "--tmpfs", folder)]
     return [
         bwrap,
         "--unshare-all",
@@ -85,19 +96,16 @@ def bwrap_argv(
         "/proc",
         "--dev",
         "/dev",
-        "--size",
-        size,
-        "--tmpfs",
-        "/tmp",
-        "--size",
-        size,
-        "--tmpfs",
-        WORKDIR,
+        *tmpfs,
+        "--remount-ro",
+        "/dev",
         "--ro-bind-data",
         str(program_fd),
         PROGRAM,
         "--json-status-fd",
         str(status_fd),
+        "--block-fd",
+        str(gate_fd),
         "--chdir",
         WORKDIR,
         "--remount-ro",
@@ -141,3 +149,40 @@ def namespaces(status: str) -> tuple[bool, tuple[str, ...]]:
     found = _documents(status)
     names = tuple(name for key, name in _STATUS_NAMES.items() if key in found)
     return "child-pid" in found, names
+
+
+class StatusPipe:
+    """The read end of bubblewrap's status pipe, and everything read from it so far."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self._chunks: list[bytes] = []
+
+    @property
+    def text(self) -> str:
+        return b"".join(self._chunks).decode("utf-8", "replace")
+
+    def read_available(self) -> bool:
+        """Read what is there without waiting; False once bubblewrap closed its end."""
+        os.set_blocking(self.fd, False)
+        while True:
+            try:
+                chunk = os.read(self.fd, 65536)
+            except BlockingIOError:
+                return True
+            if not chunk:
+                return False
+            self._chunks.append(chunk)
+
+    def wait_for_init(self, deadline: float, alive: Callable[[], bool]) -> tuple[int, int] | None:
+        """:func:`init_process` once bubblewrap reports it; None if bubblewrap closes the pipe or exits first,
+        or at ``deadline`` (a ``time.monotonic()`` value)."""
+        while True:
+            open_ = self.read_available()
+            init = init_process(self.text)
+            if init is not None or not open_ or not alive():
+                return init
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            select.select([self.fd], [], [], min(remaining, 0.05))

@@ -16,29 +16,44 @@ holding only what the caller passes, each output stream capped, and a wall-clock
 process group is killed. A result's ``status`` is one of :data:`STATUSES`:
 
 ``ok`` (exit 0), ``failed`` (another exit status), ``timeout`` (the wall-clock deadline, or its CPU
-time limit), ``memory`` (it ran out of its address space: Python's ``MemoryError`` or an allocation
-failure), ``output-limit`` (it wrote more than the cap), ``killed`` (ended by another signal; through
-bubblewrap an exit status ``128 + N`` reads as signal ``N``).
+time limit), ``memory`` (it ran out of memory: a process's address space, Python's ``MemoryError`` or an
+allocation failure, or the run's memory as a whole), ``output-limit`` (it wrote more than the cap),
+``killed`` (ended by another signal; through bubblewrap an exit status ``128 + N`` reads as signal ``N``).
+
+The memory limit holds for the run as a whole, all its processes together, through one of (the probe
+picks the first that works here; :attr:`Setup.memory_limit` and every result's ``isolation`` name it):
+
+``cgroup``
+    A cgroup (v2) of the run's own: the kernel counts every page of the run, its tmpfs and kernel
+    buffers included, and kills the run when it passes the limit (:mod:`reasonkv.sandbox.cgroup`).
+``supervisor``
+    The supervisor sums the run's memory from the host every few milliseconds and kills the run when
+    it passes the limit (:mod:`reasonkv.sandbox.usage` says what is counted).
+
+Without bubblewrap (``process``) the limit is per process only (``memory-per-process``).
 """
 
 from __future__ import annotations
 
-import math
+import contextlib
 import os
 import re
 import shutil
 import signal
 import tempfile
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from reasonkv.sandbox.bubblewrap import PROGRAM, TMPFS_MB, bwrap_argv, init_process, namespaces
+from reasonkv.sandbox.bubblewrap import PROGRAM, TMPFS, TMPFS_MB, StatusPipe, bwrap_argv, init_process, namespaces
+from reasonkv.sandbox.cgroup import RunGroup, find_parent
 from reasonkv.sandbox.host import Interpreter, SandboxUser, find_interpreter, sandbox_user
-from reasonkv.sandbox.limits import Limits, launcher_argv
+from reasonkv.sandbox.limits import Limits, check_memory, check_timeout, launcher_argv
 from reasonkv.sandbox.supervise import Finished, supervise
+from reasonkv.sandbox.usage import RunUsage
 
 __all__ = [
     "GUARANTEES",
@@ -117,6 +132,9 @@ class Setup:
     interpreter: Interpreter | None
     bwrap: str | None = None
     disable_userns: bool = False
+    memory_limit: str = "per-process"  # "cgroup" | "supervisor" (the run as a whole) | "per-process"
+    cgroup: str | None = None  # the folder the run's groups are made in (memory_limit "cgroup")
+    memory_reason: str = ""  # why no cgroup limits the run ("" when one does)
 
 
 def _memfd(name: str, data: bytes) -> int:
@@ -148,11 +166,13 @@ def _exit_code(returncode: int | None) -> int | None:
     return 128 - returncode if returncode is not None and returncode < 0 else returncode
 
 
-def _status(finished: Finished, signalled: int | None, stderr: str) -> str:
+def _status(finished: Finished, signalled: int | None, stderr: str, oom: bool = False) -> str:
     if finished.timed_out:
         return "timeout"
     if finished.over_limit:
         return "output-limit"
+    if finished.over_memory or oom:
+        return "memory"
     if finished.returncode is None:
         return "killed"
     if signalled == signal.SIGXCPU:
@@ -169,10 +189,8 @@ def _check_run(source: str, stdin: str, timeout: float, memory_mb: int) -> None:
         raise TypeError(f"source must be a str, got {type(source).__name__}")
     if not isinstance(stdin, str):
         raise TypeError(f"stdin must be a str, got {type(stdin).__name__}")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    if isinstance(memory_mb, bool) or not isinstance(memory_mb, int) or memory_mb < 64:
-        raise ValueError(f"memory_mb must be an integer >= 64, got {memory_mb!r}")
+    check_timeout(timeout)
+    check_memory(memory_mb)
 
 
 def _kill_init(pid: int, namespace: int) -> None:
@@ -191,60 +209,114 @@ def _kill_init(pid: int, namespace: int) -> None:
         os.close(pidfd)
 
 
+def _attach(init: tuple[int, int], deadline: float, alive) -> RunUsage | None:
+    """The run's memory account, once bubblewrap has made the sandbox's root (None: bubblewrap ended, or the
+    deadline came first)."""
+    while True:
+        try:
+            return RunUsage.attach(*init, TMPFS)
+        except PermissionError as error:
+            raise SandboxUnavailable(f"the supervisor cannot read the sandbox's memory use: {error}") from error
+        except OSError:
+            if not alive() or time.monotonic() >= deadline:
+                return None
+            time.sleep(0.002)  # bubblewrap still sets up the sandbox's root
+
+
 def _run_bubblewrap(setup: Setup, source: str, stdin: str, limits: Limits, timeout: float, cap: int) -> RunResult:
     python = setup.interpreter.path
     command = launcher_argv(python, limits, [python, "-I", PROGRAM])
-    program_fd = _memfd("main.py", source.encode("utf-8"))
-    stdin_fd = _memfd("stdin", stdin.encode("utf-8"))
-    status_read, status_write = os.pipe()
-    status: list[str] = []
+    fds = {"program": _memfd("main.py", source.encode("utf-8")), "stdin": _memfd("stdin", stdin.encode("utf-8"))}
+    fds["status"], fds["status_write"] = os.pipe()
+    fds["gate"], fds["gate_write"] = os.pipe()
+    status = StatusPipe(fds["status"])
+    limit = limits.memory_mb * 2**20
+    group: RunGroup | None = None
+    usage: RunUsage | None = None
+
+    def close(name: str) -> None:
+        fd = fds.pop(name, -1)
+        if fd >= 0:
+            os.close(fd)
+
+    def started(process) -> None:
+        # bubblewrap waits on the gate with the sandbox made and the program not yet started: put the
+        # sandbox under its memory limit, then open the gate.
+        nonlocal usage
+        close("gate")
+        alive = lambda: process.poll() is None  # noqa: E731
+        deadline = time.monotonic() + timeout
+        init = status.wait_for_init(deadline, alive)
+        if init is not None:
+            if group is not None:
+                group.add(init[0])  # its children, the program among them, are born in the group
+            else:
+                usage = _attach(init, deadline, alive)
+                if usage is None:
+                    return  # bubblewrap ended, or the deadline passed: the gate stays shut
+        with contextlib.suppress(BrokenPipeError):  # bubblewrap ended before its program started
+            os.write(fds["gate_write"], b"x")
+        close("gate_write")
+
+    def over_memory() -> bool:
+        return usage is not None and usage.bytes() > limit
 
     def kill_namespace() -> None:
         # The sandbox's first process is its PID namespace's init: killing it ends every process in the
         # namespace, and bubblewrap, its parent, then reaps it and exits (no orphan is left to the host).
-        status.append(_read_all(status_read))
-        init = init_process("".join(status))
+        status.read_available()
+        init = init_process(status.text)
         if init is not None:
             _kill_init(*init)
 
+    oom = False
     try:
+        if setup.cgroup is not None:
+            group = RunGroup.create(Path(setup.cgroup), memory_mb=limits.memory_mb, processes=limits.processes + 2)
         argv = bwrap_argv(
             setup.bwrap,
             setup.interpreter,
             setup.user,
-            program_fd=program_fd,
-            status_fd=status_write,
+            program_fd=fds["program"],
+            status_fd=fds["status_write"],
+            gate_fd=fds["gate"],
             disable_userns=setup.disable_userns,
             command=command,
         )
         switch = setup.user.switch
         finished = supervise(
             argv,
-            stdin_fd=stdin_fd,
+            stdin_fd=fds["stdin"],
             timeout=timeout,
             output_limit=cap,
-            pass_fds=(program_fd, status_write),
+            pass_fds=(fds["program"], fds["status_write"], fds["gate"]),
             user=setup.user.uid if switch else None,
             group=setup.user.gid if switch else None,
             kill_first=kill_namespace,
+            started=started,
+            watch=None if group is not None else over_memory,
         )
-        os.close(status_write)
-        status_write = -1
-        status.append(_read_all(status_read))  # bubblewrap has exited: its status is complete
+        close("status_write")
+        status.read_available()  # bubblewrap has exited: its status is complete
+        oom = group is not None and group.oom_killed()
     finally:
-        for fd in (program_fd, stdin_fd, status_read, status_write):
-            if fd >= 0:
-                os.close(fd)
-    started, spaces = namespaces("".join(status))
+        for name in list(fds):
+            close(name)
+        if usage is not None:
+            usage.close()
+        if group is not None:
+            group.remove()
+    started_, spaces = namespaces(status.text)
     stderr = finished.stderr.decode("utf-8", "replace")
-    if not started and not finished.timed_out:
+    if not started_ and not finished.timed_out:
         raise SandboxUnavailable(f"bubblewrap could not start the program: {stderr.strip()[-500:] or 'no message'}")
     code = _exit_code(finished.returncode)
     signalled = code - 128 if code is not None and code > 128 else None
     isolation = ("bubblewrap", "user-namespace", *spaces, *(["no-nested-user-namespaces"] * setup.disable_userns))
-    isolation += ("read-only-system", f"fresh-tmpfs-cwd:{TMPFS_MB}MiB", *_COMMON)
+    isolation += ("read-only-system", f"fresh-tmpfs-cwd:{TMPFS_MB}MiB", "capped-dev-shm", *_COMMON)
+    isolation += (f"memory-per-run:{'cgroup' if group is not None else 'supervisor'}",)
     return RunResult(
-        status=_status(finished, signalled, stderr),
+        status=_status(finished, signalled, stderr, oom),
         returncode=code,
         stdout=finished.stdout.decode("utf-8", "replace"),
         stderr=stderr,
@@ -288,7 +360,7 @@ def _run_process(setup: Setup, source: str, stdin: str, limits: Limits, timeout:
         returncode=code,
         stdout=finished.stdout.decode("utf-8", "replace"),
         stderr=stderr,
-        isolation=("new-session", "fresh-temporary-cwd", *_COMMON),
+        isolation=("new-session", "fresh-temporary-cwd", *_COMMON, "memory-per-process"),
         seconds=finished.seconds,
     )
 
@@ -328,27 +400,48 @@ def _probe(bwrap: str | None, python: str | None) -> Setup:
     interpreter, why = find_interpreter(user, python)
     if interpreter is None:
         return Setup("none", (), tuple(GUARANTEES), why, user, None)
-    isolation = ("new-session", "fresh-temporary-cwd", *_COMMON)
+    isolation = ("new-session", "fresh-temporary-cwd", *_COMMON, "memory-per-process")
     process = Setup("process", isolation, tuple(GUARANTEES), "", user, interpreter)
     if bwrap is None:
         return _replace(process, reason="bubblewrap was not asked for")
     path = shutil.which(bwrap)
     if path is None:
         return _replace(process, reason=f"bubblewrap ({bwrap}) is not installed (apt-get install bubblewrap)")
-    candidate = Setup("bubblewrap", (), (), "", user, interpreter, bwrap=path, disable_userns=True)
+    candidate = Setup("bubblewrap", (), (), "", user, interpreter, bwrap=path, memory_limit="supervisor")
     for disable in (True, False):  # bubblewrap before 0.8 has no --disable-userns
         candidate = _replace(candidate, disable_userns=disable)
-        try:
-            result = _run_bubblewrap(candidate, _PROBE_PROGRAM, "", Limits.for_run(30, 256), 30, 4096)
-        except (SandboxUnavailable, OSError) as error:  # OSError: bwrap cannot even be started
-            failure = str(error)
-            continue
-        if result.status != "ok" or result.stdout.strip() != str(user.uid):
-            failure = f"the test program ended with {result.status}: {result.stderr.strip()[-300:]}"
+        result, failure = _probe_run(candidate)
+        if result is None:
             continue
         missing = tuple(name for name, (needs, _) in GUARANTEES.items() if needs not in result.isolation)
-        return _replace(candidate, isolation=result.isolation, missing=missing)
+        return _with_cgroup(_replace(candidate, isolation=result.isolation, missing=missing))
     return _replace(process, reason=f"bubblewrap cannot isolate programs here ({failure})")
+
+
+def _probe_run(candidate: Setup) -> tuple[RunResult | None, str]:
+    """The probe program's result through ``candidate``, or ``(None, why it failed)``."""
+    try:
+        result = _run_bubblewrap(candidate, _PROBE_PROGRAM, "", Limits.for_run(30, 256), 30, 4096)
+    except (SandboxUnavailable, OSError) as error:  # OSError: bwrap cannot even be started
+        return None, str(error)
+    if result.status != "ok" or result.stdout.strip() != str(candidate.user.uid):
+        return None, f"the test program ended with {result.status}: {result.stderr.strip()[-300:]}"
+    return result, ""
+
+
+def _with_cgroup(setup: Setup) -> Setup:
+    """``setup`` with its runs in cgroups of their own where one works here, else why not."""
+    try:
+        parent, why = find_parent()
+    except OSError as error:
+        parent, why = None, f"the cgroups of this process cannot be read ({error})"
+    if parent is None:
+        return _replace(setup, memory_reason=why)
+    trial = _replace(setup, memory_limit="cgroup", cgroup=str(parent))
+    result, failure = _probe_run(trial)
+    if result is None:
+        return _replace(setup, memory_reason=f"a run in a cgroup under {parent} failed ({failure})")
+    return _replace(trial, isolation=result.isolation)
 
 
 def _replace(setup: Setup, **changes: Any) -> Setup:
@@ -421,6 +514,8 @@ class Sandbox:
             "output_limit": self.output_limit,
             "limits": {k: v for k, v in Limits.for_run(1, 64).describe().items() if k not in _PER_RUN},
             "tmpfs_mb": TMPFS_MB if setup.mechanism == "bubblewrap" else None,
+            "memory_limit": setup.memory_limit,
+            "memory_limit_reason": setup.memory_reason or None,
         }
 
     def run(self, source: str, stdin: str = "", timeout: float = 10.0, memory_mb: int = 1024) -> RunResult:

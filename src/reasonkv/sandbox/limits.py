@@ -11,16 +11,64 @@ also bind the namespace's owner, shared by all sandboxes of that uid).
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
-__all__ = ["FILE_SIZE_MB", "LAUNCHER", "OPEN_FILES", "PROCESSES", "Limits", "launcher_argv"]
+__all__ = [
+    "FILE_SIZE_MB",
+    "LAUNCHER",
+    "MAX_TIMEOUT",
+    "MIN_MEMORY_MB",
+    "OPEN_FILES",
+    "PROCESSES",
+    "Limits",
+    "check_memory",
+    "check_timeout",
+    "launcher_argv",
+    "machine_memory_mb",
+]
 
 #: Largest file a program may write (MiB).
 FILE_SIZE_MB = 16
 #: Most open file descriptors per process.
 OPEN_FILES = 128
-#: Most processes and threads of the sandbox's user id, counted within its own user namespace.
-PROCESSES = 64
+#: Most processes and threads of the sandbox's user id, counted within its own user namespace. The run's
+#: memory is limited as a whole, so this no longer multiplies it; it bounds a fork bomb's load on the machine.
+PROCESSES = 32
+#: Longest run (seconds): a test that needs an hour is not a unit test, and far longer deadlines overflow
+#: the kernel's timers (an epoll timeout is an int of milliseconds: about 24.8 days).
+MAX_TIMEOUT = 3600.0
+#: Smallest memory limit (MiB): the interpreter alone needs about 10 MiB, and its address space more.
+MIN_MEMORY_MB = 64
+
+
+def machine_memory_mb() -> int:
+    """This machine's physical memory in MiB: the largest memory limit that still limits anything."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20
+
+
+def check_timeout(timeout: object, name: str = "timeout") -> float:
+    """``timeout`` as float seconds, or ValueError naming the value and the allowed range."""
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not math.isfinite(timeout)
+        or not 0 < timeout <= MAX_TIMEOUT
+    ):
+        raise ValueError(f"{name} must be a number of seconds in (0, {MAX_TIMEOUT:g}], got {timeout!r}")
+    return float(timeout)
+
+
+def check_memory(memory_mb: object, name: str = "memory_mb") -> int:
+    """``memory_mb`` if it is an integer from :data:`MIN_MEMORY_MB` to this machine's memory, else ValueError."""
+    top = machine_memory_mb()
+    if isinstance(memory_mb, bool) or not isinstance(memory_mb, int) or not MIN_MEMORY_MB <= memory_mb <= top:
+        raise ValueError(
+            f"{name} must be an integer number of MiB from {MIN_MEMORY_MB} to {top} (this machine's memory), "
+            f"got {memory_mb!r}"
+        )
+    return memory_mb
+
 
 # argv: ["-c", cpu, memory_bytes, file_bytes, open_files, processes, interpreter, *program argv]
 LAUNCHER = (
@@ -39,7 +87,9 @@ LAUNCHER = (
 @dataclass(frozen=True)
 class Limits:
     """Per-process limits: CPU seconds (SIGXCPU at ``cpu_seconds``, SIGKILL one second later), address
-    space, file size, open files, and processes (threads included) of the sandbox."""
+    space, file size, open files, and processes (threads included) of the sandbox. The address-space limit
+    stays per process (a ``MemoryError`` is clearer than a kill); the run as a whole is limited apart
+    (:mod:`reasonkv.sandbox.cgroup`, :mod:`reasonkv.sandbox.usage`)."""
 
     cpu_seconds: int
     memory_mb: int

@@ -1,4 +1,4 @@
-"""Run one sandbox process to its end: read its output up to a cap, kill it at a deadline.
+"""Run one sandbox process to its end: read its output up to a cap, watch its memory, kill it at a deadline.
 
 The process is started in a session of its own; killing it means ``SIGKILL`` to that whole process
 group. Inside bubblewrap that is enough for the whole tree (the sandbox's PID namespace dies with its
@@ -7,6 +7,7 @@ first process); without bubblewrap a child that left the group survives, which t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import selectors
 import signal
@@ -20,6 +21,8 @@ __all__ = ["Finished", "supervise"]
 # After a kill, how long to wait for the pipes to close before giving up on them.
 _DRAIN_SECONDS = 2.0
 _CHUNK = 1 << 16
+#: How often the memory watch looks (seconds): a run can overshoot by what it allocates in this time.
+WATCH_SECONDS = 0.025
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,7 @@ class Finished:
     timed_out: bool  # killed at the deadline
     over_limit: bool  # killed for writing more than the output cap
     seconds: float
+    over_memory: bool = False  # killed because the memory watch found it over its limit
 
 
 def _kill(process: subprocess.Popen, before: Callable[[], None] | None) -> None:
@@ -57,6 +61,8 @@ def supervise(
     user: int | None = None,
     group: int | None = None,
     kill_first: Callable[[], None] | None = None,
+    started: Callable[[subprocess.Popen], None] | None = None,
+    watch: Callable[[], bool] | None = None,
 ) -> Finished:
     """Start ``argv`` with ``stdin_fd`` as its standard input and watch it until it ends.
 
@@ -64,6 +70,9 @@ def supervise(
     process that writes more is killed. At ``timeout`` seconds after the start it is killed too.
     ``user``/``group``: run as that uid/gid (the caller must be root), with no supplementary groups.
     ``kill_first``: called before the process group is killed (to kill what lies beyond it first).
+    ``started``: called with the process once it runs (an exception kills it and is raised).
+    ``watch``: called every :data:`WATCH_SECONDS`; when it returns True the process is killed as over its
+    memory.
     """
     start = time.monotonic()
     identity = {} if user is None else {"user": user, "group": group, "extra_groups": []}
@@ -81,23 +90,46 @@ def supervise(
     )
     out, err = process.stdout.fileno(), process.stderr.fileno()
     buffers = {out: bytearray(), err: bytearray()}
-    timed_out = over_limit = False
+    timed_out = over_limit = over_memory = False
     deadline = start + timeout
+    next_look = start
+
+    def killed() -> bool:
+        return timed_out or over_limit or over_memory
+
+    def look() -> float:
+        """Run the memory watch when it is due; the seconds until it is due again."""
+        nonlocal over_memory, deadline, next_look
+        if watch is None or killed():
+            return float("inf")
+        now = time.monotonic()
+        if now >= next_look:
+            next_look = now + WATCH_SECONDS
+            if watch():
+                over_memory = True
+                _kill(process, kill_first)
+                deadline = time.monotonic() + _DRAIN_SECONDS
+                return float("inf")
+        return next_look - now
+
     try:
+        if started is not None:
+            started(process)
         with selectors.DefaultSelector() as selector:
             for fd in buffers:
                 os.set_blocking(fd, False)
                 selector.register(fd, selectors.EVENT_READ)
             while selector.get_map():
+                until_look = look()
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    if timed_out or over_limit:
+                    if killed():
                         break  # killed, yet the pipes stay open past the drain time: give up on them
                     timed_out = True
                     _kill(process, kill_first)
                     deadline = time.monotonic() + _DRAIN_SECONDS
                     continue
-                for key, _ in selector.select(remaining):
+                for key, _ in selector.select(min(remaining, until_look)):
                     try:
                         chunk = os.read(key.fd, _CHUNK)
                     except BlockingIOError:
@@ -108,16 +140,18 @@ def supervise(
                     buffer = buffers[key.fd]
                     room = output_limit - len(buffer)
                     buffer += chunk[: max(room, 0)]
-                    if len(chunk) > room and not (timed_out or over_limit):
+                    if len(chunk) > room and not killed():
                         over_limit = True
                         _kill(process, kill_first)
                         deadline = time.monotonic() + _DRAIN_SECONDS
-        if not (timed_out or over_limit):
-            # Both pipes are closed, but a program that closed them may still be running.
-            try:
-                process.wait(timeout=max(deadline - time.monotonic(), 0.0))
-            except subprocess.TimeoutExpired:
+        # Both pipes are closed, but a program that closed them may still be running (and allocating).
+        while not killed() and process.poll() is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
                 timed_out = True
+                break
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=min(remaining, look()))
     finally:
         if process.poll() is None:
             _kill(process, kill_first)
@@ -134,4 +168,5 @@ def supervise(
         timed_out=timed_out,
         over_limit=over_limit,
         seconds=time.monotonic() - start,
+        over_memory=over_memory,
     )
