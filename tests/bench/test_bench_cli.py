@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from reasonkv.bench.plan import build_plan, reference_lengths
 from reasonkv.cli import bench as bench_cli
 from reasonkv.cli import main
 
-TINY = ["bench", "--model", "shape:tiny", "--dtype", "fp32", "--no-progress"]
+TINY = ["bench", "--model", "shape:tiny", "--dtype", "fp32", "--no-progress", "--rounds", "1"]
 SWEEP = [*TINY, "--policies", "streaming,random", "--lengths", "64,128", "--budget", "32", "--buffer", "16"]
 SWEEP += ["--prompt-length", "16"]
 PER_TOKEN = 4 * 2 * 2 * 32 * 4  # tiny: 4 layers x (K, V) x 2 kv heads x head_dim 32 x fp32
@@ -28,13 +29,16 @@ def _lines(path):
 
 def test_tiny_run_writes_json_markdown_and_plots(tmp_path, capsys):
     out = tmp_path / "run"
-    assert main([*SWEEP, "--out", str(out)]) == 0
+    assert main([*SWEEP, "--rounds", "3", "--out", str(out)]) == 0
     captured = capsys.readouterr()
     printed = captured.out
     assert "Overhead summary" in printed and "Targets" in printed
-    # what it will measure, then the time left after each entry, from the entries measured so far
+    # what it will measure, then the time left after each entry round, from the entry rounds measured so far
     assert "bench: 3 sweep entries (the sweep up to 128 tokens, batch sizes 1)" in captured.err
-    assert "2 entries left, about " in captured.err and "1 entries left, about " in captured.err
+    assert "8 entry rounds left, about " in captured.err and "1 entry rounds left, about " in captured.err
+    # the entries interleaved: full, streaming, random, then again
+    order = re.findall(r"\] sweep (\w+) batch 1 \(round (\d) of 3\)", captured.err)
+    assert order == [(p, str(r)) for r in (1, 2, 3) for p in ("full", "streaming", "random")]
     # 128 tokens is short of 8 K = 256: no verdict on flatness at 8 K
     assert "step time at 8 K within +-10% of the step at K: not measured: the longest length, 128" in printed
 
@@ -45,7 +49,13 @@ def test_tiny_run_writes_json_markdown_and_plots(tmp_path, capsys):
     assert document["kv_bytes_per_token"] == PER_TOKEN
     records = document["records"]
     assert sorted(r["policy"] for r in records) == ["full", "random", "streaming"]  # full, streaming: references
+    assert len({r["rounds_group"] for r in records}) == 1 and {r["rounds"] for r in records} == {3}
     for record in records:
+        for w in record["windows"]:  # the median round kept whole, the spread of the three beside it
+            means = w["rounds"]["step_mean_s"]
+            assert len(means) == 3 and w["step_mean_s"] == sorted(means)[1] == w["step_mean_spread_s"]["median"]
+            assert w["step_mean_spread_s"]["min"] == min(means) and w["step_mean_spread_s"]["max"] == max(means)
+            assert w["gpu_clock_mhz"] is None  # a CPU has none
         lengths = [w["length"] for w in record["windows"]]
         assert {64, 128, 32, 40} <= set(lengths)  # requested, plus K and K + B/2 for the summary
         for w in record["windows"]:
@@ -62,7 +72,7 @@ def test_tiny_run_writes_json_markdown_and_plots(tmp_path, capsys):
 
     text = (out / "bench.md").read_text()
     assert "| streaming | 64 |" in text and "| random | 128 |" in text
-    assert "Eviction overhead" in text and "Flatness" in text
+    assert "Eviction overhead" in text and "Flatness" in text and "3 interleaved rounds" in text
     for name in ("step_time.png", "memory.png", "throughput.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(_lines(out)) == 3
@@ -225,7 +235,9 @@ def test_prefill_to_length_eviction_cost_and_max_batch_in_one_run(tmp_path):
     for record in document["records"]:
         if record["mode"] == "sweep":
             windows = {w["length"]: w for w in record["windows"]}
-            assert all(w["window_steps"] == 16 and w["prefilled_tokens"] == w["length"] - 18 for w in windows.values())
+            for w in windows.values():  # each length's window: 16 timed steps after 2 untimed ones
+                assert w["window_steps"] == 16 and w["extended_from"] + w["prefilled_tokens"] == w["length"] - 18
+            assert windows[128]["extended_from"] == 64  # one cache, extended from 64 to 128 tokens
             # references: K + B/2 for full, K for the others (8 K is beyond the largest length)
             assert set(windows) == ({28, 64, 128} if record["policy"] == "full" else {24, 64, 128})
         elif record["mode"] == "max-batch":

@@ -7,8 +7,9 @@ import torch
 
 from conftest import tiny_llama
 from reasonkv.bench.eviction import measure_eviction_cost
-from reasonkv.bench.measure import make_prompts, measure_prefilled, measure_sweep, prefill_chunks, window_stats
+from reasonkv.bench.measure import make_prompts, measure_sweep, window_stats
 from reasonkv.bench.memory import kv_bytes_per_token
+from reasonkv.bench.prefilled import measure_prefilled, prefill_chunks
 from reasonkv.cache import CacheSpec
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from reasonkv.bench.measure import ragged_shifts
 from reasonkv.bench.plan import build_plan
+from reasonkv.bench.prefilled import ragged_shifts
 from reasonkv.bench.settings import BenchSettings
 from reasonkv.cli import main
 

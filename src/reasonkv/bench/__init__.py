@@ -3,8 +3,11 @@
 Modules, one job each:
 
 - :mod:`~reasonkv.bench.measure`: per-step timing through ``on_step``, windows around a length,
-  the split of a step into forward / record / observe / score / gather; decode sweeps and the
-  prefill-to-length mode;
+  the split of a step into forward / record / observe / score / gather; decode sweeps;
+- :mod:`~reasonkv.bench.prefilled`: the prefill-to-length mode, one cache extended length after length;
+- :mod:`~reasonkv.bench.rounds`: entries measured in interleaved rounds, the median round kept;
+  :mod:`~reasonkv.bench.warmup`: warm-up until the step time is stable; :mod:`~reasonkv.bench.clock`: the
+  GPU's clock beside each window;
 - :mod:`~reasonkv.bench.eviction`: the cost of one eviction with ``N`` cached tokens;
 - :mod:`~reasonkv.bench.memory`: exact KV bytes, weights, peak-memory readers, the max-batch model;
 - :mod:`~reasonkv.bench.maxbatch`: largest batch within a memory limit and its throughput;
@@ -42,7 +45,7 @@ _EXPORTS = {
     "kv_bytes_per_token": "reasonkv.bench.memory",
     "measure_eviction_cost": "reasonkv.bench.eviction",
     "measure_max_batch": "reasonkv.bench.maxbatch",
-    "measure_prefilled": "reasonkv.bench.measure",
+    "measure_prefilled": "reasonkv.bench.prefilled",
     "measure_sweep": "reasonkv.bench.measure",
     "run_bench": "reasonkv.bench.run",
     "summarise": "reasonkv.bench.report",

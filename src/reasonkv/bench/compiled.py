@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from reasonkv.bench.rounds import same_rounds
 from reasonkv.bench.windows import by_length
 from reasonkv.generation.compiled import GRAPH_LIMITS, compile_mode, compiled_function
 from reasonkv.hf import Forward, static_cache
@@ -73,11 +74,11 @@ def compiled_summary(records: list[dict]) -> dict:
             continue
         policy = record["policy"][: -len(COMPILED)]
         eager = find.get((policy, record["batch"]))
-        if eager is None:
+        if eager is None or not same_rounds(record, eager):  # a ratio only between entries of the same rounds
             continue
         mine, theirs = by_length(record), by_length(eager)
         reference = find.get(("transformers" + COMPILED, record["batch"]))
-        static = by_length(reference) if reference is not None else {}
+        static = by_length(reference) if reference is not None and same_rounds(record, reference) else {}
         common = sorted(set(mine) & set(theirs))
         compile_info = record.get("compile") or {}
         out.setdefault(str(record["batch"]), {})[record["policy"]] = {

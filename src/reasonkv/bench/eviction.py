@@ -16,7 +16,8 @@ import time
 
 import torch
 
-from reasonkv.bench.measure import make_prompts, model_device, prefill_chunks
+from reasonkv.bench.measure import make_prompts, model_device
+from reasonkv.bench.prefilled import prefill_chunks
 from reasonkv.cache import CacheSpec, EvictingCache
 from reasonkv.hf import Forward, synchronize, vocab_size
 

@@ -20,8 +20,9 @@ import gc
 
 import torch
 
-from reasonkv.bench.measure import measure_prefilled, model_device, model_dtype
+from reasonkv.bench.measure import model_device, model_dtype
 from reasonkv.bench.memory import MemoryModel, kv_bytes_per_token, machine_memory_bytes, window_kv_bytes
+from reasonkv.bench.prefilled import measure_prefilled
 from reasonkv.cache import CacheSpec
 
 __all__ = ["kv_tokens_per_row", "measure_max_batch"]
@@ -68,6 +69,7 @@ def measure_max_batch(
         prefill_chunk=prefill_chunk,
         prompt_length=prompt_length,
         sync_timing=False,
+        peak_from_prefill=True,  # a batch must fit every decode step, the first ones too
     )
 
     probes = []

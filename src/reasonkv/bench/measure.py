@@ -2,19 +2,15 @@
 
 Two ways to reach a length ``L``:
 
-- :func:`measure_sweep` decodes with :func:`reasonkv.generate` from a short prompt up to the
+- :func:`measure_sweep` (here) decodes with :func:`reasonkv.generate` from a short prompt up to the
   largest length, timing every step through ``on_step``; a *window* of steps ending at each
   requested length gives the numbers at that length.
-- :func:`measure_prefilled` prefills ``L - n - 2`` tokens (a short prompt, then the rest as if
-  generated), decodes two untimed warm-up steps, then times ``n`` steps (ending at ``L``) with the
-  same cache and hooks. An evicting policy is evicted to ``K`` by the prefill (once, or after each
-  prefill chunk once it is due), so the ``n`` steps measure its steady state at length ``L``
-  without decoding ``L`` tokens one by one. ``ragged`` staggers the rows (see :func:`ragged_shifts`).
+- :mod:`reasonkv.bench.prefilled` reaches ``L`` by a prefill and times ``n`` decode steps ending at ``L``,
+  one cache extended from the shortest length to the longest.
 
-The cache is given as a :class:`~reasonkv.cache.CacheSpec`; the prefilled mode also takes ``None``,
-transformers' own cache (the one ``model.generate`` builds, no reasonkv hook). Either mode can run its
-decode steps compiled (``compile=``, a ``torch.compile`` backend): a step that compiled a graph is left
-out of the windows, and its time is reported apart as the warm-up.
+Both time steps with :class:`StepRecorder`. A decode sweep can run its steps compiled (``compile=``, a
+``torch.compile`` backend): a step that compiled a graph is left out of the windows, and its time is
+reported apart as the warm-up.
 
 A step's time runs from the end of the previous step's callback to the end of its own forward
 (on CUDA the callback synchronises first), so it covers sampling, the forward with its recording
@@ -34,22 +30,22 @@ import torch
 from torch._dynamo.utils import counters
 from tqdm.auto import tqdm
 
-from reasonkv.bench.compiled import StaticReference
+from reasonkv.bench.clock import gpu_clock_mhz
 from reasonkv.bench.memory import PeakTracker, kv_bytes_per_token, window_kv_bytes
 from reasonkv.cache import CacheSpec, EvictingCache, kv_bytes_by_kind
 from reasonkv.generation import generate
-from reasonkv.generation.compiled import CompiledDecode
-from reasonkv.hf import Forward, native_cache, synchronize, vocab_size
+from reasonkv.hf import synchronize, vocab_size
 
 __all__ = [
     "PHASES",
     "StepRecorder",
+    "WARMUP_STEPS",
+    "entry_label",
     "make_prompts",
-    "measure_prefilled",
     "measure_sweep",
     "model_device",
-    "prefill_chunks",
-    "warm_up",
+    "model_dtype",
+    "progress_bar",
     "window_stats",
 ]
 
@@ -129,12 +125,24 @@ class StepRecorder:
         Rows decoded together.
     bar
         Optional progress bar, advanced once per decode step.
+    peak_from
+        The length at which the peak-memory counter is reset (None: at the end of the prefill), so that a
+        window's peak leaves out what came before it (a prefill's peak above all).
 
     A step that traced and compiled a ``torch.compile`` graph (``--compile``) is timed but left out of
     every window and total: its time is the compilation's (:attr:`compiling_steps`, :meth:`warmup_seconds`).
     """
 
-    def __init__(self, *, device: torch.device, prompt_length: int, windows: dict[int, int], batch: int, bar=None):
+    def __init__(
+        self,
+        *,
+        device: torch.device,
+        prompt_length: int,
+        windows: dict[int, int],
+        batch: int,
+        bar=None,
+        peak_from: int | None = None,
+    ):
         self.device = device
         self.prompt_length = prompt_length
         self.windows = dict(windows)
@@ -145,6 +153,7 @@ class StepRecorder:
         self.readings: dict[int, dict] = {}
         self.tracker = PeakTracker(device)
         self.prefill_done: float | None = None
+        self.peak_from = prompt_length if peak_from is None else peak_from
         self._snap_at = set(self.windows) | set(self.windows.values())
         self._resume = 0.0
         self._per_token: int | None = None
@@ -156,7 +165,6 @@ class StepRecorder:
         now = time.perf_counter()
         if step == 0:
             self.prefill_done = now
-            self.tracker.reset()
         else:
             self.step_seconds.append(now - self._resume)
             if counters["stats"]["unique_graphs"] != self._graphs:
@@ -169,7 +177,9 @@ class StepRecorder:
             evictor = getattr(cache, "evictor", None)  # transformers' own cache has none: no phases
             self.snapshots[length] = ({}, 0) if evictor is None else (evictor.timings, evictor.eviction_count)
         if length in self.windows:
-            self.readings[length] = self._read(cache)
+            self.readings[length] = {**self._read(cache), "gpu_clock_mhz": gpu_clock_mhz(self.device)}
+        if length == self.peak_from:
+            self.tracker.reset()
         self._resume = time.perf_counter()
 
     def _read(self, cache) -> dict:
@@ -232,19 +242,13 @@ class StepRecorder:
         return {"length": end, "window_start": start, **stats, **self.readings[end]}
 
 
-def _progress_bar(total: int, desc: str, enabled: bool):
+def progress_bar(total: int, desc: str, enabled: bool):
     if not enabled:
         return None
     return tqdm(total=total, desc=desc, unit="step", leave=False, dynamic_ncols=True)
 
 
-def warm_up(model, steps: int = 8) -> None:
-    """A short full-cache decode, so one-time costs (kernels, allocator) stay out of the first entry."""
-    vocab = vocab_size(model)
-    generate(model, None, make_prompts(vocab, 1, 16, seed=12345), max_new_tokens=steps, ignore_eos=True)
-
-
-def _label(spec: CacheSpec | None, batch: int) -> str:
+def entry_label(spec: CacheSpec | None, batch: int) -> str:
     return f"{'transformers' if spec is None else spec.policy.name} batch {batch}"
 
 
@@ -280,7 +284,7 @@ def measure_sweep(
     vocab = vocab_size(model)
     prompts = make_prompts(vocab, batch, prompt_length, seed)
     steps = lengths[-1] - prompt_length
-    bar = _progress_bar(steps, _label(spec, batch), progress)
+    bar = progress_bar(steps, entry_label(spec, batch), progress)
     recorder = StepRecorder(
         device=device,
         prompt_length=prompt_length,
@@ -329,237 +333,4 @@ def measure_sweep(
     }
     if compile:
         result["compile"] = stats["compile"]
-    return result
-
-
-def prefill_chunks(
-    total: int, length: int, batch: int, tokens_per_forward: int, *, prompt_length: int, grows: bool
-) -> list[int]:
-    """Sizes of the forwards that prefill ``total`` tokens before decoding up to ``length``.
-
-    The first forward is the prompt (``prompt_length`` tokens: what the cache and the policies
-    treat as the prompt); the rest follows as if generated, in chunks of at most
-    ``tokens_per_forward`` tokens summed over the batch (0: all in one forward). A cache that
-    grows (the full cache doubles its buffers) gets chunks of ``length / 2**k`` so its buffers end
-    at exactly ``length`` slots instead of up to twice that; when ``length`` has no such divisor
-    (at least twice the prompt, within the cap) the cap is used as is.
-    """
-    if total < 1 or prompt_length < 1:
-        raise ValueError(f"need at least one prompt token and one prefill token, got {prompt_length} and {total}")
-    first = min(prompt_length, total)
-    rest = total - first
-    if rest == 0:
-        return [first]
-    per_row = rest if tokens_per_forward <= 0 else max(1, tokens_per_forward // batch)
-    sizes = [first]
-    if grows:
-        k = 1
-        while length % (1 << k) == 0 and (length >> k) > per_row:
-            k += 1
-        chunk = length >> k
-        if length % (1 << k) == 0 and 2 * first <= chunk <= per_row:
-            # the second forward brings the cache to exactly `chunk` slots; later ones double it
-            sizes.append(min(chunk - first, rest))
-            rest -= sizes[-1]
-            per_row = chunk
-    sizes += [per_row] * (rest // per_row)
-    if rest % per_row:
-        sizes.append(rest % per_row)
-    return sizes
-
-
-def ragged_shifts(batch: int, buffer: int) -> list[int]:
-    """Tokens each row of a ragged batch lacks: row ``r`` is ``r x max(1, B // batch)`` tokens behind, so the
-    rows reach ``K + B`` at steps spread over one eviction cycle (as prompts of different lengths below
-    ``K + B`` make them), instead of all at once."""
-    step = max(1, buffer // batch)
-    return [row * step for row in range(batch)]
-
-
-def measure_prefilled(
-    model,
-    spec: CacheSpec | None,
-    *,
-    batch: int,
-    length: int,
-    decode_steps: int,
-    window: int | None = None,
-    prefill_chunk: int = 0,
-    prompt_length: int = 32,
-    seed: int = 0,
-    bar=None,
-    sync_timing: bool = True,
-    ragged: bool = False,
-    compile: str | None = None,
-) -> dict:
-    """Prefill the cache ``spec`` with ``batch`` seeded random rows, then time ``decode_steps`` decode steps
-    that end at ``length``.
-
-    ``length - decode_steps - WARMUP_STEPS`` tokens are prefilled: a ``prompt_length``-token
-    prompt, then the rest as if generated, in the chunks of :func:`prefill_chunks` (an evicting
-    policy evicts after a forward once due). The first ``WARMUP_STEPS`` decode steps are not timed
-    (one-time costs of a fresh cache). Mirrors :func:`reasonkv.generate` (same cache and hooks,
-    greedy, EOS ignored) and resets the peak-memory counter after the prefill, so
-    ``peak_memory_bytes`` is the decode's peak. Returns the window's statistics plus
-    ``prefill_s``, ``prefill_phases_s`` (the prefill's record / observe / score / gather seconds: for an
-    evicting policy, the first eviction of the prompt down to ``K``), ``prefill_evictions``,
-    ``prefill_chunks``, ``prefilled_tokens`` and the timed steps' ``step_s``.
-
-    ``spec=None`` runs the same loop with the cache ``model.generate`` itself builds
-    (:func:`reasonkv.hf.native_cache`) and no reasonkv hook: the reference for what reasonkv adds.
-
-    ``ragged``: a prefill longer than ``K + B`` leaves every row at ``K``, in step; so the untimed steps
-    first stagger the rows, row ``r`` fed padding for its first ``ragged_shifts(batch, B)[r]`` steps (as a
-    finished row is), then run ``B + 1`` steps more, so that every row has evicted (and been
-    right-aligned) once before the timed steps see the rows evict at different steps. ``row_shifts``
-    in the result.
-
-    ``compile`` (a ``torch.compile`` backend) runs the decode steps compiled: through
-    :class:`~reasonkv.generation.compiled.CompiledDecode`, or for ``spec=None`` through
-    :class:`~reasonkv.bench.compiled.StaticReference` (transformers' ``StaticCache``, its forward compiled).
-    The result's ``compile`` says what compiled and how long it took; those steps are not timed.
-    """
-    if compile and ragged:
-        raise ValueError("a compiled decode is measured with rows in step (ragged=False)")
-    shifts = ragged_shifts(batch, 0 if spec is None else spec.buffer) if ragged else [0] * batch
-    untimed = WARMUP_STEPS + (max(shifts) + spec.buffer + 1 if ragged else 0)
-    if decode_steps < 1 or length - decode_steps - untimed < 1:
-        raise ValueError(f"length {length} must exceed the {decode_steps} decode steps plus {untimed} untimed steps")
-    device = model_device(model)
-    prefilled = length - decode_steps - untimed
-    window = decode_steps if window is None else min(window, decode_steps)
-    vocab = vocab_size(model)
-    ids = torch.tensor(make_prompts(vocab, batch, prefilled, seed), device=device)
-    plain = spec is None
-    grows = plain or spec.trigger is None  # a cache that never evicts grows its buffers as it fills
-    chunks = prefill_chunks(prefilled, length, batch, prefill_chunk, prompt_length=prompt_length, grows=grows)
-    behind = torch.tensor(shifts, device=device)
-    recorder = StepRecorder(
-        device=device, prompt_length=prefilled, windows={length: length - window}, batch=batch, bar=bar
-    )
-    reference = StaticReference(model, length, backend=compile) if plain and compile else None
-    if plain:
-        cache = native_cache(model) if reference is None else reference.cache
-    else:
-        cache = EvictingCache(model=model, spec=spec, sync_timing=sync_timing and device.type == "cuda")
-        cache.reserve(length)  # as reasonkv.generate does: the buffers are allocated once, at the size the run needs
-    decode = CompiledDecode(model, cache, backend=compile) if compile and not plain else None
-    forward = Forward(model)
-    try:
-        with torch.inference_mode():
-            synchronize(device)
-            start = time.perf_counter()
-            offset = 0
-            for size in chunks:
-                chunk = ids[:, offset : offset + size]
-                if reference is not None:
-                    logits = reference.prefill(chunk)
-                else:
-                    logits = forward(chunk, cache, last_logits_only=True).logits[:, -1]
-                offset += size
-            synchronize(device)
-            prefill_s = time.perf_counter() - start
-            # The phases so far are the prefill's: its first eviction (score, gather) and its bookkeeping.
-            prefill_phases = {} if plain else cache.evictor.timings
-            prefill_evictions = 0 if plain else cache.evictor.eviction_count
-            recorder(0, cache)
-            for step in range(1, decode_steps + untimed + 1):
-                next_ids = logits.argmax(-1, keepdim=True)
-                if decode is not None:
-                    logits = decode(next_ids)
-                elif reference is not None:
-                    logits = reference.step(next_ids)
-                else:
-                    stagger = {"attention_mask": (behind < step).long().unsqueeze(1)} if step <= max(shifts) else {}
-                    logits = forward(next_ids, cache, last_logits_only=True, **stagger).logits[:, -1]
-                recorder(step, cache)
-    finally:
-        if not plain:
-            cache.detach()
-    result = recorder.window(length)
-    result.update(
-        prefilled_tokens=prefilled,
-        prompt_length=chunks[0],
-        prefill_s=prefill_s,
-        prefill_phases_s=prefill_phases,
-        prefill_evictions=prefill_evictions,
-        prefill_chunks=len(chunks),
-        peak_slots=int(cache.get_seq_length() if plain else cache.peak_slots),
-        step_s=[round(s, 7) for s in recorder.step_seconds[untimed:]],
-    )
-    if ragged:
-        result["row_shifts"] = shifts
-    if decode is not None:
-        result["compile"] = decode.describe()
-    elif reference is not None:
-        result["compile"] = {
-            "compiled": True,
-            "backend": compile,
-            "mode": reference.mode,
-            "compilations": len(recorder.compiling_steps),
-            "warmup_seconds": recorder.warmup_seconds(),
-            "eager_reason": None,
-        }
-    return result
-
-
-def measure_prefilled_sweep(
-    model,
-    spec: CacheSpec | None,
-    *,
-    batch: int,
-    lengths: Sequence[int],
-    decode_steps: int,
-    window: int | None = None,
-    prefill_chunk: int = 0,
-    prompt_length: int = 32,
-    seed: int = 0,
-    progress: bool = False,
-    sync_timing: bool = True,
-    ragged: bool = False,
-    compile: str | None = None,
-) -> dict:
-    """:func:`measure_prefilled` at every length (one fresh cache each); same record layout as the sweep."""
-    lengths = sorted(set(lengths))
-    bar = _progress_bar(decode_steps * len(lengths), _label(spec, batch), progress)
-    windows = []
-    try:
-        for length in lengths:
-            windows.append(
-                measure_prefilled(
-                    model,
-                    spec,
-                    batch=batch,
-                    length=length,
-                    decode_steps=decode_steps,
-                    window=window,
-                    prefill_chunk=prefill_chunk,
-                    prompt_length=prompt_length,
-                    seed=seed,
-                    bar=bar,
-                    sync_timing=sync_timing,
-                    ragged=ragged,
-                    compile=compile,
-                )
-            )
-    finally:
-        if bar is not None:
-            bar.close()
-    decode_s = sum(w["step_mean_s"] * w["window_steps"] for w in windows)
-    result = {
-        "kv_bytes_per_token": kv_bytes_per_token(model, model_dtype(model)),
-        "window_kv_bytes": window_kv_bytes(model, model_dtype(model)),
-        "windows": windows,
-        "totals": {
-            "prefill_s": sum(w["prefill_s"] for w in windows),
-            "decode_s": decode_s,
-            "peak_slots": max(w["peak_slots"] for w in windows),
-        },
-    }
-    if compile:  # one compilation per length at most (a cache of another capacity is another graph)
-        result["compile"] = {
-            **windows[0]["compile"],
-            "compilations": sum(w["compile"]["compilations"] for w in windows),
-            "warmup_seconds": sum(w["compile"]["warmup_seconds"] for w in windows),
-        }
     return result

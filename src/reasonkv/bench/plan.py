@@ -92,7 +92,7 @@ class Plan:
 
     def sweep_lengths(self, policy: str) -> list[int]:
         config = self.configs[SWEEP]
-        if policy in self.ragged:  # compared with its policy at the requested lengths only
+        if policy in self.ragged or not self.settings.reference_lengths:  # the requested lengths only
             return list(config["lengths"])
         extra = reference_lengths(
             evicts=self.evicts[policy],
@@ -241,6 +241,9 @@ def _configs(settings: BenchSettings, tiers: dict[str, dict], warnings: list[str
 def _sweep_config(s: BenchSettings, common: dict, warnings: list[str]) -> dict:
     lengths, budget, buffer, window = list(s.sweep_lengths), s.budget, s.buffer, s.sweep_window
     config = {**common, "budget": budget, "buffer": buffer, "lengths": lengths, "sync_timing": s.sync_timing}
+    config["rounds"] = s.rounds
+    if not s.reference_lengths:  # only then, so that folders written before the choice existed resume
+        config["reference_lengths"] = False
     if s.ragged:  # only then, so that folders written before ragged variants existed resume
         config["ragged"] = True
     if s.compile is not False:  # likewise

@@ -14,6 +14,9 @@ The summary compares policies measured side by side in one run (ratios, never ab
     compiled entry, ``--compile``: relative to transformers compiled, ``transformers~compiled``);
 (f) with ``--prefill-to-length``: the prefill's evictions (a long prompt evicted to ``K``) and the
     policy's bookkeeping during the prefill, at each length.
+
+Every ratio sets two entries measured in the same interleaved rounds (:func:`~reasonkv.bench.rounds.same_rounds`):
+an entry measured in other rounds (another run resumed into the folder, say) gets no ratio against them.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from collections import defaultdict
 
 from reasonkv.bench.compiled import COMPILED, compiled_label
 from reasonkv.bench.memory import format_bytes, held_bytes
+from reasonkv.bench.rounds import same_rounds
 from reasonkv.bench.settings import TRANSFORMERS
 from reasonkv.bench.targets import (
     EVICTION_TARGET_S,
@@ -78,6 +82,13 @@ def _sweep_summary(records: list[dict]) -> dict:
     for name, record in by_policy.items():
         windows = by_length(record)
         versus = static_windows if name.endswith(COMPILED) else plain_windows  # compiled against compiled
+        versus = versus if same_rounds(record, (static if name.endswith(COMPILED) else plain) or {}) else {}
+        if not same_rounds(record, full or {}):
+            full_windows, full_step = {}, None
+        else:
+            full_windows = by_length(full) if full else {}
+            full_step = reference[1]["step_median_s"] if reference else None
+        streaming_windows = by_length(streaming) if streaming and same_rounds(record, streaming) else {}
         per_token = record.get("kv_bytes_per_token")
         batch = record["batch"]
         summary: dict = {"evicts": record.get("evicts", name not in ("full", TRANSFORMERS))}
@@ -253,11 +264,20 @@ def _sweep_markdown(records: list[dict], summary: dict, meta: dict) -> list[str]
             "then the rest as if generated"
             + (f", at most {chunk} tokens per forward)" if chunk else " in one forward)")
             + f", 2 untimed decode steps, then {n} timed decode steps ending at L; an evicting policy is "
-            "evicted to K by the prefill, so it is measured in its steady state"
+            "evicted to K by the prefill, so it is measured in its steady state; one cache per entry, extended "
+            "from each length to the next by a prefill of the tokens in between where they leave room"
         )
     else:
         how = f"decoded from a {config['prompt_length']}-token prompt up to {max(config['lengths'])} tokens"
-    lines = [f"## Length sweep (K = {budget}, B = {buffer})", "", f"{how}; window {config['window']} steps.", ""]
+    rounds = config.get("rounds", 1)
+    how += f"; window {config['window']} steps"
+    if rounds > 1:
+        how += (
+            f"; the entries of a batch size measured in {rounds} interleaved rounds (A B C A B C ...), each row the "
+            "median round, *rounds* the smallest and largest of the rounds' mean step times, *SM MHz* the GPU's "
+            "clock at the end of the median round's window"
+        )
+    lines = [f"## Length sweep (K = {budget}, B = {buffer})", "", f"{how}.", ""]
     peak_kind = "CUDA max allocated" if meta.get("device", "cpu").startswith("cuda") else "process peak RSS"
     by_batch: dict[int, list[dict]] = defaultdict(list)
     for record in records:
@@ -283,6 +303,8 @@ def _sweep_markdown(records: list[dict], summary: dict, meta: dict) -> list[str]
                         f"{w['tokens_per_s']:.1f}",
                         _ms(w["step_median_s"]),
                         _ms(w["step_mean_s"]),
+                        _rounds_cell(w),
+                        _num(w.get("gpu_clock_mhz"), "{}"),
                         *(_ms(split[p]) for p in ("forward", "record", "observe", "score", "gather")),
                         str(w["evictions"]),
                         str(w["slots"]),
@@ -292,13 +314,22 @@ def _sweep_markdown(records: list[dict], summary: dict, meta: dict) -> list[str]
                         format_bytes(w.get("peak_memory_bytes")),
                     ]
                 )
-        header = ["policy", "length", "tok/s", "step ms (median)", "step ms (mean)", "forward", "record"]
+        header = ["policy", "length", "tok/s", "step ms (median)", "step ms (mean)", "rounds", "SM MHz"]
+        header += ["forward", "record"]
         header += ["observe", "score", "gather", "evictions", "slots", "KV held", "KV allocated"]
         header += ["KV full-attention layers", "KV sliding layers"] if hybrid else []
         header += [f"peak ({peak_kind})"]
         lines += _table(header, rows)
         lines += _summary_markdown(batch, batch_summary)
     return lines
+
+
+def _rounds_cell(window: dict) -> str:
+    """``min-max (n)`` of the rounds' mean step times in ms (``-`` for a window from one round)."""
+    spread = window.get("step_mean_spread_s")
+    if spread is None or window["rounds"]["count"] < 2:
+        return "-"
+    return f"{_ms(spread['min'])}-{_ms(spread['max'])} ({window['rounds']['count']})"
 
 
 _BY_KIND = ("kv_full_max", "kv_full_bound", "kv_sliding_max", "kv_sliding_bound")

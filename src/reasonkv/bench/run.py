@@ -2,8 +2,12 @@
 
 :func:`run_bench` is the whole of ``reasonkv bench`` once its arguments are a
 :class:`~reasonkv.bench.settings.BenchSettings`. Entries already in the folder are skipped (unless
-``force``); each finished entry is appended to ``results.jsonl`` at once and the reports are rewritten,
-so a killed run keeps its numbers. One failing entry is recorded as an error and the others still run.
+``force``). After a warm-up until the step time is stable, the length sweep's entries of one batch size
+are measured in ``rounds`` interleaved rounds (:mod:`reasonkv.bench.rounds`: A B C A B C ..., each record
+the median round, with the rounds' spread and a ``rounds_group`` naming the rounds it shares with the
+others); the other measurements run once each. Each finished entry is appended to ``results.jsonl`` at
+once and the reports are rewritten; a killed run keeps every finished entry, and those with some rounds
+measured (``rounds_complete: false``). One failing entry is recorded as an error and the others still run.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import os
 import signal
 import sys
 import time
@@ -20,14 +25,17 @@ import torch
 from reasonkv.bench.eviction import measure_eviction_cost
 from reasonkv.bench.machine import machine_info
 from reasonkv.bench.maxbatch import measure_max_batch
-from reasonkv.bench.measure import measure_prefilled_sweep, measure_sweep, model_dtype, warm_up
+from reasonkv.bench.measure import measure_sweep, model_dtype
 from reasonkv.bench.memory import kv_bytes_per_token, weight_bytes
 from reasonkv.bench.plan import Plan, build_plan
 from reasonkv.bench.plots import write_plots
+from reasonkv.bench.prefilled import measure_prefilled_sweep
 from reasonkv.bench.report import markdown, summarise, summary_text
+from reasonkv.bench.rounds import combine_rounds, run_rounds
 from reasonkv.bench.settings import EVICTION, SWEEP, BenchSettings
 from reasonkv.bench.store import ResultStore, claim_output, entry_key, now_iso
 from reasonkv.bench.tiers import equal_measured_bytes, tiered_budget
+from reasonkv.bench.warmup import warm_up
 from reasonkv.hf import model_info
 from reasonkv.models import load_model
 from reasonkv.runs.outputs import write_atomic
@@ -169,16 +177,33 @@ def _plan_line(plan: Plan, pending: list[tuple[str, str, int | None]]) -> str:
 
 
 def _time_left(took: dict[str, list[float]], rest: list[str]) -> str:
-    """``about N min left``: the entries still to measure, each at the mean time of its mode's finished ones."""
+    """``about N min left``: the entry rounds still to measure, each at the mean time of its mode's finished ones."""
     if not rest:
         return ""
     means = {mode: sum(times) / len(times) for mode, times in took.items()}
     known = [means[mode] for mode in rest if mode in means]
     if len(known) < len(rest):  # a mode not measured yet: no estimate for it
-        return f"{len(rest)} entries left"
+        return f"{len(rest)} entry rounds left"
     seconds = sum(known)
     when = f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
-    return f"{len(rest)} entries left, about {when} at the mean time of the entries so far"
+    return f"{len(rest)} entry rounds left, about {when} at the mean time of those so far"
+
+
+def _groups(plan: Plan, pending: list[tuple[str, str, int | None]]) -> list[tuple[int, list[tuple]]]:
+    """``(rounds, entries)`` in measuring order: the sweep's entries of each batch size together, in
+    ``--rounds`` interleaved rounds; every other entry alone, once."""
+    groups: list[tuple[int, list[tuple]]] = []
+    sweeps: dict[int | None, list[tuple]] = {}
+    for entry in pending:
+        mode, _, batch = entry
+        if mode != SWEEP:
+            groups.append((1, [entry]))
+        elif batch in sweeps:
+            sweeps[batch].append(entry)
+        else:
+            sweeps[batch] = [entry]
+            groups.append((plan.settings.rounds, sweeps[batch]))
+    return groups
 
 
 def _run(plan: Plan) -> int:
@@ -227,52 +252,99 @@ def _run(plan: Plan) -> int:
     reads = _reads_attention(model, plan)
     meta["weight_bytes"] = weight_bytes(model)
     meta["kv_bytes_per_token"] = kv_bytes_per_token(model, model_dtype(model))
-    warm_up(model)
+    settled = warm_up(model)
+    meta["warm_up"] = settled
+    state = "stable" if settled["stable"] else "not stable within its cap"
+    _say(f"warm-up: {settled['steps']} decode steps, step time {state}")
     _say(_plan_line(plan, pending))
-    took: dict[str, list[float]] = {}  # mode -> seconds of its finished entries
+    groups = _groups(plan, pending)
+    queue = [entry[0] for rounds, group in groups for _ in range(rounds) for entry in group]
+    took: dict[str, list[float]] = {}  # mode -> seconds of its finished entry rounds
+    done = [0]  # entry rounds measured (or failed) so far
+    run_id = f"{meta['date']}/{os.getpid()}"
+
+    def base(mode: str, policy: str, batch: int | None) -> dict:
+        return {
+            "mode": mode,
+            "policy": policy,
+            "batch": batch,
+            "options": plan.options[policy],
+            "evicts": plan.evicts[policy],
+            "reads_attention": reads[policy],
+            "config": plan.configs[mode],
+            "date": now_iso(),
+            "machine": {k: meta["machine"][k] for k in ("cpu", "gpu", "torch", "transformers")},
+            "weight_bytes": meta["weight_bytes"],
+        }
+
+    def measure(entry: tuple, round_index: int, rounds: int) -> dict:
+        mode, policy, batch = entry
+        label = f"{mode} {policy}" + ("" if batch is None else f" batch {batch}")
+        if rounds > 1:
+            label += f" (round {round_index + 1} of {rounds})"
+        done[0] += 1
+        _say(f"[{done[0]}/{len(queue)}] {label} ...")
+        start = time.perf_counter()
+        try:
+            data = measure_entry(model, plan, mode, policy, batch, progress)
+        finally:
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        seconds = time.perf_counter() - start
+        _say(f"    {_headline(mode, data)} ({seconds:.0f} s)")
+        took.setdefault(mode, []).append(seconds)
+        left = _time_left(took, queue[done[0] :])
+        if left:
+            _say(f"    {left}")
+        return {**data, "seconds": seconds}
+
+    def record_of(entry: tuple, datas: list[dict], rounds: int, group: str | None) -> dict:
+        mode, policy, batch = entry
+        record = base(mode, policy, batch)
+        record.update(combine_rounds(datas) if mode == SWEEP else datas[0])
+        record.update(status="ok", seconds=sum(d["seconds"] for d in datas))
+        if group is not None:
+            record.update(rounds_group=group, rounds=len(datas), rounds_complete=len(datas) == rounds)
+        return record
+
     previous_handler = None
     with contextlib.suppress(ValueError):  # not the main thread: no handler, SIGTERM just kills
         previous_handler = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        for index, (mode, policy, batch) in enumerate(pending, 1):
-            label = f"{mode} {policy}" + ("" if batch is None else f" batch {batch}")
-            _say(f"[{index}/{len(pending)}] {label} ...")
-            start = time.perf_counter()
-            record = {
-                "mode": mode,
-                "policy": policy,
-                "batch": batch,
-                "options": plan.options[policy],
-                "evicts": plan.evicts[policy],
-                "reads_attention": reads[policy],
-                "config": plan.configs[mode],
-                "date": now_iso(),
-                "machine": {k: meta["machine"][k] for k in ("cpu", "gpu", "torch", "transformers")},
-                "weight_bytes": meta["weight_bytes"],
-            }
-            try:
-                data = measure_entry(model, plan, mode, policy, batch, progress)
-            except KeyboardInterrupt:
-                raise
-            except Exception as error:  # one failing policy must not cost the others their numbers
+        for rounds, group in groups:
+            mode, _, batch = group[0]
+            group_id = f"{run_id}/{mode}/batch {batch}" if mode == SWEEP else None
+            collected: dict[tuple, list[dict]] = {}
+            finished: set[tuple] = set()
+
+            def finish(entry: tuple, datas: list[dict], rounds=rounds, group_id=group_id, finished=finished) -> None:
+                store.add(record_of(entry, datas, rounds, group_id))
+                finished.add(entry)
+                _write_reports(store, meta, plots=False)
+
+            def failed(entry: tuple, error: Exception) -> None:
+                mode, policy, batch = entry
                 message = f"{type(error).__name__}: {error}"
                 _say(f"    failed: {message}")
-                store.add({**record, "status": "error", "error": message})
+                store.add({**base(mode, policy, batch), "status": "error", "error": message})
                 meta["errors"].append({"mode": mode, "policy": policy, "batch": batch, "error": message})
-            else:
-                record.update(data)
-                record.update(status="ok", seconds=time.perf_counter() - start)
-                store.add(record)
-                _say(f"    {_headline(mode, data)} ({time.perf_counter() - start:.0f} s)")
-                took.setdefault(mode, []).append(time.perf_counter() - start)
-                left = _time_left(took, [m for m, _, _ in pending[index:]])
-                if left:
-                    _say(f"    {left}")
-            finally:
-                gc.collect()
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-            _write_reports(store, meta, plots=False)
+                _write_reports(store, meta, plots=False)
+
+            try:
+                run_rounds(
+                    group,
+                    rounds,
+                    lambda entry, index, rounds=rounds: measure(entry, index, rounds),
+                    finish,
+                    failed=failed,
+                    collected=collected,
+                )
+            except KeyboardInterrupt:  # keep the rounds measured so far of the entries not finished
+                for entry, datas in collected.items():
+                    if datas and entry not in finished:
+                        store.add(record_of(entry, datas, rounds, group_id))
+                raise
     finally:
         if previous_handler is not None:
             signal.signal(signal.SIGTERM, previous_handler)

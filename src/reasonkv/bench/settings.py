@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from reasonkv.bench.measure import WARMUP_STEPS, ragged_shifts
+from reasonkv.bench.measure import WARMUP_STEPS
 from reasonkv.bench.memory import parse_bytes
+from reasonkv.bench.prefilled import ragged_shifts
 from reasonkv.cache import DEFAULT_BUFFER
 from reasonkv.cache.tiers import check_settings
 from reasonkv.generation.compiled import compile_backend
@@ -35,6 +36,7 @@ from reasonkv.models import (
 __all__ = [
     "DEFAULT_DTYPE",
     "DEFAULT_LENGTHS",
+    "DEFAULT_ROUNDS",
     "EVICTION",
     "MAX_BATCH",
     "SWEEP",
@@ -87,7 +89,8 @@ def _names(value: str | Sequence[str]) -> tuple[str, ...]:
 
 
 _SWITCHES = ("prefill_to_length", "transformers_cache", "sync_timing", "ragged", "eviction_cost", "max_batch", "force")
-_SWITCHES += ("progress", "plots")
+_SWITCHES += ("progress", "plots", "reference_lengths")
+DEFAULT_ROUNDS = 3  # the sweep's interleaved rounds: an odd count, so the median is one round's
 
 
 def _flag(name: str) -> str:
@@ -108,7 +111,10 @@ class BenchSettings:
     ``POLICY.KEY=VALUE`` strings), ``budget`` ``K``, ``buffer`` ``B``, ``seed`` (prompts and policies),
     ``quantized``/``bits`` (a quantized-tier variant of each requested evicting policy). Length sweep:
     ``lengths`` (None: :data:`DEFAULT_LENGTHS`, and the sweep runs only when no other measurement is
-    asked for), ``batch_sizes``, ``prompt_length``, ``window`` (None: see :attr:`sweep_window`),
+    asked for), ``reference_lengths`` (also the lengths the summary's overhead and flatness compare with:
+    ``K``, ``K + B/2``, ``8 K``), ``rounds`` (the sweep's entries of a batch size measured in that many
+    interleaved rounds, the median kept: :mod:`reasonkv.bench.rounds`), ``batch_sizes``, ``prompt_length``,
+    ``window`` (None: see :attr:`sweep_window`),
     ``prefill_to_length``, ``transformers_cache``, ``decode_steps``, ``sync_timing``, ``prefill_chunk``,
     ``ragged`` (a variant of each requested evicting policy whose rows are prefilled to lengths ``B /
     batch`` apart, so that they evict at different steps, beside the one whose rows evict together), ``compile``
@@ -133,6 +139,8 @@ class BenchSettings:
     quantized: int = 0
     bits: int | None = None
     lengths: tuple[int, ...] | None = None
+    reference_lengths: bool = True
+    rounds: int = DEFAULT_ROUNDS
     batch_sizes: tuple[int, ...] = (1,)
     prompt_length: int = 32
     window: int | None = None
@@ -208,7 +216,7 @@ class BenchSettings:
     def _check_sizes(self) -> None:
         _check_int("budget", self.budget, 1, "a positive integer")
         _check_int("buffer", self.buffer, 0, "a non-negative integer")
-        for name in ("prompt_length", "decode_steps", "repeats", "probe_steps", "max_measured_batch"):
+        for name in ("prompt_length", "decode_steps", "repeats", "probe_steps", "max_measured_batch", "rounds"):
             _check_int(name, getattr(self, name), 1, "at least 1")
         _check_int("prefill_chunk", self.prefill_chunk, 0, ">= 0 (0: one forward)")
         for name in ("window", "threads"):
@@ -324,6 +332,9 @@ class BenchSettings:
             words += ["-o", option]
         if self.lengths is not None:
             words += ["--lengths", _joined(self.lengths)]
+        if not self.reference_lengths:
+            words.append("--no-reference-lengths")
+        words += ["--rounds", str(self.rounds)]
         words += ["--prompt-length", str(self.prompt_length)]
         if self.window is not None:
             words += ["--window", str(self.window)]
@@ -357,7 +368,7 @@ class BenchSettings:
         values: dict[str, Any] = {"command": "bench"}
         for name in self.__dataclass_fields__:
             value = getattr(self, name)
-            if name in ("sync_timing", "progress", "plots"):
+            if name in ("sync_timing", "progress", "plots", "reference_lengths"):
                 name, value = f"no_{name}", not value
             elif name == "policies":
                 value = ",".join(value)

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import math
 
-from reasonkv.bench.measure import WARMUP_STEPS, measure_prefilled, model_dtype
+from reasonkv.bench.measure import WARMUP_STEPS, model_dtype
 from reasonkv.bench.memory import format_bytes, kv_bytes_per_token
+from reasonkv.bench.prefilled import measure_prefilled
+from reasonkv.bench.rounds import same_rounds
 from reasonkv.bench.windows import by_length
 from reasonkv.cache import CacheSpec
 from reasonkv.cache.quantize import QuantFormat, default_group_size
@@ -86,7 +88,8 @@ def tier_summary(records: list[dict]) -> dict:
         tier = record.get("tier")
         if not tier:
             continue
-        plain = next((r for r in sweeps if r["policy"] == tier["policy"] and r["batch"] == record["batch"]), None)
+        same = [r for r in sweeps if r["batch"] == record["batch"] and same_rounds(r, record)]  # ratios: same rounds
+        plain = next((r for r in same if r["policy"] == tier["policy"]), None)
         if plain is None:
             continue
         mine, theirs = by_length(record), by_length(plain)

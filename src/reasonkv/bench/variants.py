@@ -11,6 +11,7 @@ evicting on their own schedules there are more evictions, each compacting fewer 
 from __future__ import annotations
 
 from reasonkv.bench.compiled import compiled_markdown, compiled_summary
+from reasonkv.bench.rounds import same_rounds
 from reasonkv.bench.tiers import tier_markdown, tier_summary
 from reasonkv.bench.windows import by_length
 
@@ -38,7 +39,8 @@ def ragged_summary(records: list[dict]) -> dict:
         if not record["policy"].endswith(RAGGED):
             continue
         policy = record["policy"][: -len(RAGGED)]
-        plain = next((r for r in sweeps if r["policy"] == policy and r["batch"] == record["batch"]), None)
+        same = [r for r in sweeps if r["batch"] == record["batch"] and same_rounds(r, record)]  # ratios: same rounds
+        plain = next((r for r in same if r["policy"] == policy), None)
         if plain is None:
             continue
         mine, theirs = by_length(record), by_length(plain)

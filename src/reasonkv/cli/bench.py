@@ -88,6 +88,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the sweep runs when this is given or when neither --max-batch nor --eviction-cost is)",
     )
     sweep.add_argument(
+        "--no-reference-lengths",
+        action="store_true",
+        help="measure the --lengths only, not also K, K + B/2 and 8 K (what the summary's overhead and flatness "
+        "compare with; then they compare with the nearest lengths measured)",
+    )
+    sweep.add_argument(
+        "--rounds",
+        type=int,
+        default=D["rounds"],
+        help="the sweep's entries of each batch size measured in this many interleaved rounds (A B C A B C ...), "
+        f"each figure the median round's, the rounds' spread beside it (default {D['rounds']})",
+    )
+    sweep.add_argument(
         "--batch-sizes", default=D["batch_sizes"], help=f"comma-separated batch sizes (default {D['batch_sizes']})"
     )
     sweep.add_argument(
@@ -214,6 +227,8 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
         quantized=args.quantized,
         bits=args.bits,
         lengths=args.lengths,
+        reference_lengths=not args.no_reference_lengths,
+        rounds=args.rounds,
         batch_sizes=args.batch_sizes,
         prompt_length=args.prompt_length,
         window=args.window,

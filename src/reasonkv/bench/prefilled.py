@@ -1,0 +1,391 @@
+"""Steady-state decode at long lengths without decoding every token: prefill, then time a window of steps.
+
+:class:`PrefilledSession` holds one entry's cache (a :class:`~reasonkv.cache.CacheSpec`, or ``None`` for
+transformers' own cache, the one ``model.generate`` builds, with no reasonkv hook). Measuring it at a
+length ``L`` prefills up to ``L - n - u`` tokens (a short prompt, then the rest as if generated, in
+chunks), decodes ``u`` untimed steps (one-time costs of a fresh cache; a ragged batch's stagger) and times
+``n`` decode steps ending at ``L``. An evicting policy is evicted to ``K`` by the prefill (after each chunk
+once due), so the window measures its steady state at ``L``.
+
+Lengths are measured shortest first on the same cache: the next length extends it by a prefill of the
+tokens in between instead of prefilling from nothing (one cache from 8k to 64k, not 8k + 16k + 32k +
+64k tokens of prefill). Where it cannot be extended (a length too close to the last one for its untimed
+and timed steps, or transformers' static cache, whose capacity is the length itself), the old cache is
+dropped first and a fresh one prefilled. The peak-memory counter is reset right before each timed window,
+so a window's peak leaves out the prefill's.
+
+Decode steps can run compiled (``compile=``, a ``torch.compile`` backend): through
+:class:`~reasonkv.generation.compiled.CompiledDecode`, or for ``spec=None`` through
+:class:`~reasonkv.bench.compiled.StaticReference` (transformers' ``StaticCache``, its forward compiled). A
+step that compiled a graph is left out of the window; its time is reported apart as the warm-up.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Sequence
+
+import torch
+
+from reasonkv.bench.compiled import StaticReference
+from reasonkv.bench.measure import (
+    WARMUP_STEPS,
+    StepRecorder,
+    entry_label,
+    make_prompts,
+    model_device,
+    model_dtype,
+    progress_bar,
+)
+from reasonkv.bench.memory import kv_bytes_per_token, window_kv_bytes
+from reasonkv.cache import CacheSpec, EvictingCache
+from reasonkv.generation.compiled import CompiledDecode
+from reasonkv.hf import Forward, native_cache, synchronize, vocab_size
+
+__all__ = [
+    "PrefilledSession",
+    "extension_chunks",
+    "measure_prefilled",
+    "measure_prefilled_sweep",
+    "prefill_chunks",
+    "ragged_shifts",
+]
+
+
+def prefill_chunks(
+    total: int, length: int, batch: int, tokens_per_forward: int, *, prompt_length: int, grows: bool
+) -> list[int]:
+    """Sizes of the forwards that prefill ``total`` tokens before decoding up to ``length``.
+
+    The first forward is the prompt (``prompt_length`` tokens: what the cache and the policies
+    treat as the prompt); the rest follows as if generated, in chunks of at most
+    ``tokens_per_forward`` tokens summed over the batch (0: all in one forward). A cache that
+    grows (the full cache doubles its buffers) gets chunks of ``length / 2**k`` so its buffers end
+    at exactly ``length`` slots instead of up to twice that; when ``length`` has no such divisor
+    (at least twice the prompt, within the cap) the cap is used as is.
+    """
+    if total < 1 or prompt_length < 1:
+        raise ValueError(f"need at least one prompt token and one prefill token, got {prompt_length} and {total}")
+    first = min(prompt_length, total)
+    rest = total - first
+    if rest == 0:
+        return [first]
+    per_row = rest if tokens_per_forward <= 0 else max(1, tokens_per_forward // batch)
+    sizes = [first]
+    if grows:
+        k = 1
+        while length % (1 << k) == 0 and (length >> k) > per_row:
+            k += 1
+        chunk = length >> k
+        if length % (1 << k) == 0 and 2 * first <= chunk <= per_row:
+            # the second forward brings the cache to exactly `chunk` slots; later ones double it
+            sizes.append(min(chunk - first, rest))
+            rest -= sizes[-1]
+            per_row = chunk
+    sizes += [per_row] * (rest // per_row)
+    if rest % per_row:
+        sizes.append(rest % per_row)
+    return sizes
+
+
+def ragged_shifts(batch: int, buffer: int) -> list[int]:
+    """Tokens each row of a ragged batch lacks: row ``r`` is ``r x max(1, B // batch)`` tokens behind, so the
+    rows reach ``K + B`` at steps spread over one eviction cycle (as prompts of different lengths below
+    ``K + B`` make them), instead of all at once."""
+    step = max(1, buffer // batch)
+    return [row * step for row in range(batch)]
+
+
+def extension_chunks(total: int, batch: int, tokens_per_forward: int) -> list[int]:
+    """Sizes of the forwards that extend a prefilled cache by ``total`` tokens per row: chunks of at most
+    ``tokens_per_forward`` tokens summed over the batch (0: one forward)."""
+    if total < 1:
+        raise ValueError(f"an extension needs at least one token, got {total}")
+    per_row = total if tokens_per_forward <= 0 else max(1, tokens_per_forward // batch)
+    return [per_row] * (total // per_row) + ([total % per_row] if total % per_row else [])
+
+
+def _clean_reference(model) -> None:
+    """The plain-transformers reference must run no reasonkv code: no wrapped attention kernel, no claimed
+    module (a RuntimeError from :func:`reasonkv.hf.tap.check_untapped` otherwise)."""
+    from reasonkv.hf.tap import check_untapped
+
+    check_untapped(model)
+
+
+class PrefilledSession:
+    """One entry's cache, measured at increasing lengths (see the module's text).
+
+    Parameters
+    ----------
+    model, spec
+        The model and the cache (``None``: transformers' own).
+    batch, top
+        Rows, and the longest length the session will be measured at (its prompts are drawn once, that long).
+    prefill_chunk
+        Most tokens per prefill forward, summed over the batch (0: one forward).
+    prompt_length, seed
+        The first forward of a fresh cache (what the policies treat as the prompt); the random ids' seed.
+    sync_timing, ragged, compile
+        As :func:`measure_prefilled` takes them.
+    """
+
+    def __init__(
+        self,
+        model,
+        spec: CacheSpec | None,
+        *,
+        batch: int,
+        top: int,
+        prefill_chunk: int = 0,
+        prompt_length: int = 32,
+        seed: int = 0,
+        sync_timing: bool = True,
+        ragged: bool = False,
+        compile: str | None = None,
+    ):
+        if compile and ragged:
+            raise ValueError("a compiled decode is measured with rows in step (ragged=False)")
+        self.model, self.spec, self.batch = model, spec, batch
+        self.device = model_device(model)
+        self.plain = spec is None
+        self.prefill_chunk, self.prompt_length = prefill_chunk, prompt_length
+        self.sync_timing = sync_timing and self.device.type == "cuda"
+        self.ragged, self.compile = ragged, compile
+        self.shifts = ragged_shifts(batch, 0 if spec is None else spec.buffer) if ragged else [0] * batch
+        self.untimed = WARMUP_STEPS + (max(self.shifts) + spec.buffer + 1 if ragged else 0)
+        self._ids = torch.tensor(make_prompts(vocab_size(model), batch, top, seed))
+        self._forward = Forward(model)
+        self.cache = self.reference = None
+        self.position = 0  # tokens per row the cache has seen
+
+    def close(self) -> None:
+        """Detach the cache from the model and drop it (and its compiled step), so that its memory is freed."""
+        if self.cache is not None and not self.plain:
+            self.cache.detach()
+        self.cache = self.reference = None
+        self.position = 0
+
+    def _open(self, length: int) -> None:
+        """A fresh cache (the previous one dropped and collected first, so the two never coexist)."""
+        had = self.cache is not None
+        self.close()
+        if had:
+            gc.collect()
+        if self.plain:
+            if self.compile:
+                _clean_reference(self.model)
+                self.reference = StaticReference(self.model, length, backend=self.compile)
+                self.cache = self.reference.cache
+            else:
+                self.cache = native_cache(self.model)
+        else:
+            self.cache = EvictingCache(model=self.model, spec=self.spec, sync_timing=self.sync_timing)
+
+    def measure(
+        self, length: int, decode_steps: int, *, window: int | None = None, bar=None, peak_from_prefill: bool = False
+    ) -> dict:
+        """Prefill (or extend) up to ``length - decode_steps - untimed`` tokens, decode the untimed steps, time
+        ``decode_steps`` steps ending at ``length``; the window's statistics (its last ``window`` steps).
+
+        ``peak_from_prefill``: the peak-memory counter is reset when the prefill ends, not when the window
+        starts (what a batch must fit: every decode step, the first ones too)."""
+        target = length - decode_steps - self.untimed
+        if decode_steps < 1 or target < 1:
+            raise ValueError(
+                f"length {length} must exceed the {decode_steps} decode steps plus {self.untimed} untimed steps"
+            )
+        if target > self._ids.shape[1]:
+            raise ValueError(f"length {length} is beyond the session's longest length {self._ids.shape[1]}")
+        window = decode_steps if window is None else min(window, decode_steps)
+        fresh = self.cache is None or self.position >= target or self.reference is not None
+        if fresh:
+            self._open(length)
+        evicting = not self.plain
+        if evicting:  # buffers allocated once at the size this length needs (a full cache grows to it)
+            self.cache.reserve(length)
+        total = target - self.position
+        if fresh:
+            grows = self.plain or self.spec.trigger is None
+            chunks = prefill_chunks(
+                total, length, self.batch, self.prefill_chunk, prompt_length=self.prompt_length, grows=grows
+            )
+        else:
+            chunks = extension_chunks(total, self.batch, self.prefill_chunk)
+        before = self.cache.evictor.timings if evicting else {}
+        evictions_before = self.cache.evictor.eviction_count if evicting else 0
+        recorder = StepRecorder(
+            device=self.device,
+            prompt_length=target,
+            windows={length: length - window},
+            batch=self.batch,
+            bar=bar,
+            peak_from=target if peak_from_prefill else length - window,
+        )
+        decode = CompiledDecode(self.model, self.cache, backend=self.compile) if self.compile and evicting else None
+        with torch.inference_mode():
+            synchronize(self.device)
+            start = time.perf_counter()
+            offset = self.position
+            for size in chunks:
+                chunk = self._ids[:, offset : offset + size].to(self.device)
+                if self.reference is not None:
+                    logits = self.reference.prefill(chunk)
+                else:
+                    logits = self._forward(chunk, self.cache, last_logits_only=True).logits[:, -1]
+                offset += size
+            synchronize(self.device)
+            prefill_s = time.perf_counter() - start
+            # The phases so far are the prefill's: its evictions (score, gather) and its bookkeeping.
+            after = self.cache.evictor.timings if evicting else {}
+            phases = {name: seconds - before.get(name, 0.0) for name, seconds in after.items()}
+            prefill_evictions = (self.cache.evictor.eviction_count if evicting else 0) - evictions_before
+            behind = torch.tensor(self.shifts, device=self.device)
+            recorder(0, self.cache)
+            for step in range(1, decode_steps + self.untimed + 1):
+                next_ids = logits.argmax(-1, keepdim=True)
+                if decode is not None:
+                    logits = decode(next_ids)
+                elif self.reference is not None:
+                    logits = self.reference.step(next_ids)
+                else:
+                    late = step <= max(self.shifts)
+                    stagger = {"attention_mask": (behind < step).long().unsqueeze(1)} if late else {}
+                    logits = self._forward(next_ids, self.cache, last_logits_only=True, **stagger).logits[:, -1]
+                recorder(step, self.cache)
+        self.position = length
+        result = recorder.window(length)
+        result.update(
+            prefilled_tokens=total,
+            extended_from=0 if fresh else target - total,
+            prompt_length=chunks[0] if fresh else 0,
+            prefill_s=prefill_s,
+            prefill_phases_s=phases,
+            prefill_evictions=prefill_evictions,
+            prefill_chunks=len(chunks),
+            peak_slots=int(self.cache.get_seq_length() if self.plain else self.cache.peak_slots),
+            step_s=[round(s, 7) for s in recorder.step_seconds[self.untimed :]],
+        )
+        if self.ragged:
+            result["row_shifts"] = self.shifts
+        if decode is not None:
+            result["compile"] = decode.describe()
+        elif self.reference is not None:
+            result["compile"] = {
+                "compiled": True,
+                "backend": self.compile,
+                "mode": self.reference.mode,
+                "compilations": len(recorder.compiling_steps),
+                "warmup_seconds": recorder.warmup_seconds(),
+                "eager_reason": None,
+            }
+        return result
+
+
+def measure_prefilled(
+    model,
+    spec: CacheSpec | None,
+    *,
+    batch: int,
+    length: int,
+    decode_steps: int,
+    window: int | None = None,
+    prefill_chunk: int = 0,
+    prompt_length: int = 32,
+    seed: int = 0,
+    bar=None,
+    sync_timing: bool = True,
+    ragged: bool = False,
+    compile: str | None = None,
+    peak_from_prefill: bool = False,
+) -> dict:
+    """Prefill a fresh cache ``spec`` with ``batch`` seeded random rows, then time ``decode_steps`` decode steps
+    that end at ``length`` (:class:`PrefilledSession`, measured at one length).
+
+    Mirrors :func:`reasonkv.generate` (same cache and hooks, greedy, EOS ignored). Returns the window's
+    statistics plus ``prefill_s``, ``prefill_phases_s`` (the prefill's record / observe / score / gather
+    seconds), ``prefill_evictions``, ``prefill_chunks``, ``prefilled_tokens`` and the timed steps' ``step_s``.
+    ``sync_timing`` (CUDA) synchronises around every timed phase for an exact split. ``ragged``: the untimed
+    steps first stagger the rows, row ``r`` fed padding for its first ``ragged_shifts(batch, B)[r]`` steps,
+    then run ``B + 1`` steps more, so that every row has evicted once before the timed steps
+    (``row_shifts`` in the result). ``compile``: a ``torch.compile`` backend for the decode steps (the
+    result's ``compile`` says what compiled and how long it took). ``peak_from_prefill``: the peak counts
+    every decode step, not only the window's.
+    """
+    session = PrefilledSession(
+        model,
+        spec,
+        batch=batch,
+        top=length,
+        prefill_chunk=prefill_chunk,
+        prompt_length=prompt_length,
+        seed=seed,
+        sync_timing=sync_timing,
+        ragged=ragged,
+        compile=compile,
+    )
+    try:
+        return session.measure(length, decode_steps, window=window, bar=bar, peak_from_prefill=peak_from_prefill)
+    finally:
+        session.close()
+
+
+def measure_prefilled_sweep(
+    model,
+    spec: CacheSpec | None,
+    *,
+    batch: int,
+    lengths: Sequence[int],
+    decode_steps: int,
+    window: int | None = None,
+    prefill_chunk: int = 0,
+    prompt_length: int = 32,
+    seed: int = 0,
+    progress: bool = False,
+    sync_timing: bool = True,
+    ragged: bool = False,
+    compile: str | None = None,
+) -> dict:
+    """:func:`measure_prefilled` at every length, shortest first, on one cache extended from length to length
+    (:class:`PrefilledSession`); same record layout as the decode sweep."""
+    lengths = sorted(set(lengths))
+    bar = progress_bar(decode_steps * len(lengths), entry_label(spec, batch), progress)
+    session = PrefilledSession(
+        model,
+        spec,
+        batch=batch,
+        top=lengths[-1],
+        prefill_chunk=prefill_chunk,
+        prompt_length=prompt_length,
+        seed=seed,
+        sync_timing=sync_timing,
+        ragged=ragged,
+        compile=compile,
+    )
+    windows = []
+    try:
+        for length in lengths:
+            windows.append(session.measure(length, decode_steps, window=window, bar=bar))
+    finally:
+        session.close()
+        if bar is not None:
+            bar.close()
+    decode_s = sum(w["step_mean_s"] * w["window_steps"] for w in windows)
+    result = {
+        "kv_bytes_per_token": kv_bytes_per_token(model, model_dtype(model)),
+        "window_kv_bytes": window_kv_bytes(model, model_dtype(model)),
+        "windows": windows,
+        "totals": {
+            "prefill_s": sum(w["prefill_s"] for w in windows),
+            "decode_s": decode_s,
+            "peak_slots": max(w["peak_slots"] for w in windows),
+        },
+    }
+    if compile:  # a graph per cache capacity at most: a full cache grows with the length, the others do not
+        result["compile"] = {
+            **windows[0]["compile"],
+            "compilations": sum(w["compile"]["compilations"] for w in windows),
+            "warmup_seconds": sum(w["compile"]["warmup_seconds"] for w in windows),
+        }
+    return result
