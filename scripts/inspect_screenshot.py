@@ -8,12 +8,21 @@ grid open. Needs Selenium and the system's Chromium and chromedriver.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 from pathlib import Path
 
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
+
+
+def _executable(names: tuple[str, ...], debian: str) -> str | None:
+    """The first of ``names`` on PATH, else where Debian's package puts it (not always on PATH), else None."""
+    for name in names:
+        if found := shutil.which(name):
+            return found
+    return debian if os.access(debian, os.X_OK) else None
 
 
 def main() -> None:
@@ -25,14 +34,16 @@ def main() -> None:
     parser.add_argument("--position", type=int, default=0, help="the clicked token's position")
     parser.add_argument("--size", default="1600,1000", help="window width,height in pixels")
     args = parser.parse_args()
-    browser, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    # Both paths are passed to Selenium: given no driver path, Selenium Manager tries to download one.
+    browser = _executable(("chromium", "chromium-browser"), "/usr/lib/chromium/chromium")
+    driver = _executable(("chromedriver",), "/usr/lib/chromium/chromedriver")
     if not (browser and driver):
         raise SystemExit("needs chromium and chromedriver (Debian: apt-get install chromium chromium-driver)")
     options = webdriver.ChromeOptions()
     options.binary_location = browser
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", f"--window-size={args.size}"):
         options.add_argument(flag)
-    chrome = webdriver.Chrome(service=Service(driver), options=options)
+    chrome = webdriver.Chrome(service=Service(executable_path=driver), options=options)
     try:
         chrome.get(args.page.resolve().as_uri())
         chrome.execute_script(

@@ -20,8 +20,18 @@ from reasonkv.cache.spec import CacheSpec
 from reasonkv.inspect.page import write_page
 from reasonkv.inspect.runs import Inspection, inspect_prompt
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-DRIVER = shutil.which("chromedriver")
+
+def _executable(names: tuple[str, ...], debian: str) -> str | None:
+    """The first of ``names`` on PATH, else where Debian's package puts it (not always on PATH), else None."""
+    for name in names:
+        if found := shutil.which(name):
+            return found
+    return debian if os.access(debian, os.X_OK) else None
+
+
+# Both paths are passed to Selenium: given no driver path, Selenium Manager tries to download one.
+CHROMIUM = _executable(("chromium", "chromium-browser"), "/usr/lib/chromium/chromium")
+DRIVER = _executable(("chromedriver",), "/usr/lib/chromium/chromedriver")
 MISSING = "no system Chromium and chromedriver (Debian: apt-get install chromium chromium-driver)"
 if os.environ.get("REASONKV_REQUIRE_BROWSER") and not (CHROMIUM and DRIVER):
     pytest.fail(f"REASONKV_REQUIRE_BROWSER is set but there is {MISSING}", pytrace=False)
@@ -53,7 +63,8 @@ def browser():
     ):
         options.add_argument(flag)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
-    driver = webdriver.Chrome(service=Service(DRIVER), options=options)
+    driver = webdriver.Chrome(service=Service(executable_path=DRIVER), options=options)
+    assert driver.service.path == DRIVER  # this driver, not one Selenium Manager looked up
     yield driver
     driver.quit()
 
