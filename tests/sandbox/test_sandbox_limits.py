@@ -101,3 +101,16 @@ def test_the_watch_kills_the_run_when_it_says_so():
     program = [sys.executable, "-c", "import os, time\nos.close(1)\nos.close(2)\ntime.sleep(30)\n"]
     finished = supervise(program, stdin_fd=0, timeout=20, output_limit=1024, watch=watch)
     assert finished.over_memory and finished.returncode == -9 and finished.seconds < 5
+
+
+def test_reasonkv_eval_refuses_them_while_parsing(capsys):
+    from reasonkv.cli.main import build_parser
+
+    parser = build_parser()
+    for flag, value, message in [
+        ("--code-timeout", "1e7", r"--code-timeout must be a number of seconds in (0, 3600], got 10000000.0"),
+        ("--code-memory", "16", "--code-memory must be an integer number of MiB from 64 to"),
+    ]:
+        with pytest.raises(SystemExit) as exited:
+            parser.parse_args(["eval", "--dataset", "humaneval", flag, value])
+        assert exited.value.code == 2 and message in capsys.readouterr().err
