@@ -88,6 +88,7 @@ _COMMON = ("unprivileged-uid", "rlimits", "empty-environment", "output-cap", "wa
 _MEMORY = re.compile(r"^(?:MemoryError\b|Fatal Python error: .*memory)|Cannot allocate memory", re.M | re.I)
 _PER_RUN = ("cpu_seconds", "memory_mb")  # set from each run's timeout and memory
 _PATH_ONLY = {"PATH": "/usr/local/bin:/usr/bin:/bin"}
+_REFUSED_SECONDS = 1.0  # how long reading a starting sandbox's memory may be refused before that is an error
 
 
 class SandboxUnavailable(OSError):
@@ -212,15 +213,20 @@ def _kill_init(pid: int, namespace: int) -> None:
 def _attach(init: tuple[int, int], deadline: float, alive) -> RunUsage | None:
     """The run's memory account, once bubblewrap has made the sandbox's root (None: bubblewrap ended, or the
     deadline came first)."""
+    refused_until = time.monotonic() + _REFUSED_SECONDS
     while True:
         try:
             return RunUsage.attach(*init, TMPFS)
         except PermissionError as error:
-            raise SandboxUnavailable(f"the supervisor cannot read the sandbox's memory use: {error}") from error
+            # Refused while bubblewrap changes its credentials; refused for longer, the account cannot be kept.
+            if alive() and time.monotonic() >= refused_until:
+                raise SandboxUnavailable(f"the supervisor cannot read the sandbox's memory use: {error}") from error
+            if not alive():
+                return None
         except OSError:
             if not alive() or time.monotonic() >= deadline:
                 return None
-            time.sleep(0.002)  # bubblewrap still sets up the sandbox's root
+        time.sleep(0.002)  # bubblewrap still sets up the sandbox's root
 
 
 def _run_bubblewrap(setup: Setup, source: str, stdin: str, limits: Limits, timeout: float, cap: int) -> RunResult:
