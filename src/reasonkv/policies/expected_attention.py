@@ -12,11 +12,13 @@ import torch
 from reasonkv.policies.base import Policy
 from reasonkv.policies.common import group_mean
 from reasonkv.policies.contract import ModelInfo, Needs
-from reasonkv.policies.options import check_at_least, check_option
+from reasonkv.policies.options import check_at_least, check_choice, check_option
 from reasonkv.policies.registry import register
 from reasonkv.policies.rotary import RotaryTables
 
-__all__ = ["ExpectedAttention", "query_moments"]
+__all__ = ["QUERY_SPANS", "ExpectedAttention", "query_moments"]
+
+QUERY_SPANS = ("since-eviction", "window")
 
 
 def query_moments(
@@ -40,9 +42,8 @@ class ExpectedAttention(Policy):
     per (layer, kv-head), the keys with the largest expected attention from the queries to come,
     weighted by their value norm.
 
-    At every eviction, per layer and query head: the recorded recent post-RoPE queries (the last
-    ``query_window``, those at positions ``>= sinks`` only, as kvpress drops the first ``n_sink``)
-    are rotated back to pre-RoPE space with the model's own rotary tables at their positions
+    At every eviction, per layer and query head: the recent post-RoPE queries that ``query_span``
+    picks are rotated back to pre-RoPE space with the model's own rotary tables at their positions
     (:mod:`reasonkv.policies.rotary`), giving their mean ``μ`` and population covariance ``Σ``. The
     average rotation ``R̄`` over the next ``n_future_positions`` positions (``t .. t + n - 1``, ``t``
     the position the next token takes) carries them to where future queries will be:
@@ -61,8 +62,19 @@ class ExpectedAttention(Policy):
         Multiply by the value norm (default True).
     epsilon
         Added to the probabilities before the value norm (default 0).
+    query_span
+        The queries the statistics come from: "since-eviction" (default, kvpress's decoding buffer) or
+        "window" (the last ``query_window`` across evictions). ``"since-eviction"`` follows kvpress's
+        ``DecodingPress``, which clears its buffer of hidden states at every compression: the queries of
+        the tokens decoded since this row's previous eviction (``B`` of them between two decode
+        evictions), the last ``query_window`` at most, less the oldest ``sinks`` of them (kvpress drops
+        the first ``n_sink`` buffered states): ``min(B, 256) - 4`` queries, 124 at ``B = 128``. The first
+        eviction reads the queries since decoding began; an eviction that has none left (right after
+        prefill, or ``B <= sinks``) reads the recorded ones as ``"window"`` does. ``"window"``: the last
+        ``query_window`` queries across earlier evictions, those at positions ``>= sinks`` (the rule of the
+        fidelity runs in ``docs/results/frontier``).
     query_window
-        Recent queries the statistics come from (default 256, kvpress's decoding buffer of hidden states).
+        The most recent queries recorded (default 256, kvpress's buffer of hidden states).
     sinks, window, protect_prompt
         Protection (base class): 4 sinks (kvpress's ``n_sink``), no window, prompt not protected.
 
@@ -77,9 +89,9 @@ class ExpectedAttention(Policy):
       next token goes; here they start at the next token's position, as kvpress's prefill does.
     - Queries: kvpress recomputes pre-RoPE queries from buffered hidden states through ``q_proj``
       (and ``q_norm``); here the queries the attention kernel received are recorded and rotated back,
-      the same vectors without touching the model's weights. The sink rule drops queries at positions
-      ``< sinks`` (kvpress drops the first ``n_sink`` buffered states, which in decoding are not the
-      sinks).
+      the same vectors without touching the model's weights. ``query_span="since-eviction"`` takes the
+      ones kvpress's decoding buffer holds; ``"window"`` drops queries at positions ``< sinks`` instead
+      of the oldest ``n_sink`` (in decoding those are not the sinks).
     - Schedule: kvpress's ``DecodingPress`` compresses to ``target_size`` every
       ``compression_interval`` steps; reasonkv's ``K + B`` is that with ``target_size = K`` and
       ``compression_interval = B``, plus one eviction of a long prompt right after prefill.
@@ -95,6 +107,7 @@ class ExpectedAttention(Policy):
     use_covariance: bool = True
     use_vnorm: bool = True
     epsilon: float = 0.0
+    query_span: str = "since-eviction"
     query_window: int = 256
 
     def __post_init__(self) -> None:
@@ -102,9 +115,12 @@ class ExpectedAttention(Policy):
         check_at_least(self, "n_future_positions", 1)
         check_at_least(self, "query_window", 1)
         check_option(self, "epsilon", self.epsilon >= 0, "a number >= 0")
+        check_choice(self, "query_span", QUERY_SPANS)
         self.epsilon = float(self.epsilon)
         self._tables: dict[int, RotaryTables] = {}  # full-attention layer -> its rotation (set by reset)
         self._future: torch.Tensor | None = None  # the offsets 0 .. n - 1 of the future positions
+        # Per row: the evictions seen, and the newest position at the latest one and at the one before it.
+        self._seen = self._latest = self._previous = torch.empty(0, dtype=torch.long)
 
     def needs(self, info: ModelInfo) -> Needs:
         return Needs(query_window=self.query_window)
@@ -112,12 +128,40 @@ class ExpectedAttention(Policy):
     def reset(self, info: ModelInfo, batch: int, device: torch.device) -> None:
         self._tables = {layer: info.rotary_of(layer, self.name).tables(device) for layer in info.full_layers}
         self._future = torch.arange(self.n_future_positions, device=device)
+        self._seen = torch.full((batch,), -1, dtype=torch.long, device=device)
+        self._latest = torch.full((batch,), -1, dtype=torch.long, device=device)
+        self._previous = torch.full((batch,), -1, dtype=torch.long, device=device)
+
+    def _previous_eviction(self, view) -> torch.Tensor:
+        """The newest position of each row at its previous eviction, ``[rows]`` (-1: none). Every layer of
+        one eviction asks; the first to ask for a row's new eviction moves its marks on (no host sync)."""
+        rows = view.rows.to(self._seen.device)
+        count = view.evictions_so_far.to(self._seen.device)
+        latest = self._latest.index_select(0, rows)
+        new = self._seen.index_select(0, rows) != count
+        previous = torch.where(new, latest, self._previous.index_select(0, rows))
+        self._previous.index_copy_(0, rows, previous)
+        self._latest.index_copy_(0, rows, torch.where(new, view.newest.to(latest.device), latest))
+        self._seen.index_copy_(0, rows, count)
+        return previous
+
+    def query_weights(self, view, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Which recorded queries ``[rows, w]`` (oldest first) the statistics count (see ``query_span``)."""
+        window = valid & (positions >= self.sinks)
+        if self.query_span == "window":
+            return window
+        previous = self._previous_eviction(view).to(positions.device)
+        start = torch.maximum(previous, view.prompt_lengths.to(positions.device) - 1)
+        since = valid & (positions > start.unsqueeze(1))
+        since = since & (since.cumsum(dim=1) > self.sinks)  # less the oldest ``sinks``, as kvpress's buffer
+        # An eviction right after prefill has no decoded query yet: the prompt's are the only ones.
+        return torch.where(since.any(dim=1, keepdim=True), since, window)
 
     def score(self, view) -> torch.Tensor:
         tables = self._tables[view.layer]
         queries, positions, valid = view.recent_queries()  # [rows, heads, w, d], [rows, w], [rows, w]
         pre = tables.unrotate(queries, positions.unsqueeze(1))
-        mean, cov = query_moments(pre, valid & (positions >= self.sinks), self.use_covariance)
+        mean, cov = query_moments(pre, self.query_weights(view, positions, valid), self.use_covariance)
         # The average of the rotations to t .. t + n - 1, per pair: s e^{iωt} mean_j e^{iωj}.
         t = view.newest + 1
         average = tables.phases(t.unsqueeze(1) + self._future).mean(dim=1)  # [rows, pairs]

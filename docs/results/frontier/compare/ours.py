@@ -54,8 +54,9 @@ for layer in range(L):
     jac.append(jaccard(policy.keep(view)[0], top(theirs)))
 report["keydiff"] = (max(diffs), sum(jac) / L, min(jac))
 
-# Expected attention (kvpress: n_sink 4, 512 future positions, covariance, value norm; queries = the prompt's)
-policy = reasonkv.get_policy("expected-attention", query_window=n)
+# Expected attention (kvpress: n_sink 4, 512 future positions, covariance, value norm; queries = the prompt's,
+# less the first n_sink, as its prefill press reads them: the "window" span)
+policy = reasonkv.get_policy("expected-attention", query_window=n, query_span="window")
 policy.reset(info, 1, torch.device("cpu"))
 diffs, rel, jac = [], [], []
 for layer in range(L):
