@@ -13,6 +13,11 @@ Pairs are formed the model's way: ``"half"`` (channel ``j`` with ``j + r/2``, tr
 ``rotate_half``) or ``"interleaved"`` (``2j`` with ``2j + 1``). Channels beyond the rotary dimension
 ``r`` (partial rotary) pass through unrotated; :meth:`Rotary.pairs` pairs them half-style after the
 rotary pairs, as frequency-0 pairs with scaling 1.
+
+Angles ``ω_f p`` are formed in float32, as transformers forms them, so that undoing a cached key's
+rotation uses the very angle that made it. At large positions float32 angles are coarse (``2^-7`` rad
+apart at 65,536 for ``ω = 1``); a policy that wants finer phases of its own (TriAttention's future
+offsets) forms those in float64 itself.
 """
 
 from __future__ import annotations

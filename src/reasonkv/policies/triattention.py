@@ -98,11 +98,18 @@ class TriAttention(Policy):
       (the defaults of their experiment runner: per-head pruning, normalised scores, mean over offsets).
     - Schedule: the authors prune to the budget once it holds ``budget + divide_length`` tokens
       (``slack_budget_trigger``, 128): reasonkv's ``K + B`` with ``B = 128``.
-    - Prompt: the authors never evict prefill tokens (the budget counts them; only decode tokens
-      compete). Here the budget covers prompt and output unless ``protect_prompt=True``, which
-      reproduces their rule; ``sinks`` (4) are kept in either case, where the authors keep none
-      beyond the prompt.
-    - Candidates for the normalisation: the unprotected real tokens (the authors': the decode tokens).
+    - Prompt: the authors' code pins prefill tokens by default (the budget counts them; only decode
+      tokens compete) and evicts them too with ``allow_prefill_compression: true``, which their Qwen3
+      budget-512 script sets. Here the budget covers prompt and output unless ``protect_prompt=True``,
+      which reproduces the pinned rule; ``sinks`` (4) are kept in either case, where the authors keep
+      none beyond the prompt.
+    - Candidates for the normalisation: the unprotected real tokens (the authors' with the prompt
+      pinned: the decode tokens).
+    - Precision: the offsets' phases ``ω o`` are formed in float64, the rotation to ``t`` (``ω t``) in
+      float32, as the model's rotary embedding forms it (:mod:`reasonkv.policies.rotary`); the authors
+      form ``ω (t - p + o)`` in float32. At 65,536 float32 numbers are ``2^-7`` rad apart, so their
+      phases round by up to ``2^-8`` there, and this policy's ``ω t`` does too at such positions: its
+      float64 advantage is the offsets only.
     - Ties: the authors add ``1e-6`` uniform noise; here ties go to the more recent token
       (:mod:`reasonkv.policies.select`), so the policy is deterministic.
     - Partial rotary (channels that pass through unrotated) is scored as frequency-0 pairs with
