@@ -123,7 +123,8 @@ def test_another_environment_is_accepted_with_a_warning_and_its_own_manifest(dat
     first = json.loads(lines[0])
     first["environment"]["torch"] = "1.0.0"  # as if written with another torch (whose manifest has its own id)
     first["id"] = manifest_id(first)
-    out.write_text("\n".join([json.dumps(first), *lines[1:]]) + "\n", encoding="utf-8")
+    records = [{**json.loads(line), "run": first["id"]} for line in lines[1:]]  # written by that run
+    out.write_text("".join(json.dumps(r) + "\n" for r in [first, *records]), encoding="utf-8")
     capsys.readouterr()
     again = run_grid(model, NoEosTokenizer(), **_grid(dataset, out, limit=1))
     assert again.skipped == 2 and again.generated == 0  # the same work: nothing to redo

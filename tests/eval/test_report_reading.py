@@ -193,6 +193,8 @@ def test_a_report_of_a_bundled_model_says_it_is_a_dequantized_q4_file(tmp_path):
         [quantization] = re.findall(r"Q4_[A-Z0-9_]+", note)
         assert quantization.lower() in BUNDLED[name].gguf.lower()
     record = {**_gen("aaaa", "p1", "full", None, 64, True), "model": "smollm2-135m"}
-    _write(tmp_path / "a.jsonl", [_manifest("aaaa", 64), record])
+    manifest = _manifest("aaaa", 64)
+    manifest["setup"]["model"] = "smollm2-135m"
+    _write(tmp_path / "a.jsonl", [manifest, record])
     text = write_report(tmp_path / "a.jsonl", tmp_path / "report")["markdown"].read_text(encoding="utf-8")
     assert "`smollm2-135m` is SmolLM2-135M-Instruct from a Q4_1 GGUF file, dequantized on load" in text

@@ -13,9 +13,11 @@ this tool's own when its first line is a sound manifest of this tool (:func:`sca
 else is ever written to (see :mod:`reasonkv.runs.outputs`). Every other line must be a record
 of one of these kinds whose identity fields have their types (:func:`record_problem`); a line that is
 not (a hand edit, a collision) is an error naming the file, the line and the field, never skipped
-silently, and :func:`repair_results` moves such lines aside, keeping every other record. A manifest
-that was edited (its ``id`` no longer matches its content) is refused: it no longer says what the
-records after it were computed with.
+silently, and :func:`repair_results` moves such lines aside, keeping every other record. A record
+must also agree with the manifest its ``run`` names (:func:`reasonkv.eval.record_match.manifest_mismatch`:
+its cell, dataset and setup are the grid's; a manifest comes before the records of its run), or it is such
+a line. A manifest that was edited (its ``id`` no longer matches its content) is refused: it no longer says
+what the records after it were computed with.
 
 :func:`unit_key` names the unit of work a record completes (or failed), so a rerun skips exactly the
 work already on disk. Two results of one unit are the same result when :func:`outcome` finds them
@@ -25,6 +27,7 @@ command picks one silently (:func:`conflict`).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -34,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from reasonkv.eval.manifest import manifest_problem
+from reasonkv.eval.record_match import manifest_mismatch
 from reasonkv.runs.outputs import OutputLock, create_exclusive, write_atomic
 from reasonkv.runs.store import JsonlStore, numbered_lines
 
@@ -45,6 +49,7 @@ __all__ = [
     "ResultsFile",
     "conflict",
     "outcome",
+    "checked_lines",
     "read_results",
     "record_key",
     "record_problem",
@@ -200,30 +205,59 @@ def record_problem(record: Mapping[str, Any]) -> str | None:
     return None
 
 
+def checked_lines(path: str | os.PathLike[str]) -> Iterator[tuple[int, bytes, dict[str, Any] | None, str | None]]:
+    """:func:`~reasonkv.runs.store.numbered_lines` of a results file, each record checked: ``problem`` says
+    what is wrong with a line (:func:`record_problem`, or how it differs from the manifest its ``run``
+    names: :func:`~reasonkv.eval.record_match.manifest_mismatch`), None for a sound record."""
+    manifests: dict[str, dict[str, Any]] = {}
+    for number, line, record, problem in numbered_lines(path):
+        problem = problem or record_problem(record)
+        if problem is None and record["kind"] == "manifest":
+            manifests.setdefault(record["id"], record)
+        elif problem is None:
+            problem = _run_problem(record, manifests)
+        yield number, line, record, problem
+
+
+def _run_problem(record: Mapping[str, Any], manifests: Mapping[str, dict[str, Any]]) -> str | None:
+    run = record.get("run")
+    if run is None or not manifests:
+        return None  # a file written before run manifests existed
+    if run not in manifests:
+        return f"field 'run' is {_shown(run)}, but no manifest before it in this file has that id"
+    return manifest_mismatch(record, manifests[run])
+
+
 def read_results(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str, Any]]]:
-    """``(line number, record)`` for every complete record of a results file, each checked (:func:`record_problem`).
+    """``(line number, record)`` for every complete record of a results file, each checked (:func:`checked_lines`).
 
     The one reader of results records for ``report`` (``eval`` resumes through :func:`scan_results`, which
     applies the same checks). Nothing when the file does not exist; a torn last line is skipped; any other
     bad line raises ``ValueError`` naming the file, the line and the field.
     """
-    for number, _, record, problem in numbered_lines(path):
-        problem = problem or record_problem(record)
+    for number, _, record, problem in checked_lines(path):
         if problem is not None:
             raise ValueError(f"{path}, line {number}: {problem}")
         yield number, record
 
 
-#: What a result says, per kind: two records of one unit that differ here are a conflict.
+#: What a result says, per kind: two records of one unit that differ here are a conflict. The tokens are
+#: compared too: a record copied from another unit and relabelled may grade alike, but its tokens differ.
 OUTCOME_FIELDS: dict[str, tuple[str, ...]] = {
-    "generation": ("correct", "extracted_answer", "grading_method", "finish_reason"),
+    "generation": ("correct", "extracted_answer", "grading_method", "finish_reason", "output_ids"),
     "fidelity": ("top1_agreement", "kl_mean", "answer_logprob_delta"),
 }
 
 
 def outcome(record: Mapping[str, Any]) -> dict[str, Any]:
-    """What a generation or fidelity record says (:data:`OUTCOME_FIELDS`); ``{}`` for other kinds."""
-    return {name: record.get(name) for name in OUTCOME_FIELDS.get(record.get("kind"), ())}
+    """What a generation or fidelity record says (:data:`OUTCOME_FIELDS`); ``{}`` for other kinds.
+
+    ``output_ids`` is kept as a SHA-256 of the list (readers keep outcomes for every unit, not its tokens).
+    """
+    said = {name: record.get(name) for name in OUTCOME_FIELDS.get(record.get("kind"), ())}
+    if isinstance(said.get("output_ids"), list):
+        said["output_ids"] = hashlib.sha256(json.dumps(said["output_ids"]).encode()).hexdigest()
+    return said
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -257,8 +291,8 @@ def _damaged(path: Path, number: int, why: str, repairable: bool) -> ValueError:
         )
     return ValueError(
         f"{path}, line {number}: {why}; nothing was written. Every other line is kept if you rerun with --repair "
-        f"(Python: repair=True): lines that are not records are moved to {path.name}.rejected-<date>, and the run "
-        "resumes from the rest"
+        f"(Python: repair=True): lines that are not sound records are moved to {path.name}.rejected-<date>, and the "
+        "run resumes from the rest"
     )
 
 
@@ -286,11 +320,10 @@ def scan_results(
     if path.stat().st_size == 0:
         raise _not_ours(path, "it is empty")
     manifests: list[dict[str, Any]] = []
-    for number, _, record, problem in numbered_lines(path):
+    for number, _, record, problem in checked_lines(path):
         if not manifests:
             _check_first(path, number, record, problem)
         else:
-            problem = problem or record_problem(record)
             if problem is not None:
                 raise _damaged(path, number, problem, repairable=record is None or record.get("kind") != "manifest")
         if record["kind"] == "manifest":
@@ -335,8 +368,8 @@ def repair_results(path: str | os.PathLike[str]) -> str | None:
     scan_results(path, first_only=True)
     kept: list[bytes] = []
     rejected: list[tuple[int, bytes]] = []
-    for number, line, record, problem in numbered_lines(path):
-        problem = problem or (record_problem(record) if kept else None)
+    for number, line, record, problem in checked_lines(path):
+        problem = problem if kept else None  # the first line was checked by scan_results
         if problem is None:
             kept.append(line if line.endswith(b"\n") else line + b"\n")
         elif record is not None and record.get("kind") == "manifest":

@@ -179,6 +179,7 @@ def read_report_input(
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     by_unit: dict[tuple, dict[str, Any]] = {}
+    said: dict[tuple, dict[str, Any]] = {}  # unit -> what its record says (taken before ``drop``)
     where: dict[tuple, str] = {}
     conflicts: dict[tuple, Conflict] = {}
     manifests: dict[Any, dict[str, Any]] = {}
@@ -189,6 +190,7 @@ def read_report_input(
                 if record["kind"] == "manifest":
                     manifests.setdefault(record.get("id"), record)
                     continue
+                says = outcome(record)
                 for name in drop:
                     record.pop(name, None)
                 key = unit_key(record)
@@ -197,14 +199,14 @@ def read_report_input(
                     if record["kind"] != "error":
                         conflicts[key].places.append(place)
                 elif held is None or held["kind"] == "error":
-                    by_unit[key], where[key] = record, place
+                    by_unit[key], where[key], said[key] = record, place, says
                 elif record["kind"] != "error":
-                    differs = conflict(outcome(held), outcome(record))
+                    differs = conflict(said[key], says)
                     if differs:
                         conflicts[key] = Conflict(held, [where[key], place], differs)
                         del by_unit[key]
                     else:  # the same result: the later record (its timings) stands for it
-                        by_unit[key], where[key] = record, place
+                        by_unit[key], where[key], said[key] = record, place, says
     return ReportInput(list(by_unit.values()), list(manifests.values()), list(conflicts.values()))
 
 

@@ -1,0 +1,93 @@
+"""Whether a record agrees with the manifest of the run that wrote it (the one its ``run`` names).
+
+A record's cell (``policy_label``, ``budget``, ``buffer``, ``policy_config``), its dataset and its setup
+(model, dtype, prompt format, seed, decoding settings, replay length) are copies of what its run's manifest
+says. A record that differs was edited after it was written, or belongs to another run: counted as it is,
+it would make a report row no grid had (a budget outside the grid) or mix two configurations in one row.
+:func:`manifest_mismatch` names the first field that differs; :mod:`reasonkv.eval.records` refuses such a
+line, as it refuses any other damaged one.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["manifest_mismatch"]
+
+# record field -> the manifest setup's field it copies (every kind of record)
+_SETUP = {"model": "model", "dtype": "dtype", "prompt_format": "prompt_format", "base_seed": "seed"}
+# the same, generation units only
+_SAMPLING = ("max_new_tokens", "temperature", "top_p", "top_k")
+
+
+def _unit(record: Mapping[str, Any]) -> Any:
+    return record.get("unit") if record.get("kind") == "error" else record.get("kind")
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b  # True == 1 in Python, not in a record
+    return a == b  # 0 == 0.0: the same setting once written to JSON
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value, default=str, sort_keys=True)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _config_difference(here: Any, there: Any) -> str:
+    """The first option in which two policy configs differ, in words."""
+    if isinstance(here, Mapping) and isinstance(there, Mapping):
+        for name in sorted(set(here) | set(there), key=str):
+            if not _same(here.get(name), there.get(name)):
+                return f"option {name!r} is {_shown(here.get(name))} here, {_shown(there.get(name))} in its run"
+    return f"{_shown(here)} here, {_shown(there)} in its run"
+
+
+def manifest_mismatch(record: Mapping[str, Any], manifest: Mapping[str, Any]) -> str | None:
+    """The first field in which ``record`` differs from its run's ``manifest``, in words; None when it agrees.
+
+    Only the fields the record holds are compared (a setting its kind does not record is not asked for);
+    the cell's budget and buffer always (a missing budget is the full cache's).
+    """
+    setup = manifest.get("setup") if isinstance(manifest.get("setup"), Mapping) else {}
+    grid = manifest.get("grid") if isinstance(manifest.get("grid"), Mapping) else {}
+    run = f"run {manifest.get('id')}"
+    datasets = [d.get("name") for d in grid.get("datasets") or [] if isinstance(d, Mapping)]
+    if "dataset" in record and datasets and record.get("dataset") not in datasets:
+        return f"field 'dataset' is {_shown(record.get('dataset'))}, not a dataset of its {run} ({', '.join(datasets)})"
+    compared = dict(_SETUP)
+    if _unit(record) == "generation":
+        compared.update({name: name for name in _SAMPLING})
+    for name, there in compared.items():
+        if name in record and there in setup and not _same(record[name], setup[there]):
+            return f"field '{name}' is {_shown(record[name])}, but its {run} has {_shown(setup[there])}"
+    replays = grid.get("fidelity_tokens") if grid.get("fidelity") else None
+    if _unit(record) == "fidelity" and replays is not None and not _same(record.get("fidelity_tokens"), replays):
+        return f"field 'fidelity_tokens' is {_shown(record.get('fidelity_tokens'))}, but its {run} replays {replays}"
+    return _cell_mismatch(record, [p for p in grid.get("policies") or [] if isinstance(p, Mapping)], run)
+
+
+def _cell_mismatch(record: Mapping[str, Any], cells: list[Mapping[str, Any]], run: str) -> str | None:
+    if not cells or "policy_label" not in record:
+        return None
+    label = record.get("policy_label")
+    same_label = [c for c in cells if c.get("label") == label]
+    if not same_label:
+        labels = ", ".join(dict.fromkeys(str(c.get("label")) for c in cells))
+        return f"field 'policy_label' is {_shown(label)}, not a policy of its {run} ({labels})"
+    budget = record.get("budget")
+    cell = next((c for c in same_label if _same(c.get("budget"), budget)), None)
+    if cell is None:
+        budgets = ", ".join(str(c.get("budget")) for c in same_label)
+        return f"field 'budget' is {_shown(budget)}, not a budget of {label} in its {run} ({budgets})"
+    if not _same(record.get("buffer"), cell.get("buffer")):
+        return f"field 'buffer' is {_shown(record.get('buffer'))}, but its {run} has {_shown(cell.get('buffer'))}"
+    if "policy_config" in record and "config" in cell and not _same(record["policy_config"], cell["config"]):
+        where = label if budget is None else f"{label}@{budget}"
+        return f"field 'policy_config' differs from its {run}'s {where}: " + _config_difference(
+            record["policy_config"], cell["config"]
+        )
+    return None
