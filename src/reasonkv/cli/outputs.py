@@ -1,0 +1,39 @@
+"""The output paths a command is given, checked before the model loads: a missing folder is a one-line error
+at once, not an ``[Errno 2]`` after minutes of decoding."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["check_output_file", "check_results_path"]
+
+
+def check_output_file(path: Path, flag: str) -> Path:
+    """``path`` if a file can be written there now: its folder exists, is a folder and is writable."""
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{flag} {path} is a folder: name a file")
+    folder = path.parent
+    if not folder.exists():
+        raise FileNotFoundError(f"{flag} {path}: the folder {folder} does not exist; create it first or choose another")
+    if not folder.is_dir():
+        raise NotADirectoryError(f"{flag} {path}: {folder} is a file, not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise PermissionError(f"{flag} {path}: the folder {folder} is not writable")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise PermissionError(f"{flag} {path} exists and is not writable")
+    return path
+
+
+def check_results_path(path: Path, flag: str = "--out") -> Path:
+    """``eval``'s results file: its own folder is created when missing (``--out runs/results.jsonl`` in a
+    fresh checkout), but a whole tree of missing folders is a mistyped path, refused naming the folder."""
+    path = Path(path)
+    folder = path.parent
+    if not folder.exists() and not folder.parent.exists():
+        raise FileNotFoundError(
+            f"{flag} {path}: the folder {folder} does not exist, nor {folder.parent} above it; eval creates the "
+            f"results file's own folder only: create {folder.parent} first or choose another {flag}"
+        )
+    return path
