@@ -47,7 +47,7 @@ class CurDKV(Policy):
       back from the newest real token (as in the authors' code, which pads at the front), so padding
       never shifts them; the oldest window may be shorter. At decode time a head's slots hold the
       tokens that head kept, in order, so a window is ``local_window`` consecutive kept tokens.
-    - Leverage: METHODS defines it as the squared row norms of the projected, column-normalised
+    - Leverage: here, the squared row norms of the projected, column-normalised
       matrices; the default ``"columns"`` does exactly that (each column of ``X G`` scaled to unit
       norm over the head's real tokens, then squared row norms; scores sum to ``r``). It equals the
       true leverage of the sketch when the sketch's columns are orthogonal. ``"orthonormal"``
@@ -58,7 +58,7 @@ class CurDKV(Policy):
     - One ``G`` per (row, kv head), shared by keys and values (the released scorer shares one
       ``G`` across heads); drawn per row so a prompt scores the same in a batch as alone.
     - ``rank=0`` scores the raw keys and values without a sketch (the default of the kvpress port,
-      whose random projection is opt-in); METHODS asks for the sketch, so ``r = 20`` is the default.
+      whose random projection is opt-in); the sketch is what CurDKV scores, so ``r = 20`` is the default.
 
     Parameters
     ----------
@@ -66,7 +66,7 @@ class CurDKV(Policy):
         First positions never evicted (default 4; CurDKV pins 4 sink tokens).
     window
         The most recent tokens never evicted (default 0: the scores read no queries, so there is no
-        observation window to protect, per METHODS).
+        observation window to protect).
     protect_prompt
         Never evict prompt tokens (default off).
     rank

@@ -64,7 +64,7 @@ class EPIKV(Policy):
         after it is complete, so the newest 1-2 chunks (between ``lag`` and ``2 * lag - 1`` tokens)
         are *pending*; see ``pending``.
     stats_window
-        ``W`` of the rolling z-score (default 128, as in METHODS.md).
+        ``W`` of the rolling z-score (default 128).
     smooth
         ``m`` of the ``raw`` moving average (default 1: ``g`` itself).
     lag
@@ -72,7 +72,7 @@ class EPIKV(Policy):
     pending
         What pending (not yet finalised) ``lag`` tokens score at eviction. ``"recent"`` (default):
         they rank above every finalised token, newest first, so the not-yet-judged tail is kept
-        (METHODS.md: "which the buffer protects anyway") while never overrunning the budget: if
+        (the buffer protects them anyway) while never overrunning the budget: if
         they alone exceed it, the oldest pending ones go first. ``"neutral"``: they score 0 (the
         neutral z) and compete with the finalised tokens. Ignored by the other variants.
     eps
@@ -90,7 +90,7 @@ class EPIKV(Policy):
         ``band_a``, ``band_b``; its ``num_layers`` must match the model. Explicit ``a``/``b``/band
         options override the file, which overrides the depth-scaled defaults.
     sinks, window, protect_prompt
-        Protection (base class): 4 sinks, no recent window, prompt not protected, as in METHODS.md.
+        Protection (base class): 4 sinks, no recent window, prompt not protected.
 
     Notes
     -----

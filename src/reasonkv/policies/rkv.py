@@ -259,8 +259,8 @@ class RKV(Policy):
     Parameters
     ----------
     mix_lambda
-        Weight of importance against redundancy. Default 0.1, the value the paper reports and
-        METHODS.md fixes (the public code's default is 0.07).
+        Weight of importance against redundancy. Default 0.1, the value the paper reports (the public code's default is
+        0.07).
     query_window
         ``alpha`` in the paper: how many recent queries observe the cache. Default 8 (paper and code).
     window
@@ -284,7 +284,7 @@ class RKV(Policy):
         for keys that have none; with 256 it stays ``O(256 slots)``. Rows whose only duplicates are
         older get no discount.
     sinks, protect_prompt
-        As for every policy. ``sinks`` defaults to 4 (METHODS.md); R-KV itself has no sinks, set
+        As for every policy. ``sinks`` defaults to 4, as for every policy; R-KV itself has no sinks, set
         ``sinks=0`` to reproduce it exactly.
 
     Choices where paper and code leave room

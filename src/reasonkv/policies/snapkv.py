@@ -80,8 +80,8 @@ class SnapKV(Policy):
         First positions never evicted (default 4).
     window
         The most recent tokens never evicted. Default 32 = the default ``query_window``, as SnapKV
-        always keeps its observation window (METHODS: window defaults to the policy's observation
-        window). It does not follow ``query_window`` automatically: set both to change both.
+        always keeps its observation window (``docs/budget.md``: window defaults to the policy's
+        observation window). It does not follow ``query_window`` automatically: set both to change both.
     protect_prompt
         Never evict prompt tokens (default off: the budget covers prompt and output).
     query_window

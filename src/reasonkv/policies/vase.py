@@ -121,7 +121,7 @@ class VaseAttnV(SnapKV):
     sinks
         First positions never evicted (default 4).
     window
-        The most recent tokens never evicted. Default 32 = the default ``query_window`` (METHODS:
+        The most recent tokens never evicted. Default 32 = the default ``query_window`` (``docs/budget.md``:
         window defaults to the policy's observation window, as for ``snapkv``); it does not follow
         ``query_window`` automatically.
     protect_prompt
@@ -175,7 +175,7 @@ class VaseDKV(CurDKV):
     sinks
         First positions never evicted (default 4).
     window
-        The most recent tokens never evicted (default 0: no observation window, per METHODS).
+        The most recent tokens never evicted (default 0: it reads no queries, so there is no observation window).
     protect_prompt
         Never evict prompt tokens (default off).
     rank
