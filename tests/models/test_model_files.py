@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import pickle
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,29 @@ def test_truncated_checkpoint_directory_names_the_directory(tmp_path: Path) -> N
     with pytest.raises(CorruptModelError, match="a file there is truncated or corrupt") as info:
         load_model(directory)
     assert str(directory) in str(info.value)
+
+
+@pytest.mark.parametrize("protocol", [2, 4])
+def test_a_malicious_pickle_is_refused_in_one_line_and_never_run(tmp_path: Path, recwarn, protocol: int) -> None:
+    directory = save_tiny_checkpoint(tmp_path / "ckpt")
+    (directory / "model.safetensors").unlink()
+    ran = tmp_path / "ran"
+    (directory / "pytorch_model.bin").write_bytes(pickle.dumps(_RunsCode(ran), protocol=protocol))
+    with pytest.raises(CorruptModelError) as info:
+        load_model(directory)
+    message = str(info.value)
+    assert message.startswith(f"cannot load the model in {str(directory)!r}: a pickled weights file there")
+    assert "\n" not in message and "weights_only" not in message  # never the advice to load it unchecked
+    assert not ran.exists()
+    assert [str(w.message) for w in recwarn if "pickle" in str(w.message)] == []  # no warning before the error
+
+
+class _RunsCode:
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
 
 
 def test_nan_weights_are_refused_not_loaded(tmp_path: Path) -> None:

@@ -6,6 +6,8 @@ Also :func:`finish`, which every loader that returns a tokenizer applies last.
 from __future__ import annotations
 
 import logging
+import pickle
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +39,10 @@ def load_directory(
     # device_map places the weights straight on the GPU instead of staging them on the CPU.
     device_kwargs: dict[str, Any] = {} if device.type == "cpu" else {"device_map": {"": device}}
     try:
-        with clear_attention_error(attn):
+        with clear_attention_error(attn), warnings.catch_warnings():
+            # torch warns, with a line of its own source, about a pickle protocol it then refuses: the refusal
+            # below says it in one line
+            warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
             model = AutoModelForCausalLM.from_pretrained(
                 path, dtype=dtype, attn_implementation=attn, local_files_only=local_files_only, **device_kwargs
             )
@@ -45,6 +50,13 @@ def load_directory(
     except Exception as error:
         if not is_corrupt_file_error(error):
             raise
+        if isinstance(error, pickle.UnpicklingError):
+            # torch's own message suggests loading it with weights_only=False, which runs whatever it holds
+            raise CorruptModelError(
+                f"cannot load the model in {str(path)!r}: a pickled weights file there (.bin or .pt) holds more than "
+                "weights (torch's weights-only loader refused it: it is damaged, or it would run code), so it was "
+                "not loaded; use the model's safetensors files, or a copy from a source you trust"
+            ) from None
         raise CorruptModelError(
             f"cannot load the model in {str(path)!r}: a file there is truncated or corrupt "
             f"({type(error).__name__}: {error})"
