@@ -7,8 +7,10 @@ import sys
 
 from reasonkv.cache.spec import CacheSpec
 from reasonkv.cli.args import add_buffer_argument, add_model_arguments, add_policy_options, load_model_from
-from reasonkv.cli.generate import chat_format
 from reasonkv.generation import generate
+from reasonkv.generation.context import check_context
+from reasonkv.generation.inputs import encode_prompts, vocab_size
+from reasonkv.generation.progress import Stages
 from reasonkv.generation.sampling import Sampling
 from reasonkv.policies import parse_options
 
@@ -43,19 +45,23 @@ def run(args: argparse.Namespace) -> int:
     policy = args.policy
     evicting = CacheSpec.build(policy, args.budget, args.buffer, **parse_options(policy, args.option))
     model, tokenizer = load_model_from(args)
-    text = chat_format(tokenizer, args.prompt)
+    ids = encode_prompts(tokenizer, [args.prompt], vocab_size(model), chat=True)
+    check_context(model, ids, args.max_new_tokens)
     runs = {}
+    stages = Stages(2, args.max_new_tokens)  # a line per run: minutes each on a CPU, and a log gets no bar
     for name, spec in (("full", CacheSpec("full")), (policy, evicting)):
         trace: list[int] = []
+        stages.start(name)
         [result] = generate(
             model,
             tokenizer,
-            text,
+            ids,
             spec,
             max_new_tokens=args.max_new_tokens,
             progress=sys.stderr.isatty(),  # a per-token bar is for a terminal, not a log
             on_step=lambda step, cache, trace=trace: trace.append(cache.slots),
         )
+        stages.end(result)
         runs[name] = (result, trace)
     if policy == DEFAULT_POLICY:
         print(f"policy {policy} (the default: {WHY_DEFAULT}; --policy NAME for another)", flush=True)

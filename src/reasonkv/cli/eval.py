@@ -157,8 +157,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_positive_rate,
         default=None,
         metavar="N",
-        help="with --plan: the decode speed measured on this machine (e.g. the tok/s `reasonkv generate` prints "
-        "for this model and device), for a time estimate beside the token counts",
+        help="with --plan: new tokens per second measured on this machine, model and device, for a time estimate "
+        "beside the token counts (the tok/s `reasonkv generate` prints is one row's: a batch decodes more, so the "
+        "estimate is then an upper bound)",
     )
 
 
@@ -220,15 +221,12 @@ def time_estimate(plan: GridPlan, tokens_per_second: float | None) -> str:
     most, replay = plan.grid.sampling.max_new_tokens, plan.grid.replay_tokens
     steps = sum(most if unit.kind == "generation" else 2 * replay for unit in plan.mine())
     whose = "this shard's" if plan.shard.count > 1 else "the"
+    what = f"{steps:,} decode steps ({whose} generations, and both caches of each fidelity replay)"
     if tokens_per_second is None:
-        return (
-            f"time: {whose} units decode at most {steps:,} tokens; pass --tokens-per-second N (measured here, e.g. "
-            "the tok/s `reasonkv generate` prints) for an estimate"
-        )
+        return f"time: at most {what}; pass --tokens-per-second N, measured on this machine, for an estimate"
     return (
-        f"time: at most {_duration(steps / tokens_per_second)} for {whose} {steps:,} decoded tokens at "
-        f"{tokens_per_second:g} tok/s (the speed given with --tokens-per-second; answers that stop early take less, "
-        f"and {plan.grid.batch_size} rows of a batch decode together, often faster than one)"
+        f"time: at most {_duration(steps / tokens_per_second)}: {what} at {tokens_per_second:g} tok/s "
+        "(--tokens-per-second, as measured); answers that stop early take less"
     )
 
 

@@ -19,7 +19,8 @@ from reasonkv.cli.args import (
     load_model_from,
 )
 from reasonkv.generation import generate
-from reasonkv.generation.inputs import stop_strings
+from reasonkv.generation.context import check_context
+from reasonkv.generation.inputs import encode_prompts, stop_strings, vocab_size
 from reasonkv.generation.sampling import Sampling
 from reasonkv.policies import parse_options
 
@@ -37,7 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_decoding_arguments(parser, max_new_tokens=256)
     add_compile_argument(parser)
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    parser.add_argument("--no-chat", action="store_true", help="do not apply the model's chat template")
+    parser.add_argument(
+        "--no-chat", action="store_true", help="do not apply the model's chat template (reasonkv.generate: chat=False)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON record per prompt")
 
 
@@ -59,13 +62,6 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
-def chat_format(tokenizer, prompt: str) -> str:
-    if getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "user", "content": prompt}]
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return prompt
-
-
 def spec_from(args: argparse.Namespace) -> CacheSpec:
     """The cache the arguments describe: refused now, not after the model loads, if it cannot be built."""
     options = parse_options(args.policy, args.option)
@@ -80,11 +76,13 @@ def run(args: argparse.Namespace) -> int:
     sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.top_k)
     stop_strings(args.stop)
     model, tokenizer = load_model_from(args)
-    inputs = prompts if args.no_chat else [chat_format(tokenizer, p) for p in prompts]
+    # Templated and tokenized as reasonkv.generate does (chat unless --no-chat), then checked against the context.
+    ids = encode_prompts(tokenizer, prompts, vocab_size(model), chat=not args.no_chat)
+    check_context(model, ids, sampling.max_new_tokens)
     results = generate(
         model,
         tokenizer,
-        inputs,
+        ids,
         spec,
         max_new_tokens=sampling.max_new_tokens,
         temperature=sampling.temperature,

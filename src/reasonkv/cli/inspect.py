@@ -16,12 +16,14 @@ from reasonkv.cli.args import (
     budget_argument,
     load_model_from,
 )
-from reasonkv.cli.generate import chat_format
+from reasonkv.cli.outputs import check_output_file
 from reasonkv.eval.datasets import load_dataset
 from reasonkv.eval.prompts import build_prompt
+from reasonkv.generation.context import check_context
+from reasonkv.generation.inputs import encode_prompt, encode_prompts, vocab_size
 from reasonkv.generation.sampling import Sampling
 from reasonkv.inspect.figure import parse_steps, write_figure
-from reasonkv.inspect.page import write_page
+from reasonkv.inspect.page import check_page_path, write_page
 from reasonkv.inspect.runs import Inspection, check_compared, inspect_prompt
 from reasonkv.policies import options_by_policy
 
@@ -69,6 +71,10 @@ def run(args: argparse.Namespace) -> int:
         if path is not None and path.suffix.lower() != suffix:
             raise ValueError(f"{path}: expected a {suffix} file name")
     steps = parse_steps(args.png_steps)
+    check_page_path(check_output_file(args.out, "--out"))  # before decoding: not an [Errno 2] minutes later
+    for path, flag in ((args.save_trace, "--save-trace"), (args.png, "--png")):
+        if path is not None:
+            check_output_file(path, flag)
     if args.trace is not None:
         inspection = Inspection.load(args.trace)
     else:
@@ -97,18 +103,20 @@ def _decode(args: argparse.Namespace) -> Inspection:
     specs = specs_from(args)
     sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.top_k)
     model, tokenizer = load_model_from(args)
-    if problem is not None:
-        prompt = build_prompt(tokenizer, problem)
+    if problem is not None:  # eval's prompt, templated by build_prompt
+        ids = [encode_prompt(tokenizer, build_prompt(tokenizer, problem))]
     else:
-        prompt = args.prompt if args.no_chat else chat_format(tokenizer, args.prompt)
+        ids = encode_prompts(tokenizer, [args.prompt], vocab_size(model), chat=not args.no_chat)
+    check_context(model, ids, sampling.max_new_tokens)
     return inspect_prompt(
         model,
         tokenizer,
-        prompt,
+        ids[0],
         specs,
         model_name=args.model,
         max_new_tokens=sampling.max_new_tokens,
         temperature=sampling.temperature,
         top_p=sampling.top_p,
         top_k=sampling.top_k,
+        progress=True,
     )

@@ -23,8 +23,9 @@ from reasonkv.eval.datasets import Problem
 from reasonkv.eval.grid import Cell, GridSpec
 from reasonkv.eval.prompts import build_prompt
 from reasonkv.eval.records import ResultsFile, conflict, outcome, unit_key
+from reasonkv.generation.context import context_length
 from reasonkv.generation.inputs import encode_prompt
-from reasonkv.hf import model_info, text_config
+from reasonkv.hf import model_info
 
 __all__ = ["Context", "Ledger", "attempt", "chunks", "now", "progress", "reason"]
 
@@ -175,8 +176,7 @@ class Context:
     @property
     def context(self) -> int | None:
         """The model's context length (``max_position_embeddings``), when its config says."""
-        length = getattr(text_config(self.model), "max_position_embeddings", None)
-        return length if isinstance(length, int) and length > 0 else None
+        return context_length(self.model)
 
     def tier(self, cell: Cell) -> dict[str, int] | None:
         """The cell's quantized tier as recorded (with the group size it gets on this model), or None."""

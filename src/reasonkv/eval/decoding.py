@@ -36,6 +36,7 @@ from reasonkv.eval.grid import Cell
 from reasonkv.eval.records import unit_key
 from reasonkv.eval.units import Unit, sample_seed
 from reasonkv.generation import GenerationResult, generate
+from reasonkv.generation.context import over_context
 from reasonkv.inspect.runs import Inspection, Run, token_pieces
 
 __all__ = ["refused_prompt", "run_generation", "steady_bytes_fields"]
@@ -46,12 +47,9 @@ def refused_prompt(cell: Cell, prompt_tokens: int, new_tokens: int, context: int
 
     ``context``: the model's context length (positions it was trained for), when known.
     """
-    if context is not None and prompt_tokens + new_tokens > context:
-        return (
-            f"checked before decoding: the prompt ({prompt_tokens:,} tokens) and up to {new_tokens:,} new tokens "
-            f"({prompt_tokens + new_tokens:,}) exceed the model's context of {context:,} tokens "
-            "(max_position_embeddings); shorten the problem or lower the token limit"
-        )
+    too_long = over_context(prompt_tokens, new_tokens, context, "shorten the problem or lower the token limit")
+    if too_long is not None:
+        return f"checked before decoding: {too_long}"
     if not cell.evicts or not cell.spec.policy.protect_prompt:
         return None
     room = cell.spec.room  # a quantized tier holds protected tokens too

@@ -5,6 +5,8 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterable, Sequence
 
+from reasonkv.generation.chat import chat_prompt
+
 __all__ = ["check_flags", "encode_prompt", "encode_prompts", "eos_ids", "stop_strings", "vocab_size"]
 
 
@@ -15,14 +17,18 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=add_special)["input_ids"])
 
 
-def encode_prompts(tokenizer, prompts, vocab: int | None) -> list[list[int]]:
-    """``prompts`` (one prompt or a list; text or token ids) as token-id lists inside the vocabulary."""
+def encode_prompts(tokenizer, prompts, vocab: int | None, *, chat: bool) -> list[list[int]]:
+    """``prompts`` (one prompt or a list; text or token ids) as token-id lists inside the vocabulary.
+
+    ``chat``: text goes through the tokenizer's chat template first (:func:`~reasonkv.generation.chat.chat_prompt`:
+    not when it has none, nor when the text holds it already); token ids are taken as they are.
+    """
     encoded = []
     for i, prompt in enumerate(_prompt_list(prompts)):
         if isinstance(prompt, str):
             if tokenizer is None:
                 raise ValueError("text prompts need a tokenizer: pass token-id lists when tokenizer is None")
-            ids = encode_prompt(tokenizer, prompt)
+            ids = encode_prompt(tokenizer, chat_prompt(tokenizer, prompt) if chat else prompt)
         elif isinstance(prompt, Iterable) and all(_is_token_id(t) for t in prompt):
             ids = [operator.index(t) for t in prompt]
         else:

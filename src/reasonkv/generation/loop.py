@@ -10,6 +10,7 @@ way).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -18,6 +19,7 @@ from tqdm.auto import tqdm
 from reasonkv.cache.evicting import EvictingCache
 from reasonkv.cache.spec import CacheSpec, resolve_spec
 from reasonkv.generation.compiled import CompiledDecode, compile_backend
+from reasonkv.generation.context import context_length, over_context
 from reasonkv.generation.inputs import check_flags, encode_prompts, eos_ids, stop_strings, vocab_size
 from reasonkv.generation.rows import Rows
 from reasonkv.generation.sampling import Sampling
@@ -54,6 +56,7 @@ def generate(
     sync_timing: bool = False,
     trace: bool = False,
     compile: bool | str = False,
+    chat: bool = True,
     **policy_options,
 ) -> list[GenerationResult]:
     """Decode ``prompts`` (one batch) with a KV cache held to ``budget + buffer`` tokens per head.
@@ -63,8 +66,10 @@ def generate(
     tokenizer
         The model's tokenizer; may be ``None`` when prompts are token ids (outputs then have no text).
     prompts
-        One prompt or a non-empty list of them: text (already chat-formatted if the model expects
-        it) or token ids inside the model's vocabulary.
+        One prompt or a non-empty list of them: text or token ids inside the model's vocabulary. Token
+        ids are decoded from as they are; text goes through the tokenizer's chat template (see ``chat``).
+        A prompt and ``max_new_tokens`` longer than the model's context (``max_position_embeddings``)
+        get a warning: the model was never trained on the positions past it.
     spec
         The cache's settings as one :class:`~reasonkv.cache.CacheSpec`; or give them as keywords:
     policy, budget, buffer, quantized, bits, group_size, seed, policy_options
@@ -95,16 +100,26 @@ def generate(
         the prefill and the evictions stay eager). The steps that compile are left out of
         ``decode_seconds`` and reported in ``stats["compile"]``, with the reason when the cache cannot be
         compiled and decoded eagerly.
+    chat
+        Apply the tokenizer's chat template to text prompts (default), as ``reasonkv generate`` does
+        unless ``--no-chat``: an instruct model given bare text may end at once. Nothing changes for a
+        tokenizer without a template, nor for text that already starts as the template renders (the
+        output of :func:`reasonkv.eval.prompts.build_prompt`, say). ``False``: the text as it is.
     """
     sampling = Sampling(max_new_tokens, temperature, top_p, top_k)
-    check_flags(ignore_eos=ignore_eos, progress=progress, sync_timing=sync_timing, trace=trace)
+    check_flags(ignore_eos=ignore_eos, progress=progress, sync_timing=sync_timing, trace=trace, chat=chat)
     backend = compile_backend(compile)
     if on_step is not None and not callable(on_step):
         raise ValueError(f"on_step must be a function on_step(step, cache) or None, got {on_step!r}")
     stop = stop_strings(stop)
     if stop and tokenizer is None:
         raise ValueError("stop strings need a tokenizer")
-    prompt_ids = encode_prompts(tokenizer, prompts, vocab_size(model))
+    prompt_ids = encode_prompts(tokenizer, prompts, vocab_size(model), chat=chat)
+    too_long = over_context(
+        max(map(len, prompt_ids)), max_new_tokens, context_length(model), "the model's output past it is noise"
+    )
+    if too_long is not None:
+        warnings.warn(f"reasonkv.generate: {too_long}", UserWarning, stacklevel=3)
     seed = None if seed is None else row_seeds(seed, len(prompt_ids))
     cache_keywords = dict(policy=policy, budget=budget, buffer=buffer, quantized=quantized, bits=bits)
     spec = resolve_spec(spec, **cache_keywords, group_size=group_size, seed=seed, **policy_options)

@@ -19,7 +19,7 @@ import numpy as np
 
 from reasonkv.inspect.runs import Inspection, Run
 
-__all__ = ["departure", "page_data", "render_page", "write_page"]
+__all__ = ["check_page_path", "departure", "page_data", "render_page", "write_page"]
 
 GENERATOR = "reasonkv inspect"  # marks the pages this module wrote: only those are overwritten
 
@@ -125,6 +125,13 @@ def render_page(inspection: Inspection) -> str:
 
 def write_page(path: Path | str, inspection: Inspection) -> Path:
     """Write the page to ``path`` (``*.html``: a new file, or a page this function wrote before); returns it."""
+    path = check_page_path(path)
+    path.write_text(render_page(inspection), encoding="utf-8")
+    return path
+
+
+def check_page_path(path: Path | str) -> Path:
+    """``path`` if :func:`write_page` may write it (``reasonkv inspect`` asks before decoding), else an error."""
     path = Path(path)
     if path.suffix.lower() not in (".html", ".htm"):
         raise ValueError(f"the page is HTML: name it *.html, got {path}")
@@ -132,7 +139,6 @@ def write_page(path: Path | str, inspection: Inspection) -> Path:
         raise IsADirectoryError(f"{path} is a directory; name the page's file")
     if path.exists() and not _written_here(path):
         raise FileExistsError(f"{path} exists and is not a page reasonkv inspect wrote: choose another name")
-    path.write_text(render_page(inspection), encoding="utf-8")
     return path
 
 

@@ -7,13 +7,15 @@ a page can be built again (or another way) without decoding.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from reasonkv.cache.spec import CacheSpec
 from reasonkv.generation import generate
-from reasonkv.generation.inputs import encode_prompt
+from reasonkv.generation.inputs import encode_prompts, vocab_size
+from reasonkv.generation.progress import Stages
 from reasonkv.inspect.trace import Trace, load_trace, save_trace
 
 __all__ = ["Inspection", "Run", "check_compared", "inspect_prompt", "token_pieces"]
@@ -71,7 +73,7 @@ class Inspection:
 def inspect_prompt(
     model,
     tokenizer,
-    prompt: str,
+    prompt: str | Sequence[int],
     specs: Sequence[CacheSpec],
     *,
     model_name: str = "",
@@ -79,33 +81,44 @@ def inspect_prompt(
     temperature: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
+    chat: bool = True,
+    progress: bool = False,
 ) -> Inspection:
-    """Decode ``prompt`` (already chat-formatted) with the full cache, then with each spec, keeping traces.
+    """Decode ``prompt`` with the full cache, then with each spec, keeping traces.
 
     Parameters
     ----------
+    prompt, chat
+        Text, put in the tokenizer's chat template unless ``chat`` is false (as :func:`reasonkv.generate`
+        does: text that holds the template already is left as it is), or token ids, taken as they are.
     specs
         The evicting caches to compare (each :class:`~reasonkv.cache.spec.CacheSpec`'s policy is named in
         the page by its policy name, so two specs of one policy need distinct policies).
     model_name
         The name shown in the page (default: the model's class).
+    progress
+        A line on standard error as each run starts and ends (and a bar over its steps on a terminal).
     """
     check_compared(specs)
+    [prompt_ids] = encode_prompts(tokenizer, [prompt], vocab_size(model), chat=chat)
     runs = []
     seed = specs[0].seed if specs else 0
+    stages = Stages(len(specs) + 1, max_new_tokens, enabled=progress)
     for spec in [CacheSpec("full", seed=seed), *specs]:
+        stages.start(spec.policy.name)
         [result] = generate(
             model,
             tokenizer,
-            prompt,
+            [prompt_ids],
             spec,
             max_new_tokens=max_new_tokens,
             temperature=temperature,
             top_p=top_p,
             top_k=top_k,
             trace=True,
+            progress=progress and sys.stderr.isatty(),
         )
-        prompt_ids = encode_prompt(tokenizer, prompt)
+        stages.end(result)
         ids = prompt_ids + result.token_ids
         runs.append(Run(spec.policy.name, prompt_ids, result.token_ids, token_pieces(tokenizer, ids), result.trace))
     return Inspection(model_name or type(model).__name__, runs)
