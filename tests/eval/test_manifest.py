@@ -73,7 +73,10 @@ def test_the_manifest_holds_what_reproduces_the_run(dataset, tmp_path):
         ("full", None, "full"),
         ("streaming", 10, "streaming"),
     ]
-    assert manifest["command"] == command and manifest["launch"] == {"world_size": 1}
+    # the machine's paths are recorded relative to the run's folder (here the dataset sits beside the results)
+    assert entry["file"] == "problems.jsonl"
+    assert manifest["command"] == ["reasonkv", "eval", "--dataset", "problems.jsonl"]
+    assert manifest["launch"] == {"world_size": 1}
     assert all(r["run"] == manifest["id"] for r in read_records(out)[1:])
 
 

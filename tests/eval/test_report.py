@@ -390,3 +390,8 @@ def test_a_report_folder_from_before_markers_is_adopted(small, tmp_path):
     (bench / ".reasonkv.json").write_text(json.dumps({"tool": "reasonkv", "command": "bench", "files": []}))
     with pytest.raises(ValueError, match="holds the output of `reasonkv bench`"):
         write_report(results, bench)
+
+
+def test_the_source_of_a_report_is_named_from_its_folder_not_by_the_machines_path(results, tmp_path):
+    text = write_report(results, tmp_path / "report")["markdown"].read_text(encoding="utf-8")
+    assert "Source: ../results.jsonl\n" in text and str(tmp_path) not in text

@@ -36,6 +36,7 @@ from reasonkv.eval.report_rows import (
     wilson_interval,
 )
 from reasonkv.runs.outputs import claim_folder
+from reasonkv.runs.paths import portable_path
 
 __all__ = [
     "Row",
@@ -284,7 +285,7 @@ def write_report(
         md_path = out_dir / "report.md"
         text = markdown(
             rows,
-            source=", ".join(map(str, paths)),
+            source=", ".join(portable_path(p, out_dir) for p in paths),  # as typed, or not the machine's
             manifests=read.manifests,
             conflicts=read.conflicts,
             plots=plot_names(rows),

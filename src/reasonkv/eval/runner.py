@@ -110,6 +110,7 @@ from reasonkv.eval.shards import Shard, join_run, merge_shards, read_run, run_fi
 from reasonkv.models import load_model
 from reasonkv.models.devices import resolve_dtype
 from reasonkv.runs.outputs import OutputError, OutputLock, make_folder, refuse_inputs
+from reasonkv.runs.paths import portable_argv, portable_path
 from reasonkv.sandbox import Sandbox
 
 __all__ = ["GridResult", "run_grid"]
@@ -181,7 +182,9 @@ def _prompt_format(tokenizer, thinking: bool | None) -> str:
     return base if thinking is None else f"{base}:thinking={'on' if thinking else 'off'}"
 
 
-def _manifest(ctx: Context, plan: GridPlan, command: Sequence[str] | None) -> dict[str, Any]:
+def _manifest(ctx: Context, plan: GridPlan, command: Sequence[str] | None, folder: Path) -> dict[str, Any]:
+    """The run's manifest; the paths in it (dataset files, the command line) as the run's ``folder`` sees them
+    (:func:`~reasonkv.runs.paths.portable_path`), never the machine's own."""
     config = getattr(ctx.model, "config", None)
     setup = {
         "model": ctx.model_name,
@@ -193,11 +196,16 @@ def _manifest(ctx: Context, plan: GridPlan, command: Sequence[str] | None) -> di
         "prompt_format": ctx.prompt_format,
         **plan.sampling(),
     }
+    grid = dict(plan.description)
+    grid["datasets"] = [
+        {**d, "file": portable_path(d["file"], folder)} if isinstance(d.get("file"), str) else d
+        for d in grid["datasets"]
+    ]
     return build_manifest(
         setup=setup,
         environment=environment(ctx.device),
-        grid=plan.description,
-        command=command,
+        grid=grid,
+        command=None if command is None else portable_argv(command, folder),
         world_size=plan.shard.count,
         code=None if ctx.grader is None else _code_manifest(plan.grid, ctx.grader),
     )
@@ -377,7 +385,7 @@ def _write(ctx: Context, plan: GridPlan, out: Path, lock: OutputLock, command: S
     """Read what the run writing ``out`` holds now (other processes may have written, and merged, while the
     model loaded), then decode and replay this process's units not done yet into the file ``lock`` guards."""
     target = lock.target
-    manifest = _manifest(ctx, plan, command)
+    manifest = _manifest(ctx, plan, command, out.parent)
     ctx.run_id = manifest["id"]
     warned: list[str] = []
 

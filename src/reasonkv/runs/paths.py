@@ -1,0 +1,60 @@
+"""Paths as results and reports record them: never the machine's own layout.
+
+A results file or a report is read on other machines (committed, shared, attached to a paper), so the paths
+it names say where a file is *relative to something the reader has*, not where it was on the machine that
+wrote it (``/home/alice/...``, ``/work/...``, a temporary folder):
+
+- a file of the reasonkv package (the bundled datasets) as ``<reasonkv>/data/gsm8k.jsonl``;
+- any other file relative to the folder of the run or report that names it (``problems.jsonl``,
+  ``../data/problems.jsonl``), so the two keep working when moved together;
+- except that a file under the home directory that the folder is not also under is ``~/...``
+  (a relative path from ``/work/runs`` to ``/home/alice/data`` would still spell out the home directory).
+
+A relative path is already the user's own spelling and is kept as given.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["PACKAGE_TAG", "portable_argv", "portable_path"]
+
+PACKAGE_TAG = "<reasonkv>"
+_PACKAGE = Path(__file__).resolve().parents[1]
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+def portable_path(path: str | os.PathLike[str], folder: str | os.PathLike[str]) -> str:
+    """``path`` as a results file or report in ``folder`` records it (see the module docstring)."""
+    text = os.fspath(path)
+    if not os.path.isabs(text):
+        return text
+    resolved = Path(os.path.abspath(text))
+    folder = Path(os.path.abspath(folder))
+    for package in dict.fromkeys([_PACKAGE, Path(os.path.abspath(_PACKAGE))]):
+        if _inside(resolved, package):
+            return f"{PACKAGE_TAG}/{resolved.relative_to(package).as_posix()}"
+    home = Path(os.path.abspath(Path.home()))
+    if _inside(resolved, home) and not _inside(folder, home):
+        return "~" if resolved == home else f"~/{resolved.relative_to(home).as_posix()}"
+    return Path(os.path.relpath(resolved, folder)).as_posix()
+
+
+def portable_argv(argv: Sequence[str], folder: str | os.PathLike[str]) -> list[str]:
+    """A command line with every absolute path in it (an argument, or the value of ``--name=/path``) made
+    :func:`portable_path`."""
+    out = []
+    for argument in argv:
+        name, equals, value = argument.partition("=")
+        if equals and name.startswith("-") and os.path.isabs(value):
+            out.append(f"{name}={portable_path(value, folder)}")
+        elif os.path.isabs(argument):
+            out.append(portable_path(argument, folder))
+        else:
+            out.append(argument)
+    return out
