@@ -216,6 +216,30 @@ def test_killed_run_keeps_finished_entries_and_failures_do_not_stop_the_rest(tmp
     assert "synthetic failure" in (out / "bench.md").read_text()
 
 
+def test_a_run_killed_between_rounds_keeps_the_rounds_measured(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    args = [*TINY, "--policies", "streaming,random", "--lengths", "48", "--budget", "16", "--buffer", "8"]
+    args += ["--no-plots", "--rounds", "2", "--out", str(out)]
+    real, calls = bench_run.measure_entry, []
+
+    def interrupted(model, plan, mode, policy, batch, progress):
+        calls.append(policy)
+        if calls.count("streaming") == 2:  # the second round, after full's
+            raise KeyboardInterrupt
+        return real(model, plan, mode, policy, batch, progress)
+
+    monkeypatch.setattr(bench_run, "measure_entry", interrupted)
+    assert main(args) == 130
+    assert calls == ["full", "streaming", "random", "full", "streaming"]
+    records = {r["policy"]: r for r in _lines(out)}
+    assert {p: (r["rounds"], r["rounds_complete"]) for p, r in records.items()} == {
+        "full": (2, True),
+        "streaming": (1, False),
+        "random": (1, False),
+    }
+    assert len({r["rounds_group"] for r in records.values()}) == 1
+
+
 def test_prefill_to_length_eviction_cost_and_max_batch_in_one_run(tmp_path):
     out = tmp_path / "run"
     args = [*TINY, "--policies", "random", "--lengths", "64,128", "--budget", "24", "--buffer", "8"]

@@ -38,7 +38,7 @@ from reasonkv.bench.measure import (
     model_dtype,
     progress_bar,
 )
-from reasonkv.bench.memory import kv_bytes_per_token, window_kv_bytes
+from reasonkv.bench.memory import kv_bytes_per_token, weight_bytes, window_kv_bytes
 from reasonkv.cache import CacheSpec, EvictingCache
 from reasonkv.generation.compiled import CompiledDecode
 from reasonkv.hf import Forward, native_cache, synchronize, vocab_size
@@ -157,6 +157,7 @@ class PrefilledSession:
         self.untimed = WARMUP_STEPS + (max(self.shifts) + spec.buffer + 1 if ragged else 0)
         self._ids = torch.tensor(make_prompts(vocab_size(model), batch, top, seed))
         self._forward = Forward(model)
+        self._weights = weight_bytes(model) if self.device.type == "cuda" else None
         self.cache = self.reference = None
         self.position = 0  # tokens per row the cache has seen
 
@@ -256,7 +257,10 @@ class PrefilledSession:
                 recorder(step, self.cache)
         self.position = length
         result = recorder.window(length)
+        peak = result.get("peak_memory_bytes")
         result.update(
+            # what the decode needs beyond the weights (CUDA: allocated bytes; a CPU's resident set says less)
+            decode_peak_over_weights_bytes=None if peak is None or self._weights is None else peak - self._weights,
             prefilled_tokens=total,
             extended_from=0 if fresh else target - total,
             prompt_length=chunks[0] if fresh else 0,

@@ -426,7 +426,8 @@ def _summary_markdown(batch: int, summary: dict) -> list[str]:
     evicted = [n for n in order if policies[n].get("prefill_eviction_s")]
     if evicted:
         lines += [
-            "(f) The prefill's evictions: the L - n - 2 prefilled tokens evicted to K (after each forward once due; "
+            "(f) The prefill's evictions: the tokens prefilled to reach L - n - 2 (from nothing, or from the "
+            "previous length when the cache was extended) evicted to K (after each forward once due; "
             "score + select + gather, ms), and the policy's bookkeeping in the prefill (record + observe, ms):",
             "",
         ]
