@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import json
+import pickle
 from types import SimpleNamespace
 
 import pytest
@@ -33,3 +36,10 @@ def test_the_models_text_carries_how_decoding_ended():
     result = SimpleNamespace(token_ids=[1, 2, 3], finish_reason="length")
     text = ReasonKVLM._text(model, result, until=["2"])  # cut at the stop string as lm-eval's hf model does
     assert text == "1" and isinstance(text, Generation) and text.finish_reason == "length"
+
+
+def test_a_generation_survives_what_lm_eval_does_with_responses():
+    text = Generation("so 3.", "length")
+    for kept in (copy.deepcopy(text), pickle.loads(pickle.dumps(text))):  # its cache pickles responses
+        assert kept == "so 3." and kept.finish_reason == "length"
+    assert json.dumps({"resps": [[text]]}) == '{"resps": [["so 3."]]}'  # logged samples hold the text

@@ -34,7 +34,7 @@ class Generation(str):
 
     finish_reason: str | None
 
-    def __new__(cls, text: str, finish_reason: str | None) -> Generation:
+    def __new__(cls, text: str, finish_reason: str | None = None) -> Generation:  # None: copy/pickle sets it after
         made = super().__new__(cls, text)
         made.finish_reason = finish_reason
         return made
