@@ -149,7 +149,7 @@ def test_a_byte_order_mark_is_accepted_and_a_line_that_is_not_utf8_is_named(tmp_
 
 
 def test_the_readmes_example_of_your_own_problems_loads_as_documented(tmp_path):
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text(encoding="utf-8")
     section = readme.split("## Your own problems", 1)[1].split("\n## ", 1)[0]
     [example] = re.findall(r"```json\n(.*?)```", section, flags=re.S)
     path = tmp_path / "mine.jsonl"
