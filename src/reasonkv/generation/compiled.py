@@ -9,11 +9,15 @@ changes shape stays outside the graph, in eager PyTorch between steps, exactly a
 - the evictor's bookkeeping (:meth:`Evictor.announce <reasonkv.cache.evictor.Evictor.announce>`), the
   policy's scoring and the gather into the same buffers (:meth:`Evictor.finish`);
 - the signals a policy reads: the step writes the newest token's hidden states and post-RoPE queries
-  into fixed buffers (:class:`~reasonkv.cache.observe.Captured`), and the observer records them after
+  into fixed buffers (:class:`~reasonkv.hf.capture.StepCapture`), and the observer records them after
   the step as its hooks record them during an eager forward.
 
 So the graph is traced once per (batch size, capacity); a run that evicts hundreds of times compiles
-once. Caches without a fixed-shape layout (a quantized tier, a hybrid model's sliding layers) decode
+once. The capture's hooks and kernel wrapper are installed at the first compiled step and removed by
+:meth:`CompiledDecode.close` (``generate`` calls it in a ``finally``): after a run returns, no model in
+the process passes through reasonkv code.
+
+Caches without a fixed-shape layout (a quantized tier, a hybrid model's sliding layers) decode
 eagerly, and :attr:`CompiledDecode.eager_reason` says why.
 """
 
@@ -21,7 +25,8 @@ from __future__ import annotations
 
 import gc
 import time
-from contextlib import contextmanager
+import weakref
+from contextlib import ExitStack, contextmanager
 
 import torch
 from torch._dynamo.utils import counters
@@ -52,10 +57,11 @@ def compile_mode(device: torch.device, backend: str = "inductor") -> str | None:
     return "reduce-overhead" if device.type == "cuda" and backend == "inductor" else None
 
 
-def _logits(model, cache_key: str, input_ids, position_ids, attention_mask, cache) -> torch.Tensor:
-    """The single-token forward the graph holds: the newest logits ``[batch, vocab]``. (``model.forward``,
-    not ``model(...)``: the evictor's hooks on the model run between steps, not inside the graph.)"""
-    inputs = {cache_key: cache, "position_ids": position_ids, "attention_mask": attention_mask}
+def _logits(model, cache_key: str, input_ids, position_ids, attention_mask, cache, capture: dict) -> torch.Tensor:
+    """The single-token forward the graph holds: the newest logits ``[batch, vocab]``; the layers write their
+    signals into the buffers of ``capture`` (:meth:`StepCapture.step_inputs`). (``model.forward``, not
+    ``model(...)``: the evictor's hooks on the model run between steps, not inside the graph.)"""
+    inputs = {cache_key: cache, "position_ids": position_ids, "attention_mask": attention_mask, **capture}
     return model.forward(input_ids=input_ids, use_cache=True, logits_to_keep=1, **inputs).logits[:, -1]
 
 
@@ -114,16 +120,33 @@ class CompiledDecode:
         self.device, self.dtype = parameter.device, parameter.dtype
         self.backend, self.mode = backend, compile_mode(self.device, backend) if mode is None else mode
         self.eager_reason = static_blocker(cache)
+        capture = StepCapture.of(model) if self.eager_reason is None else None
+        if capture is not None and capture.blocker is not None:
+            self.eager_reason, capture = capture.blocker, None
         self.compilations = 0
         self.warmup_seconds = 0.0
         self._forward = Forward(model)
         self._layout = None if self.eager_reason is not None else StaticLayout(cache)
         self._graph = None if self.eager_reason is not None else compiled_function(_logits, self.backend, self.mode)
-        self._capture = None if self.eager_reason is not None else StepCapture.of(model)
+        self._capture = capture
+        self._running = False  # whether the capture's hooks and kernel wrapper are installed
+        self._installed = ExitStack()
+        weakref.finalize(self, self._installed.close)  # a decoder dropped without close() removes them too
 
     @property
     def compiled(self) -> bool:
         return self.eager_reason is None
+
+    def close(self) -> None:
+        """Remove the capture's hooks and kernel wrapper (the run is over; calling again is harmless)."""
+        self._installed.close()
+        self._running = False
+
+    def __enter__(self) -> CompiledDecode:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def describe(self) -> dict:
         """What ran, for a run's statistics."""
@@ -147,16 +170,17 @@ class CompiledDecode:
         incoming = None if attention_mask is None else attention_mask[:, -1:].to(dtype=torch.bool)
         announced = evictor.announce(batch, 1, incoming, input_ids.device)
         info = evictor.info
-        self._capture.allocate(batch, info.num_heads, info.head_dim, self.dtype, self.device)
+        capture = self._capture
+        capture.allocate(batch, info.num_heads, info.head_dim, self.dtype, self.device)
+        if not self._running:
+            self._installed.enter_context(capture.open())
+            self._running = True
         cache, mask = self._layout.open_step()
-        self._capture.tap.claim()  # the attention modules report to the capture, not to an observer's tap
         graphs, started = counters["stats"]["unique_graphs"], time.perf_counter()
-        self._capture.active = True
-        try:
-            with GRAPH_LIMITS, _no_collection():
-                logits = self._graph(self.model, self._forward.cache_key, input_ids, announced.positions, mask, cache)
-        finally:
-            self._capture.active = False
+        with GRAPH_LIMITS, _no_collection():
+            logits = self._graph(
+                self.model, self._forward.cache_key, input_ids, announced.positions, mask, cache, capture.step_inputs()
+            )
         if counters["stats"]["unique_graphs"] != graphs:  # this step traced and compiled a graph
             synchronize(self.device)
             self.compilations += counters["stats"]["unique_graphs"] - graphs

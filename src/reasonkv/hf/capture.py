@@ -2,41 +2,48 @@
 
 A compiled step runs no Python of its own, so the hooks an eager forward reports through (the
 evictor's observer appends to logs, a new set for each run) cannot run inside it. A
-:class:`StepCapture` is what runs there instead: one per model, made once and kept for the model's
-life, whose hooks copy the newest token's output of every decoder layer and post-RoPE query of every
-attention layer into buffers allocated for the batch, while :attr:`StepCapture.active`. The hooks and
-the buffers' places stay the same from one run to the next, so a compiled graph traced in one run is
-still right in the next (``torch.compile`` checks how many hooks a module has, not which ones).
+:class:`StepCapture` is what runs there instead: its buffers, one per model and kept for the model's
+life, receive the newest token's output of every decoder layer and post-RoPE query of every attention
+layer. The buffers travel into the forward as keyword arguments, which transformers hands down to each
+decoder layer and attention kernel; forward hooks on the decoder layers and the attention tap's kernel
+wrapper (:func:`reasonkv.hf.tap.kernel_tap`) copy into them. Hooks and wrapper are installed only for one
+compiled run (:meth:`StepCapture.open`) and removed after it, so nothing of reasonkv's stays on the
+model or in transformers' kernel registry once a run returns. They are the same objects from one run to
+the next, and so are the buffers, so a graph traced in one run is still right in the next.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
-from reasonkv.hf.model import attention_modules, decoder_layers, text_config
-from reasonkv.hf.tap import AttentionTap
+from reasonkv.hf.model import attention_implementation, attention_modules, decoder_layers, text_config
+from reasonkv.hf.tap import STEP_QUERIES, kernel_tap
 
-__all__ = ["StepCapture"]
+__all__ = ["STEP_HIDDEN", "StepCapture"]
+
+STEP_HIDDEN = "reasonkv_step_hidden"  # a compiled step's keyword argument: one buffer per decoder layer
 
 _captures: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its StepCapture
 
 
-def _hidden_hook(ref: weakref.ReferenceType, index: int):
-    def copy_newest(module, args, output):
-        capture = ref()
-        if capture is not None and capture.active:
-            hidden = output[0] if isinstance(output, tuple) else output
-            capture.hidden[index].copy_(hidden[:, -1:])
-
-    return copy_newest
+def _copy_newest(module, args, kwargs, output, index: int):
+    buffers = kwargs.get(STEP_HIDDEN)
+    if buffers is not None:
+        hidden = output[0] if isinstance(output, tuple) else output
+        buffers[index].copy_(hidden[:, -1:])
 
 
 class StepCapture:
     """The newest token's hidden state of every decoder layer (``hidden[i]``, ``[batch, 1, hidden_size]``)
     and post-RoPE query of every attention layer (``queries[i]``, ``[batch, heads, 1, head_dim]``), written
-    by each forward while :attr:`active`. Get a model's with :meth:`of`."""
+    by each forward given :meth:`step_inputs` inside :meth:`open`. Get a model's with :meth:`of`.
+
+    :attr:`blocker` says why a model cannot report this way (None: it can)."""
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> StepCapture:
@@ -46,30 +53,50 @@ class StepCapture:
         return capture
 
     def __init__(self, model: torch.nn.Module):
-        self.active = False
-        self.hidden: dict[int, torch.Tensor] = {}
+        self.hidden: list[torch.Tensor] = []
         self.queries: dict[int, torch.Tensor] = {}
-        config = text_config(model)
-        self._hidden_size = config.hidden_size
-        self._layers = [i for i, module in enumerate(attention_modules(model)) if module is not None]
-        me = weakref.ref(self)
-        self._handles = [
-            layer.register_forward_hook(_hidden_hook(me, i)) for i, layer in enumerate(decoder_layers(model))
-        ]
-        self.tap = AttentionTap(model, self._on_attention)
+        self._hidden_size = text_config(model).hidden_size
+        self._model = weakref.ref(model)  # the model owns its capture (weakly keyed), not the reverse
+        self._kernel = attention_implementation(model)
+        modules = attention_modules(model)
+        self._layers = [i for i, module in enumerate(modules) if module is not None]
+        self._hooks = [functools.partial(_copy_newest, index=i) for i in range(len(decoder_layers(model)))]
+        misnumbered = [i for i in self._layers if getattr(modules[i], "layer_idx", None) != i]
+        self.blocker = (
+            None
+            if not misnumbered
+            else f"the attention modules of layers {misnumbered} do not carry their layer index (layer_idx)"
+        )
 
     def allocate(self, batch: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
         """Buffers for a batch of ``batch`` rows (kept when they already have that shape)."""
         hidden_shape, query_shape = (batch, 1, self._hidden_size), (batch, heads, 1, head_dim)
-        first = self.hidden.get(0)
+        first = self.hidden[0] if self.hidden else None
         if first is not None and first.shape == hidden_shape and first.dtype == dtype and first.device == device:
             return
-        self.hidden = {i: torch.zeros(hidden_shape, dtype=dtype, device=device) for i in range(len(self._handles))}
+        self.hidden = [torch.zeros(hidden_shape, dtype=dtype, device=device) for _ in self._hooks]
         self.queries = {i: torch.zeros(query_shape, dtype=dtype, device=device) for i in self._layers}
         if device.type == "cuda":  # CUDA graphs write these in place at every replay
-            for buffer in (*self.hidden.values(), *self.queries.values()):
+            for buffer in (*self.hidden, *self.queries.values()):
                 torch._dynamo.mark_static_address(buffer)
 
-    def _on_attention(self, layer: int, query: torch.Tensor, key: torch.Tensor, mask, kwargs: dict) -> None:
-        if self.active:
-            self.queries[layer].copy_(query)
+    def step_inputs(self) -> dict:
+        """The keyword arguments a step's forward takes to write into the buffers."""
+        return {STEP_HIDDEN: self.hidden, STEP_QUERIES: self.queries}
+
+    @contextmanager
+    def open(self) -> Iterator[StepCapture]:
+        """The hooks and the kernel wrapper installed for the block (one compiled run), removed after it."""
+        model = self._model()
+        if model is None:
+            raise RuntimeError("the model of this StepCapture is gone")
+        handles = [
+            layer.register_forward_hook(hook, with_kwargs=True)
+            for layer, hook in zip(decoder_layers(model), self._hooks, strict=True)
+        ]
+        try:
+            with kernel_tap(self._kernel):
+                yield self
+        finally:
+            for handle in handles:
+                handle.remove()

@@ -17,6 +17,7 @@ builds that mapping with transformers' own mask functions, so every attention im
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -37,7 +38,7 @@ class LayerMasks:
 
     def __init__(self, model: torch.nn.Module, cache: Any):
         self.config = text_config(model)
-        self.cache = cache
+        self._cache = weakref.ref(cache)  # weakly: the cache's evictor owns these masks
         self.dtype = next(model.parameters()).dtype
         kinds = layer_kinds(self.config)
         self.first: dict[str, tuple[int, str]] = {}  # transformers layer type -> (its first layer, kind)
@@ -46,6 +47,10 @@ class LayerMasks:
         self._causal = masking_utils.create_causal_mask
         self._sliding = masking_utils.create_sliding_window_causal_mask
         self._recurrent = getattr(masking_utils, "create_recurrent_attention_mask", None)
+
+    @property
+    def cache(self) -> Any:
+        return self._cache()
 
     def __call__(
         self, batch: int, q: int, slot_mask: torch.Tensor | None, position_ids: torch.Tensor

@@ -9,6 +9,13 @@ one model never changes another's results. The wrapper is installed when the fir
 name opens and the original is registered back when the last one closes (or is garbage-collected):
 a model's ``attn_implementation`` is never changed, and nothing stays wrapped afterwards.
 
+A compiled decode step cannot call a Python listener (and ``torch.compile`` cannot trace the claims on
+every torch release), so it reports differently: it passes its query buffers to the forward as the keyword
+argument ``STEP_QUERIES`` (``{layer index: [batch, heads, 1, head_dim]}``), which transformers hands down to
+the attention kernel, and the wrapper copies each layer's query into its buffer. :func:`kernel_tap` holds
+the wrapper registered for one compiled run; the wrapper is one object per original kernel, so the graphs
+traced in one run (which check the registered kernel's identity) are still valid in the next.
+
 ``"eager"`` has no registry entry of its own (models fall back to their module's
 ``eager_attention_forward``): tapping it registers a plain dispatcher to that function, which is what
 stays registered after the last tap closes; it computes exactly what the fallback computes.
@@ -19,7 +26,8 @@ from __future__ import annotations
 import importlib
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -28,7 +36,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from reasonkv.hf.model import attention_implementation, attention_modules
 
-__all__ = ["AttentionTap", "Listener"]
+__all__ = ["STEP_QUERIES", "AttentionTap", "Listener", "check_untapped", "kernel_tap"]
 
 # listener(layer, query [B, Hq, q, D], key [B, Hkv, S, D], attention_mask, kernel keyword arguments)
 Listener = Callable[[int, torch.Tensor, torch.Tensor, Any, dict], None]
@@ -36,12 +44,14 @@ Listener = Callable[[int, torch.Tensor, torch.Tensor, Any, dict], None]
 _CLAIM = "_reasonkv_tap"  # attribute set on claimed attention modules (this package's own attribute)
 _lock = threading.Lock()
 _installed: dict[str, list] = {}  # kernel name -> [original, wrapper, open taps]
+_wrappers: dict[Callable, Callable] = {}  # original kernel -> its wrapper (one, so graph guards stay valid)
+STEP_QUERIES = "reasonkv_step_queries"  # a compiled step's keyword argument: {layer: query buffer}
 
 
 class _Claim:
     """A claimed module's layer index and its listener, held weakly: a bound method as its owner (weakly)
-    and its function, a plain function as a weak reference to itself. (Not ``weakref.WeakMethod``, which
-    ``torch.compile`` cannot trace: a compiled decode step runs through this wrapper.)"""
+    and its function, a plain function as a weak reference to itself. (Not ``weakref.WeakMethod``, and no
+    bound method rebuilt from the function: neither traces on every torch release.)"""
 
     __slots__ = ("function", "layer", "owner")
 
@@ -51,11 +61,14 @@ class _Claim:
         self.owner = weakref.ref(listener.__self__ if bound else listener)
         self.function = listener.__func__ if bound else None
 
-    def listener(self) -> Listener | None:
+    def notify(self, query, key, attention_mask, kwargs) -> None:
         owner = self.owner()
-        if owner is None or self.function is None:
-            return owner
-        return self.function.__get__(owner)
+        if owner is None:
+            return
+        if self.function is None:
+            owner(self.layer, query, key, attention_mask, kwargs)
+        else:
+            self.function(owner, self.layer, query, key, attention_mask, kwargs)
 
 
 def _module_eager(module, *args, **kwargs):
@@ -67,15 +80,22 @@ def _module_eager(module, *args, **kwargs):
 
 
 def _wrapped(kernel):
+    wrapper = _wrappers.get(kernel)
+    if wrapper is not None:
+        return wrapper
+
     def tapped_attention(module, query, key, value, attention_mask, *args, **kwargs):
-        claim = getattr(module, _CLAIM, None)
-        if claim is not None:
-            listener = claim.listener()
-            if listener is not None:
-                listener(claim.layer, query, key, attention_mask, kwargs)
+        queries = kwargs.pop(STEP_QUERIES, None)
+        if queries is not None:  # a compiled step: its buffers, no listener
+            queries[module.layer_idx].copy_(query)
+        else:
+            claim = getattr(module, _CLAIM, None)
+            if claim is not None:
+                claim.notify(query, key, attention_mask, kwargs)
         return kernel(module, query, key, value, attention_mask, *args, **kwargs)
 
     tapped_attention.__wrapped__ = kernel
+    _wrappers[kernel] = tapped_attention
     return tapped_attention
 
 
@@ -109,6 +129,30 @@ def _release(name: str) -> None:
         # Someone registered their own kernel over ours meanwhile: theirs stays.
         if name in ALL_ATTENTION_FUNCTIONS and ALL_ATTENTION_FUNCTIONS[name] is wrapper:
             AttentionInterface.register(name, original)
+
+
+@contextmanager
+def kernel_tap(name: str) -> Iterator[None]:
+    """The wrapper registered for kernel ``name`` inside the block (for a compiled run's ``STEP_QUERIES``),
+    the original kernel back after it unless a tap is still open."""
+    _acquire(name)
+    try:
+        yield
+    finally:
+        _release(name)
+
+
+def check_untapped(model: torch.nn.Module) -> None:
+    """Raise RuntimeError unless ``model`` runs its attention kernel untouched: the kernel registered for its
+    attention implementation is not reasonkv's wrapper and none of its attention modules is claimed (what a
+    plain transformers measurement needs)."""
+    name = attention_implementation(model)
+    registered = ALL_ATTENTION_FUNCTIONS.get(name)
+    if name in _installed or any(registered is wrapper for wrapper in _wrappers.values()):
+        raise RuntimeError(f"the {name!r} attention kernel is still wrapped by reasonkv's tap")
+    claimed = [i for i, module in enumerate(attention_modules(model)) if hasattr(module, _CLAIM)]
+    if claimed:
+        raise RuntimeError(f"attention modules of layers {claimed} are still claimed by reasonkv's tap")
 
 
 class AttentionTap:
