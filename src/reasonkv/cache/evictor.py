@@ -56,7 +56,10 @@ class Evictor:
         self.spec = spec
         self.policy = spec.new_policy()  # a fresh instance: its generation state belongs to this cache alone
         self.info = model_info(model)
-        self.model, self.cache, self.seed = model, cache, spec.seed
+        # The cache owns its evictor: a strong reference back would make a cycle that keeps a whole cache's K/V
+        # alive until a garbage collection, instead of freeing it when its last user drops it.
+        self._cache = weakref.ref(cache)
+        self.model, self.seed = model, spec.seed
         self.needs = self.policy.needs(self.info)
         self.stopwatch = Stopwatch(sync=sync_timing)
         self.observer = Observer(model, cache, self.needs, stopwatch=self.stopwatch)
@@ -66,7 +69,7 @@ class Evictor:
         self.masks = LayerMasks(model, cache) if cache.window is not None else None
         self.eviction_count = 0
         # An eviction trace (reasonkv.inspect.trace): told before and after each gather; None costs nothing.
-        self.recorder = None
+        self._recorder = None
         self._started = False
         me = weakref.ref(self)
         self._hooks = [
@@ -75,6 +78,19 @@ class Evictor:
         ]
         # The model holds the hooks; they hold this object only weakly, so dropping the cache frees it.
         weakref.finalize(self, _remove_handles, self._hooks + self.observer.handles)
+
+    @property
+    def cache(self) -> KVStorage:
+        return self._cache()
+
+    @property
+    def recorder(self):
+        """The eviction trace recorder, held weakly (it holds the cache it records)."""
+        return None if self._recorder is None else self._recorder()
+
+    @recorder.setter
+    def recorder(self, recorder) -> None:
+        self._recorder = None if recorder is None else weakref.ref(recorder)
 
     def detach(self) -> None:
         """Remove the hooks from the model, handing the policy any attention still owed (so that its state
@@ -167,12 +183,13 @@ class Evictor:
                 keep, quantized = self._tiered_indices(rows)
             else:
                 keep, quantized = self._kept_indices(rows), None
-        if self.recorder is not None:
-            self.recorder.before_gather(self._view(rows))
+        recorder = self.recorder
+        if recorder is not None:
+            recorder.before_gather(self._view(rows))
         with self.stopwatch("gather"):
             cache.compact(rows, keep, quantized)
-        if self.recorder is not None:
-            self.recorder.after_gather()
+        if recorder is not None:
+            recorder.after_gather()
         self.eviction_count += 1
 
     @property

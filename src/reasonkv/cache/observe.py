@@ -67,7 +67,7 @@ class Observer:
     """
 
     def __init__(self, model: torch.nn.Module, cache, needs: Needs, stopwatch: Stopwatch | None = None):
-        self.cache, self.needs = cache, needs
+        self._cache, self.needs = weakref.ref(cache), needs  # weakly: the cache owns its evictor and observer
         self.stopwatch = stopwatch or Stopwatch()
         self.active = False
         self.defer = True
@@ -84,6 +84,10 @@ class Observer:
             self.handles.append(layers[index].register_forward_hook(_hidden_hook(weakref.ref(self), index)))
         self.reads_attention = needs.attention_last or needs.attention_sum
         self.tap = AttentionTap(model, self.on_attention) if needs.taps_attention else None
+
+    @property
+    def cache(self):
+        return self._cache()
 
     def record_hidden(self, index: int, output) -> None:
         if self.active:

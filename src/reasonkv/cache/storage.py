@@ -34,6 +34,8 @@ others stay where they are.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from transformers.cache_utils import Cache
 
@@ -95,14 +97,17 @@ class KVStorage(Cache):
             if quantized:
                 self.tier_format(model_info(model).head_dim)
         elif num_layers is None:
-            super().__init__(layer_class_to_replicate=self._new_layer)
+            super().__init__(layer_class_to_replicate=_weakly(self._new_layer))
         else:
             super().__init__(layers=[self._new_layer() for _ in range(num_layers)])
 
     def _new_layer(self) -> EvictingLayer:
+        # The layers call back into this storage weakly: the storage owns them, and a cycle would keep its K/V
+        # alive until a garbage collection.
+        unannounced = _weakly(self._unannounced)
         if not self.quantized:
-            return EvictingLayer(self.rows, self._unannounced)
-        return EvictingLayer(self.rows, self._unannounced, self.tier_format, self.workspace)
+            return EvictingLayer(self.rows, unannounced)
+        return EvictingLayer(self.rows, unannounced, _weakly(self.tier_format), self.workspace)
 
     def _layers_of(self, model) -> list:
         """One cache layer per decoder layer: evicting for full attention, the model's own otherwise."""
@@ -471,6 +476,16 @@ class KVStorage(Cache):
         tier = f", quantized={self.quantized}, bits={self.bits}" if self.quantized else ""
         name = type(self).__name__
         return f"{name}(budget={self.budget}, buffer={self.buffer}{tier}, slots={self.slots}, seen={self.seen})"
+
+
+def _weakly(method):
+    """``method`` (bound) as a function that holds its object weakly."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args, **kwargs):
+        return ref()(*args, **kwargs)
+
+    return call
 
 
 def kv_bytes_by_kind(layers) -> dict[str, int]:
