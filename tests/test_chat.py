@@ -29,6 +29,13 @@ class ChatTokenizer(CharTokenizer):
         return text + ("<|assistant|>" if add_generation_prompt else "")
 
 
+class BareTurnTokenizer(ChatTokenizer):
+    """A template that puts nothing before the user's words: only the assistant's opening tells it."""
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
+        return messages[-1]["content"] + ("\n<|assistant|>" if add_generation_prompt else "")
+
+
 def test_text_goes_into_the_template_once_and_a_tokenizer_without_one_leaves_it_plain():
     tok = ChatTokenizer()
     templated = chat_prompt(tok, "What is 2 + 3?")
@@ -39,6 +46,8 @@ def test_text_goes_into_the_template_once_and_a_tokenizer_without_one_leaves_it_
     assert chat_prompt(tok, own_system) == own_system  # a conversation with its own system turn is one too
     assert not is_templated(tok, "What is <|x|>?")
     assert chat_prompt(CharTokenizer(), "What is 2 + 3?") == "What is 2 + 3?"
+    bare = BareTurnTokenizer()
+    assert chat_prompt(bare, "2 + 3?") == "2 + 3?\n<|assistant|>" == chat_prompt(bare, chat_prompt(bare, "2 + 3?"))
 
 
 def test_generate_templates_text_unless_chat_is_false_and_takes_token_ids_as_they_are():

@@ -26,25 +26,26 @@ def _render(tokenizer: Any, text: str) -> str:
     return rendered if isinstance(rendered, str) else rendered[0]  # some tokenizers return a batch of one
 
 
-def _openings(tokenizer: Any) -> list[str]:
-    """What a templated text starts with: the template's text before the user's words, and the special token
-    that opens it (a conversation with its own system turn starts with that token, not with the default turn)."""
-    prefix = _render(tokenizer, _MARK).partition(_MARK)[0]
-    if not prefix:
-        return []
+def _marks(tokenizer: Any) -> tuple[list[str], str]:
+    """What a templated text starts with (the template's text before the user's words, and the special token
+    that opens it: a conversation with its own system turn starts with that token, not with the default
+    turn), and what it ends with (the opening of the assistant's turn)."""
+    prefix, _, suffix = _render(tokenizer, _MARK).partition(_MARK)
     special = set(getattr(tokenizer, "all_special_tokens", None) or [])
     added = getattr(tokenizer, "get_added_vocab", None)
     special.update(added() if callable(added) else ())
     opening = max((token for token in special if token and prefix.startswith(token)), key=len, default=None)
-    return [prefix] if opening is None else [prefix, opening]
+    starts = [start for start in (prefix, opening) if start]
+    return starts, suffix.strip()
 
 
 def is_templated(tokenizer: Any, text: str) -> bool:
-    """Whether ``text`` already starts as the tokenizer's chat template renders a conversation."""
+    """Whether ``text`` already reads as the tokenizer's chat template renders a conversation: it starts as
+    the template starts, or ends with the opening of the assistant's turn."""
     if not has_template(tokenizer):
         return False
-    stripped = text.lstrip()
-    return any(stripped.startswith(opening) for opening in _openings(tokenizer))
+    starts, end = _marks(tokenizer)
+    return text.lstrip().startswith(tuple(starts)) or bool(end and text.strip().endswith(end))
 
 
 def chat_prompt(tokenizer: Any, text: str) -> str:
