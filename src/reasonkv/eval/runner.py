@@ -31,8 +31,9 @@ launch, a shard file of another grid, or a process of the same run with other se
 The first record of a results file is the run manifest (:mod:`reasonkv.eval.manifest`): a run
 with another setup (model, weights, dtype, sampling, ...) is refused, and an existing file that is
 not a results file is never written to (:mod:`reasonkv.runs.outputs`). The file is written through
-one open file whose place is checked at every record and at the end: a results file removed or
-moved while the run writes it is an error naming it, never a success.
+one open file whose place and content are checked at every record and at the end: a results file
+removed, moved, replaced or overwritten in place while the run writes it is an error naming it, never a
+success.
 
 Seeds: sample ``s`` of problem ``p`` uses ``sample_seed(seed, p.id, s)`` (the first 31 bits of
 ``sha256(f"{seed}/{p.id}/{s}")``) for both its sampling and its eviction randomness, whatever the
