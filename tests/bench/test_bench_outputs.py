@@ -16,7 +16,7 @@ from reasonkv.cli import main
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 TINY = ["bench", "--model", "shape:tiny", "--dtype", "fp32", "--no-progress", "--no-plots", "--policies", "streaming"]
-TINY += ["--lengths", "48", "--budget", "16", "--buffer", "8", "--prompt-length", "16"]
+TINY += ["--lengths", "48", "--budget", "16", "--buffer", "8", "--prompt-length", "16", "--rounds", "1"]
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

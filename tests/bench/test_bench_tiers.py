@@ -9,7 +9,7 @@ import pytest
 
 from reasonkv.cli import main
 
-TINY = ["bench", "--model", "shape:tiny", "--dtype", "fp32", "--no-progress", "--no-plots"]
+TINY = ["bench", "--model", "shape:tiny", "--dtype", "fp32", "--no-progress", "--no-plots", "--rounds", "1"]
 PER_TOKEN = 4 * 2 * 2 * 32 * 4  # tiny: 4 layers x (K, V) x 2 kv heads x head_dim 32 x fp32
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
