@@ -159,3 +159,18 @@ def test_one_cache_extended_from_length_to_length_and_dropped_before_a_fresh_one
     with pytest.raises(ValueError, match="beyond the session's longest length 160"):
         session.measure(200, 8)
     assert extension_chunks(10, 2, 8) == [4, 4, 2] and extension_chunks(10, 1, 0) == [10]
+
+
+def test_a_compiled_window_leaves_the_model_untapped_for_the_plain_reference_after_it():
+    from reasonkv.hf.tap import check_untapped
+
+    model = tiny_llama()
+    session = PrefilledSession(
+        model, CacheSpec.build("streaming", 16, 8), batch=1, top=64, prompt_length=8, compile="aot_eager"
+    )
+    try:
+        window = session.measure(64, 8)
+        assert window["compile"]["compiled"] and window["compile"]["eager_reason"] is None
+        check_untapped(model)  # the compiled run closed with its window, while the session still holds its cache
+    finally:
+        session.close()

@@ -224,37 +224,43 @@ class PrefilledSession:
             bar=bar,
             peak_from=target if peak_from_prefill else length - window,
         )
-        decode = CompiledDecode(self.model, self.cache, backend=self.compile) if self.compile and evicting else None
-        with torch.inference_mode():
-            synchronize(self.device)
-            start = time.perf_counter()
-            offset = self.position
-            for size in chunks:
-                chunk = self._ids[:, offset : offset + size].to(self.device)
-                if self.reference is not None:
-                    logits = self.reference.prefill(chunk)
-                else:
-                    logits = self._forward(chunk, self.cache, last_logits_only=True).logits[:, -1]
-                offset += size
-            synchronize(self.device)
-            prefill_s = time.perf_counter() - start
-            # The phases so far are the prefill's: its evictions (score, gather) and its bookkeeping.
-            after = self.cache.evictor.timings if evicting else {}
-            phases = {name: seconds - before.get(name, 0.0) for name, seconds in after.items()}
-            prefill_evictions = (self.cache.evictor.eviction_count if evicting else 0) - evictions_before
-            behind = torch.tensor(self.shifts, device=self.device)
-            recorder(0, self.cache)
-            for step in range(1, decode_steps + self.untimed + 1):
-                next_ids = logits.argmax(-1, keepdim=True)
-                if decode is not None:
-                    logits = decode(next_ids)
-                elif self.reference is not None:
-                    logits = self.reference.step(next_ids)
-                else:
-                    late = step <= max(self.shifts)
-                    stagger = {"attention_mask": (behind < step).long().unsqueeze(1)} if late else {}
-                    logits = self._forward(next_ids, self.cache, last_logits_only=True, **stagger).logits[:, -1]
-                recorder(step, self.cache)
+        decode = None
+        try:
+            with torch.inference_mode():
+                synchronize(self.device)
+                start = time.perf_counter()
+                offset = self.position
+                for size in chunks:
+                    chunk = self._ids[:, offset : offset + size].to(self.device)
+                    if self.reference is not None:
+                        logits = self.reference.prefill(chunk)
+                    else:
+                        logits = self._forward(chunk, self.cache, last_logits_only=True).logits[:, -1]
+                    offset += size
+                synchronize(self.device)
+                prefill_s = time.perf_counter() - start
+                # The phases so far are the prefill's: its evictions (score, gather) and its bookkeeping.
+                after = self.cache.evictor.timings if evicting else {}
+                phases = {name: seconds - before.get(name, 0.0) for name, seconds in after.items()}
+                prefill_evictions = (self.cache.evictor.eviction_count if evicting else 0) - evictions_before
+                behind = torch.tensor(self.shifts, device=self.device)
+                if self.compile and evicting:  # the layout of the buffers as this length's prefill left them
+                    decode = CompiledDecode(self.model, self.cache, backend=self.compile)
+                recorder(0, self.cache)
+                for step in range(1, decode_steps + self.untimed + 1):
+                    next_ids = logits.argmax(-1, keepdim=True)
+                    if decode is not None:
+                        logits = decode(next_ids)
+                    elif self.reference is not None:
+                        logits = self.reference.step(next_ids)
+                    else:
+                        late = step <= max(self.shifts)
+                        stagger = {"attention_mask": (behind < step).long().unsqueeze(1)} if late else {}
+                        logits = self._forward(next_ids, self.cache, last_logits_only=True, **stagger).logits[:, -1]
+                    recorder(step, self.cache)
+        finally:  # the compiled run is over: its hooks and kernel wrapper go (the next entry may be plain)
+            if decode is not None:
+                decode.close()
         self.position = length
         result = recorder.window(length)
         peak = result.get("peak_memory_bytes")
