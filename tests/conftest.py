@@ -150,6 +150,21 @@ TINY_MODELS = {
 }
 
 
+# Policies whose cases of a per-policy pattern run in the default tier, one of each kind of machinery:
+# token-level and attention-free (streaming), head-level over accumulated attention (h2o), over a window
+# of recent queries and stochastic (vase-attnv), token-level over the residual stream (epikv).
+FAST_POLICIES = ("streaming", "h2o", "vase-attnv", "epikv")
+
+
+def fast_few(values, fast=FAST_POLICIES):
+    """``values`` as parametrize cases with those not in ``fast`` marked slow: the default run keeps a
+    few representative cases of a pattern, the slow tier (``-m slow``, run by CI) the rest."""
+    values = list(values)
+    if not set(fast) & set(values):
+        raise ValueError(f"none of the fast cases {sorted(fast)} is among the values {values}")
+    return [value if value in fast else pytest.param(value, marks=pytest.mark.slow) for value in values]
+
+
 class CharTokenizer:
     """Maps characters to ids 3..95; 0 = pad, 1 = bos, 2 = eos."""
 

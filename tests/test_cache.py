@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import reasonkv
-from conftest import TINY_MODELS
+from conftest import TINY_MODELS, fast_few
 from reasonkv.cache import EvictingCache
 from reasonkv.hf import cache_keyword
 
@@ -23,8 +23,15 @@ def _decode(model, cache, prompt_ids, steps, mask=None):
     return history
 
 
-@pytest.mark.parametrize("model_name", sorted(TINY_MODELS))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("model_name", fast_few(sorted(TINY_MODELS), fast=("llama-gqa", "qwen3-gqa")))
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.float32,
+        pytest.param(torch.bfloat16, marks=pytest.mark.slow),
+        pytest.param(torch.float16, marks=pytest.mark.slow),
+    ],
+)
 def test_budget_never_exceeded_and_exactly_k_after_each_eviction(model_name, dtype):
     model = TINY_MODELS[model_name](dtype=dtype)
     budget, buffer = 10, 6

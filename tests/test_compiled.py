@@ -15,7 +15,7 @@ import torch
 
 import reasonkv
 import reasonkv.generation.loop
-from conftest import tiny_gemma3, tiny_llama
+from conftest import fast_few, tiny_gemma3, tiny_llama
 from oracle import run_and_check
 from reasonkv.cli.main import main
 from reasonkv.generation.compiled import CompiledDecode
@@ -53,7 +53,7 @@ def deep_llama():
     return tiny_llama(layers=6)
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", fast_few(POLICIES))
 def test_every_policy_decodes_the_same_tokens_compiled_as_eager_in_fp32(deep_llama, policy):
     eager = _generate(deep_llama, policy)
     compiled = _generate(deep_llama, policy, compile="aot_eager")
@@ -78,7 +78,7 @@ def test_in_bf16_a_lone_row_decodes_the_same_tokens_compiled_as_eager(policy):
     assert compiled[0].stats["evictions"] >= 8 or policy == "full"
 
 
-@pytest.mark.parametrize("policy", EVICTING)
+@pytest.mark.parametrize("policy", fast_few(EVICTING))
 def test_the_oracle_holds_in_the_fixed_shape_layout(policy):
     """Each compiled step's logits equal the full cache's with the evicted positions masked."""
     model = tiny_llama()

@@ -9,7 +9,16 @@ import pytest
 import torch
 
 import reasonkv
-from conftest import HYBRID_MODELS, WINDOW, NoEosTokenizer, tiny_gemma3, tiny_gpt_oss, tiny_mistral, tiny_qwen3_next
+from conftest import (
+    HYBRID_MODELS,
+    WINDOW,
+    NoEosTokenizer,
+    fast_few,
+    tiny_gemma3,
+    tiny_gpt_oss,
+    tiny_mistral,
+    tiny_qwen3_next,
+)
 from oracle import run_and_check
 from reasonkv import EvictingCache
 from reasonkv.cache.hybrid import check_layer_kinds
@@ -24,7 +33,7 @@ SMALL = {"snapkv": dict(window=4, query_window=4), "vase-attnv": dict(window=4, 
 
 
 @pytest.mark.parametrize("model_name", sorted(HYBRID_MODELS))
-@pytest.mark.parametrize("policy", EVICTING)
+@pytest.mark.parametrize("policy", fast_few(EVICTING))
 def test_oracle_on_hybrid_models(model_name, policy, one_torch_thread):
     model = HYBRID_MODELS[model_name]()
     prompt = PROMPT[:8] if policy_class(policy).protect_prompt else PROMPT  # a protected prompt must fit K
@@ -33,7 +42,7 @@ def test_oracle_on_hybrid_models(model_name, policy, one_torch_thread):
 
 
 @pytest.mark.parametrize("model_name", sorted(HYBRID_MODELS))
-@pytest.mark.parametrize("policy", EVICTING)
+@pytest.mark.parametrize("policy", fast_few(EVICTING))
 def test_hybrid_batch_equals_each_alone(model_name, policy, one_torch_thread):
     model, tokenizer = HYBRID_MODELS[model_name](), NoEosTokenizer()
     options = {"protect_prompt": False} if policy_class(policy).protect_prompt else {}  # prompts exceed K

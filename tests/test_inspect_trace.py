@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import reasonkv
-from conftest import NoEosTokenizer, tiny_gemma3, tiny_llama
+from conftest import NoEosTokenizer, fast_few, tiny_gemma3, tiny_llama
 from reasonkv.inspect.trace import Eviction, Trace, TraceRecorder, load_trace, save_trace
 from reasonkv.policies import policy_class
 
@@ -78,7 +78,7 @@ def _decode_checking(model, policy: str, **kw) -> tuple[reasonkv.GenerationResul
     return result, checked
 
 
-@pytest.mark.parametrize("policy", EVICTING)
+@pytest.mark.parametrize("policy", fast_few(EVICTING))
 def test_trace_equals_the_cache_at_every_eviction(policy, one_torch_thread):
     model = tiny_llama()
     kw = dict(budget=12, buffer=4, max_new_tokens=28, seed=3, **_options(policy))

@@ -9,7 +9,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 import reasonkv
-from conftest import TINY_MODELS, NoEosTokenizer, tiny_llama
+from conftest import TINY_MODELS, NoEosTokenizer, fast_few, tiny_llama
 from oracle import run_and_check
 from reasonkv.hf import cache_keyword
 from reasonkv.policies import policy_class
@@ -31,7 +31,7 @@ AttentionInterface.register("guarded_sdpa", _guarded_sdpa)
 AttentionMaskInterface.register("guarded_sdpa", sdpa_mask)
 
 
-@pytest.mark.parametrize("name", EVICTING)
+@pytest.mark.parametrize("name", fast_few(EVICTING))
 def test_oracle_budget_and_protection(name):
     model = tiny_llama()
     cache = run_and_check(model, name, PROMPT, budget=BUDGET, buffer=BUFFER, steps=40, seed=1)
@@ -46,7 +46,7 @@ def test_oracle_budget_and_protection(name):
 
 
 @pytest.mark.parametrize("sampling", [{}, dict(temperature=0.8, top_p=0.9, top_k=20)], ids=["greedy", "sampled"])
-@pytest.mark.parametrize("name", EVICTING)
+@pytest.mark.parametrize("name", fast_few(EVICTING))
 def test_batch_of_different_lengths_equals_each_alone(name, sampling):
     """The README's claim, in fp32: a prompt gets bit-identical tokens and per-row stats in a batch."""
     model, tokenizer = tiny_llama(), NoEosTokenizer()
@@ -61,7 +61,7 @@ def test_batch_of_different_lengths_equals_each_alone(name, sampling):
 
 
 @pytest.mark.parametrize(("model_name", "bits"), [("llama-gqa", 4), ("llama-mha", 8)])
-@pytest.mark.parametrize("name", EVICTING)
+@pytest.mark.parametrize("name", fast_few(EVICTING))
 def test_oracle_with_a_quantized_tier(name, model_name, bits):
     """Evicted positions masked, quantized ones seen with their dequantized K/V: the same logits."""
     model = TINY_MODELS[model_name]()
@@ -70,7 +70,7 @@ def test_oracle_with_a_quantized_tier(name, model_name, bits):
     assert cache.evictions >= 3 and cache.low_width == 16  # the quantized tier filled up
 
 
-@pytest.mark.parametrize("name", EVICTING)
+@pytest.mark.parametrize("name", fast_few(EVICTING))
 def test_batch_with_a_quantized_tier_equals_each_alone(name):
     model, tokenizer = tiny_llama(), NoEosTokenizer()
     kw = dict(policy=name, budget=12, buffer=4, quantized=8, bits=4, group_size=4, max_new_tokens=30, seed=7)
@@ -81,7 +81,7 @@ def test_batch_with_a_quantized_tier_equals_each_alone(name):
         assert result.token_ids == alone.token_ids, name
 
 
-@pytest.mark.parametrize("name", EVICTING)
+@pytest.mark.parametrize("name", fast_few(EVICTING))
 def test_seed_reproducibility(name):
     model, tokenizer = tiny_llama(), NoEosTokenizer()
     kept = []
@@ -95,7 +95,7 @@ def test_seed_reproducibility(name):
         assert not torch.equal(kept[0], kept[2]), f"{name} ignores its seed"
 
 
-@pytest.mark.parametrize("name", EVICTING)
+@pytest.mark.parametrize("name", fast_few(EVICTING))
 def test_bf16_runs(name):
     model, tokenizer = tiny_llama(dtype=torch.bfloat16), NoEosTokenizer()
     [r] = reasonkv.generate(
@@ -111,7 +111,7 @@ def test_bf16_runs(name):
     assert r.num_tokens == 20 and r.stats["evictions"] > 0
 
 
-@pytest.mark.parametrize("name", EVICTING)
+@pytest.mark.parametrize("name", fast_few(EVICTING))
 def test_runs_under_a_kernel_that_refuses_attention_weights(name):
     model, tokenizer = tiny_llama(), NoEosTokenizer()
     model.config._attn_implementation = "guarded_sdpa"

@@ -13,7 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import reasonkv
-from conftest import tiny_gemma3, tiny_gpt_oss, tiny_llama, tiny_qwen3_next
+from conftest import FAST_POLICIES, fast_few, tiny_gemma3, tiny_gpt_oss, tiny_llama, tiny_qwen3_next
 from reasonkv.hf import cache_keyword, native_cache
 from reasonkv.policies import get_policy, list_policies
 
@@ -116,7 +116,7 @@ def _steps(model, policy, *, batch_prompts, steps, budget=40, buffer=6, with_mas
 EVICTING = [name for name in list_policies() if get_policy(name).evicts]
 
 
-@pytest.mark.parametrize("policy", ["full", *EVICTING])
+@pytest.mark.parametrize("policy", fast_few(["full", *EVICTING], fast=("full", *FAST_POLICIES)))
 @pytest.mark.parametrize("with_mask", [False, True], ids=["own-loop", "generate-style"])
 def test_a_step_between_evictions_syncs_no_more_than_plain_transformers(policy, with_mask, one_torch_thread):
     model = tiny_llama()
@@ -129,7 +129,7 @@ def test_a_step_between_evictions_syncs_no_more_than_plain_transformers(policy, 
         assert any(evicted)
 
 
-@pytest.mark.parametrize("policy", EVICTING)
+@pytest.mark.parametrize("policy", fast_few(EVICTING))
 def test_an_eviction_syncs_a_fixed_few_whatever_the_batch_and_layers(policy, one_torch_thread):
     def eviction_syncs(layers, rows):
         model = tiny_llama(layers=layers)
@@ -145,7 +145,7 @@ def test_an_eviction_syncs_a_fixed_few_whatever_the_batch_and_layers(policy, one
 TIER = dict(quantized=16, bits=4, group_size=4)  # a quantized tier beside K = 24
 
 
-@pytest.mark.parametrize("policy", EVICTING)
+@pytest.mark.parametrize("policy", fast_few(EVICTING))
 def test_with_a_tier_a_quiet_step_syncs_no_more_than_plain_and_an_eviction_a_fixed_few(policy, one_torch_thread):
     """The tier's sizes are host-side bounds or one read per eviction, whatever the layers (not one per layer)."""
 

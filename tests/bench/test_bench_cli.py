@@ -78,7 +78,11 @@ def test_tiny_run_writes_json_markdown_and_plots(tmp_path, capsys):
     assert len(_lines(out)) == 3
 
 
-@pytest.mark.parametrize("mode", [[], ["--prefill-to-length", "--decode-steps", "8"]], ids=["decoded", "prefilled"])
+@pytest.mark.parametrize(
+    "mode",
+    [[], pytest.param(["--prefill-to-length", "--decode-steps", "8"], marks=pytest.mark.slow)],
+    ids=["decoded", "prefilled"],
+)
 def test_hybrid_shape_reports_kv_per_layer_kind(mode, tmp_path, capsys):
     """Full-attention layers hold at most K + B tokens, sliding layers their window, at every length."""
     out = tmp_path / "hybrid"
@@ -102,7 +106,7 @@ def test_hybrid_shape_reports_kv_per_layer_kind(mode, tmp_path, capsys):
     assert summary["kv_full_bound"] == (32 + 16) * full_per_token
 
 
-@pytest.mark.parametrize("model", ["shape:tiny", "shape:tiny-hybrid"])
+@pytest.mark.parametrize("model", ["shape:tiny", pytest.param("shape:tiny-hybrid", marks=pytest.mark.slow)])
 def test_transformers_cache_runs_the_same_loop_without_reasonkv(model, tmp_path, capsys, monkeypatch):
     """The reference entry decodes with the cache model.generate builds, through no reasonkv hook."""
     import reasonkv.cache
@@ -146,6 +150,7 @@ def test_transformers_cache_runs_the_same_loop_without_reasonkv(model, tmp_path,
     assert "--transformers-cache" in document["command"]
 
 
+@pytest.mark.slow
 def test_rerun_skips_finished_entries_and_force_remeasures(tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
     args = [*TINY, "--policies", "streaming", "--lengths", "48", "--budget", "16", "--buffer", "8", "--no-plots"]
@@ -240,6 +245,7 @@ def test_a_run_killed_between_rounds_keeps_the_rounds_measured(tmp_path, monkeyp
     assert len({r["rounds_group"] for r in records.values()}) == 1
 
 
+@pytest.mark.slow
 def test_prefill_to_length_eviction_cost_and_max_batch_in_one_run(tmp_path):
     out = tmp_path / "run"
     args = [*TINY, "--policies", "random", "--lengths", "64,128", "--budget", "24", "--buffer", "8"]
@@ -344,6 +350,7 @@ def test_reference_lengths():
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_bundled_model_sweep_and_eviction_cost(tmp_path):
     import importlib.util
 

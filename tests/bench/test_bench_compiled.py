@@ -40,6 +40,7 @@ def collected():
     gc.collect()
 
 
+@pytest.mark.slow
 def test_compiled_variants_run_beside_their_policies_with_the_transformers_pair(tmp_path, capsys):
     out = tmp_path / "compiled"
     args = [*TINY, "--policies", "streaming", "--lengths", "96", "--prefill-to-length", "--decode-steps", "32"]

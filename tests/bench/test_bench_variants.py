@@ -23,6 +23,7 @@ def test_ragged_rows_are_spread_over_one_eviction_cycle():
     assert ragged_shifts(8, 4) == list(range(8))  # at least one token apart
 
 
+@pytest.mark.slow
 def test_a_ragged_variant_runs_beside_its_policy_at_batch_sizes_above_one(tmp_path, capsys):
     out = tmp_path / "ragged"
     args = [*TINY, "--policies", "streaming", "--lengths", "160", "--prefill-to-length", "--decode-steps", "32"]

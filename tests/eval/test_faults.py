@@ -108,6 +108,7 @@ def _first_lines(tiny_dir: Path, dataset: Path, out: Path, count: int) -> list[b
     return out.read_bytes().splitlines(keepends=True)[:count]
 
 
+@pytest.mark.slow
 def test_an_output_folder_renamed_mid_run_is_an_error_and_the_run_resumes_once_moved_back(tmp_path, tiny_dir, dataset):
     folder, moved = tmp_path / "D", tmp_path / "D_moved"
     out = folder / "r.jsonl"
@@ -142,6 +143,7 @@ ls -A "$D" > "$LOGS/listing"
 """
 
 
+@pytest.mark.slow
 def test_a_full_disk_names_the_file_and_what_is_safe_and_a_rerun_resumes_once_there_is_space(
     tmp_path, tiny_dir, dataset
 ):

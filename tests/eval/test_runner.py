@@ -161,6 +161,7 @@ def test_batch_size_does_not_change_any_output(dataset, tmp_path):
     assert len(samples) == 2 and samples[0] != samples[1]  # the two samples differ
 
 
+@pytest.mark.slow
 def test_compiled_decode_writes_the_records_eager_decode_writes(dataset, tmp_path, monkeypatch):
     # aot_eager traces the step as inductor does, without generating code (seconds, not minutes).
     monkeypatch.setattr(reasonkv.generation.loop, "compile_backend", lambda compile: "aot_eager" if compile else None)
@@ -205,6 +206,7 @@ run_grid(tiny_llama(), NoEosTokenizer(), on_record=on_record, **json.loads({kwar
 """
 
 
+@pytest.mark.slow
 def test_a_killed_run_resumes_without_losing_or_duplicating(dataset, tmp_path):
     out = tmp_path / "results.jsonl"
     kwargs = _grid(dataset, out, temperature=0.7, samples=2, fidelity=True)

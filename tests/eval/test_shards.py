@@ -204,6 +204,7 @@ def _crashed(model, kwargs: dict, after: int) -> None:
         run_grid(model, NoEosTokenizer(), on_record=crash, **kwargs)
 
 
+@pytest.mark.slow
 def test_a_killed_shard_resumes_with_another_number_of_processes(dataset, tmp_path, model, reference):
     out = tmp_path / "results.jsonl"
     grid = _grid(dataset)
@@ -226,6 +227,7 @@ def test_a_killed_shard_resumes_with_another_number_of_processes(dataset, tmp_pa
         assert merged[unit_key(record)] == record
 
 
+@pytest.mark.slow
 def test_a_single_process_finishes_a_sharded_run_and_merges_it(dataset, tmp_path, model, reference):
     out = tmp_path / "results.jsonl"
     run_grid(model, NoEosTokenizer(), out=str(out), shard="1/2", **_grid(dataset))
@@ -321,6 +323,7 @@ def test_the_command_line_takes_its_shard_from_the_launcher(dataset, tmp_path, m
     assert "the launcher already splits the grid" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_merge_killed_halfway_is_simply_done_again(dataset, tmp_path, model, reference, monkeypatch):
     from reasonkv.eval import records, runner
 
@@ -405,6 +408,7 @@ def test_ranks_launched_with_different_grids_are_refused_at_start_naming_what_di
     assert done.complete and done.merged is not None and not (tmp_path / "r.plan.json").exists()
 
 
+@pytest.mark.slow
 def test_in_bf16_batches_of_one_give_the_records_of_one_process_whatever_the_process_count(dataset, tmp_path):
     # The claim as the README states it: in bf16 a prompt's tokens can depend on the batch it is decoded in, and
     # the split changes batches, so the records are independent of the process count at --batch-size 1.
@@ -421,6 +425,7 @@ def test_in_bf16_batches_of_one_give_the_records_of_one_process_whatever_the_pro
         assert {f: record[f] for f in fields} == {f: want[key][f] for f in fields}  # exactly, not approximately
 
 
+@pytest.mark.slow
 def test_a_rank_reads_the_run_only_between_merges_so_no_shard_file_vanishes_while_it_reads(
     dataset, tmp_path, model, reference, monkeypatch
 ):
@@ -449,6 +454,7 @@ def test_a_rank_reads_the_run_only_between_merges_so_no_shard_file_vanishes_whil
     assert {unit_key(r) for r in seen if r["kind"] != "manifest"} == set(reference)
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_the_merge_names_the_step_keeps_the_shard_files_and_a_rerun_merges(
     dataset, tmp_path, model, reference, monkeypatch
 ):
@@ -487,6 +493,7 @@ def test_a_full_disk_during_the_merge_names_the_step_keeps_the_shard_files_and_a
     _same_results(_units(out), reference)
 
 
+@pytest.mark.slow
 def test_a_rank_whose_model_loads_while_another_merges_reads_the_run_as_it_is_then(
     dataset, tmp_path, model, reference, monkeypatch
 ):

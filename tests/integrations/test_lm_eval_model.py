@@ -13,7 +13,7 @@ import reasonkv
 from reasonkv.cli import main
 from reasonkv.models.bundled import cache_dir
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 lm_eval = pytest.importorskip("lm_eval")
 
 from lm_eval.api.instance import Instance  # noqa: E402

@@ -249,6 +249,7 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_first_load_converts_into_cache(converted: dict[str, Any]) -> None:
     target = converted["root"] / "models" / DEFAULT_MODEL
     # Only the final directory: no temp dir left behind by the atomic write.
@@ -295,6 +296,7 @@ def test_bundled_architecture(converted: dict[str, Any]) -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_bundled_bf16_eager_from_cache(converted: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("REASONKV_CACHE_DIR", str(converted["root"]))
     model, _ = load_model("smollm2-135m", dtype="bfloat16", attn_implementation="eager")

@@ -87,6 +87,7 @@ def test_gguf_header_is_checked_before_loading(tmp_path: Path, content: bytes, m
 
 @pytest.mark.integration
 @pytest.mark.skipif(not HAS_SMOLLM2, reason=f"needs `{SMOLLM2_INSTALL_COMMAND}`")
+@pytest.mark.slow
 def test_truncated_gguf_is_reported_as_truncated(tmp_path: Path) -> None:
     path = tmp_path / "smollm2.gguf"
     path.write_bytes(_smollm2_gguf_path().read_bytes()[:1_000_000])
@@ -96,6 +97,7 @@ def test_truncated_gguf_is_reported_as_truncated(tmp_path: Path) -> None:
 
 @pytest.mark.integration
 @pytest.mark.skipif(not HAS_SMOLLM2, reason=f"needs `{SMOLLM2_INSTALL_COMMAND}`")
+@pytest.mark.slow
 def test_gguf_with_nan_weights_is_refused(tmp_path: Path) -> None:
     from gguf import GGUFReader
 

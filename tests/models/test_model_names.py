@@ -70,6 +70,7 @@ print(json.dumps(report))
 """
 
 
+@pytest.mark.slow
 def test_hub_ids_without_a_reachable_hub(tmp_path: Path) -> None:
     """A hub id in the local cache loads, an unknown one fails, both without retrying a hub that is not there."""
     hub_cache = tmp_path / "hub"

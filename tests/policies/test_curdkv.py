@@ -158,6 +158,7 @@ def _projections_per_eviction(name: str, seed: int, **options) -> list[torch.Ten
     return seen
 
 
+@pytest.mark.slow
 def test_vase_dkv_draws_a_new_sketch_at_every_eviction_reproducibly():
     run = _projections_per_eviction("vase-dkv", seed=3)
     for before, after in zip(run[:-1], run[1:], strict=True):
@@ -169,6 +170,7 @@ def test_vase_dkv_draws_a_new_sketch_at_every_eviction_reproducibly():
     assert abs(float(torch.cat([g.flatten() for g in run]).std()) - 1 / math.sqrt(20)) < 0.02
 
 
+@pytest.mark.slow
 def test_curdkv_keeps_one_sketch_per_run_drawn_from_the_seed():
     run = _projections_per_eviction("curdkv", seed=3)
     assert all(torch.equal(run[0], g) for g in run[1:])

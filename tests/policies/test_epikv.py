@@ -493,6 +493,7 @@ def test_bad_options_are_clear_errors(options, message):
 
 
 # ---------------------------------------------------------------------------------------------- calibration
+@pytest.mark.slow
 def test_calibration_round_trip_and_use(tmp_path):
     path = tmp_path / "nested" / "tiny.json"
     written = write_calibration(
@@ -582,7 +583,14 @@ AttentionInterface.register("epikv_refusing_sdpa", _refusing_sdpa)
 AttentionMaskInterface.register("epikv_refusing_sdpa", sdpa_mask)
 
 
-@pytest.mark.parametrize("options", [dict(policy="epikv"), dict(policy="epikv-lag", lag=4), dict(variant="band")])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(policy="epikv"),
+        pytest.param(dict(policy="epikv-lag", lag=4), marks=pytest.mark.slow),
+        pytest.param(dict(variant="band"), marks=pytest.mark.slow),
+    ],
+)
 def test_runs_where_attention_weights_and_eager_are_refused(monkeypatch, options):
     import transformers.models.llama.modeling_llama as llama_module
 
@@ -603,11 +611,11 @@ def test_runs_where_attention_weights_and_eager_are_refused(monkeypatch, options
 @pytest.mark.parametrize(
     "options",
     [
-        dict(variant="raw", smooth=2),
+        pytest.param(dict(variant="raw", smooth=2), marks=pytest.mark.slow),
         dict(variant="zscore", stats_window=16),
-        dict(variant="band"),
-        dict(variant="lag", lag=8),
-        dict(variant="lag", lag=8, pending="neutral"),
+        pytest.param(dict(variant="band"), marks=pytest.mark.slow),
+        pytest.param(dict(variant="lag", lag=8), marks=pytest.mark.slow),
+        pytest.param(dict(variant="lag", lag=8, pending="neutral"), marks=pytest.mark.slow),
     ],
     ids=lambda o: "-".join(str(v) for v in o.values()),
 )
@@ -647,6 +655,7 @@ def test_scores_on_a_real_model_match_the_reference_from_its_hidden_states():
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_smollm2_runs_and_stays_within_the_budget():
     model, tokenizer = reasonkv.load_model("smollm2-135m")
     slots, layers = [], set()

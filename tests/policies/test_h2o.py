@@ -55,6 +55,7 @@ def test_prefill_scores_are_the_prompt_column_sums():
     torch.testing.assert_close(_table(cache, len(PROMPT)), want, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_scores_with_eviction_equal_masked_column_sums_and_kept_sets_follow_them():
     """With eviction every score equals the column sum of the rows over what the cache held, and
     at each eviction the dropped tokens are the lowest-scoring unprotected ones."""
@@ -91,6 +92,7 @@ def test_scores_with_eviction_equal_masked_column_sums_and_kept_sets_follow_them
     assert evictions >= 4
 
 
+@pytest.mark.slow
 def test_batch_rows_accumulate_as_if_alone():
     """Left padding never leaks into scores: a padded row's scores equal its scores alone."""
     model = tiny_llama()
@@ -137,6 +139,7 @@ def test_recent_window_larger_than_budget_is_a_clear_error():
         _drive(model, PROMPT, TOKENS[:10], budget=6, buffer=2, recent_ratio=0.9)
 
 
+@pytest.mark.slow
 def test_chunked_forward_equals_single_steps():
     """``chunk_exact``: feeding tokens in one forward leaves the same scores as one at a time."""
     model = tiny_llama()

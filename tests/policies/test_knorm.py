@@ -9,7 +9,7 @@ import torch
 
 import reasonkv
 from attention_reference import drive, masked_hidden_states
-from conftest import TINY_MODELS, tiny_llama
+from conftest import TINY_MODELS, fast_few, tiny_llama
 from reasonkv.policies.view import EvictionView
 
 PROMPT = [3 + (23 * i) % 87 for i in range(14)]
@@ -42,7 +42,7 @@ def _full_hidden_states(model, ids):
 
 
 # ------------------------------------------------------------------------------------------ tests
-@pytest.mark.parametrize("model_name", ["llama-gqa", "llama-mqa", "qwen3-gqa"])
+@pytest.mark.parametrize("model_name", fast_few(["llama-gqa", "llama-mqa", "qwen3-gqa"], fast=("llama-mqa",)))
 def test_scores_equal_minus_key_norms(model_name):
     model = TINY_MODELS[model_name]()
     tokens = TOKENS[:10]
@@ -81,6 +81,7 @@ def test_first_eviction_keeps_sinks_and_lowest_norms():
     assert not torch.equal(cache.positions(0)[0, 0].sort().values, cache.positions(0)[0, 1].sort().values)
 
 
+@pytest.mark.slow
 def test_every_eviction_drops_the_largest_norms():
     model, budget, buffer, sinks = tiny_llama(), 14, 4, 4
     cache, held, _ = _drive(model, PROMPT, TOKENS, budget=budget, buffer=buffer, sinks=sinks)

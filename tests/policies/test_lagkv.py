@@ -133,6 +133,7 @@ def test_a_budget_below_the_unscored_tail_keeps_the_newest():
     assert all(head == [0, 1, 2, 3, 37, 38, 39] for head in kept.tolist())
 
 
+@pytest.mark.slow
 def test_decoding_with_a_small_lag_matches_the_oracle():
     model = tiny_llama(kv_heads=2)
     cache = run_and_check(model, "lagkv", TOKENS, budget=24, buffer=6, steps=30, lag=4)
@@ -141,6 +142,7 @@ def test_decoding_with_a_small_lag_matches_the_oracle():
     assert len(set(heads)) > 1  # per-head selection really differs between heads
 
 
+@pytest.mark.slow
 def test_batch_equals_alone_with_a_small_lag():
     model, tokenizer = tiny_llama(), NoEosTokenizer()
     prompts = ["A somewhat longer first prompt, to be padded against the others.", "Short.", "Middle one."]

@@ -9,7 +9,7 @@ import torch
 
 import reasonkv
 from attention_reference import drive, eager_attentions, masked_attentions
-from conftest import TINY_MODELS, tiny_llama
+from conftest import TINY_MODELS, fast_few, tiny_llama
 from reasonkv.hf import cache_keyword
 
 PROMPT = [6 + (19 * i) % 81 for i in range(10)]
@@ -50,8 +50,8 @@ def _reference_timestamps(probs, prompt_len, kv_heads, threshold, reduce="max"):
 
 
 # ------------------------------------------------------------------------------------------ tests
-@pytest.mark.parametrize("model_name", ["llama-gqa", "llama-mha", "qwen3-gqa"])
-@pytest.mark.parametrize("reduce", ["max", "mean"])
+@pytest.mark.parametrize("model_name", fast_few(["llama-gqa", "llama-mha", "qwen3-gqa"], fast=("llama-gqa",)))
+@pytest.mark.parametrize("reduce", [pytest.param("max", marks=pytest.mark.slow), "mean"])
 def test_timestamps_equal_a_reference_loop_over_eager_rows(model_name, reduce):
     """No eviction: after every forward the timestamps equal the loop over the eager attention rows."""
     model = TINY_MODELS[model_name]()
@@ -71,6 +71,7 @@ def test_timestamps_equal_a_reference_loop_over_eager_rows(model_name, reduce):
     assert (final > arrival + 5).any() and (final == arrival).any()
 
 
+@pytest.mark.slow
 def test_timestamps_with_eviction_follow_the_masked_rows_and_evict_least_recently_useful():
     """With eviction: timestamps equal the loop over the rows over what the cache held; the prompt
     is never evicted; at each eviction the dropped tokens are the least recently useful ones."""
@@ -105,6 +106,7 @@ def test_timestamps_with_eviction_follow_the_masked_rows_and_evict_least_recentl
     assert checked >= 3 * 2 * 5
 
 
+@pytest.mark.slow
 def test_threshold_never_reached_keeps_prompt_plus_newest():
     """If nothing is ever attended above the threshold, timestamps are arrival times: the kept
     decoded tokens are exactly the newest ones (ties broken towards recency)."""

@@ -260,6 +260,7 @@ def test_score_and_kept_set_follow_the_formula():
             assert set(kept[head].tolist()) == expected
 
 
+@pytest.mark.slow
 def test_decoding_keeps_the_window_and_matches_the_oracle():
     from oracle import run_and_check
 

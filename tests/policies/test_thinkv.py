@@ -333,7 +333,7 @@ def _with_holes(positions: torch.Tensor, drop) -> torch.Tensor:
     return torch.tensor([[-1] * (width - len(r)) + r for r in rows])
 
 
-@pytest.mark.parametrize("trigger", ["transition", None])
+@pytest.mark.parametrize("trigger", ["transition", pytest.param(None, marks=pytest.mark.slow)])
 def test_eviction_order_equals_the_tbe_reference(trigger):
     refresh, retention, iters, sinks = 8, (4, 2, 1), 3, 2
     plan = [[R, E, T, E, T], [T, R, R, T, E]]
@@ -432,6 +432,7 @@ def _dense_depths(policy: ThinKV, features, group, positions, n_groups):
     return torch.tensor([int(depth[where[i]]) for i in range(len(ids))])
 
 
+@pytest.mark.slow
 def test_retention_depths_in_size_buckets_equal_clustering_every_group_at_full_width():
     """Groups of 1 to 130 members (several power-of-two buckets, levels skipped where nothing is clustered),
     members out of position order: the same depths as one dense pass over every group."""
@@ -471,6 +472,7 @@ def test_kmeans_keeps_one_token_per_planted_cluster():
         assert len(segment) == 4 and {[0, 1, 2, 3, 3, 2, 1, 0][g] for g in segment} == {0, 1, 2, 3}
 
 
+@pytest.mark.slow
 def test_on_a_model_logits_match_the_oracle_and_every_generated_token_is_typed():
     model = tiny_llama(kv_heads=2)
     prompt = [5 + (7 * i + i * i) % 83 for i in range(30)]

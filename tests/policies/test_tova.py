@@ -10,7 +10,7 @@ import torch
 
 import reasonkv
 from attention_reference import drive, eager_attentions, masked_attentions
-from conftest import TINY_MODELS, tiny_llama
+from conftest import TINY_MODELS, fast_few, tiny_llama
 from reasonkv.hf import cache_keyword
 from reasonkv.policies.view import EvictionView
 
@@ -44,7 +44,7 @@ _drive = partial(drive, policy="tova", snapshot=_scores_by_position)
 
 
 # ------------------------------------------------------------------------------------------ tests
-@pytest.mark.parametrize("model_name", ["llama-gqa", "llama-mha", "qwen3-gqa"])
+@pytest.mark.parametrize("model_name", fast_few(["llama-gqa", "llama-mha", "qwen3-gqa"], fast=("qwen3-gqa",)))
 def test_scores_equal_eager_newest_row_averaged_over_heads(model_name):
     """No eviction: after every forward the table holds that forward's newest eager row, mean over heads,
     the same for every kv head of the layer."""
@@ -62,6 +62,7 @@ def test_scores_equal_eager_newest_row_averaged_over_heads(model_name):
         torch.testing.assert_close(got, want.unsqueeze(1).expand(-1, kv_heads, -1), atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_per_kv_group_option_averages_each_group():
     model = tiny_llama()  # 4 query heads, 2 kv heads
     tokens = TOKENS[:10]
@@ -73,6 +74,7 @@ def test_per_kv_group_option_averages_each_group():
     assert not torch.allclose(want[:, 0], want[:, 1])  # the groups really differ
 
 
+@pytest.mark.slow
 def test_buffer_zero_is_tova_one_token_per_step():
     """buffer=0: each step drops exactly one token, the one the newest query (over what the cache
     held) attends to least, averaged over all heads; every kv head of a layer keeps the same set."""
@@ -100,6 +102,7 @@ def test_buffer_zero_is_tova_one_token_per_step():
     assert checked >= 3 * 20
 
 
+@pytest.mark.slow
 def test_scores_with_eviction_equal_masked_newest_rows():
     """With eviction, the score of each held position equals the newest masked row (mean over heads).
     (Checked after the forwards that did not evict: after an eviction the cache holds less.)"""
@@ -134,6 +137,7 @@ def test_bad_layerwise_is_a_clear_error(bad):
         reasonkv.get_policy("tova", layerwise=bad)
 
 
+@pytest.mark.slow
 def test_chunked_forward_equals_single_steps():
     """``chunk_exact``: feeding tokens in one forward leaves the same scores as one at a time."""
     model = tiny_llama()

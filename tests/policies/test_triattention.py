@@ -127,6 +127,7 @@ def test_pre_rope_keys_are_the_cached_keys_rotated_back(tmp_path):
     torch.testing.assert_close(back, pre[0], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_per_head_selection_keeps_one_set_per_kv_head_in_every_layer():
     model = tiny_llama(layers=3)
     with reasonkv.EvictingCache(12, 4, model=model, policy="triattention") as cache:
@@ -137,6 +138,7 @@ def test_per_head_selection_keeps_one_set_per_kv_head_in_every_layer():
     assert not torch.equal(cache.positions(0)[0, 0], cache.positions(0)[0, 1])  # kv heads choose apart
 
 
+@pytest.mark.slow
 def test_per_layer_head_selection_lets_layers_differ():
     model = tiny_llama(layers=3)
     with reasonkv.EvictingCache(12, 4, model=model, policy="triattention", selection="per-layer-head") as cache:

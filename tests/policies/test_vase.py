@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import reasonkv
-from conftest import tiny_llama
+from conftest import fast_few, tiny_llama
 from reasonkv.hf import cache_keyword
 from reasonkv.models import SMOLLM2_INSTALL_COMMAND, SMOLLM2_PACKAGE
 from reasonkv.policies import select
@@ -237,16 +237,16 @@ def _run_with_planted_values(name: str, seed: int, **options) -> tuple[int, int]
     return tally["checks"], tally["evicted"]
 
 
-@pytest.mark.parametrize("name", ["vase-attnv", "vase-dkv"])
-@pytest.mark.parametrize("sample", [True, False])
+@pytest.mark.parametrize("name", fast_few(["vase-attnv", "vase-dkv"], fast=("vase-dkv",)))
+@pytest.mark.parametrize("sample", [pytest.param(True, marks=pytest.mark.slow), False])
 def test_planted_large_values_survive_every_eviction_under_every_seed(name, sample):
     for seed in (0, 1, 2):
         checks, evicted = _run_with_planted_values(name, seed, sample=sample)
         assert checks > 0 and evicted == 0, f"{name} seed {seed}: {evicted} planted tokens evicted"
 
 
-@pytest.mark.parametrize("name", ["vase-attnv", "vase-dkv"])
-@pytest.mark.parametrize("sample", [True, False])
+@pytest.mark.parametrize("name", fast_few(["vase-attnv", "vase-dkv"], fast=("vase-dkv",)))
+@pytest.mark.parametrize("sample", [pytest.param(True, marks=pytest.mark.slow), False])
 def test_without_reservation_planted_values_can_be_evicted(name, sample):
     evicted = sum(_run_with_planted_values(name, seed, sample=sample, reserve=0)[1] for seed in (0, 1))
     assert evicted > 0
