@@ -158,6 +158,8 @@ def generate(
         meter.stop()
     finally:
         cache.detach()
+        if decode is not None:
+            decode.close()
     results = meter.results(rows, prompt_ids)
     if decode is not None:
         for result in results:
