@@ -243,6 +243,18 @@ def test_a_file_replaced_by_mv_is_named_as_replaced_not_deleted(tmp_path):
     store.close(check=False)
 
 
+def test_a_lock_file_replaced_by_mv_is_named_as_replaced_not_deleted(tmp_path):
+    path = tmp_path / "runs.jsonl"
+    lock = OutputLock(path, "eval").acquire()
+    try:
+        (tmp_path / "other").write_text("")
+        os.rename(tmp_path / "other", tmp_path / "runs.jsonl.lock")
+        with pytest.raises(OutputError, match=re.escape("another file took the place of the lock")):
+            lock.check_in_place()
+    finally:
+        lock.release()
+
+
 def test_messages_count_only_the_lines_the_caller_counts_as_records(tmp_path, monkeypatch):
     path = tmp_path / "runs.jsonl"
     store = JsonlStore(path, counts=lambda record: record.get("kind") != "header")

@@ -275,6 +275,8 @@ class OutputLock:
             return
         now = where_now(self._fd)
         where = f"the lock {self.path} is now {now}" if now else f"the lock {self.path} was deleted"
+        if not now and self.path.exists():
+            where = f"another file took the place of the lock {self.path}; the lock held was deleted"
         what = "move the folder back and rerun the same command to resume" if now else "rerun the same command"
         raise OutputError(
             f"{self.target}: its folder was removed, renamed or replaced while this process held its lock ({where}): "
