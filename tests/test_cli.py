@@ -177,6 +177,7 @@ def test_out_of_memory_names_what_to_lower(capsys, monkeypatch):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="address-space limits as on Linux")
+@pytest.mark.slow
 def test_a_model_too_large_for_memory_is_one_line():
     """A real allocation failure, in a process whose memory is limited: one line, exit 2, no traceback."""
     limit = 1_500_000_000  # bytes of address space: enough for torch, far too little for 14B parameters

@@ -53,7 +53,7 @@ def deep_llama():
     return tiny_llama(layers=6)
 
 
-@pytest.mark.parametrize("policy", fast_few(POLICIES))
+@pytest.mark.parametrize("policy", fast_few(POLICIES, fast=("streaming",)))
 def test_every_policy_decodes_the_same_tokens_compiled_as_eager_in_fp32(deep_llama, policy):
     eager = _generate(deep_llama, policy)
     compiled = _generate(deep_llama, policy, compile="aot_eager")
@@ -68,7 +68,9 @@ def test_every_policy_decodes_the_same_tokens_compiled_as_eager_in_fp32(deep_lla
         assert compiled[0].stats[key] == eager[0].stats[key], key
 
 
-@pytest.mark.parametrize("policy", ["full", "streaming", "h2o", "snapkv", "epikv", "vase-attnv", "tova", "rkv"])
+@pytest.mark.parametrize(
+    "policy", fast_few(["full", "streaming", "h2o", "snapkv", "epikv", "vase-attnv", "tova", "rkv"], fast=("rkv",))
+)
 def test_in_bf16_a_lone_row_decodes_the_same_tokens_compiled_as_eager(policy):
     model = tiny_llama(layers=6, dtype=torch.bfloat16)
     settings = dict(policy=policy, budget=16, buffer=4, max_new_tokens=64, ignore_eos=True, **_options(policy))
@@ -88,6 +90,7 @@ def test_the_oracle_holds_in_the_fixed_shape_layout(policy):
     assert cache.evictions >= 5
 
 
+@pytest.mark.slow
 def test_inductor_compiles_a_step_that_decodes_what_eager_decodes():
     """The real compiler: generated code, not only the captured graph (a policy that reads hidden states,
     one that reads queries)."""
@@ -100,6 +103,7 @@ def test_inductor_compiles_a_step_that_decodes_what_eager_decodes():
         assert ran["compiled"] and ran["backend"] == "inductor"
 
 
+@pytest.mark.slow
 def test_a_thousand_steps_with_evictions_compile_once_per_batch_size_and_capacity():
     model = tiny_llama(layers=2)
     prompts = [[4 + i % 80 for i in range(n)] for n in (20, 9)]
@@ -168,6 +172,7 @@ def test_compiled_decode_refuses_a_cache_without_a_model(tokenizer):
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_reasonkv_generate_compile_on_the_bundled_model_says_what_ran(monkeypatch, capsys):
     monkeypatch.setattr(reasonkv.generation.loop, "compile_backend", lambda compile: "aot_eager" if compile else None)
     command = ["generate", "--model", "smollm2-135m", "--prompt", "Count to ten:", "--no-chat", "--compile"]
