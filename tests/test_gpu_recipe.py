@@ -64,6 +64,7 @@ def _bare_copy(target: Path) -> None:
 
 
 @pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash and timeout")
+@pytest.mark.slow
 def test_the_recipe_runs_on_a_bare_copy_without_optional_packages(tmp_path):
     repo, out, blocker = tmp_path / "repo", tmp_path / "out", tmp_path / "blocker"
     _bare_copy(repo)

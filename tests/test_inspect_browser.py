@@ -185,6 +185,7 @@ def near(pixels: list[int], colour: tuple[int, int, int]) -> int:
     )
 
 
+@pytest.mark.slow
 def test_the_policies_signals_in_chromium(signal_inspection, browser, tmp_path):
     """At each eviction, EPIKV's band A and band B are drawn as two lines under its text (one point per token
     the policy scored), and the tokens of VASE's value-range reserve are outlined, exactly those the trace holds."""
