@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import reasonkv
-from conftest import tiny_gemma3, tiny_llama
+from conftest import fast_few, tiny_gemma3, tiny_llama
 from reasonkv.hf import decoder_layers
 from reasonkv.hf.tap import check_untapped
 from reasonkv.policies import policy_class
@@ -82,7 +82,7 @@ def _cache_of_a_run(model, **settings) -> weakref.ref:
     return weakref.ref(caches.pop())
 
 
-@pytest.mark.parametrize("policy", EVICTING)
+@pytest.mark.parametrize("policy", fast_few(EVICTING))
 def test_every_policys_cache_dies_without_a_garbage_collection(policy):
     model = tiny_llama(layers=3)
     gc.collect()
@@ -127,7 +127,7 @@ def _live_bytes(exclude: set[int]) -> int:
     return total
 
 
-@pytest.mark.parametrize("policy", ["streaming", "h2o", "epikv", "vase-attnv", "snapkv"])
+@pytest.mark.parametrize("policy", fast_few(["streaming", "h2o", "epikv", "vase-attnv", "snapkv"], fast=("epikv",)))
 def test_decode_memory_is_flat_in_the_context(policy):
     """Live tensor bytes late in the decode, at a fixed K + B, after a prompt of 150 and of 900 tokens: the
     same, but for the per-position scalars some policies keep (a float per position and kv head per layer,
