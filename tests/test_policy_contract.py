@@ -45,7 +45,11 @@ def test_oracle_budget_and_protection(name):
             assert must_hold <= set(head.tolist()), f"{name} evicted a protected token"
 
 
-@pytest.mark.parametrize("sampling", [{}, dict(temperature=0.8, top_p=0.9, top_k=20)], ids=["greedy", "sampled"])
+@pytest.mark.parametrize(
+    "sampling",
+    [{}, pytest.param(dict(temperature=0.8, top_p=0.9, top_k=20), marks=pytest.mark.slow)],
+    ids=["greedy", "sampled"],
+)
 @pytest.mark.parametrize("name", fast_few(EVICTING))
 def test_batch_of_different_lengths_equals_each_alone(name, sampling):
     """The README's claim, in fp32: a prompt gets bit-identical tokens and per-row stats in a batch."""
