@@ -259,12 +259,14 @@ def test_first_load_converts_into_cache(converted: dict[str, Any]) -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_second_load_reads_converted_copy(converted: dict[str, Any]) -> None:
     # The converter is disabled during the second load, so reaching here means it used the copy.
     assert converted["second_s"] < converted["first_s"]
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_converted_logits_match_gguf(converted: dict[str, Any]) -> None:
     reference = converted["logits_gguf"]
     assert reference.shape[-1] == 49152 and torch.isfinite(reference).all()
@@ -273,6 +275,7 @@ def test_converted_logits_match_gguf(converted: dict[str, Any]) -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_bundled_tokenizer(converted: dict[str, Any]) -> None:
     for tok in (converted["tok"], converted["tok_first"], converted["gguf_tok"]):
         assert tok.padding_side == "left"
@@ -285,6 +288,7 @@ def test_bundled_tokenizer(converted: dict[str, Any]) -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_bundled_architecture(converted: dict[str, Any]) -> None:
     model = converted["model"]
     info = model_info(model)

@@ -257,6 +257,7 @@ def test_without_reservation_planted_values_can_be_evicted(name, sample):
 
 @pytest.mark.integration
 @pytest.mark.skipif(importlib.util.find_spec(SMOLLM2_PACKAGE) is None, reason=f"needs `{SMOLLM2_INSTALL_COMMAND}`")
+@pytest.mark.slow
 def test_vase_policies_decode_with_the_bundled_model():
     from reasonkv.models import load_model
 
