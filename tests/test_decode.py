@@ -15,7 +15,7 @@ PROMPTS = ["Let us think step by step about it.", "Why?", "Two plus three is fiv
 
 
 @pytest.mark.parametrize("factory", [tiny_llama, tiny_qwen3])
-@pytest.mark.parametrize("policy", ["full", "streaming", "random"])
+@pytest.mark.parametrize("policy", fast_few(["full", "streaming", "random"], fast=("random",)))
 def test_batch_gives_each_prompt_the_tokens_it_gets_alone(factory, policy, tokenizer):
     model = factory()
     kwargs = dict(policy=policy, budget=None if policy == "full" else 12, buffer=5, max_new_tokens=30, seed=3)

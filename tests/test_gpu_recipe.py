@@ -111,6 +111,7 @@ def test_the_recipe_runs_on_a_bare_copy_without_optional_packages(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash and timeout")
+@pytest.mark.slow
 def test_the_gpu_smoke_runs_part_one_alone_in_two_rounds(tmp_path):
     repo, out = tmp_path / "repo", tmp_path / "out"
     _bare_copy(repo)
