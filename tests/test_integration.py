@@ -9,7 +9,7 @@ import pytest
 import reasonkv
 from reasonkv.cli import main
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def _chat(tokenizer, text: str) -> str:
@@ -18,7 +18,6 @@ def _chat(tokenizer, text: str) -> str:
     )
 
 
-@pytest.mark.slow
 def test_streaming_holds_the_budget_for_200_tokens(smollm2):
     model, tokenizer = smollm2
     budget, buffer = 64, 16
@@ -41,7 +40,6 @@ def test_streaming_holds_the_budget_for_200_tokens(smollm2):
     assert result.stats["peak_slots"] <= max(budget + buffer, result.prompt_tokens)
 
 
-@pytest.mark.slow
 def test_demo_runs(capsys):
     assert main(["demo", "--max-new-tokens", "40", "--budget", "32", "--buffer", "8"]) == 0
     captured = capsys.readouterr()
@@ -52,7 +50,6 @@ def test_demo_runs(capsys):
     assert "decode" not in captured.err and "Loading weights" not in captured.err and "it/s" not in captured.err
 
 
-@pytest.mark.slow
 def test_generate_command_with_a_quantized_tier(capsys):
     args = ["generate", "--prompt", "Count from one to twenty in words.", "--policy", "h2o", "--budget", "24"]
     # a tier holds at least one key group: head_dim (64) tokens on SmolLM2
