@@ -68,9 +68,8 @@ def test_every_policy_decodes_the_same_tokens_compiled_as_eager_in_fp32(deep_lla
         assert compiled[0].stats[key] == eager[0].stats[key], key
 
 
-@pytest.mark.parametrize(
-    "policy", fast_few(["full", "streaming", "h2o", "snapkv", "epikv", "vase-attnv", "tova", "rkv"], fast=("rkv",))
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["full", "streaming", "h2o", "snapkv", "epikv", "vase-attnv", "tova", "rkv"])
 def test_in_bf16_a_lone_row_decodes_the_same_tokens_compiled_as_eager(policy):
     model = tiny_llama(layers=6, dtype=torch.bfloat16)
     settings = dict(policy=policy, budget=16, buffer=4, max_new_tokens=64, ignore_eos=True, **_options(policy))

@@ -14,7 +14,7 @@ from reasonkv.hf import cache_keyword
 PROMPTS = ["Let us think step by step about it.", "Why?", "Two plus three is five, so"]
 
 
-@pytest.mark.parametrize("factory", [tiny_llama, tiny_qwen3])
+@pytest.mark.parametrize("factory", fast_few([tiny_llama, tiny_qwen3], fast=(tiny_llama,)))
 @pytest.mark.parametrize("policy", fast_few(["full", "streaming", "random"], fast=("random",)))
 def test_batch_gives_each_prompt_the_tokens_it_gets_alone(factory, policy, tokenizer):
     model = factory()
@@ -37,7 +37,7 @@ def test_full_equals_plain_model_generate(tokenizer):
     assert ours.token_ids == plain[0, ids.shape[1] :].tolist()
 
 
-@pytest.mark.parametrize("policy", ["streaming", "random"])
+@pytest.mark.parametrize("policy", fast_few(["streaming", "random"], fast=("streaming",)))
 def test_model_generate_with_evicting_cache_equals_reasonkv_generate(policy, tokenizer):
     model = tiny_llama()
     [ours] = reasonkv.generate(
@@ -258,7 +258,9 @@ def _generate_with_logits(model, tokenizer, prompts, **kwargs):
         hook.remove()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "dtype", [pytest.param(torch.float32, marks=pytest.mark.slow), torch.bfloat16], ids=["fp32", "bf16"]
+)
 @pytest.mark.parametrize("policy", fast_few(["full", "streaming", "h2o"], fast=("streaming",)))
 def test_batch_equals_alone_up_to_rounding(dtype, policy, tokenizer):
     """What the README claims: a padded batch sums in another order than a lone row, so logits differ by

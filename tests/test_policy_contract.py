@@ -50,7 +50,7 @@ def test_oracle_budget_and_protection(name):
     [{}, pytest.param(dict(temperature=0.8, top_p=0.9, top_k=20), marks=pytest.mark.slow)],
     ids=["greedy", "sampled"],
 )
-@pytest.mark.parametrize("name", fast_few(EVICTING))
+@pytest.mark.parametrize("name", fast_few(EVICTING, fast=("h2o",)))
 def test_batch_of_different_lengths_equals_each_alone(name, sampling):
     """The README's claim, in fp32: a prompt gets bit-identical tokens and per-row stats in a batch."""
     model, tokenizer = tiny_llama(), NoEosTokenizer()
@@ -65,7 +65,7 @@ def test_batch_of_different_lengths_equals_each_alone(name, sampling):
 
 
 @pytest.mark.parametrize(("model_name", "bits"), [("llama-gqa", 4), ("llama-mha", 8)])
-@pytest.mark.parametrize("name", fast_few(EVICTING))
+@pytest.mark.parametrize("name", fast_few(EVICTING, fast=("streaming",)))
 def test_oracle_with_a_quantized_tier(name, model_name, bits):
     """Evicted positions masked, quantized ones seen with their dequantized K/V: the same logits."""
     model = TINY_MODELS[model_name]()
@@ -74,7 +74,7 @@ def test_oracle_with_a_quantized_tier(name, model_name, bits):
     assert cache.evictions >= 3 and cache.low_width == 16  # the quantized tier filled up
 
 
-@pytest.mark.parametrize("name", fast_few(EVICTING))
+@pytest.mark.parametrize("name", fast_few(EVICTING, fast=("epikv",)))
 def test_batch_with_a_quantized_tier_equals_each_alone(name):
     model, tokenizer = tiny_llama(), NoEosTokenizer()
     kw = dict(policy=name, budget=12, buffer=4, quantized=8, bits=4, group_size=4, max_new_tokens=30, seed=7)
@@ -85,7 +85,7 @@ def test_batch_with_a_quantized_tier_equals_each_alone(name):
         assert result.token_ids == alone.token_ids, name
 
 
-@pytest.mark.parametrize("name", fast_few(EVICTING))
+@pytest.mark.parametrize("name", fast_few(EVICTING, fast=("vase-attnv",)))
 def test_seed_reproducibility(name):
     model, tokenizer = tiny_llama(), NoEosTokenizer()
     kept = []
@@ -99,7 +99,7 @@ def test_seed_reproducibility(name):
         assert not torch.equal(kept[0], kept[2]), f"{name} ignores its seed"
 
 
-@pytest.mark.parametrize("name", fast_few(EVICTING))
+@pytest.mark.parametrize("name", fast_few(EVICTING, fast=("h2o",)))
 def test_bf16_runs(name):
     model, tokenizer = tiny_llama(dtype=torch.bfloat16), NoEosTokenizer()
     [r] = reasonkv.generate(
