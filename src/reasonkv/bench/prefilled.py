@@ -42,6 +42,7 @@ from reasonkv.bench.memory import kv_bytes_per_token, weight_bytes, window_kv_by
 from reasonkv.cache import CacheSpec, EvictingCache
 from reasonkv.generation.compiled import CompiledDecode
 from reasonkv.hf import Forward, native_cache, synchronize, vocab_size
+from reasonkv.hf.tap import check_untapped
 
 __all__ = [
     "PrefilledSession",
@@ -109,8 +110,6 @@ def extension_chunks(total: int, batch: int, tokens_per_forward: int) -> list[in
 def _clean_reference(model) -> None:
     """The plain-transformers reference must run no reasonkv code: no wrapped attention kernel, no claimed
     module (a RuntimeError from :func:`reasonkv.hf.tap.check_untapped` otherwise)."""
-    from reasonkv.hf.tap import check_untapped
-
     check_untapped(model)
 
 
