@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import torch
 
 import reasonkv
-from reasonkv.cli.generate import chat_format
 from reasonkv.eval.datasets import load_dataset
+from reasonkv.generation.chat import chat_prompt
 
 
 def parser(description: str, policies: str) -> argparse.ArgumentParser:
@@ -34,7 +34,7 @@ def cases(args: argparse.Namespace) -> Iterator[tuple]:
     torch.set_num_threads(args.threads)
     for dtype in args.dtypes.split(","):
         model, tokenizer = reasonkv.load_model(args.model, dtype=dtype)
-        prompts = [chat_format(tokenizer, p.problem) for p in load_dataset("gsm8k", limit=args.prompts)]
+        prompts = [chat_prompt(tokenizer, p.problem) for p in load_dataset("gsm8k", limit=args.prompts)]
         for policy in args.policies.split(","):
             kwargs = dict(
                 policy=policy,
