@@ -116,6 +116,7 @@ def _matches(printed: str, promised: str) -> bool:
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # minutes on 2 cores: the quick-start generate below keeps a README run in the default tier
 def test_the_readme_python_api_example_prints_what_its_comments_say():
     """The README's API example, run as written (its own budgets, tiers and token limits): each print writes
     the figures of the comment under it; the first shows the K + B bound, the second a tier that holds more
@@ -140,6 +141,7 @@ def test_the_readme_python_api_example_prints_what_its_comments_say():
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # minutes on 2 cores: the quick-start generate below keeps a README run in the default tier
 def test_the_model_generate_example_of_the_api_page_runs_and_evicts():
     """docs/api.md's ``model.generate`` example, with the README's model and question and 40 new tokens."""
     [readme_block] = [b for b in _blocks(README, "python") if "reasonkv.generate(" in b and "load_model" in b]
@@ -167,6 +169,7 @@ def test_the_quick_start_generate_evicts_and_prints_what_the_readme_says(capsys)
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # minutes on 2 cores: the quick-start generate below keeps a README run in the default tier
 def test_the_quick_start_inspect_evicts_in_every_policy(tmp_path):
     argv = _command("inspect --prompt", README)
     argv[argv.index("--out") + 1] = str(tmp_path / "page.html")
