@@ -119,25 +119,24 @@ def budget_argument(text: str) -> int | None:
     return value
 
 
-def code_timeout_argument(text: str) -> float:
-    """``--code-timeout``: seconds in the sandbox's allowed range, refused before anything loads."""
+def _sandbox_limit(text: str, number, check, flag: str):
+    """``text`` as a ``number`` passed through the sandbox's range ``check``; a value that is no number is
+    handed to the check as it is, so that its message names it and the range."""
     try:
-        value: object = float(text)
+        value: object = number(text)
     except ValueError:
-        value = text  # check_timeout names it and the range
+        value = text
     try:
-        return check_timeout(value, "--code-timeout")
+        return check(value, flag)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def code_timeout_argument(text: str) -> float:
+    """``--code-timeout``: seconds in the sandbox's allowed range, refused before anything loads."""
+    return _sandbox_limit(text, float, check_timeout, "--code-timeout")
 
 
 def code_memory_argument(text: str) -> int:
     """``--code-memory``: MiB in the sandbox's allowed range, refused before anything loads."""
-    try:
-        value: object = int(text)
-    except ValueError:
-        value = text  # check_memory names it and the range
-    try:
-        return check_memory(value, "--code-memory")
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+    return _sandbox_limit(text, int, check_memory, "--code-memory")
