@@ -1,0 +1,197 @@
+"""How many tokens each (layer, kv-head) keeps: the static allocations' budget tables (torch only).
+
+Every table is ``[layers, kv_heads]`` integers that sum to exactly ``K x layers x kv_heads``, the total of
+the uniform cache, so that a comparison between allocations is a comparison at equal tokens held. The
+layers are the model's evicting (full-attention) layers, in order.
+
+- ``uniform``: ``K`` everywhere (the cache without an allocation).
+- ``pyramid``: PyramidKV's schedule (Cai et al., 2024): the budget falls linearly with depth, the same in
+  every head of a layer. The last layer keeps ``max(protected, K // beta)`` (``beta = 20``, the paper's
+  default), the first ``2K`` minus that, so the mean is ``K``; rounding goes to the largest remainders.
+- ``calibrated``: from a budget file (:func:`load_budget_file`): either integer ``budgets`` that already sum
+  to the total, or non-negative ``weights`` (what ``reasonkv calibrate --budgets`` writes: the attention
+  mass each head received) shared out in proportion, every head first getting its protected tokens.
+- ``adaptive`` has no table: its split is chosen at each eviction (:mod:`reasonkv.cache.allocation.adaptive`);
+  its table is the uniform one, the split it starts from.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "ALLOCATIONS",
+    "PYRAMID_BETA",
+    "BudgetFile",
+    "apportion",
+    "budget_table",
+    "check_allocation",
+    "load_budget_file",
+    "pyramid_table",
+]
+
+ALLOCATIONS = ("uniform", "pyramid", "adaptive", "calibrated")
+PYRAMID_BETA = 20  # PyramidKV: the last layer keeps K // beta
+
+
+def check_allocation(allocation: object, budgets_file: object) -> None:
+    """``allocation`` one of :data:`ALLOCATIONS`; a budget file exactly with ``calibrated``."""
+    if allocation not in ALLOCATIONS:
+        raise ValueError(f"allocation must be one of {', '.join(ALLOCATIONS)}, got {allocation!r}")
+    if allocation == "calibrated" and budgets_file is None:
+        raise ValueError(
+            "allocation='calibrated' needs a budget file (budgets_file=...; `reasonkv calibrate --budgets` writes one)"
+        )
+    if allocation != "calibrated" and budgets_file is not None:
+        raise ValueError(f"a budget file is read only with allocation='calibrated', not {allocation!r}")
+
+
+def apportion(weights: torch.Tensor, total: int, floor: int) -> torch.Tensor:
+    """Integers, one per weight, each at least ``floor``, summing to exactly ``total``: every entry gets
+    ``floor``, the rest is shared in proportion to ``weights`` (non-negative; all zero: equally), rounded
+    down, and what rounding left goes one each to the largest remainders (ties: the earlier entry)."""
+    flat = weights.double().flatten()
+    n = flat.numel()
+    if total < n * floor:
+        raise ValueError(f"a total of {total} tokens cannot give {n} heads {floor} each")
+    if bool((flat < 0).any()) or not bool(torch.isfinite(flat).all()):
+        raise ValueError("weights must be finite and non-negative")
+    rest = total - n * floor
+    share = flat / flat.sum() if float(flat.sum()) > 0 else torch.full_like(flat, 1.0 / n)
+    exact = share * rest
+    base = exact.floor().long()
+    left = rest - int(base.sum())
+    remainder = exact - base.double()
+    # Largest remainders first; a stable sort keeps the earlier entry first among equals.
+    order = torch.sort(-remainder, stable=True).indices[:left]
+    base[order] += 1
+    return (base + floor).view(weights.shape)
+
+
+def pyramid_table(budget: int, layers: int, kv_heads: int, protected: int) -> torch.Tensor:
+    """PyramidKV's linear schedule, ``[layers, kv_heads]``, summing to ``budget x layers x kv_heads``."""
+    if layers == 1:
+        return torch.full((1, kv_heads), budget, dtype=torch.long)
+    bottom = min(budget, max(protected, budget // PYRAMID_BETA, 1))
+    top = 2 * budget - bottom
+    depth = torch.arange(layers, dtype=torch.float64)
+    per_layer = top - (top - bottom) * depth / (layers - 1)  # mean exactly `budget`
+    # Above the bottom, the layers share (K - bottom) x layers in proportion to the schedule.
+    counts = apportion(per_layer - bottom, (budget - bottom) * layers, 0) + bottom
+    return counts.view(layers, 1).expand(layers, kv_heads).clone()
+
+
+class BudgetFile:
+    """A calibrated budget file, read and checked (without a model): ``layers`` x ``kv_heads`` integer
+    ``budgets`` or non-negative ``weights``; :meth:`table` checks its shape against a model.
+
+    The file is JSON: ``{"layers": L, "kv_heads": H, "budgets": [[...] x H] x L}`` or the same with
+    ``"weights"`` (and anything else, e.g. the model and how the weights were measured, as notes).
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        try:
+            data = json.loads(self.path.read_text())
+        except OSError as error:
+            raise ValueError(f"cannot read the budget file {str(self.path)!r}: {error.strerror or error}") from None
+        except json.JSONDecodeError as error:
+            raise ValueError(f"the budget file {str(self.path)!r} is not JSON: {error}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"the budget file {str(self.path)!r} must hold a JSON object")
+        kinds = [key for key in ("budgets", "weights") if key in data]
+        if len(kinds) != 1:
+            raise ValueError(f"the budget file {str(self.path)!r} must hold exactly one of 'budgets' or 'weights'")
+        self.kind = kinds[0]
+        self.layers, self.kv_heads = (self._count(data, key) for key in ("layers", "kv_heads"))
+        rows = data[self.kind]
+        if not isinstance(rows, list) or len(rows) != self.layers:
+            got = len(rows) if isinstance(rows, list) else type(rows).__name__
+            raise ValueError(f"{self._where()}: '{self.kind}' must list {self.layers} layers, got {got}")
+        for index, row in enumerate(rows):
+            if not isinstance(row, list) or len(row) != self.kv_heads:
+                got = len(row) if isinstance(row, list) else type(row).__name__
+                raise ValueError(f"{self._where()}: layer {index} must list {self.kv_heads} kv-heads, got {got}")
+            for head, value in enumerate(row):
+                self._check_value(value, index, head)
+        dtype = torch.long if self.kind == "budgets" else torch.float64
+        self.values = torch.tensor(rows, dtype=dtype).view(self.layers, self.kv_heads)
+
+    def _where(self) -> str:
+        return f"budget file {str(self.path)!r}"
+
+    def _count(self, data: dict, key: str) -> int:
+        value = data.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{self._where()}: {key!r} must be a positive integer, got {value!r}")
+        return value
+
+    def _check_value(self, value: object, layer: int, head: int) -> None:
+        integer = isinstance(value, int) and not isinstance(value, bool)
+        number = integer or (isinstance(value, float) and math.isfinite(value))
+        if self.kind == "budgets" and not integer:
+            raise ValueError(f"{self._where()}: budgets[{layer}][{head}] must be an integer, got {value!r}")
+        if not number:
+            raise ValueError(f"{self._where()}: weights[{layer}][{head}] must be a finite number, got {value!r}")
+        if value < 0:
+            raise ValueError(f"{self._where()}: {self.kind}[{layer}][{head}] is negative ({value})")
+
+    def check_total(self, budget: int, protected: int) -> None:
+        """Integer budgets must sum to ``budget x layers x kv_heads`` and give every head its protected
+        tokens; weights must leave room for the protected tokens of every head."""
+        total = budget * self.layers * self.kv_heads
+        if self.kind == "budgets":
+            got = int(self.values.sum())
+            if got != total:
+                raise ValueError(
+                    f"{self._where()}: the budgets sum to {got}, but K x layers x kv-heads = {budget} x {self.layers} "
+                    f"x {self.kv_heads} = {total}"
+                )
+            low = int(self.values.min())
+            if low < protected:
+                raise ValueError(
+                    f"{self._where()}: a head's budget of {low} is below the policy's {protected} protected tokens "
+                    "(sinks + window)"
+                )
+        elif budget < protected:
+            raise ValueError(f"budget {budget} is below the policy's {protected} protected tokens")
+
+    def table(self, budget: int, layers: int, kv_heads: int, protected: int) -> torch.Tensor:
+        """The ``[layers, kv_heads]`` budgets for a model with this many evicting layers and kv-heads."""
+        if (layers, kv_heads) != (self.layers, self.kv_heads):
+            raise ValueError(
+                f"{self._where()} is for {self.layers} layers x {self.kv_heads} kv-heads, but the model has "
+                f"{layers} full-attention layers x {kv_heads} kv-heads"
+            )
+        self.check_total(budget, protected)
+        if self.kind == "budgets":
+            return self.values.clone()
+        return apportion(self.values, budget * layers * kv_heads, protected)
+
+
+def load_budget_file(path: str | Path) -> BudgetFile:
+    """Read and check a budget file (see :class:`BudgetFile`)."""
+    return BudgetFile(path)
+
+
+def budget_table(
+    allocation: str,
+    budget: int,
+    layers: int,
+    kv_heads: int,
+    *,
+    protected: int = 0,
+    budgets_file: str | Path | None = None,
+) -> torch.Tensor:
+    """The ``[layers, kv_heads]`` budgets of a static allocation (``adaptive``: the uniform table it starts
+    from), summing to ``budget x layers x kv_heads``; every entry holds at least ``protected`` tokens."""
+    check_allocation(allocation, budgets_file)
+    if allocation in ("uniform", "adaptive"):
+        return torch.full((layers, kv_heads), budget, dtype=torch.long)
+    if allocation == "pyramid":
+        return pyramid_table(budget, layers, kv_heads, protected)
+    return load_budget_file(budgets_file).table(budget, layers, kv_heads, protected)
