@@ -16,10 +16,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from reasonkv.cache.allocation import ALLOCATIONS, budget_table, check_allocation, load_budget_file
 from reasonkv.cache.tiers import check_settings
 from reasonkv.policies import Policy, check_fields, get_policy
 
-__all__ = ["DEFAULT_BUFFER", "CacheSpec", "check_sizes", "resolve_spec"]
+__all__ = ["ALLOCATIONS", "DEFAULT_BUFFER", "CacheSpec", "check_sizes", "resolve_spec"]
 
 DEFAULT_BUFFER = 128  # B: new tokens between two evictions
 
@@ -62,6 +63,15 @@ class CacheSpec:
         largest divisor of head_dim below it). ``quantized=0``: no tier.
     seed
         The eviction (and sampling) randomness of each row: one integer, or one per row.
+    allocation
+        How the budget is shared among (layer, kv-head): ``uniform`` (``K`` each), ``pyramid``, ``adaptive``
+        or ``calibrated`` (from ``budgets_file``); every one keeps ``K x layers x kv_heads`` in all. See
+        :mod:`reasonkv.cache.allocation`. The full cache ignores it (stored as ``uniform``).
+    budgets_file
+        The budget file of ``allocation="calibrated"`` (``reasonkv calibrate --budgets`` writes one).
+    adaptive_alpha
+        ``adaptive``: every head keeps at least ``ceil(alpha x K)`` (AdaKV's safeguard, default 0.2;
+        1 is the uniform split).
     """
 
     policy: Policy = field(hash=False)
@@ -71,6 +81,9 @@ class CacheSpec:
     bits: int | None = None
     group_size: int | None = None
     seed: int | tuple[int, ...] = 0
+    allocation: str = "uniform"
+    budgets_file: str | None = None
+    adaptive_alpha: float = 0.2
 
     def __post_init__(self) -> None:
         # A name is looked up (refused with the valid names if unknown); an instance is taken as given, checked.
@@ -86,7 +99,10 @@ class CacheSpec:
                 f"policy {policy.name!r} does not rank tokens, so it cannot fill a quantized tier "
                 f"(quantized={self.quantized}): use an evicting policy that scores or ranks them, or quantized=0"
             )
+        allocation = self._allocation(policy, budget)
         for name, value in (
+            ("allocation", allocation),
+            ("budgets_file", None if self.budgets_file is None else str(self.budgets_file)),
             ("policy", policy),
             ("budget", budget),
             ("bits", (8 if self.bits is None else self.bits) if self.quantized else None),
@@ -100,6 +116,23 @@ class CacheSpec:
                 f"exceed {self.describe_room()}"
             )
 
+    def _allocation(self, policy: Policy, budget: int | None) -> str:
+        """The allocation, checked (a budget file read and checked too); ``uniform`` for the full cache."""
+        check_allocation(self.allocation, self.budgets_file)
+        alpha = self.adaptive_alpha
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
+            raise ValueError(f"adaptive_alpha must be a number in [0, 1], got {alpha!r}")
+        if budget is None:
+            return "uniform"
+        if self.allocation != "uniform" and self.quantized:
+            raise ValueError(
+                f"allocation={self.allocation!r} cannot be combined with a quantized tier "
+                f"(quantized={self.quantized}): use allocation='uniform' or quantized=0"
+            )
+        if self.budgets_file is not None:
+            load_budget_file(self.budgets_file).check_total(budget, policy.sinks + policy.window)
+        return self.allocation
+
     @classmethod
     def build(
         cls,
@@ -111,10 +144,24 @@ class CacheSpec:
         bits: int | None = None,
         group_size: int | None = None,
         seed: int | Iterable[int] = 0,
+        allocation: str = "uniform",
+        budgets_file: str | None = None,
+        adaptive_alpha: float = 0.2,
         **options: Any,
     ) -> CacheSpec:
         """A spec from the keyword API: ``options`` are the policy's hyper-parameters (``sinks=8``)."""
-        return cls(get_policy(policy, **options), budget, buffer, quantized, bits, group_size, seed)
+        return cls(
+            get_policy(policy, **options),
+            budget,
+            buffer,
+            quantized,
+            bits,
+            group_size,
+            seed,
+            allocation=allocation,
+            budgets_file=budgets_file,
+            adaptive_alpha=adaptive_alpha,
+        )
 
     # ------------------------------------------------------------------ derived
     @property
@@ -138,6 +185,21 @@ class CacheSpec:
             return None
         return {"quantized": self.quantized, "bits": self.bits, "group_size": self.group_size}
 
+    @property
+    def allocated(self) -> bool:
+        """Whether heads may keep different numbers of tokens (any allocation but ``uniform``)."""
+        return self.allocation != "uniform"
+
+    def budget_table(self, layers: int, kv_heads: int):
+        """``[layers, kv_heads]`` tokens each evicting layer's heads keep (``adaptive``: the uniform split it
+        starts from), summing to ``K x layers x kv_heads``; ``ValueError`` when a budget file's counts differ."""
+        if self.budget is None:
+            raise ValueError("the full cache has no budget to allocate")
+        protected = self.policy.sinks + self.policy.window
+        return budget_table(
+            self.allocation, self.budget, layers, kv_heads, protected=protected, budgets_file=self.budgets_file
+        )
+
     def describe_room(self) -> str:
         if not self.quantized:
             return f"the budget {self.budget}"
@@ -155,10 +217,22 @@ class CacheSpec:
 def resolve_spec(spec: CacheSpec | None, /, **keywords: Any) -> CacheSpec:
     """``spec``, or the :class:`CacheSpec` the keyword API describes, never both.
 
-    ``keywords`` are ``policy``, ``budget``, ``buffer``, ``quantized``, ``bits``, ``group_size``, ``seed``
-    (``None``, and ``quantized=0``, mean "not given") and the policy's options.
+    ``keywords`` are ``policy``, ``budget``, ``buffer``, ``quantized``, ``bits``, ``group_size``, ``seed``,
+    ``allocation``, ``budgets_file``, ``adaptive_alpha`` (``None``, and ``quantized=0``, mean "not given") and
+    the policy's options.
     """
-    named = ("policy", "budget", "buffer", "quantized", "bits", "group_size", "seed")
+    named = (
+        "policy",
+        "budget",
+        "buffer",
+        "quantized",
+        "bits",
+        "group_size",
+        "seed",
+        "allocation",
+        "budgets_file",
+        "adaptive_alpha",
+    )
     given = {
         k: v for k, v in keywords.items() if k not in named or (v is not None and not (k == "quantized" and v == 0))
     }
