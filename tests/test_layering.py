@@ -28,7 +28,7 @@ TRANSFORMERS_IMPORTERS = (
 )
 # Engine-free: torch only, and nothing above them (the policies and their API, the quantized tier's codes, the
 # did-you-mean of unknown names).
-ENGINE_FREE = ("policies/", "cache/tiers.py", "cache/quantize.py", "suggest/")
+ENGINE_FREE = ("policies/", "selection/", "cache/tiers.py", "cache/quantize.py", "suggest/")
 # Deprecated aliases of moved modules: they only forward.
 ALIASES = {"select.py", "decode.py"}
 MAX_LINES = 600

@@ -90,7 +90,7 @@ class EvictingCache(KVStorage):
             )
         else:
             super().__init__(
-                spec.budget,
+                spec.stored_budget,
                 spec.buffer,
                 quantized=spec.quantized,
                 bits=spec.bits,

@@ -24,14 +24,16 @@ from dataclasses import dataclass
 
 import torch
 
+from reasonkv.cache.allocation import adaptive_counts, adaptive_floor, keep_counted, static_counts
 from reasonkv.cache.observe import Observer
 from reasonkv.cache.spec import CacheSpec
 from reasonkv.cache.storage import KVStorage
 from reasonkv.cache.tiers import split_tiers
 from reasonkv.cache.timing import Stopwatch
-from reasonkv.hf import LayerMasks, StepCapture, model_info
+from reasonkv.hf import KernelReader, LayerMasks, StepCapture, attention_implementation, model_info
 from reasonkv.policies import noise, select
 from reasonkv.policies.view import EvictionView
+from reasonkv.selection.reader import Selector
 
 __all__ = ["Announced", "Evictor"]
 
@@ -71,6 +73,15 @@ class Evictor:
         # An eviction trace (reasonkv.inspect.trace): told before and after each gather; None costs nothing.
         self._recorder = None
         self._started = False
+        # An allocation: the [layers, kv_heads] budgets, and the reader that gives each head its own mask.
+        self.budgets: torch.Tensor | None = None
+        self.head_reader = None
+        if spec.allocated:
+            self._allocate(model, cache)
+        # A selection policy evicts nothing: it chooses, inside each decode step's attention kernel, what is read.
+        self.selector = Selector(self.policy, spec.budget) if self.policy.selects else None
+        self.reader = None if self.selector is None else KernelReader(model, self._read, self.info.full_layers)
+        self._in_forward = False  # between announce and finish: the model's attention runs on this cache
         me = weakref.ref(self)
         self._hooks = [
             model.register_forward_pre_hook(_weak(me, "_before_forward"), with_kwargs=True),
@@ -99,6 +110,10 @@ class Evictor:
             self.observer.flush()
         _remove_handles(self._hooks)
         self.observer.detach()
+        if self.head_reader is not None:
+            self.head_reader.close()
+        if self.reader is not None:
+            self.reader.close()
 
     def restart(self) -> None:
         """The cache was reset: the next forward starts a new generation."""
@@ -141,6 +156,7 @@ class Evictor:
         if not self._started:
             self._start(batch, device)
         positions, step_positions, slot_mask = self.cache.begin_forward(batch, q, incoming, device)
+        self._in_forward = True
         valid = step_positions >= 0 if incoming is None else incoming
         return Announced(positions, step_positions, valid, slot_mask, position_bound=self.cache.seen + q)
 
@@ -153,6 +169,7 @@ class Evictor:
 
     def finish(self) -> None:
         """After the forward: hand the policy what it recorded, then evict the rows that are due."""
+        self._in_forward = False
         step = self.observer.end()
         with self.stopwatch("observe"):
             self.policy.observe(step)
@@ -163,7 +180,77 @@ class Evictor:
         self.policy.reset(self.info, batch, device)
         self.observer.reset()
         self.row_seeds = noise.seed_tensor(self.seed, batch, device)
+        if self.selector is not None:
+            self.selector.reset()
         self._started = True
+
+    def _read(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+        """A selection policy's read of one layer's attention (see :class:`~reasonkv.selection.reader.Selector`)."""
+        cache = self.cache
+        if not self._in_forward:  # the same model running with another cache
+            return None
+        return self.selector.read(layer, query, key, value, cache.layers[layer].positions, cache.rows.step_positions)
+
+    # ------------------------------------------------------------------ an allocation
+    def _allocate(self, model, cache: KVStorage) -> None:
+        """Heads keep different numbers of tokens: the budget table, the storage's trigger, and a kernel reader
+        that masks each head's own padding."""
+        info, spec = self.info, self.spec
+        if getattr(self.policy, "selects", False):
+            raise ValueError(
+                f"allocation={spec.allocation!r} applies to evicting policies, not to {self.policy.name!r}"
+            )
+        if len(info.full_layers) != info.num_layers:
+            raise ValueError(
+                f"allocation={spec.allocation!r} is not supported on hybrid models (sliding-window or linear layers) "
+                "yet: use allocation='uniform'"
+            )
+        implementation = attention_implementation(model)
+        if implementation not in ("sdpa", "eager"):
+            raise ValueError(
+                f"allocation={spec.allocation!r} gives each kv-head its own mask through the sdpa or eager attention "
+                f"kernel; this model runs {implementation!r}: load it with attn_implementation='sdpa'"
+            )
+        self.budgets = spec.budget_table(len(info.full_layers), info.num_kv_heads)
+        heads = info.num_kv_heads
+        if spec.allocation == "adaptive":
+            floor = adaptive_floor(spec.adaptive_alpha, spec.budget)
+            first, widest = spec.budget + spec.buffer, spec.budget * heads - (heads - 1) * floor
+        else:
+            first, widest = int(self.budgets.min()) + spec.buffer, int(self.budgets.max())
+        cache.allocate(first, widest)
+        self.head_reader = KernelReader(model, self._head_masked, info.full_layers)
+
+    def _head_masked(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+        """The kernel reads this layer's K/V with a mask of each head's own padding (see ``head_mask``)."""
+        if not self._in_forward:  # the same model running with another cache
+            return None
+        return key, value, self.cache.head_mask(layer, query, query.dtype)
+
+    def _allocated_indices(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        """The slots each head keeps under the allocation, from the policy's ranking: ``[len(rows), kv_heads,
+        width]`` per evicting layer, ``-1`` first where a head keeps fewer than the widest (one host read)."""
+        cache, view, spec = self.cache, self._view(rows), self.spec
+        layers = cache.full_layers
+        if self.policy.granularity == "token":
+            ranking = self.policy.ranking(view)
+            rankings = [ranking.unsqueeze(1).expand(-1, self.info.num_kv_heads, -1) for _ in layers]
+        else:
+            rankings = self.policy.ranking_layers(view)
+        counts = []
+        for index, (layer, ranking) in enumerate(zip(layers, rankings, strict=True)):
+            held = cache.positions(layer).index_select(0, rows.to(ranking.device)) >= 0  # a head's own padding
+            ranking = ranking.masked_fill(~held, select.NEVER_KEEP)
+            rankings[index] = ranking
+            if spec.allocation == "adaptive":
+                heads = ranking.shape[1]
+                counts.append(
+                    adaptive_counts(ranking, spec.budget * heads, adaptive_floor(spec.adaptive_alpha, spec.budget))
+                )
+            else:
+                counts.append(static_counts(ranking, self.budgets[index]))
+        width = int(torch.stack([c.max() for c in counts]).max())
+        return [keep_counted(r, c, width) for r, c in zip(rankings, counts, strict=True)]
 
     # ------------------------------------------------------------------ eviction
     def evict_due(self) -> None:
@@ -198,7 +285,7 @@ class Evictor:
         return self.stopwatch.as_dict()
 
     def _view(self, rows: torch.Tensor) -> EvictionView:
-        return EvictionView(
+        view = EvictionView(
             cache=self.cache,
             recorded=self.observer.recorded,
             policy=self.policy,
@@ -206,8 +293,14 @@ class Evictor:
             row_seeds=self.row_seeds.index_select(0, rows.to(self.row_seeds.device)),
             info=self.info,
         )
+        if self.budgets is not None:  # each layer's policy sees its heads' mean budget
+            means = (self.budgets.sum(1) // self.budgets.shape[1]).tolist()
+            view.layer_budgets = dict(zip(self.cache.full_layers, means, strict=True))
+        return view
 
     def _kept_indices(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        if self.budgets is not None:
+            return self._allocated_indices(rows)
         cache, view = self.cache, self._view(rows)
         if self.policy.granularity == "token":
             kept = self.policy.keep(view)

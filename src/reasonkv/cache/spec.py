@@ -19,6 +19,7 @@ from typing import Any
 from reasonkv.cache.allocation import ALLOCATIONS, budget_table, check_allocation, load_budget_file
 from reasonkv.cache.tiers import check_settings
 from reasonkv.policies import Policy, check_fields, get_policy
+from reasonkv.selection.blocks import blocks_per_step
 
 __all__ = ["ALLOCATIONS", "DEFAULT_BUFFER", "CacheSpec", "check_sizes", "resolve_spec"]
 
@@ -91,9 +92,16 @@ class CacheSpec:
         check_fields(policy)
         check_sizes(self.budget, self.buffer)
         check_settings(self.quantized, self.bits, self.group_size)
-        budget = self.budget if policy.evicts else None  # the full cache evicts nothing: no budget
+        # The full cache evicts nothing: no budget. A selection policy's budget is what a decode step reads.
+        budget = self.budget if policy.evicts or policy.selects else None
         if policy.evicts and budget is None:
             raise ValueError(f"policy {policy.name!r} needs a budget (it evicts)")
+        if policy.selects:
+            if budget is None:
+                raise ValueError(f"policy {policy.name!r} needs a budget (the tokens a decode step reads per head)")
+            if self.quantized:
+                raise ValueError(f"policy {policy.name!r} selects (it holds every token): it has no quantized tier")
+            blocks_per_step(budget, policy.block_size)
         if self.quantized and not type(policy).can_rank():
             raise ValueError(
                 f"policy {policy.name!r} does not rank tokens, so it cannot fill a quantized tier "
@@ -110,7 +118,7 @@ class CacheSpec:
         ):
             object.__setattr__(self, name, value)
         reserved = policy.sinks + policy.window
-        if budget is not None and reserved > self.room:
+        if budget is not None and not policy.selects and reserved > self.room:
             raise ValueError(
                 f"{policy.name}: sinks ({policy.sinks}) + window ({policy.window}) = {reserved} protected tokens "
                 f"exceed {self.describe_room()}"
@@ -169,9 +177,19 @@ class CacheSpec:
         return self.policy.evicts
 
     @property
+    def selects(self) -> bool:
+        """A selection policy: the cache holds every token and ``budget`` is what a decode step reads."""
+        return self.policy.selects
+
+    @property
+    def stored_budget(self) -> int | None:
+        """The budget the storage evicts to: None (never) for a selection policy."""
+        return None if self.policy.selects else self.budget
+
+    @property
     def trigger(self) -> int | None:
         """``K + B``: the full-precision tokens at which a row is evicted (None: never)."""
-        return None if self.budget is None else self.budget + self.buffer
+        return None if self.stored_budget is None else self.budget + self.buffer
 
     @property
     def room(self) -> int:

@@ -130,6 +130,9 @@ class Meter:
                 "peak_memory_bytes": peak_memory,
                 "timings": cache.evictor.timings,
             }
+            selector = getattr(cache.evictor, "selector", None)
+            if selector is not None:  # a selection policy: what each decode step read, beside what is held
+                stats["selection"] = selector.stats(i, held_bytes=self.peak_kv)
             results.append(GenerationResult(rows.text(i), tokens, len(prompt), rows.finish[i] or "length", stats))
         return results
 

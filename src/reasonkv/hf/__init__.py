@@ -31,11 +31,12 @@ from reasonkv.hf.model import (
     transformers_version,
     vocab_size,
 )
-from reasonkv.hf.tap import AttentionTap
+from reasonkv.hf.tap import AttentionTap, KernelReader
 
 __all__ = [
     "StepCapture",
     "AttentionTap",
+    "KernelReader",
     "Forward",
     "LayerMasks",
     "attention_implementation",

@@ -36,12 +36,16 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from reasonkv.hf.model import attention_implementation, attention_modules
 
-__all__ = ["STEP_QUERIES", "AttentionTap", "Listener", "check_untapped", "kernel_tap"]
+__all__ = ["STEP_QUERIES", "AttentionTap", "KernelReader", "Listener", "Reader", "check_untapped", "kernel_tap"]
 
 # listener(layer, query [B, Hq, q, D], key [B, Hkv, S, D], attention_mask, kernel keyword arguments)
 Listener = Callable[[int, torch.Tensor, torch.Tensor, Any, dict], None]
 
+# reader(layer, query, key, value) -> None (read everything) or (key, value, additive mask) to attend to instead
+Reader = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], "tuple[torch.Tensor, ...] | None"]
+
 _CLAIM = "_reasonkv_tap"  # attribute set on claimed attention modules (this package's own attribute)
+_READER = "_reasonkv_reader"  # attribute set on attention modules whose K/V reads a selection chooses
 _lock = threading.Lock()
 _installed: dict[str, list] = {}  # kernel name -> [original, wrapper, open taps]
 _wrappers: dict[Callable, Callable] = {}  # original kernel -> its wrapper (one, so graph guards stay valid)
@@ -92,6 +96,13 @@ def _wrapped(kernel):
             claim = getattr(module, _CLAIM, None)
             if claim is not None:
                 claim.notify(query, key, attention_mask, kwargs)
+            readers = getattr(module, _READER, None)
+            if readers:  # one per selecting cache open on this module: the one whose forward this is answers
+                for reader in list(readers.values()):
+                    chosen = reader(query, key, value)
+                    if chosen is not None:
+                        key, value, attention_mask = chosen
+                        break
         return kernel(module, query, key, value, attention_mask, *args, **kwargs)
 
     tapped_attention.__wrapped__ = kernel
@@ -150,7 +161,9 @@ def check_untapped(model: torch.nn.Module) -> None:
     registered = ALL_ATTENTION_FUNCTIONS.get(name)
     if name in _installed or any(registered is wrapper for wrapper in _wrappers.values()):
         raise RuntimeError(f"the {name!r} attention kernel is still wrapped by reasonkv's tap")
-    claimed = [i for i, module in enumerate(attention_modules(model)) if hasattr(module, _CLAIM)]
+    claimed = [
+        i for i, module in enumerate(attention_modules(model)) if hasattr(module, _CLAIM) or hasattr(module, _READER)
+    ]
     if claimed:
         raise RuntimeError(f"attention modules of layers {claimed} are still claimed by reasonkv's tap")
 
@@ -199,3 +212,52 @@ class AttentionTap:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class KernelReader:
+    """Let ``reader`` choose what the attention of ``model``'s full-attention layers reads, until :meth:`close`.
+
+    For every attention call of a module in ``layers``, ``reader(layer, query, key, value)`` (post-RoPE query,
+    the cache's whole K/V) returns None (the kernel reads everything) or ``(key, value, mask)``: the K/V the
+    kernel attends to instead and the additive mask over them (``[batch, heads, q, n]``). The model's own
+    kernel still computes the attention. Held weakly, like a tap's listener. A compiled step does not call it.
+    """
+
+    def __init__(self, model: torch.nn.Module, reader: Reader, layers: Iterator[int] | None = None):
+        self.name = attention_implementation(model)
+        if self.name not in ("sdpa", "eager"):
+            raise ValueError(
+                f"a selection policy reads chosen blocks through the sdpa or eager attention kernel; this model "
+                f"runs {self.name!r}: load it with attn_implementation='sdpa'"
+            )
+        modules = attention_modules(model)
+        wanted = set(range(len(modules)) if layers is None else layers)
+        self.modules = {i: m for i, m in enumerate(modules) if m is not None and i in wanted}
+        owner = weakref.ref(reader.__self__) if hasattr(reader, "__self__") else None
+        function = reader.__func__ if owner is not None else reader
+        _acquire(self.name)
+        self._finalizer = weakref.finalize(self, _release, self.name)
+        for layer, module in self.modules.items():
+            if not hasattr(module, _READER):
+                setattr(module, _READER, {})
+            getattr(module, _READER)[id(self)] = _bound_reader(owner, function, layer)
+
+    def close(self) -> None:
+        if not self._finalizer.alive:
+            return
+        for module in self.modules.values():
+            readers = getattr(module, _READER, {})
+            readers.pop(id(self), None)
+            if not readers and hasattr(module, _READER):
+                delattr(module, _READER)
+        self._finalizer()
+
+
+def _bound_reader(owner, function, layer: int):
+    def read(query, key, value):
+        if owner is None:
+            return function(layer, query, key, value)
+        target = owner()
+        return None if target is None else function(target, layer, query, key, value)
+
+    return read

@@ -35,6 +35,7 @@ from reasonkv.policies import (  # noqa: E402, F401  isort: skip
     keydiff,
     knorm,
     lagkv,
+    quest,
     raas,
     random,
     rkv,

@@ -53,7 +53,10 @@ class Policy:
     granularity: ClassVar[Granularity] = "token"
     summary: ClassVar[str] = ""  # one line for listings
     paper: ClassVar[str] = ""  # where the method comes from
-    evicts: ClassVar[bool] = True  # False only for the full cache
+    evicts: ClassVar[bool] = True  # False for the full cache and the selection policies
+    # True for a selection policy (reasonkv.policies.selective): the cache holds every token and each decode
+    # step reads only the blocks the policy chooses, within the budget.
+    selects: ClassVar[bool] = False
     stochastic: ClassVar[bool] = False  # True when the kept set depends on the seed
     # True when feeding n tokens in one forward leaves the policy in the same state as n single steps
     # (lets teacher-forced replays run chunk by chunk between evictions).

@@ -1,0 +1,118 @@
+"""Selection as a cache mode: every token held, each decode step reads the chosen blocks within the budget."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import reasonkv
+from conftest import tiny_llama, tiny_qwen3
+from reasonkv.cache import CacheSpec, EvictingCache
+from reasonkv.hf import Forward, left_pad
+from reasonkv.selection import PooledKeys, pool_keys
+
+LENGTHS = (150, 97, 131)  # a ragged, left-padded batch
+
+
+def _prompts(seed: int = 1) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 90, (n,), generator=generator).tolist() for n in LENGTHS]
+
+
+@pytest.mark.parametrize("policy", ["quest"])
+def test_a_budget_covering_every_block_decodes_as_the_full_cache(policy):
+    model, prompts = tiny_qwen3(layers=3), _prompts()
+    full = reasonkv.generate(model, None, prompts, policy="full", max_new_tokens=140, ignore_eos=True)
+    chosen = reasonkv.generate(model, None, prompts, policy=policy, budget=64 * 8, max_new_tokens=140, ignore_eos=True)
+    for a, b in zip(full, chosen, strict=True):
+        assert a.token_ids == b.token_ids
+        assert b.stats["evictions"] == 0
+        assert b.stats["selection"]["read_fraction"] == 1.0
+
+
+def test_the_oracle_holds_for_logits_step_by_step():
+    """Every decode step's logits equal the full cache's, over a ragged batch and 100 steps crossing blocks."""
+    model, prompts = tiny_llama(layers=3), _prompts(2)
+    ids, mask = left_pad(prompts, 0, "cpu")
+    forward = Forward(model)
+    caches = [
+        EvictingCache(model=model, spec=CacheSpec.build("full")),
+        EvictingCache(model=model, spec=CacheSpec.build("quest", 64 * 6, block_size=32)),
+    ]
+    with torch.inference_mode():
+        logits = [forward(ids, c, attention_mask=mask).logits[:, -1] for c in caches]
+        for _ in range(100):
+            torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=2e-6)
+            token = logits[0].argmax(-1, keepdim=True)
+            mask = torch.cat([mask, torch.ones_like(token)], dim=1)
+            logits = [forward(token, c, attention_mask=mask).logits[:, -1] for c in caches]
+    for c in caches:
+        c.detach()
+
+
+def test_a_small_budget_reads_less_and_holds_everything():
+    model, prompts = tiny_llama(layers=3), _prompts(3)
+    out = reasonkv.generate(
+        model, None, prompts, policy="quest", budget=64, block_size=16, max_new_tokens=120, ignore_eos=True
+    )
+    for row, result in zip(prompts, out, strict=True):
+        stats = result.stats["selection"]
+        assert result.stats["evictions"] == 0
+        assert result.stats["peak_row_tokens"] == len(row) + 119  # every token held
+        # Each (layer, kv-head) reads at most 64 tokens a step: 3 layers x 2 kv-heads, K and V of 16 float32 each.
+        assert 0 < stats["kv_bytes_read_per_step"] <= 3 * 2 * 64 * (2 * 16 * 4)
+        assert stats["kv_bytes_full_read_per_step"] > 2 * stats["kv_bytes_read_per_step"]
+        assert 0 < stats["read_fraction"] < 0.5
+
+
+def test_the_pooled_side_cache_equals_pooling_the_full_keys_at_every_step():
+    model, prompts = tiny_qwen3(layers=2), _prompts(4)
+    checked = []
+
+    def check(step, cache):
+        selector = cache.evictor.selector
+        for layer in cache.full_layers:
+            keys = cache.layers[layer].keys
+            positions = cache.layers[layer].positions[:, 0]
+            low, high, total, counts = pool_keys(keys, positions, 16)
+            pooled: PooledKeys = selector.pooled[layer]
+            assert pooled.blocks == low.shape[2]
+            torch.testing.assert_close(pooled.minimum, low, rtol=0, atol=0)
+            torch.testing.assert_close(pooled.maximum, high, rtol=0, atol=0)
+            torch.testing.assert_close(pooled.total, total, rtol=1e-5, atol=1e-5)
+            assert torch.equal(pooled.counts, counts)
+        checked.append(step)
+
+    reasonkv.generate(
+        model,
+        None,
+        prompts,
+        policy="quest",
+        budget=64,
+        block_size=16,
+        max_new_tokens=60,
+        ignore_eos=True,
+        on_step=check,
+    )
+    assert checked == list(range(60))
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (dict(budget=32), "at least one block"),
+        (dict(budget=None), "needs a budget"),
+        (dict(budget=256, sinks=4), "sinks=4"),
+        (dict(budget=256, quantized=64), "no quantized tier"),
+        (dict(budget=256, block_size=0), "block_size"),
+    ],
+)
+def test_bad_settings_are_refused_with_the_value_and_what_is_allowed(options, message):
+    with pytest.raises(ValueError, match=message):
+        CacheSpec.build("quest", **options)
+
+
+def test_a_compiled_decode_is_refused():
+    model = tiny_llama(layers=2)
+    with pytest.raises(ValueError, match="compile"):
+        reasonkv.generate(model, None, [[5, 6, 7]], policy="quest", budget=64, max_new_tokens=3, compile=True)
