@@ -64,12 +64,23 @@ AttentionInterface.register("oracle_masked", _masked_attention)
 
 @torch.inference_mode()
 def run_and_check(
-    model, policy: str, prompt: list[int], *, budget: int, buffer: int, steps: int, atol=1e-4, compiled=None, **kw
+    model,
+    policy: str,
+    prompt: list[int],
+    *,
+    budget: int,
+    buffer: int,
+    steps: int,
+    atol=1e-4,
+    compiled=None,
+    slot_bound: int | None = None,
+    **kw,
 ):
     """Decode greedily with eviction, then check every step's logits against the masked reference.
 
     ``compiled``: a ``torch.compile`` backend to run the decode steps with, as compiled steps over the cache's
-    fixed-shape layout (:class:`reasonkv.generation.compiled.CompiledDecode`). Returns the evicting cache.
+    fixed-shape layout (:class:`reasonkv.generation.compiled.CompiledDecode`). ``slot_bound``: the most slots the
+    cache may hold (default ``K + B + Q``; an allocation's widest head holds more). Returns the evicting cache.
     """
     num_layers = model.config.num_hidden_layers
     kinds = layer_kinds(model)
@@ -85,7 +96,8 @@ def run_and_check(
     decode = None if compiled is None else CompiledDecode(model, cache, backend=compiled)
     out = model(input_ids=torch.tensor([tokens]), use_cache=True, **{key: cache})
     logits.append(out.logits[0, -1])
-    slot_bound = budget + buffer + cache.quantized
+    if slot_bound is None:
+        slot_bound = budget + buffer + cache.quantized
     for _ in range(steps):
         assert cache.slots <= max(slot_bound, len(prompt)), cache.slots
         held_before.append({layer: cache.positions(layer)[0].clone() for layer in full})

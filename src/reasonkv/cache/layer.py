@@ -155,12 +155,17 @@ class EvictingLayer(CacheLayerMixin):
         positions = self._positions.index_select(0, rows).gather(2, at)
         return take_row_slots(self._keys, rows, at), take_row_slots(self._values, rows, at), positions
 
-    def compact_rows(self, rows: torch.Tensor, keep: torch.Tensor, length: int) -> None:
+    def compact_rows(
+        self, rows: torch.Tensor, keep: torch.Tensor, length: int, holes: torch.Tensor | None = None
+    ) -> None:
         """Rows ``rows`` ``[n]`` keep their slots ``keep`` ``[n, heads, k]`` (in the order given), right-aligned
         in views of ``length`` slots that end where the current ones end; the other rows are not touched
-        (their tokens must fit in the last ``length`` slots)."""
+        (their tokens must fit in the last ``length`` slots). ``holes`` ``[n, heads, k]``: entries that keep no
+        token (a head keeping fewer than ``k`` under an allocation): their slots get position -1."""
         end, k = self.start + self.length, keep.shape[-1]
         keys, values, positions = self.read_rows(rows, keep)
+        if holes is not None:
+            positions = positions.masked_fill(holes, -1)
         target = torch.arange(end - k, end, device=keep.device).expand_as(keep)
         put_row_slots(self._keys, rows, target, keys)
         put_row_slots(self._values, rows, target, values)

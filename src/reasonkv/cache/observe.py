@@ -167,7 +167,7 @@ class Observer:
             sums = attention.column_sums(
                 query,
                 key,
-                self.cache.valid,
+                self.cache.key_valid(layer),
                 step.input_valid,
                 recorded.scalings[layer],
                 softcap=recorded.softcaps.get(layer),
@@ -209,6 +209,8 @@ class Observer:
                     seen = visible[:, start : start + step]
                     logits = attention.grouped_logits(part, keys, scaling, softcap).view(b, hq, part.shape[2], slots)
                     hidden = seen[..., unmasked:].unsqueeze(1)
+                    if self.cache.allocated:  # heads hold padding of their own
+                        hidden = hidden & attention.key_mask(self.cache.key_valid(layer)[..., unmasked:], hq)
                     rows = attention.masked_softmax_(logits, hidden, sinks, start=unmasked)
                     sums = rows.sum(2) if self.needs.attention_sum else None
                     chunk_rows = rows if self.needs.attention_last else None

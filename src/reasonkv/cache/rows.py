@@ -36,7 +36,18 @@ class RowState:
     def __init__(self, trigger: int | None, slack: int = 0):
         self.trigger, self.slack = trigger, slack
         self.expected_tokens: int | None = None  # the most tokens a row can reach, when known (see reserve)
+        # Under an allocation (heads keeping different counts): the new tokens between two evictions and the
+        # most a head keeps; see allocate.
+        self.every: int | None = None
+        self.widest: int | None = None
         self.clear()
+
+    def allocate(self, first: int, every: int, widest: int) -> None:
+        """Heads keep different numbers of tokens: a row is first due at ``first`` tokens (its smallest head's
+        budget + B), then whenever ``every`` (B) new tokens followed its last eviction, so that each head holds at
+        most what it kept + B; a head keeps at most ``widest`` (capacity is sized for ``widest + B``). The slots
+        are the widest head's: a head keeping fewer has padding (position -1) in its first slots."""
+        self.trigger, self.every, self.widest = first, every, widest
 
     def clear(self) -> None:
         """Forget the stored generation."""
@@ -54,6 +65,7 @@ class RowState:
         self.decoded = False  # whether a single-token step followed the first forward
         self.announced: tuple[int, torch.Tensor] | None = None  # (q, positions [batch, q]) of the next forward
         self.step_positions: torch.Tensor | None = None  # [batch, q] positions of the forward in progress
+        self.row_due: torch.Tensor | None = None  # [batch] under an allocation: the tokens at which each row is due
 
     @property
     def started(self) -> bool:
@@ -89,7 +101,8 @@ class RowState:
         """Full-precision slots a layer allocates once evicting: ``K + B``, plus ``slack`` in a ragged batch."""
         if self.trigger is None:
             return None
-        return self.trigger + (self.slack if self.ragged else 0)
+        most = self.trigger if self.widest is None else self.widest + self.every
+        return most + (self.slack if self.ragged else 0)
 
     # ------------------------------------------------------------------ a forward pass
     def announce(
@@ -168,7 +181,7 @@ class RowState:
         if self.trigger is None or not self.started or self.longest < self.trigger:
             return None
         held = self.full_valid().sum(-1)
-        due = torch.nonzero(held >= self.trigger).flatten()
+        due = torch.nonzero(held >= self._due_at()).flatten()
         if due.numel() == 0:
             self.longest = int(held.max())
             return None
@@ -177,7 +190,12 @@ class RowState:
     def until_due(self) -> torch.Tensor:
         """``[batch]``: tokens each row may still take before its eviction is due (``K + B`` minus the
         full-precision tokens it holds; quantized ones do not count)."""
-        return self.trigger - self.full_valid().sum(-1)
+        return self._due_at() - self.full_valid().sum(-1)
+
+    def _due_at(self) -> int | torch.Tensor:
+        """The full-precision tokens at which a row is due: ``K + B``, or per row under an allocation (the
+        trigger is then a lower bound of every row's, which the host-side checks use)."""
+        return self.trigger if self.row_due is None else self.row_due
 
     def holey_rows(self) -> torch.Tensor:
         """``[batch]``: rows with padding after their first real full-precision slot (rows fed padding after
@@ -196,6 +214,11 @@ class RowState:
         self.slots, self.low_width = total, width
         self.longest = full_valid.shape[1]
         self.row_evictions[rows] += 1
+        if self.every is not None:  # due again after `every` new tokens; heads keeping fewer hold padding
+            if self.row_due is None:
+                self.row_due = torch.full_like(self.row_evictions, self.trigger)
+            self.row_due[rows] = full_valid.shape[1] + self.every
+            self.maybe_padded = True
         if rows.numel() < self.buffer.shape[0]:  # host-known: this eviction left rows out
             self.ragged = self.maybe_padded = True
 

@@ -92,6 +92,7 @@ class KVStorage(Cache):
         self.workspace = DequantizeBuffer()  # the K/V of a layer with a tier, assembled for its attention
         self._after_evictions: dict[str, torch.Tensor] | None = None  # per row: bytes summed after its evictions
         self.window: WindowValidity | None = None  # the sliding-window layers' padding, if any
+        self.allocated = False  # heads keep different numbers of tokens (see allocate)
         if model is not None:
             super().__init__(layers=self._layers_of(model))
             if quantized:
@@ -359,6 +360,48 @@ class KVStorage(Cache):
             )
         self.begin_forward(batch, q, None, device)  # storage without eviction: every token is real
 
+    # ------------------------------------------------------------------ allocations
+    def allocate(self, first: int, widest: int) -> None:
+        """Heads keep different numbers of tokens (an allocation, :mod:`reasonkv.cache.allocation`): a row is
+        first due at ``first`` tokens, then every ``B`` new tokens; a head keeps at most ``widest``. The slots
+        are the widest head's: a head keeping fewer holds padding (position ``-1``) in its first slots, which
+        :meth:`head_mask` hides from the attention kernel and :meth:`key_valid` from recomputed attention."""
+        if self.quantized:
+            raise ValueError("an allocation cannot be combined with a quantized tier")
+        if self.window is not None:
+            raise ValueError("an allocation is not supported on hybrid models (sliding-window layers) yet")
+        self.allocated = True
+        self.rows.allocate(first, self.buffer, widest)
+
+    def key_valid(self, layer_idx: int) -> torch.Tensor:
+        """Which stored keys of a layer are real: ``[batch, slots]`` (every head alike), or ``[batch, kv_heads,
+        slots]`` under an allocation (a head keeping fewer has padding of its own)."""
+        if not self.allocated:
+            return self.valid
+        return self.valid.unsqueeze(1) & (self.layers[layer_idx].positions >= 0)
+
+    def head_mask(self, layer_idx: int, query: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The additive attention mask of one evicting layer's forward under an allocation, ``[batch, heads,
+        q, slots]`` (``0`` visible, the dtype's lowest number hidden): query ``i`` (the ``i``-th of the ``q``
+        new slots) sees the real slots up to its own, each head its own. Built from the layer's positions
+        (``-1``: padding of the row, of the head, or an incoming padding token), read after the forward's
+        write; a padding query's row hides everything, and the kernel's softmax over the lowest number stays
+        finite there."""
+        positions = self.layers[layer_idx].positions  # [batch, kv_heads, slots], the new tokens last
+        batch, kv_heads, slots = positions.shape
+        q, heads = query.shape[2], query.shape[1]
+        newest = slots - q + torch.arange(q, device=positions.device)
+        causal = torch.arange(slots, device=positions.device).view(1, -1) <= newest.view(-1, 1)  # [q, slots]
+        held = (positions >= 0).repeat_interleave(heads // kv_heads, dim=1)  # [batch, heads, slots]
+        visible = held.unsqueeze(2) & causal
+        return torch.zeros(visible.shape, dtype=dtype, device=positions.device).masked_fill_(
+            ~visible, torch.finfo(dtype).min
+        )
+
+    def head_counts(self, layer_idx: int) -> torch.Tensor:
+        """``[batch, kv_heads]``: the real tokens each head of a layer holds."""
+        return (self.layers[layer_idx].positions >= 0).sum(-1)
+
     # ------------------------------------------------------------------ eviction
     def compact(
         self,
@@ -368,6 +411,9 @@ class KVStorage(Cache):
     ) -> None:
         """Shrink ``rows`` (distinct, ascending) to the slots in ``keep`` (one ``[len(rows), kv_heads, K]``
         tensor per layer, ascending).
+
+        Under an allocation a head keeping fewer than the others names ``-1`` in its first entries (no token):
+        its first slots hold padding (position ``-1``) afterwards.
 
         Rows not listed keep every real token and are not rewritten (unless they hold padding between
         their tokens: rows fed padding after they finished are right-aligned again). Afterwards every row
@@ -410,7 +456,11 @@ class KVStorage(Cache):
         new_valid[rows] = torch.arange(new_slots, device=valid.device) >= new_slots - k
         layers = [self.layers[i] for i in self.full_layers]
         for layer, layer_keep in zip(layers, keep, strict=True):
-            layer.compact_rows(rows, layer_keep.to(valid.device), new_slots)
+            layer_keep = layer_keep.to(valid.device)
+            if self.allocated:  # -1: a head keeping fewer; its slot is read (any will do) and marked padding
+                layer.compact_rows(rows, layer_keep.clamp(min=0), new_slots, holes=layer_keep < 0)
+                continue
+            layer.compact_rows(rows, layer_keep, new_slots)
         if any_holey:  # right-align them: their padding first, then their tokens in order
             again = holey.nonzero().flatten()
             order = torch.sort(valid[again].to(torch.int8), dim=-1, stable=True).indices[:, slots - new_slots :]

@@ -21,6 +21,7 @@ __all__ = [
     "column_sums",
     "grouped_logits",
     "grouped_sinks",
+    "key_mask",
     "masked_softmax_",
     "newest_row",
     "window_attention",
@@ -73,6 +74,14 @@ def masked_softmax_(
     return torch.cat([logits, sink], dim=-1).softmax(-1)[..., :-1]
 
 
+def key_mask(key_valid: torch.Tensor, heads: int) -> torch.Tensor:
+    """``key_valid`` ``[B, S]`` (every head alike) or ``[B, Hkv, S]`` (per kv head) as a mask broadcasting
+    against ``[B, Hq, q, S]``."""
+    if key_valid.dim() == 2:
+        return key_valid.view(key_valid.shape[0], 1, 1, key_valid.shape[1])
+    return key_valid.repeat_interleave(heads // key_valid.shape[1], dim=1).unsqueeze(2)
+
+
 def window_attention(
     queries: torch.Tensor,
     query_positions: torch.Tensor,
@@ -87,7 +96,8 @@ def window_attention(
     """Attention of recorded queries over the stored keys, ``[B, Hq, w, S]`` probabilities.
 
     ``query_positions``/``query_valid`` are ``[B, w]``; ``key_positions`` ``[B, Hkv, S]`` and
-    ``key_valid`` ``[B, S]``. A query sees the keys at or before its own logical position (causal);
+    ``key_valid`` ``[B, S]``; a key at a negative position (a head's own padding) is not seen either.
+    A query sees the keys at or before its own logical position (causal);
     rows of padding queries are 0. ``softcap`` and ``sinks`` (``[Hq]``) as the model's kernel uses them.
     """
     b, hq, w, _ = queries.shape
@@ -95,6 +105,7 @@ def window_attention(
     logits = grouped_logits(queries, keys, scaling, softcap)
     visible = key_positions.view(b, hkv, 1, 1, s) <= query_positions.view(b, 1, 1, w, 1)
     visible = visible & key_valid.view(b, 1, 1, 1, s) & query_valid.view(b, 1, 1, w, 1)
+    visible = visible & (key_positions >= 0).view(b, hkv, 1, 1, s)
     sink = None if sinks is None else grouped_sinks(sinks, hkv)
     return masked_softmax_(logits, visible, sink).view(b, hq, w, s)
 
@@ -131,7 +142,8 @@ def column_sums(
     """Attention each stored key received from the ``q`` queries of one forward, summed: ``[B, Hq, S]``.
 
     The queries are the newest ``q`` slots (query ``i`` sits at slot ``S - q + i`` and sees the slots
-    up to its own, causal); padding queries (``query_valid`` ``[B, q]`` False) add nothing. Built
+    up to its own, causal); padding queries (``query_valid`` ``[B, q]`` False) add nothing. ``key_valid``
+    is ``[B, S]``, or ``[B, Hkv, S]`` when heads hold padding of their own. Built
     ``chunk_elements`` logits at a time, so memory stays ``O(chunk)``, never ``O(q x S)`` at once.
     ``softcap`` and ``sinks`` (``[Hq]``) as the model's kernel uses them.
     """
@@ -149,7 +161,7 @@ def column_sums(
         logits = grouped_logits(part, keys[:, :, :seen], scaling, softcap).view(b, hq, c, seen)
         query_slot = s - q + start + torch.arange(c, device=queries.device)
         visible = slot[:seen].view(1, 1, 1, seen) <= query_slot.view(1, 1, c, 1)
-        visible = visible & key_valid[:, :seen].view(b, 1, 1, seen)
+        visible = visible & key_mask(key_valid[..., :seen], hq)
         probs = masked_softmax_(logits, visible, sink).mul_(query_valid[:, start : start + c].view(b, 1, c, 1))
         total[..., :seen] += probs.sum(2)
     return total

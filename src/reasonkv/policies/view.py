@@ -39,6 +39,7 @@ class EvictionView:
         self.info = info
         self.layer = layer
         self.budget: int = cache.budget
+        self.layer_budgets: dict[int, int] | None = None  # per layer under an allocation (see at)
         self._attended: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # ``rows`` are distinct and sorted (as ``nonzero`` gives them), so as many as the batch are all of it.
         self._all_rows = rows.numel() == cache.valid.shape[0]
@@ -47,6 +48,8 @@ class EvictionView:
         """The same eviction, seen from one layer (head-granularity scoring)."""
         view = copy.copy(self)
         view.layer = layer
+        if self.layer_budgets is not None:  # an allocation: the mean budget of this layer's heads
+            view.budget = self.layer_budgets[layer]
         view._attended = {}  # this layer's dequantized K/V live as long as its view
         return view
 
@@ -102,8 +105,13 @@ class EvictionView:
         return self.token_positions() if self.layer is None else self.positions()
 
     def valid_mask(self) -> torch.Tensor:
-        """``valid`` shaped to broadcast against this view's scores."""
-        return self.valid if self.layer is None else self.valid.unsqueeze(1)
+        """``valid`` shaped to broadcast against this view's scores (per head when heads hold padding of their
+        own: a cache whose ``allocated`` is true)."""
+        if self.layer is None:
+            return self.valid
+        if getattr(self.cache, "allocated", False):
+            return self.valid.unsqueeze(1) & (self.positions() >= 0)
+        return self.valid.unsqueeze(1)
 
     @property
     def newest(self) -> torch.Tensor:

@@ -1,0 +1,149 @@
+"""Eviction under an allocation: the policy ranks, the allocation decides how many each head keeps.
+
+The oracle holds (each head attends to exactly what it holds), every registered policy runs under every
+allocation, each head holds at most its budget + B, the layer totals are the uniform cache's, the adaptive
+split with alpha = 1 is today's uniform cache bit for bit, and batch rows stay independent.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import reasonkv
+from conftest import tiny_llama, tiny_qwen3
+from oracle import run_and_check
+from reasonkv.cache import CacheSpec
+from reasonkv.hf import cache_keyword
+from reasonkv.policies import get_policy, list_policies
+
+PROMPT = [5 + (7 * i) % 80 for i in range(40)]
+STATIC = ("pyramid", "calibrated")
+EVICTING = [name for name in list_policies() if get_policy(name).evicts]
+FAST = ("h2o", "snapkv", "streaming")
+
+
+def _budget(policy: str) -> int:
+    """A budget that leaves room beyond the policy's protected tokens."""
+    p = get_policy(policy)
+    return p.sinks + p.window + 10
+
+
+def _budget_file(tmp_path, layers: int, heads: int, seed: int = 0) -> str:
+    """A lopsided calibrated file: weights drawn at random, one head almost starved."""
+    weights = torch.rand(layers, heads, generator=torch.Generator().manual_seed(seed))
+    weights[0, 0] = 0.0
+    path = tmp_path / f"budgets-{layers}x{heads}.json"
+    path.write_text(json.dumps({"layers": layers, "kv_heads": heads, "weights": weights.tolist()}))
+    return str(path)
+
+
+def _settings(allocation: str, tmp_path, layers: int = 4, heads: int = 2) -> dict:
+    if allocation == "calibrated":
+        return {"allocation": allocation, "budgets_file": _budget_file(tmp_path, layers, heads)}
+    return {"allocation": allocation}
+
+
+def _policies(fast):
+    return [p if p in fast else pytest.param(p, marks=pytest.mark.slow) for p in EVICTING]
+
+
+@pytest.mark.parametrize("allocation", ["pyramid", "adaptive", "calibrated"])
+@pytest.mark.parametrize("policy", _policies(FAST))
+def test_every_policy_attends_to_what_each_head_holds(policy, allocation, tmp_path):
+    """The oracle, for every registered policy under every allocation: the logits of each step equal the full
+    model's with every (layer, head) masked to the positions it held."""
+    model = tiny_llama(layers=4)
+    budget = _budget(policy)
+    prompt = PROMPT + PROMPT[: budget // 2]
+    cache = run_and_check(
+        model,
+        policy,
+        prompt,
+        budget=budget,
+        buffer=6,
+        steps=30,
+        slot_bound=10 * budget,
+        seed=3,
+        **_settings(allocation, tmp_path),
+    )
+    assert cache.evictions >= 4
+
+
+@pytest.mark.parametrize("allocation", ["pyramid", "adaptive", "calibrated"])
+def test_heads_hold_at_most_their_budget_plus_b_and_the_totals_are_uniforms(allocation, tmp_path):
+    model = tiny_qwen3(layers=5, kv_heads=2, heads=4)
+    budget, buffer = 14, 5
+    spec = CacheSpec.build("snapkv", budget, buffer, window=3, seed=1, **_settings(allocation, tmp_path, 5, 2))
+    table = spec.budget_table(5, 2)
+    assert int(table.sum()) == budget * 5 * 2
+    key = cache_keyword(model)
+    kept: torch.Tensor | None = None  # [layers, heads] right after the last eviction
+    evictions, distinct = 0, set()
+    with reasonkv.EvictingCache(spec=spec, model=model) as cache:
+        out = model(input_ids=torch.tensor([PROMPT]), use_cache=True, **{key: cache})
+        for _ in range(60):
+            counts = torch.stack([cache.head_counts(layer)[0] for layer in cache.full_layers])
+            if cache.evictions > evictions:  # an eviction just ran: the layer totals are the uniform cache's
+                evictions, kept = cache.evictions, counts
+                distinct.add(tuple(counts.flatten().tolist()))
+                if allocation == "adaptive":
+                    assert counts.sum(1).tolist() == [budget * 2] * 5
+                    assert int(counts.min()) >= 3  # the floor: ceil(0.2 x 14)
+                else:
+                    assert torch.equal(counts, table)
+            limit = (table if kept is None or allocation != "adaptive" else kept) + buffer
+            assert bool((counts <= limit).all()), (counts, limit)
+            token = out.logits[:, -1:].argmax(-1)
+            out = model(input_ids=token, use_cache=True, **{key: cache})
+    assert evictions >= 8
+    if allocation != "adaptive":
+        assert len(distinct) == 1
+    # The storage pads every head to the widest one: what it allocates is measured, not computed.
+    assert cache.kv_bytes() >= 2 * 5 * 2 * (int(table.max()) + buffer) * 8 * 4
+
+
+@pytest.mark.parametrize("policy", ["h2o", "snapkv", "vase-attnv", "epikv", "random", "triattention"])
+def test_adaptive_with_alpha_one_is_the_uniform_cache_bit_for_bit(policy):
+    """alpha = 1: every head's floor is K, so the adaptive split is today's uniform cache exactly."""
+    model = tiny_llama(layers=3)
+    budget = _budget(policy)
+    prompt = PROMPT + PROMPT[: budget // 2]
+    runs = []
+    for settings in ({}, {"allocation": "adaptive", "adaptive_alpha": 1.0}):
+        spec = CacheSpec.build(policy, budget, 5, seed=7, **settings)
+        [result] = reasonkv.generate(model, None, [prompt], spec=spec, max_new_tokens=40, chat=False, ignore_eos=True)
+        runs.append(result)
+    assert runs[0].token_ids == runs[1].token_ids
+    assert runs[0].stats["evictions"] == runs[1].stats["evictions"] > 3
+
+
+def test_adaptive_at_a_budget_covering_everything_is_the_full_cache():
+    model = tiny_llama(layers=3)
+    full = reasonkv.generate(model, None, [PROMPT], max_new_tokens=30, chat=False, ignore_eos=True)[0]
+    spec = CacheSpec.build("snapkv", len(PROMPT) + 30, 8, window=4, allocation="adaptive")
+    ours = reasonkv.generate(model, None, [PROMPT], spec=spec, max_new_tokens=30, chat=False, ignore_eos=True)[0]
+    assert ours.token_ids == full.token_ids and ours.stats["evictions"] == 0
+
+
+@pytest.mark.parametrize("allocation", ["pyramid", "adaptive"])
+def test_batch_rows_of_different_lengths_stay_independent(allocation):
+    model = tiny_llama(layers=3)
+    prompts = [PROMPT, PROMPT[5:29], PROMPT[11:]]
+    spec = CacheSpec.build("snapkv", 16, 5, window=3, seed=[1, 2, 3], allocation=allocation)
+    kwargs = dict(max_new_tokens=40, chat=False, ignore_eos=True)
+    together = reasonkv.generate(model, None, prompts, spec=spec, **kwargs)
+    for index, (prompt, row) in enumerate(zip(prompts, together, strict=True)):
+        alone_spec = spec.replace(seed=spec.seed[index])
+        [alone] = reasonkv.generate(model, None, [prompt], spec=alone_spec, **kwargs)
+        assert row.token_ids == alone.token_ids, index
+        assert row.stats["evictions"] == alone.stats["evictions"] > 3
+
+
+def test_an_allocation_refuses_what_it_cannot_hold():
+    model = tiny_llama(layers=2)
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="through the sdpa or eager attention kernel"):
+        reasonkv.EvictingCache(12, 4, model=model, policy="h2o", allocation="pyramid")
