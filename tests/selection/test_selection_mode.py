@@ -19,6 +19,7 @@ def _prompts(seed: int = 1) -> list[list[int]]:
     return [torch.randint(3, 90, (n,), generator=generator).tolist() for n in LENGTHS]
 
 
+@pytest.mark.slow  # the step-by-step logits oracle below is the fast representative
 @pytest.mark.parametrize("policy", ["quest"])
 def test_a_budget_covering_every_block_decodes_as_the_full_cache(policy):
     model, prompts = tiny_qwen3(layers=3), _prompts()
@@ -53,12 +54,12 @@ def test_the_oracle_holds_for_logits_step_by_step():
 def test_a_small_budget_reads_less_and_holds_everything():
     model, prompts = tiny_llama(layers=3), _prompts(3)
     out = reasonkv.generate(
-        model, None, prompts, policy="quest", budget=64, block_size=16, max_new_tokens=120, ignore_eos=True
+        model, None, prompts, policy="quest", budget=64, block_size=16, max_new_tokens=80, ignore_eos=True
     )
     for row, result in zip(prompts, out, strict=True):
         stats = result.stats["selection"]
         assert result.stats["evictions"] == 0
-        assert result.stats["peak_row_tokens"] == len(row) + 119  # every token held
+        assert result.stats["peak_row_tokens"] == len(row) + 79  # every token held
         # Each (layer, kv-head) reads at most 64 tokens a step: 3 layers x 2 kv-heads, K and V of 16 float32 each.
         assert 0 < stats["kv_bytes_read_per_step"] <= 3 * 2 * 64 * (2 * 16 * 4)
         assert stats["kv_bytes_full_read_per_step"] > 2 * stats["kv_bytes_read_per_step"]

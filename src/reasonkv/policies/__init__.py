@@ -39,6 +39,7 @@ from reasonkv.policies import (  # noqa: E402, F401  isort: skip
     raas,
     random,
     rkv,
+    seer,
     snapkv,
     streaming,
     thinkv,

@@ -1,0 +1,250 @@
+"""``reasonkv calibrate --gates``: train SeerAttention-R's gate for a model by self-distillation.
+
+:class:`GatesSettings` says which model, which problems (the model answers them itself: its own
+reasoning traces, greedy, full cache), how long to train and where to write; :func:`run_gates` generates
+the traces, runs the frozen model once over each to take every full-attention layer's post-RoPE queries
+and keys from the attention tap (rotated back to pre-RoPE with the model's own rotary tables for the
+gate), builds the targets (:mod:`reasonkv.selection.distill`), trains the gate with a progress bar
+showing the loss, and writes ``gates.pt`` (loaded by ``seer``'s ``gates=FOLDER``) and ``gates.json`` (the
+loss curve, and the recall of the true top blocks on held-out traces: the trained gate, an untrained
+one and Quest's bound) into the ``--out`` folder, beside the model's other calibration files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from reasonkv.calibrate.traces import prompt_ids
+from reasonkv.eval.datasets import load_dataset
+from reasonkv.generation.loop import generate
+from reasonkv.hf import AttentionTap, model_info
+from reasonkv.models import DEFAULT_MODEL, load_model
+from reasonkv.policies.seer import GATE_FILE
+from reasonkv.selection.distill import LayerExample, layer_example, mean_loss, train_gate
+from reasonkv.selection.gate import GateShape, SeerGate
+from reasonkv.selection.gatefile import GateFile, save_gate
+from reasonkv.selection.quest import quest_scores
+from reasonkv.selection.recall import top_block_recall
+
+__all__ = ["GatesSettings", "collect_examples", "gate_recall", "run_gates", "self_traces", "shape_for"]
+
+SUMMARY_FILE = "gates.json"
+
+
+@dataclass(frozen=True, kw_only=True)
+class GatesSettings:
+    """Everything one ``reasonkv calibrate --gates`` run is told.
+
+    Parameters
+    ----------
+    model, dtype, device, attn
+        The model to load (and train the gate for).
+    dataset, traces, held_out, max_new_tokens
+        The model answers the first ``traces + held_out`` problems of ``dataset`` (greedy, up to
+        ``max_new_tokens`` tokens); the gate trains on ``traces`` of them, and its recall is measured on
+        the other ``held_out``.
+    block_size, gate_dim, steps, lr, queries, seed
+        The gate (blocks of ``block_size`` tokens, ``gate_dim`` channels), Adam's ``steps`` (one trace each)
+        at ``lr``, ``queries`` query positions per trace, the seed of the initial weights and the order.
+    out
+        The folder to write ``gates.pt`` and ``gates.json`` into.
+    """
+
+    model: str = DEFAULT_MODEL
+    dtype: str = "fp32"
+    device: str = "cpu"
+    attn: str = "sdpa"
+    dataset: str = "gsm8k"
+    traces: int = 24
+    held_out: int = 4
+    max_new_tokens: int = 384
+    block_size: int = 64
+    gate_dim: int = 32
+    steps: int = 300
+    lr: float = 2e-3
+    queries: int = 128
+    seed: int = 0
+    progress: bool = True
+    out: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "model", os.fspath(self.model))
+        object.__setattr__(self, "out", Path(self.out))
+        for name in ("traces", "max_new_tokens", "block_size", "gate_dim", "steps", "queries"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if isinstance(self.held_out, bool) or not isinstance(self.held_out, int) or self.held_out < 0:
+            raise ValueError(f"held_out must be a non-negative integer, got {self.held_out!r}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be positive, got {self.lr!r}")
+        if self.out.exists() and not self.out.is_dir():
+            raise ValueError(f"--out {str(self.out)!r} is a file; --gates writes a folder (gates.pt, gates.json)")
+
+    def command(self) -> str:
+        parts = ["reasonkv", "calibrate", "--gates", "--model", self.model, "--dataset", self.dataset]
+        parts += ["--traces", str(self.traces), "--held-out", str(self.held_out)]
+        parts += ["--max-new-tokens", str(self.max_new_tokens), "--gate-steps", str(self.steps)]
+        parts += ["--block-size", str(self.block_size), "--gate-dim", str(self.gate_dim)]
+        return shlex.join([*parts, "--out", str(self.out)])
+
+
+def shape_for(model, *, block_size: int = 64, gate_dim: int = 32) -> GateShape:
+    """The gate shape for ``model``: its layers and heads, RoPE base read from its rotary frequencies."""
+    info = model_info(model)
+    rotary = info.rotary_of(info.full_layers[0], "calibrate --gates")
+    base = 10000.0
+    if len(rotary.inv_freq) > 1:  # inv_freq[f] = base^(-2f / rotary_dim)
+        base = float(rotary.inv_freq[1]) ** (-rotary.rotary_dim / 2)
+    return GateShape(info.num_layers, info.num_heads, info.num_kv_heads, info.head_dim, gate_dim, block_size, base)
+
+
+def self_traces(model, tokenizer, dataset: str, count: int, max_new_tokens: int, batch: int = 8) -> list[list[int]]:
+    """Prompt and greedy answer (full cache) of the first ``count`` problems of ``dataset``, as token ids."""
+    problems = list(load_dataset(dataset))[:count]
+    if len(problems) < count:
+        raise ValueError(f"dataset {dataset!r} has {len(problems)} problems; {count} were asked for")
+    sequences = []
+    for start in tqdm(range(0, count, batch), desc="gates: traces", leave=False):
+        prompts = [prompt_ids(tokenizer, p) for p in problems[start : start + batch]]
+        results = generate(model, tokenizer, prompts, policy="full", max_new_tokens=max_new_tokens)
+        sequences += [p + list(r.token_ids) for p, r in zip(prompts, results, strict=True)]
+    return sequences
+
+
+@torch.no_grad()  # not inference mode: the examples feed a gradient
+def collect_examples(
+    model, sequences: list[list[int]], block_size: int, queries: int, *, quest: bool = False
+) -> list[list[LayerExample]]:
+    """Per sequence, one :class:`LayerExample` per full-attention layer (the frozen model run once over it).
+    ``queries`` positions per sequence, evenly spread from the second block to the end. With ``quest``,
+    each example also keeps the post-RoPE queries and key bounds Quest scores with."""
+    info = model_info(model)
+    device = next(model.parameters()).device
+    tables = {layer: info.rotary_of(layer, "calibrate --gates").tables(device) for layer in info.full_layers}
+    captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def listen(layer, query, key, mask, kwargs) -> None:
+        if layer in tables:
+            captured[layer] = (query[0], key[0])
+
+    examples = []
+    tap = AttentionTap(model, listen)
+    try:
+        for ids in sequences:
+            if len(ids) <= block_size:
+                continue
+            captured.clear()
+            model(input_ids=torch.tensor([ids], device=device), use_cache=False)
+            positions = torch.arange(len(ids), device=device)
+            rows = torch.linspace(block_size, len(ids) - 1, min(queries, len(ids) - block_size), device=device)
+            rows = rows.round().long().unique()
+            sequence = []
+            for layer, (query, key) in sorted(captured.items()):
+                before_q = tables[layer].unrotate(query, positions)
+                before_k = tables[layer].unrotate(key, positions)
+                example = layer_example(layer, query, key, before_q, before_k, rows, info.scaling, block_size)
+                if quest:
+                    blocks = example.maximum.shape[1]
+                    pad = blocks * block_size - len(ids)
+                    padded = torch.nn.functional.pad(key.float(), (0, 0, 0, pad), value=float("nan"))
+                    grouped = padded.view(key.shape[0], blocks, block_size, -1)
+                    example.quest = (
+                        query[:, rows].float(),
+                        grouped.nan_to_num(float("inf")).amin(2),
+                        grouped.nan_to_num(float("-inf")).amax(2),
+                    )
+                sequence.append(example)
+            examples.append(sequence)
+    finally:
+        tap.close()
+    return examples
+
+
+@torch.no_grad()
+def gate_recall(gate: SeerGate | None, examples: list[list[LayerExample]], k: int) -> float:
+    """Mean recall of the true top ``k`` blocks over every layer and held-out query, by the gate's logits
+    (None: Quest's bound, from the examples' ``quest`` tensors)."""
+    total, count = 0.0, 0
+    for sequence in examples:
+        for e in sequence:
+            if gate is None:
+                query, low, high = e.quest
+                # quest_scores takes one query per row: the queries go in as the batch.
+                n = query.shape[1]
+                scores = quest_scores(
+                    query.transpose(0, 1),
+                    low.unsqueeze(0).expand(n, -1, -1, -1),
+                    high.unsqueeze(0).expand(n, -1, -1, -1),
+                ).transpose(0, 1)
+            else:
+                gq = gate.gate_queries(e.layer, e.queries.unsqueeze(0), e.positions.unsqueeze(0))
+                gk = gate.gate_keys(e.layer, e.maximum.unsqueeze(0), e.minimum.unsqueeze(0), e.mean.unsqueeze(0))
+                scores = gate.logits(gq, gk)[0]
+            recall, pairs = top_block_recall(scores, e.target, e.visible, k)
+            if pairs:
+                total, count = total + recall * pairs, count + pairs
+    return total / count if count else float("nan")
+
+
+def run_gates(settings: GatesSettings) -> int:
+    """Train and write the gate ``settings`` describe; returns 0."""
+    print(f"loading {settings.model} ({settings.dtype}, {settings.device}, {settings.attn}) ...", file=sys.stderr)
+    model, tokenizer = load_model(
+        settings.model, dtype=settings.dtype, device=settings.device, attn_implementation=settings.attn
+    )
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    count = settings.traces + settings.held_out
+    sequences = self_traces(model, tokenizer, settings.dataset, count, settings.max_new_tokens)
+    train = collect_examples(model, sequences[: settings.traces], settings.block_size, settings.queries)
+    held = collect_examples(model, sequences[settings.traces :], settings.block_size, settings.queries, quest=True)
+    shape = shape_for(model, block_size=settings.block_size, gate_dim=settings.gate_dim)
+    gate = SeerGate(shape, seed=settings.seed).to(settings.device)
+    untrained = SeerGate(shape, seed=settings.seed).to(settings.device)
+    bar = tqdm(total=settings.steps, desc="gates: train", disable=not settings.progress)
+
+    def step(index: int, loss: float) -> None:
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.4f}")
+
+    with torch.enable_grad():
+        losses = train_gate(gate, train, steps=settings.steps, lr=settings.lr, on_step=step, seed=settings.seed)
+    bar.close()
+    recall = {}
+    if held:
+        for k in (1, 3):
+            recall[f"top{k}"] = {
+                "trained": gate_recall(gate, held, k),
+                "untrained": gate_recall(untrained, held, k),
+                "quest": gate_recall(None, held, k),
+            }
+    summary = {
+        "settings": {**asdict(settings), "out": str(settings.out)},
+        "command": settings.command(),
+        "traces": len(train),
+        "held_out": len(held),
+        "trace_tokens": [len(s) for s in sequences],
+        "losses": losses,
+        "held_out_loss": {"trained": mean_loss(gate, held), "untrained": mean_loss(untrained, held)} if held else {},
+        "recall": recall,
+    }
+    training = {"steps": settings.steps, "first_loss": losses[0], "last_loss": losses[-1], "recall": recall}
+    source = f"{settings.dataset}: {len(train)} self-generated traces (greedy, up to {settings.max_new_tokens} tokens)"
+    info = model_info(model)
+    path = save_gate(GateFile(gate.cpu(), settings.model, info.fingerprint, source, training), settings.out / GATE_FILE)
+    (settings.out / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    print(
+        f"calibrate --gates: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {settings.steps} steps on {len(train)} "
+        f"traces; recall of the top 3 blocks on {len(held)} held-out traces: {recall.get('top3')}; wrote {path}",
+        file=sys.stderr,
+    )
+    return 0

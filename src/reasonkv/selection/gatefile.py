@@ -1,0 +1,105 @@
+"""The gate file: a trained :class:`~reasonkv.selection.gate.SeerGate` and what it was trained for.
+
+A ``.pt`` file of plain tensors and numbers (read with ``weights_only=True``): the gate's shape (layers,
+query and kv heads, head_dim, gate_dim, block_size, RoPE base), the model's name and weights
+fingerprint, what it was trained on, and each layer's query and key projections. Loading checks the
+format; :func:`check_gate` checks it against the model it is used with: a gate for another shape is
+refused with the counts that differ, one from other weights by the fingerprint.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from reasonkv.selection.gate import GateShape, SeerGate
+
+__all__ = ["FORMAT", "GateFile", "check_gate", "load_gate", "save_gate"]
+
+FORMAT, VERSION = "reasonkv-seer-gate", 1
+
+
+@dataclass
+class GateFile:
+    """A gate and its provenance."""
+
+    gate: SeerGate
+    model: str = ""
+    fingerprint: str = ""
+    source: str = ""
+    training: dict = field(default_factory=dict)  # steps, final loss, ...
+
+
+def save_gate(gate_file: GateFile, path: str | os.PathLike[str]) -> Path:
+    """Write ``gate_file`` to ``path`` (weights as float16: a gate is a selector, not the model)."""
+    gate = gate_file.gate
+    payload = {
+        "format": FORMAT,
+        "version": VERSION,
+        "shape": gate.shape.as_dict(),
+        "model": gate_file.model,
+        "fingerprint": gate_file.fingerprint,
+        "source": gate_file.source,
+        "training": dict(gate_file.training),
+        "query": [w.detach().to(torch.float16).cpu().contiguous() for w in gate.query],
+        "key": [w.detach().to(torch.float16).cpu().contiguous() for w in gate.key],
+    }
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(payload, os.fspath(path))
+    return path
+
+
+def load_gate(path: str | os.PathLike[str]) -> GateFile:
+    """Read a file :func:`save_gate` wrote; ``ValueError`` naming the path for anything else."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"gate file {path!r} does not exist (train one: reasonkv calibrate --gates)")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # any unreadable file: pickle, zip or torch errors alike
+        raise ValueError(f"{path!r} is not a gate file: {error}") from None
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise ValueError(f"{path!r} is not a gate file (reasonkv calibrate --gates writes them)")
+    if payload.get("version") != VERSION:
+        raise ValueError(f"{path!r} has gate file version {payload.get('version')!r}; this reasonkv reads {VERSION}")
+    shape = GateShape(**payload["shape"])
+    gate = SeerGate(shape)
+    if len(payload["query"]) != shape.layers or len(payload["key"]) != shape.layers:
+        raise ValueError(f"{path!r}: {len(payload['query'])} layers of weights for a gate of {shape.layers} layers")
+    with torch.no_grad():
+        for mine, theirs in zip([*gate.query, *gate.key], [*payload["query"], *payload["key"]], strict=True):
+            if mine.shape != theirs.shape:
+                raise ValueError(f"{path!r}: a weight of shape {list(theirs.shape)} where {list(mine.shape)} belongs")
+            mine.copy_(theirs.float())
+    return GateFile(
+        gate, str(payload["model"]), str(payload["fingerprint"]), str(payload["source"]), payload["training"]
+    )
+
+
+def check_gate(gate_file: GateFile, info, who: str, path: str = "") -> None:
+    """``ValueError`` naming ``who`` when the gate was made for another model: its layer, head or head_dim
+    counts differ from ``info`` (a :class:`~reasonkv.policies.contract.ModelInfo`), or its weights do."""
+    where = f" {path!r}" if path else ""
+    shape = gate_file.gate.shape
+    mine = {"layers": shape.layers, "heads": shape.heads, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim}
+    theirs = {
+        "layers": info.num_layers,
+        "heads": info.num_heads,
+        "kv_heads": info.num_kv_heads,
+        "head_dim": info.head_dim,
+    }
+    differ = [f"{name} {mine[name]} (the model has {theirs[name]})" for name in mine if mine[name] != theirs[name]]
+    if differ:
+        raise ValueError(
+            f"{who}: the gate file{where} is for another model ({gate_file.model or 'unnamed'}): " + ", ".join(differ)
+        )
+    if gate_file.fingerprint and info.fingerprint and gate_file.fingerprint != info.fingerprint:
+        raise ValueError(
+            f"{who}: the gate file{where} was trained on other weights ({gate_file.model or 'unnamed'}, fingerprint "
+            f"{gate_file.fingerprint}) than this model's (fingerprint {info.fingerprint}); train this model's with "
+            "reasonkv calibrate --gates"
+        )
