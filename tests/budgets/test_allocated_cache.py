@@ -147,3 +147,13 @@ def test_an_allocation_refuses_what_it_cannot_hold():
     model.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ValueError, match="through the sdpa or eager attention kernel"):
         reasonkv.EvictingCache(12, 4, model=model, policy="h2o", allocation="pyramid")
+
+
+def test_compiled_decode_says_it_runs_eagerly_under_an_allocation():
+    model = tiny_llama(layers=2)
+    spec = CacheSpec.build("snapkv", 16, 5, window=3, allocation="adaptive")
+    kwargs = dict(spec=spec, max_new_tokens=30, chat=False, ignore_eos=True)
+    [compiled] = reasonkv.generate(model, None, [PROMPT], compile=True, **kwargs)
+    [eager] = reasonkv.generate(model, None, [PROMPT], **kwargs)
+    assert "an allocation gives each kv-head its own mask" in compiled.stats["compile"]["eager_reason"]
+    assert compiled.token_ids == eager.token_ids

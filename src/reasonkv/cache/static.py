@@ -30,6 +30,8 @@ def static_blocker(storage: KVStorage) -> str | None:
         return f"a quantized tier (quantized={storage.quantized}) changes shape as it fills"
     if len(storage.full_layers) != len(storage.layers):
         return "the model's sliding-window or linear-attention layers keep caches that change shape"
+    if getattr(storage, "allocated", False):
+        return "an allocation gives each kv-head its own mask through the kernel reader (a compiled step calls none)"
     return None
 
 
