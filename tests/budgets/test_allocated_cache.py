@@ -26,9 +26,9 @@ FAST = ("h2o", "snapkv", "streaming")
 
 
 def _budget(policy: str) -> int:
-    """A budget that leaves room beyond the policy's protected tokens."""
+    """A budget that leaves room beyond the policy's protected tokens (the whole prompt, for one that protects it)."""
     p = get_policy(policy)
-    return p.sinks + p.window + 10
+    return p.sinks + p.window + 10 + (len(PROMPT) if p.protect_prompt else 0)
 
 
 def _budget_file(tmp_path, layers: int, heads: int, seed: int = 0) -> str:
@@ -57,7 +57,7 @@ def test_every_policy_attends_to_what_each_head_holds(policy, allocation, tmp_pa
     model's with every (layer, head) masked to the positions it held."""
     model = tiny_llama(layers=4)
     budget = _budget(policy)
-    prompt = PROMPT + PROMPT[: budget // 2]
+    prompt = PROMPT if get_policy(policy).protect_prompt else PROMPT + PROMPT[: budget // 2]
     cache = run_and_check(
         model,
         policy,
@@ -69,7 +69,7 @@ def test_every_policy_attends_to_what_each_head_holds(policy, allocation, tmp_pa
         seed=3,
         **_settings(allocation, tmp_path),
     )
-    assert cache.evictions >= 4
+    assert cache.evictions >= 2
 
 
 @pytest.mark.parametrize("allocation", ["pyramid", "adaptive", "calibrated"])
