@@ -218,7 +218,7 @@ class Evictor:
             first, widest = spec.budget + spec.buffer, spec.budget * heads - (heads - 1) * floor
         else:
             first, widest = int(self.budgets.min()) + spec.buffer, int(self.budgets.max())
-        cache.allocate(first, widest)
+        cache.allocate(first, widest, ragged=spec.ragged)
         self.head_reader = KernelReader(model, self._head_masked, info.full_layers)
 
     def _head_masked(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):

@@ -73,6 +73,9 @@ class CacheSpec:
     adaptive_alpha
         ``adaptive``: every head keeps at least ``ceil(alpha x K)`` (AdaKV's safeguard, default 0.2;
         1 is the uniform split).
+    ragged
+        Under an allocation: each head holds only what it keeps, in one flat buffer per layer (default), or
+        (False) every head is padded to the widest one in dense buffers, as a comparison.
     """
 
     policy: Policy = field(hash=False)
@@ -85,6 +88,7 @@ class CacheSpec:
     allocation: str = "uniform"
     budgets_file: str | None = None
     adaptive_alpha: float = 0.2
+    ragged: bool = True
 
     def __post_init__(self) -> None:
         # A name is looked up (refused with the valid names if unknown); an instance is taken as given, checked.
@@ -130,6 +134,8 @@ class CacheSpec:
         alpha = self.adaptive_alpha
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
             raise ValueError(f"adaptive_alpha must be a number in [0, 1], got {alpha!r}")
+        if not isinstance(self.ragged, bool):
+            raise ValueError(f"ragged must be True or False, got {self.ragged!r}")
         if budget is None:
             return "uniform"
         if self.allocation != "uniform" and self.quantized:
@@ -155,6 +161,7 @@ class CacheSpec:
         allocation: str = "uniform",
         budgets_file: str | None = None,
         adaptive_alpha: float = 0.2,
+        ragged: bool = True,
         **options: Any,
     ) -> CacheSpec:
         """A spec from the keyword API: ``options`` are the policy's hyper-parameters (``sinks=8``)."""
@@ -169,6 +176,7 @@ class CacheSpec:
             allocation=allocation,
             budgets_file=budgets_file,
             adaptive_alpha=adaptive_alpha,
+            ragged=ragged,
         )
 
     # ------------------------------------------------------------------ derived
@@ -236,8 +244,8 @@ def resolve_spec(spec: CacheSpec | None, /, **keywords: Any) -> CacheSpec:
     """``spec``, or the :class:`CacheSpec` the keyword API describes, never both.
 
     ``keywords`` are ``policy``, ``budget``, ``buffer``, ``quantized``, ``bits``, ``group_size``, ``seed``,
-    ``allocation``, ``budgets_file``, ``adaptive_alpha`` (``None``, and ``quantized=0``, mean "not given") and
-    the policy's options.
+    ``allocation``, ``budgets_file``, ``adaptive_alpha``, ``ragged`` (``None``, and ``quantized=0``, mean "not
+    given") and the policy's options.
     """
     named = (
         "policy",
@@ -250,6 +258,7 @@ def resolve_spec(spec: CacheSpec | None, /, **keywords: Any) -> CacheSpec:
         "allocation",
         "budgets_file",
         "adaptive_alpha",
+        "ragged",
     )
     given = {
         k: v for k, v in keywords.items() if k not in named or (v is not None and not (k == "quantized" and v == 0))

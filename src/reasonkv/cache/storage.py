@@ -43,6 +43,7 @@ from reasonkv.cache.hybrid import WindowValidity, check_layer_kinds
 from reasonkv.cache.layer import EvictingLayer
 from reasonkv.cache.quantize import QuantFormat, default_group_size
 from reasonkv.cache.quantized_tier import DequantizeBuffer, QuantizedTier
+from reasonkv.cache.ragged import RaggedLayer
 from reasonkv.cache.rows import RowState
 from reasonkv.cache.spec import DEFAULT_BUFFER, check_sizes
 from reasonkv.cache.tiers import check_settings
@@ -361,17 +362,27 @@ class KVStorage(Cache):
         self.begin_forward(batch, q, None, device)  # storage without eviction: every token is real
 
     # ------------------------------------------------------------------ allocations
-    def allocate(self, first: int, widest: int) -> None:
+    def allocate(self, first: int, widest: int, *, ragged: bool = True) -> None:
         """Heads keep different numbers of tokens (an allocation, :mod:`reasonkv.cache.allocation`): a row is
         first due at ``first`` tokens, then every ``B`` new tokens; a head keeps at most ``widest``. The slots
         are the widest head's: a head keeping fewer holds padding (position ``-1``) in its first slots, which
-        :meth:`head_mask` hides from the attention kernel and :meth:`key_valid` from recomputed attention."""
+        :meth:`head_mask` hides from the attention kernel and :meth:`key_valid` from recomputed attention.
+        ``ragged``: the evicting layers hold only what each head keeps (:class:`~reasonkv.cache.ragged.RaggedLayer`:
+        the bytes held are the budgets + ``B`` per head); otherwise every head is padded to the widest one in
+        dense buffers. Called before the cache's first forward."""
         if self.quantized:
             raise ValueError("an allocation cannot be combined with a quantized tier")
         if self.window is not None:
             raise ValueError("an allocation is not supported on hybrid models (sliding-window layers) yet")
         self.allocated = True
         self.rows.allocate(first, self.buffer, widest)
+        if not ragged:
+            return
+        for index in self.full_layers:
+            layer = self.layers[index]
+            if layer.is_initialized:
+                raise RuntimeError("allocate before the cache's first forward")
+            self.layers[index] = RaggedLayer(self.rows, layer.unannounced, every=self.buffer)
 
     def key_valid(self, layer_idx: int) -> torch.Tensor:
         """Which stored keys of a layer are real: ``[batch, slots]`` (every head alike), or ``[batch, kv_heads,

@@ -1,0 +1,242 @@
+"""Ragged storage: each kv-head of a row holds only what it keeps, in one flat buffer per layer.
+
+Under an allocation (:mod:`reasonkv.cache.allocation`) the heads of a layer keep different numbers of
+tokens. :class:`RaggedLayer` stores, per layer, ``keys``/``values`` as ``[batch, capacity, head_dim]`` and
+positions as ``[batch, capacity]``: row ``b``'s head ``h`` owns the region ``[begin[b, h], begin[b, h] +
+room[b, h])`` of row ``b``, whose first ``count[b, h]`` entries are its tokens in order (a row's regions
+follow one another from entry 0). After an eviction a head's region holds what it kept plus ``B`` (the
+tokens it will take before the row's next eviction), so the bytes held are the sum of the budgets plus
+``B`` per head: no head is padded to the widest one. A head that outgrows its region (a row fed padding
+after it finished, or a prompt longer than ``K + B``) has every region of the layer laid out again.
+
+Attention reads the layer the way every other part of the cache does: as the dense ``[batch, kv_heads,
+slots, head_dim]`` of the row-level slot axis (:class:`~reasonkv.cache.rows.RowState`), each head's tokens
+right-aligned and its first slots padding (position ``-1``), assembled per read into new tensors. That
+assembled copy is transient (one layer at a time, during its attention or its scoring); the per-head mask
+(:meth:`~reasonkv.cache.storage.KVStorage.head_mask`) hides the padding. On a GPU a varlen kernel
+(FlashAttention's ``flash_attn_varlen_func`` with one sequence per (row, head), or FlexAttention with a block
+mask over the flat buffer) would read the regions in place instead of assembling them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from reasonkv.cache.layer import EvictingLayer
+
+__all__ = ["RaggedLayer"]
+
+
+class RaggedLayer(EvictingLayer):
+    """An evicting layer whose heads hold different numbers of tokens in one flat buffer (see the module).
+
+    ``every`` is ``B``: the room each head gets beyond what it keeps (its tokens until the row's next eviction).
+    """
+
+    def __init__(self, rows, unannounced, tier_format=None, workspace=None, *, every: int = 0):
+        self.every = every
+        super().__init__(rows, unannounced, tier_format, workspace)
+        self.begin: torch.Tensor | None = None  # [batch, kv_heads]: each head's first entry in its row
+        self.room: torch.Tensor | None = None  # [batch, kv_heads]: entries each head's region holds
+        self.count: torch.Tensor | None = None  # [batch, kv_heads]: entries each head uses (its tokens)
+        self.spare = 0  # host-known: the fewest free entries of any head's region
+        self._dense: tuple[torch.Tensor, torch.Tensor] | None = None  # the dense read's index, until a write
+
+    # The base class sets these as attributes; here they are assembled from the flat buffers.
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return None if self._keys is None else self._read(self._keys)
+
+    @keys.setter
+    def keys(self, value) -> None:
+        if value is not None:
+            raise AttributeError("a ragged layer's keys are assembled from its regions")
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return None if self._values is None else self._read(self._values)
+
+    @values.setter
+    def values(self, value) -> None:
+        if value is not None:
+            raise AttributeError("a ragged layer's values are assembled from its regions")
+
+    @property
+    def positions(self) -> torch.Tensor | None:
+        if self._positions is None:
+            return None
+        index, held = self._dense_index()
+        batch, heads, slots = index.shape
+        return self._positions.gather(1, index.view(batch, -1)).view(batch, heads, slots).masked_fill(~held, -1)
+
+    @positions.setter
+    def positions(self, value) -> None:
+        if value is not None:
+            raise AttributeError("a ragged layer's positions are assembled from its regions")
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device, self.dtype = key_states.device, key_states.dtype
+        batch, heads, _, dim = key_states.shape
+        self._keys = key_states.new_zeros((batch, 0, dim))
+        self._values = value_states.new_zeros((batch, 0, value_states.shape[-1]))
+        self._positions = torch.full((batch, 0), -1, dtype=torch.long, device=self.device)
+        zeros = torch.zeros((batch, heads), dtype=torch.long, device=self.device)
+        self.begin, self.room, self.count = zeros, zeros.clone(), zeros.clone()
+        self.spare = 0
+        self.is_initialized = True
+
+    @property
+    def capacity(self) -> int:
+        """The slots of the row-level axis (the flat buffers are sized by the regions, not by slots)."""
+        return self.length
+
+    @property
+    def entries(self) -> int:
+        """Entries the flat buffers hold per row (the longest row's regions together)."""
+        return 0 if self._keys is None else self._keys.shape[1]
+
+    def _refresh_views(self) -> None:
+        self._dense = None
+
+    # ------------------------------------------------------------------ reading
+    def _dense_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[batch, kv_heads, slots]``: the flat entry each dense slot reads, and whether it holds one (a head's
+        ``count`` tokens are its last slots)."""
+        if self._dense is None:
+            slots = torch.arange(self.length, device=self.device)
+            offset = slots - (self.length - self.count).unsqueeze(-1)  # [batch, heads, slots]
+            held = offset >= 0
+            self._dense = ((self.begin.unsqueeze(-1) + offset).clamp(min=0), held)
+        return self._dense
+
+    def _read(self, flat: torch.Tensor) -> torch.Tensor:
+        """The dense ``[batch, kv_heads, slots, dim]`` of a flat buffer (a new tensor)."""
+        index, _ = self._dense_index()
+        batch, heads, slots = index.shape
+        first = torch.arange(batch, device=index.device).view(-1, 1, 1) * flat.shape[1]
+        rows = flat.reshape(-1, flat.shape[-1]).index_select(0, (first + index).flatten())
+        return rows.view(batch, heads, slots, flat.shape[-1])
+
+    def read_rows(self, rows: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Keys, values and positions of the dense ``slots`` ``[n, heads, m]`` of ``rows``: a slot before the
+        dense axis (negative) reads a head's earlier entries, as a dense layer reads its buffers before the
+        view; a slot a head holds no token at reads position -1."""
+        count = self.count.index_select(0, rows).unsqueeze(-1)
+        offset = slots - (self.length - count)  # the entry within the head's tokens
+        real = (offset >= 0) & (offset < count)
+        at = self.begin.index_select(0, rows).unsqueeze(-1) + offset.clamp(min=0)
+        flat = (rows.view(-1, 1, 1) * self.entries + at.clamp(max=max(self.entries - 1, 0))).flatten()
+        dim = self._keys.shape[-1]
+        keys = self._keys.reshape(-1, dim).index_select(0, flat).view(*slots.shape, dim)
+        values = self._values.reshape(-1, self._values.shape[-1]).index_select(0, flat).view(*slots.shape, -1)
+        positions = self._positions.reshape(-1).index_select(0, flat).view(slots.shape).masked_fill(~real, -1)
+        return keys, values, positions
+
+    # ------------------------------------------------------------------ writing
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        batch, _, q, _ = key_states.shape
+        if self.rows.opens_step(self.length):
+            if not self.rows.expects(q):
+                self.unannounced(batch, q, key_states.device)
+            self.rows.open_step(q)
+        self.write(key_states, value_states, self.rows.step_positions)
+        return self.keys, self.values
+
+    def write(self, key_states: torch.Tensor, value_states: torch.Tensor, positions: torch.Tensor) -> None:
+        """Append ``q`` tokens to every head of every row (their positions ``[batch, q]``, -1 at padding)."""
+        batch, heads, q, dim = key_states.shape
+        if self.spare < q:
+            self._grow(q)
+        at = self.begin + self.count  # [batch, heads]
+        first = torch.arange(batch, device=at.device).view(-1, 1, 1) * self.entries
+        flat = (first + at.unsqueeze(-1) + torch.arange(q, device=at.device)).flatten()
+        self._keys.view(-1, dim).index_copy_(0, flat, key_states.reshape(-1, dim))
+        self._values.view(-1, value_states.shape[-1]).index_copy_(
+            0, flat, value_states.reshape(-1, value_states.shape[-1])
+        )
+        self._positions.view(-1).index_copy_(0, flat, positions.unsqueeze(1).expand(batch, heads, q).reshape(-1))
+        self.count = self.count + q
+        self.spare -= q
+        self.length += q
+        self._dense = None
+
+    def _grow(self, q: int) -> None:
+        """Lay every region out again with room for ``q`` more tokens and ``B`` (or a quarter) beyond."""
+        if self.length == 0:  # the first write: nothing to move
+            extra = q + self.every
+            room = torch.full_like(self.count, extra)
+            self._place(torch.arange(self.count.shape[0], device=self.device), None, self.count.clone(), room)
+            return
+        slots = torch.arange(self.length, device=self.device).expand(*self.count.shape, -1)
+        everything = torch.arange(self.count.shape[0], device=self.device)
+        kept = self.read_rows(everything, slots)
+        extra = q + max(self.every, self.length // 4)
+        self._place(everything, kept, self.count.clone(), self.count + extra)
+
+    def compact_rows(
+        self, rows: torch.Tensor, keep: torch.Tensor, length: int, holes: torch.Tensor | None = None
+    ) -> None:
+        """Rows ``rows`` keep the dense slots ``keep`` ``[n, heads, k]`` (``holes``: entries that keep nothing,
+        first in a head's list); each head's region is laid out again to hold them plus ``B``. The other rows
+        are not touched; the dense axis becomes ``length`` slots."""
+        keys, values, positions = self.read_rows(rows, keep)
+        if holes is not None:
+            positions = positions.masked_fill(holes, -1)
+        real = positions >= 0
+        k = keep.shape[-1]
+        # A head's tokens run from its first real entry to the end (padding after it, a finished row's, stays).
+        first = torch.where(
+            real.any(-1), real.to(torch.int8).argmax(-1), torch.full_like(real[..., 0], k, dtype=torch.long)
+        )
+        counts = k - first
+        self.length = length
+        self._place(rows, (keys, values, positions), counts, counts + self.every)
+
+    def _place(
+        self,
+        rows: torch.Tensor,
+        kept: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+        counts: torch.Tensor,
+        room: torch.Tensor,
+    ) -> None:
+        """Give ``rows`` regions of ``room`` ``[n, heads]`` entries, one after another from entry 0, and write in
+        each the last ``counts`` of its dense ``kept`` (keys, values ``[n, heads, k, dim]``, positions ``[n,
+        heads, k]``); the buffers grow or shrink to the longest row (two host reads)."""
+        begin = room.cumsum(-1) - room
+        total = self.room.index_copy(0, rows, room).sum(-1)  # every row's regions, these rows' new ones
+        spare = (self.room - self.count).index_copy(0, rows, room - counts)
+        entries, fewest = torch.stack([total.max(), spare.min()]).tolist()
+        if entries != self.entries:  # the rows' regions start at entry 0: resizing keeps every row's prefix
+            keep = min(entries, self.entries)
+            for name in ("_keys", "_values", "_positions"):
+                old = getattr(self, name)
+                new = old.new_full((old.shape[0], entries, *old.shape[2:]), -1 if name == "_positions" else 0)
+                new[:, :keep] = old[:, :keep]
+                setattr(self, name, new)
+        if kept is not None:
+            keys, values, positions = kept
+            k = positions.shape[-1]
+            offset = torch.arange(k, device=counts.device) - (k - counts).unsqueeze(-1)  # [n, heads, k]
+            used = offset >= 0
+            flat = rows.view(-1, 1, 1) * entries + begin.unsqueeze(-1) + offset
+            where = flat[used]
+            self._keys.view(-1, keys.shape[-1]).index_copy_(0, where, keys[used])
+            self._values.view(-1, values.shape[-1]).index_copy_(0, where, values[used])
+            self._positions.view(-1).index_copy_(0, where, positions[used])
+        self.begin = self.begin.index_copy(0, rows, begin)
+        self.room = self.room.index_copy(0, rows, room)
+        self.count = self.count.index_copy(0, rows, counts)
+        self.spare = int(fewest)
+        self._dense = None
+
+    # ------------------------------------------------------------------ what the base class does not need here
+    def resize(self, capacity: int) -> None:
+        """Regions are sized per head (see :meth:`compact_rows`); the slot axis needs no buffer."""
+
+    def make_room(self, q: int) -> int:
+        raise RuntimeError("a ragged layer writes through update/write, not into fixed buffers")
+
+    def reset(self) -> None:
+        self.__init__(self.rows, self.unannounced, self.tier_format, self.workspace, every=self.every)
