@@ -64,7 +64,7 @@ def _choices(model, prompts, path, **options):
 
     def spy(step, cache):
         if step == 0:
-            cache.evictor.selector.on_read = lambda layer, choice: record.append(
+            cache.evictor.selector.on_read = lambda layer, choice, *rest: record.append(
                 (choice.blocks.clone(), choice.chosen.clone())
             )
 

@@ -117,3 +117,20 @@ def test_a_compiled_decode_is_refused():
     model = tiny_llama(layers=2)
     with pytest.raises(ValueError, match="compile"):
         reasonkv.generate(model, None, [[5, 6, 7]], policy="quest", budget=64, max_new_tokens=3, compile=True)
+
+
+def test_a_trace_records_what_each_step_read():
+    model, prompts = tiny_llama(layers=2), _prompts(5)[:2]
+    out = reasonkv.generate(
+        model, None, prompts, policy="quest", budget=48, block_size=16, max_new_tokens=30, ignore_eos=True, trace=True
+    )
+    for prompt, result in zip(prompts, out, strict=True):
+        trace = result.trace
+        assert trace.settings["selects"] and len(trace.evictions) == 29  # every decode step
+        for step, record in enumerate(trace.evictions):
+            assert record.seen == len(prompt) + step + 1
+            read, held = record.kept_mask(), record.before_mask()
+            assert held.all()  # selection holds every token
+            assert (read.sum(-1) <= 48).all() and read[..., -1].all()  # within the budget, the newest token read
+            assert not (record.protected_mask() & ~read).any()  # the current block is always read
+            assert record.scores.shape == (2, 2, record.seen)

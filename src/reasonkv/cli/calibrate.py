@@ -1,7 +1,9 @@
 """``reasonkv calibrate``: find a model's EPIKV layer bands from counterfactual importance labels, or, with
 ``--centers``, write the query centers file TriAttention loads (``--out`` is then that file; the traces
 come from ``--dataset`` / ``--traces`` / ``--max-trace-tokens``, or from a plain-text file, ``--text``;
-:func:`reasonkv.calibrate.centers.run_centers`).
+:func:`reasonkv.calibrate.centers.run_centers`), or, with ``--gates``, train SeerAttention-R's gate on the
+model's own answers to ``--gate-traces`` problems of ``--dataset`` and write ``gates.pt`` and ``gates.json``
+into ``--out`` (:func:`reasonkv.calibrate.gates.run_gates`).
 
 Writes into ``--out``: ``labels.jsonl`` and ``signals.jsonl`` (one record per trace, appended as
 they are computed: rerunning the same command resumes, and a larger ``--traces`` adds traces),
@@ -20,6 +22,7 @@ import argparse
 from pathlib import Path
 
 from reasonkv.calibrate.centers import CentersSettings, run_centers
+from reasonkv.calibrate.gates import GatesSettings, run_gates
 from reasonkv.calibrate.labels import TARGETS, LabelSettings
 from reasonkv.calibrate.pipeline import SIGNALS
 from reasonkv.calibrate.profile import CONTROLS
@@ -148,6 +151,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="write TriAttention's query centers of the model to the file --out instead of the layer anatomy",
     )
     centers.add_argument("--text", type=Path, help="with --centers: a plain-text file to read instead of --dataset")
+    gates = parser.add_argument_group("gates (SeerAttention-R)")
+    gates.add_argument(
+        "--gates",
+        action="store_true",
+        help="train the seer policy's gate by self-distillation and write gates.pt into --out",
+    )
+    gates.add_argument("--gate-traces", type=_positive_int, default=24, help="traces to train on (default 24)")
+    gates.add_argument("--held-out", type=int, default=4, help="further traces to measure recall on (default 4)")
+    gates.add_argument("--gate-steps", type=_positive_int, default=300, help="Adam steps, one trace each (default 300)")
+    gates.add_argument("--gate-dim", type=_positive_int, default=32, help="gate channels (default 32)")
+    gates.add_argument("--block-size", type=_positive_int, default=64, help="tokens per block (default 64)")
     parser.add_argument(
         "--out", type=Path, required=True, help="output folder (reused to resume); a file with --centers"
     )
@@ -155,8 +169,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def settings_from(args: argparse.Namespace) -> CalibrateSettings | CentersSettings:
+def settings_from(args: argparse.Namespace) -> CalibrateSettings | CentersSettings | GatesSettings:
     """The settings the arguments describe (``ValueError`` for anything wrong, before any folder is touched)."""
+    if args.gates and (args.analyse_only or args.centers):
+        raise ValueError("--gates trains a gate; it does not combine with --analyse-only or --centers")
     if args.centers:
         if args.analyse_only:
             raise ValueError("--analyse-only analyses anatomy records; --centers has none")
@@ -169,6 +185,22 @@ def settings_from(args: argparse.Namespace) -> CalibrateSettings | CentersSettin
             traces=args.traces,
             text=args.text,
             max_tokens=args.max_trace_tokens,
+            out=args.out,
+        )
+    if args.gates:
+        return GatesSettings(
+            model=args.model,
+            dtype=args.dtype,
+            device=args.device,
+            attn=args.attn,
+            dataset=args.dataset,
+            traces=args.gate_traces,
+            held_out=args.held_out,
+            max_new_tokens=args.max_new_tokens,
+            block_size=args.block_size,
+            gate_dim=args.gate_dim,
+            steps=args.gate_steps,
+            progress=not args.no_progress,
             out=args.out,
         )
     if args.text is not None:
@@ -201,4 +233,6 @@ def settings_from(args: argparse.Namespace) -> CalibrateSettings | CentersSettin
 
 def run(args: argparse.Namespace) -> int:
     settings = settings_from(args)
+    if isinstance(settings, GatesSettings):
+        return run_gates(settings)
     return run_centers(settings) if isinstance(settings, CentersSettings) else run_calibration(settings)

@@ -50,7 +50,8 @@ class Cell:
 
     @property
     def evicts(self) -> bool:
-        return self.spec.evicts
+        """Whether the cell is measured against the full cache: its policy evicts, or selects what it reads."""
+        return self.spec.evicts or self.spec.selects
 
     @property
     def stochastic(self) -> bool:
@@ -188,10 +189,10 @@ def make_cells(
             raise ValueError(f"budgets must be positive integers, got {b!r}")
     if len(set(budgets)) != len(budgets):
         raise ValueError(f"budget listed twice: {budgets}")
-    evicting = [p for p in policies if classes[p].evicts]
+    evicting = [p for p in policies if classes[p].evicts or classes[p].selects]
     if evicting and not budgets:
         raise ValueError(f"policies {', '.join(evicting)} evict: give at least one budget")
-    if quantized and not evicting:
+    if quantized and not any(classes[p].evicts for p in policies):
         raise ValueError(
             f"a quantized tier (--quantized {quantized}) keeps what an evicting policy evicts, and "
             f"{', '.join(policies)} evict{'' if len(policies) > 1 else 's'} nothing: add an evicting policy to "
@@ -200,8 +201,8 @@ def make_cells(
     cells: dict[Cell, None] = {}
     for evicts in (False, True):  # the full cache first: its outputs are the fidelity references
         for budget in budgets or [None]:
-            for p in (p for p in policies if classes[p].evicts == evicts):
-                tier = dict(quantized=quantized, bits=bits) if evicts else {}
+            for p in (p for p in policies if (classes[p].evicts or classes[p].selects) == evicts):
+                tier = dict(quantized=quantized, bits=bits) if classes[p].evicts else {}
                 spec = CacheSpec.build(p, budget, buffer, **tier, **chosen[p])
                 cells.setdefault(Cell(spec, chosen[p]))
     return list(cells)

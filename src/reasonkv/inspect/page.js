@@ -13,7 +13,11 @@ const STATES = {
   evicted: "evicted at this eviction",
   gone: "evicted earlier",
   window: "in a sliding layer's window",
+  read: "read at this step (selection: every token is held)",
+  current: "in the current block (selection: always read)",
+  unread: "held, not read at this step (selection)",
 };
+const SELECTED = { kept: "read", protected: "current", evicted: "unread" };  // a selection policy's words
 // Signals drawn as lines: their words and Okabe-Ito colour and dash (colour-blind safe); others get the rest.
 const LINES = {
   band_a: ["band A (important layers)", "#0072B2", []],
@@ -105,6 +109,7 @@ class Eviction {
       if (this.quantized && this.bit(this.quantized, erow, p)) state = "quantized";
       else state = this.bit(this.protected, erow, p) ? "protected" : "kept";
     }
+    if (run.settings.selects) state = SELECTED[state] || state;  // its records are decode steps' reads
     const out = { state };
     if (this.scores !== null || this.ranks !== null) {
       // scores and ranks hold the positions of `before` in increasing order
@@ -170,7 +175,7 @@ function renderSettings() {
   const head = el("tr", {}, ...["run", "K", "B", "Q", "bits", "seed", "evictions", "options"].map((t) => el("th", { text: t })));
   const rows = runs.map((r) => {
     const s = r.settings;
-    const evicts = s.budget !== null && s.budget !== undefined;  // full: no K, B or tier
+    const evicts = s.budget !== null && s.budget !== undefined && !s.selects;  // full, selection: no B or tier
     const cells = [r.name, s.budget, evicts ? s.buffer : "", evicts ? s.quantized : "", s.quantized ? s.bits : "",
       JSON.stringify(s.seed),
       r.evictions.length, options(s)];

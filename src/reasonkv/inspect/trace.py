@@ -16,6 +16,7 @@ traced.
 from __future__ import annotations
 
 import json
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -130,10 +131,46 @@ class TraceRecorder:
         self.by_row: dict[int, list[Eviction]] = defaultdict(list)
         self._pending: tuple | None = None
         cache.evictor.recorder = self
+        self._reads: dict[int, tuple] = {}  # a selection policy's reads of the step in progress, by layer
+        selector = getattr(cache.evictor, "selector", None)
+        if selector is not None:  # selection: one record per decode step, what each (layer, head) read
+            me = weakref.ref(self)
+            selector.on_read = lambda *args: None if me() is None else me()._on_read(*args)
 
     def detach(self) -> None:
         if self.cache.evictor.recorder is self:
             self.cache.evictor.recorder = None
+        selector = getattr(self.cache.evictor, "selector", None)
+        if selector is not None:
+            selector.on_read = None
+
+    def _on_read(self, layer, choice, positions_read, held, scores, live) -> None:
+        """A selection policy's read of one layer at a decode step; the step's record is made at its last layer.
+        ``kept`` is what each (layer, kv-head) read, ``before`` what the cache held, ``protected`` the current
+        block (always read), ``scores`` each held token's block score."""
+        self._reads[layer] = (positions_read, held, scores, choice.blocks[:, :, -1])
+        if layer != self.cache.full_layers[-1]:
+            return
+        reads, self._reads = [self._reads[i] for i in self.cache.full_layers], {}
+        block = self.cache.evictor.selector.block_size
+        for row in torch.nonzero(live).flatten().tolist():
+            before = torch.stack([r[1][row] for r in reads])  # [L, H, S]
+            n = int(before.max()) + 1
+            positions = torch.arange(n, device=before.device)
+            current = torch.stack([r[3][row] for r in reads])  # [L, H]
+            protected = (positions // block).view(1, 1, -1) == current.unsqueeze(-1)
+            scores = torch.stack(
+                [r[2][row].float()[:, (positions // block).clamp(max=r[2].shape[-1] - 1)] for r in reads]
+            )
+            self.by_row[row].append(
+                Eviction(
+                    seen=n,
+                    kept=pack(np.stack([_mask(r[0][row], n) for r in reads])),
+                    before=pack(_mask(before, n)),
+                    protected=pack(protected.cpu().numpy()),
+                    scores=scores.to(torch.float16).cpu().numpy(),
+                )
+            )
 
     def trace(self, row: int = 0) -> Trace:
         """The trace of one row of the batch."""
@@ -231,6 +268,7 @@ def settings_of(cache: EvictingCache) -> dict:
     return {
         **spec.policy.config(),
         "granularity": spec.policy.granularity,
+        "selects": spec.selects,
         "budget": spec.budget,
         "buffer": spec.buffer,
         "quantized": spec.quantized,

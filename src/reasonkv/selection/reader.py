@@ -52,7 +52,9 @@ class Selector:
         self.read_tokens: torch.Tensor | None = None  # [batch] K/V tokens read, summed over steps, layers, heads
         self.held_tokens: torch.Tensor | None = None  # [batch] K/V tokens held at those reads
         self.token_bytes = 0  # bytes of one token's K and V in one kv-head
-        self.on_read = None  # called as on_read(layer, choice) after each decode read (inspection)
+        # Called after each decode read as on_read(layer, choice, read positions [batch, kv_heads, n] (-1: not read),
+        # held positions [batch, kv_heads, slots], block scores [batch, kv_heads, blocks], live rows [batch]).
+        self.on_read = None
         self._first_layer: int | None = None
 
     def reset(self) -> None:
@@ -97,7 +99,8 @@ class Selector:
         self._count(read, slot_positions)
         self.last[layer] = choice
         if self.on_read is not None:
-            self.on_read(layer, choice)
+            positions_read = torch.where(read, slot_positions.gather(2, slot), -1)
+            self.on_read(layer, choice, positions_read, slot_positions, scores, step_positions[:, -1] >= 0)
         keys, values = gather_slots(key, slot), gather_slots(value, slot)
         hidden = torch.zeros(read.shape, dtype=query.dtype, device=query.device)
         hidden = hidden.masked_fill(~read, torch.finfo(query.dtype).min)

@@ -1,0 +1,59 @@
+"""``reasonkv calibrate --gates``: the command line's settings, and a whole run on a tiny model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from reasonkv.calibrate import gates as gates_module
+from reasonkv.calibrate.gates import GatesSettings, run_gates
+from reasonkv.cli import calibrate as cli_calibrate
+from reasonkv.selection.gatefile import load_gate
+
+
+def _args(tmp_path, *extra):
+    parser = argparse.ArgumentParser()
+    cli_calibrate.add_arguments(parser)
+    return parser.parse_args(["--gates", "--out", str(tmp_path / "gates"), *extra])
+
+
+def test_settings_from_the_command_line(tmp_path):
+    settings = cli_calibrate.settings_from(
+        _args(tmp_path, "--gate-traces", "5", "--gate-steps", "7", "--gate-dim", "8")
+    )
+    assert isinstance(settings, GatesSettings)
+    assert (settings.traces, settings.steps, settings.gate_dim, settings.block_size) == (5, 7, 8, 64)
+    assert "--gates" in settings.command()
+    with pytest.raises(ValueError, match="--centers"):
+        cli_calibrate.settings_from(_args(tmp_path, "--centers"))
+    with pytest.raises(ValueError, match="held_out must be a non-negative integer, got -1"):
+        cli_calibrate.settings_from(_args(tmp_path, "--held-out", "-1"))
+
+
+def test_a_run_trains_writes_the_gate_and_its_summary(tmp_path, monkeypatch):
+    model = tiny_llama(layers=2)
+    generator = torch.Generator().manual_seed(0)
+    sequences = [torch.randint(3, 90, (100,), generator=generator).tolist() for _ in range(4)]
+    monkeypatch.setattr(gates_module, "load_model", lambda *a, **k: (model, None))
+    monkeypatch.setattr(gates_module, "self_traces", lambda *a, **k: sequences)
+    settings = GatesSettings(
+        model="tiny",
+        traces=3,
+        held_out=1,
+        block_size=16,
+        gate_dim=8,
+        steps=12,
+        lr=1e-2,
+        progress=False,
+        out=tmp_path / "gates",
+    )
+    assert run_gates(settings) == 0
+    summary = json.loads((tmp_path / "gates" / "gates.json").read_text())
+    assert len(summary["losses"]) == 12 and summary["losses"][-1] < summary["losses"][0]
+    assert set(summary["recall"]["top1"]) == {"trained", "untrained", "quest"}
+    gate_file = load_gate(tmp_path / "gates" / "gates.pt")
+    assert gate_file.gate.shape.block_size == 16 and gate_file.training["steps"] == 12
