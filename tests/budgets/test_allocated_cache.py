@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import reasonkv
-from conftest import tiny_llama, tiny_qwen3
+from conftest import fast_few, tiny_llama, tiny_qwen3
 from oracle import run_and_check
 from reasonkv.cache import CacheSpec
 from reasonkv.hf import cache_keyword
@@ -22,7 +22,7 @@ from reasonkv.policies import get_policy, list_policies
 PROMPT = [5 + (7 * i) % 80 for i in range(40)]
 STATIC = ("pyramid", "calibrated")
 EVICTING = [name for name in list_policies() if get_policy(name).evicts]
-FAST = ("h2o", "snapkv", "streaming")
+FAST = ("h2o", "vase-attnv")
 
 
 def _budget(policy: str) -> int:
@@ -72,7 +72,10 @@ def test_every_policy_attends_to_what_each_head_holds(policy, allocation, tmp_pa
     assert cache.evictions >= 2
 
 
-@pytest.mark.parametrize("allocation", ["pyramid", "adaptive", "calibrated"])
+@pytest.mark.parametrize(
+    "allocation",
+    [pytest.param("pyramid", marks=pytest.mark.slow), "adaptive", pytest.param("calibrated", marks=pytest.mark.slow)],
+)
 def test_heads_hold_at_most_their_budget_plus_b_and_the_totals_are_uniforms(allocation, tmp_path):
     model = tiny_qwen3(layers=5, kv_heads=2, heads=4)
     budget, buffer = 14, 5
@@ -105,7 +108,7 @@ def test_heads_hold_at_most_their_budget_plus_b_and_the_totals_are_uniforms(allo
     assert cache.kv_bytes() >= 2 * 5 * 2 * (int(table.max()) + buffer) * 8 * 4
 
 
-@pytest.mark.parametrize("policy", ["h2o", "snapkv", "vase-attnv", "epikv", "random", "triattention"])
+@pytest.mark.parametrize("policy", fast_few(["h2o", "snapkv", "vase-attnv", "epikv", "random", "triattention"]))
 def test_adaptive_with_alpha_one_is_the_uniform_cache_bit_for_bit(policy):
     """alpha = 1: every head's floor is K, so the adaptive split is today's uniform cache exactly."""
     model = tiny_llama(layers=3)
@@ -128,7 +131,7 @@ def test_adaptive_at_a_budget_covering_everything_is_the_full_cache():
     assert ours.token_ids == full.token_ids and ours.stats["evictions"] == 0
 
 
-@pytest.mark.parametrize("allocation", ["pyramid", "adaptive"])
+@pytest.mark.parametrize("allocation", [pytest.param("pyramid", marks=pytest.mark.slow), "adaptive"])
 def test_batch_rows_of_different_lengths_stay_independent(allocation):
     model = tiny_llama(layers=3)
     prompts = [PROMPT, PROMPT[5:29], PROMPT[11:]]

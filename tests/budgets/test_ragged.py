@@ -94,7 +94,7 @@ def _longest_other(layer: EvictingLayer, evicted: torch.Tensor) -> int:
     return longest
 
 
-@pytest.mark.parametrize("allocation", ["pyramid", "adaptive"])
+@pytest.mark.parametrize("allocation", [pytest.param("pyramid", marks=pytest.mark.slow), "adaptive"])
 def test_ragged_storage_decodes_exactly_like_padded_dense_storage(allocation):
     model = tiny_llama(layers=4)
     prompts = [PROMPT, PROMPT[7:40]]
@@ -107,7 +107,7 @@ def test_ragged_storage_decodes_exactly_like_padded_dense_storage(allocation):
         assert ragged.stats["evictions"] == dense.stats["evictions"] > 5
 
 
-@pytest.mark.parametrize("allocation", ["uniform", "pyramid", "adaptive"])
+@pytest.mark.parametrize("allocation", ["uniform", "pyramid", pytest.param("adaptive", marks=pytest.mark.slow)])
 def test_bytes_held_are_the_budgets_plus_b_per_head_measured(allocation):
     """After every eviction the K/V the cache allocates (its tensors' bytes) are K x layers x kv-heads + B per
     head, exactly as the uniform cache's: no head is padded to the widest."""
