@@ -3,7 +3,10 @@
 come from ``--dataset`` / ``--traces`` / ``--max-trace-tokens``, or from a plain-text file, ``--text``;
 :func:`reasonkv.calibrate.centers.run_centers`), or, with ``--gates``, train SeerAttention-R's gate on the
 model's own answers to ``--gate-traces`` problems of ``--dataset`` and write ``gates.pt`` and ``gates.json``
-into ``--out`` (:func:`reasonkv.calibrate.gates.run_gates`).
+into ``--out`` (:func:`reasonkv.calibrate.gates.run_gates`), or, with ``--budgets``, write the budget file of
+``allocation="calibrated"`` (``--out`` is that file): each (layer, kv-head) weighted by the attention mass its
+queries pay beyond ``--budget-sinks`` and the ``--budget-window`` most recent keys
+(:func:`reasonkv.calibrate.budgets.run_budgets`).
 
 Writes into ``--out``: ``labels.jsonl`` and ``signals.jsonl`` (one record per trace, appended as
 they are computed: rerunning the same command resumes, and a larger ``--traces`` adds traces),
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from reasonkv.calibrate.budgets import BudgetsSettings, run_budgets
 from reasonkv.calibrate.centers import CentersSettings, run_centers
 from reasonkv.calibrate.gates import GatesSettings, run_gates
 from reasonkv.calibrate.labels import TARGETS, LabelSettings
@@ -151,6 +155,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="write TriAttention's query centers of the model to the file --out instead of the layer anatomy",
     )
     centers.add_argument("--text", type=Path, help="with --centers: a plain-text file to read instead of --dataset")
+    budgets = parser.add_argument_group("budgets per (layer, kv-head) (allocation='calibrated')")
+    budgets.add_argument(
+        "--budgets",
+        action="store_true",
+        help="write the budget file of --allocation calibrated (attention mass per head) to the file --out",
+    )
+    budgets.add_argument(
+        "--budget-sinks", type=int, default=4, help="with --budgets: the streaming head's first keys (default 4)"
+    )
+    budgets.add_argument(
+        "--budget-window",
+        type=_positive_int,
+        default=64,
+        help="with --budgets: the streaming head's most recent keys (default 64)",
+    )
     gates = parser.add_argument_group("gates (SeerAttention-R)")
     gates.add_argument(
         "--gates",
@@ -169,8 +188,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def settings_from(args: argparse.Namespace) -> CalibrateSettings | CentersSettings | GatesSettings:
+def settings_from(
+    args: argparse.Namespace,
+) -> CalibrateSettings | CentersSettings | GatesSettings | BudgetsSettings:
     """The settings the arguments describe (``ValueError`` for anything wrong, before any folder is touched)."""
+    if getattr(args, "budgets", False):
+        if args.analyse_only or args.centers or args.gates:
+            raise ValueError(
+                "--budgets writes a budget file; it does not combine with --analyse-only, --centers or --gates"
+            )
+        return BudgetsSettings(
+            model=args.model,
+            dtype=args.dtype,
+            device=args.device,
+            attn=args.attn,
+            dataset=args.dataset,
+            traces=args.traces,
+            text=args.text,
+            max_tokens=args.max_trace_tokens,
+            sinks=args.budget_sinks,
+            window=args.budget_window,
+            out=args.out,
+        )
     if args.gates and (args.analyse_only or args.centers):
         raise ValueError("--gates trains a gate; it does not combine with --analyse-only or --centers")
     if args.centers:
@@ -233,6 +272,8 @@ def settings_from(args: argparse.Namespace) -> CalibrateSettings | CentersSettin
 
 def run(args: argparse.Namespace) -> int:
     settings = settings_from(args)
+    if isinstance(settings, BudgetsSettings):
+        return run_budgets(settings)
     if isinstance(settings, GatesSettings):
         return run_gates(settings)
     return run_centers(settings) if isinstance(settings, CentersSettings) else run_calibration(settings)

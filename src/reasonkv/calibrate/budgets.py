@@ -1,0 +1,191 @@
+"""``reasonkv calibrate --budgets``: the budget file of ``allocation="calibrated"``, from attention mass.
+
+Each (layer, kv-head) is weighted by how much attention its queries pay beyond what a streaming head holds:
+the mass on the keys after the first ``sinks`` and before the ``window`` most recent (DuoAttention's split
+of retrieval heads, which need the whole context, from streaming heads, which need the sinks and the recent
+tokens, measured here as a number instead of a label). The mass is the model's own softmax, recomputed from
+the post-RoPE queries and keys the attention tap sees on a full-cache forward over each trace (reference
+solutions after their prompts, or a text file), averaged over the query heads of each kv head and over every
+query that has such keys. The file (:class:`reasonkv.cache.allocation.BudgetFile`) holds these ``weights``;
+a cache shares its ``K x layers x kv-heads`` among the heads in proportion to them, every head first getting
+its protected tokens, so the same file serves every budget.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from reasonkv.cache.allocation import load_budget_file
+from reasonkv.calibrate.centers import _sequences
+from reasonkv.hf import AttentionTap, model_info
+from reasonkv.models import DEFAULT_MODEL, load_model
+from reasonkv.policies import attention
+
+__all__ = ["BudgetsSettings", "head_mass", "run_budgets"]
+
+CHUNK = 256  # queries whose attention rows are built at once
+
+
+@dataclass(frozen=True, kw_only=True)
+class BudgetsSettings:
+    """Everything one ``reasonkv calibrate --budgets`` run is told.
+
+    Parameters
+    ----------
+    model, dtype, device, attn
+        The model to load.
+    dataset, traces, text, max_tokens
+        What to read, as ``--centers`` reads it.
+    sinks, window
+        The streaming head's share: the mass beyond the first ``sinks`` keys and the ``window`` most recent
+        is what a head needs the rest of its budget for.
+    out
+        The budget file to write (a new path, or a budget file, which is replaced).
+    """
+
+    model: str = DEFAULT_MODEL
+    dtype: str = "fp32"
+    device: str = "cpu"
+    attn: str = "sdpa"
+    dataset: str = "gsm8k"
+    traces: int = 16
+    text: Path | None = None
+    max_tokens: int | None = None
+    sinks: int = 4
+    window: int = 64
+    out: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "model", os.fspath(self.model))
+        object.__setattr__(self, "out", Path(self.out))
+        if self.text is not None:
+            object.__setattr__(self, "text", Path(self.text))
+            if not self.text.is_file():
+                raise ValueError(f"--text {str(self.text)!r} is not a file")
+        for name, low in (("traces", 1), ("max_tokens", 1), ("sinks", 0), ("window", 1)):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+                raise ValueError(f"{name} must be an integer of at least {low}, got {value!r}")
+        if self.out.is_dir():
+            raise ValueError(f"--out {str(self.out)!r} is a folder; --budgets writes one file")
+        if self.out.exists():
+            try:
+                load_budget_file(self.out)
+            except ValueError:
+                raise ValueError(
+                    f"--out {str(self.out)!r} exists and is not a budget file; it is left untouched"
+                ) from None
+
+    @property
+    def source(self) -> str:
+        cut = f", at most {self.max_tokens} tokens each" if self.max_tokens else ""
+        if self.text is not None:
+            return f"text file {self.text.name}{cut}"
+        return f"{self.dataset}: {self.traces} reference solutions after their prompts{cut}"
+
+    def command(self) -> str:
+        parts = ["reasonkv", "calibrate", "--budgets", "--model", self.model]
+        if self.dtype != "fp32":
+            parts += ["--dtype", self.dtype]
+        if self.text is not None:
+            parts += ["--text", str(self.text)]
+        else:
+            parts += ["--dataset", self.dataset, "--traces", str(self.traces)]
+        if self.max_tokens:
+            parts += ["--max-trace-tokens", str(self.max_tokens)]
+        parts += ["--budget-sinks", str(self.sinks), "--budget-window", str(self.window)]
+        return shlex.join([*parts, "--out", str(self.out)])
+
+
+def _beyond_window(query, key, scaling: float, softcap, sinks: int, window: int) -> tuple[torch.Tensor, int]:
+    """Per kv head, the attention mass of one sequence's queries on keys ``sinks <= j <= t - window`` (query
+    ``t``), summed over the queries that have such keys and averaged over each kv head's query heads; and how
+    many queries that is."""
+    length = query.shape[2]
+    kv_heads = key.shape[1]
+    first = sinks + window  # the first query with a key beyond the window
+    total = torch.zeros(kv_heads, dtype=torch.float64, device=query.device)
+    if length <= first:
+        return total, 0
+    keys = key.float()
+    slot = torch.arange(length, device=query.device)
+    for start in range(first, length, CHUNK):
+        part = query[:, :, start : start + CHUNK]
+        n = part.shape[2]
+        t = start + torch.arange(n, device=query.device).view(-1, 1)
+        logits = attention.grouped_logits(part, keys, scaling, softcap)  # [1, kv_heads, g, n, length]
+        probs = attention.masked_softmax_(logits, (slot.view(1, -1) <= t).view(1, 1, 1, n, length))
+        far = (slot.view(1, -1) >= sinks) & (slot.view(1, -1) <= t - window)
+        mass = (probs * far.view(1, 1, 1, n, length)).sum(-1)  # [1, kv_heads, g, n]
+        total += mass.mean(2).sum(-1)[0].double()
+    return total, length - first
+
+
+@torch.inference_mode()
+def head_mass(model, sequences: list[list[int]], *, sinks: int, window: int) -> tuple[torch.Tensor, int]:
+    """``[full-attention layers, kv_heads]``: the mean attention mass beyond a streaming head's ``sinks`` and
+    ``window`` per query, and how many queries it averages."""
+    info = model_info(model)
+    layers = info.full_layers
+    index = {layer: i for i, layer in enumerate(layers)}
+    device = next(model.parameters()).device
+    sums = torch.zeros(len(layers), info.num_kv_heads, dtype=torch.float64)
+    counted = {"queries": 0}
+
+    def listen(layer, query, key, mask, kwargs) -> None:
+        if layer not in index:
+            return
+        scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
+        mass, queries = _beyond_window(query, key, scaling, kwargs.get("softcap"), sinks, window)
+        sums[index[layer]] += mass.cpu()
+        if index[layer] == 0:
+            counted["queries"] += queries
+
+    tap = AttentionTap(model, listen)
+    try:
+        for ids in sequences:
+            model(input_ids=torch.tensor([ids], device=device), use_cache=False)
+    finally:
+        tap.close()
+    if counted["queries"] == 0:
+        raise ValueError(f"no trace is longer than sinks + window = {sinks + window} tokens: nothing to measure")
+    return sums / counted["queries"], counted["queries"]
+
+
+def run_budgets(settings: BudgetsSettings) -> int:
+    """Measure and write the budget file ``settings`` describe; returns 0."""
+    print(f"loading {settings.model} ({settings.dtype}, {settings.device}, {settings.attn}) ...", file=sys.stderr)
+    model, tokenizer = load_model(
+        settings.model, dtype=settings.dtype, device=settings.device, attn_implementation=settings.attn
+    )
+    sequences = _sequences(settings, tokenizer)
+    weights, queries = head_mass(model, sequences, sinks=settings.sinks, window=settings.window)
+    layers, kv_heads = weights.shape
+    record = {
+        "layers": layers,
+        "kv_heads": kv_heads,
+        "weights": [[round(float(w), 6) for w in row] for row in weights],
+        "measure": (
+            f"mean attention mass on the keys after the first {settings.sinks} and before the {settings.window} "
+            "most recent, per query, averaged over each kv head's query heads"
+        ),
+        "model": settings.model,
+        "source": settings.source,
+        "queries": queries,
+        "command": settings.command(),
+    }
+    settings.out.parent.mkdir(parents=True, exist_ok=True)
+    settings.out.write_text(json.dumps(record, indent=1) + "\n")
+    print(
+        f"calibrate --budgets: {layers} layers x {kv_heads} kv-heads from {queries} queries per head "
+        f"({settings.source}); wrote {settings.out}",
+        file=sys.stderr,
+    )
+    return 0
