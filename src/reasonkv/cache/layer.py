@@ -174,6 +174,10 @@ class EvictingLayer(CacheLayerMixin):
         self.start, self.length = end - length, length
         self._refresh_views()
 
+    def held_bytes(self) -> int:
+        """Bytes of the full-precision K/V in the views (the slots in use, padding included)."""
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
     def attended(self) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V as attention sees them, the quantized tier dequantized, then the full tier: views of the
         storage, or new tensors when the layer holds quantized tokens."""

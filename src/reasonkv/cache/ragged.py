@@ -95,6 +95,10 @@ class RaggedLayer(EvictingLayer):
         """Entries the flat buffers hold per row (the longest row's regions together)."""
         return 0 if self._keys is None else self._keys.shape[1]
 
+    def held_bytes(self) -> int:
+        """Bytes of the flat K/V buffers: every head's region (its tokens and its room for ``B`` more)."""
+        return self._keys.numel() * self._keys.element_size() + self._values.numel() * self._values.element_size()
+
     def _refresh_views(self) -> None:
         self._dense = None
 

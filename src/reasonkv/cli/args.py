@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from reasonkv.cache.spec import DEFAULT_BUFFER
+from reasonkv.cache.spec import ALLOCATIONS, DEFAULT_BUFFER
 from reasonkv.models import DEFAULT_MODEL, list_shapes, load_model
 from reasonkv.sandbox.limits import check_memory, check_timeout
 
@@ -52,6 +52,42 @@ def add_tier_arguments(parser, *, what: str = "") -> None:
     )
     parser.add_argument(
         "--bits", type=int, choices=(4, 8), default=None, help="code width of the quantized tier (default 8)"
+    )
+
+
+def add_allocation_arguments(parser, *, what: str = "") -> None:
+    """Add ``--allocation``, ``--budgets-file``, ``--adaptive-alpha`` and ``--padded-heads`` (how the budget is
+    shared among layers and kv-heads, :mod:`reasonkv.cache.allocation`) to a parser or an argument group."""
+    parser.add_argument(
+        "--allocation",
+        choices=ALLOCATIONS,
+        default="uniform",
+        help="how K x layers x kv-heads is shared: uniform (K each, default), pyramid (PyramidKV), adaptive "
+        f"(AdaKV: per eviction, by the policy's scores), calibrated (--budgets-file){what}",
+    )
+    parser.add_argument(
+        "--budgets-file", default=None, help="--allocation calibrated: the file `reasonkv calibrate --budgets` wrote"
+    )
+    parser.add_argument(
+        "--adaptive-alpha",
+        type=float,
+        default=0.2,
+        help="--allocation adaptive: every head keeps at least ceil(alpha x K) (default 0.2; 1 = uniform)",
+    )
+    parser.add_argument(
+        "--padded-heads",
+        action="store_true",
+        help="under an allocation, pad every head to the widest in dense buffers instead of ragged storage",
+    )
+
+
+def allocation_settings(args: argparse.Namespace) -> dict:
+    """The :class:`~reasonkv.cache.spec.CacheSpec` keywords of :func:`add_allocation_arguments`."""
+    return dict(
+        allocation=args.allocation,
+        budgets_file=args.budgets_file,
+        adaptive_alpha=args.adaptive_alpha,
+        ragged=not args.padded_heads,
     )
 
 

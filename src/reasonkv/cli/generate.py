@@ -9,12 +9,14 @@ from pathlib import Path
 
 from reasonkv.cache.spec import CacheSpec
 from reasonkv.cli.args import (
+    add_allocation_arguments,
     add_buffer_argument,
     add_compile_argument,
     add_decoding_arguments,
     add_model_arguments,
     add_policy_options,
     add_tier_arguments,
+    allocation_settings,
     budget_argument,
     load_model_from,
 )
@@ -34,6 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget", type=budget_argument, default=256, help="K: tokens kept per head (default 256)")
     add_buffer_argument(parser)
     add_tier_arguments(parser)
+    add_allocation_arguments(parser)
     add_policy_options(parser)
     add_decoding_arguments(parser, max_new_tokens=256)
     add_compile_argument(parser)
@@ -66,7 +69,14 @@ def spec_from(args: argparse.Namespace) -> CacheSpec:
     """The cache the arguments describe: refused now, not after the model loads, if it cannot be built."""
     options = parse_options(args.policy, args.option)
     return CacheSpec.build(
-        args.policy, args.budget, args.buffer, quantized=args.quantized, bits=args.bits, seed=args.seed, **options
+        args.policy,
+        args.budget,
+        args.buffer,
+        quantized=args.quantized,
+        bits=args.bits,
+        seed=args.seed,
+        **allocation_settings(args),
+        **options,
     )
 
 
@@ -101,11 +111,17 @@ def run(args: argparse.Namespace) -> int:
         stats = result.stats
         print(f"### {prompt}\n{result.text}\n")
         print(
-            f"[{stats['policy']} K={stats['budget']} B={stats['buffer']}{_tier(stats)}] {result.num_tokens} tokens "
+            f"[{stats['policy']} K={stats['budget']} B={stats['buffer']}{_tier(stats)}{_allocation(stats)}] "
+            f"{result.num_tokens} tokens "
             f"({result.finish_reason}), {stats['tokens_per_second']:.1f} tok/s, "
             f"{stats['evictions']} evictions, peak {stats['peak_slots']} slots{_compiled(stats)}\n"
         )
     return 0
+
+
+def _allocation(stats: dict) -> str:
+    allocation = stats.get("allocation", "uniform")
+    return "" if allocation == "uniform" else f" allocation={allocation}"
 
 
 def _compiled(stats: dict) -> str:

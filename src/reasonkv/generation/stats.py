@@ -19,12 +19,11 @@ __all__ = ["GenerationResult", "Meter", "kv_bytes_held", "peak_row_tokens"]
 
 def kv_bytes_held(cache: EvictingCache) -> dict[str, int]:
     """K/V bytes the cache holds, by tier: ``full`` (the evicting layers' slots in use, padding included,
-    not their spare capacity), ``quantized`` (the quantized tier) and ``sliding`` (the window layers)."""
+    not their spare capacity; a ragged layer's regions, :meth:`~reasonkv.cache.layer.EvictingLayer.held_bytes`),
+    ``quantized`` (the quantized tier) and ``sliding`` (the window layers)."""
     allocated = cache.kv_bytes_by_kind()
     full = sum(
-        layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
-        for layer in cache.layers
-        if isinstance(layer, EvictingLayer) and layer.is_initialized
+        layer.held_bytes() for layer in cache.layers if isinstance(layer, EvictingLayer) and layer.is_initialized
     )
     return {"full": full, "quantized": allocated["quantized"], "sliding": allocated["sliding"]}
 
@@ -46,7 +45,7 @@ class GenerationResult:
     them, per tier, with the full-precision tokens it amounts to; None before its first eviction; see
     :meth:`reasonkv.cache.KVStorage.steady_kv_bytes`), ``peak_memory_bytes`` (CUDA max allocated, or the
     process's peak RSS on CPU), ``timings`` (seconds per eviction phase), ``budget``, ``buffer``,
-    ``quantized``, ``bits`` and ``policy``.
+    ``quantized``, ``bits``, ``allocation`` and ``policy``.
     """
 
     text: str
@@ -116,6 +115,7 @@ class Meter:
                 "buffer": spec.buffer,
                 "quantized": spec.quantized,
                 "bits": spec.bits,
+                "allocation": spec.allocation,
                 "evictions": evictions,
                 "peak_row_tokens": peak_row_tokens(len(prompt), len(tokens), evictions, spec),
                 "peak_slots": cache.peak_slots,

@@ -1,0 +1,50 @@
+"""``--allocation`` on the command line: parsed into the cache's settings, refused clearly when wrong, and
+reported in a run's stats."""
+
+from __future__ import annotations
+
+import pytest
+
+import reasonkv
+from conftest import tiny_llama
+from reasonkv.cli import generate as cli_generate
+from reasonkv.cli.main import build_parser
+
+
+def _args(*extra):
+    return build_parser().parse_args(["generate", "--prompt", "hi", "--policy", "snapkv", "-o", "window=4", *extra])
+
+
+def test_generate_arguments_build_the_allocated_spec(tmp_path):
+    spec = cli_generate.spec_from(_args("--budget", "32", "--allocation", "adaptive", "--adaptive-alpha", "0.5"))
+    assert (spec.allocation, spec.adaptive_alpha, spec.ragged) == ("adaptive", 0.5, True)
+    spec = cli_generate.spec_from(_args("--budget", "32", "--allocation", "pyramid", "--padded-heads"))
+    assert (spec.allocation, spec.ragged) == ("pyramid", False)
+    assert cli_generate.spec_from(_args("--budget", "32")).allocation == "uniform"
+    with pytest.raises(ValueError, match="needs a budget file"):
+        cli_generate.spec_from(_args("--budget", "32", "--allocation", "calibrated"))
+    with pytest.raises(ValueError, match="cannot read the budget file"):
+        cli_generate.spec_from(_args("--allocation", "calibrated", "--budgets-file", str(tmp_path / "none.json")))
+    with pytest.raises(SystemExit):
+        _args("--allocation", "even")
+
+
+def test_a_runs_stats_carry_the_allocation():
+    model = tiny_llama(layers=2)
+    prompt = [5 + (7 * i) % 80 for i in range(40)]
+    for allocation in ("uniform", "pyramid"):
+        [result] = reasonkv.generate(
+            model,
+            None,
+            [prompt],
+            policy="streaming",
+            budget=12,
+            buffer=4,
+            allocation=allocation,
+            max_new_tokens=20,
+            chat=False,
+            ignore_eos=True,
+        )
+        assert result.stats["allocation"] == allocation and result.stats["evictions"] > 0
+        # Held bytes are what the evicting layers hold (a ragged layer's regions), never above what is allocated.
+        assert 0 < result.stats["peak_kv_bytes"] <= result.stats["peak_kv_bytes_allocated"]
