@@ -331,6 +331,8 @@ def measure_sweep(
             "phases_s": dict(stats["timings"]),
         },
     }
+    if "selection" in stats:  # a selection policy: the K/V bytes a decode step read, beside those held
+        result["totals"]["selection"] = stats["selection"]
     if compile:
         result["compile"] = stats["compile"]
     return result
