@@ -77,6 +77,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_buffer_argument(grid)
     add_tier_arguments(grid, what="; applies to every evicting policy, full runs without one")
+    grid.add_argument(
+        "--allocations",
+        default="uniform",
+        help="comma-separated allocations each evicting policy runs under (uniform, pyramid, adaptive, calibrated; "
+        "default uniform): how K x layers x kv-heads is shared, labelled POLICY~ALLOCATION (docs/budgets.md)",
+    )
+    grid.add_argument("--budgets-file", default=None, help="the budget file of the calibrated allocation")
     add_policy_options(grid)
     grid.add_argument("--limit", type=int, default=None, help="first N problems of each dataset (default all)")
     grid.add_argument(
@@ -247,6 +254,8 @@ def grid_from(args: argparse.Namespace) -> GridSpec:
         options=args.option,
         quantized=args.quantized,
         bits=args.bits,
+        allocations=args.allocations,
+        budgets_file=args.budgets_file,
         limit=args.limit,
         samples=args.samples,
         max_new_tokens=args.max_new_tokens,

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from reasonkv.cache.allocation import check_allocation
 from reasonkv.cache.spec import DEFAULT_BUFFER, CacheSpec
 from reasonkv.eval.livecodebench import parse_day
 from reasonkv.generation.sampling import Sampling
@@ -66,18 +67,24 @@ class Cell:
         return self.spec.bits
 
     @property
+    def allocation(self) -> str:
+        """How the cell shares its budget among layers and kv-heads (``uniform``: ``K`` each)."""
+        return self.spec.allocation
+
+    @property
     def config(self) -> dict[str, Any]:
         """Every hyper-parameter of the policy."""
         return self.spec.policy.config()
 
     @property
     def label(self) -> str:
-        """The policy name, with the options set by the user and the quantized tier:
-        ``epikv[variant=lag]``, ``snapkv+int4:199``."""
+        """The policy name, with the options set by the user, the quantized tier and the allocation:
+        ``epikv[variant=lag]``, ``snapkv+int4:199``, ``h2o~pyramid``."""
         label = self.policy
         if self.options:
             label += f"[{','.join(f'{k}={_fmt(v)}' for k, v in sorted(self.options.items()))}]"
-        return label + (f"+int{self.bits}:{self.quantized}" if self.quantized else "")
+        label += f"+int{self.bits}:{self.quantized}" if self.quantized else ""
+        return label + ("" if self.allocation == "uniform" else f"~{self.allocation}")
 
     @property
     def name(self) -> str:
@@ -167,8 +174,11 @@ def make_cells(
     options: Mapping[str, Mapping[str, Any]] | Sequence[str] | None = None,
     quantized: int = 0,
     bits: int | None = None,
+    allocations: str | Sequence[str] = ("uniform",),
+    budgets_file: str | None = None,
 ) -> list[Cell]:
-    """The grid's cells: ``full`` once first, then every budget x evicting policy.
+    """The grid's cells: ``full`` once first, then every budget x evicting policy (x allocation: each evicting
+    policy once per allocation, :mod:`reasonkv.cache.allocation`; ``budgets_file`` for ``calibrated``).
 
     Validates names, budgets and options; each cell's :class:`~reasonkv.cache.CacheSpec` checks that the
     policy's protected tokens fit its budget (plus the quantized tier) and that it can fill a tier.
@@ -198,13 +208,24 @@ def make_cells(
             f"{', '.join(policies)} evict{'' if len(policies) > 1 else 's'} nothing: add an evicting policy to "
             "--policies, or drop --quantized"
         )
+    allocations = _split_names(allocations)
+    if not allocations or len(set(allocations)) != len(allocations):
+        raise ValueError(f"allocations must be distinct names, got {allocations!r}")
+    for allocation in allocations:
+        check_allocation(allocation, budgets_file if allocation == "calibrated" else None)
+    if budgets_file is not None and "calibrated" not in allocations:
+        raise ValueError("a budget file is read only with the 'calibrated' allocation")
     cells: dict[Cell, None] = {}
     for evicts in (False, True):  # the full cache first: its outputs are the fidelity references
         for budget in budgets or [None]:
             for p in (p for p in policies if (classes[p].evicts or classes[p].selects) == evicts):
                 tier = dict(quantized=quantized, bits=bits) if classes[p].evicts else {}
-                spec = CacheSpec.build(p, budget, buffer, **tier, **chosen[p])
-                cells.setdefault(Cell(spec, chosen[p]))
+                for allocation in allocations if classes[p].evicts else ["uniform"]:
+                    shared = dict(allocation=allocation)
+                    if allocation == "calibrated":
+                        shared["budgets_file"] = budgets_file
+                    spec = CacheSpec.build(p, budget, buffer, **tier, **shared, **chosen[p])
+                    cells.setdefault(Cell(spec, chosen[p]))
     return list(cells)
 
 
@@ -341,6 +362,8 @@ class GridSpec:
         options: Mapping[str, Mapping[str, Any]] | Sequence[str] | None = None,
         quantized: int = 0,
         bits: int | None = None,
+        allocations: str | Sequence[str] = ("uniform",),
+        budgets_file: str | None = None,
         limit: int | None = None,
         samples: int | str | Mapping[str, int] = 1,
         max_new_tokens: int = 512,
@@ -381,7 +404,7 @@ class GridSpec:
                 raise ValueError("fidelity-only (generation=False) with fidelity off would measure nothing")
             fidelity = True
         sampling = Sampling(max_new_tokens, temperature, top_p, top_k)
-        cells = make_cells(policies, budgets, buffer, options, quantized, bits)
+        cells = make_cells(policies, budgets, buffer, options, quantized, bits, allocations, budgets_file)
         return cls(
             datasets=datasets,
             cells=tuple(cells),
