@@ -48,3 +48,11 @@ def test_a_runs_stats_carry_the_allocation():
         assert result.stats["allocation"] == allocation and result.stats["evictions"] > 0
         # Held bytes are what the evicting layers hold (a ragged layer's regions), never above what is allocated.
         assert 0 < result.stats["peak_kv_bytes"] <= result.stats["peak_kv_bytes_allocated"]
+
+
+def test_an_eviction_trace_is_refused_under_an_allocation():
+    model = tiny_llama(layers=2)
+    with pytest.raises(ValueError, match="under allocation='pyramid' heads keep different numbers"):
+        reasonkv.generate(
+            model, None, [[5, 6, 7]], policy="streaming", budget=12, allocation="pyramid", trace=True, chat=False
+        )

@@ -122,6 +122,11 @@ class TraceRecorder:
     def __init__(self, cache: EvictingCache):
         if cache.evictor is None:
             raise ValueError("only a cache attached to a model (EvictingCache(model=...)) evicts: nothing to trace")
+        if cache.spec.allocated:
+            raise ValueError(
+                f"an eviction trace records as many tokens in every head; under allocation="
+                f"{cache.spec.allocation!r} heads keep different numbers: trace with allocation='uniform'"
+            )
         self.cache, self.policy = cache, cache.evictor.policy
         kinds = cache.evictor.info.layer_kinds or ("full",) * len(cache.layers)
         traced = [(i, kind) for i, kind in enumerate(kinds) if kind in ("full", "sliding")]
