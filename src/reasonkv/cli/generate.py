@@ -114,9 +114,20 @@ def run(args: argparse.Namespace) -> int:
             f"[{stats['policy']} K={stats['budget']} B={stats['buffer']}{_tier(stats)}{_allocation(stats)}] "
             f"{result.num_tokens} tokens "
             f"({result.finish_reason}), {stats['tokens_per_second']:.1f} tok/s, "
-            f"{stats['evictions']} evictions, peak {stats['peak_slots']} slots{_compiled(stats)}\n"
+            f"{stats['evictions']} evictions, peak {stats['peak_slots']} slots{_compiled(stats)}{_selection(stats)}\n"
         )
     return 0
+
+
+def _selection(stats: dict) -> str:
+    """A selection policy's reads: it holds every token and each decode step reads K per head."""
+    read = stats.get("selection")
+    if read is None or not read["decode_steps"]:
+        return ""
+    return (
+        f"; selection: held every token, read {read['kv_bytes_read_per_step'] / 1e6:.2f} of "
+        f"{read['kv_bytes_full_read_per_step'] / 1e6:.2f} MB of K/V per decode step ({read['read_fraction']:.0%})"
+    )
 
 
 def _allocation(stats: dict) -> str:
