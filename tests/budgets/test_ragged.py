@@ -133,3 +133,15 @@ def test_bytes_held_are_the_budgets_plus_b_per_head_measured(allocation):
             for _ in range(20):
                 out = model(input_ids=out.logits[:, -1:].argmax(-1), use_cache=True, **{key: dense})
         assert dense.kv_bytes() > expected  # padded to the widest head
+
+
+def test_steady_bytes_count_each_heads_own_tokens():
+    """What a run reports held after its evictions is K x layers x kv-heads tokens under every allocation
+    (each head's own count, not the widest head's times the heads)."""
+    model = tiny_llama(layers=4, kv_heads=2)
+    per_token = 4 * 2 * 2 * 16 * 4  # layers x kv_heads x (K and V) x head_dim x fp32
+    for allocation in ("uniform", "pyramid", "adaptive"):
+        spec = CacheSpec.build("snapkv", 16, 6, window=3, allocation=allocation)
+        [result] = reasonkv.generate(model, None, [PROMPT], spec=spec, max_new_tokens=30, chat=False, ignore_eos=True)
+        steady = result.stats["steady_kv_bytes"]
+        assert steady["full"] == 16 * per_token and steady["tokens"] == 16, (allocation, steady)

@@ -246,11 +246,27 @@ class KVStorage(Cache):
         coded token, the statistics of every key group still holding one of its tokens, the K/V of its
         pending tokens). Padding and spare capacity are not counted (:meth:`kv_bytes_by_tier` counts them)."""
         full = self.rows.full_valid().sum(-1) if self.rows.started else torch.zeros(0, dtype=torch.long)
+        if self.allocated and self.rows.started:  # heads hold different numbers: count each head's tokens
+            return {"full": self._allocated_row_bytes(), "quantized": torch.zeros_like(full)}
         quantized = torch.zeros_like(full)
         for index in self.full_layers:
             if self.layers[index].quantized is not None:
                 quantized = quantized + self.layers[index].quantized.row_bytes()
         return {"full": full * self.full_token_kv_bytes(), "quantized": quantized}
+
+    def _allocated_row_bytes(self) -> torch.Tensor:
+        """``[batch]``: the K/V bytes of the tokens each row's heads hold, head by head (an allocation)."""
+        total = None
+        for index in self.full_layers:
+            layer = self.layers[index]
+            if not layer.is_initialized:
+                continue
+            per_token = (layer._keys.shape[-1] * layer._keys.element_size()) + (
+                layer._values.shape[-1] * layer._values.element_size()
+            )
+            held = (layer.positions >= 0).sum((1, 2)) * per_token
+            total = held if total is None else total + held
+        return total if total is not None else torch.zeros(0, dtype=torch.long)
 
     def full_token_kv_bytes(self) -> int:
         """Bytes of one full-precision token in every evicting layer and kv-head (0 before the first forward)."""
