@@ -167,3 +167,21 @@ def test_hybrid_models_and_selection_policies_are_refused_clearly():
         reasonkv.EvictingCache(12, 4, model=tiny_gemma3(), policy="h2o", allocation="adaptive")
     with pytest.raises(ValueError, match="applies to evicting policies, not to 'quest'"):
         reasonkv.EvictingCache(64, 4, model=tiny_llama(layers=2), policy="quest", allocation="pyramid")
+
+
+@pytest.mark.parametrize("allocation", ["adaptive", "pyramid"])
+def test_buffer_zero_evicts_every_step_and_holds_the_oracle(allocation):
+    """B = 0 (H2O's one-token greedy schedule) and alpha = 0 (a head may keep nothing beyond the others')."""
+    cache = run_and_check(
+        tiny_llama(layers=4),
+        "snapkv",
+        PROMPT,
+        budget=10,
+        buffer=0,
+        steps=20,
+        slot_bound=100,
+        allocation=allocation,
+        adaptive_alpha=0.0,
+        window=2,
+    )
+    assert cache.evictions == 21

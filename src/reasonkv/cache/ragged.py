@@ -110,7 +110,10 @@ class RaggedLayer(EvictingLayer):
             slots = torch.arange(self.length, device=self.device)
             offset = slots - (self.length - self.count).unsqueeze(-1)  # [batch, heads, slots]
             held = offset >= 0
-            self._dense = ((self.begin.unsqueeze(-1) + offset).clamp(min=0), held)
+            # A slot a head holds nothing at reads its region's first entry (or the last one, for an empty region
+            # at the end); the mask and position -1 hide it.
+            index = (self.begin.unsqueeze(-1) + offset.clamp(min=0)).clamp(max=max(self.entries - 1, 0))
+            self._dense = (index, held)
         return self._dense
 
     def _read(self, flat: torch.Tensor) -> torch.Tensor:
