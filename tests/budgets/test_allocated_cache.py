@@ -185,3 +185,26 @@ def test_buffer_zero_evicts_every_step_and_holds_the_oracle(allocation):
         window=2,
     )
     assert cache.evictions == 21
+
+
+@pytest.mark.parametrize("allocation", ["calibrated", "adaptive"])
+def test_a_token_policy_ranks_tokens_by_position_in_every_head(allocation, tmp_path):
+    """random (one seeded draw per position) under an allocation: after every eviction the heads of every layer
+    keep nested sets, each the top of one ranking, whichever head is widest: a token ranking follows
+    positions, not slots (heads align their tokens each on its own)."""
+    model = tiny_llama(layers=3)
+    spec = CacheSpec.build("random", 12, 5, seed=11, **_settings(allocation, tmp_path, layers=3))
+    key = cache_keyword(model)
+    evictions, checked = 0, 0
+    with reasonkv.EvictingCache(spec=spec, model=model) as cache:
+        out = model(input_ids=torch.tensor([PROMPT]), use_cache=True, **{key: cache})
+        for _ in range(40):
+            if cache.evictions > evictions:
+                evictions = cache.evictions
+                sets = [set(h[h >= 0].tolist()) for layer in cache.full_layers for h in cache.positions(layer)[0]]
+                sets.sort(key=len)
+                for smaller, larger in zip(sets, sets[1:], strict=False):
+                    assert smaller <= larger, (sorted(smaller), sorted(larger))
+                    checked += 1
+            out = model(input_ids=out.logits[:, -1:].argmax(-1), use_cache=True, **{key: cache})
+    assert evictions >= 6 and checked >= 6 * 5

@@ -232,9 +232,9 @@ class Evictor:
         width]`` per evicting layer, ``-1`` first where a head keeps fewer than the widest (one host read)."""
         cache, view, spec = self.cache, self._view(rows), self.spec
         layers = cache.full_layers
-        if self.policy.granularity == "token":
-            ranking = self.policy.ranking(view)
-            rankings = [ranking.unsqueeze(1).expand(-1, self.info.num_kv_heads, -1) for _ in layers]
+        if self.policy.granularity == "token":  # ranked over the widest head's slots: each head's by position
+            ranking, ranked = self.policy.ranking(view), view.token_positions()
+            rankings = [_by_position(ranking, ranked, cache.positions(layer).index_select(0, rows)) for layer in layers]
         else:
             rankings = self.policy.ranking_layers(view)
         counts = []
@@ -329,6 +329,18 @@ class Evictor:
         counts = valid[:, : cache.low_width].sum(-1)
         evicted = (valid.index_select(0, rows).sum(-1) - cache.budget).clamp(0, cache.quantized)
         return int(counts.index_copy(0, rows, evicted).max())
+
+
+def _by_position(ranking: torch.Tensor, positions: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+    """A token ranking ``[rows, slots]`` over slots holding ``positions`` (ascending, ``-1`` first) as each head's
+    ranking ``[rows, kv_heads, slots]`` over the slots of ``heads`` (its positions): a token the ranked slots do
+    not hold ranks as padding."""
+    rows, kv_heads, slots = heads.shape
+    keys = positions.unsqueeze(1).expand(rows, kv_heads, positions.shape[-1]).contiguous()
+    index = torch.searchsorted(keys, heads.contiguous()).clamp(max=positions.shape[-1] - 1)
+    found = keys.gather(2, index) == heads
+    spread = ranking.unsqueeze(1).expand(rows, kv_heads, -1).gather(2, index)
+    return spread.masked_fill(~found | (heads < 0), select.NEVER_KEEP)
 
 
 def _weak(ref: weakref.ReferenceType, method: str):

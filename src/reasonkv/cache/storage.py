@@ -425,6 +425,22 @@ class KVStorage(Cache):
             ~visible, torch.finfo(dtype).min
         )
 
+    def widest_positions(self) -> torch.Tensor:
+        """``[batch, slots]``: the positions of each row's widest head (the most tokens, of any evicting layer).
+        Under an allocation a token-granularity policy's heads keep nested sets (each the top of one ranking),
+        so the widest head holds every token some head holds; its slots are what such a policy ranks."""
+        best, most = None, None
+        for index in self.full_layers:
+            positions = self.layers[index].positions  # [batch, kv_heads, slots]
+            counts, head = (positions >= 0).sum(-1).max(-1)  # [batch]
+            chosen = positions.gather(1, head.view(-1, 1, 1).expand(-1, 1, positions.shape[-1])).squeeze(1)
+            if best is None:
+                best, most = chosen, counts
+                continue
+            wider = counts > most
+            best, most = torch.where(wider.unsqueeze(-1), chosen, best), torch.where(wider, counts, most)
+        return best
+
     def head_counts(self, layer_idx: int) -> torch.Tensor:
         """``[batch, kv_heads]``: the real tokens each head of a layer holds."""
         return (self.layers[layer_idx].positions >= 0).sum(-1)

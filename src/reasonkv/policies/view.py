@@ -85,7 +85,11 @@ class EvictionView:
         return self._take(self.cache.positions(self._layer(layer)))
 
     def token_positions(self) -> torch.Tensor:
-        """``[rows, slots]`` for token-granularity policies (identical in every evicting layer and head)."""
+        """``[rows, slots]`` for token-granularity policies (identical in every evicting layer and head; under an
+        allocation, where heads keep nested sets of one ranking, those of each row's widest head)."""
+        widest = getattr(self.cache, "widest_positions", None)
+        if widest is not None and getattr(self.cache, "allocated", False):
+            return self._take(widest())
         return self._take(self.cache.positions(self.info.full_layers[0])[:, 0])
 
     @property
