@@ -39,26 +39,32 @@ def test_a_grid_runs_each_allocation_and_records_it_by_label(tmp_path):
     dataset = tmp_path / "problems.jsonl"
     dataset.write_text("".join(json.dumps(p) + "\n" for p in PROBLEMS), encoding="utf-8")
     out = tmp_path / "results.jsonl"
-    summary = run_grid(
-        tiny_llama(),
-        NoEosTokenizer(),
+    model = tiny_llama()
+    settings = dict(
         dataset=str(dataset),
         out=str(out),
         policies="full,snapkv",
         options=["snapkv.window=4"],
         budgets=[12],
         buffer=4,
-        allocations="uniform,adaptive",
         max_new_tokens=24,
         batch_size=2,
         progress=False,
         fidelity=True,
     )
+    uniform = run_grid(model, NoEosTokenizer(), **settings)
+    assert uniform.generated == 4
+    # The allocated cells are units of their own: added beside the uniform ones, which are not rerun.
+    summary = run_grid(model, NoEosTokenizer(), **settings, allocations="uniform,adaptive")
+    assert summary.generated == 2 and summary.fidelity == 2
+    again = run_grid(model, NoEosTokenizer(), **settings, allocations="uniform,adaptive")
+    assert again.generated == 0 and again.fidelity == 0
     records = [r for r in read_records(out) if r["kind"] != "manifest"]
     labels = {r["policy_label"] for r in records}
     assert labels == {"full", "snapkv[window=4]", "snapkv[window=4]~adaptive"}
     adaptive = [r for r in records if r["policy_label"].endswith("~adaptive")]
     assert {r["kind"] for r in adaptive} == {"generation", "fidelity"} and len(adaptive) == 4
-    manifest = next(r for r in read_records(out) if r["kind"] == "manifest")
-    assert "snapkv[window=4]~adaptive" in json.dumps(manifest)
-    assert summary.generated == 6
+    assert {r.get("allocation") for r in adaptive} == {"adaptive"}
+    assert all("allocation" not in r for r in records if r not in adaptive)  # uniform: as before
+    manifests = [r for r in read_records(out) if r["kind"] == "manifest"]
+    assert "snapkv[window=4]~adaptive" in json.dumps(manifests[-1])

@@ -39,6 +39,7 @@ import weakref
 import torch
 from transformers.cache_utils import Cache
 
+from reasonkv.cache.allocation.heads import head_mask, widest_positions
 from reasonkv.cache.hybrid import WindowValidity, check_layer_kinds
 from reasonkv.cache.layer import EvictingLayer
 from reasonkv.cache.quantize import QuantFormat, default_group_size
@@ -408,38 +409,15 @@ class KVStorage(Cache):
         return self.valid.unsqueeze(1) & (self.layers[layer_idx].positions >= 0)
 
     def head_mask(self, layer_idx: int, query: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The additive attention mask of one evicting layer's forward under an allocation, ``[batch, heads,
-        q, slots]`` (``0`` visible, the dtype's lowest number hidden): query ``i`` (the ``i``-th of the ``q``
-        new slots) sees the real slots up to its own, each head its own. Built from the layer's positions
-        (``-1``: padding of the row, of the head, or an incoming padding token), read after the forward's
-        write; a padding query's row hides everything, and the kernel's softmax over the lowest number stays
-        finite there."""
-        positions = self.layers[layer_idx].positions  # [batch, kv_heads, slots], the new tokens last
-        batch, kv_heads, slots = positions.shape
-        q, heads = query.shape[2], query.shape[1]
-        newest = slots - q + torch.arange(q, device=positions.device)
-        causal = torch.arange(slots, device=positions.device).view(1, -1) <= newest.view(-1, 1)  # [q, slots]
-        held = (positions >= 0).repeat_interleave(heads // kv_heads, dim=1)  # [batch, heads, slots]
-        visible = held.unsqueeze(2) & causal
-        return torch.zeros(visible.shape, dtype=dtype, device=positions.device).masked_fill_(
-            ~visible, torch.finfo(dtype).min
-        )
+        """The additive mask of one evicting layer's forward under an allocation (see
+        :func:`~reasonkv.cache.allocation.heads.head_mask`), read after the forward's write."""
+        return head_mask(self.layers[layer_idx].positions, query, dtype)
 
     def widest_positions(self) -> torch.Tensor:
         """``[batch, slots]``: the positions of each row's widest head (the most tokens, of any evicting layer).
         Under an allocation a token-granularity policy's heads keep nested sets (each the top of one ranking),
         so the widest head holds every token some head holds; its slots are what such a policy ranks."""
-        best, most = None, None
-        for index in self.full_layers:
-            positions = self.layers[index].positions  # [batch, kv_heads, slots]
-            counts, head = (positions >= 0).sum(-1).max(-1)  # [batch]
-            chosen = positions.gather(1, head.view(-1, 1, 1).expand(-1, 1, positions.shape[-1])).squeeze(1)
-            if best is None:
-                best, most = chosen, counts
-                continue
-            wider = counts > most
-            best, most = torch.where(wider.unsqueeze(-1), chosen, best), torch.where(wider, counts, most)
-        return best
+        return widest_positions([self.layers[i].positions for i in self.full_layers])
 
     def head_counts(self, layer_idx: int) -> torch.Tensor:
         """``[batch, kv_heads]``: the real tokens each head of a layer holds."""

@@ -156,6 +156,8 @@ class Context:
         return self._prompts[key]
 
     def base(self, kind: str, dataset: str, problem: Problem, cell: Cell) -> dict[str, Any]:
+        # An allocation other than uniform is part of the unit (absent for uniform: older records keep their keys).
+        allocation = {} if cell.allocation == "uniform" else {"allocation": cell.allocation}
         return {
             "kind": kind,
             "model": self.model_name,
@@ -169,6 +171,7 @@ class Context:
             "budget": cell.budget,
             "buffer": cell.buffer,
             "tier": self.tier(cell),
+            **allocation,
             "base_seed": self.grid.seed,
             "prompt_format": self.prompt_format,
         }
