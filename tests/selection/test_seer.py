@@ -184,3 +184,27 @@ def test_recall_of_the_gate_and_of_quest_are_fractions():
     for scorer in (gate, None):
         recall = gate_recall(scorer, examples, 2)
         assert 0 <= recall <= 1
+
+
+def test_a_model_without_a_shipped_gate_is_told_how_to_make_one():
+    with pytest.raises(ValueError, match="ships no gate for this model .*reasonkv calibrate --gates"):
+        reasonkv.generate(tiny_llama(layers=2), None, [[5] * 40], policy="seer", budget=128, max_new_tokens=2)
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_the_shipped_smollm2_gate_loads_by_its_weights_and_reads_within_the_budget(smollm2):
+    model, tokenizer = smollm2
+    [result] = reasonkv.generate(
+        model,
+        tokenizer,
+        ["Natalia sold 48 clips in April and half as many in May. How many in all?"],
+        policy="seer",
+        budget=128,
+        max_new_tokens=120,
+        ignore_eos=True,
+    )
+    read = result.stats["selection"]
+    # 30 layers x 3 kv-heads, at most 128 tokens each per step, K and V of 64 float32 channels.
+    assert 0 < read["kv_bytes_read_per_step"] <= 30 * 3 * 128 * 2 * 64 * 4
+    assert read["read_fraction"] < 1 and result.stats["evictions"] == 0

@@ -91,7 +91,7 @@ class GatesSettings:
 
     def command(self) -> str:
         parts = ["reasonkv", "calibrate", "--gates", "--model", self.model, "--dataset", self.dataset]
-        parts += ["--traces", str(self.traces), "--held-out", str(self.held_out)]
+        parts += ["--gate-traces", str(self.traces), "--held-out", str(self.held_out)]
         parts += ["--max-new-tokens", str(self.max_new_tokens), "--gate-steps", str(self.steps)]
         parts += ["--block-size", str(self.block_size), "--gate-dim", str(self.gate_dim)]
         return shlex.join([*parts, "--out", str(self.out)])

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Selection against eviction on SmolLM2-135M (CPU): the gate this package ships, and a small fidelity run.
+#
+# 1. The seer gate: self-distillation on the model's own greedy answers to the first 20 GSM8K problems
+#    (320 new tokens), 400 Adam steps; recall of the true top blocks measured on the next 4 answers
+#    (trained gate, untrained gate, Quest's bound). The gate is src/reasonkv/data/gates/smollm2-135m.pt;
+#    gates/gates.json holds the settings, every step's loss and the recall; loss.png plots the loss.
+# 2. Fidelity (teacher-forced replay of the full cache's greedy trace, top-1 agreement and KL) of quest and
+#    seer (selection: hold every token, read K per head a step) beside h2o (eviction: hold K + B) at the
+#    same K, on GSM8K (first 8 problems), 192 new tokens, B = 32, fp32. Smaller than the frontier table's
+#    settings (GSM8K 40 + MATH-500 20, 512 tokens): what two shared CPU cores allowed; the same commands
+#    with --dataset gsm8k:40,math500:20 --max-new-tokens 512 are the full comparison.
+#
+# Resumable: rerun to continue (eval appends and skips what is done).
+set -euo pipefail
+cd "$(dirname "$0")/../../.."
+PY="${PYTHON:-.venv/bin/python}"
+OUT=docs/results/selection
+if [ ! -f "$OUT/gates/gates.json" ]; then  # the gate (gates.pt is the shipped file; only gates.json is kept here)
+  "$PY" -m reasonkv.cli calibrate --gates --model smollm2-135m --gate-traces 20 --held-out 4 \
+    --max-new-tokens 320 --gate-steps 400 --no-progress --out "$OUT/gates"
+  mv "$OUT/gates/gates.pt" src/reasonkv/data/gates/smollm2-135m.pt
+fi
+"$PY" - "$OUT/gates/gates.json" "$OUT/loss.png" <<'PLOT'
+import json, sys
+import matplotlib
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+summary = json.load(open(sys.argv[1], encoding="utf-8"))
+losses = summary["losses"]
+window = 20
+smooth = [sum(losses[max(0, i - window + 1): i + 1]) / len(losses[max(0, i - window + 1): i + 1]) for i in range(len(losses))]
+fig, ax = plt.subplots(figsize=(6, 3.5))
+ax.plot(losses, color="#56B4E9", linewidth=0.8, label="loss of the step's trace")
+ax.plot(smooth, color="#0072B2", linewidth=1.8, label=f"mean of the last {window} steps")
+ax.set_xlabel("Adam step (one trace each)")
+ax.set_ylabel("KL(model's block attention || gate), summed over 30 layers")
+ax.set_title("seer gate, SmolLM2-135M: self-distillation")
+ax.legend()
+fig.tight_layout()
+fig.savefig(sys.argv[2], dpi=120)
+PLOT
+export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+"$PY" -m reasonkv.cli eval --model smollm2-135m --dataset gsm8k:8 --policies full,quest,h2o \
+  --budgets 128,256 --buffer 32 --max-new-tokens 192 --batch-size 8 --fidelity-only --no-progress \
+  --out "$OUT/fidelity-quest-h2o.jsonl"
+"$PY" -m reasonkv.cli eval --model smollm2-135m --dataset gsm8k:8 --policies full,seer \
+  --budgets 128,256 --buffer 32 --max-new-tokens 192 --batch-size 8 --fidelity-only --no-progress \
+  --out "$OUT/fidelity-seer.jsonl"
+"$PY" -m reasonkv.cli report "$OUT/fidelity-quest-h2o.jsonl" "$OUT/fidelity-seer.jsonl" --out "$OUT/report" > /dev/null
