@@ -49,3 +49,4 @@ export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
   --budgets 128,256 --buffer 32 --max-new-tokens 192 --batch-size 8 --fidelity-only --no-progress \
   --out "$OUT/fidelity-seer.jsonl"
 "$PY" -m reasonkv.cli report "$OUT/fidelity-quest-h2o.jsonl" "$OUT/fidelity-seer.jsonl" --out "$OUT/report" > /dev/null
+"$PY" "$OUT/summarise.py" "$OUT/fidelity-quest-h2o.jsonl" "$OUT/fidelity-seer.jsonl" > "$OUT/summary.md"
