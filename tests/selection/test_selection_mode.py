@@ -8,6 +8,7 @@ import torch
 import reasonkv
 from conftest import tiny_llama, tiny_qwen3
 from reasonkv.cache import CacheSpec, EvictingCache
+from reasonkv.eval.grid import make_cells
 from reasonkv.hf import Forward, left_pad
 from reasonkv.selection import PooledKeys, pool_keys
 
@@ -134,3 +135,13 @@ def test_a_trace_records_what_each_step_read():
             assert (read.sum(-1) <= 48).all() and read[..., -1].all()  # within the budget, the newest token read
             assert not (record.protected_mask() & ~read).any()  # the current block is always read
             assert record.scores.shape == (2, 2, record.seen)
+
+
+def test_an_eval_grid_measures_selection_cells_at_every_budget_beside_eviction():
+    cells = make_cells("full,quest,h2o", [128, 256], buffer=32)
+    named = [(c.policy, c.budget, c.evicts) for c in cells]
+    assert named[0] == ("full", None, False)  # the reference first
+    assert ("quest", 128, True) in named and ("quest", 256, True) in named
+    assert ("h2o", 128, True) in named
+    with pytest.raises(ValueError, match="give at least one budget"):
+        make_cells("full,quest", [])
