@@ -66,6 +66,7 @@ class RowState:
         self.announced: tuple[int, torch.Tensor] | None = None  # (q, positions [batch, q]) of the next forward
         self.step_positions: torch.Tensor | None = None  # [batch, q] positions of the forward in progress
         self.row_due: torch.Tensor | None = None  # [batch] under an allocation: the tokens at which each row is due
+        self.due_bound: int | None = None  # host-side: no row is due below it (under an allocation)
 
     @property
     def started(self) -> bool:
@@ -178,7 +179,8 @@ class RowState:
     def due_rows(self) -> torch.Tensor | None:
         """Indices of the rows holding ``K + B`` full-precision tokens or more; ``None`` when none is (read
         from the device only when the host-side bound says a row may be due; quantized tokens do not count)."""
-        if self.trigger is None or not self.started or self.longest < self.trigger:
+        bound = self.trigger if self.due_bound is None else self.due_bound
+        if self.trigger is None or not self.started or self.longest < bound:
             return None
         held = self.full_valid().sum(-1)
         due = torch.nonzero(held >= self._due_at()).flatten()
@@ -218,6 +220,12 @@ class RowState:
             if self.row_due is None:
                 self.row_due = torch.full_like(self.row_evictions, self.trigger)
             self.row_due[rows] = full_valid.shape[1] + self.every
+            # A host-side bound below every row's due count, so that a step before it reads nothing.
+            again = full_valid.shape[1] + self.every
+            if rows.numel() == self.buffer.shape[0]:  # every row was evicted now: all are due at `again`
+                self.due_bound = again
+            else:  # the others keep theirs
+                self.due_bound = min(self.trigger if self.due_bound is None else self.due_bound, again)
             self.maybe_padded = True
         if rows.numel() < self.buffer.shape[0]:  # host-known: this eviction left rows out
             self.ragged = self.maybe_padded = True
