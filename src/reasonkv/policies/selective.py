@@ -30,6 +30,12 @@ class SelectionPolicy(Policy):
 
     Parameters
     ----------
+    sinks
+        Must stay 0: selection evicts nothing, so it protects nothing.
+    window
+        Must stay 0 (as ``sinks``).
+    protect_prompt
+        Must stay False (as ``sinks``).
     block_size
         Logical positions per block (64, as SeerAttention-R; Quest's pages are 16).
     """
