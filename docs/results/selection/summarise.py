@@ -37,7 +37,9 @@ for path in sys.argv[1:]:
         record = json.loads(line)
         if record.get("kind") == "fidelity":
             cells[(record["policy"], record["budget"])].append(record)
-print("| policy | K | kind | top-1 agreement | mean KL | tokens held per head (mean over steps) | tokens read per head per step (mean) | problems |")
+print(
+    "| policy | K | kind | top-1 agreement | mean KL | tokens held per head (mean over steps) | tokens read per head per step (mean) | problems |"
+)
 print("|---|---|---|---|---|---|---|---|")
 for (policy, budget), records in sorted(cells.items(), key=lambda c: (c[0][1], c[0][0])):
     steps = sum(r["trace_tokens"] for r in records)
@@ -48,4 +50,6 @@ for (policy, budget), records in sorted(cells.items(), key=lambda c: (c[0][1], c
         h, d = per_step(r["prompt_tokens"], r["trace_tokens"], policy, budget, r["buffer"])
         held, read = held + h * r["trace_tokens"], read + d * r["trace_tokens"]
     kind = "selection (holds all)" if policy in ("quest", "seer") else "eviction"
-    print(f"| {policy} | {budget} | {kind} | {top1:.3f} | {kl:.3f} | {held / steps:.0f} | {read / steps:.0f} | {len(records)} |")
+    print(
+        f"| {policy} | {budget} | {kind} | {top1:.3f} | {kl:.3f} | {held / steps:.0f} | {read / steps:.0f} | {len(records)} |"
+    )
