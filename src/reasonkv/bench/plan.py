@@ -77,6 +77,11 @@ class Plan:
         return {name: policy is not None and policy.evicts for name, policy in self.instances.items()}
 
     @property
+    def selects(self) -> dict[str, bool]:
+        """Whether each entry's policy selects (holds every token, reads a part each decode step)."""
+        return {name: policy is not None and policy.selects for name, policy in self.instances.items()}
+
+    @property
     def batch_sizes(self) -> list[int]:
         return sorted(self.settings.batch_sizes)
 

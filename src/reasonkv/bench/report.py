@@ -25,6 +25,7 @@ from collections import defaultdict
 
 from reasonkv.bench.compiled import COMPILED, compiled_label
 from reasonkv.bench.memory import format_bytes, held_bytes
+from reasonkv.bench.reads import reads_markdown, reads_summary
 from reasonkv.bench.rounds import same_rounds
 from reasonkv.bench.settings import TRANSFORMERS
 from reasonkv.bench.targets import (
@@ -176,6 +177,7 @@ def _sweep_summary(records: list[dict]) -> dict:
                     summary["kv_sliding_max"] = max(w["kv_bytes_sliding"] for w in windows.values())
                     summary["kv_sliding_bound"] = window_bound
         out["policies"][name] = summary
+    out["reads"] = reads_summary(records)
     out["targets"] = sweep_targets(out)
     return out
 
@@ -398,6 +400,7 @@ def _summary_markdown(batch: int, summary: dict) -> list[str]:
     if hybrid:
         header += ["full-attention layers (max)", "bound: K + B tokens", "sliding layers (max)", "bound: window"]
     lines += _table(header, rows)
+    lines += reads_markdown(summary.get("reads", {}), order)
     if "full" in policies:
         lines += ["(d) Tokens/s relative to full (window at L; in brackets: from the first decode step to L):", ""]
         rows = []

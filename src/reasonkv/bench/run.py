@@ -270,6 +270,7 @@ def _run(plan: Plan) -> int:
             "batch": batch,
             "options": plan.options[policy],
             "evicts": plan.evicts[policy],
+            "selects": plan.selects[policy],
             "reads_attention": reads[policy],
             "config": plan.configs[mode],
             "date": now_iso(),
