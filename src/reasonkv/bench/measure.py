@@ -108,6 +108,25 @@ def window_stats(
     }
 
 
+def _allocated_reading(cache: EvictingCache) -> dict:
+    """Under an allocation (heads keep different numbers of tokens): ``kv_bytes_used`` counts each head's own
+    tokens (not the slots of the widest), and per evicting layer ``kv_bytes_by_layer`` the K/V storage it holds
+    (ragged: its heads' regions, room for ``B`` more included; padded: its slots in use) and
+    ``kv_bytes_used_by_layer`` its heads' tokens."""
+    layers = [cache.layers[i] for i in cache.full_layers]
+    started = [layer for layer in layers if layer.is_initialized]
+    if not started:
+        return {}
+    heads = started[0].positions.shape[1]
+    head_token = cache.full_token_kv_bytes() // (len(layers) * heads)  # one token of one head of one layer
+    used = [int((layer.positions >= 0).sum()) * head_token if layer.is_initialized else 0 for layer in layers]
+    return {
+        "kv_bytes_used": sum(used),
+        "kv_bytes_by_layer": [int(layer.held_bytes()) if layer.is_initialized else 0 for layer in layers],
+        "kv_bytes_used_by_layer": used,
+    }
+
+
 class StepRecorder:
     """The ``on_step(step, cache)`` callback: step times, phase snapshots and memory at window edges.
 
@@ -201,6 +220,9 @@ class StepRecorder:
             self._per_token = len(cache.full_layers) * 2 * layer.keys.shape[1] * layer.keys.shape[3]
             self._per_token *= layer.keys.element_size()
         by_kind = cache.kv_bytes_by_kind()
+        reading = {}
+        if cache.spec.allocated:  # heads keep different numbers: what each evicting layer holds, and uses
+            reading = _allocated_reading(cache)
         return {
             "slots": int(cache.slots),
             "kv_bytes": int(cache.kv_bytes()),
@@ -210,6 +232,7 @@ class StepRecorder:
             "kv_bytes_used": int((cache.slots - cache.low_width) * self._per_token * self.batch),  # full precision
             "memory_bytes": self.tracker.current(),
             "peak_memory_bytes": self.tracker.peak(),
+            **reading,
         }
 
     def timed(self, first: int = 0, last: int | None = None) -> list[float]:

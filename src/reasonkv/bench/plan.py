@@ -130,14 +130,38 @@ def _measured_in(mode: str, name: str, policy: Policy, requested: list[str]) -> 
 
 
 def _spec(settings: BenchSettings, mode: str, policy: Policy) -> CacheSpec:
-    """The entry's cache in ``mode`` (the full cache stores no budget: it evicts nothing)."""
+    """The entry's cache in ``mode`` (the full cache stores no budget: it evicts nothing); an evicting entry of the
+    length sweep under the settings' allocation."""
     budget = settings.cached - settings.buffer if mode == EVICTION else settings.budget
-    return CacheSpec(policy, budget, settings.buffer, seed=settings.seed)
+    shared = {}
+    if mode == SWEEP and policy.evicts and settings.allocation != "uniform":
+        shared = dict(
+            allocation=settings.allocation,
+            budgets_file=settings.budgets_file,
+            adaptive_alpha=settings.adaptive_alpha,
+            ragged=not settings.padded_heads,
+        )
+    return CacheSpec(policy, budget, settings.buffer, seed=settings.seed, **shared)
+
+
+def _check_allocated(settings: BenchSettings, requested: list[str]) -> None:
+    """An allocation shares an evicting policy's budget among heads: a selection policy, which holds every token,
+    has none to share."""
+    if settings.allocation == "uniform":
+        return
+    selecting = [name for name in requested if policy_class(name).selects]
+    if selecting:
+        raise ValueError(
+            f"--allocation {settings.allocation} applies to evicting policies; {', '.join(selecting)} "
+            f"select{'s' if len(selecting) == 1 else ''} (every token held, a part read each step): measure "
+            "them in a run without --allocation"
+        )
 
 
 def build_plan(settings: BenchSettings) -> Plan:
     """The plan of ``settings`` (``ValueError`` for a policy, option or cache that cannot be measured)."""
     policies, requested, everything = _policies(settings.policies)
+    _check_allocated(settings, requested)
     options = options_by_policy(policies, list(settings.option))
     instances: dict[str, Policy | None] = {}
     specs: dict[str, dict[str, CacheSpec | None]] = {mode: {} for mode in settings.modes}
@@ -247,6 +271,7 @@ def _sweep_config(s: BenchSettings, common: dict, warnings: list[str]) -> dict:
     lengths, budget, buffer, window = list(s.sweep_lengths), s.budget, s.buffer, s.sweep_window
     config = {**common, "budget": budget, "buffer": buffer, "lengths": lengths, "sync_timing": s.sync_timing}
     config["rounds"] = s.rounds
+    config.update(s.allocation_config)  # nothing under the uniform allocation
     if not s.reference_lengths:  # only then, so that folders written before the choice existed resume
         config["reference_lengths"] = False
     if s.ragged:  # only then, so that folders written before ragged variants existed resume

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from reasonkv.bench.compiled import COMPILED, compiled_label
+from reasonkv.bench.layers import layer_markdown, layer_summary
 from reasonkv.bench.memory import format_bytes, held_bytes
 from reasonkv.bench.reads import reads_markdown, reads_summary
 from reasonkv.bench.rounds import same_rounds
@@ -178,6 +179,12 @@ def _sweep_summary(records: list[dict]) -> dict:
                     summary["kv_sliding_bound"] = window_bound
         out["policies"][name] = summary
     out["reads"] = reads_summary(records)
+    layers = layer_summary(records)
+    if layers:  # a run under an allocation: K/V bytes per layer
+        per_token = next((r["kv_bytes_per_token"] for r in records if r.get("kv_bytes_per_token")), None)
+        count = len(next(iter(layers.values()))["held"])
+        uniform = (budget + buffer) * per_token * records[0]["batch"] // count if per_token else None
+        out["layers"] = {"allocation": config.get("allocation"), "entries": layers, "uniform_layer_bytes": uniform}
     out["targets"] = sweep_targets(out)
     return out
 
@@ -279,7 +286,12 @@ def _sweep_markdown(records: list[dict], summary: dict, meta: dict) -> list[str]
             "median round, *rounds* the smallest and largest of the rounds' mean step times, *SM MHz* the GPU's "
             "clock at the end of the median round's window"
         )
-    lines = [f"## Length sweep (K = {budget}, B = {buffer})", "", f"{how}.", ""]
+    shared = ""
+    if config.get("allocation"):  # every evicting entry under it; the full cache has no budget to share
+        heads = "ragged" if config.get("ragged_heads", True) else "padded"
+        shared = f", allocation {config['allocation']}, {heads} heads"
+        how += f"; every evicting entry runs under the {config['allocation']} allocation ({heads} heads)"
+    lines = [f"## Length sweep (K = {budget}, B = {buffer}{shared})", "", f"{how}.", ""]
     peak_kind = "CUDA max allocated" if meta.get("device", "cpu").startswith("cuda") else "process peak RSS"
     by_batch: dict[int, list[dict]] = defaultdict(list)
     for record in records:
@@ -401,6 +413,9 @@ def _summary_markdown(batch: int, summary: dict) -> list[str]:
         header += ["full-attention layers (max)", "bound: K + B tokens", "sliding layers (max)", "bound: window"]
     lines += _table(header, rows)
     lines += reads_markdown(summary.get("reads", {}), order)
+    if summary.get("layers"):
+        layers = summary["layers"]
+        lines += layer_markdown(layers["entries"], order, uniform_layer_bytes=layers["uniform_layer_bytes"])
     if "full" in policies:
         lines += ["(d) Tokens/s relative to full (window at L; in brackets: from the first decode step to L):", ""]
         rows = []

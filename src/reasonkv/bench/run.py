@@ -36,6 +36,7 @@ from reasonkv.bench.settings import EVICTION, SWEEP, BenchSettings
 from reasonkv.bench.store import ResultStore, claim_output, entry_key, now_iso
 from reasonkv.bench.tiers import equal_measured_bytes, tiered_budget
 from reasonkv.bench.warmup import warm_up
+from reasonkv.cache import EvictingCache
 from reasonkv.hf import model_info
 from reasonkv.models import load_model
 from reasonkv.runs.outputs import write_atomic
@@ -119,6 +120,31 @@ def measure_entry(model, plan: Plan, mode: str, policy: str, batch: int | None, 
         prefill_chunk=config["prefill_chunk"],
         **common,
     )
+
+
+def _allocation_of(plan: Plan, mode: str, policy: str) -> dict:
+    """``{"allocation": name}`` for an entry of a run under an allocation (``uniform`` for the full cache, which
+    evicts nothing to share); nothing otherwise."""
+    if plan.settings.allocation == "uniform":
+        return {}
+    spec = plan.specs[mode].get(policy)
+    return {"allocation": "uniform" if spec is None else spec.allocation}
+
+
+def check_allocation_fits(model, plan: Plan) -> None:
+    """Build (and drop) the cache of one evicting entry under the allocation, so that what the cache refuses on
+    this model (a hybrid model, an attention kernel without per-head masks) is one error before anything is
+    measured."""
+    if plan.settings.allocation == "uniform" or SWEEP not in plan.specs:
+        return
+    spec = next((s for s in plan.specs[SWEEP].values() if s is not None and s.allocated), None)
+    if spec is None:
+        return
+    try:
+        cache = EvictingCache(model=model, spec=spec)
+    except ValueError as error:
+        raise ValueError(f"--allocation {plan.settings.allocation}: {error}") from None
+    cache.detach()
 
 
 def _reads_attention(model, plan: Plan) -> dict[str, bool]:
@@ -249,6 +275,7 @@ def _run(plan: Plan) -> int:
         return 0
 
     model = _load(plan)
+    check_allocation_fits(model, plan)
     reads = _reads_attention(model, plan)
     meta["weight_bytes"] = weight_bytes(model)
     meta["kv_bytes_per_token"] = kv_bytes_per_token(model, model_dtype(model))
@@ -271,6 +298,7 @@ def _run(plan: Plan) -> int:
             "options": plan.options[policy],
             "evicts": plan.evicts[policy],
             "selects": plan.selects[policy],
+            **_allocation_of(plan, mode, policy),
             "reads_attention": reads[policy],
             "config": plan.configs[mode],
             "date": now_iso(),

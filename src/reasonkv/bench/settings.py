@@ -22,6 +22,7 @@ from reasonkv.bench.measure import WARMUP_STEPS
 from reasonkv.bench.memory import parse_bytes
 from reasonkv.bench.prefilled import ragged_shifts
 from reasonkv.cache import DEFAULT_BUFFER
+from reasonkv.cache.allocation import check_allocation
 from reasonkv.cache.tiers import check_settings
 from reasonkv.generation.compiled import compile_backend
 from reasonkv.models import (
@@ -89,7 +90,7 @@ def _names(value: str | Sequence[str]) -> tuple[str, ...]:
 
 
 _SWITCHES = ("prefill_to_length", "transformers_cache", "sync_timing", "ragged", "eviction_cost", "max_batch", "force")
-_SWITCHES += ("progress", "plots", "reference_lengths")
+_SWITCHES += ("progress", "plots", "reference_lengths", "padded_heads")
 DEFAULT_ROUNDS = 3  # the sweep's interleaved rounds: an odd count, so the median is one round's
 
 
@@ -109,7 +110,10 @@ class BenchSettings:
     Model: ``model``, ``dtype``, ``device``, ``attn``, ``threads`` (CPU threads for torch; None: torch's
     choice). Policies: ``policies`` (names, or ``("all",)``), ``option`` (``KEY=VALUE`` or
     ``POLICY.KEY=VALUE`` strings), ``budget`` ``K``, ``buffer`` ``B``, ``seed`` (prompts and policies),
-    ``quantized``/``bits`` (a quantized-tier variant of each requested evicting policy). Length sweep:
+    ``quantized``/``bits`` (a quantized-tier variant of each requested evicting policy), ``allocation``,
+    ``budgets_file``, ``adaptive_alpha``, ``padded_heads`` (how ``K x layers x kv-heads`` is shared among the
+    layers' kv-heads, :mod:`reasonkv.cache.allocation`: every evicting entry of the length sweep runs under it,
+    its heads in ragged storage unless ``padded_heads``). Length sweep:
     ``lengths`` (None: :data:`DEFAULT_LENGTHS`, and the sweep runs only when no other measurement is
     asked for), ``reference_lengths`` (also the lengths the summary's overhead and flatness compare with:
     ``K``, ``K + B/2``, ``8 K``), ``rounds`` (the sweep's entries of a batch size measured in that many
@@ -138,6 +142,10 @@ class BenchSettings:
     seed: int = 0
     quantized: int = 0
     bits: int | None = None
+    allocation: str = "uniform"
+    budgets_file: str | None = None
+    adaptive_alpha: float = 0.2
+    padded_heads: bool = False
     lengths: tuple[int, ...] | None = None
     reference_lengths: bool = True
     rounds: int = DEFAULT_ROUNDS
@@ -184,6 +192,7 @@ class BenchSettings:
             self._check_compile()
         if self.max_batch:
             self._check_max_batch()
+        self._check_allocation()
 
     def _normalise(self) -> None:
         """Text and sequences as the typed values (the command line hands over lists as text)."""
@@ -203,6 +212,8 @@ class BenchSettings:
             lists["lengths"] = parse_int_list(self.lengths, "--lengths", increasing=True)
         option = (self.option,) if isinstance(self.option, str) else tuple(self.option)
         paths = {"model": os.fspath(self.model), "out": Path(self.out)}
+        if self.budgets_file is not None:
+            paths["budgets_file"] = os.fspath(self.budgets_file)
         for name, value in {**lists, **paths, "policies": _names(self.policies), "option": option}.items():
             object.__setattr__(self, name, value)
 
@@ -223,6 +234,42 @@ class BenchSettings:
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 1, "at least 1")
         check_settings(self.quantized, self.bits)
+
+    def _check_allocation(self) -> None:
+        try:
+            check_allocation(self.allocation, self.budgets_file)
+        except ValueError as error:
+            raise ValueError(f"--allocation: {error}") from None
+        alpha = self.adaptive_alpha
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
+            raise ValueError(f"--adaptive-alpha must be a number in [0, 1], got {alpha!r}")
+        if self.allocation == "uniform":
+            if self.padded_heads:
+                raise ValueError("--padded-heads needs an --allocation other than uniform (heads of equal budgets)")
+            return
+        if self.quantized:
+            raise ValueError(
+                f"--allocation {self.allocation} cannot be combined with --quantized {self.quantized} (the cache "
+                "keeps no quantized tier under an allocation): drop one of them"
+            )
+        others = [flag for flag, on in (("--eviction-cost", self.eviction_cost), ("--max-batch", self.max_batch)) if on]
+        if others:
+            raise ValueError(
+                f"--allocation {self.allocation} applies to the length sweep only, not to {' and '.join(others)}"
+            )
+
+    @property
+    def allocation_config(self) -> dict[str, Any]:
+        """What the sweep's records store of the allocation (nothing for ``uniform``, so that folders written
+        before allocations existed resume)."""
+        if self.allocation == "uniform":
+            return {}
+        config: dict[str, Any] = {"allocation": self.allocation, "ragged_heads": not self.padded_heads}
+        if self.allocation == "adaptive":
+            config["adaptive_alpha"] = self.adaptive_alpha
+        if self.budgets_file is not None:
+            config["budgets_file"] = os.fspath(self.budgets_file)
+        return config
 
     def _check_eviction_cost(self) -> None:
         if self.cached is None:
@@ -328,6 +375,14 @@ class BenchSettings:
         words += ["--buffer", str(self.buffer), "--seed", str(self.seed), "--batch-sizes", _joined(self.batch_sizes)]
         if self.quantized:
             words += ["--quantized", str(self.quantized), "--bits", str(self.bits or 8)]
+        if self.allocation != "uniform":
+            words += ["--allocation", self.allocation]
+            if self.budgets_file is not None:
+                words += ["--budgets-file", os.fspath(self.budgets_file)]
+            if self.allocation == "adaptive":
+                words += ["--adaptive-alpha", str(self.adaptive_alpha)]
+            if self.padded_heads:
+                words.append("--padded-heads")
         for option in self.option:
             words += ["-o", option]
         if self.lengths is not None:

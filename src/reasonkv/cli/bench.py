@@ -29,7 +29,13 @@ from pathlib import Path
 
 from reasonkv.bench.run import run_bench
 from reasonkv.bench.settings import DEFAULT_DTYPE, DEFAULT_LENGTHS, BenchSettings
-from reasonkv.cli.args import add_buffer_argument, add_model_arguments, add_policy_options, non_negative_argument
+from reasonkv.cli.args import (
+    add_allocation_arguments,
+    add_buffer_argument,
+    add_model_arguments,
+    add_policy_options,
+    non_negative_argument,
+)
 
 __all__ = ["add_arguments", "run", "settings_from"]
 
@@ -78,6 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     policy.add_argument(
         "--bits", type=int, choices=(4, 8), default=None, help="code width of the quantized tier (default 8)"
+    )
+    add_allocation_arguments(
+        policy, what="; length sweep: every evicting entry runs under it, and the report shows its K/V bytes per layer"
     )
 
     sweep = parser.add_argument_group("length sweep")
@@ -226,6 +235,10 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
         seed=args.seed,
         quantized=args.quantized,
         bits=args.bits,
+        allocation=args.allocation,
+        budgets_file=args.budgets_file,
+        adaptive_alpha=args.adaptive_alpha,
+        padded_heads=args.padded_heads,
         lengths=args.lengths,
         reference_lengths=not args.no_reference_lengths,
         rounds=args.rounds,

@@ -1,0 +1,76 @@
+"""K/V bytes per layer of the length sweep's entries run under an allocation (``reasonkv bench --allocation``).
+
+Under an allocation (:mod:`reasonkv.cache.allocation`) the layers' kv-heads keep different numbers of tokens, so
+a window's reading carries, per evicting layer, ``kv_bytes_by_layer`` (the K/V storage the layer holds: its
+heads' regions in ragged storage, with room for ``B`` more; padded, its slots in use, every head as wide as the
+widest) and
+``kv_bytes_used_by_layer`` (its heads' own tokens). :func:`layer_summary` keeps them at each entry's longest
+length; :func:`layer_markdown` is the report's table, one row per layer, beside what the uniform allocation
+would hold there (``K + B`` tokens in every head).
+"""
+
+from __future__ import annotations
+
+from reasonkv.bench.memory import format_bytes
+
+__all__ = ["layer_markdown", "layer_summary"]
+
+
+def layer_summary(records: list[dict]) -> dict[str, dict]:
+    """Policy -> ``{"length", "held", "used"}``: the per-layer bytes at the longest length that has them (entries
+    with no per-layer reading, the full cache's say, are left out)."""
+    out = {}
+    for record in records:
+        windows = [w for w in record.get("windows") or [] if w.get("kv_bytes_by_layer")]
+        if not windows:
+            continue
+        last = max(windows, key=lambda w: w["length"])
+        out[record["policy"]] = {
+            "length": last["length"],
+            "held": list(last["kv_bytes_by_layer"]),
+            "used": list(last.get("kv_bytes_used_by_layer") or []),
+        }
+    return out
+
+
+def _bytes(value) -> str:
+    if value is not None and abs(value) < 1024**2:
+        return f"{value / 1024:.1f} KiB"
+    return format_bytes(value)
+
+
+def layer_markdown(summary: dict[str, dict], order: list[str], *, uniform_layer_bytes: int | None) -> list[str]:
+    """One row per evicting layer: each entry's K/V held (its heads' tokens in brackets) at its longest length,
+    and ``uniform_layer_bytes`` (``K + B`` tokens in every head of one layer, the batch's rows) beside them."""
+    names = [name for name in order if name in summary]
+    if not names:
+        return []
+    layers = max(len(summary[name]["held"]) for name in names)
+    lines = [
+        "K/V bytes per layer under the allocation, at each entry's longest length: the storage a layer holds "
+        "(ragged: its heads' regions; padded: its slots in use, every head as wide as the widest), in brackets its "
+        "heads' own tokens; *uniform* is what every layer holds at K + B tokens per head without an allocation:",
+        "",
+    ]
+    header = ["layer", *(f"{name} @{summary[name]['length']}" for name in names), "uniform (K + B)"]
+    lines += ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    totals = {name: [0, 0] for name in names}
+    for layer in range(layers):
+        cells = [str(layer)]
+        for name in names:
+            held, used = summary[name]["held"], summary[name]["used"]
+            if layer >= len(held):
+                cells.append("-")
+                continue
+            totals[name][0] += held[layer]
+            text = _bytes(held[layer])
+            if layer < len(used):
+                totals[name][1] += used[layer]
+                text += f" ({_bytes(used[layer])})"
+            cells.append(text)
+        cells.append(_bytes(uniform_layer_bytes))
+        lines.append("| " + " | ".join(cells) + " |")
+    total_uniform = None if uniform_layer_bytes is None else uniform_layer_bytes * layers
+    cells = ["all", *(f"{_bytes(totals[n][0])} ({_bytes(totals[n][1])})" for n in names), _bytes(total_uniform)]
+    lines.append("| " + " | ".join(cells) + " |")
+    return lines + [""]

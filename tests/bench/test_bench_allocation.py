@@ -1,0 +1,106 @@
+"""``reasonkv bench --allocation``: the sweep's evicting entries under per-(layer, kv-head) budgets, their K/V bytes
+per layer in the records and the report, and the combinations refused in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from reasonkv.cache import CacheSpec
+from reasonkv.cli import main
+
+TINY = ["bench", "--model", "shape:tiny", "--dtype", "fp32", "--no-progress", "--rounds", "1", "--no-plots"]
+SWEEP = [*TINY, "--lengths", "64,128", "--budget", "32", "--buffer", "16", "--prompt-length", "16"]
+LAYERS, HEADS, K, B = 4, 2, 32, 16
+HEAD_TOKEN = 2 * 32 * 4  # one token of one kv-head in one layer: (K, V) x head_dim 32 x fp32
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.mark.parametrize(
+    "allocation", [["pyramid"], pytest.param(["adaptive", "--padded-heads"], marks=pytest.mark.slow)], ids=str
+)
+def test_sweep_under_an_allocation_reports_bytes_per_layer(allocation, tmp_path, capsys):
+    out = tmp_path / "alloc"
+    name = allocation[0]
+    assert main([*SWEEP, "--policies", "h2o", "--allocation", *allocation, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    document = json.loads((out / "bench.json").read_text(), parse_constant=pytest.fail)
+    assert f"--allocation {name}" in document["command"]
+    records = {r["policy"]: r for r in document["records"]}
+    assert {p: r["allocation"] for p, r in records.items()} == {"full": "uniform", "streaming": name, "h2o": name}
+    config = records["h2o"]["config"]
+    assert config["allocation"] == name and config["ragged_heads"] is ("--padded-heads" not in allocation)
+    assert all("kv_bytes_by_layer" not in w for w in records["full"]["windows"])
+
+    table = CacheSpec.build("h2o", K, B, allocation=name).budget_table(LAYERS, HEADS)  # tokens per head kept
+    for policy in ("streaming", "h2o"):
+        windows = {w["length"]: w for w in records[policy]["windows"]}
+        for w in windows.values():
+            if "--padded-heads" in allocation:  # the slots in use, each as wide as the widest head; capacity beyond
+                assert sum(w["kv_bytes_by_layer"]) <= w["kv_bytes"]
+            else:  # every layer evicts: the layers' regions add up to what the cache holds
+                assert sum(w["kv_bytes_by_layer"]) == w["kv_bytes"]
+            assert sum(w["kv_bytes_used_by_layer"]) == w["kv_bytes_used"]
+            assert all(u <= h for u, h in zip(w["kv_bytes_used_by_layer"], w["kv_bytes_by_layer"], strict=True))
+        used = windows[128]["kv_bytes_used_by_layer"]  # evicted many times by then: each head holds its budget
+        assert len(used) == LAYERS
+        if name == "pyramid":  # up to B more
+            for layer in range(LAYERS):
+                kept = int(table[layer].sum())
+                assert kept * HEAD_TOKEN <= used[layer] <= (kept + HEADS * B) * HEAD_TOKEN
+            assert used[0] > used[-1]  # the pyramid: more below, less above
+        # K x layers x kv-heads in all (adaptive: shared by the scores), plus what each head added since
+        assert K * LAYERS * HEADS * HEAD_TOKEN <= sum(used) <= (K + B) * LAYERS * HEADS * HEAD_TOKEN
+    layers = document["summary"]["sweep"]["1"]["layers"]
+    assert layers["allocation"] == name and set(layers["entries"]) == {"streaming", "h2o"}
+    assert layers["uniform_layer_bytes"] == (K + B) * HEADS * HEAD_TOKEN
+    assert layers["entries"]["h2o"]["used"] == records["h2o"]["windows"][-1]["kv_bytes_used_by_layer"]
+
+    heads = "padded" if "--padded-heads" in allocation else "ragged"
+    text = (out / "bench.md").read_text()
+    assert f"## Length sweep (K = 32, B = 16, allocation {name}, {heads} heads)" in text
+    for where in (text, printed):
+        assert "K/V bytes per layer under the allocation" in where
+        assert "| layer | streaming @128 | h2o @128 | uniform (K + B) |" in where
+        assert f"| 3 | {records['h2o']['windows'][-1]['kv_bytes_by_layer'][3] / 1024:.1f} KiB (" in where
+
+    # a rerun under another allocation is another configuration: refused, the folder kept
+    capsys.readouterr()
+    assert main([*SWEEP, "--policies", "h2o", "--out", str(out)]) == 2
+    assert "another configuration" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--policies", "quest", "-o", "block_size=8"], "--allocation pyramid applies to evicting policies; quest"),
+        (["--quantized", "8"], "--allocation pyramid cannot be combined with --quantized 8"),
+        (["--eviction-cost", "--cached", "64"], "applies to the length sweep only, not to --eviction-cost"),
+        (["--budgets-file", "b.json"], "a budget file is read only with allocation='calibrated'"),
+    ],
+)
+def test_refused_combinations_say_so_in_one_line(extra, message, tmp_path, capsys):
+    argv = [*SWEEP, "--policies", "h2o", "--allocation", "pyramid", *extra, "--out", str(tmp_path / "o")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "o").exists()
+
+
+def test_padded_heads_and_calibrated_need_their_allocation(tmp_path, capsys):
+    assert main([*SWEEP, "--padded-heads", "--out", str(tmp_path / "o")]) == 2
+    assert "--padded-heads needs an --allocation other than uniform" in capsys.readouterr().err
+    assert main([*SWEEP, "--allocation", "calibrated", "--out", str(tmp_path / "o")]) == 2
+    assert "needs a budget file" in capsys.readouterr().err
+
+
+def test_what_the_cache_refuses_on_the_model_is_one_line(tmp_path, capsys):
+    """A hybrid model: the cache refuses an allocation there, said once before anything is measured."""
+    argv = [*SWEEP, "--model", "shape:tiny-hybrid", "--policies", "h2o", "--allocation", "pyramid"]
+    assert main([*argv, "--out", str(tmp_path / "o")]) == 2
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if "error" in line]
+    assert len(lines) == 1 and "--allocation pyramid: allocation='pyramid' is not supported on hybrid" in lines[0]
+    assert "sweep full" not in captured.err  # nothing measured
