@@ -108,6 +108,27 @@ def window_stats(
     }
 
 
+def _read_counts(selector) -> tuple[int, int, int]:
+    """A selection policy's counts so far: decode steps, and K/V bytes read and held at those reads (every
+    row, layer and kv-head)."""
+    if selector.read_tokens is None:
+        return selector.steps, 0, 0
+    size = selector.token_bytes
+    return selector.steps, int(selector.read_tokens.sum()) * size, int(selector.held_tokens.sum()) * size
+
+
+def _window_reads(before: tuple[int, int, int], after: tuple[int, int, int]) -> dict:
+    """A window's ``kv_bytes_read_per_step`` and ``kv_bytes_full_read_per_step`` (what reading all held would
+    read), means over its decode steps, every row together (a selection policy)."""
+    steps = after[0] - before[0]
+    if steps <= 0:
+        return {}
+    return {
+        "kv_bytes_read_per_step": (after[1] - before[1]) / steps,
+        "kv_bytes_full_read_per_step": (after[2] - before[2]) / steps,
+    }
+
+
 def _allocated_reading(cache: EvictingCache) -> dict:
     """Under an allocation (heads keep different numbers of tokens): ``kv_bytes_used`` counts each head's own
     tokens (not the slots of the widest), and per evicting layer ``kv_bytes_by_layer`` the K/V storage it holds
@@ -169,6 +190,7 @@ class StepRecorder:
         self.bar = bar
         self.step_seconds: list[float] = []
         self.snapshots: dict[int, tuple[dict[str, float], int]] = {}
+        self.reads: dict[int, tuple[int, int, int]] = {}  # length -> a selector's (steps, read, held) tokens
         self.readings: dict[int, dict] = {}
         self.tracker = PeakTracker(device)
         self.prefill_done: float | None = None
@@ -195,6 +217,9 @@ class StepRecorder:
         if length in self._snap_at:
             evictor = getattr(cache, "evictor", None)  # transformers' own cache has none: no phases
             self.snapshots[length] = ({}, 0) if evictor is None else (evictor.timings, evictor.eviction_count)
+            selector = getattr(evictor, "selector", None)
+            if selector is not None:  # a selection policy: its reading counts so far
+                self.reads[length] = _read_counts(selector)
         if length in self.windows:
             self.readings[length] = {**self._read(cache), "gpu_clock_mhz": gpu_clock_mhz(self.device)}
         if length == self.peak_from:
@@ -259,6 +284,8 @@ class StepRecorder:
             evictions=evictions_after - evictions_before,
             batch=self.batch,
         )
+        if start in self.reads and end in self.reads:
+            stats.update(_window_reads(self.reads[start], self.reads[end]))
         excluded = sum(1 for i in self.compiling_steps if first <= i < last)
         if excluded:
             stats["compiling_steps_excluded"] = excluded

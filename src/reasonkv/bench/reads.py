@@ -2,9 +2,10 @@
 
 An evicting policy (and the full cache) reads at every decode step all the K/V it holds: its bytes read per
 step are its bytes held. A selection policy (``quest``, ``seer``) holds every token and reads a part of them
-each step; its run's ``totals.selection`` (:func:`reasonkv.bench.measure.measure_sweep`, from
-``stats["selection"]``) says how much: the mean bytes read per decode step, what reading all it held would have
-cost, their ratio and the bytes of its side caches (block summaries).
+each step: each window of its sweep (decoded or prefilled) carries the mean K/V bytes its decode steps read
+(``kv_bytes_read_per_step``) and what reading all it held would have read (``kv_bytes_full_read_per_step``),
+counted by its selector (:class:`reasonkv.bench.measure.StepRecorder`); the run's ``totals.selection`` adds the
+bytes of its side caches (block summaries).
 
 :func:`reads_summary` gives one entry per policy; :func:`reads_markdown` the report's table.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from reasonkv.bench.memory import format_bytes, held_bytes
 
-__all__ = ["reads_markdown", "reads_summary"]
+__all__ = ["read_entry", "reads_markdown", "reads_summary", "window_read"]
 
 
 def _bytes(value: float | None) -> str:
@@ -27,36 +28,39 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def window_read(window: dict, selects: bool) -> float | None:
+    """K/V bytes a window's decode steps read, mean per step, every row together: a selection policy's counted
+    reads (None if its window has none), an evicting policy's held bytes (it reads all it holds)."""
+    if selects:
+        return window.get("kv_bytes_read_per_step")
+    return held_bytes(window)
+
+
 def read_entry(record: dict) -> dict:
     """``{"selects", "kv_bytes_held_max", "kv_bytes_read_per_step", "kv_bytes_full_read_per_step",
-    "read_fraction", "side_cache_bytes"}`` of one sweep record.
+    "read_fraction", "side_cache_bytes"}`` of one sweep record, every row together.
 
-    Held: the most K/V bytes in use at the end of a window (a selection policy: the run's peak). Read per step:
-    a selection policy's mean over every decode step of the run (``None`` when its record carries no
-    ``totals.selection``: a prefilled sweep counts none); an evicting policy's mean over the measured windows
-    of the bytes it held, which every step reads whole (its ratio is 1).
+    Held: the most K/V bytes in use at the end of a window. Read per step: the mean over the measured windows of
+    each window's mean per decode step: a selection policy's counted reads, and beside them what reading all it
+    held would have cost (``None`` when its windows carry no counts); an evicting policy's held bytes, which
+    every step reads whole (its ratio is 1). Side caches: a selection policy's block summaries at the end of
+    the run (``totals.selection``).
     """
     windows = record.get("windows") or []
     held = [held_bytes(w) for w in windows]
-    selection = (record.get("totals") or {}).get("selection")
-    if selection is not None:
-        fraction = selection.get("read_fraction")
-        return {
-            "selects": True,
-            "kv_bytes_held_max": selection.get("kv_bytes_held", max(held, default=None)),
-            "kv_bytes_read_per_step": selection["kv_bytes_read_per_step"],
-            "kv_bytes_full_read_per_step": selection["kv_bytes_full_read_per_step"],
-            "read_fraction": fraction if fraction == fraction else None,  # NaN (nothing held): no ratio
-            "side_cache_bytes": selection.get("side_cache_bytes", 0),
-        }
-    if record.get("selects"):  # a selection policy whose run kept no reading counts (a prefilled sweep)
+    selects = bool(record.get("selects")) or "selection" in (record.get("totals") or {})
+    if selects:
+        counted = [w for w in windows if w.get("kv_bytes_read_per_step") is not None]
+        read = _mean([w["kv_bytes_read_per_step"] for w in counted])
+        full = _mean([w["kv_bytes_full_read_per_step"] for w in counted])
+        selection = (record.get("totals") or {}).get("selection") or {}
         return {
             "selects": True,
             "kv_bytes_held_max": max(held, default=None),
-            "kv_bytes_read_per_step": None,
-            "kv_bytes_full_read_per_step": None,
-            "read_fraction": None,
-            "side_cache_bytes": None,
+            "kv_bytes_read_per_step": read,
+            "kv_bytes_full_read_per_step": full,
+            "read_fraction": read / full if read is not None and full else None,
+            "side_cache_bytes": selection.get("side_cache_bytes"),
         }
     mean = _mean(held)
     return {
@@ -79,9 +83,9 @@ def reads_markdown(summary: dict[str, dict], order: list[str]) -> list[str]:
     if not any(entry["selects"] for entry in summary.values()):
         return []
     lines = [
-        "K/V bytes held and read per decode step (mean): an evicting policy reads all it holds (mean over the "
-        "measured windows); a selection policy holds every token and reads a part (mean over every decode step "
-        "of the run; *full read*: what reading all it held would have cost, *side caches*: its block summaries):",
+        "K/V bytes held and read per decode step (means over the measured windows, every row together): an "
+        "evicting policy reads all it holds; a selection policy holds every token and reads a part (*full read*: "
+        "what reading all it held would have cost; *side caches*: its block summaries at the end of the run):",
         "",
         "| policy | kind | KV held (max) | KV read per step (mean) | full read per step (mean) | read / full | "
         "side caches |",

@@ -26,7 +26,7 @@ from collections import defaultdict
 from reasonkv.bench.compiled import COMPILED, compiled_label
 from reasonkv.bench.layers import layer_markdown, layer_summary
 from reasonkv.bench.memory import format_bytes, held_bytes
-from reasonkv.bench.reads import reads_markdown, reads_summary
+from reasonkv.bench.reads import reads_markdown, reads_summary, window_read
 from reasonkv.bench.rounds import same_rounds
 from reasonkv.bench.settings import TRANSFORMERS
 from reasonkv.bench.targets import (
@@ -302,6 +302,7 @@ def _sweep_markdown(records: list[dict], summary: dict, meta: dict) -> list[str]
         lines += [f"### Batch {batch}", ""]
         rows = []
         hybrid = any(w.get("kv_bytes_sliding") for r in group.values() for w in r["windows"])
+        selecting = any(r.get("selects") for r in group.values())  # then a column of the bytes a step read
         for name in _policy_order(group):
             windows = by_length(group[name])
             for tokens in config["lengths"]:
@@ -323,6 +324,7 @@ def _sweep_markdown(records: list[dict], summary: dict, meta: dict) -> list[str]
                         str(w["evictions"]),
                         str(w["slots"]),
                         format_bytes(held_bytes(w)),
+                        *([format_bytes(window_read(w, bool(group[name].get("selects"))))] if selecting else []),
                         format_bytes(w["kv_bytes"]),
                         *by_kind,
                         format_bytes(w.get("peak_memory_bytes")),
@@ -330,7 +332,8 @@ def _sweep_markdown(records: list[dict], summary: dict, meta: dict) -> list[str]
                 )
         header = ["policy", "length", "tok/s", "step ms (median)", "step ms (mean)", "rounds", "SM MHz"]
         header += ["forward", "record"]
-        header += ["observe", "score", "gather", "evictions", "slots", "KV held", "KV allocated"]
+        header += ["observe", "score", "gather", "evictions", "slots", "KV held"]
+        header += ["KV read per step", "KV allocated"] if selecting else ["KV allocated"]
         header += ["KV full-attention layers", "KV sliding layers"] if hybrid else []
         header += [f"peak ({peak_kind})"]
         lines += _table(header, rows)
