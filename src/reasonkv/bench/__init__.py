@@ -15,6 +15,9 @@ Modules, one job each:
 - :mod:`~reasonkv.bench.compiled`: the compiled variants (``--compile``) and the compiled transformers
   reference;
 - :mod:`~reasonkv.bench.variants`: every variant against its plain entry;
+- :mod:`~reasonkv.bench.reads`: K/V bytes held and read per decode step (a selection policy reads a part of
+  what it holds, an evicting one all of it); :mod:`~reasonkv.bench.layers`: K/V bytes per layer of the
+  entries run under an allocation (``--allocation``);
 - :mod:`~reasonkv.bench.settings`: every setting of a run, checked once (:class:`BenchSettings`);
   :mod:`~reasonkv.bench.plan`: the entries and their caches; :mod:`~reasonkv.bench.run`: the run
   (:func:`run_bench`); :mod:`~reasonkv.bench.store`: results on disk, resume;

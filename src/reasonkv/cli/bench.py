@@ -11,6 +11,10 @@ Three measurements, combinable in one run (one model load):
 
 ``--quantized Q --bits b`` adds a quantized-tier variant of every requested evicting policy to the
 length sweep, at the K/V bytes of the plain policy (:mod:`reasonkv.bench.tiers`).
+``--allocation pyramid|adaptive|calibrated`` runs the length sweep's evicting entries under per-(layer,
+kv-head) budgets and reports their K/V bytes per layer (:mod:`reasonkv.bench.layers`). A selection policy
+(``quest``, ``seer``) is reported with the K/V bytes its decode steps read beside those it holds
+(:mod:`reasonkv.bench.reads`).
 
 Outputs in ``--out``: ``results.jsonl`` (one record per finished entry, appended as measured),
 ``bench.json`` (everything, with the command line, date, machine and versions), ``bench.md`` and
