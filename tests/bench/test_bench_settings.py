@@ -28,7 +28,11 @@ def _settings(argv: list[str]) -> BenchSettings:
     return settings_from(build_parser(["bench"]).parse_args(["bench", *argv]))
 
 
-@pytest.mark.parametrize("argv", [["--out", "o"], EVERYTHING], ids=["defaults", "every-flag"])
+ALLOCATED = ["--allocation", "adaptive", "--adaptive-alpha", "0.5", "--padded-heads", "--lengths", "64,128"]
+ALLOCATED += ["--out", "o"]
+
+
+@pytest.mark.parametrize("argv", [["--out", "o"], EVERYTHING, ALLOCATED], ids=["defaults", "every-flag", "allocation"])
 def test_the_command_line_it_spells_out_builds_the_same_settings(argv):
     settings = _settings(argv)
     command = shlex.split(settings.command())
@@ -71,6 +75,10 @@ def test_defaults_and_python_values():
         ({"max_batch": True, "memory_limit": "1GiB", "length": 300, "probe_batches": [2]}, "two different"),
         ({"transformers_cache": True, "prefill_to_length": True, "eviction_cost": True, "cached": 200}, "sweep"),
         ({"prefill_to_length": True, "lengths": [1024], "window": 300}, "--window 300 exceeds --decode-steps 256"),
+        ({"allocation": "nope"}, "--allocation: allocation must be one of uniform, pyramid"),
+        ({"allocation": "adaptive", "adaptive_alpha": 2}, r"--adaptive-alpha must be a number in \[0, 1\], got 2"),
+        ({"allocation": "pyramid", "padded_heads": "yes"}, "padded_heads must be True or False"),
+        ({"allocation": "pyramid", "max_batch": True, "memory_limit": "1GiB", "length": 300}, "not to --max-batch"),
     ],
 )
 def test_bad_settings_name_the_flag_and_the_value(changes, message):
@@ -109,3 +117,18 @@ def test_options_reach_the_cache_specs():
         build_plan(BenchSettings(out="o", model="shape:tiny", policies=["snapkv"], budget=16, lengths=[64]))
     skipped = build_plan(BenchSettings(out="o", model="shape:tiny", budget=16, lengths=[64]))  # 'all': skipped
     assert "snapkv" not in skipped.policies and any(w.startswith("skipping snapkv: ") for w in skipped.warnings)
+
+
+def test_an_allocation_reaches_the_evicting_entries_of_the_sweep():
+    settings = BenchSettings(out="o", model="shape:tiny", policies=["h2o"], budget=32, buffer=16, lengths=[64, 128])
+    allocated = dataclasses.replace(settings, allocation="adaptive", adaptive_alpha=0.5, padded_heads=True)
+    plan = build_plan(allocated)
+    specs = plan.specs["sweep"]
+    assert specs["full"].allocation == "uniform"  # nothing evicted, nothing to share
+    for name in ("streaming", "h2o"):
+        assert specs[name].allocation == "adaptive" and specs[name].adaptive_alpha == 0.5
+        assert specs[name].ragged is False
+    config = plan.configs["sweep"]
+    assert config["allocation"] == "adaptive" and config["ragged_heads"] is False and config["adaptive_alpha"] == 0.5
+    # the uniform allocation leaves the configuration as it was before allocations existed
+    assert "allocation" not in build_plan(settings).configs["sweep"]
