@@ -132,3 +132,13 @@ def test_an_allocation_reaches_the_evicting_entries_of_the_sweep():
     assert config["allocation"] == "adaptive" and config["ragged_heads"] is False and config["adaptive_alpha"] == 0.5
     # the uniform allocation leaves the configuration as it was before allocations existed
     assert "allocation" not in build_plan(settings).configs["sweep"]
+
+
+def test_policies_all_under_an_allocation_leaves_the_selection_policies_out():
+    settings = BenchSettings(out="o", model="shape:tiny", budget=64, buffer=16, lengths=[256], allocation="pyramid")
+    plan = build_plan(settings)
+    assert "quest" not in plan.policies and "seer" not in plan.policies and "h2o" in plan.policies
+    assert any(w.startswith("skipping quest, seer under --allocation pyramid") for w in plan.warnings)
+    assert all(spec.allocation == "pyramid" for name, spec in plan.specs["sweep"].items() if name != "full")
+    with pytest.raises(ValueError, match="--allocation pyramid applies to evicting policies; seer selects"):
+        build_plan(dataclasses.replace(settings, policies=("h2o", "seer")))

@@ -144,28 +144,36 @@ def _spec(settings: BenchSettings, mode: str, policy: Policy) -> CacheSpec:
     return CacheSpec(policy, budget, settings.buffer, seed=settings.seed, **shared)
 
 
-def _check_allocated(settings: BenchSettings, requested: list[str]) -> None:
+def _unallocated(settings: BenchSettings, requested: list[str], everything: bool) -> list[str]:
     """An allocation shares an evicting policy's budget among heads: a selection policy, which holds every token,
-    has none to share."""
+    has none to share. Under ``--policies all`` the selection policies are left out (returned); named, refused."""
     if settings.allocation == "uniform":
-        return
+        return []
     selecting = [name for name in requested if policy_class(name).selects]
-    if selecting:
+    if selecting and not everything:
         raise ValueError(
             f"--allocation {settings.allocation} applies to evicting policies; {', '.join(selecting)} "
             f"select{'s' if len(selecting) == 1 else ''} (every token held, a part read each step): measure "
             "them in a run without --allocation"
         )
+    return selecting
 
 
 def build_plan(settings: BenchSettings) -> Plan:
     """The plan of ``settings`` (``ValueError`` for a policy, option or cache that cannot be measured)."""
     policies, requested, everything = _policies(settings.policies)
-    _check_allocated(settings, requested)
+    skipped = _unallocated(settings, requested, everything)
+    policies = [p for p in policies if p not in skipped]
+    requested = [p for p in requested if p not in skipped]
     options = options_by_policy(policies, list(settings.option))
     instances: dict[str, Policy | None] = {}
     specs: dict[str, dict[str, CacheSpec | None]] = {mode: {} for mode in settings.modes}
     warnings: list[str] = []
+    if skipped:
+        warnings.append(
+            f"skipping {', '.join(skipped)} under --allocation {settings.allocation}: a selection policy holds "
+            "every token (no budget to share among heads)"
+        )
     for name in list(policies):
         policy = get_policy(name, **options[name])  # bad option values raise here
         try:
