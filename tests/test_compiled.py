@@ -23,7 +23,8 @@ from reasonkv.policies import policy_class
 
 pytestmark = pytest.mark.filterwarnings("ignore:triattention. query centers:UserWarning")
 
-POLICIES = reasonkv.list_policies()
+# Selection policies refuse compiled decode (tests/selection checks the refusal).
+POLICIES = [name for name in reasonkv.list_policies() if not policy_class(name).selects]
 EVICTING = [name for name in POLICIES if policy_class(name).evicts]
 # Prompts of three lengths: a ragged batch whose rows evict at different steps.
 PROMPTS = [[3 + (5 * i + 7 * r) % 90 for i in range(n)] for r, n in enumerate((31, 12, 47))]
