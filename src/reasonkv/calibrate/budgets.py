@@ -14,18 +14,17 @@ its protected tokens, so the same file serves every budget.
 from __future__ import annotations
 
 import json
-import os
-import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
 from reasonkv.cache.allocation import load_budget_file
-from reasonkv.calibrate.centers import _sequences
+from reasonkv.calibrate.reading import ReadingSettings, read_sequences
 from reasonkv.hf import AttentionTap, model_info
-from reasonkv.models import DEFAULT_MODEL, load_model
+from reasonkv.models import load_model
 from reasonkv.policies import attention
 
 __all__ = ["BudgetsSettings", "head_mass", "run_budgets"]
@@ -34,74 +33,32 @@ CHUNK = 256  # queries whose attention rows are built at once
 
 
 @dataclass(frozen=True, kw_only=True)
-class BudgetsSettings:
-    """Everything one ``reasonkv calibrate --budgets`` run is told.
+class BudgetsSettings(ReadingSettings):
+    """Everything one ``reasonkv calibrate --budgets`` run is told: what :class:`ReadingSettings` holds (the
+    model, what it reads, and ``out``, a new path or a budget file, which is replaced), and:
 
     Parameters
     ----------
-    model, dtype, device, attn
-        The model to load.
-    dataset, traces, text, max_tokens
-        What to read, as ``--centers`` reads it.
     sinks, window
         The streaming head's share: the mass beyond the first ``sinks`` keys and the ``window`` most recent
         is what a head needs the rest of its budget for.
-    out
-        The budget file to write (a new path, or a budget file, which is replaced).
     """
 
-    model: str = DEFAULT_MODEL
-    dtype: str = "fp32"
-    device: str = "cpu"
-    attn: str = "sdpa"
-    dataset: str = "gsm8k"
+    FLAG: ClassVar[str] = "--budgets"
+    FILE_KIND: ClassVar[str] = "budget file"
+
     traces: int = 16
-    text: Path | None = None
-    max_tokens: int | None = None
     sinks: int = 4
     window: int = 64
-    out: Path
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "model", os.fspath(self.model))
-        object.__setattr__(self, "out", Path(self.out))
-        if self.text is not None:
-            object.__setattr__(self, "text", Path(self.text))
-            if not self.text.is_file():
-                raise ValueError(f"--text {str(self.text)!r} is not a file")
-        for name, low in (("traces", 1), ("max_tokens", 1), ("sinks", 0), ("window", 1)):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
-                raise ValueError(f"{name} must be an integer of at least {low}, got {value!r}")
-        if self.out.is_dir():
-            raise ValueError(f"--out {str(self.out)!r} is a folder; --budgets writes one file")
-        if self.out.exists():
-            try:
-                load_budget_file(self.out)
-            except ValueError:
-                raise ValueError(
-                    f"--out {str(self.out)!r} exists and is not a budget file; it is left untouched"
-                ) from None
+    def _more_counts(self) -> tuple[tuple[str, int], ...]:
+        return (("sinks", 0), ("window", 1))
 
-    @property
-    def source(self) -> str:
-        cut = f", at most {self.max_tokens} tokens each" if self.max_tokens else ""
-        if self.text is not None:
-            return f"text file {self.text.name}{cut}"
-        return f"{self.dataset}: {self.traces} reference solutions after their prompts{cut}"
+    def _load_existing(self, path: Path) -> None:
+        load_budget_file(path)
 
-    def command(self) -> str:
-        parts = ["reasonkv", "calibrate", "--budgets", "--model", self.model]
-        if self.dtype != "fp32":
-            parts += ["--dtype", self.dtype]
-        if self.text is not None:
-            parts += ["--text", str(self.text)]
-        else:
-            parts += ["--dataset", self.dataset, "--traces", str(self.traces)]
-        if self.max_tokens:
-            parts += ["--max-trace-tokens", str(self.max_tokens)]
-        parts += ["--budget-sinks", str(self.sinks), "--budget-window", str(self.window)]
-        return shlex.join([*parts, "--out", str(self.out)])
+    def _more_args(self) -> list[str]:
+        return ["--budget-sinks", str(self.sinks), "--budget-window", str(self.window)]
 
 
 def _beyond_window(query, key, scaling: float, softcap, sinks: int, window: int) -> tuple[torch.Tensor, int]:
@@ -165,7 +122,7 @@ def run_budgets(settings: BudgetsSettings) -> int:
     model, tokenizer = load_model(
         settings.model, dtype=settings.dtype, device=settings.device, attn_implementation=settings.attn
     )
-    sequences = _sequences(settings, tokenizer)
+    sequences = read_sequences(settings, tokenizer)
     weights, queries = head_mass(model, sequences, sinks=settings.sinks, window=settings.window)
     layers, kv_heads = weights.shape
     record = {

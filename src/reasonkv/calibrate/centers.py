@@ -11,106 +11,31 @@ fingerprint so that the policy refuses them on another model.
 
 from __future__ import annotations
 
-import os
-import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
-from reasonkv.calibrate.traces import reference_trace
-from reasonkv.eval.datasets import load_dataset
+from reasonkv.calibrate.reading import ReadingSettings, read_sequences
 from reasonkv.hf import AttentionTap, model_info
-from reasonkv.models import DEFAULT_MODEL, load_model
+from reasonkv.models import load_model
 from reasonkv.policies.query_centers import CenterSums, QueryCenters
 
 __all__ = ["CentersSettings", "compute_centers", "run_centers"]
 
 
 @dataclass(frozen=True, kw_only=True)
-class CentersSettings:
-    """Everything one ``reasonkv calibrate --centers`` run is told.
+class CentersSettings(ReadingSettings):
+    """Everything one ``reasonkv calibrate --centers`` run is told: what :class:`ReadingSettings` holds (the
+    model, what it reads, and ``out``, a new path or a query centers file this command wrote, which is replaced)."""
 
-    Parameters
-    ----------
-    model, dtype, device, attn
-        The model to load.
-    dataset, traces
-        Read the reference solutions of the first ``traces`` problems of ``dataset``, each after its
-        prompt (ignored when ``text`` is given).
-    text
-        A plain-text file read as one sequence instead (any coherent text: the authors' choice).
-    max_tokens
-        Cut every sequence to this many tokens (None: whole).
-    out
-        The file to write (a new path, or a query centers file this command wrote, which is replaced).
-    """
+    FLAG: ClassVar[str] = "--centers"
+    FILE_KIND: ClassVar[str] = "query centers file"
 
-    model: str = DEFAULT_MODEL
-    dtype: str = "fp32"
-    device: str = "cpu"
-    attn: str = "sdpa"
-    dataset: str = "gsm8k"
-    traces: int = 100
-    text: Path | None = None
-    max_tokens: int | None = None
-    out: Path
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "model", os.fspath(self.model))
-        object.__setattr__(self, "out", Path(self.out))
-        if self.text is not None:
-            object.__setattr__(self, "text", Path(self.text))
-            if not self.text.is_file():
-                raise ValueError(f"--text {str(self.text)!r} is not a file")
-        for name in ("traces", "max_tokens"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.out.is_dir():
-            raise ValueError(f"--out {str(self.out)!r} is a folder; --centers writes one file")
-        if self.out.exists():
-            try:
-                QueryCenters.load(self.out)
-            except ValueError:
-                raise ValueError(
-                    f"--out {str(self.out)!r} exists and is not a query centers file; it is left untouched"
-                ) from None
-
-    @property
-    def source(self) -> str:
-        """What the centers are computed on, as the file records it."""
-        cut = f", at most {self.max_tokens} tokens each" if self.max_tokens else ""
-        if self.text is not None:
-            return f"text file {self.text.name}{cut}"
-        return f"{self.dataset}: {self.traces} reference solutions after their prompts{cut}"
-
-    def command(self) -> str:
-        parts = ["reasonkv", "calibrate", "--centers", "--model", self.model]
-        if self.dtype != "fp32":
-            parts += ["--dtype", self.dtype]
-        if self.text is not None:
-            parts += ["--text", str(self.text)]
-        else:
-            parts += ["--dataset", self.dataset, "--traces", str(self.traces)]
-        if self.max_tokens:
-            parts += ["--max-trace-tokens", str(self.max_tokens)]
-        return shlex.join([*parts, "--out", str(self.out)])
-
-
-def _sequences(settings: CentersSettings, tokenizer) -> list[list[int]]:
-    if settings.text is not None:
-        ids = tokenizer(settings.text.read_text(encoding="utf-8"))["input_ids"]
-        ids = list(ids[: settings.max_tokens] if settings.max_tokens else ids)
-        if not ids:
-            raise ValueError(f"--text {str(settings.text)!r} holds no tokens")
-        return [ids]
-    problems = [p for p in load_dataset(settings.dataset) if p.solution][: settings.traces]
-    if not problems:
-        raise ValueError(f"dataset {settings.dataset!r} has no reference solutions; pass --text FILE")
-    traces = [reference_trace(tokenizer, p) for p in problems]
-    return [t.ids[: settings.max_tokens] if settings.max_tokens else t.ids for t in traces]
+    def _load_existing(self, path: Path) -> None:
+        QueryCenters.load(path)
 
 
 @torch.inference_mode()
@@ -156,7 +81,7 @@ def run_centers(settings: CentersSettings) -> int:
     model, tokenizer = load_model(
         settings.model, dtype=settings.dtype, device=settings.device, attn_implementation=settings.attn
     )
-    sequences = _sequences(settings, tokenizer)
+    sequences = read_sequences(settings, tokenizer)
     centers = compute_centers(model, sequences, name=settings.model, source=settings.source)
     settings.out.parent.mkdir(parents=True, exist_ok=True)
     centers.save(settings.out)

@@ -1,0 +1,122 @@
+"""What a calibration that runs the model over text is told, and the token sequences it reads.
+
+``reasonkv calibrate --centers`` and ``--budgets`` both load a model, read either the reference solutions
+of a dataset's first problems (each after its prompt) or one plain-text file, and write one file. This
+module holds those shared settings (:class:`ReadingSettings`: checked once, spelled back as a command) and
+the sequences they name (:func:`read_sequences`); each command adds its own options and file kind.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+from reasonkv.calibrate.traces import reference_trace
+from reasonkv.eval.datasets import load_dataset
+from reasonkv.models import DEFAULT_MODEL
+
+__all__ = ["ReadingSettings", "read_sequences"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReadingSettings:
+    """The model, what it reads and the one file a calibration writes.
+
+    Parameters
+    ----------
+    model, dtype, device, attn
+        The model to load.
+    dataset, traces
+        Read the reference solutions of the first ``traces`` problems of ``dataset``, each after its
+        prompt (ignored when ``text`` is given).
+    text
+        A plain-text file read as one sequence instead.
+    max_tokens
+        Cut every sequence to this many tokens (None: whole).
+    out
+        The file to write (a new path, or a file of this command's kind, which is replaced).
+    """
+
+    FLAG: ClassVar[str]  # the command's flag, e.g. "--centers"
+    FILE_KIND: ClassVar[str]  # what ``out`` must hold if it exists, e.g. "query centers file"
+
+    model: str = DEFAULT_MODEL
+    dtype: str = "fp32"
+    device: str = "cpu"
+    attn: str = "sdpa"
+    dataset: str = "gsm8k"
+    traces: int = 100
+    text: Path | None = None
+    max_tokens: int | None = None
+    out: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "model", os.fspath(self.model))
+        object.__setattr__(self, "out", Path(self.out))
+        if self.text is not None:
+            object.__setattr__(self, "text", Path(self.text))
+            if not self.text.is_file():
+                raise ValueError(f"--text {str(self.text)!r} is not a file")
+        for name, low in (("traces", 1), ("max_tokens", 1), *self._more_counts()):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+                raise ValueError(f"{name} must be an integer of at least {low}, got {value!r}")
+        if self.out.is_dir():
+            raise ValueError(f"--out {str(self.out)!r} is a folder; {self.FLAG} writes one file")
+        if self.out.exists():
+            try:
+                self._load_existing(self.out)
+            except ValueError:
+                raise ValueError(
+                    f"--out {str(self.out)!r} exists and is not a {self.FILE_KIND}; it is left untouched"
+                ) from None
+
+    def _more_counts(self) -> tuple[tuple[str, int], ...]:
+        """The command's own integer options and their least values."""
+        return ()
+
+    def _load_existing(self, path: Path) -> None:
+        """Raise ``ValueError`` unless ``path`` holds a file of this command's kind."""
+        raise NotImplementedError
+
+    def _more_args(self) -> list[str]:
+        """The command's own options, spelled as on the command line."""
+        return []
+
+    @property
+    def source(self) -> str:
+        """What the command reads, as its file records it."""
+        cut = f", at most {self.max_tokens} tokens each" if self.max_tokens else ""
+        if self.text is not None:
+            return f"text file {self.text.name}{cut}"
+        return f"{self.dataset}: {self.traces} reference solutions after their prompts{cut}"
+
+    def command(self) -> str:
+        parts = ["reasonkv", "calibrate", self.FLAG, "--model", self.model]
+        if self.dtype != "fp32":
+            parts += ["--dtype", self.dtype]
+        if self.text is not None:
+            parts += ["--text", str(self.text)]
+        else:
+            parts += ["--dataset", self.dataset, "--traces", str(self.traces)]
+        if self.max_tokens:
+            parts += ["--max-trace-tokens", str(self.max_tokens)]
+        return shlex.join([*parts, *self._more_args(), "--out", str(self.out)])
+
+
+def read_sequences(settings: ReadingSettings, tokenizer) -> list[list[int]]:
+    """The token id sequences ``settings`` names: the text file, or each reference solution after its prompt."""
+    if settings.text is not None:
+        ids = tokenizer(settings.text.read_text(encoding="utf-8"))["input_ids"]
+        ids = list(ids[: settings.max_tokens] if settings.max_tokens else ids)
+        if not ids:
+            raise ValueError(f"--text {str(settings.text)!r} holds no tokens")
+        return [ids]
+    problems = [p for p in load_dataset(settings.dataset) if p.solution][: settings.traces]
+    if not problems:
+        raise ValueError(f"dataset {settings.dataset!r} has no reference solutions; pass --text FILE")
+    traces = [reference_trace(tokenizer, p) for p in problems]
+    return [t.ids[: settings.max_tokens] if settings.max_tokens else t.ids for t in traces]
