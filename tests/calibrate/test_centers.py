@@ -61,5 +61,9 @@ def test_bad_settings_are_clear_errors_and_touch_no_file(tmp_path):
     parser = argparse.ArgumentParser()
     cli_calibrate.add_arguments(parser)
     args = parser.parse_args(["--text", str(notes), "--out", str(tmp_path / "anatomy")])
-    with pytest.raises(ValueError, match="--text is read by --centers only"):
+    with pytest.raises(ValueError, match="--text is read by --centers and --budgets only"):
+        cli_calibrate.settings_from(args)
+    # --gates reads its own traces: a --text beside it is refused, not ignored.
+    args = parser.parse_args(["--gates", "--text", str(notes), "--out", str(tmp_path / "gates")])
+    with pytest.raises(ValueError, match="--text is read by --centers and --budgets only"):
         cli_calibrate.settings_from(args)

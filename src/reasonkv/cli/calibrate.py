@@ -188,6 +188,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def _reading(args: argparse.Namespace) -> dict:
+    """The options of a calibration that reads traces (:class:`~reasonkv.calibrate.reading.ReadingSettings`)."""
+    return dict(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        attn=args.attn,
+        dataset=args.dataset,
+        traces=args.traces,
+        text=args.text,
+        max_tokens=args.max_trace_tokens,
+        out=args.out,
+    )
+
+
 def settings_from(
     args: argparse.Namespace,
 ) -> CalibrateSettings | CentersSettings | GatesSettings | BudgetsSettings:
@@ -197,35 +212,15 @@ def settings_from(
             raise ValueError(
                 "--budgets writes a budget file; it does not combine with --analyse-only, --centers or --gates"
             )
-        return BudgetsSettings(
-            model=args.model,
-            dtype=args.dtype,
-            device=args.device,
-            attn=args.attn,
-            dataset=args.dataset,
-            traces=args.traces,
-            text=args.text,
-            max_tokens=args.max_trace_tokens,
-            sinks=args.budget_sinks,
-            window=args.budget_window,
-            out=args.out,
-        )
+        return BudgetsSettings(**_reading(args), sinks=args.budget_sinks, window=args.budget_window)
     if args.gates and (args.analyse_only or args.centers):
         raise ValueError("--gates trains a gate; it does not combine with --analyse-only or --centers")
     if args.centers:
         if args.analyse_only:
             raise ValueError("--analyse-only analyses anatomy records; --centers has none")
-        return CentersSettings(
-            model=args.model,
-            dtype=args.dtype,
-            device=args.device,
-            attn=args.attn,
-            dataset=args.dataset,
-            traces=args.traces,
-            text=args.text,
-            max_tokens=args.max_trace_tokens,
-            out=args.out,
-        )
+        return CentersSettings(**_reading(args))
+    if args.text is not None:
+        raise ValueError("--text is read by --centers and --budgets only (--gates and the anatomy read --dataset)")
     if args.gates:
         return GatesSettings(
             model=args.model,
@@ -242,8 +237,6 @@ def settings_from(
             progress=not args.no_progress,
             out=args.out,
         )
-    if args.text is not None:
-        raise ValueError("--text is read by --centers only (the layer anatomy reads --dataset)")
     return CalibrateSettings(
         model=args.model,
         dtype=args.dtype,
