@@ -90,6 +90,11 @@ def test_a_tier_gets_its_own_records_beside_the_plain_ones_and_resumes(dataset, 
     plain_fidelity = [r for r in records if r["kind"] == "fidelity" and not r.get("tier")]
     assert all(r["steady_kv_bytes_by_tier"] == {"full": 10 * per_token, "quantized": 0} for r in plain_fidelity)
     assert all(r["steady_kv_tokens"] == 10 for r in plain_fidelity)
+    # Each decode step of the replay held between K and K + B + 1 tokens, and read all it held
+    for r in [r for r in records if r["kind"] == "fidelity"]:
+        assert r["kv_bytes_read_per_step"] == r["kv_bytes_held_per_step"]
+    for r in plain_fidelity:
+        assert 10 * per_token < r["kv_bytes_held_per_step"] <= (10 + 4 + 1) * per_token
     again = run_grid(model, tokenizer, **_grid(dataset, out, quantized=16, bits=4))
     assert again.generated == again.fidelity == 0 and again.skipped == len(mine) + 2
 

@@ -41,6 +41,7 @@ from reasonkv.cache.evicting import EvictingCache
 from reasonkv.cache.spec import CacheSpec, resolve_spec
 from reasonkv.eval.datasets import Problem
 from reasonkv.eval.references import answer_span, clean_solution, token_span
+from reasonkv.eval.step_bytes import StepBytes
 from reasonkv.hf import Forward, left_pad
 from reasonkv.policies import Policy
 
@@ -73,7 +74,9 @@ class Replay:
 class TraceFidelity:
     """Trace fidelity of one row (see the module docstring). ``steady_kv_bytes`` is the K/V the row held
     right after its evictions, averaged over them (:meth:`~reasonkv.cache.KVStorage.steady_kv_bytes`), None if
-    it was never evicted."""
+    it was never evicted. ``step_bytes`` (``held``, ``read``): the K/V bytes of the evicting layers held and read
+    per decode step, mean over the replay's steps (:class:`~reasonkv.eval.step_bytes.StepBytes`; equal for an
+    eviction cache, which reads all it holds), None for a trace of one token."""
 
     steps: int
     top1_agreement: float
@@ -83,6 +86,7 @@ class TraceFidelity:
     evictions: int
     chunked: bool
     steady_kv_bytes: dict | None = None
+    step_bytes: dict | None = None
 
 
 @dataclass
@@ -118,6 +122,7 @@ class TeacherForced:
     peak_slots: int  # the most slots the batch's cache held (padding included; a long prompt before its eviction)
     kv_bytes: int  # K/V storage the cache held after the last forward (allocated capacity, all tiers)
     steady_kv_bytes: list[dict | None]  # per row: held right after its evictions, averaged (KVStorage.steady_kv_bytes)
+    step_bytes: list[dict | None]  # per row: K/V bytes held and read per decode step, mean (StepBytes.per_row)
 
 
 @torch.inference_mode()
@@ -153,6 +158,7 @@ def teacher_force(
     evicting = EvictingCache(model=model, spec=spec)
     full = EvictingCache(model=model, spec=CacheSpec("full")) if reference else None
     evictions = [0] * batch
+    step_bytes = StepBytes(evicting, batch)
     try:
         ids, mask = left_pad(prompts, pad_id, device)
         out_e = forward(ids, evicting, attention_mask=mask, last_logits_only=True)
@@ -176,19 +182,25 @@ def teacher_force(
                 tokens[r] = torch.tensor(list(continuations[r][fed : fed + span]), dtype=torch.long)
             tokens = tokens.to(device)
             if chunked:
+                step_bytes.before()
                 logits_e = forward(tokens, evicting).logits
+                step_bytes.after(span, active)
             else:
-                logits_e = torch.cat(
-                    [forward(tokens[:, t : t + 1], evicting).logits for t in range(span)],
-                    dim=1,
-                )
+                steps = []
+                for t in range(span):
+                    step_bytes.before()
+                    steps.append(forward(tokens[:, t : t + 1], evicting).logits)
+                    step_bytes.after(1, active)
+                logits_e = torch.cat(steps, dim=1)
             logits_f = forward(tokens, full).logits if reference else None
             consume(fed + 1, logits_e, logits_f, active)
             fed += span
             for r in active:
                 if fed >= lengths[r] - 1:
                     evictions[r] = int(evicting.row_evictions[r])
-        return TeacherForced(evictions, evicting.peak_slots, evicting.kv_bytes(), evicting.steady_kv_bytes())
+        return TeacherForced(
+            evictions, evicting.peak_slots, evicting.kv_bytes(), evicting.steady_kv_bytes(), step_bytes.per_row()
+        )
     finally:
         evicting.detach()
         if full is not None:
@@ -337,6 +349,7 @@ def trace_fidelity(
                 evictions=evictions[r],
                 chunked=chunk_flag,
                 steady_kv_bytes=held[r],
+                step_bytes=forced.step_bytes[r],
             )
         )
     return results

@@ -146,6 +146,8 @@ def _fidelity_batch(ctx: Context, dataset, cell: Cell, batch, traces, sources, r
             evictions=tf.evictions,
             chunked=tf.chunked,
             **steady_bytes_fields(tf.steady_kv_bytes),
+            kv_bytes_held_per_step=None if tf.step_bytes is None else round(tf.step_bytes["held"], 1),
+            kv_bytes_read_per_step=None if tf.step_bytes is None else round(tf.step_bytes["read"], 1),
             reference_tokens=ans.reference_tokens if ans else None,
             answer_tokens=ans.answer_tokens if ans else None,
             answer_logprob_full=ans.logprob_full if ans else None,

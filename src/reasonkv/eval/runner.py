@@ -76,7 +76,10 @@ Fidelity records (``"kind": "fidelity"``), one per (problem, evicting policy, bu
     The identity fields above (no sampling settings; ``fidelity_tokens`` instead), then
     ``trace_tokens``, ``trace_source`` (``generation``: the greedy full-cache record of this file was
     reused; ``regenerated``), ``top1_agreement``, ``top1_full_replay``, ``kl_mean``, ``kl_max``,
-    ``evictions``, ``chunked``, and for problems with a reference solution ``reference_tokens``,
+    ``evictions``, ``chunked``, ``steady_kv_bytes_by_tier`` and ``steady_kv_tokens`` (as generation records),
+    ``kv_bytes_held_per_step`` and ``kv_bytes_read_per_step`` (the evicting layers' K/V held and read at each
+    decode step of the replay, measured, mean over its steps: equal for an eviction cache, the blocks read for
+    a selection one; :mod:`reasonkv.eval.step_bytes`), and for problems with a reference solution ``reference_tokens``,
     ``answer_tokens``, ``answer_logprob_full``, ``answer_logprob_evicting``, ``answer_logprob_delta``
     (evicting minus full, summed over the answer tokens), ``answer_logprob_delta_mean`` (per token),
     ``answer_evictions`` (all ``null`` without a reference); ``seconds`` (per record), ``run``, ``time``.
