@@ -200,11 +200,6 @@ class Evictor:
             raise ValueError(
                 f"allocation={spec.allocation!r} applies to evicting policies, not to {self.policy.name!r}"
             )
-        if len(info.full_layers) != info.num_layers:
-            raise ValueError(
-                f"allocation={spec.allocation!r} is not supported on hybrid models (sliding-window or linear layers) "
-                "yet: use allocation='uniform'"
-            )
         implementation = attention_implementation(model)
         if implementation not in ("sdpa", "eager"):
             raise ValueError(

@@ -389,8 +389,6 @@ class KVStorage(Cache):
         dense buffers. Called before the cache's first forward."""
         if self.quantized:
             raise ValueError("an allocation cannot be combined with a quantized tier")
-        if self.window is not None:
-            raise ValueError("an allocation is not supported on hybrid models (sliding-window layers) yet")
         self.allocated = True
         self.rows.allocate(first, self.buffer, widest)
         if not ragged:
