@@ -61,10 +61,13 @@ class BudgetsSettings(ReadingSettings):
         return ["--budget-sinks", str(self.sinks), "--budget-window", str(self.window)]
 
 
-def _beyond_window(query, key, scaling: float, softcap, sinks: int, window: int) -> tuple[torch.Tensor, int]:
+def _beyond_window(
+    query, key, scaling: float, softcap, sinks: int, window: int, learned=None
+) -> tuple[torch.Tensor, int]:
     """Per kv head, the attention mass of one sequence's queries on keys ``sinks <= j <= t - window`` (query
     ``t``), summed over the queries that have such keys and averaged over each kv head's query heads; and how
-    many queries that is."""
+    many queries that is. ``learned``: the model's learned attention sinks (GPT-OSS's ``s_aux``, one logit per
+    query head that shares the softmax and is dropped), so the mass is the kernel's own."""
     length = query.shape[2]
     kv_heads = key.shape[1]
     first = sinks + window  # the first query with a key beyond the window
@@ -78,7 +81,8 @@ def _beyond_window(query, key, scaling: float, softcap, sinks: int, window: int)
         n = part.shape[2]
         t = start + torch.arange(n, device=query.device).view(-1, 1)
         logits = attention.grouped_logits(part, keys, scaling, softcap)  # [1, kv_heads, g, n, length]
-        probs = attention.masked_softmax_(logits, (slot.view(1, -1) <= t).view(1, 1, 1, n, length))
+        extra = None if learned is None else attention.grouped_sinks(learned, kv_heads)
+        probs = attention.masked_softmax_(logits, (slot.view(1, -1) <= t).view(1, 1, 1, n, length), extra)
         far = (slot.view(1, -1) >= sinks) & (slot.view(1, -1) <= t - window)
         mass = (probs * far.view(1, 1, 1, n, length)).sum(-1)  # [1, kv_heads, g, n]
         total += mass.mean(2).sum(-1)[0].double()
@@ -100,7 +104,8 @@ def head_mass(model, sequences: list[list[int]], *, sinks: int, window: int) -> 
         if layer not in index:
             return
         scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
-        mass, queries = _beyond_window(query, key, scaling, kwargs.get("softcap"), sinks, window)
+        learned = kwargs.get("s_aux", kwargs.get("sinks"))
+        mass, queries = _beyond_window(query, key, scaling, kwargs.get("softcap"), sinks, window, learned)
         sums[index[layer]] += mass.cpu()
         if index[layer] == 0:
             counted["queries"] += queries
