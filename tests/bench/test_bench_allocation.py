@@ -97,10 +97,32 @@ def test_padded_heads_and_calibrated_need_their_allocation(tmp_path, capsys):
 
 
 def test_what_the_cache_refuses_on_the_model_is_one_line(tmp_path, capsys):
-    """A hybrid model: the cache refuses an allocation there, said once before anything is measured."""
-    argv = [*SWEEP, "--model", "shape:tiny-hybrid", "--policies", "h2o", "--allocation", "pyramid"]
-    assert main([*argv, "--out", str(tmp_path / "o")]) == 2
+    """A budget file for every layer of a hybrid model (4) instead of its evicting layers (2): the cache refuses
+    it, said once before anything is measured."""
+    budgets = tmp_path / "b.json"
+    budgets.write_text(json.dumps({"layers": 4, "kv_heads": 2, "weights": [[1.0, 2.0]] * 4}))
+    argv = [*SWEEP, "--model", "shape:tiny-hybrid", "--policies", "h2o", "--allocation", "calibrated"]
+    assert main([*argv, "--budgets-file", str(budgets), "--out", str(tmp_path / "o")]) == 2
     captured = capsys.readouterr()
     lines = [line for line in captured.err.splitlines() if "error" in line]
-    assert len(lines) == 1 and "--allocation pyramid: allocation='pyramid' is not supported on hybrid" in lines[0]
+    assert len(lines) == 1 and "--allocation calibrated: budget file" in lines[0], lines
+    assert "is for 4 layers x 2 kv-heads, but the model has 2 full-attention layers x 2 kv-heads" in lines[0]
     assert "sweep full" not in captured.err  # nothing measured
+
+
+@pytest.mark.slow
+def test_a_hybrid_sweep_under_an_allocation_reports_its_evicting_layers(tmp_path, capsys):
+    """tiny-hybrid (sliding, full, sliding, full): the allocation shares its budgets over the two full-attention
+    layers; their bytes per layer are what the evicting layers hold, the sliding layers' window beside them."""
+    out = tmp_path / "hybrid"
+    argv = [*SWEEP, "--model", "shape:tiny-hybrid", "--policies", "h2o", "--allocation", "pyramid"]
+    assert main([*argv, "--out", str(out)]) == 0
+    document = json.loads((out / "bench.json").read_text(), parse_constant=pytest.fail)
+    h2o = next(r for r in document["records"] if r["policy"] == "h2o")
+    assert h2o["allocation"] == "pyramid"
+    table = CacheSpec.build("h2o", K, B, allocation="pyramid").budget_table(2, HEADS)
+    used = h2o["windows"][-1]["kv_bytes_used_by_layer"]
+    assert len(used) == 2 and used[0] > used[1]
+    for layer in range(2):
+        kept = int(table[layer].sum())
+        assert kept * HEAD_TOKEN <= used[layer] <= (kept + HEADS * B) * HEAD_TOKEN

@@ -133,8 +133,8 @@ def _allocation_of(plan: Plan, mode: str, policy: str) -> dict:
 
 def check_allocation_fits(model, plan: Plan) -> None:
     """Build (and drop) the cache of one evicting entry under the allocation, so that what the cache refuses on
-    this model (a hybrid model, an attention kernel without per-head masks) is one error before anything is
-    measured."""
+    this model (a budget file for another number of evicting layers or kv-heads, an attention kernel without
+    per-head masks) is one error before anything is measured."""
     if plan.settings.allocation == "uniform" or SWEEP not in plan.specs:
         return
     spec = next((s for s in plan.specs[SWEEP].values() if s is not None and s.allocated), None)
