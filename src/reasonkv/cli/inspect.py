@@ -8,11 +8,13 @@ from pathlib import Path
 
 from reasonkv.cache.spec import CacheSpec
 from reasonkv.cli.args import (
+    add_allocation_arguments,
     add_buffer_argument,
     add_decoding_arguments,
     add_model_arguments,
     add_policy_options,
     add_tier_arguments,
+    allocation_settings,
     budget_argument,
     load_model_from,
 )
@@ -41,6 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget", type=budget_argument, default=128, help="K: tokens kept per head (default 128)")
     add_buffer_argument(parser)
     add_tier_arguments(parser)
+    add_allocation_arguments(parser, what="; the page then shows each head's budget")
     add_policy_options(parser)
     add_decoding_arguments(parser, max_new_tokens=512)
     parser.add_argument("--no-chat", action="store_true", help="do not apply the model's chat template")
@@ -56,13 +59,27 @@ def specs_from(args: argparse.Namespace) -> list[CacheSpec]:
     if not policies:
         raise ValueError(f"--policies names no policy: {args.policies!r}")
     options = options_by_policy(policies, args.option)
+    allocation = allocation_settings(args)
     specs = [
         CacheSpec.build(
-            name, args.budget, args.buffer, quantized=args.quantized, bits=args.bits, seed=args.seed, **options[name]
+            name,
+            args.budget,
+            args.buffer,
+            quantized=args.quantized,
+            bits=args.bits,
+            seed=args.seed,
+            **allocation,
+            **options[name],
         )
         for name in policies
     ]
     check_compared(specs)
+    selecting = [spec.policy.name for spec in specs if spec.selects]
+    if args.allocation != "uniform" and selecting:
+        raise ValueError(
+            f"--allocation {args.allocation} shares the budget of evicting policies; {', '.join(selecting)} "
+            "selects what each step reads and holds every token: inspect it without --allocation"
+        )
     return specs
 
 

@@ -2,6 +2,9 @@
 // mark where each run departs from full, and show a clicked token's layer x head grid over the evictions.
 // A policy's per-token signals at the chosen eviction: values as lines under the text (EPIKV's two bands, VASE's
 // value range), a set of positions as outlined tokens (VASE's value-range reserve).
+// Under an allocation (heads keep different numbers of tokens) a table of each (layer, kv-head)'s budget, and
+// under adaptive what each head kept at the chosen eviction; a head's values (scores, ranks) are its own first,
+// NaN / 0 after them, in rows as wide as the widest head.
 "use strict";
 
 const DATA = JSON.parse(document.getElementById("data").textContent);
@@ -63,6 +66,10 @@ class Eviction {
     this.scores = halfs(raw.scores);
     const ranks = bytes(raw.ranks);
     this.ranks = ranks === null ? null : raw.rankBytes === 4 ? new Int32Array(ranks.buffer) : new Int16Array(ranks.buffer);
+    // Values per (evicting layer, head) row: as many as the widest head held (every head, without an allocation).
+    const rows = run.evicting.length * run.heads, values = this.scores || this.ranks;
+    this.width = values === null || !rows ? 0 : values.length / rows;
+    this.counts = raw.counts || null;  // under an allocation: [evicting layer][head] tokens kept
     this.signals = {};
     for (const [name, s] of Object.entries(raw.signals || {})) {
       this.signals[name] = { kind: s.kind, data: s.kind === "set" ? bytes(s.data) : halfs(s.data) };
@@ -112,7 +119,7 @@ class Eviction {
     if (run.settings.selects) state = SELECTED[state] || state;  // its records are decode steps' reads
     const out = { state };
     if (this.scores !== null || this.ranks !== null) {
-      // scores and ranks hold the positions of `before` in increasing order
+      // scores and ranks hold the positions of the head's `before` in increasing order, then padding
       let j = 0, n = 0;
       for (let q = 0; q < this.seen; q++) {
         if (this.bit(this.before, erow, q)) {
@@ -120,9 +127,10 @@ class Eviction {
           n++;
         }
       }
-      if (this.scores !== null) out.score = this.scores[erow * n + j];
-      if (this.ranks !== null) Object.assign(out, { rank: this.ranks[erow * n + j], of: n });
+      if (this.scores !== null) out.score = this.scores[erow * this.width + j];
+      if (this.ranks !== null) Object.assign(out, { rank: this.ranks[erow * this.width + j], of: n });
     }
+    out.budget = run.headBudget(this, e, h);
     return out;
   }
 }
@@ -135,6 +143,14 @@ class Run {
     this.evictions = raw.evictions.map((e) => new Eviction(e, this));
     this.slots = this.evicting.length * this.heads;
     this.spans = [];
+    this.budgets = this.settings.budgets || null;  // [evicting layer][head] under an allocation
+    this.adaptive = this.settings.allocation === "adaptive";
+  }
+  // The budget of head h of the e-th evicting layer at eviction ev: adaptive, what the layer-wide selection
+  // gave it there; another allocation, its table's; uniform, K.
+  headBudget(ev, e, h) {
+    if (this.adaptive && ev !== null && ev.counts) return ev.counts[e][h];
+    return this.budgets ? this.budgets[e][h] : this.settings.budget;
   }
   // The last eviction at or before moment t (tokens seen), or null.
   at(t) {
@@ -167,7 +183,7 @@ function el(tag, attrs = {}, ...children) {
 }
 
 function options(settings) {
-  const skip = new Set(["policy", "granularity", "budget", "buffer", "quantized", "bits", "seed"]);
+  const skip = new Set(["policy", "granularity", "budget", "buffer", "quantized", "bits", "seed", "budgets"]);
   return Object.entries(settings).filter(([k]) => !skip.has(k)).map(([k, v]) => `${k}=${JSON.stringify(v)}`).join(" ");
 }
 
@@ -239,6 +255,7 @@ function renderRuns() {
       box.append(el("div", { class: "departure", text: "same output as full" }));
     }
     box.append(text);
+    if (run.budgets) renderBudgets(run, box);
     if (run.evictions.some((e) => e.scores !== null)) {
       const lag = run.settings.variant === "lag";
       const what = !run.name.startsWith("epikv") ? "the policy's score" : lag ?
@@ -267,6 +284,53 @@ function renderRuns() {
   }
 }
 
+// Each (layer, kv-head)'s budget as a small table beside the text: rows the evicting layers, columns the kv-heads,
+// then the layer's sum; adaptive: what each head kept at the chosen eviction (update fills it in).
+function renderBudgets(run, box) {
+  const s = run.settings, total = run.budgets.flat().reduce((a, b) => a + b, 0);
+  const counts = run.evictions.flatMap((e) => (e.counts || []).flat());
+  run.budgetTop = Math.max(1, ...run.budgets.flat(), ...counts);
+  const words = run.adaptive ?
+    `allocation adaptive: what each head kept at the chosen eviction (one selection over the layer's heads, ` +
+    `each at least ${s.adaptive_floor}, each layer ${s.budget} x ${run.heads}); before any eviction the uniform split` :
+    `allocation ${s.allocation}: each head's budget, the tokens it keeps at an eviction (hover: what it kept ` +
+    `at the chosen one)`;
+  const table = el("table", { class: "budgets", "data-run": run.name, "data-allocation": s.allocation });
+  table.append(el("tr", {}, el("th", { text: "layer" }),
+    ...Array.from({ length: run.heads }, (_, h) => el("th", { text: `kv-head ${h}` })), el("th", { text: "sum" })));
+  run.budgetCells = run.evicting.map((t, e) => {
+    const cells = Array.from({ length: run.heads }, (_, h) => el("td", { class: "budget", "data-layer": run.layers[t],
+      "data-head": h, "data-budget": run.budgets[e][h] }));
+    const sum = el("td", { class: "sum" });
+    table.append(el("tr", {}, el("th", { text: String(run.layers[t]) }), ...cells, sum));
+    return { cells, sum };
+  });
+  box.append(el("div", { class: "options", text: `${words}; ${total} tokens in all ` +
+    `(K x layers x kv-heads = ${s.budget} x ${run.evicting.length} x ${run.heads})` }),
+  el("div", { class: "budget-box" }, table));
+}
+
+function drawBudgets(run, ev) {
+  if (!run.budgetCells) return;
+  run.budgetCells.forEach(({ cells, sum }, e) => {
+    let layer = 0;
+    cells.forEach((td, h) => {
+      const budget = run.budgets[e][h], kept = ev !== null && ev.counts ? ev.counts[e][h] : null;
+      const shown = run.adaptive && kept !== null ? kept : budget;
+      layer += shown;
+      td.textContent = String(shown);
+      td.dataset.kept = kept === null ? "" : String(kept);
+      const f = shown / run.budgetTop;
+      td.style.background = viridis(f);
+      td.style.color = f < 0.55 ? "#fff" : "#111";
+      td.title = `layer ${run.layers[run.evicting[e]]} kv-head ${h}: ` + (run.adaptive ?
+        `uniform split ${budget}` : `budget ${budget}`) +
+        (kept === null ? ", no eviction yet" : `; kept ${kept} at the eviction at ${ev.seen} tokens seen`);
+    });
+    sum.textContent = String(layer);
+  });
+}
+
 function update() {
   const i = Number(slider.value), t = i === 0 ? Infinity : moments[i - 1];
   const label = i === 0 ? "no eviction yet: the whole output" :
@@ -278,6 +342,7 @@ function update() {
     const most = reserve === null ? 0 : reserve.reduce((a, b) => Math.max(a, b), 0);
     drawSignal(run, e);
     drawLines(run, e);
+    drawBudgets(run, e);
     run.spans.forEach((span, p) => {
       const future = p >= t;
       const reserved = reserve !== null && p < e.seen ? reserve[p] : 0;
@@ -387,8 +452,8 @@ function showGrid(run, p) {
         let title = `layer ${layer} head ${h}, eviction at ${e.seen}: ${STATES[cell.state]}`;
         if (cell.score !== undefined) title += `; score ${cell.score.toPrecision(4)}`;
         if (cell.rank !== undefined) {
-          title += `; rank ${cell.rank} of ${cell.of} (budget ${run.settings.budget})`;
-          ranks[c].push(cell.rank);
+          title += `; rank ${cell.rank} of ${cell.of} (budget ${cell.budget})`;
+          ranks[c].push([cell.rank, cell.budget]);
         }
         td.append(el("span", { class: `cell s-${cell.state}`, title, "data-state": cell.state }));
       }
@@ -396,11 +461,12 @@ function showGrid(run, p) {
     });
     grid.append(row);
   });
-  const median = (xs) => xs.length ? xs.slice().sort((a, b) => a - b)[Math.floor(xs.length / 2)] : "";
+  const median = (xs) => xs.length ? xs.map(([r]) => r).sort((a, b) => a - b)[Math.floor(xs.length / 2)] : "";
   grid.append(el("tr", { class: "ranks" }, el("th", { text: "median rank" }),
     ...ranks.map((xs) => el("td", { text: String(median(xs)) }))));
-  grid.append(el("tr", { class: "ranks" }, el("th", { text: `within budget ${run.settings.budget}` }),
-    ...ranks.map((xs) => el("td", { text: xs.length ? `${xs.filter((r) => r <= run.settings.budget).length}/${xs.length}` : "" }))));
+  const within = run.budgets ? "within each head's budget" : `within budget ${run.settings.budget}`;
+  grid.append(el("tr", { class: "ranks" }, el("th", { text: within }),
+    ...ranks.map((xs) => el("td", { text: xs.length ? `${xs.filter(([r, b]) => r <= b).length}/${xs.length}` : "" }))));
   panel.append(grid, el("p", { text: "each cell: one kv-head; hover for its score and rank against the budget" }));
   panel.hidden = false;
 }

@@ -3,7 +3,8 @@ nothing fetched, so it opens from ``file://`` and can be mailed or committed.
 
 The data is JSON inside the page: per run its token texts, where it departs from ``full``, and each eviction's
 packed masks, float16 scores and the policy's per-token signals in base64 (as the trace holds them; the script
-unpacks them). The script
+unpacks them); under an allocation also each head's budget (the run's settings) and what it kept at each
+eviction (``counts``, ``[evicting layers][kv-heads]``). The script
 (``page.js``) and the styles (``page.css``) sit next to this module.
 """
 
@@ -41,6 +42,7 @@ def page_data(inspection: Inspection) -> dict:
 def _run_data(run: Run, full: Run | None) -> dict:
     depart = None if full is None or run is full else departure(full.token_ids, run.token_ids)
     trace = run.trace
+    evicting, allocated = list(trace.evicting), trace.budgets is not None
     return {
         "name": run.name,
         "settings": trace.settings,
@@ -63,6 +65,8 @@ def _run_data(run: Run, full: Run | None) -> dict:
                 ),
                 "rankBytes": None if e.ranks is None else e.ranks.dtype.itemsize,
                 "signals": {name: _signal(value) for name, value in e.signals.items()},
+                # Under an allocation: what each head of the evicting layers kept, beside its budget.
+                **({"counts": e.kept_counts()[evicting].tolist()} if allocated else {}),
             }
             for e in trace.evictions
         ],

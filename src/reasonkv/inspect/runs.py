@@ -12,13 +12,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from reasonkv.cache.evicting import EvictingCache
 from reasonkv.cache.spec import CacheSpec
 from reasonkv.generation import generate
 from reasonkv.generation.inputs import encode_prompts, vocab_size
 from reasonkv.generation.progress import Stages
 from reasonkv.inspect.trace import Trace, load_trace, save_trace
 
-__all__ = ["Inspection", "Run", "check_compared", "inspect_prompt", "token_pieces"]
+__all__ = ["Inspection", "Run", "check_allocations", "check_compared", "inspect_prompt", "token_pieces"]
 
 
 @dataclass
@@ -100,6 +101,7 @@ def inspect_prompt(
         A line on standard error as each run starts and ends (and a bar over its steps on a terminal).
     """
     check_compared(specs)
+    check_allocations(model, specs)
     [prompt_ids] = encode_prompts(tokenizer, [prompt], vocab_size(model), chat=chat)
     runs = []
     seed = specs[0].seed if specs else 0
@@ -129,6 +131,14 @@ def check_compared(specs: Sequence[CacheSpec]) -> None:
     names = [spec.policy.name for spec in specs]
     if "full" in names or len(set(names)) != len(names):
         raise ValueError(f"policies to compare with full must be distinct and not full itself, got {names}")
+
+
+def check_allocations(model, specs: Sequence[CacheSpec]) -> None:
+    """A spec under an allocation that ``model`` cannot hold (a hybrid model, an attention kernel without a
+    per-head mask) is refused now, before the full run decodes, with the cache's own message."""
+    for spec in specs:
+        if spec.allocated:
+            EvictingCache(spec=spec, model=model).detach()
 
 
 def token_pieces(tokenizer, ids: Sequence[int]) -> list[str]:

@@ -11,6 +11,12 @@ EPIKV's two bands, VASE's value ranges and reserve) are kept alike, float16 or p
 cache's layers that hold tokens: the evicting (full-attention) layers and, on hybrid models, the
 sliding-window layers (their window, the same in every head); linear layers hold no tokens and are not
 traced.
+
+Under an allocation (:mod:`reasonkv.cache.allocation`) each head holds its own number of tokens: the
+masks say which, the per-token values (scores, ranks, float signals) are ``[evicting, heads, n]`` with ``n``
+the most any head held, each head's own first in position order and NaN (ranks: 0) after them, and the
+trace's settings carry the allocation and its ``[layers, kv_heads]`` budget table. Under ``uniform`` every head
+holds ``n`` and nothing is padded: the layout of every trace written before allocations existed.
 """
 
 from __future__ import annotations
@@ -24,8 +30,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from reasonkv.cache.allocation import adaptive_floor
 from reasonkv.cache.evicting import EvictingCache
 from reasonkv.policies.base import Policy
+from reasonkv.policies.select import NEVER_KEEP
 from reasonkv.policies.view import EvictionView
 
 __all__ = ["Eviction", "Trace", "TraceRecorder", "load_trace", "save_trace"]
@@ -89,6 +97,16 @@ class Eviction:
     def quantized_mask(self) -> np.ndarray | None:
         return None if self.quantized is None else unpack(self.quantized, self.seen)
 
+    def kept_counts(self) -> np.ndarray:
+        """``[layers, heads]``: the tokens each traced layer's head holds afterwards (under ``adaptive``, what the
+        layer-wide selection gave it at this eviction)."""
+        return self.kept_mask().sum(-1)
+
+    def held_counts(self) -> np.ndarray:
+        """``[evicting, heads]``: the tokens each head of the evicting layers held just before: how many of a
+        head's per-token values (``scores``, ``ranks``, float ``signals``) are its own, the rest NaN (ranks: 0)."""
+        return self.before_mask().sum(-1)
+
 
 @dataclass
 class Trace:
@@ -96,7 +114,8 @@ class Trace:
 
     ``layers``: the model's layer indices traced; ``kinds``: ``"full"`` or ``"sliding"`` for each;
     ``evicting``: the indices (into ``layers``) of the full-attention ones; ``heads``: kv-heads per layer;
-    ``settings``: the cache's settings (policy and its options, budget, buffer, quantized, bits, seed).
+    ``settings``: the cache's settings (policy and its options, budget, buffer, quantized, bits, seed; under an
+    allocation also ``allocation``, ``budgets`` and the allocation's own: see :func:`settings_of`).
     """
 
     layers: tuple[int, ...]
@@ -108,6 +127,13 @@ class Trace:
     @property
     def evicting(self) -> tuple[int, ...]:
         return tuple(i for i, kind in enumerate(self.kinds) if kind == "full")
+
+    @property
+    def budgets(self) -> np.ndarray | None:
+        """``[evicting, heads]`` tokens each head keeps at an eviction under an allocation (``adaptive``: the
+        uniform split it starts from; what each head kept is :meth:`Eviction.kept_counts`), None without one."""
+        table = self.settings.get("budgets")
+        return None if table is None else np.asarray(table, dtype=np.int64)
 
     def nbytes(self) -> int:
         """Bytes the arrays hold."""
@@ -122,12 +148,8 @@ class TraceRecorder:
     def __init__(self, cache: EvictingCache):
         if cache.evictor is None:
             raise ValueError("only a cache attached to a model (EvictingCache(model=...)) evicts: nothing to trace")
-        if cache.spec.allocated:
-            raise ValueError(
-                f"an eviction trace records as many tokens in every head; under allocation="
-                f"{cache.spec.allocation!r} heads keep different numbers: trace with allocation='uniform'"
-            )
         self.cache, self.policy = cache, cache.evictor.policy
+        self.allocated = cache.spec.allocated  # heads hold different numbers of tokens
         kinds = cache.evictor.info.layer_kinds or ("full",) * len(cache.layers)
         traced = [(i, kind) for i, kind in enumerate(kinds) if kind in ("full", "sliding")]
         self.layers = tuple(i for i, _ in traced)
@@ -188,7 +210,7 @@ class TraceRecorder:
         rows = view.rows.to(cache.valid.device)
         before = torch.stack([cache.positions(i).index_select(0, rows) for i in evicting], 1)  # [r, L, H, S]
         if self.policy.granularity == "token":
-            protected = view.protected()[:, None, None, :].expand_as(before)
+            protected = self._over_heads(view, view.protected(), before)
         else:
             protected = torch.stack([view.at(i).protected() for i in evicting], 1)
         scores, ranks = self._scores(view, evicting, before), self._ranks(view, evicting, before)
@@ -213,8 +235,8 @@ class TraceRecorder:
                 before=pack(_mask(before[j], n)),
                 protected=pack(_mask(torch.where(protected[j], before[j], -1), n)),
                 quantized=None if quantized is None else pack(np.stack([_mask(q[j], n) for q in quantized])),
-                scores=None if scores is None else _in_position_order(scores[j], before[j], torch.float16),
-                ranks=None if ranks is None else _in_position_order(ranks[j], before[j], _rank_dtype(ranks)),
+                scores=None if scores is None else _in_position_order(scores[j], before[j], torch.float16, np.nan),
+                ranks=None if ranks is None else _in_position_order(ranks[j], before[j], _rank_dtype(ranks), 0),
                 signals={name: self._signal_of_row(value[j], before[j], n) for name, value in signals.items()},
             )
             self.by_row[row].append(eviction)
@@ -224,28 +246,36 @@ class TraceRecorder:
         if type(self.policy).score is Policy.score:
             return None
         if self.policy.granularity == "token":
-            return self.policy.score(view).float()[:, None, None, :].expand(before.shape)
+            return self._over_heads(view, self.policy.score(view).float(), before)
         return torch.stack([self.policy.score(view.at(i)).float() for i in evicting], 1)
+
+    def _over_heads(self, view: EvictionView, values: torch.Tensor, before: torch.Tensor, fill=None) -> torch.Tensor:
+        """A token-granularity ``[rows, S]`` over the view's token slots as ``[rows, L, H, S]`` over every
+        evicting head's own slots (``before``): the same slots in every head, unless heads hold different
+        numbers of tokens (an allocation), where each head's slot takes the value of the token it holds
+        (``fill`` where it holds none: see :func:`by_position`)."""
+        if not self.allocated:
+            return values[:, None, None, :].expand(before.shape)
+        return by_position(values, view.token_positions().to(values.device), before.to(values.device), fill)
 
     def _signals(self, view: EvictionView, evicting: list[int], before: torch.Tensor) -> dict[str, torch.Tensor]:
         """``name -> [rows, L, H, S]``: the policy's per-token signals of the stored slots (none for most)."""
         if type(self.policy).signals is Policy.signals:
             return {}
         if self.policy.granularity == "token":
-            return {
-                name: value[:, None, None, :].expand(before.shape) for name, value in self.policy.signals(view).items()
-            }
+            return {name: self._over_heads(view, value, before) for name, value in self.policy.signals(view).items()}
         layers = [self.policy.signals(view.at(i)) for i in evicting]
         return {name: torch.stack([signals[name] for signals in layers], 1) for name in layers[0]}
 
     def _signal_of_row(self, value: torch.Tensor, before: torch.Tensor, seen: int) -> np.ndarray:
         """One row's ``[L, H, S]`` signal as the trace keeps it: float16 values in position order, or a packed
-        mask of the positions in the set; one ``[n]`` / ``[bytes]`` for a token-granularity policy."""
+        mask of the positions in the set; one ``[n]`` / ``[bytes]`` for a token-granularity policy (every head
+        alike), unless heads hold different numbers of tokens (an allocation)."""
         if value.dtype == torch.bool:
             out = pack(_mask(torch.where(value, before, -1), seen))
         else:
-            out = _in_position_order(value.float(), before, torch.float16)
-        return out[0, 0] if self.policy.granularity == "token" else out
+            out = _in_position_order(value.float(), before, torch.float16, np.nan)
+        return out[0, 0] if self.policy.granularity == "token" and not self.allocated else out
 
     def _ranks(self, view: EvictionView, evicting: list[int], before: torch.Tensor) -> torch.Tensor | None:
         """``[rows, L, H, S]``: each slot's rank in the policy's ranking, 1 first (ties: the newer slot first,
@@ -253,9 +283,11 @@ class TraceRecorder:
         if not self.policy.can_rank():
             return None
         if self.policy.granularity == "token":
-            ranking = self.policy.ranking(view)[:, None, None, :].expand(before.shape)
+            ranking = self._over_heads(view, self.policy.ranking(view), before, NEVER_KEEP)
         else:
-            ranking = torch.stack([self.policy.ranking(view.at(i)) for i in evicting], 1)
+            ranking = torch.stack(self.policy.ranking_layers(view), 1)
+        if self.allocated:  # a head's own padding ranks last, as the evictor ranks it
+            ranking = ranking.masked_fill(before.to(ranking.device) < 0, NEVER_KEEP)
         order = torch.argsort(ranking.flip(-1), dim=-1, descending=True, stable=True)  # ties: higher index first
         slots = ranking.shape[-1]
         ranks = torch.empty_like(order)
@@ -268,9 +300,14 @@ def _rank_dtype(ranks: torch.Tensor) -> torch.dtype:
 
 
 def settings_of(cache: EvictingCache) -> dict:
-    """The cache's settings as JSON-able values: the policy and its options, K, B, the tier, the seed."""
+    """The cache's settings as JSON-able values: the policy and its options, K, B, the tier, the seed.
+
+    Under an allocation also ``allocation``, ``budgets`` (the evictor's ``[layers, kv_heads]`` table, a list of
+    lists over the evicting layers: the tokens each head keeps, summing to ``K x layers x kv_heads``; under
+    ``adaptive`` the uniform split it starts from), ``ragged_heads`` (False: padded to the widest head), and
+    ``adaptive_alpha`` with ``adaptive_floor`` (the tokens every head keeps first) or ``budgets_file``."""
     spec = cache.spec
-    return {
+    settings = {
         **spec.policy.config(),
         "granularity": spec.policy.granularity,
         "selects": spec.selects,
@@ -280,6 +317,19 @@ def settings_of(cache: EvictingCache) -> dict:
         "bits": spec.bits,
         "seed": list(spec.seed) if isinstance(spec.seed, tuple) else spec.seed,
     }
+    if spec.allocated:  # uniform traces keep the keys they always had
+        settings.update(
+            allocation=spec.allocation,
+            budgets=cache.evictor.budgets.tolist(),
+            ragged_heads=spec.ragged,
+        )
+        if spec.allocation == "adaptive":
+            settings.update(
+                adaptive_alpha=spec.adaptive_alpha, adaptive_floor=adaptive_floor(spec.adaptive_alpha, spec.budget)
+            )
+        if spec.budgets_file is not None:
+            settings["budgets_file"] = str(spec.budgets_file)
+    return settings
 
 
 def _mask(positions: torch.Tensor, seen: int) -> np.ndarray:
@@ -290,13 +340,36 @@ def _mask(positions: torch.Tensor, seen: int) -> np.ndarray:
     return mask[:, :seen].reshape(*positions.shape[:-1], seen).numpy()
 
 
-def _in_position_order(values: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
+def _in_position_order(values: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, fill) -> np.ndarray:
     """``[L, H, S]`` values of slots at ``positions`` -> ``[L, H, n]`` over the held ones, by position, as
-    ``dtype``. Every head of a row holds as many tokens, so ``n`` is the same for all."""
-    held = positions >= 0
-    order = torch.sort(torch.where(held, positions, positions.new_tensor(2**62)), dim=-1).indices
-    n = int(held[0, 0].sum())
-    return values.cpu().gather(-1, order.cpu())[..., :n].to(dtype).numpy()
+    ``dtype``; ``n`` is the most any head holds, and a head holding fewer (an allocation) has ``fill`` after its
+    own. Without an allocation every head of a row holds ``n``."""
+    held = (positions >= 0).cpu()
+    order = torch.sort(torch.where(held, positions.cpu(), 2**62), dim=-1).indices
+    counts = held.sum(-1, keepdim=True)  # [L, H, 1]
+    n = int(counts.max()) if counts.numel() else 0
+    out = values.cpu().gather(-1, order)[..., :n].to(dtype)
+    return out.masked_fill(torch.arange(n) >= counts, fill).numpy()
+
+
+def by_position(values: torch.Tensor, positions: torch.Tensor, heads: torch.Tensor, fill=None) -> torch.Tensor:
+    """``values`` ``[rows, S]`` of slots holding ``positions`` ``[rows, S]`` (``-1``: padding) as the values of
+    the slots of ``heads`` ``[rows, ..., S']`` (their positions): each slot takes the value of the position it
+    holds; a padding slot, or a position ``positions`` lacks, takes ``fill`` (default: NaN, False or the lowest
+    integer, by dtype)."""
+    rows = values.shape[0]
+    size = int(max(positions.max(), heads.max(), 0)) + 2  # the last index: padding and positions not found
+    if fill is None:
+        if values.dtype == torch.bool:
+            fill = False
+        else:
+            fill = float("nan") if values.is_floating_point() else torch.iinfo(values.dtype).min
+    dense = values.new_full((rows, size), fill)
+    dense.scatter_(1, torch.where(positions >= 0, positions, size - 1).long(), values)
+    dense[:, -1] = fill
+    flat = heads.reshape(rows, -1)
+    index = torch.where(flat >= 0, flat, size - 1).long()
+    return dense.gather(1, index).reshape(heads.shape)
 
 
 # -- files ------------------------------------------------------------------------------------------
