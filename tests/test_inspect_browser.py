@@ -230,3 +230,67 @@ def test_the_policies_signals_in_chromium(signal_inspection, browser, tmp_path):
     assert browser.save_screenshot(str(artifacts / "inspect-signals.png"))
     errors = [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
     assert not errors, errors
+
+
+@pytest.fixture(scope="module")
+def allocated_inspection() -> Inspection:
+    specs = [
+        CacheSpec.build("h2o", 16, 5, allocation="pyramid"),
+        CacheSpec.build("snapkv", 16, 5, window=3, allocation="adaptive"),
+    ]
+    prompt = [5 + (7 * i) % 80 for i in range(40)]
+    return inspect_prompt(tiny_llama(layers=4), NoEosTokenizer(), prompt, specs, max_new_tokens=40)
+
+
+def test_each_heads_budget_in_chromium(allocated_inspection, browser, tmp_path):
+    """Under an allocation each run shows a layers x kv-heads table: pyramid's budgets, adaptive's counts kept
+    at the chosen eviction (the uniform split before any); a token's grid names each head's own budget."""
+    from selenium.webdriver.common.by import By
+
+    page = write_page(tmp_path / "budgets.html", allocated_inspection)
+    browser.get(page.resolve().as_uri())
+    h2o, snapkv = allocated_inspection.runs[1], allocated_inspection.runs[2]
+    read = (
+        "return [...document.querySelectorAll(`table.budgets[data-run='${arguments[0]}'] tr`)].slice(1)"
+        ".map(r => [...r.querySelectorAll('td')].map(td => td.textContent));"
+    )
+
+    def shown(name: str) -> tuple[np.ndarray, np.ndarray]:
+        rows = browser.execute_script(read, name)
+        table = np.array([[int(x) for x in row] for row in rows])
+        return table[:, :-1], table[:, -1]
+
+    budgets, sums = shown("h2o")
+    assert np.array_equal(budgets, h2o.trace.budgets) and np.array_equal(sums, h2o.trace.budgets.sum(1))
+    assert budgets[0, 0] > budgets[-1, 0]
+    counts, _ = shown("snapkv")
+    assert (counts == 16).all()  # before any eviction: the uniform split
+    moments = sorted({e.seen for run in allocated_inspection.runs for e in run.trace.evictions})
+    differing = [e for e in snapkv.trace.evictions if len(set(e.kept_counts().flatten().tolist())) > 1]
+    assert differing, "adaptive kept as many in every head at every eviction"
+    for eviction in (snapkv.trace.evictions[0], differing[-1]):
+        browser.execute_script(
+            "const s = document.getElementById('moment'); s.value = arguments[0]; s.dispatchEvent(new Event('input'));",
+            moments.index(eviction.seen) + 1,
+        )
+        counts, sums = shown("snapkv")
+        assert np.array_equal(counts, eviction.kept_counts()) and (sums == 16 * 2).all()
+        assert np.array_equal(shown("h2o")[0], h2o.trace.budgets)  # a static table stays
+    # A token's grid: each head's rank against its own budget (pyramid: its layer's).
+    last = h2o.trace.evictions[-1]
+    p = int(np.flatnonzero(last.before_mask()[-1, 0])[0])
+    browser.find_element(By.CSS_SELECTOR, f'#run-h2o .tok[data-pos="{p}"]').click()
+    titles = browser.execute_script(
+        "return [...document.querySelectorAll('#grid-panel .grid tr')].slice(1, -2)"
+        ".map(r => [...r.querySelectorAll('td')].pop().children[0].title);"
+    )
+    ranked = [(t, title) for t, title in enumerate(titles) if "; rank " in title]
+    assert len(ranked) >= 2
+    for t, title in ranked:
+        assert f"(budget {h2o.trace.budgets[t, 0]})" in title, title
+    assert "within each head's budget" in browser.find_element(By.ID, "grid-panel").text
+    artifacts = Path(os.environ.get("REASONKV_TEST_ARTIFACTS", tmp_path))
+    artifacts.mkdir(parents=True, exist_ok=True)
+    assert browser.save_screenshot(str(artifacts / "inspect-budgets.png"))
+    errors = [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
+    assert not errors, errors
