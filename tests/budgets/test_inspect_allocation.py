@@ -300,3 +300,36 @@ def test_a_model_the_allocation_cannot_hold_is_refused_before_decoding(tmp_path,
     args = ["inspect", "--prompt", "x", "--policies", "h2o", "--budget", "12", "--allocation", "pyramid"]
     assert main([*args, "--out", str(tmp_path / "p.html")]) == 2
     assert "through the sdpa or eager attention kernel" in capsys.readouterr().err
+
+
+def test_eval_keeps_the_traces_of_each_allocation(tmp_path, one_torch_thread):
+    """``eval --allocations ... --trace-problems``: each allocation's generation keeps its trace, which names the
+    allocation and its budgets and opens as a page."""
+    from reasonkv.eval.runner import run_grid
+
+    dataset = tmp_path / "problems.jsonl"
+    problems = [{"id": "p1", "problem": "What is 2+2?", "answer": "4"}, {"id": "p2", "problem": "Half?", "answer": "5"}]
+    dataset.write_text("".join(json.dumps(p) + "\n" for p in problems), encoding="utf-8")
+    grid = dict(policies="full,h2o", budgets=[10], buffer=4, max_new_tokens=24, batch_size=2, progress=False)
+    out = tmp_path / "runs.jsonl"
+    run_grid(
+        tiny_llama(layers=LAYERS),
+        NoEosTokenizer(),
+        dataset=str(dataset),
+        out=str(out),
+        trace_problems="p2",
+        allocations="uniform,pyramid,adaptive",
+        **grid,
+    )
+    files = {path.name: path for path in (tmp_path / "runs.traces").iterdir()}
+    runs = {run.name: (run, path) for path in files.values() for run in Inspection.load(path).runs}
+    assert set(runs) == {"full", "h2o@10", "h2o~pyramid@10", "h2o~adaptive@10"}, sorted(files)
+    assert runs["h2o@10"][0].trace.budgets is None
+    for allocation in ("pyramid", "adaptive"):
+        run, path = runs[f"h2o~{allocation}@10"]
+        trace = run.trace
+        assert trace.settings["allocation"] == allocation and int(trace.budgets.sum()) == 10 * LAYERS * 2
+        assert len(trace.evictions) >= 2
+        page = tmp_path / f"{allocation}.html"
+        assert main(["inspect", "--trace", str(path), "--out", str(page)]) == 0
+        assert _embedded(page.read_text())["runs"][0]["settings"]["budgets"] == trace.budgets.tolist()
