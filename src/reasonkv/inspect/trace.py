@@ -36,7 +36,7 @@ from reasonkv.policies.base import Policy
 from reasonkv.policies.select import NEVER_KEEP
 from reasonkv.policies.view import EvictionView
 
-__all__ = ["Eviction", "Trace", "TraceRecorder", "load_trace", "save_trace"]
+__all__ = ["Eviction", "Trace", "TraceRecorder", "by_position", "load_trace", "save_trace"]
 
 FORMAT = "reasonkv-trace/1"
 ARRAYS = ("kept", "before", "protected", "quantized", "scores", "ranks")  # an Eviction's arrays
