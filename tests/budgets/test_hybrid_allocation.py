@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import reasonkv
-from conftest import HYBRID_MODELS, WINDOW, tiny_gemma3, tiny_gpt_oss
+from conftest import HYBRID_MODELS, SHARED, WINDOW, _tiny, tiny_gemma3, tiny_gpt_oss
 from oracle import run_and_check
 from reasonkv.cache import CacheSpec
 from reasonkv.cache.layer import EvictingLayer
@@ -221,6 +221,36 @@ def test_adaptive_with_alpha_one_is_the_uniform_cache_bit_for_bit(model_name, po
                 compared += 1
             tokens = want.argmax(-1, keepdim=True)
     assert plain.evictions > 3 and compared == 40 * EVICTING_LAYERS
+
+
+def _gemma3_one_kv_head():
+    """The tiny Gemma 3 with one kv-head per layer, as the bundled Gemma 3 270M has."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        **{**SHARED, "num_key_value_heads": 1},
+        intermediate_size=128,
+        num_hidden_layers=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        sliding_window=WINDOW,
+        query_pre_attn_scalar=16,
+    )
+    return _tiny(config, Gemma3ForCausalLM, "sdpa", torch.float32, 0)
+
+
+@pytest.mark.parametrize("policy", ["h2o", pytest.param("snapkv", marks=pytest.mark.slow)])
+def test_adaptive_is_uniform_with_one_kv_head_per_layer(policy):
+    """AdaKV shares each layer's K x kv-heads among its heads: with one kv-head (Gemma 3 270M) that head keeps
+    K, whatever alpha, so adaptive is the uniform cache."""
+    model = _gemma3_one_kv_head()
+    kwargs = dict(max_new_tokens=40, chat=False, ignore_eos=True)
+    base = CacheSpec.build(policy, 12, 5, seed=3, **SMALL.get(policy, {}))
+    runs = {}
+    for allocation in ("uniform", "adaptive"):
+        spec = base if allocation == "uniform" else base.replace(allocation=allocation, adaptive_alpha=0.0)
+        [runs[allocation]] = reasonkv.generate(model, None, [PROMPT], spec=spec, **kwargs)
+    assert runs["adaptive"].token_ids == runs["uniform"].token_ids
+    assert runs["adaptive"].stats["evictions"] == runs["uniform"].stats["evictions"] > 3
 
 
 @pytest.mark.parametrize("model_name", [*sorted(HYBRID_MODELS)])
