@@ -50,9 +50,19 @@ def test_a_runs_stats_carry_the_allocation():
         assert 0 < result.stats["peak_kv_bytes"] <= result.stats["peak_kv_bytes_allocated"]
 
 
-def test_an_eviction_trace_is_refused_under_an_allocation():
-    model = tiny_llama(layers=2)
-    with pytest.raises(ValueError, match="under allocation='pyramid' heads keep different numbers"):
-        reasonkv.generate(
-            model, None, [[5, 6, 7]], policy="streaming", budget=12, allocation="pyramid", trace=True, chat=False
-        )
+def test_an_eviction_trace_under_an_allocation_carries_its_budgets():
+    """(tests/budgets/test_inspect_allocation.py checks the trace against the cache at every eviction.)"""
+    [result] = reasonkv.generate(
+        tiny_llama(layers=2),
+        None,
+        [list(range(5, 45))],
+        policy="streaming",
+        budget=12,
+        buffer=4,
+        allocation="pyramid",
+        trace=True,
+        chat=False,
+        max_new_tokens=8,
+    )
+    assert result.trace.settings["allocation"] == "pyramid" and int(result.trace.budgets.sum()) == 12 * 2 * 2
+    assert len(result.trace.evictions) == result.stats["evictions"] >= 1
