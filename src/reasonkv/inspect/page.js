@@ -288,8 +288,11 @@ function renderRuns() {
 // then the layer's sum; adaptive: what each head kept at the chosen eviction (update fills it in).
 function renderBudgets(run, box) {
   const s = run.settings, total = run.budgets.flat().reduce((a, b) => a + b, 0);
-  const counts = run.evictions.flatMap((e) => (e.counts || []).flat());
-  run.budgetTop = Math.max(1, ...run.budgets.flat(), ...counts);
+  // The colour scale: the most any head was given or kept (a loop: a long run has too many for Math.max(...)).
+  run.budgetTop = 1;
+  for (const table of [run.budgets, ...run.evictions.map((e) => e.counts || [])]) {
+    for (const row of table) for (const v of row) run.budgetTop = Math.max(run.budgetTop, v);
+  }
   const words = run.adaptive ?
     `allocation adaptive: what each head kept at the chosen eviction (one selection over the layer's heads, ` +
     `each at least ${s.adaptive_floor}, each layer ${s.budget} x ${run.heads}); before any eviction the uniform split` :
