@@ -16,6 +16,7 @@ import reasonkv
 from conftest import fast_few, tiny_llama, tiny_qwen3
 from oracle import run_and_check
 from reasonkv.cache import CacheSpec
+from reasonkv.eval.grid import make_cells
 from reasonkv.hf import cache_keyword
 from reasonkv.policies import get_policy, list_policies
 
@@ -23,6 +24,8 @@ PROMPT = [5 + (7 * i) % 80 for i in range(40)]
 STATIC = ("pyramid", "calibrated")
 EVICTING = [name for name in list_policies() if get_policy(name).evicts]
 FAST = ("h2o", "vase-attnv")
+# A policy that keeps one token set for every layer takes its per-layer option under an allocation.
+PER_LAYER = {"triattention": {"selection": "per-layer-head"}}
 
 
 def _budget(policy: str) -> int:
@@ -67,9 +70,25 @@ def test_every_policy_attends_to_what_each_head_holds(policy, allocation, tmp_pa
         steps=30,
         slot_bound=10 * budget,
         seed=3,
+        **PER_LAYER.get(policy, {}),
         **_settings(allocation, tmp_path),
     )
     assert cache.evictions >= 2
+
+
+@pytest.mark.parametrize("allocation", ["pyramid", "adaptive", "calibrated"])
+def test_a_policy_keeping_one_set_for_every_layer_is_refused_naming_its_per_layer_option(allocation, tmp_path):
+    shared = [name for name in EVICTING if get_policy(name).layers_share_kept_set() is not None]
+    assert shared == ["triattention"]
+    refusal = r"its own budget, but 'triattention' with selection='per-head'.*per-layer-head"
+    with pytest.raises(ValueError, match=refusal):  # by the spec, before any model loads
+        CacheSpec.build("triattention", 12, 4, **_settings(allocation, tmp_path))
+    with pytest.raises(ValueError, match=refusal):
+        budgets_file = _settings(allocation, tmp_path).get("budgets_file")
+        make_cells(
+            ["full", "h2o", "triattention"], [12], 4, allocations=["uniform", allocation], budgets_file=budgets_file
+        )
+    assert CacheSpec.build("triattention", 12, 4, selection="per-layer-head", **_settings(allocation, tmp_path))
 
 
 @pytest.mark.parametrize(
@@ -116,7 +135,7 @@ def test_adaptive_with_alpha_one_is_the_uniform_cache_bit_for_bit(policy):
     prompt = PROMPT + PROMPT[: budget // 2]
     runs = []
     for settings in ({}, {"allocation": "adaptive", "adaptive_alpha": 1.0}):
-        spec = CacheSpec.build(policy, budget, 5, seed=7, **settings)
+        spec = CacheSpec.build(policy, budget, 5, seed=7, **PER_LAYER.get(policy, {}), **settings)
         [result] = reasonkv.generate(model, None, [prompt], spec=spec, max_new_tokens=40, chat=False, ignore_eos=True)
         runs.append(result)
     assert runs[0].token_ids == runs[1].token_ids

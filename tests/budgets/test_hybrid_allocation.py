@@ -31,7 +31,11 @@ PROMPT = [5 + (7 * i) % 80 for i in range(23)]
 ALLOCATIONS = ("pyramid", "adaptive", "calibrated")
 EVICTING = [name for name in list_policies() if get_policy(name).evicts]
 EVICTING_LAYERS, KV_HEADS = 2, 2  # every tiny hybrid: two full-attention layers (of four), two kv-heads
-SMALL = {"snapkv": dict(window=4, query_window=4), "vase-attnv": dict(window=4, query_window=4)}
+SMALL = {
+    "snapkv": dict(window=4, query_window=4),
+    "vase-attnv": dict(window=4, query_window=4),
+    "triattention": dict(selection="per-layer-head"),  # its default keeps one set for every layer: refused
+}
 # The default run's representatives of the oracle grid: each model, each allocation, a few policies.
 FAST = {
     ("gemma3", "h2o", "pyramid"),

@@ -143,6 +143,11 @@ class CacheSpec:
                 f"allocation={self.allocation!r} cannot be combined with a quantized tier "
                 f"(quantized={self.quantized}): use allocation='uniform' or quantized=0"
             )
+        shared = policy.layers_share_kept_set()
+        if self.allocation != "uniform" and shared is not None:
+            raise ValueError(
+                f"allocation={self.allocation!r} gives each layer its own budget, but {policy.name!r} with {shared}"
+            )
         if self.budgets_file is not None:
             load_budget_file(self.budgets_file).check_total(budget, policy.sinks + policy.window)
         return self.allocation

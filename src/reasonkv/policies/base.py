@@ -129,6 +129,11 @@ class Policy:
             return False
         return ranking_from is not Policy or cls.score is not Policy.score
 
+    def layers_share_kept_set(self) -> str | None:
+        """Why every layer keeps the same tokens per kv head (one set chosen for all layers), or None when each
+        layer chooses its own. A budget allocation gives layers different budgets, so it cannot apply then."""
+        return None
+
     def keep_layers(self, view: EvictionView) -> list[torch.Tensor]:
         """Head granularity: the kept indices of every full-attention layer, ``keep(view.at(layer))`` each.
         A policy may override it to do work for all layers at once (one batched pass, not one per layer)."""

@@ -237,6 +237,13 @@ class TriAttention(Policy):
         return self.shared_scores(view) if self.selection == "per-head" else self.layer_scores(view)
 
     # -- one kept set for every layer (per-head selection) -------------------------------------------
+    def layers_share_kept_set(self) -> str | None:
+        if self.selection != "per-head":
+            return None
+        return (
+            "selection='per-head' keeps one token set per kv head in every layer (-o selection=per-layer-head does not)"
+        )
+
     def ranking_layers(self, view) -> list[torch.Tensor]:
         if self.selection != "per-head":
             return super().ranking_layers(view)
