@@ -16,6 +16,7 @@ import reasonkv
 from conftest import fast_few, tiny_llama, tiny_qwen3
 from oracle import run_and_check
 from reasonkv.cache import CacheSpec
+from reasonkv.eval.fidelity import trace_fidelity
 from reasonkv.eval.grid import make_cells
 from reasonkv.hf import cache_keyword
 from reasonkv.policies import get_policy, list_policies
@@ -226,3 +227,19 @@ def test_a_token_policy_ranks_tokens_by_position_in_every_head(allocation, tmp_p
                     checked += 1
             out = model(input_ids=out.logits[:, -1:].argmax(-1), use_cache=True, **{key: cache})
     assert evictions >= 6 and checked >= 6 * 5
+
+
+@pytest.mark.parametrize("allocation", ["adaptive", "pyramid"])
+def test_batched_rows_evict_every_b_tokens_from_what_each_holds(allocation):
+    """A row is due again B tokens after its own eviction, counted from what its heads hold, not from the batch's
+    slots: under adaptive, rows whose widest heads keep different numbers held more than alone before."""
+    model = tiny_llama(layers=4, kv_heads=4, heads=8)
+    prompts = [PROMPT, PROMPT[3:20], PROMPT[7:]]
+    traces = [[3 + (11 * i + 5 * r) % 90 for i in range(n)] for r, n in enumerate((70, 45, 60))]
+    spec = CacheSpec.build("snapkv", 16, 6, window=3, query_window=3, allocation=allocation)
+    together = trace_fidelity(model, prompts, traces, spec=spec)
+    for r, row in enumerate(together):
+        [alone] = trace_fidelity(model, prompts[r : r + 1], traces[r : r + 1], spec=spec)
+        assert row.evictions == alone.evictions > 5, r
+        assert row.step_bytes["held"] == pytest.approx(alone.step_bytes["held"], rel=1e-12), r
+        assert row.top1_agreement == alone.top1_agreement, r

@@ -219,9 +219,13 @@ class RowState:
         if self.every is not None:  # due again after `every` new tokens; heads keeping fewer hold padding
             if self.row_due is None:
                 self.row_due = torch.full_like(self.row_evictions, self.trigger)
-            self.row_due[rows] = full_valid.shape[1] + self.every
-            # A host-side bound below every row's due count, so that a step before it reads nothing.
-            again = full_valid.shape[1] + self.every
+            # Each row from what it holds now (its widest head's tokens), not the batch's slots: a row whose heads
+            # keep fewer than another row's would otherwise wait for more than `every` tokens.
+            held = full_valid[rows].sum(-1)
+            self.row_due[rows] = held + self.every
+            # A host-side bound below every row's due count, so that a step before it reads nothing (one host
+            # read per eviction).
+            again = int(held.min()) + self.every
             if rows.numel() == self.buffer.shape[0]:  # every row was evicted now: all are due at `again`
                 self.due_bound = again
             else:  # the others keep theirs
