@@ -5,12 +5,15 @@
 #    (320 new tokens), 400 Adam steps; recall of the true top blocks measured on the next 4 answers
 #    (trained gate, untrained gate, Quest's bound). The gate is src/reasonkv/data/gates/smollm2-135m.pt;
 #    gates/gates.json holds the settings, every step's loss and the recall; loss.png plots the loss.
-# 2. Fidelity (teacher-forced replay of the full cache's greedy trace, top-1 agreement and KL) of quest and
-#    seer (selection: hold every token, read K per head a step) beside h2o (eviction: hold K + B) at the
-#    same K, on GSM8K (first 8 problems), 192 new tokens, B = 32, fp32. Smaller than the frontier table's
-#    settings (GSM8K 40 + MATH-500 20, 512 tokens): what two shared CPU cores allowed; the same commands
-#    with --dataset gsm8k:40,math500:20 --max-new-tokens 512 are the full comparison.
-#
+# 2. Fidelity (teacher-forced replay of the full cache's greedy trace: top-1 agreement and KL, and the K/V bytes
+#    held and read at each decode step, measured) of quest and seer (selection: hold every token, read K per head
+#    a step) at the frontier table's settings: SmolLM2-135M, GSM8K 40 + MATH-500 20, 512 new tokens, B = 32,
+#    bf16, batch 32, at K = 128 (the eviction cells' K) and K = 192 (where selection reads about the bytes an
+#    eviction cache of K = 128, B = 32 holds). The eviction rows (h2o, vase-attnv, triattention) are the uniform
+#    cells of ../budgets/run.sh, replayed over the same traces with the same settings (run it first), and
+#    vase-attnv's on MATH-500, replayed here.
+#    The full cache's traces are those of ../frontier/smollm2-135m.jsonl, copied in before the first run (the
+#    replays feed them; without them eval generates them again, the same tokens, about 40 more minutes).
 # Resumable: rerun to continue (eval appends and skips what is done).
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
@@ -42,11 +45,17 @@ fig.tight_layout()
 fig.savefig(sys.argv[2], dpi=120)
 PLOT
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
-"$PY" -m reasonkv.cli eval --model smollm2-135m --dataset gsm8k:8 --policies full,quest,h2o \
-  --budgets 128,256 --buffer 32 --max-new-tokens 192 --batch-size 8 --fidelity-only --no-progress \
-  --out "$OUT/fidelity-quest-h2o.jsonl"
-"$PY" -m reasonkv.cli eval --model smollm2-135m --dataset gsm8k:8 --policies full,seer \
-  --budgets 128,256 --buffer 32 --max-new-tokens 192 --batch-size 8 --fidelity-only --no-progress \
-  --out "$OUT/fidelity-seer.jsonl"
-"$PY" -m reasonkv.cli report "$OUT/fidelity-quest-h2o.jsonl" "$OUT/fidelity-seer.jsonl" --out "$OUT/report" > /dev/null
-"$PY" "$OUT/summarise.py" "$OUT/fidelity-quest-h2o.jsonl" "$OUT/fidelity-seer.jsonl" > "$OUT/summary.md"
+RESULTS="$OUT/smollm2-frontier.jsonl"
+if [ ! -f "$RESULTS" ]; then
+  "$PY" docs/results/full_traces.py docs/results/frontier/smollm2-135m.jsonl "$RESULTS"
+fi
+"$PY" -m reasonkv.cli eval --model smollm2-135m --dataset gsm8k:40,math500:20 --policies full,quest,seer \
+  --budgets 128,192 --buffer 32 --max-new-tokens 512 --batch-size 32 --dtype bf16 --fidelity-only --no-progress \
+  --out "$RESULTS"
+# vase-attnv's uniform cell on MATH-500 (../budgets/run.sh replays GSM8K only under its allocations)
+"$PY" -m reasonkv.cli eval --model smollm2-135m --dataset math500:20 --policies full,vase-attnv --budgets 128 \
+  --buffer 32 --max-new-tokens 512 --batch-size 32 --dtype bf16 --fidelity-only --no-progress --out "$RESULTS"
+"$PY" -m reasonkv.cli report "$RESULTS" --out "$OUT/report" > /dev/null
+EVICTION=(docs/results/budgets/smollm2-frontier.jsonl docs/results/budgets/smollm2-frontier-2.jsonl)
+"$PY" "$OUT/summarise.py" "$OUT/summary.md" "$OUT/fidelity.png" "$RESULTS" "${EVICTION[@]}"
+"$PY" -m reasonkv.cli.paired "$RESULTS" "${EVICTION[@]}" --against h2o --out "$OUT/paired-h2o.md"
