@@ -59,3 +59,16 @@ fi
 EVICTION=(docs/results/budgets/smollm2-frontier.jsonl docs/results/budgets/smollm2-frontier-2.jsonl)
 "$PY" "$OUT/summarise.py" "$OUT/summary.md" "$OUT/fidelity.png" "$RESULTS" "${EVICTION[@]}"
 "$PY" -m reasonkv.cli.paired "$RESULTS" "${EVICTION[@]}" --against h2o --out "$OUT/paired-h2o.md"
+# 3. HumanEval (the code grid's settings: the first 40 problems, 384 greedy tokens, fp32): quest and seer at K = 128
+#    and 256 replay the full cache's traces of ../humaneval/grid/smollm2-135m.jsonl (copied in), beside the
+#    eviction cells already there; paired by problem against vase-attnv. Fidelity only: this model passes none of
+#    the problems with any cache.
+for policy in quest seer; do
+  FILE="$OUT/humaneval-$policy.jsonl"
+  [ -f "$FILE" ] || "$PY" docs/results/full_traces.py docs/results/humaneval/grid/smollm2-135m.jsonl "$FILE"
+  "$PY" -m reasonkv.cli eval --model smollm2-135m --dtype fp32 --dataset humaneval:40 --allow-code-execution \
+    --policies "full,$policy" --budgets 128,256 --buffer 32 --max-new-tokens 384 --batch-size 20 --fidelity-only \
+    --no-progress --out "$FILE"
+done
+"$PY" -m reasonkv.cli.paired docs/results/humaneval/grid/smollm2-135m.jsonl "$OUT/humaneval-quest.jsonl" \
+  "$OUT/humaneval-seer.jsonl" --against vase-attnv --out "$OUT/humaneval-paired.md"
