@@ -2,12 +2,11 @@
 # The allocations' fidelity at equal capacity (the issue's table), replaying the full cache's greedy traces.
 #
 # SmolLM2-135M at the frontier table's settings: GSM8K 40 + MATH-500 20, 512 new tokens at most, K = 128, B = 32,
-# bf16, batch 32; h2o and snapkv on both datasets, vase-attnv and triattention on GSM8K (what the time allowed:
-# drop the --dataset override to add MATH-500), under uniform, pyramid, adaptive and calibrated
+# bf16, batch 32; h2o, snapkv, vase-attnv and triattention, under uniform, pyramid, adaptive and calibrated
 # (smollm2-135m-budgets.json: attention mass measured on MATH-500 reference solutions, not the replayed problems).
 # triattention chooses per layer and kv-head here: its default, one set per kv head for every layer, cannot take
-# per-layer budgets and is refused; that default runs under uniform only, as an eviction row of ../selection
-# (whose run.sh adds vase-attnv's uniform cell on MATH-500). Two files, so that two processes can run at once
+# per-layer budgets and is refused; that default runs under uniform only, as an eviction row of ../selection.
+# Two files, so that two processes can run at once
 # (one torch thread each).
 #
 # Gemma 3 270M at the frontier table's settings: GSM8K 20, 640 tokens (past its 512-token window), K = 64 of its
@@ -41,12 +40,12 @@ smollm2() {  # smollm2 FILE POLICY DATASETS ALLOCATIONS [OPTIONS...]
 }
 (
   smollm2 smollm2-frontier-2.jsonl h2o "$BOTH" "$ALL"
-  smollm2 smollm2-frontier-2.jsonl vase-attnv gsm8k:40 "$ALL"
+  smollm2 smollm2-frontier-2.jsonl vase-attnv "$BOTH" "$ALL"
 ) &
 TRI=(-o triattention.stats=bundled)
 smollm2 smollm2-frontier.jsonl triattention "$BOTH" uniform "${TRI[@]}"
 smollm2 smollm2-frontier.jsonl snapkv "$BOTH" "$ALL"
-smollm2 smollm2-frontier.jsonl triattention gsm8k:40 "$ALL" "${TRI[@]}" -o triattention.selection=per-layer-head
+smollm2 smollm2-frontier.jsonl triattention "$BOTH" "$ALL" "${TRI[@]}" -o triattention.selection=per-layer-head
 wait
 [ -f "$OUT/gemma3-270m.jsonl" ] || "$PY" docs/results/full_traces.py docs/results/frontier/gemma3-270m.jsonl "$OUT/gemma3-270m.jsonl"
 "$PY" -m reasonkv.cli eval --model gemma3-270m --dtype fp32 --dataset gsm8k:20 --policies full,h2o --budgets 64 \

@@ -52,7 +52,7 @@ fi
 "$PY" -m reasonkv.cli eval --model smollm2-135m --dataset gsm8k:40,math500:20 --policies full,quest,seer \
   --budgets 128,192 --buffer 32 --max-new-tokens 512 --batch-size 32 --dtype bf16 --fidelity-only --no-progress \
   --out "$RESULTS"
-# vase-attnv's uniform cell on MATH-500 (../budgets/run.sh replays GSM8K only under its allocations)
+# vase-attnv's uniform cell on MATH-500, here too (the first runs of ../budgets/run.sh replayed it on GSM8K only)
 "$PY" -m reasonkv.cli eval --model smollm2-135m --dataset math500:20 --policies full,vase-attnv --budgets 128 \
   --buffer 32 --max-new-tokens 512 --batch-size 32 --dtype bf16 --fidelity-only --no-progress --out "$RESULTS"
 "$PY" -m reasonkv.cli report "$RESULTS" --out "$OUT/report" > /dev/null
