@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Selection against eviction on SmolLM2-135M (CPU): the gate this package ships, and a small fidelity run.
+# Selection against eviction on SmolLM2-135M (CPU): the gate this package ships, fidelity at the frontier table's
+# settings, and HumanEval against VASE.
 #
 # 1. The seer gate: self-distillation on the model's own greedy answers to the first 20 GSM8K problems
 #    (320 new tokens), 400 Adam steps; recall of the true top blocks measured on the next 4 answers
@@ -10,8 +11,7 @@
 #    a step) at the frontier table's settings: SmolLM2-135M, GSM8K 40 + MATH-500 20, 512 new tokens, B = 32,
 #    bf16, batch 32, at K = 128 (the eviction cells' K) and K = 192 (where selection reads about the bytes an
 #    eviction cache of K = 128, B = 32 holds). The eviction rows (h2o, vase-attnv, triattention) are the uniform
-#    cells of ../budgets/run.sh, replayed over the same traces with the same settings (run it first), and
-#    vase-attnv's on MATH-500, replayed here.
+#    cells of ../budgets/run.sh, replayed over the same traces with the same settings (run it first).
 #    The full cache's traces are those of ../frontier/smollm2-135m.jsonl, copied in before the first run (the
 #    replays feed them; without them eval generates them again, the same tokens, about 40 more minutes).
 # Resumable: rerun to continue (eval appends and skips what is done).
