@@ -188,14 +188,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def _model(args: argparse.Namespace) -> dict:
+    """The options every calibration shares: the model, how it loads, and the dataset it reads."""
+    return dict(model=args.model, dtype=args.dtype, device=args.device, attn=args.attn, dataset=args.dataset)
+
+
 def _reading(args: argparse.Namespace) -> dict:
     """The options of a calibration that reads traces (:class:`~reasonkv.calibrate.reading.ReadingSettings`)."""
     return dict(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        attn=args.attn,
-        dataset=args.dataset,
+        **_model(args),
         traces=args.traces,
         text=args.text,
         max_tokens=args.max_trace_tokens,
@@ -223,11 +224,7 @@ def settings_from(
         raise ValueError("--text is read by --centers and --budgets only (--gates and the anatomy read --dataset)")
     if args.gates:
         return GatesSettings(
-            model=args.model,
-            dtype=args.dtype,
-            device=args.device,
-            attn=args.attn,
-            dataset=args.dataset,
+            **_model(args),
             traces=args.gate_traces,
             held_out=args.held_out,
             max_new_tokens=args.max_new_tokens,
@@ -238,11 +235,7 @@ def settings_from(
             out=args.out,
         )
     return CalibrateSettings(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        attn=args.attn,
-        dataset=args.dataset,
+        **_model(args),
         traces=args.traces,
         source=args.source,
         max_trace_tokens=args.max_trace_tokens,
