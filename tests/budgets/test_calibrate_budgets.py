@@ -11,35 +11,11 @@ import torch
 
 import reasonkv
 from conftest import tiny_llama
+from eager_mass import eager_head_mass
 from reasonkv.cache import CacheSpec
 from reasonkv.calibrate import budgets as calibrate_budgets
 from reasonkv.calibrate.budgets import BudgetsSettings, head_mass
 from reasonkv.cli import calibrate as cli_calibrate
-
-
-def _reference(model, sequences, sinks: int, window: int) -> torch.Tensor:
-    """The same mass from the eager kernel's own attention weights."""
-    config = model.config
-    kv_heads, heads = config.num_key_value_heads, config.num_attention_heads
-    sums = torch.zeros(config.num_hidden_layers, kv_heads, dtype=torch.float64)
-    queries = 0
-    original = config._attn_implementation
-    config._attn_implementation = "eager"
-    try:
-        for ids in sequences:
-            out = model(input_ids=torch.tensor([ids]), use_cache=False, output_attentions=True)
-            length = len(ids)
-            t = torch.arange(length).view(-1, 1)
-            slot = torch.arange(length).view(1, -1)
-            far = ((slot >= sinks) & (slot <= t - window)).double()
-            rows = slice(sinks + window, length)
-            for layer, weights in enumerate(out.attentions):  # [1, heads, length, length]
-                mass = (weights[0].double() * far).sum(-1)[:, rows]  # [heads, queries]
-                sums[layer] += mass.view(kv_heads, heads // kv_heads, -1).mean(1).sum(-1)
-            queries += max(0, length - sinks - window)
-    finally:
-        config._attn_implementation = original
-    return sums / queries
 
 
 def test_head_mass_is_the_kernels_attention_beyond_sinks_and_window(monkeypatch):
@@ -48,7 +24,7 @@ def test_head_mass_is_the_kernels_attention_beyond_sinks_and_window(monkeypatch)
     generator = torch.Generator().manual_seed(0)
     sequences = [torch.randint(3, 90, (n,), generator=generator).tolist() for n in (40, 25, 9)]
     got, queries = head_mass(model, sequences, sinks=2, window=5)
-    want = _reference(model, sequences, 2, 5)
+    want = eager_head_mass(model, sequences, 2, 5)
     assert queries == (40 - 7) + (25 - 7) + (9 - 7)
     assert got.shape == (3, 2) and bool((got > 0).all()) and bool((got < 1).all())
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)

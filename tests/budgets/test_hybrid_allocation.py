@@ -16,6 +16,7 @@ import torch
 
 import reasonkv
 from conftest import HYBRID_MODELS, SHARED, WINDOW, _tiny, tiny_gemma3, tiny_gpt_oss
+from eager_mass import eager_head_mass
 from oracle import run_and_check
 from reasonkv.cache import CacheSpec
 from reasonkv.cache.layer import EvictingLayer
@@ -323,29 +324,6 @@ def test_a_budget_file_for_another_layer_count_is_refused(tmp_path):
         reasonkv.EvictingCache(12, 4, model=tiny_gemma3(), policy="h2o", allocation="calibrated", budgets_file=path)
 
 
-def _kernel_mass(model, sequences, sinks: int, window: int) -> torch.Tensor:
-    """``[full-attention layers, kv_heads]``: the mass from the eager kernel's own attention weights."""
-    config = model.config
-    kv_heads, heads = config.num_key_value_heads, config.num_attention_heads
-    full = [i for i, kind in enumerate(layer_kinds(model)) if kind == "full"]
-    sums = torch.zeros(len(full), kv_heads, dtype=torch.float64)
-    queries = 0
-    original = config._attn_implementation
-    config._attn_implementation = "eager"
-    try:
-        for ids in sequences:
-            out = model(input_ids=torch.tensor([ids]), use_cache=False, output_attentions=True)
-            t, slot = torch.arange(len(ids)).view(-1, 1), torch.arange(len(ids)).view(1, -1)
-            far = ((slot >= sinks) & (slot <= t - window)).double()
-            for row, layer in enumerate(full):
-                mass = (out.attentions[layer][0].double() * far).sum(-1)[:, sinks + window :]
-                sums[row] += mass.view(kv_heads, heads // kv_heads, -1).mean(1).sum(-1)
-            queries += max(0, len(ids) - sinks - window)
-    finally:
-        config._attn_implementation = original
-    return sums / queries
-
-
 @pytest.mark.parametrize("factory", [lambda: tiny_gemma3(softcap=20.0), tiny_gpt_oss], ids=["gemma3", "gpt-oss"])
 def test_calibrated_mass_is_the_kernels_on_the_evicting_layers(factory):
     """On a hybrid model the file's rows are the full-attention layers; the mass is the kernel's own softmax,
@@ -355,7 +333,7 @@ def test_calibrated_mass_is_the_kernels_on_the_evicting_layers(factory):
     sequences = [torch.randint(3, 90, (n,), generator=generator).tolist() for n in (40, 25)]
     got, queries = head_mass(model, sequences, sinks=2, window=5)
     assert got.shape == (EVICTING_LAYERS, KV_HEADS) and queries == (40 - 7) + (25 - 7)
-    torch.testing.assert_close(got, _kernel_mass(model, sequences, 2, 5), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(got, eager_head_mass(model, sequences, 2, 5), atol=1e-5, rtol=1e-4)
 
 
 def test_calibrate_budgets_writes_the_evicting_layers_and_the_cache_reads_them(tmp_path, monkeypatch):
