@@ -161,6 +161,23 @@ def test_finite_garbage_in_the_weights_is_found_by_the_digest_and_the_copy_conve
     assert marker["files"]["model.safetensors"]["sha256"] == files._sha256(weights)  # the new copy, as written
 
 
+def test_a_byte_changed_in_place_with_its_old_time_put_back_is_found(
+    conversion: dict, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Size and modification time as recorded: the status-change time, which no program sets back, tells."""
+    load_model("default")
+    weights = conversion["target"] / "model.safetensors"
+    before = weights.stat()
+    data = bytearray(weights.read_bytes())
+    data[-7] ^= 0x01  # one bit of the last weight: finite, loads without any error
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert (weights.stat().st_size, weights.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    with caplog.at_level(logging.WARNING, logger="reasonkv.models"):
+        load_model("default")
+    assert "model.safetensors was changed after it was written" in caplog.text and conversion["conversions"] == 2
+
+
 def test_a_copy_touched_but_not_changed_is_hashed_once_and_kept(conversion: dict, monkeypatch) -> None:
     load_model("default")
     weights = conversion["target"] / "model.safetensors"
