@@ -71,12 +71,29 @@ def test_every_policy_decodes_the_same_tokens_compiled_as_eager_in_fp32(deep_lla
 
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["full", "streaming", "h2o", "snapkv", "epikv", "vase-attnv", "tova", "rkv"])
-def test_in_bf16_a_lone_row_decodes_the_same_tokens_compiled_as_eager(policy):
+def test_in_bf16_a_lone_row_decodes_the_same_tokens_compiled_as_eager_up_to_a_near_tie(policy):
+    """The fixed-shape layout attends over a padded buffer: the CPU's bf16 kernels may sum its blocks in
+    another order than the eager cache's (this differs between CPUs), which moves a logit by a rounding step.
+    So the tokens must agree until the eager decode meets a near-tie (its top two logits within a few bf16
+    steps), and a divergence must happen at one, never where the choice was clear."""
     model = tiny_llama(layers=6, dtype=torch.bfloat16)
     settings = dict(policy=policy, budget=16, buffer=4, max_new_tokens=64, ignore_eos=True, **_options(policy))
-    eager = reasonkv.generate(model, None, [PROMPTS[0]], **settings)
+    ties = []  # per decoded token: was the eager choice a near-tie?
+
+    def note_tie(module, args, logits):
+        top = logits[0, -1].float().topk(2).values
+        step = 2.0 ** (torch.floor(torch.log2(top[0].abs().clamp_min(1e-6))) - 7)  # bf16's rounding step there
+        ties.append(bool(top[0] - top[1] <= 4 * step))
+
+    hook = model.get_output_embeddings().register_forward_hook(note_tie)
+    try:
+        eager = reasonkv.generate(model, None, [PROMPTS[0]], **settings)
+    finally:
+        hook.remove()
     compiled = reasonkv.generate(model, None, [PROMPTS[0]], compile="aot_eager", **settings)
-    assert compiled[0].token_ids == eager[0].token_ids
+    ours, theirs = compiled[0].token_ids, eager[0].token_ids
+    first = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b), None)
+    assert first is None or ties[first], f"compiled and eager part at token {first}, where eager's choice was clear"
     assert compiled[0].stats["evictions"] >= 8 or policy == "full"
 
 

@@ -243,9 +243,17 @@ def eval_cases() -> list[dict]:
     return [dict(kind="eval", id="eval/tiny-llama/grid")]
 
 
+# Keys left out by exact name: the run's id (and its manifest's) is a hash that covers the environment.
+EVAL_VOLATILE_KEYS = ("run", "id")
+
+
 def _scrub(value):
     if isinstance(value, dict):
-        return {k: _scrub(v) for k, v in value.items() if not any(word in k.lower() for word in EVAL_VOLATILE)}
+        return {
+            k: _scrub(v)
+            for k, v in value.items()
+            if k not in EVAL_VOLATILE_KEYS and not any(word in k.lower() for word in EVAL_VOLATILE)
+        }
     if isinstance(value, list):
         return [_scrub(v) for v in value]
     return value
