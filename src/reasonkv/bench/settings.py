@@ -33,6 +33,7 @@ from reasonkv.models import (
     resolve_dtype,
     shape_config,
 )
+from reasonkv.runs.flags import flag_values, setting, spell
 
 __all__ = [
     "DEFAULT_DTYPE",
@@ -103,6 +104,17 @@ def _check_int(name: str, value: Any, minimum: int, what: str) -> None:
         raise ValueError(f"{_flag(name)} must be {what}, got {value}")
 
 
+# How the flags several commands share are shown here.
+_MODEL = {"dtype": DEFAULT_DTYPE, "why": "speed is measured in the dtype models are served in", "shapes": True}
+_ALLOCATION = {
+    "what": "; length sweep: every evicting entry runs under it, and the report shows its K/V bytes per layer"
+}
+
+
+def _joined(values: Sequence[int]) -> str:
+    return ",".join(map(str, values))
+
+
 @dataclass(frozen=True, kw_only=True)
 class BenchSettings:
     """Everything one ``reasonkv bench`` run is told (the fields are its flags, in their order).
@@ -130,48 +142,162 @@ class BenchSettings:
     ``max_measured_batch``. Output: ``out``, ``force``, ``progress``, ``plots``.
     """
 
-    model: str = DEFAULT_MODEL
-    dtype: str = DEFAULT_DTYPE
-    device: str = "cpu"
-    attn: str = "sdpa"
-    threads: int | None = None
-    policies: tuple[str, ...] = ("all",)
-    option: tuple[str, ...] = ()
-    budget: int = 512
-    buffer: int = DEFAULT_BUFFER
-    seed: int = 0
-    quantized: int = 0
-    bits: int | None = None
-    allocation: str = "uniform"
-    budgets_file: str | None = None
-    adaptive_alpha: float = 0.2
-    padded_heads: bool = False
-    lengths: tuple[int, ...] | None = None
-    reference_lengths: bool = True
-    rounds: int = DEFAULT_ROUNDS
-    batch_sizes: tuple[int, ...] = (1,)
-    prompt_length: int = 32
-    window: int | None = None
-    prefill_to_length: bool = False
-    transformers_cache: bool = False
-    decode_steps: int = 256
-    sync_timing: bool = True
-    prefill_chunk: int = 0
-    ragged: bool = False
-    compile: bool | str = False
-    eviction_cost: bool = False
-    cached: int | None = None
-    repeats: int = 5
-    max_batch: bool = False
-    memory_limit: str | None = None
-    length: int | None = None
-    probe_batches: tuple[int, ...] = (1, 2)
-    probe_steps: int = 4
-    max_measured_batch: int = 256
-    out: Path
-    force: bool = False
-    progress: bool = True
-    plots: bool = True
+    model: str = setting(DEFAULT_MODEL, group="model", shared="model", shared_with=_MODEL, always=True)
+    dtype: str = setting(DEFAULT_DTYPE, group="model", shared="model", shared_with=_MODEL, always=True)
+    device: str = setting("cpu", group="model", shared="model", shared_with=_MODEL, always=True)
+    attn: str = setting("sdpa", group="model", shared="model", shared_with=_MODEL, always=True)
+    threads: int | None = setting(
+        None, group="model", type=int, help="CPU threads for torch (default: torch's own choice; recorded either way)"
+    )
+    policies: tuple[str, ...] = setting(
+        ("all",),
+        group="policies",
+        always=True,
+        help="comma-separated policy names, or 'all' (default: every registered policy); full and streaming "
+        "always run as references",
+    )
+    option: tuple[str, ...] = setting((), group="policies", repeated=True, short="-o", shared="policy options")
+    budget: int = setting(
+        512, group="policies", type=int, always=True, help="K: tokens kept per head after an eviction (default 512)"
+    )
+    buffer: int = setting(DEFAULT_BUFFER, group="policies", always=True, shared="buffer")
+    seed: int = setting(
+        0, group="policies", type=int, always=True, help="seeds the prompts and the policies (default 0)"
+    )
+    quantized: int = setting(
+        0,
+        group="policies",
+        type="non-negative",
+        metavar="Q",
+        help="also measure every requested evicting policy with Q tokens per head kept quantized, its "
+        "full-precision budget lowered so that its nominal K/V bytes equal the plain policy's at --budget "
+        "(length sweep; default 0: no such variants)",
+    )
+    bits: int | None = setting(
+        None, group="policies", type=int, choices=(4, 8), help="code width of the quantized tier (default 8)"
+    )
+    allocation: str = setting("uniform", group="policies", shared="allocation", shared_with=_ALLOCATION)
+    budgets_file: str | None = setting(None, group="policies", shared="allocation", shared_with=_ALLOCATION)
+    adaptive_alpha: float = setting(0.2, group="policies", shared="allocation", shared_with=_ALLOCATION)
+    padded_heads: bool = setting(False, group="policies", shared="allocation", shared_with=_ALLOCATION)
+    lengths: tuple[int, ...] | None = setting(
+        None,
+        group="length sweep",
+        help=f"lengths to report, strictly increasing (default {_joined(DEFAULT_LENGTHS)}; "
+        "the sweep runs when this is given or when neither --max-batch nor --eviction-cost is)",
+    )
+    reference_lengths: bool = setting(
+        True,
+        group="length sweep",
+        negated=True,
+        help="measure the --lengths only, not also K, K + B/2 and 8 K (what the summary's overhead and flatness "
+        "compare with; then they compare with the nearest lengths measured)",
+    )
+    rounds: int = setting(
+        DEFAULT_ROUNDS,
+        group="length sweep",
+        type=int,
+        always=True,
+        help="the sweep's entries of each batch size measured in this many interleaved rounds (A B C A B C ...), "
+        f"each figure the median round's, the rounds' spread beside it (default {DEFAULT_ROUNDS})",
+    )
+    batch_sizes: tuple[int, ...] = setting(
+        (1,), group="length sweep", always=True, help="comma-separated batch sizes (default 1)"
+    )
+    prompt_length: int = setting(
+        32,
+        group="length sweep",
+        type=int,
+        always=True,
+        help="tokens of the fixed random prompt; prefills feed the rest as if generated (default 32)",
+    )
+    window: int | None = setting(
+        None,
+        group="length sweep",
+        type=int,
+        help="decode steps per measurement window, ending at each length (default: the smallest multiple of "
+        "--buffer >= 32, so every window holds whole eviction cycles; all decode steps with --prefill-to-length)",
+    )
+    prefill_to_length: bool = setting(
+        False,
+        group="length sweep",
+        help="reach each length L by a prefill of L - n - 2 tokens (the --prompt-length prompt, then the rest "
+        "as if generated), decode 2 untimed steps, then time n = --decode-steps steps ending at L: the prefill "
+        "builds the cache at length L; an evicting policy is evicted to K by it (once, or after each "
+        "--prefill-chunk once due) and measured in its steady state",
+    )
+    transformers_cache: bool = setting(
+        False,
+        group="length sweep",
+        help="also measure transformers' own cache (the one model.generate builds, no reasonkv hook) as the "
+        "entry 'transformers': full against it is what reasonkv's bookkeeping costs (needs --prefill-to-length)",
+    )
+    decode_steps: int = setting(
+        256,
+        group="length sweep",
+        type=int,
+        always=True,
+        help="n: decode steps timed with --prefill-to-length and --max-batch (default 256)",
+    )
+    sync_timing: bool = setting(
+        True,
+        group="length sweep",
+        negated=True,
+        help="on CUDA, do not synchronise around each timed phase: step times unperturbed, but the phase "
+        "split then covers kernel launches only",
+    )
+    prefill_chunk: int = setting(
+        0,
+        group="length sweep",
+        type=int,
+        always=True,
+        help="most tokens per prefill forward, summed over the batch (default 0: one forward; an evicting "
+        "policy evicts after each chunk once due)",
+    )
+    ragged: bool = setting(
+        False,
+        group="length sweep",
+        help="also measure every requested evicting policy as 'POLICY~ragged' at each batch size above 1: its "
+        "rows prefilled to lengths B / batch apart, so that they evict at different steps (as prompts of "
+        "different lengths do), beside the rows that evict together (needs --prefill-to-length)",
+    )
+    compile: bool | str = setting(
+        False,
+        group="length sweep",
+        optional_value=True,
+        metavar="BACKEND",
+        help="also measure every policy as 'POLICY~compiled', its decode steps run as one compiled fixed-shape "
+        "graph each (torch.compile; BACKEND: inductor, the default, or another torch.compile backend), and "
+        "with --prefill-to-length plain transformers eager and compiled (a StaticCache and torch.compile of "
+        "its forward) as 'transformers' and 'transformers~compiled'; compiling is timed apart, never in tok/s",
+    )
+    eviction_cost: bool = setting(
+        False, group="eviction cost", help="time one eviction per policy (batch 1, K = --cached - --buffer)"
+    )
+    cached: int | None = setting(
+        None, group="eviction cost", type=int, help="N: tokens cached at each eviction (K = N - B)"
+    )
+    repeats: int = setting(
+        5, group="eviction cost", type=int, help="evictions timed per policy, after one warm-up (default 5)"
+    )
+    max_batch: bool = setting(False, group="max batch", help="largest batch per policy within --memory-limit")
+    memory_limit: str | None = setting(None, group="max batch", help="e.g. 24GiB, 48GB, 512MiB")
+    length: int | None = setting(None, group="max batch", type=int, help="L: sequence length the batch must fit")
+    probe_batches: tuple[int, ...] = setting(
+        (1, 2), group="max batch", help="two batch sizes the memory overhead is measured at (default 1,2)"
+    )
+    probe_steps: int = setting(4, group="max batch", type=int, help="decode steps of each probe (default 4)")
+    max_measured_batch: int = setting(
+        256, group="max batch", type=int, help="largest batch whose throughput is measured (default 256)"
+    )
+    out: Path = setting(
+        group="output", type=Path, required=True, always=True, help="folder for results.jsonl, bench.json/md, PNGs"
+    )
+    force: bool = setting(False, group="output", help="re-measure entries already in --out")
+    progress: bool = setting(True, group="output", negated=True, in_command=False, help="no progress bars")
+    plots: bool = setting(
+        True, group="output", negated=True, in_command=False, help="no PNG plots (JSON and markdown only)"
+    )
 
     def __post_init__(self) -> None:
         self._normalise()
@@ -367,75 +493,10 @@ class BenchSettings:
 
     # ------------------------------------------------------------------ the command line's view
     def command(self) -> str:
-        """The command line with every setting spelled out (what reproduces the run)."""
-        words = ["reasonkv", "bench", "--model", self.model, "--dtype", self.dtype, "--device", self.device]
-        words += ["--attn", self.attn, "--policies", ",".join(self.policies), "--budget", str(self.budget)]
-        if self.threads is not None:
-            words += ["--threads", str(self.threads)]
-        words += ["--buffer", str(self.buffer), "--seed", str(self.seed), "--batch-sizes", _joined(self.batch_sizes)]
-        if self.quantized:
-            words += ["--quantized", str(self.quantized), "--bits", str(self.bits or 8)]
-        if self.allocation != "uniform":
-            words += ["--allocation", self.allocation]
-            if self.budgets_file is not None:
-                words += ["--budgets-file", os.fspath(self.budgets_file)]
-            if self.allocation == "adaptive":
-                words += ["--adaptive-alpha", str(self.adaptive_alpha)]
-            if self.padded_heads:
-                words.append("--padded-heads")
-        for option in self.option:
-            words += ["-o", option]
-        if self.lengths is not None:
-            words += ["--lengths", _joined(self.lengths)]
-        if not self.reference_lengths:
-            words.append("--no-reference-lengths")
-        words += ["--rounds", str(self.rounds)]
-        words += ["--prompt-length", str(self.prompt_length)]
-        if self.window is not None:
-            words += ["--window", str(self.window)]
-        if self.prefill_to_length:
-            words.append("--prefill-to-length")
-        if self.transformers_cache:
-            words.append("--transformers-cache")
-        words += ["--decode-steps", str(self.decode_steps), "--prefill-chunk", str(self.prefill_chunk)]
-        if not self.sync_timing:
-            words.append("--no-sync-timing")
-        if self.ragged:
-            words.append("--ragged")
-        if self.compile is True:
-            words.append("--compile")
-        elif self.compile:
-            words += ["--compile", self.compile]
-        if self.eviction_cost:
-            words += ["--eviction-cost", "--cached", str(self.cached), "--repeats", str(self.repeats)]
-        if self.max_batch:
-            words += ["--max-batch", "--memory-limit", str(self.memory_limit), "--length", str(self.length)]
-            words += ["--probe-batches", _joined(self.probe_batches), "--probe-steps", str(self.probe_steps)]
-            words += ["--max-measured-batch", str(self.max_measured_batch)]
-        words += ["--out", str(self.out)]
-        if self.force:
-            words.append("--force")
-        return shlex.join(words)
+        """The command line that reproduces the run (every setting off its default, and the ones a reader needs)."""
+        return shlex.join(["reasonkv", "bench", *spell(self)])
 
     def arguments(self) -> dict[str, Any]:
         """The settings as the command line's arguments (flag destinations and values), as recorded in
         ``bench.json``."""
-        values: dict[str, Any] = {"command": "bench"}
-        for name in self.__dataclass_fields__:
-            value = getattr(self, name)
-            if name in ("sync_timing", "progress", "plots", "reference_lengths"):
-                name, value = f"no_{name}", not value
-            elif name == "policies":
-                value = ",".join(value)
-            elif name in ("batch_sizes", "probe_batches") or (name == "lengths" and value is not None):
-                value = _joined(value)
-            elif name == "option":
-                value = list(value)
-            elif name == "out":
-                value = str(value)
-            values[name] = value
-        return values
-
-
-def _joined(values: Sequence[int]) -> str:
-    return ",".join(map(str, values))
+        return {"command": "bench", **flag_values(self)}

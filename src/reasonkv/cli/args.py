@@ -14,9 +14,9 @@ def add_model_arguments(
     parser: argparse.ArgumentParser, *, dtype: str = "fp32", why: str = "exact on any device", shapes: bool = False
 ):
     """``--model``, ``--dtype`` (default ``dtype``, for the reason ``why``), ``--device`` and ``--attn`` in a group
-    "model", returned for a command's own model flags. ``shapes``: the command takes token ids, so random-weight
-    shapes too."""
-    group = parser.add_argument_group("model")
+    "model" (or the group given), returned for a command's own model flags. ``shapes``: the command takes token
+    ids, so random-weight shapes too."""
+    group = parser if isinstance(parser, argparse._ArgumentGroup) else parser.add_argument_group("model")
     what = f"hub id, local directory, .gguf file, {DEFAULT_MODEL} (default) or gemma3-270m (bundled)"
     if shapes:
         what += f", or shape:<name> for random weights ({', '.join(list_shapes())}; gpt-oss-20b needs --attn eager)"
