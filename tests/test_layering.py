@@ -29,8 +29,6 @@ TRANSFORMERS_IMPORTERS = (
 # Engine-free: torch only, and nothing above them (the policies and their API, the quantized tier's codes, the
 # did-you-mean of unknown names).
 ENGINE_FREE = ("policies/", "selection/", "cache/tiers.py", "cache/quantize.py", "suggest/")
-# Deprecated aliases of moved modules: they only forward.
-ALIASES = {"select.py", "decode.py"}
 MAX_LINES = 600
 
 
@@ -145,9 +143,9 @@ def test_modules_stay_small_unless_they_are_one_concept():
     assert not big, f"modules over {MAX_LINES} lines whose docstring does not say they are one concept: {big}"
 
 
-def test_the_root_holds_only_the_entry_points_and_aliases():
+def test_the_root_holds_only_the_entry_points():
     root = {p.name for p in SRC.glob("*.py")}
-    assert root <= {"__init__.py", "__main__.py"} | ALIASES, f"modules at the package root: {sorted(root)}"
+    assert root <= {"__init__.py", "__main__.py"}, f"modules at the package root: {sorted(root)}"
 
 
 # models/ from the bottom up: each module imports only modules of models/ listed before it, and reasonkv's
@@ -290,3 +288,17 @@ def test_policies_score_with_transformers_unimportable():
 
     evicting = {name for name in list_policies() if get_policy(name).evicts}
     assert set(done.stdout.split()) == evicting
+
+
+def test_a_policy_is_its_file_alone():
+    """No list names the policies: every module of policies/ is imported, so a file with a registered class
+    is the whole of a new policy (and each registered class comes from a file of its own)."""
+    from reasonkv.policies import list_policies, policy_class
+
+    init = ast.parse((SRC / "policies" / "__init__.py").read_text(encoding="utf-8"))
+    named = {alias.name for node in ast.walk(init) if isinstance(node, ast.ImportFrom) for alias in node.names}
+    files = {p.stem for p in (SRC / "policies").glob("*.py")}
+    registering = {stem for stem in files if "@register" in (SRC / "policies" / f"{stem}.py").read_text()}
+    assert registering and not named & registering, f"policies/__init__.py names {sorted(named & registering)}"
+    sources = {policy_class(name).__module__.rsplit(".", 1)[1] for name in list_policies()}
+    assert sources == registering

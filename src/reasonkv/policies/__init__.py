@@ -4,13 +4,17 @@
   at eviction), ``recorded`` (the recorded queries), ``attention`` (attention recomputed for a few
   queries), ``select`` (scores to rankings to kept indices), ``noise`` (keyed random draws),
   ``options`` (options typed by the dataclass fields), ``registry`` (names to classes);
-- one file per method, each a dataclass registered under its name.
+- one file per method, each a dataclass registered under its name (every module here is imported, so the
+  file is all a new policy needs).
 
 A policy instance is configuration (its fields); generation state lives in the copy each cache makes
 (:func:`get_policy` always returns a fresh instance).
 """
 
 from __future__ import annotations
+
+import importlib
+import pkgutil
 
 from reasonkv.policies.base import Policy
 from reasonkv.policies.contract import ModelInfo, Needs, Step
@@ -25,28 +29,9 @@ from reasonkv.policies.registry import (
 )
 from reasonkv.policies.view import EvictionView
 
-# The built-in policies register themselves on import.
-from reasonkv.policies import (  # noqa: E402, F401  isort: skip
-    curdkv,
-    epikv,
-    expected_attention,
-    full,
-    h2o,
-    keydiff,
-    knorm,
-    lagkv,
-    quest,
-    raas,
-    random,
-    rkv,
-    seer,
-    snapkv,
-    streaming,
-    thinkv,
-    tova,
-    triattention,
-    vase,
-)
+# Every module of this package is imported, so a policy's file registers it: a new policy is one file.
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = [
     "EvictionView",
