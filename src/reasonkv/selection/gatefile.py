@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from reasonkv.selection.gate import GateShape, SeerGate
+from reasonkv.selection.torchfile import read_torch_file
 
 __all__ = ["FORMAT", "GateFile", "check_gate", "load_gate", "save_gate"]
 
@@ -58,12 +59,7 @@ def load_gate(path: str | os.PathLike[str]) -> GateFile:
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise ValueError(f"gate file {path!r} does not exist (train one: reasonkv calibrate --gates)")
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # any unreadable file: pickle, zip or torch errors alike
-        raise ValueError(f"{path!r} is not a gate file: {error}") from None
-    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        raise ValueError(f"{path!r} is not a gate file (reasonkv calibrate --gates writes them)")
+    payload = read_torch_file(path, FORMAT, "gate file", "reasonkv calibrate --gates (gates.pt)")
     if payload.get("version") != VERSION:
         raise ValueError(f"{path!r} has gate file version {payload.get('version')!r}; this reasonkv reads {VERSION}")
     shape = GateShape(**payload["shape"])
