@@ -107,13 +107,14 @@ def test_settings_that_cannot_make_a_trace_long_enough_are_refused_before_genera
     monkeypatch.setattr(gates_module, "prompt_ids", lambda tokenizer, problem: [5] * 40)
     monkeypatch.setattr(gates_module, "generate", _no_model)
     settings = _settings(tmp_path, block_size=64, max_new_tokens=16)
-    assert (settings.shortest(), settings.shortest(held_out=True)) == (129, 193)
+    assert (settings.shortest(), settings.shortest(held_out=True)) == (129, 257)
     with pytest.raises(ValueError) as caught:
         gates_module.self_traces(None, None, settings)
     message = str(caught.value)
     assert "--max-new-tokens 16 is too few: a training trace needs at least 129 tokens" in message
-    assert "a held-out one 193" in message and "problem gsm8k-test-0003's prompt of 40 tokens" in message
-    assert "use --max-new-tokens 153 or more" in message  # 193 - 40, for the held-out problem
+    assert "a held-out one 257 (more than 3 blocks" in message
+    assert "problem gsm8k-test-0003's prompt of 40 tokens" in message
+    assert "use --max-new-tokens 217 or more" in message  # 257 - 40, for the held-out problem
     settings = _settings(tmp_path, block_size=64, max_new_tokens=16, held_out=0)
     with pytest.raises(ValueError, match="use --max-new-tokens 89 or more"):  # 129 - 40
         gates_module.self_traces(None, None, settings)
@@ -123,7 +124,7 @@ def test_settings_that_cannot_make_a_trace_long_enough_are_refused_before_genera
     ("lengths", "message"),
     [
         ([20, 30, 32, 80], "none of the 3 training traces reached 33 tokens"),  # two whole blocks of 16, and one
-        ([80, 80, 80, 48], "none of the 1 held-out traces reached 49 tokens"),  # three, for the top-3 recall
+        ([80, 80, 80, 64], "none of the 1 held-out traces reached 65 tokens"),  # four, for the top-3 recall
     ],
 )
 def test_traces_too_short_to_learn_from_write_nothing(tmp_path, monkeypatch, lengths, message):

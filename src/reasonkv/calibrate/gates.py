@@ -107,10 +107,10 @@ class GatesSettings:
             raise ValueError(f"--out {str(self.out)!r} is a file; --gates writes a folder (gates.pt, gates.json)")
 
     def shortest(self, *, held_out: bool = False) -> int:
-        """The fewest tokens a trace needs: its last query must have whole blocks before its own block to choose
-        among, two for training (with one, the target is that block whatever the gate: the loss is 0) and, on
-        a held-out trace, as many as the recall's largest top k."""
-        return (max(TOP_K) if held_out else 2) * self.block_size + 1
+        """The fewest tokens a trace needs: its last query must have more whole blocks before its own block than
+        it picks, two for training (with one, the target is that block whatever the gate: the loss is 0) and,
+        on a held-out trace, one more than the recall's largest top k (with k, every pick is right)."""
+        return (max(TOP_K) + 1 if held_out else 2) * self.block_size + 1
 
     def command(self) -> str:
         parts = ["reasonkv", "calibrate", "--gates", "--model", self.model, "--dataset", self.dataset]
@@ -155,7 +155,10 @@ def _needs(settings: GatesSettings) -> str:
         f"--block-size {settings.block_size}, so the gate has blocks to choose among)"
     )
     if settings.held_out:
-        what += f" and a held-out one {settings.shortest(held_out=True)} (the recall of the top {max(TOP_K)} blocks)"
+        what += (
+            f" and a held-out one {settings.shortest(held_out=True)} (more than {max(TOP_K)} blocks, for the recall "
+            f"of the top {max(TOP_K)})"
+        )
     return what
 
 
