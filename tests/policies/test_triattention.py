@@ -187,7 +187,9 @@ def test_bad_statistics_and_options_are_clear_errors(tmp_path):
         reasonkv.get_policy("triattention", stats=str(tmp_path / "missing.pt"))
     text = tmp_path / "notes.txt"
     text.write_text("not a statistics file")
-    with pytest.raises(ValueError, match="is not a query centers file"):
+    with pytest.raises(
+        ValueError, match="is not a reasonkv query centers file \\(a text file of 21 bytes, not a torch file\\)"
+    ):
         reasonkv.get_policy("triattention", stats=str(text))
     assert text.read_text() == "not a statistics file"
     with pytest.raises(ValueError, match="aggregation must be one of mean, max"):

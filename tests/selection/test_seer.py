@@ -155,7 +155,7 @@ def test_a_gate_file_for_another_model_is_refused_naming_the_counts(tmp_path, ot
 def test_bad_gate_inputs_are_refused(tmp_path):
     (tmp_path / "junk.pt").write_bytes(b"not a gate")
     model = tiny_llama(layers=2)
-    with pytest.raises(ValueError, match="is not a gate file"):
+    with pytest.raises(ValueError, match="is not a reasonkv gate file"):
         reasonkv.generate(
             model,
             None,

@@ -8,6 +8,12 @@ gate), builds the targets (:mod:`reasonkv.selection.distill`), trains the gate w
 showing the loss, and writes ``gates.pt`` (loaded by ``seer``'s ``gates=FOLDER``) and ``gates.json`` (the
 loss curve, and the recall of the true top blocks on held-out traces: the trained gate, an untrained
 one and Quest's bound) into the ``--out`` folder, beside the model's other calibration files.
+
+The folder is claimed first, before the model loads (:func:`claim_gates_output`): a ``gates.pt`` or
+``gates.json`` there that this command did not write is never replaced. A trace too short for the gate
+to learn from (:meth:`GatesSettings.shortest`) is refused before any generation when no answer could make
+it long enough, and left out when the model stopped early; a run left with no trace to train on, or none
+to measure recall on, writes nothing.
 """
 
 from __future__ import annotations
@@ -28,15 +34,26 @@ from reasonkv.generation.loop import generate
 from reasonkv.hf import AttentionTap, model_info
 from reasonkv.models import DEFAULT_MODEL, load_model
 from reasonkv.policies.seer import GATE_FILE
+from reasonkv.runs.outputs import ClaimedFolder, claim_folder, write_atomic
 from reasonkv.selection.distill import LayerExample, layer_example, mean_loss, train_gate
 from reasonkv.selection.gate import GateShape, SeerGate
-from reasonkv.selection.gatefile import GateFile, save_gate
+from reasonkv.selection.gatefile import GateFile, gate_bytes, load_gate
 from reasonkv.selection.quest import quest_scores
 from reasonkv.selection.recall import top_block_recall
 
-__all__ = ["GatesSettings", "collect_examples", "gate_recall", "run_gates", "self_traces", "shape_for"]
+__all__ = [
+    "GatesSettings",
+    "claim_gates_output",
+    "collect_examples",
+    "gate_recall",
+    "run_gates",
+    "self_traces",
+    "shape_for",
+]
 
 SUMMARY_FILE = "gates.json"
+OUTPUT_FILES = (GATE_FILE, SUMMARY_FILE)
+TOP_K = (1, 3)  # the recall measured on held-out traces: of the true top 1 and top 3 blocks
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,6 +106,12 @@ class GatesSettings:
         if self.out.exists() and not self.out.is_dir():
             raise ValueError(f"--out {str(self.out)!r} is a file; --gates writes a folder (gates.pt, gates.json)")
 
+    def shortest(self, *, held_out: bool = False) -> int:
+        """The fewest tokens a trace needs: its last query must have more whole blocks before its own block than
+        it picks, two for training (with one, the target is that block whatever the gate: the loss is 0) and,
+        on a held-out trace, one more than the recall's largest top k (with k, every pick is right)."""
+        return (max(TOP_K) + 1 if held_out else 2) * self.block_size + 1
+
     def command(self) -> str:
         parts = ["reasonkv", "calibrate", "--gates", "--model", self.model, "--dataset", self.dataset]
         parts += ["--gate-traces", str(self.traces), "--held-out", str(self.held_out)]
@@ -107,17 +130,71 @@ def shape_for(model, *, block_size: int = 64, gate_dim: int = 32) -> GateShape:
     return GateShape(info.num_layers, info.num_heads, info.num_kv_heads, info.head_dim, gate_dim, block_size, base)
 
 
-def self_traces(model, tokenizer, dataset: str, count: int, max_new_tokens: int, batch: int = 8) -> list[list[int]]:
-    """Prompt and greedy answer (full cache) of the first ``count`` problems of ``dataset``, as token ids."""
-    problems = list(load_dataset(dataset))[:count]
+def self_traces(model, tokenizer, settings: GatesSettings, batch: int = 8) -> list[list[int]]:
+    """Prompt and greedy answer (full cache) of the first ``traces + held_out`` problems of ``settings.dataset``,
+    as token ids; ``ValueError`` before generating anything when ``max_new_tokens`` cannot make every trace
+    as long as it needs (:meth:`GatesSettings.shortest`)."""
+    count = settings.traces + settings.held_out
+    problems = list(load_dataset(settings.dataset))[:count]
     if len(problems) < count:
-        raise ValueError(f"dataset {dataset!r} has {len(problems)} problems; {count} were asked for")
+        raise ValueError(f"dataset {settings.dataset!r} has {len(problems)} problems; {count} were asked for")
+    prompts = [prompt_ids(tokenizer, p) for p in problems]
+    _check_reach(settings, problems, prompts)
     sequences = []
     for start in tqdm(range(0, count, batch), desc="gates: traces", leave=False):
-        prompts = [prompt_ids(tokenizer, p) for p in problems[start : start + batch]]
-        results = generate(model, tokenizer, prompts, policy="full", max_new_tokens=max_new_tokens)
-        sequences += [p + list(r.token_ids) for p, r in zip(prompts, results, strict=True)]
+        chunk = prompts[start : start + batch]
+        results = generate(model, tokenizer, chunk, policy="full", max_new_tokens=settings.max_new_tokens)
+        sequences += [p + list(r.token_ids) for p, r in zip(chunk, results, strict=True)]
     return sequences
+
+
+def _needs(settings: GatesSettings) -> str:
+    """What a trace needs, in words, for messages."""
+    what = (
+        f"a training trace needs at least {settings.shortest()} tokens (a query after two whole blocks of "
+        f"--block-size {settings.block_size}, so the gate has blocks to choose among)"
+    )
+    if settings.held_out:
+        what += (
+            f" and a held-out one {settings.shortest(held_out=True)} (more than {max(TOP_K)} blocks, for the recall "
+            f"of the top {max(TOP_K)})"
+        )
+    return what
+
+
+def _check_reach(settings: GatesSettings, problems: list, prompts: list[list[int]]) -> None:
+    """Refuse settings under which some trace, its prompt and every new token together, stays too short."""
+    short = [
+        (settings.shortest(held_out=i >= settings.traces) - len(prompt), problem.id, len(prompt))
+        for i, (problem, prompt) in enumerate(zip(problems, prompts, strict=True))
+    ]
+    needed, problem, prompt = max(short)
+    if needed > settings.max_new_tokens:
+        raise ValueError(
+            f"calibrate --gates: --max-new-tokens {settings.max_new_tokens} is too few: {_needs(settings)}, but "
+            f"problem {problem}'s prompt of {prompt} tokens and {settings.max_new_tokens} new ones make at most "
+            f"{prompt + settings.max_new_tokens}; use --max-new-tokens {needed} or more, or a smaller --block-size"
+        )
+
+
+def _long_enough(settings: GatesSettings, sequences: list[list[int]], *, held_out: bool) -> list[list[int]]:
+    """The traces as long as they need (a model that stopped answering early leaves a shorter one out)."""
+    shortest = settings.shortest(held_out=held_out)
+    kept = [s for s in sequences if len(s) >= shortest]
+    what = "held-out" if held_out else "training"
+    if sequences and not kept:
+        raise ValueError(
+            f"calibrate --gates: none of the {len(sequences)} {what} traces reached {shortest} tokens (the model "
+            f"stopped answering early: they hold {sorted(len(s) for s in sequences)}); {_needs(settings)}. "
+            f"Nothing was written: use a smaller --block-size or problems with longer answers"
+        )
+    if len(kept) < len(sequences):
+        print(
+            f"calibrate --gates: {len(sequences) - len(kept)} of {len(sequences)} {what} traces ended before "
+            f"{shortest} tokens (the model stopped answering early) and are left out",
+            file=sys.stderr,
+        )
+    return kept
 
 
 @torch.no_grad()  # not inference mode: the examples feed a gradient
@@ -195,18 +272,59 @@ def gate_recall(gate: SeerGate | None, examples: list[list[LayerExample]], k: in
     return total / count if count else float("nan")
 
 
+def _is_old_gates_folder(folder: Path) -> bool:
+    """A gates folder from before output markers: each of its files is this command's (a gate, its summary)."""
+    try:
+        if (folder / GATE_FILE).exists():
+            load_gate(folder / GATE_FILE)
+        if (folder / SUMMARY_FILE).exists():
+            summary = json.loads((folder / SUMMARY_FILE).read_text(encoding="utf-8"))
+            command = summary.get("command") if isinstance(summary, dict) else None
+            if not (isinstance(command, str) and command.startswith("reasonkv calibrate --gates")):
+                return False
+    except (OSError, ValueError):  # unreadable, not a gate file, not JSON (JSONDecodeError is a ValueError)
+        return False
+    return True
+
+
+def claim_gates_output(settings: GatesSettings) -> ClaimedFolder:
+    """Claim and lock the ``--out`` folder (it may hold calibrate's other files): ``ValueError`` when a gate
+    file or summary there is not this command's, before anything is written."""
+    return claim_folder(
+        settings.out, "calibrate", OUTPUT_FILES, recognise=_is_old_gates_folder, inputs=[settings.dataset]
+    )
+
+
 def run_gates(settings: GatesSettings) -> int:
     """Train and write the gate ``settings`` describe; returns 0."""
+    with claim_gates_output(settings):
+        return _run(settings)
+
+
+def _check_trained(train: list, recall: dict) -> None:
+    """Refuse to write a gate trained on nothing, or whose held-out recall measured nothing."""
+    if not train:
+        raise ValueError("calibrate --gates: no trace to train on; nothing was written")
+    empty = sorted(k for k, values in recall.items() if any(v != v for v in values.values()))  # nan != nan
+    if empty:
+        raise ValueError(
+            f"calibrate --gates: the held-out recall ({', '.join(empty)}) had no query with enough blocks to choose "
+            "among; nothing was written"
+        )
+
+
+def _run(settings: GatesSettings) -> int:
     print(f"loading {settings.model} ({settings.dtype}, {settings.device}, {settings.attn}) ...", file=sys.stderr)
     model, tokenizer = load_model(
         settings.model, dtype=settings.dtype, device=settings.device, attn_implementation=settings.attn
     )
     for parameter in model.parameters():
         parameter.requires_grad_(False)
-    count = settings.traces + settings.held_out
-    sequences = self_traces(model, tokenizer, settings.dataset, count, settings.max_new_tokens)
-    train = collect_examples(model, sequences[: settings.traces], settings.block_size, settings.queries)
-    held = collect_examples(model, sequences[settings.traces :], settings.block_size, settings.queries, quest=True)
+    sequences = self_traces(model, tokenizer, settings)
+    train_ids = _long_enough(settings, sequences[: settings.traces], held_out=False)
+    held_ids = _long_enough(settings, sequences[settings.traces :], held_out=True)
+    train = collect_examples(model, train_ids, settings.block_size, settings.queries)
+    held = collect_examples(model, held_ids, settings.block_size, settings.queries, quest=True)
     shape = shape_for(model, block_size=settings.block_size, gate_dim=settings.gate_dim)
     gate = SeerGate(shape, seed=settings.seed).to(settings.device)
     untrained = SeerGate(shape, seed=settings.seed).to(settings.device)
@@ -221,7 +339,7 @@ def run_gates(settings: GatesSettings) -> int:
     bar.close()
     recall = {}
     if held:
-        for k in (1, 3):
+        for k in TOP_K:
             recall[f"top{k}"] = {
                 "trained": gate_recall(gate, held, k),
                 "untrained": gate_recall(untrained, held, k),
@@ -237,11 +355,13 @@ def run_gates(settings: GatesSettings) -> int:
         "held_out_loss": {"trained": mean_loss(gate, held), "untrained": mean_loss(untrained, held)} if held else {},
         "recall": recall,
     }
+    _check_trained(train, recall)
     training = {"steps": settings.steps, "first_loss": losses[0], "last_loss": losses[-1], "recall": recall}
     source = f"{settings.dataset}: {len(train)} self-generated traces (greedy, up to {settings.max_new_tokens} tokens)"
     info = model_info(model)
-    path = save_gate(GateFile(gate.cpu(), settings.model, info.fingerprint, source, training), settings.out / GATE_FILE)
-    (settings.out / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    path = settings.out / GATE_FILE
+    write_atomic(path, gate_bytes(GateFile(gate.cpu(), settings.model, info.fingerprint, source, training)))
+    write_atomic(settings.out / SUMMARY_FILE, json.dumps(summary, indent=1) + "\n")
     print(
         f"calibrate --gates: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {settings.steps} steps on {len(train)} "
         f"traces; recall of the top 3 blocks on {len(held)} held-out traces: {recall.get('top3')}; wrote {path}",

@@ -20,6 +20,7 @@ import torch
 
 from reasonkv.policies.contract import ModelInfo
 from reasonkv.policies.rotary import RotaryTables
+from reasonkv.selection.torchfile import read_torch_file
 
 __all__ = ["FORMAT", "CenterSums", "QueryCenters", "bundled_centers"]
 
@@ -117,12 +118,7 @@ class QueryCenters:
         path = os.fspath(path)
         if not os.path.isfile(path):
             raise ValueError(f"query centers file {path!r} does not exist (make one: reasonkv calibrate --centers)")
-        try:
-            payload = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as error:  # any unreadable file: pickle, zip or torch errors alike
-            raise ValueError(f"{path!r} is not a query centers file: {error}") from None
-        if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-            raise ValueError(f"{path!r} is not a query centers file (reasonkv calibrate --centers writes them)")
+        payload = read_torch_file(path, FORMAT, "query centers file", "reasonkv calibrate --centers")
         if payload.get("version") != VERSION:
             raise ValueError(f"{path!r} has version {payload.get('version')!r}; this reasonkv reads version {VERSION}")
         return cls(

@@ -397,9 +397,10 @@ def create_exclusive(path: Path, data: bytes) -> None:
             raise OutputError(f"{path}: cannot create it ({reason(error)}); {advice(error)}") from error
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Replace ``path`` (this command's own file) by one holding ``text``: readers see the old or the new, whole."""
-    with _complete_copy(path, text.encode("utf-8")) as tmp:
+def write_atomic(path: Path, text: str | bytes) -> None:
+    """Replace ``path`` (this command's own file) by one holding ``text`` (or bytes): readers see the old or the
+    new, whole."""
+    with _complete_copy(path, text if isinstance(text, bytes) else text.encode("utf-8")) as tmp:
         try:
             os.replace(tmp, path)
         except OSError as error:

@@ -9,6 +9,7 @@ refused with the counts that differ, one from other weights by the fingerprint.
 
 from __future__ import annotations
 
+import io
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,8 +17,9 @@ from pathlib import Path
 import torch
 
 from reasonkv.selection.gate import GateShape, SeerGate
+from reasonkv.selection.torchfile import read_torch_file
 
-__all__ = ["FORMAT", "GateFile", "check_gate", "load_gate", "save_gate"]
+__all__ = ["FORMAT", "GateFile", "check_gate", "gate_bytes", "load_gate", "save_gate"]
 
 FORMAT, VERSION = "reasonkv-seer-gate", 1
 
@@ -35,6 +37,14 @@ class GateFile:
 
 def save_gate(gate_file: GateFile, path: str | os.PathLike[str]) -> Path:
     """Write ``gate_file`` to ``path`` (weights as float16: a gate is a selector, not the model)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(gate_bytes(gate_file))
+    return path
+
+
+def gate_bytes(gate_file: GateFile) -> bytes:
+    """The file :func:`save_gate` writes, as bytes (for a writer that replaces files whole)."""
     gate = gate_file.gate
     payload = {
         "format": FORMAT,
@@ -47,10 +57,9 @@ def save_gate(gate_file: GateFile, path: str | os.PathLike[str]) -> Path:
         "query": [w.detach().to(torch.float16).cpu().contiguous() for w in gate.query],
         "key": [w.detach().to(torch.float16).cpu().contiguous() for w in gate.key],
     }
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(payload, os.fspath(path))
-    return path
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    return buffer.getvalue()
 
 
 def load_gate(path: str | os.PathLike[str]) -> GateFile:
@@ -58,12 +67,7 @@ def load_gate(path: str | os.PathLike[str]) -> GateFile:
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise ValueError(f"gate file {path!r} does not exist (train one: reasonkv calibrate --gates)")
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # any unreadable file: pickle, zip or torch errors alike
-        raise ValueError(f"{path!r} is not a gate file: {error}") from None
-    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        raise ValueError(f"{path!r} is not a gate file (reasonkv calibrate --gates writes them)")
+    payload = read_torch_file(path, FORMAT, "gate file", "reasonkv calibrate --gates (gates.pt)")
     if payload.get("version") != VERSION:
         raise ValueError(f"{path!r} has gate file version {payload.get('version')!r}; this reasonkv reads {VERSION}")
     shape = GateShape(**payload["shape"])
