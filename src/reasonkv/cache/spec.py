@@ -231,6 +231,17 @@ class CacheSpec:
             self.allocation, self.budget, layers, kv_heads, protected=protected, budgets_file=self.budgets_file
         )
 
+    def check_compile(self) -> None:
+        """``ValueError`` unless a compiled decode step decodes this cache as an eager one does. (A cache with no
+        fixed-shape layout, such as a quantized tier or an allocation, is not refused: its steps run eagerly and
+        say why.)"""
+        if self.selects:
+            raise ValueError(
+                f"policy {self.policy.name!r} chooses the blocks a decode step reads inside the eager attention "
+                "kernel, which a compiled step does not call (it would read every token held): decode it "
+                "without compile"
+            )
+
     def describe_room(self) -> str:
         if not self.quantized:
             return f"the budget {self.budget}"

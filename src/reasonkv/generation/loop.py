@@ -124,11 +124,8 @@ def generate(
     cache_keywords = dict(policy=policy, budget=budget, buffer=buffer, quantized=quantized, bits=bits)
     spec = resolve_spec(spec, **cache_keywords, group_size=group_size, seed=seed, **policy_options)
     spec = spec.replace(seed=row_seeds(spec.seed, len(prompt_ids)))
-    if backend is not None and spec.selects:
-        raise ValueError(
-            f"policy {spec.policy.name!r} selects blocks inside the eager attention kernel; a compiled decode "
-            "step cannot call it: drop compile=..."
-        )
+    if backend is not None:
+        spec.check_compile()
     device = next(model.parameters()).device
     pad_id = 0 if getattr(tokenizer, "pad_token_id", None) is None else tokenizer.pad_token_id
     ids, mask = left_pad(prompt_ids, pad_id, device)
