@@ -63,7 +63,8 @@ class CacheSpec:
         at full precision, with ``group_size`` numbers per scale and zero point (default: 32 or the
         largest divisor of head_dim below it). ``quantized=0``: no tier.
     seed
-        The eviction (and sampling) randomness of each row: one integer, or one per row.
+        The eviction randomness of each row: one integer, or one per row (``reasonkv.generate`` samples from
+        it too, unless it is given its own sampling ``seed``).
     allocation
         How the budget is shared among (layer, kv-head): ``uniform`` (``K`` each), ``pyramid``, ``adaptive``
         or ``calibrated`` (from ``budgets_file``); every one keeps ``K x layers x kv_heads`` in all. See
