@@ -139,6 +139,11 @@ class CacheSpec:
             raise ValueError(f"ragged must be True or False, got {self.ragged!r}")
         if budget is None:
             return "uniform"
+        if self.allocation != "uniform" and policy.selects:
+            raise ValueError(
+                f"allocation={self.allocation!r} applies to evicting policies, not to {policy.name!r} (it selects: "
+                "every token held, no budget to share among heads)"
+            )
         if self.allocation != "uniform" and self.quantized:
             raise ValueError(
                 f"allocation={self.allocation!r} cannot be combined with a quantized tier "
