@@ -72,6 +72,31 @@ def test_settings_come_from_the_spec_or_the_keywords_never_both():
         EvictingCache(16, model=model, spec=spec)
 
 
+def test_decoding_settings_go_beside_a_spec_and_a_cache_setting_given_twice_is_refused_by_name():
+    model, prompt = tiny_llama(), [list(range(1, 30))]
+    spec = CacheSpec.build("h2o", 12, 4, sinks=2)
+    decoding = dict(temperature=0.6, top_p=0.9, top_k=40, max_new_tokens=30, ignore_eos=True)
+    [by_spec] = reasonkv.generate(model, None, prompt, spec, seed=1, **decoding)
+    [by_keywords] = reasonkv.generate(
+        model, None, prompt, policy="h2o", budget=12, buffer=4, sinks=2, seed=1, **decoding
+    )
+    assert by_spec.token_ids == by_keywords.token_ids and len(by_spec.token_ids) == 30
+    assert by_spec.stats["evictions"] > 2
+    # The seed beside a spec is the sampling's: another seed samples other tokens, the spec's seed samples as it.
+    [other] = reasonkv.generate(model, None, prompt, spec, seed=2, **decoding)
+    [spec_seeded] = reasonkv.generate(model, None, prompt, spec.replace(seed=2), **decoding)
+    assert other.token_ids != by_spec.token_ids and other.token_ids == spec_seeded.token_ids
+    # ... and leaves the eviction's randomness to the spec: greedy, random eviction keeps what its spec seeds.
+    random = CacheSpec.build("random", 8, 2, seed=5)
+    greedy = [reasonkv.generate(model, None, prompt, random, seed=s, max_new_tokens=20)[0] for s in (None, 1, 2)]
+    assert greedy[0].token_ids == greedy[1].token_ids == greedy[2].token_ids
+    [reseeded] = reasonkv.generate(model, None, prompt, random.replace(seed=1), max_new_tokens=20)
+    assert reseeded.token_ids != greedy[0].token_ids  # (the eviction's seed does change them)
+    for name, value in dict(policy="h2o", budget=32, buffer=8, quantized=16, bits=4, group_size=16, sinks=4).items():
+        with pytest.raises(ValueError, match=f"do not also pass {name}$"):
+            reasonkv.generate(model, None, prompt, spec, max_new_tokens=2, **{name: value})
+
+
 def test_generate_the_cache_and_the_replays_take_a_spec_as_the_keywords_build_it():
     model = tiny_llama()
     prompt = [list(range(1, 30))]

@@ -66,3 +66,22 @@ def test_an_eviction_trace_under_an_allocation_carries_its_budgets():
     )
     assert result.trace.settings["allocation"] == "pyramid" and int(result.trace.budgets.sum()) == 12 * 2 * 2
     assert len(result.trace.evictions) == result.stats["evictions"] >= 1
+
+
+def test_a_selection_policy_under_an_allocation_is_refused_by_the_spec_before_a_model_loads():
+    """One rule (CacheSpec): selection holds every token, so it has no budget to share among heads."""
+    from reasonkv.cache import CacheSpec
+    from reasonkv.cli import inspect as cli_inspect
+
+    refusal = "allocation='pyramid' applies to evicting policies, not to 'quest' .it selects"
+    with pytest.raises(ValueError, match=refusal):
+        CacheSpec.build("quest", 64, allocation="pyramid")
+    with pytest.raises(ValueError, match=refusal):
+        CacheSpec.build("quest", 64).replace(allocation="pyramid")
+    assert CacheSpec.build("quest", 64).allocation == "uniform"
+    generate = ["generate", "--prompt", "hi", "--policy", "quest", "--budget", "64", "--allocation", "pyramid"]
+    with pytest.raises(ValueError, match=refusal):
+        cli_generate.spec_from(build_parser().parse_args(generate))
+    inspect = ["inspect", "--prompt", "hi", "--policies", "h2o,quest", "--budget", "64", "--out", "x.html"]
+    with pytest.raises(ValueError, match=refusal):
+        cli_inspect.specs_from(build_parser().parse_args([*inspect, "--allocation", "pyramid"]))

@@ -7,8 +7,11 @@ import torch
 
 import reasonkv
 from conftest import tiny_llama, tiny_qwen3
+from reasonkv.bench.plan import build_plan
+from reasonkv.bench.settings import BenchSettings
 from reasonkv.cache import CacheSpec, EvictingCache
-from reasonkv.eval.grid import make_cells
+from reasonkv.eval.grid import GridSpec, make_cells
+from reasonkv.generation.compiled import CompiledDecode
 from reasonkv.hf import Forward, left_pad
 from reasonkv.selection import PooledKeys, pool_keys
 
@@ -114,10 +117,46 @@ def test_bad_settings_are_refused_with_the_value_and_what_is_allowed(options, me
         CacheSpec.build("quest", **options)
 
 
-def test_a_compiled_decode_is_refused():
+REFUSED_COMPILED = "policy '{}' chooses the blocks a decode step reads .* without compile"
+
+
+@pytest.mark.parametrize("policy", ["quest", "seer"])
+def test_the_spec_refuses_a_compiled_decode_and_generate_asks_it(policy):
+    """A compiled step does not call the kernel reader, so it would read every token held."""
+    with pytest.raises(ValueError, match=REFUSED_COMPILED.format(policy)):
+        CacheSpec.build(policy, 64).check_compile()
+    CacheSpec.build("h2o", 64).check_compile()  # an evicting cache compiles
+    with pytest.raises(ValueError, match=REFUSED_COMPILED.format(policy)):
+        reasonkv.generate(tiny_llama(layers=2), None, [[5, 6, 7]], policy=policy, budget=64, compile=True)
+
+
+def test_the_compiled_step_itself_refuses_a_selecting_cache():
+    """What the bench's prefilled sweep builds directly, without generate."""
     model = tiny_llama(layers=2)
-    with pytest.raises(ValueError, match="compile"):
-        reasonkv.generate(model, None, [[5, 6, 7]], policy="quest", budget=64, max_new_tokens=3, compile=True)
+    cache = EvictingCache(model=model, spec=CacheSpec.build("quest", 64))
+    with cache, pytest.raises(ValueError, match=REFUSED_COMPILED.format("quest")):
+        CompiledDecode(model, cache, backend="eager")
+
+
+@pytest.mark.parametrize("policy", ["quest", "seer"])
+def test_the_bench_plan_refuses_a_compiled_selection_policy(tmp_path, policy):
+    common = dict(model="shape:tiny", out=tmp_path / "x", lengths="384,448", decode_steps=64, budget=64, buffer=16)
+    for prefilled in (False, True):
+        settings = BenchSettings(**common, policies=f"full,h2o,{policy}", compile=True, prefill_to_length=prefilled)
+        with pytest.raises(ValueError, match="--compile: " + REFUSED_COMPILED.format(policy)):
+            build_plan(settings)
+    # Under --policies all it is measured eagerly only, and the warning says why.
+    everything = build_plan(BenchSettings(**common, policies="all", compile=True, prefill_to_length=True))
+    assert policy in everything.policies and f"{policy}~compiled" not in everything.policies
+    assert "h2o~compiled" in everything.compiled and f"{policy}~compiled" not in everything.compiled
+    assert any(w.startswith(f"skipping {policy}~compiled: policy '{policy}'") for w in everything.warnings)
+
+
+@pytest.mark.parametrize("policy", ["quest", "seer"])
+def test_the_eval_grid_refuses_a_compiled_selection_cell_when_built(policy):
+    with pytest.raises(ValueError, match=REFUSED_COMPILED.format(policy)):
+        GridSpec.build(dataset="gsm8k:2", policies=f"full,{policy}", budgets=[64], compile=True)
+    assert GridSpec.build(dataset="gsm8k:2", policies="full,h2o", budgets=[64], compile=True).compile
 
 
 def test_a_trace_records_what_each_step_read():

@@ -52,7 +52,8 @@ class Plan:
     ``specs[mode][entry]`` is the entry's cache in that mode (``None``: transformers' own cache; a
     tiered variant holds its plain policy's, tiered once the model gives the bytes of a token).
     ``ragged`` maps each ragged variant (``--ragged``) to its policy; it is measured at batch sizes above 1.
-    ``compiled`` maps each compiled variant (``--compile``) to its entry: every plain policy, and with
+    ``compiled`` maps each compiled variant (``--compile``) to its entry: every plain policy whose cache a
+    compiled step runs (a selection policy is refused, or left eager under ``--policies all``), and with
     ``--prefill-to-length`` ``transformers`` (measured then even without ``--transformers-cache``).
     """
 
@@ -200,8 +201,7 @@ def build_plan(settings: BenchSettings) -> Plan:
         instances[TRANSFORMERS] = None
         specs[SWEEP][TRANSFORMERS] = None
     ragged = {ragged_label(p): p for p in requested if instances[p].evicts} if settings.ragged else {}
-    compiled = {compiled_label(p): p for p in policies if SWEEP in specs and p in specs[SWEEP]}
-    compiled = compiled if settings.compile is not False else {}
+    compiled = _compiled_variants(settings, policies, specs, everything, warnings)
     variants = [*((label, tier["policy"]) for label, tier in tiers.items()), *ragged.items(), *compiled.items()]
     for label, policy in variants:
         # A compiled variant is measured right after its entry, so that the machine's load is alike for both.
@@ -225,6 +225,29 @@ def build_plan(settings: BenchSettings) -> Plan:
         ragged=ragged,
         compiled=compiled,
     )
+
+
+def _compiled_variants(
+    settings: BenchSettings, policies: list[str], specs: dict, everything: bool, warnings: list[str]
+) -> dict[str, str]:
+    """``--compile``: a compiled variant of every entry of the length sweep whose cache a compiled step runs (its
+    spec says; transformers' own cache always). Under ``--policies all`` the others are measured eagerly only (a
+    warning says why); named, refused."""
+    if settings.compile is False or SWEEP not in specs:
+        return {}
+    compiled = {}
+    for name in (p for p in policies if p in specs[SWEEP]):
+        spec = specs[SWEEP][name]
+        try:
+            if spec is not None:
+                spec.check_compile()
+        except ValueError as error:
+            if not everything:
+                raise ValueError(f"--compile: {error}") from None
+            warnings.append(f"skipping {compiled_label(name)}: {error}")
+            continue
+        compiled[compiled_label(name)] = name
+    return compiled
 
 
 def _tier_variants(settings: BenchSettings, evicting: list[str]) -> dict[str, dict]:

@@ -196,10 +196,6 @@ class Evictor:
         """Heads keep different numbers of tokens: the budget table, the storage's trigger, and a kernel reader
         that masks each head's own padding."""
         info, spec = self.info, self.spec
-        if getattr(self.policy, "selects", False):
-            raise ValueError(
-                f"allocation={spec.allocation!r} applies to evicting policies, not to {self.policy.name!r}"
-            )
         implementation = attention_implementation(model)
         if implementation not in ("sdpa", "eager"):
             raise ValueError(

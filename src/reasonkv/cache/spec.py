@@ -63,7 +63,8 @@ class CacheSpec:
         at full precision, with ``group_size`` numbers per scale and zero point (default: 32 or the
         largest divisor of head_dim below it). ``quantized=0``: no tier.
     seed
-        The eviction (and sampling) randomness of each row: one integer, or one per row.
+        The eviction randomness of each row: one integer, or one per row (``reasonkv.generate`` samples from
+        it too, unless it is given its own sampling ``seed``).
     allocation
         How the budget is shared among (layer, kv-head): ``uniform`` (``K`` each), ``pyramid``, ``adaptive``
         or ``calibrated`` (from ``budgets_file``); every one keeps ``K x layers x kv_heads`` in all. See
@@ -138,6 +139,11 @@ class CacheSpec:
             raise ValueError(f"ragged must be True or False, got {self.ragged!r}")
         if budget is None:
             return "uniform"
+        if self.allocation != "uniform" and policy.selects:
+            raise ValueError(
+                f"allocation={self.allocation!r} applies to evicting policies, not to {policy.name!r} (it selects: "
+                "every token held, no budget to share among heads)"
+            )
         if self.allocation != "uniform" and self.quantized:
             raise ValueError(
                 f"allocation={self.allocation!r} cannot be combined with a quantized tier "
@@ -230,6 +236,17 @@ class CacheSpec:
         return budget_table(
             self.allocation, self.budget, layers, kv_heads, protected=protected, budgets_file=self.budgets_file
         )
+
+    def check_compile(self) -> None:
+        """``ValueError`` unless a compiled decode step decodes this cache as an eager one does. (A cache with no
+        fixed-shape layout, such as a quantized tier or an allocation, is not refused: its steps run eagerly and
+        say why.)"""
+        if self.selects:
+            raise ValueError(
+                f"policy {self.policy.name!r} chooses the blocks a decode step reads inside the eager attention "
+                "kernel, which a compiled step does not call (it would read every token held): decode it "
+                "without compile"
+            )
 
     def describe_room(self) -> str:
         if not self.quantized:

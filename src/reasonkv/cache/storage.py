@@ -386,9 +386,8 @@ class KVStorage(Cache):
         :meth:`head_mask` hides from the attention kernel and :meth:`key_valid` from recomputed attention.
         ``ragged``: the evicting layers hold only what each head keeps (:class:`~reasonkv.cache.ragged.RaggedLayer`:
         the bytes held are the budgets + ``B`` per head); otherwise every head is padded to the widest one in
-        dense buffers. Called before the cache's first forward."""
-        if self.quantized:
-            raise ValueError("an allocation cannot be combined with a quantized tier")
+        dense buffers. Called before the cache's first forward (by the evictor, whose spec has refused a quantized
+        tier under an allocation)."""
         self.allocated = True
         self.rows.allocate(first, self.buffer, widest)
         if not ragged:

@@ -333,7 +333,8 @@ class GridSpec:
         Problem ids whose generations keep their eviction trace (``reasonkv inspect --trace`` opens them).
     compile
         Decode each step as one compiled graph (``generate(..., compile=True)``): speed, not results
-        (fidelity replays stay eager). Like the batch size it is not part of the grid's identity.
+        (fidelity replays stay eager). Like the batch size it is not part of the grid's identity. A cell whose
+        cache cannot be compiled (a selection policy) is refused when the grid is built.
     """
 
     datasets: tuple[tuple[str, int | None], ...]
@@ -405,6 +406,9 @@ class GridSpec:
             fidelity = True
         sampling = Sampling(max_new_tokens, temperature, top_p, top_k)
         cells = make_cells(policies, budgets, buffer, options, quantized, bits, allocations, budgets_file)
+        if compile:
+            for cell in cells:
+                cell.spec.check_compile()
         return cls(
             datasets=datasets,
             cells=tuple(cells),

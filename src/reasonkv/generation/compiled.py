@@ -18,7 +18,9 @@ once. The capture's hooks and kernel wrapper are installed at the first compiled
 the process passes through reasonkv code.
 
 Caches without a fixed-shape layout (a quantized tier, a hybrid model's sliding layers) decode
-eagerly, and :attr:`CompiledDecode.eager_reason` says why.
+eagerly, and :attr:`CompiledDecode.eager_reason` says why. A selection policy is refused
+(:meth:`CacheSpec.check_compile <reasonkv.cache.spec.CacheSpec.check_compile>`): it chooses what attention
+reads inside the eager kernel, which the graph does not call.
 """
 
 from __future__ import annotations
@@ -115,6 +117,7 @@ class CompiledDecode:
     def __init__(self, model, cache: EvictingCache, *, backend: str = "inductor", mode: str | None = None):
         if cache.evictor is None:
             raise ValueError("CompiledDecode needs an EvictingCache attached to the model (built with model=...)")
+        cache.spec.check_compile()
         self.model, self.cache = model, cache
         parameter = next(model.parameters())
         self.device, self.dtype = parameter.device, parameter.dtype

@@ -71,14 +71,19 @@ def generate(
         A prompt and ``max_new_tokens`` longer than the model's context (``max_position_embeddings``)
         get a warning: the model was never trained on the positions past it.
     spec
-        The cache's settings as one :class:`~reasonkv.cache.CacheSpec`; or give them as keywords:
-    policy, budget, buffer, quantized, bits, group_size, seed, policy_options
+        The cache's settings as one :class:`~reasonkv.cache.CacheSpec`; or give them as keywords (not
+        both: a cache setting given twice is refused, naming it):
+    policy, budget, buffer, quantized, bits, group_size, policy_options
         A registered policy name (see :func:`reasonkv.list_policies`) or instance (default ``full``),
         ``K`` and ``B`` (each row is shrunk to ``K`` tokens whenever it holds ``K + B``; ignored by
         ``full``, required by every other policy), a quantized tier of ``Q`` tokens per head at 8 or 4
-        bits, and the policy's hyper-parameters (``sinks``, ``window``, ...). ``seed`` seeds the
-        eviction randomness and the sampling per row: one integer, or one per prompt. Pass a policy
-        instance when an option shares its name with an argument of this function.
+        bits, and the policy's hyper-parameters (``sinks``, ``window``, ...). Pass a policy instance when
+        an option shares its name with an argument of this function.
+    seed
+        The sampling's seed per row: one integer, or one per prompt. Without a spec it seeds the cache's
+        eviction randomness too (the spec it builds holds it); beside a spec it is a decoding setting like
+        ``temperature``, and the spec's own ``seed`` seeds the eviction (and the sampling when ``seed`` is
+        not given).
     max_new_tokens, temperature, top_p, top_k
         Decoding (see :class:`~reasonkv.generation.sampling.Sampling`; temperature 0: greedy).
     stop
@@ -122,13 +127,12 @@ def generate(
         warnings.warn(f"reasonkv.generate: {too_long}", UserWarning, stacklevel=3)
     seed = None if seed is None else row_seeds(seed, len(prompt_ids))
     cache_keywords = dict(policy=policy, budget=budget, buffer=buffer, quantized=quantized, bits=bits)
-    spec = resolve_spec(spec, **cache_keywords, group_size=group_size, seed=seed, **policy_options)
+    if spec is None:  # the keyword API: the seed is the cache's too
+        cache_keywords["seed"] = seed
+    spec = resolve_spec(spec, **cache_keywords, group_size=group_size, **policy_options)
     spec = spec.replace(seed=row_seeds(spec.seed, len(prompt_ids)))
-    if backend is not None and spec.selects:
-        raise ValueError(
-            f"policy {spec.policy.name!r} selects blocks inside the eager attention kernel; a compiled decode "
-            "step cannot call it: drop compile=..."
-        )
+    if backend is not None:
+        spec.check_compile()
     device = next(model.parameters()).device
     pad_id = 0 if getattr(tokenizer, "pad_token_id", None) is None else tokenizer.pad_token_id
     ids, mask = left_pad(prompt_ids, pad_id, device)
@@ -139,7 +143,7 @@ def generate(
     forward, meter = Forward(model), Meter(cache, device)
     eos = set() if ignore_eos else eos_ids(model, tokenizer)
     rows = Rows(len(prompt_ids), device, tokenizer, eos, stop, clock=meter.clock)
-    seeds = sampling.seeds(noise.seed_tensor(list(spec.seed), len(prompt_ids), device))
+    seeds = sampling.seeds(noise.seed_tensor(list(seed or spec.seed), len(prompt_ids), device))
     decode = None if backend is None else CompiledDecode(model, cache, backend=backend)
     try:
         meter.start()
