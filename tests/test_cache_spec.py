@@ -123,15 +123,11 @@ def test_the_grid_builds_one_full_cell_whatever_the_budgets():
     ]
 
 
-@pytest.mark.parametrize(
-    "old, new, name",
-    [("select", "reasonkv.policies.select", "rank_top"), ("decode", "reasonkv.generation.loop", "generate")],
-)
-def test_moved_modules_keep_their_old_name_with_a_deprecation_warning(old, new, name):
+@pytest.mark.parametrize("old", ["select", "decode"])
+def test_the_deprecated_alias_modules_are_gone(old):
     sys.modules.pop(f"reasonkv.{old}", None)
-    with pytest.warns(DeprecationWarning, match=f"reasonkv.{old} moved to {new}"):
-        module = importlib.import_module(f"reasonkv.{old}")
-    assert getattr(module, name) is getattr(importlib.import_module(new), name)
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(f"reasonkv.{old}")
 
 
 def test_renamed_arguments_keep_working_with_a_deprecation_warning():
