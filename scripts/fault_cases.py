@@ -12,7 +12,11 @@ folder ``chattr +i`` (root) or ``chmod 555``.
     python scripts/fault_cases.py --src src --out fault-table.md        # this checkout
     python scripts/fault_cases.py --src /elsewhere/src --out before.md   # another checkout of reasonkv
 
-Cases a checkout cannot run (an option it lacks) are marked as such.
+Cases a checkout cannot run (an option it lacks) are marked as such. ``--cases third-pass`` runs the nine
+findings of the third fault pass instead (``scripts/third_pass_cases.py``: the command line and the Python
+API on a tiny model), each *fixed* or *still open* by what a user sees:
+
+    python scripts/fault_cases.py --cases third-pass --out docs/results/faults/third-pass.md
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+
+import third_pass_cases  # scripts/: the script's own folder is on the path
 
 REPO = Path(__file__).resolve().parents[1]
 FAULTY = REPO / "tests" / "eval" / "faulty_eval.py"
@@ -432,16 +438,34 @@ CASES = {
 }
 
 
+SUITES = {
+    "eval": (CASES, (SURVIVED, LOST, UNCLEAR)),
+    "third-pass": (third_pass_cases.CASES, (third_pass_cases.FIXED, third_pass_cases.OPEN)),
+}
+
+
+def _shown(src: Path) -> str:
+    """The sources as the table names them: inside this checkout relative to it, never the machine's folders."""
+    return os.path.relpath(src, REPO) if src.is_relative_to(REPO) else src.name
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--src", type=Path, default=REPO / "src", help="the reasonkv sources to run")
     parser.add_argument("--out", type=Path, required=True, help="the markdown table to write")
+    parser.add_argument(
+        "--cases",
+        choices=SUITES,
+        default="eval",
+        help="eval: the faults of reasonkv eval (default); third-pass: the nine findings of issue 49",
+    )
     parser.add_argument("--only", default=None, help="run the cases whose name holds this text")
     args = parser.parse_args()
+    cases, outcomes = SUITES[args.cases]
     work = Path(tempfile.mkdtemp(prefix="fault-cases-"))
     lab = Lab(args.src.resolve(), work)
     rows = []
-    for name, case in CASES.items():
+    for name, case in cases.items():
         if args.only and args.only not in name:
             continue
         tmp = work / f"case-{len(rows)}"
@@ -452,15 +476,13 @@ def main() -> int:
             outcome, detail = "could not run", f"{type(error).__name__}: {error}"
         finally:
             subprocess.run(["chattr", "-R", "-i", str(tmp)], capture_output=True)
-        rows.append((name, outcome, detail.replace("|", "/")))
+        detail = detail.replace(str(work), "<cases>").replace(str(lab.src), "<src>").replace("|", "/")
+        rows.append((name, outcome, detail))
         print(f"{name}: {outcome}: {detail}", file=sys.stderr, flush=True)
     counts = Counter(outcome for _, outcome, _ in rows)
-    lines = [f"sources: {args.src}", "", "| case | outcome | what happened |", "|---|---|---|"]
+    lines = [f"sources: {_shown(lab.src)}", "", "| case | outcome | what happened |", "|---|---|---|"]
     lines += [f"| {name} | {outcome} | {detail} |" for name, outcome, detail in rows]
-    lines += [
-        "",
-        f"tried {len(rows)}: " + ", ".join(f"{counts[k]} {k}" for k in (SURVIVED, LOST, UNCLEAR, "could not run")),
-    ]
+    lines += ["", f"tried {len(rows)}: " + ", ".join(f"{counts[k]} {k}" for k in (*outcomes, "could not run"))]
     args.out.write_text("\n".join(lines) + "\n", encoding="utf-8")
     shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -366,3 +366,19 @@ def test_bundled_model_sweep_and_eviction_cost(tmp_path):
     streaming = next(r for r in document["records"] if r["mode"] == "sweep" and r["policy"] == "streaming")
     assert all(w["kv_bytes"] == 48 * per_token for w in streaming["windows"])
     assert any(r["mode"] == "eviction-cost" for r in document["records"])
+
+
+def test_bench_json_records_the_command_as_typed_without_the_machines_paths(tmp_path, capsys, monkeypatch):
+    """bench.json and bench.md are committed and read elsewhere: ``reasonkv bench ...``, not the launcher's path,
+    and the run's own folder as the run names it, not the machine's working directory."""
+    out = tmp_path / "work" / "run"
+    args = [*SWEEP, "--policies", "streaming", "--lengths", "64", "--no-plots", "--out", str(out)]
+    monkeypatch.setattr("sys.argv", [str(tmp_path / "venv" / "bin" / "reasonkv"), *args])
+    assert main(args) == 0
+    capsys.readouterr()
+    document = json.loads((out / "bench.json").read_text())
+    assert document["argv"] == ["reasonkv", *args[:-1], "."]
+    assert document["command"].startswith("reasonkv bench --model shape:tiny") and document["command"].endswith(" .")
+    assert document["arguments"]["out"] == "."
+    for name in ("bench.json", "bench.md"):
+        assert str(tmp_path) not in (out / name).read_text(), name

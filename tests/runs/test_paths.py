@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import reasonkv
-from reasonkv.runs.paths import portable_argv, portable_path
+from reasonkv.runs.paths import command_line, portable_argv, portable_command, portable_path
 
 PACKAGE = Path(reasonkv.__file__).resolve().parent
 
@@ -45,3 +45,11 @@ def test_a_command_line_loses_every_absolute_path(tmp_path, home):
     argv = ["reasonkv", "eval", "--dataset", str(runs / "p.jsonl"), f"--out={runs / 'r.jsonl'}", "--budgets", "64"]
     assert portable_argv(argv, runs) == ["reasonkv", "eval", "--dataset", "p.jsonl", "--out=r.jsonl", "--budgets", "64"]
     assert str(tmp_path) not in " ".join(portable_argv([*argv, str(home / "m")], runs))
+
+
+def test_the_recorded_command_is_reasonkv_and_its_arguments_whatever_started_it(tmp_path, home):
+    runs = tmp_path / "runs"
+    argv = [str(tmp_path / "venv" / "lib" / "reasonkv" / "__main__.py"), "bench", "--out", str(runs)]
+    assert command_line(runs, argv) == ["reasonkv", "bench", "--out", "."]
+    spelled = f"reasonkv calibrate --dataset '{runs / 'my data.jsonl'}' --out {runs}"
+    assert portable_command(spelled, runs) == "reasonkv calibrate --dataset 'my data.jsonl' --out ."

@@ -40,6 +40,7 @@ from reasonkv.cache import EvictingCache
 from reasonkv.hf import model_info
 from reasonkv.models import load_model
 from reasonkv.runs.outputs import write_atomic
+from reasonkv.runs.paths import command_line, portable_command, portable_path
 from reasonkv.runs.store import json_safe
 
 __all__ = ["measure_entry", "run_bench"]
@@ -232,6 +233,21 @@ def _groups(plan: Plan, pending: list[tuple[str, str, int | None]]) -> list[tupl
     return groups
 
 
+def _command(settings: BenchSettings) -> dict:
+    """How ``bench.json`` records the command: every setting spelled out, the arguments as typed and as parsed;
+    never the launcher's path, and paths as the run's folder names them (``bench.json`` is committed and read
+    on other machines)."""
+    arguments = settings.arguments()
+    for name in ("model", "out", "budgets_file"):
+        if isinstance(arguments.get(name), str):
+            arguments[name] = portable_path(arguments[name], settings.out)
+    return {
+        "command": portable_command(settings.command(), settings.out),
+        "argv": command_line(settings.out),
+        "arguments": arguments,
+    }
+
+
 def _run(plan: Plan) -> int:
     settings = plan.settings
     if settings.threads is not None:
@@ -255,9 +271,7 @@ def _run(plan: Plan) -> int:
     previous = store.ok()
     meta = {
         "format": 1,
-        "command": settings.command(),
-        "argv": list(sys.argv),
-        "arguments": settings.arguments(),
+        **_command(settings),
         "date": now_iso(),
         "model": settings.model,
         "dtype": settings.dtype,

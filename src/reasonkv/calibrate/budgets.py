@@ -26,6 +26,7 @@ from reasonkv.calibrate.reading import ReadingSettings, read_sequences
 from reasonkv.hf import AttentionTap, model_info
 from reasonkv.models import load_model
 from reasonkv.policies import attention
+from reasonkv.runs.paths import portable_command
 
 __all__ = ["BudgetsSettings", "head_mass", "run_budgets"]
 
@@ -141,7 +142,7 @@ def run_budgets(settings: BudgetsSettings) -> int:
         "model": settings.model,
         "source": settings.source,
         "queries": queries,
-        "command": settings.command(),
+        "command": portable_command(settings.command(), settings.out.parent),
     }
     settings.out.parent.mkdir(parents=True, exist_ok=True)
     settings.out.write_text(json.dumps(record, indent=1) + "\n")

@@ -35,6 +35,7 @@ from reasonkv.hf import AttentionTap, model_info
 from reasonkv.models import DEFAULT_MODEL, load_model
 from reasonkv.policies.seer import GATE_FILE
 from reasonkv.runs.outputs import ClaimedFolder, claim_folder, write_atomic
+from reasonkv.runs.paths import portable_command, portable_path
 from reasonkv.selection.distill import LayerExample, layer_example, mean_loss, train_gate
 from reasonkv.selection.gate import GateShape, SeerGate
 from reasonkv.selection.gatefile import GateFile, gate_bytes, load_gate
@@ -346,8 +347,8 @@ def _run(settings: GatesSettings) -> int:
                 "quest": gate_recall(None, held, k),
             }
     summary = {
-        "settings": {**asdict(settings), "out": str(settings.out)},
-        "command": settings.command(),
+        "settings": {**asdict(settings), "out": portable_path(settings.out, settings.out)},
+        "command": portable_command(settings.command(), settings.out),
         "traces": len(train),
         "held_out": len(held),
         "trace_tokens": [len(s) for s in sequences],

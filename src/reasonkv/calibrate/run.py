@@ -22,6 +22,7 @@ from reasonkv.calibrate.summary import render_summary
 from reasonkv.eval.datasets import load_dataset
 from reasonkv.models import bundled_model, load_model
 from reasonkv.policies.calibration import Calibration, default_anatomy
+from reasonkv.runs.paths import portable_command
 
 __all__ = ["run_calibration"]
 
@@ -128,7 +129,7 @@ def _run(settings: CalibrateSettings) -> int:
         "fraction": s.top_fraction,
         "min_width": s.min_width,
         "max_width": s.max_width,
-        "command": s.command(),
+        "command": portable_command(s.command(), s.out),
     }
     summary = render_summary(analysis, calibration=calibration, default=default, run=run_info, plot_file=plot_file)
     (out / "summary.md").write_text(summary, encoding="utf-8")

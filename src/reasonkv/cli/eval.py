@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from pathlib import Path
 
 from reasonkv.cli.args import (
     add_buffer_argument,
@@ -31,9 +32,9 @@ from reasonkv.cli.args import (
 )
 from reasonkv.cli.outputs import check_results_path
 from reasonkv.eval.grid import GridSpec
-from reasonkv.eval.manifest import command_line
 from reasonkv.eval.plan import GridPlan, plan_grid
 from reasonkv.eval.runner import run_grid
+from reasonkv.runs.paths import command_line
 from reasonkv.sandbox.limits import MAX_TIMEOUT
 
 
@@ -313,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
         shard=args.shard,
         retry_errors=args.retry_errors,
         repair=args.repair,
-        command=command_line(),
+        command=command_line(Path(args.out).parent),
     )
     print(result.summary(), file=sys.stderr)
     return 1 if result.complete and result.failed else 0

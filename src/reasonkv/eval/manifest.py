@@ -37,7 +37,6 @@ import json
 import os
 import shlex
 import subprocess
-import sys
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
@@ -338,9 +337,3 @@ def _object(value: Any) -> Mapping[str, Any]:
 
 def _list(value: Any) -> list:
     return value if isinstance(value, list) else []
-
-
-def command_line(argv: Sequence[str] | None = None) -> list[str]:
-    """``reasonkv <arguments>`` as this process was started (whatever the launcher or entry point)."""
-    argv = list(sys.argv if argv is None else argv)
-    return ["reasonkv", *argv[1:]]

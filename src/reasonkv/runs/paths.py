@@ -10,16 +10,20 @@ wrote it (``/home/alice/...``, ``/work/...``, a temporary folder):
 - except that a file under the home directory that the folder is not also under is ``~/...``
   (a relative path from ``/work/runs`` to ``/home/alice/data`` would still spell out the home directory).
 
-A relative path is already the user's own spelling and is kept as given.
+A relative path is already the user's own spelling and is kept as given. A recorded command line is
+``reasonkv <arguments>`` with its paths so (:func:`command_line`, :func:`portable_command`), never the launcher
+or script the process was started by.
 """
 
 from __future__ import annotations
 
 import os
+import shlex
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["PACKAGE_TAG", "portable_argv", "portable_path"]
+__all__ = ["PACKAGE_TAG", "command_line", "portable_argv", "portable_command", "portable_path"]
 
 PACKAGE_TAG = "<reasonkv>"
 _PACKAGE = Path(__file__).resolve().parents[1]
@@ -58,3 +62,15 @@ def portable_argv(argv: Sequence[str], folder: str | os.PathLike[str]) -> list[s
         else:
             out.append(argument)
     return out
+
+
+def command_line(folder: str | os.PathLike[str], argv: Sequence[str] | None = None) -> list[str]:
+    """``reasonkv <arguments>`` as this process was started (``sys.argv``; whatever the launcher, script or
+    entry point), as a record in ``folder`` names it: every absolute path in it :func:`portable_path`."""
+    argv = list(sys.argv if argv is None else argv)
+    return ["reasonkv", *portable_argv(argv[1:], folder)]
+
+
+def portable_command(command: str, folder: str | os.PathLike[str]) -> str:
+    """A command spelled out as one shell line (a run's settings as flags), its paths as ``folder`` names them."""
+    return shlex.join(portable_argv(shlex.split(command), folder))
