@@ -10,6 +10,8 @@ from conftest import tiny_llama, tiny_qwen3
 from reasonkv.bench.plan import build_plan
 from reasonkv.bench.settings import BenchSettings
 from reasonkv.cache import CacheSpec, EvictingCache
+from reasonkv.cli import generate as cli_generate
+from reasonkv.cli.main import build_parser
 from reasonkv.eval.grid import GridSpec, make_cells
 from reasonkv.generation.compiled import CompiledDecode
 from reasonkv.hf import Forward, left_pad
@@ -128,6 +130,13 @@ def test_the_spec_refuses_a_compiled_decode_and_generate_asks_it(policy):
     CacheSpec.build("h2o", 64).check_compile()  # an evicting cache compiles
     with pytest.raises(ValueError, match=REFUSED_COMPILED.format(policy)):
         reasonkv.generate(tiny_llama(layers=2), None, [[5, 6, 7]], policy=policy, budget=64, compile=True)
+
+
+def test_the_generate_command_refuses_a_compiled_selection_before_the_model_loads(monkeypatch):
+    monkeypatch.setattr(cli_generate, "load_model_from", lambda args: pytest.fail("the model was loaded"))
+    args = build_parser().parse_args(["generate", "--prompt", "hi", "--policy", "quest", "--budget", "64", "--compile"])
+    with pytest.raises(ValueError, match=REFUSED_COMPILED.format("quest")):
+        cli_generate.run(args)
 
 
 def test_the_compiled_step_itself_refuses_a_selecting_cache():

@@ -83,6 +83,8 @@ def spec_from(args: argparse.Namespace) -> CacheSpec:
 def run(args: argparse.Namespace) -> int:
     prompts = read_prompts(args)
     spec = spec_from(args)
+    if args.compile:
+        spec.check_compile()
     sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.top_k)
     stop_strings(args.stop)
     model, tokenizer = load_model_from(args)
