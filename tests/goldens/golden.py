@@ -2,6 +2,9 @@
 
     python tests/goldens/golden.py record [--kind decode ...] [--match TEXT]   # writes tests/goldens/data/
     python tests/goldens/golden.py compare [--kind decode ...] [--match TEXT]  # exit 1 on any difference
+    python tests/goldens/golden.py observe --ids IDS.json --out OBSERVED.json  # what the tests call
+
+Every action runs in the pinned numeric environment (:mod:`pinned`: the script restarts itself in it).
 
 Each kind's observations live in ``data/<kind>.json`` (case id -> observation). ``record`` merges what it
 observes into those files; ``compare`` prints, per differing case, the first place it differs.
@@ -16,6 +19,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from pinned import ensure_pinned, is_pinned  # noqa: E402
+
+if __name__ == "__main__":
+    ensure_pinned()
 
 from cases import DATA, all_cases, observe  # noqa: E402
 
@@ -73,11 +81,14 @@ def selected(kinds: list[str] | None, match: str | None) -> list[dict]:
     ]
 
 
-def compare_case(case: dict, expected: dict | None) -> str | None:
-    """The first difference of ``case``'s observation now from ``expected`` (None: the same)."""
+def compare_case(case: dict, expected: dict | None, actual: dict | None = None) -> str | None:
+    """The first difference of ``case``'s observation (made now unless given) from ``expected`` (None: the same)."""
     if expected is None:
         return "no golden recorded"
-    actual = observe(case)
+    if actual is None:
+        if not is_pinned():
+            raise RuntimeError("goldens are observed in the pinned numeric environment: run golden.py")
+        actual = observe(case)
     if "refused" in expected and "refused" in actual:
         return None  # both refuse: the wording of a refusal may change
     return first_difference(expected, actual)
@@ -85,10 +96,17 @@ def compare_case(case: dict, expected: dict | None) -> str | None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("action", choices=("record", "compare", "list"))
+    parser.add_argument("action", choices=("record", "compare", "list", "observe"))
     parser.add_argument("--kind", action="append", choices=("decode", "trace", "eval", "help", "plan"))
     parser.add_argument("--match", help="only cases whose id contains this text")
+    parser.add_argument("--ids", type=Path, help="observe: a JSON list of the case ids to observe")
+    parser.add_argument("--out", type=Path, help="observe: where to write {id: observation} as JSON")
     args = parser.parse_args()
+    if args.action == "observe":
+        wanted = set(json.loads(args.ids.read_text()))
+        observed = {case["id"]: observe(case) for case in all_cases() if case["id"] in wanted}
+        args.out.write_text(json.dumps(observed))
+        return 0
     cases = selected(args.kind, args.match)
     if args.action == "list":
         print("\n".join(case["id"] for case in cases))
