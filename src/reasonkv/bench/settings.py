@@ -22,7 +22,7 @@ from reasonkv.bench.measure import WARMUP_STEPS
 from reasonkv.bench.memory import parse_bytes
 from reasonkv.bench.prefilled import ragged_shifts
 from reasonkv.cache import DEFAULT_BUFFER
-from reasonkv.cache.allocation import check_allocation
+from reasonkv.cache.spec import DEFAULT_ADAPTIVE_ALPHA, check_allocation_settings
 from reasonkv.cache.tiers import check_settings
 from reasonkv.generation.compiled import compile_backend
 from reasonkv.models import (
@@ -144,7 +144,7 @@ class BenchSettings:
     bits: int | None = None
     allocation: str = "uniform"
     budgets_file: str | None = None
-    adaptive_alpha: float = 0.2
+    adaptive_alpha: float | None = None
     padded_heads: bool = False
     lengths: tuple[int, ...] | None = None
     reference_lengths: bool = True
@@ -236,16 +236,14 @@ class BenchSettings:
         check_settings(self.quantized, self.bits)
 
     def _check_allocation(self) -> None:
-        try:
-            check_allocation(self.allocation, self.budgets_file)
-        except ValueError as error:
-            raise ValueError(f"--allocation: {error}") from None
-        alpha = self.adaptive_alpha
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
-            raise ValueError(f"--adaptive-alpha must be a number in [0, 1], got {alpha!r}")
+        # the cache's own rule, before anything runs: a setting that does not apply to the allocation is refused
+        ragged = False if self.padded_heads else None
+        check_allocation_settings(
+            self.allocation, budgets_file=self.budgets_file, adaptive_alpha=self.adaptive_alpha, ragged=ragged
+        )
+        if self.allocation == "adaptive" and self.adaptive_alpha is None:
+            object.__setattr__(self, "adaptive_alpha", DEFAULT_ADAPTIVE_ALPHA)
         if self.allocation == "uniform":
-            if self.padded_heads:
-                raise ValueError("--padded-heads needs an --allocation other than uniform (heads of equal budgets)")
             return
         if self.quantized:
             raise ValueError(
