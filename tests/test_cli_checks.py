@@ -96,6 +96,21 @@ def test_inspect_checks_its_outputs_before_the_model_loads(capsys, monkeypatch, 
     assert foreign.read_text(encoding="utf-8") == "<p>my own page</p>" and not (tmp_path / "no").exists()
 
 
+def test_an_output_folder_where_no_file_can_be_created_is_refused_before_the_model_loads(capsys, monkeypatch, tmp_path):
+    """/sys exists but takes no new file, even from root (whom permission bits never stop): the folder is tested by
+    creating and removing a file there, and the probe leaves nothing behind in a folder that can be written."""
+    monkeypatch.setattr("reasonkv.cli.inspect.load_model_from", lambda args: pytest.fail("the model was loaded"))
+    base = ["inspect", "--prompt", "What is 2 + 3?", "--out"]
+    for argv, said in (
+        ([*base, "/sys/page.html"], "--out /sys/page.html: cannot create a file in the folder /sys ("),
+        ([*base, str(tmp_path / "p.html"), "--png", "/sys/p.png"], "--png /sys/p.png: cannot create a file in"),
+        (["eval", "--dataset", "gsm8k:1", "--policies", "full", "--out", "/sys/r.jsonl"], "in the folder /sys ("),
+    ):
+        assert main(argv) == 2
+        assert said in _error(capsys)
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.fixture
 def problems(tmp_path):
     path = tmp_path / "problems.jsonl"
