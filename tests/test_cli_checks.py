@@ -50,7 +50,16 @@ def test_the_api_warns_past_the_context_and_decodes_what_it_is_asked():
     assert result.num_tokens == 25
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        reasonkv.generate(model, None, [[5] * 1000], max_new_tokens=24)  # fits: no warning
+        [inside] = reasonkv.generate(model, None, [[5] * 1000], max_new_tokens=24)  # fits: no warning
+    assert "past_context" not in inside.stats
+
+
+def test_a_row_decoded_past_the_context_says_so_in_its_stats():
+    """The warning is for the call; each row's stats record whether that row's tokens did run past the context."""
+    with pytest.warns(UserWarning, match="exceed the model's context"):
+        long, short = reasonkv.generate(tiny_llama(), None, [[5] * 1000, [5] * 10], max_new_tokens=30, ignore_eos=True)
+    assert long.stats["past_context"] == {"context": 1024, "tokens": 1030}
+    assert "past_context" not in short.stats
 
 
 @pytest.mark.parametrize(
