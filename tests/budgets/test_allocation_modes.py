@@ -45,6 +45,11 @@ def test_settings_of_their_own_allocation_are_kept_and_a_copy_stays_valid():
     assert CacheSpec.build("h2o", 8, allocation="adaptive").adaptive_alpha == 0.2  # the default, where it applies
     uniform = CacheSpec.build("h2o", 8)
     assert (uniform.adaptive_alpha, uniform.ragged, uniform.budgets_file) == (None, None, None)
+    # a copy under another allocation takes the settings that apply there, and refuses one given that does not
+    assert adaptive.replace(allocation="uniform") == CacheSpec.build("h2o", 8)
+    assert adaptive.replace(allocation="pyramid", ragged=False) == pyramid
+    with pytest.raises(ValueError, match=re.escape("adaptive_alpha=0.5 (--adaptive-alpha) does not apply to")):
+        adaptive.replace(allocation="pyramid", adaptive_alpha=0.5)
     full = CacheSpec.build("full", allocation="adaptive", adaptive_alpha=0.5)  # stored as the uniform full cache
     assert (full.allocation, full.adaptive_alpha, full.ragged) == ("uniform", None, None)
     assert full.replace(seed=1).allocation == "uniform"

@@ -280,7 +280,13 @@ class CacheSpec:
         return f"the budget K + Q = {self.budget} + {self.quantized} = {self.room}"
 
     def replace(self, **changes: Any) -> CacheSpec:
-        """A copy with ``changes`` (validated again)."""
+        """A copy with ``changes`` (validated again). A setting of :data:`ALLOCATION_SETTINGS` this spec holds
+        goes over to the copy's allocation only where it applies there (``replace(allocation="uniform")`` of an
+        adaptive spec is the uniform cache); given again in ``changes``, it is checked as given."""
+        allocation = changes.get("allocation", self.allocation)
+        for name, (_, applies) in ALLOCATION_SETTINGS.items():
+            if name not in changes and allocation not in applies:
+                changes[name] = None
         return dataclasses.replace(self, **changes)
 
     def new_policy(self) -> Policy:
