@@ -12,6 +12,7 @@ line, as it refuses any other damaged one.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -79,16 +80,34 @@ def run_problems(manifest: Mapping[str, Any]) -> dict[str, frozenset[str]]:
     for entry in grid.get("datasets") or []:
         if not isinstance(entry, Mapping):
             continue
-        path = _dataset_file(entry)
-        limit = entry.get("limit")
-        if path is None or file_sha256(path) != entry.get("sha256") or not (limit is None or isinstance(limit, int)):
+        path, limit = _dataset_file(entry), entry.get("limit")
+        if path is None or not (limit is None or isinstance(limit, int)):
             continue
         try:
-            problems = grid_problems(path, limit, code.get("after"), code.get("before"))
-        except (OSError, ValueError):
-            continue  # the file the run read loads; this one does not, so it is not that file
-        known[str(entry.get("name"))] = frozenset(p.id for p in problems)
+            state = path.stat()
+        except OSError:
+            continue
+        stamp = (state.st_size, state.st_mtime_ns, state.st_ctime_ns)
+        window = (code.get("after"), code.get("before"))
+        ids = _problem_ids(path.resolve(), stamp, str(entry.get("sha256")), limit, *window)
+        if ids is not None:
+            known[str(entry.get("name"))] = ids
     return known
+
+
+@functools.lru_cache(maxsize=32)
+def _problem_ids(
+    path: Path, stamp: tuple[int, int, int], sha256: str, limit: int | None, after: str | None, before: str | None
+) -> frozenset[str] | None:
+    """The ids :func:`run_problems` reads, None when ``path`` is not the file the run read. Kept while the file's
+    ``stamp`` (size, modification and status-change times) stays: a resume scans its files several times, and
+    a dataset (LiveCodeBench's) may be large."""
+    if file_sha256(path) != sha256:
+        return None
+    try:
+        return frozenset(p.id for p in grid_problems(path, limit, after, before))
+    except (OSError, ValueError):
+        return None  # the file the run read loads; this one does not, so it is not that file
 
 
 def manifest_mismatch(
