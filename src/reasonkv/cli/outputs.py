@@ -36,9 +36,7 @@ def check_results_path(path: Path, flag: str = "--out") -> Path:
             f"{flag} {path}: the folder {folder} does not exist, nor {folder.parent} above it; eval creates the "
             f"results file's own folder only: create {folder.parent} first or choose another {flag}"
         )
-    if folder.is_dir():
-        _check_writable(folder, f"{flag} {path}")
-    return path
+    return path  # a folder where no file can be created: refused up front as the run creates its lock file there
 
 
 def _check_writable(folder: Path, what: str) -> None:
