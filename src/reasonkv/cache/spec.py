@@ -4,7 +4,8 @@ A :class:`CacheSpec` holds the policy (an instance: its fields are its options),
 buffer ``B``, the quantized tier (``Q`` tokens at ``bits``, ``group_size`` numbers per scale) and the
 seed of each row. Building one checks everything that needs no model: sizes, the tier's settings, that
 a policy that evicts has a budget (and that the full cache, which evicts nothing, ignores it), that
-its protected tokens fit the budget, that a policy filling a quantized tier ranks tokens.
+its protected tokens fit the budget, that a policy filling a quantized tier ranks tokens, and that a setting
+of one allocation (its budget file, alpha, padded heads) comes only with that allocation.
 ``reasonkv.generate``, :class:`~reasonkv.cache.EvictingCache`, the fidelity replays, the eval grid's
 cells and the bench's entries all take one; the keyword API (``policy=``, ``budget=``, ...) builds it.
 """
