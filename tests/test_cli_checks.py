@@ -50,7 +50,16 @@ def test_the_api_warns_past_the_context_and_decodes_what_it_is_asked():
     assert result.num_tokens == 25
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        reasonkv.generate(model, None, [[5] * 1000], max_new_tokens=24)  # fits: no warning
+        [inside] = reasonkv.generate(model, None, [[5] * 1000], max_new_tokens=24)  # fits: no warning
+    assert "past_context" not in inside.stats
+
+
+def test_a_row_decoded_past_the_context_says_so_in_its_stats():
+    """The warning is for the call; each row's stats record whether that row's tokens did run past the context."""
+    with pytest.warns(UserWarning, match="exceed the model's context"):
+        long, short = reasonkv.generate(tiny_llama(), None, [[5] * 1000, [5] * 10], max_new_tokens=30, ignore_eos=True)
+    assert long.stats["past_context"] == {"context": 1024, "tokens": 1030}
+    assert "past_context" not in short.stats
 
 
 @pytest.mark.parametrize(
@@ -94,6 +103,20 @@ def test_inspect_checks_its_outputs_before_the_model_loads(capsys, monkeypatch, 
         assert main(argv) == 2
         assert said in _error(capsys)
     assert foreign.read_text(encoding="utf-8") == "<p>my own page</p>" and not (tmp_path / "no").exists()
+
+
+def test_an_output_folder_where_no_file_can_be_created_is_refused_before_the_model_loads(capsys, monkeypatch, tmp_path):
+    """/sys exists but takes no new file, even from root (whom permission bits never stop): the folder is tested by
+    creating and removing a file there, and the probe leaves nothing behind in a folder that can be written."""
+    monkeypatch.setattr("reasonkv.cli.inspect.load_model_from", lambda args: pytest.fail("the model was loaded"))
+    base = ["inspect", "--prompt", "What is 2 + 3?", "--out"]
+    for argv, said in (
+        ([*base, "/sys/page.html"], "--out /sys/page.html: cannot create a file in the folder /sys ("),
+        ([*base, str(tmp_path / "p.html"), "--png", "/sys/p.png"], "--png /sys/p.png: cannot create a file in"),
+    ):
+        assert main(argv) == 2
+        assert said in _error(capsys)
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.fixture

@@ -78,7 +78,8 @@ def test_sweep_under_an_allocation_reports_bytes_per_layer(allocation, tmp_path,
         (["--policies", "quest", "-o", "block_size=8"], "--allocation pyramid applies to evicting policies; quest"),
         (["--quantized", "8"], "--allocation pyramid cannot be combined with --quantized 8"),
         (["--eviction-cost", "--cached", "64"], "applies to the length sweep only, not to --eviction-cost"),
-        (["--budgets-file", "b.json"], "a budget file is read only with allocation='calibrated'"),
+        (["--budgets-file", "b.json"], "budgets_file='b.json' (--budgets-file) does not apply to allocation 'pyramid'"),
+        (["--adaptive-alpha", "0.5"], "adaptive_alpha=0.5 (--adaptive-alpha) does not apply to allocation 'pyramid'"),
     ],
 )
 def test_refused_combinations_say_so_in_one_line(extra, message, tmp_path, capsys):
@@ -91,7 +92,8 @@ def test_refused_combinations_say_so_in_one_line(extra, message, tmp_path, capsy
 
 def test_padded_heads_and_calibrated_need_their_allocation(tmp_path, capsys):
     assert main([*SWEEP, "--padded-heads", "--out", str(tmp_path / "o")]) == 2
-    assert "--padded-heads needs an --allocation other than uniform" in capsys.readouterr().err
+    said = "ragged=False (--padded-heads) does not apply to allocation 'uniform': it applies to allocations pyramid"
+    assert said in capsys.readouterr().err
     assert main([*SWEEP, "--allocation", "calibrated", "--out", str(tmp_path / "o")]) == 2
     assert "needs a budget file" in capsys.readouterr().err
 

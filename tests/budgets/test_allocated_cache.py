@@ -200,7 +200,7 @@ def test_buffer_zero_evicts_every_step_and_holds_the_oracle(allocation):
         steps=20,
         slot_bound=100,
         allocation=allocation,
-        adaptive_alpha=0.0,
+        **({"adaptive_alpha": 0.0} if allocation == "adaptive" else {}),
         window=2,
     )
     assert cache.evictions == 21

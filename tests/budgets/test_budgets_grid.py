@@ -27,8 +27,10 @@ def test_cells_per_allocation_are_labelled_and_checked(tmp_path):
         make_cells(["h2o"], [16], 4, allocations="calibrated")
     with pytest.raises(ValueError, match="must be one of uniform, pyramid, adaptive, calibrated, got 'even'"):
         make_cells(["h2o"], [16], 4, allocations="even")
-    with pytest.raises(ValueError, match="a budget file is read only with the 'calibrated' allocation"):
+    with pytest.raises(ValueError, match="budgets_file='b.json' .--budgets-file. does not apply to allocation 'pyr"):
         make_cells(["h2o"], [16], 4, allocations="pyramid", budgets_file="b.json")
+    with pytest.raises(ValueError, match="budgets_file='b.json' .--budgets-file. does not apply to allocation 'uni"):
+        make_cells(["full"], [], 4, allocations="uniform", budgets_file="b.json")  # the full cache's cell too
     path = tmp_path / "b.json"
     path.write_text(json.dumps({"layers": 3, "kv_heads": 2, "weights": [[1, 2], [3, 4], [5, 6]]}))
     [cell] = make_cells(["h2o"], [16], 4, allocations="calibrated", budgets_file=str(path))

@@ -124,9 +124,9 @@ def test_bytes_held_are_the_budgets_plus_b_per_head_measured(allocation):
                 evictions = cache.evictions
                 held_after.append(cache.kv_bytes())
             out = model(input_ids=out.logits[:, -1:].argmax(-1), use_cache=True, **{key: cache})
-        padded = CacheSpec.build("snapkv", budget, buffer, window=3, allocation=allocation, ragged=False)
     assert len(held_after) >= 6 and set(held_after) == {expected}
     if allocation != "uniform":
+        padded = CacheSpec.build("snapkv", budget, buffer, window=3, allocation=allocation, ragged=False)
         assert all(isinstance(cache.layers[i], RaggedLayer) for i in cache.full_layers)
         with reasonkv.EvictingCache(spec=padded, model=model) as dense:
             out = model(input_ids=torch.tensor([PROMPT]), use_cache=True, **{key: dense})

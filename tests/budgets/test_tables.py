@@ -112,7 +112,7 @@ def test_allocation_settings_are_checked():
         CacheSpec.build("h2o", 8, allocation="even")
     with pytest.raises(ValueError, match="needs a budget file"):
         CacheSpec.build("h2o", 8, allocation="calibrated")
-    with pytest.raises(ValueError, match="a budget file is read only with allocation='calibrated'"):
+    with pytest.raises(ValueError, match="budgets_file='x.json' .--budgets-file. does not apply to allocation 'pyr"):
         CacheSpec.build("h2o", 8, allocation="pyramid", budgets_file="x.json")
     with pytest.raises(ValueError, match=re.escape("adaptive_alpha must be a number in [0, 1], got 1.5")):
         CacheSpec.build("h2o", 8, allocation="adaptive", adaptive_alpha=1.5)

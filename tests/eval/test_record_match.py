@@ -9,7 +9,9 @@ import re
 
 import pytest
 
-from reasonkv.eval.manifest import SETUP_FIELDS, build_manifest
+from reasonkv.eval.datasets import dataset_path
+from reasonkv.eval.manifest import SETUP_FIELDS, build_manifest, file_sha256
+from reasonkv.eval.record_match import manifest_mismatch, run_problems
 from reasonkv.eval.records import conflict, outcome, read_results, repair_results, scan_results
 from reasonkv.eval.report_rows import read_report_input
 from reasonkv.runs.store import read_records
@@ -95,3 +97,42 @@ def test_two_results_of_one_unit_whose_tokens_differ_conflict(tmp_path):
     read = read_report_input(path, drop=("output_ids",))
     assert [c.fields for c in read.conflicts] == [["output_ids"]]
     assert [r["problem_id"] for r in read.records] == ["b"]
+
+
+def _run_of(datasets: list[dict], code: dict | None = None) -> dict:
+    grid = {**GRID, "datasets": datasets, **({} if code is None else {"code": code})}
+    return build_manifest(setup=SETUP, environment={}, grid=grid, command=None, world_size=1)
+
+
+def test_a_record_of_a_problem_the_run_never_had_is_refused_by_eval_and_report(tmp_path):
+    # a 2-problem gsm8k run: gsm8k-test-0007 is in the file, but past the run's limit
+    gsm8k = {"name": "gsm8k", "file": str(dataset_path("gsm8k")), "sha256": file_sha256(dataset_path("gsm8k"))}
+    run = _run_of([{**gsm8k, "limit": 2, "problems": 2, "samples": 1}])
+    path = tmp_path / "r.jsonl"
+    records = [_gen(p, run=run["id"]) for p in ("gsm8k-test-0000", "gsm8k-test-0001", "gsm8k-test-0007")]
+    path.write_text("".join(json.dumps(r) + "\n" for r in [run, *records]), encoding="utf-8")
+    said = re.escape(
+        f"{path}, line 4: field 'problem_id' is \"gsm8k-test-0007\", not one of the 2 problems of gsm8k in its "
+        f"run {run['id']}"
+    )
+    for read in (lambda: list(read_results(path)), lambda: read_report_input(path), lambda: scan_results(path)):
+        with pytest.raises(ValueError, match=said):
+            read()
+    assert "(line 4)" in repair_results(path)
+    assert [n for n, _ in read_results(path)] == [1, 2, 3]
+    # without a limit the whole file is the run's
+    assert run_problems(_run_of([{**gsm8k, "limit": None}]))["gsm8k"] >= {"gsm8k-test-0007", "gsm8k-test-1318"}
+
+
+def test_a_runs_problems_are_those_of_its_contest_date_window_and_unknown_once_its_file_changed(tmp_path):
+    rows = [{"id": f"p{d}", "problem": "?", "answer": "1", "contest_date": f"2025-01-{d:02d}"} for d in (1, 2, 3, 4)]
+    data = tmp_path / "dated.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    entry = {"name": str(data), "file": str(data), "sha256": file_sha256(data), "limit": 1}
+    run = _run_of([entry], code={"after": "2025-01-02", "before": "2025-01-03"})
+    assert run_problems(run) == {str(data): frozenset({"p2"})}
+    record = _gen("p3", dataset=str(data), run=run["id"])
+    assert "field 'problem_id' is \"p3\", not one of the 1 problems of" in manifest_mismatch(record, run)
+    assert manifest_mismatch(_gen("p2", dataset=str(data), run=run["id"]), run) is None
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows[:2]), encoding="utf-8")  # no longer what the run read
+    assert run_problems(run) == {} and manifest_mismatch(record, run) is None

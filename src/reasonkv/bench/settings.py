@@ -22,7 +22,7 @@ from reasonkv.bench.measure import WARMUP_STEPS
 from reasonkv.bench.memory import parse_bytes
 from reasonkv.bench.prefilled import ragged_shifts
 from reasonkv.cache import DEFAULT_BUFFER
-from reasonkv.cache.allocation import check_allocation
+from reasonkv.cache.spec import DEFAULT_ADAPTIVE_ALPHA, check_allocation_settings
 from reasonkv.cache.tiers import check_settings
 from reasonkv.generation.compiled import compile_backend
 from reasonkv.models import (
@@ -178,7 +178,7 @@ class BenchSettings:
     )
     allocation: str = setting("uniform", group="policies", shared="allocation", shared_with=_ALLOCATION)
     budgets_file: str | None = setting(None, group="policies", shared="allocation", shared_with=_ALLOCATION)
-    adaptive_alpha: float = setting(0.2, group="policies", shared="allocation", shared_with=_ALLOCATION)
+    adaptive_alpha: float | None = setting(None, group="policies", shared="allocation", shared_with=_ALLOCATION)
     padded_heads: bool = setting(False, group="policies", shared="allocation", shared_with=_ALLOCATION)
     lengths: tuple[int, ...] | None = setting(
         None,
@@ -362,16 +362,14 @@ class BenchSettings:
         check_settings(self.quantized, self.bits)
 
     def _check_allocation(self) -> None:
-        try:
-            check_allocation(self.allocation, self.budgets_file)
-        except ValueError as error:
-            raise ValueError(f"--allocation: {error}") from None
-        alpha = self.adaptive_alpha
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
-            raise ValueError(f"--adaptive-alpha must be a number in [0, 1], got {alpha!r}")
+        # the cache's own rule, before anything runs: a setting that does not apply to the allocation is refused
+        ragged = False if self.padded_heads else None
+        check_allocation_settings(
+            self.allocation, budgets_file=self.budgets_file, adaptive_alpha=self.adaptive_alpha, ragged=ragged
+        )
+        if self.allocation == "adaptive" and self.adaptive_alpha is None:
+            object.__setattr__(self, "adaptive_alpha", DEFAULT_ADAPTIVE_ALPHA)
         if self.allocation == "uniform":
-            if self.padded_heads:
-                raise ValueError("--padded-heads needs an --allocation other than uniform (heads of equal budgets)")
             return
         if self.quantized:
             raise ValueError(

@@ -4,7 +4,8 @@ A :class:`CacheSpec` holds the policy (an instance: its fields are its options),
 buffer ``B``, the quantized tier (``Q`` tokens at ``bits``, ``group_size`` numbers per scale) and the
 seed of each row. Building one checks everything that needs no model: sizes, the tier's settings, that
 a policy that evicts has a budget (and that the full cache, which evicts nothing, ignores it), that
-its protected tokens fit the budget, that a policy filling a quantized tier ranks tokens.
+its protected tokens fit the budget, that a policy filling a quantized tier ranks tokens, and that a setting
+of one allocation (its budget file, alpha, padded heads) comes only with that allocation.
 ``reasonkv.generate``, :class:`~reasonkv.cache.EvictingCache`, the fidelity replays, the eval grid's
 cells and the bench's entries all take one; the keyword API (``policy=``, ``budget=``, ...) builds it.
 """
@@ -21,9 +22,25 @@ from reasonkv.cache.tiers import check_settings
 from reasonkv.policies import Policy, check_fields, get_policy
 from reasonkv.selection.blocks import blocks_per_step
 
-__all__ = ["ALLOCATIONS", "DEFAULT_BUFFER", "CacheSpec", "check_sizes", "resolve_spec"]
+__all__ = [
+    "ALLOCATIONS",
+    "ALLOCATION_SETTINGS",
+    "DEFAULT_BUFFER",
+    "CacheSpec",
+    "check_allocation_settings",
+    "check_sizes",
+    "resolve_spec",
+]
 
 DEFAULT_BUFFER = 128  # B: new tokens between two evictions
+DEFAULT_ADAPTIVE_ALPHA = 0.2
+
+#: The settings that apply under some allocations only: setting -> (its command-line flag, those allocations).
+ALLOCATION_SETTINGS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "budgets_file": ("--budgets-file", ("calibrated",)),
+    "adaptive_alpha": ("--adaptive-alpha", ("adaptive",)),
+    "ragged": ("--padded-heads", tuple(a for a in ALLOCATIONS if a != "uniform")),
+}
 
 
 def check_sizes(budget: int | None, buffer: int) -> None:
@@ -32,6 +49,26 @@ def check_sizes(budget: int | None, buffer: int) -> None:
         raise ValueError(f"budget must be a positive integer (or None for no eviction), got {budget!r}")
     if isinstance(buffer, bool) or not isinstance(buffer, int) or buffer < 0:
         raise ValueError(f"buffer must be a non-negative integer, got {buffer!r}")
+
+
+def check_allocation_settings(allocation: str, **settings: Any) -> None:
+    """Refuse a setting of :data:`ALLOCATION_SETTINGS` given (not None) under an allocation it does not apply to,
+    naming the setting, its value, the allocation and those it applies to; check the allocation's name, that
+    ``calibrated`` has its budget file, and the settings' values. The one place this rule lives: every command
+    reaches it through :class:`CacheSpec` (``reasonkv bench`` also checks its settings with it up front)."""
+    check_allocation(allocation, settings.get("budgets_file"))
+    alpha, ragged = settings.get("adaptive_alpha"), settings.get("ragged")
+    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1):
+        raise ValueError(f"adaptive_alpha must be a number in [0, 1], got {alpha!r} (--adaptive-alpha)")
+    if ragged is not None and not isinstance(ragged, bool):
+        raise ValueError(f"ragged must be True or False, got {ragged!r}")
+    for name, value in settings.items():
+        flag, applies = ALLOCATION_SETTINGS[name]
+        if value is not None and allocation not in applies:
+            raise ValueError(
+                f"{name}={value!r} ({flag}) does not apply to allocation {allocation!r}: it applies to "
+                f"allocation{'s' if len(applies) > 1 else ''} {', '.join(applies)} only; drop it"
+            )
 
 
 def _seed(seed: Any) -> int | tuple[int, ...]:
@@ -70,13 +107,17 @@ class CacheSpec:
         or ``calibrated`` (from ``budgets_file``); every one keeps ``K x layers x kv_heads`` in all. See
         :mod:`reasonkv.cache.allocation`. The full cache ignores it (stored as ``uniform``).
     budgets_file
-        The budget file of ``allocation="calibrated"`` (``reasonkv calibrate --budgets`` writes one).
+        ``calibrated`` only (and needed there): the budget file (``reasonkv calibrate --budgets`` writes one).
     adaptive_alpha
-        ``adaptive``: every head keeps at least ``ceil(alpha x K)`` (AdaKV's safeguard, default 0.2;
-        1 is the uniform split).
+        ``adaptive`` only: every head keeps at least ``ceil(alpha x K)`` (AdaKV's safeguard, default 0.2;
+        1 is the uniform split). Stored as None under any other allocation.
     ragged
-        Under an allocation: each head holds only what it keeps, in one flat buffer per layer (default), or
-        (False) every head is padded to the widest one in dense buffers, as a comparison.
+        ``pyramid``, ``adaptive`` and ``calibrated`` only: each head holds only what it keeps, in one flat buffer
+        per layer (default, True), or (False) every head is padded to the widest one in dense buffers, as a
+        comparison. Stored as None under ``uniform``.
+
+    ``budgets_file``, ``adaptive_alpha`` and ``ragged`` given (not None) under an allocation they do not apply to
+    are refused (:data:`ALLOCATION_SETTINGS`): a setting that would silently do nothing is an error.
     """
 
     policy: Policy = field(hash=False)
@@ -88,8 +129,8 @@ class CacheSpec:
     seed: int | tuple[int, ...] = 0
     allocation: str = "uniform"
     budgets_file: str | None = None
-    adaptive_alpha: float = 0.2
-    ragged: bool = True
+    adaptive_alpha: float | None = None
+    ragged: bool | None = None
 
     def __post_init__(self) -> None:
         # A name is looked up (refused with the valid names if unknown); an instance is taken as given, checked.
@@ -113,9 +154,15 @@ class CacheSpec:
                 f"(quantized={self.quantized}): use an evicting policy that scores or ranks them, or quantized=0"
             )
         allocation = self._allocation(policy, budget)
+        budgets_file = None if self.budgets_file is None or allocation != "calibrated" else str(self.budgets_file)
+        alpha = DEFAULT_ADAPTIVE_ALPHA if self.adaptive_alpha is None else self.adaptive_alpha
+        ragged = True if self.ragged is None else self.ragged
         for name, value in (
             ("allocation", allocation),
-            ("budgets_file", None if self.budgets_file is None else str(self.budgets_file)),
+            # stored only under the allocation they apply to, so that a copy (replace) is valid again
+            ("budgets_file", budgets_file),
+            ("adaptive_alpha", alpha if allocation == "adaptive" else None),
+            ("ragged", ragged if allocation != "uniform" else None),
             ("policy", policy),
             ("budget", budget),
             ("bits", (8 if self.bits is None else self.bits) if self.quantized else None),
@@ -131,12 +178,9 @@ class CacheSpec:
 
     def _allocation(self, policy: Policy, budget: int | None) -> str:
         """The allocation, checked (a budget file read and checked too); ``uniform`` for the full cache."""
-        check_allocation(self.allocation, self.budgets_file)
-        alpha = self.adaptive_alpha
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
-            raise ValueError(f"adaptive_alpha must be a number in [0, 1], got {alpha!r}")
-        if not isinstance(self.ragged, bool):
-            raise ValueError(f"ragged must be True or False, got {self.ragged!r}")
+        check_allocation_settings(
+            self.allocation, budgets_file=self.budgets_file, adaptive_alpha=self.adaptive_alpha, ragged=self.ragged
+        )
         if budget is None:
             return "uniform"
         if self.allocation != "uniform" and policy.selects:
@@ -171,8 +215,8 @@ class CacheSpec:
         seed: int | Iterable[int] = 0,
         allocation: str = "uniform",
         budgets_file: str | None = None,
-        adaptive_alpha: float = 0.2,
-        ragged: bool = True,
+        adaptive_alpha: float | None = None,
+        ragged: bool | None = None,
         **options: Any,
     ) -> CacheSpec:
         """A spec from the keyword API: ``options`` are the policy's hyper-parameters (``sinks=8``)."""
@@ -254,7 +298,13 @@ class CacheSpec:
         return f"the budget K + Q = {self.budget} + {self.quantized} = {self.room}"
 
     def replace(self, **changes: Any) -> CacheSpec:
-        """A copy with ``changes`` (validated again)."""
+        """A copy with ``changes`` (validated again). A setting of :data:`ALLOCATION_SETTINGS` this spec holds
+        goes over to the copy's allocation only where it applies there (``replace(allocation="uniform")`` of an
+        adaptive spec is the uniform cache); given again in ``changes``, it is checked as given."""
+        allocation = changes.get("allocation", self.allocation)
+        for name, (_, applies) in ALLOCATION_SETTINGS.items():
+            if name not in changes and allocation not in applies:
+                changes[name] = None
         return dataclasses.replace(self, **changes)
 
     def new_policy(self) -> Policy:

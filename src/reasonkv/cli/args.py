@@ -71,7 +71,7 @@ def add_allocation_arguments(parser, *, what: str = "") -> None:
     parser.add_argument(
         "--adaptive-alpha",
         type=float,
-        default=0.2,
+        default=None,
         help="--allocation adaptive: every head keeps at least ceil(alpha x K) (default 0.2; 1 = uniform)",
     )
     parser.add_argument(
@@ -87,7 +87,7 @@ def allocation_settings(args: argparse.Namespace) -> dict:
         allocation=args.allocation,
         budgets_file=args.budgets_file,
         adaptive_alpha=args.adaptive_alpha,
-        ragged=not args.padded_heads,
+        ragged=False if args.padded_heads else None,  # None: not given (refused only when given, off its mode)
     )
 
 

@@ -1,9 +1,10 @@
-"""The output paths a command is given, checked before the model loads: a missing folder is a one-line error
-at once, not an ``[Errno 2]`` after minutes of decoding."""
+"""The output paths a command is given, checked before the model loads: a missing folder, or one where no file
+can be created, is a one-line error at once, not an ``[Errno 2]`` or ``[Errno 13]`` after minutes of decoding."""
 
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 __all__ = ["check_output_file", "check_results_path"]
@@ -19,8 +20,7 @@ def check_output_file(path: Path, flag: str) -> Path:
         raise FileNotFoundError(f"{flag} {path}: the folder {folder} does not exist; create it first or choose another")
     if not folder.is_dir():
         raise NotADirectoryError(f"{flag} {path}: {folder} is a file, not a folder")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise PermissionError(f"{flag} {path}: the folder {folder} is not writable")
+    _check_writable(folder, f"{flag} {path}")
     if path.exists() and not os.access(path, os.W_OK):
         raise PermissionError(f"{flag} {path} exists and is not writable")
     return path
@@ -36,4 +36,18 @@ def check_results_path(path: Path, flag: str = "--out") -> Path:
             f"{flag} {path}: the folder {folder} does not exist, nor {folder.parent} above it; eval creates the "
             f"results file's own folder only: create {folder.parent} first or choose another {flag}"
         )
-    return path
+    return path  # a folder where no file can be created: refused up front as the run creates its lock file there
+
+
+def _check_writable(folder: Path, what: str) -> None:
+    """Create and remove a file in ``folder``: the one test that also holds for root, read-only mounts and
+    filesystems such as /sys, where permission bits (``os.access``) say yes. The probe's name is new
+    (``mkstemp``), so no file of the user's is touched."""
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".reasonkv-probe-", dir=folder)
+    except OSError as error:
+        raise PermissionError(
+            f"{what}: cannot create a file in the folder {folder} ({error.strerror or error}); choose another folder"
+        ) from None
+    os.close(handle)
+    os.unlink(probe)

@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from reasonkv.eval.codetasks import code_fields
+from reasonkv.eval.livecodebench import in_window, parse_day
 from reasonkv.suggest import did_you_mean
 
-__all__ = ["DATASETS", "DATA_DIR", "Problem", "dataset_path", "load_dataset"]
+__all__ = ["DATASETS", "DATA_DIR", "Problem", "dataset_path", "grid_problems", "load_dataset"]
 
 Kind = Literal["math", "choice", "code-function", "code-stdio"]
 
@@ -146,6 +147,22 @@ def load_dataset(name_or_path: str | os.PathLike[str], limit: int | None = None)
     zipped = path.name.endswith(".zip")
     lines = _read_zip_lines(path) if zipped else _read_lines(path)
     return _parse_rows(lines, path, default_kind, limit)
+
+
+def grid_problems(
+    name_or_path: str | os.PathLike[str], limit: int | None = None, after: str | None = None, before: str | None = None
+) -> list[Problem]:
+    """The problems an eval grid takes from one dataset: those whose contest day lies in ``[after, before]``
+    (``YYYY-MM-DD``) when a window is given, then the first ``limit``.
+
+    The one selection both a run (:func:`reasonkv.eval.plan.plan_grid`) and the check of its records against
+    its manifest (:mod:`reasonkv.eval.record_match`) use.
+    """
+    if not (after or before):
+        return load_dataset(name_or_path, limit=limit)
+    first = parse_day(after, "--after") if after else None
+    last = parse_day(before, "--before") if before else None
+    return in_window(load_dataset(name_or_path), first, last, os.fspath(name_or_path))[:limit]
 
 
 def _read_lines(path: Path) -> list[str]:

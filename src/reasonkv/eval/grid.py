@@ -213,18 +213,18 @@ def make_cells(
         raise ValueError(f"allocations must be distinct names, got {allocations!r}")
     for allocation in allocations:
         check_allocation(allocation, budgets_file if allocation == "calibrated" else None)
-    if budgets_file is not None and "calibrated" not in allocations:
-        raise ValueError("a budget file is read only with the 'calibrated' allocation")
+    # The budget file goes to the calibrated cells; a grid without any hands it to every cell, whose spec refuses it.
+    calibrated = "calibrated" in allocations
     cells: dict[Cell, None] = {}
     for evicts in (False, True):  # the full cache first: its outputs are the fidelity references
         for budget in budgets or [None]:
             for p in (p for p in policies if (classes[p].evicts or classes[p].selects) == evicts):
                 tier = dict(quantized=quantized, bits=bits) if classes[p].evicts else {}
                 for allocation in allocations if classes[p].evicts else ["uniform"]:
-                    shared = dict(allocation=allocation)
-                    if allocation == "calibrated":
-                        shared["budgets_file"] = budgets_file
-                    spec = CacheSpec.build(p, budget, buffer, **tier, **shared, **chosen[p])
+                    file = budgets_file if allocation == "calibrated" or not calibrated else None
+                    spec = CacheSpec.build(
+                        p, budget, buffer, **tier, allocation=allocation, budgets_file=file, **chosen[p]
+                    )
                     cells.setdefault(Cell(spec, chosen[p]))
     return list(cells)
 

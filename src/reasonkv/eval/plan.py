@@ -13,10 +13,9 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from reasonkv.eval.datasets import Problem, dataset_path, load_dataset
+from reasonkv.eval.datasets import Problem, dataset_path, grid_problems
 from reasonkv.eval.extraction import CODE_KINDS
 from reasonkv.eval.grid import Cell, GridSpec
-from reasonkv.eval.livecodebench import in_window, parse_day
 from reasonkv.eval.manifest import file_sha256, grid_identity, grid_sha256
 from reasonkv.eval.shards import Shard
 from reasonkv.eval.units import Unit, assign, grid_units, unit_cost
@@ -129,16 +128,6 @@ def has_code(problems: list[Problem]) -> bool:
     return any(p.kind in CODE_KINDS for p in problems)
 
 
-def _load(grid: GridSpec, name: str, limit: int | None) -> list[Problem]:
-    """A dataset's problems: those in the grid's contest-date window when it has one, then the first ``limit``."""
-    settings = grid.code
-    if not (settings.after or settings.before):
-        return load_dataset(name, limit=limit)
-    after = parse_day(settings.after, "--after") if settings.after else None
-    before = parse_day(settings.before, "--before") if settings.before else None
-    return in_window(load_dataset(name), after, before, name)[:limit]
-
-
 def plan_grid(
     grid: GridSpec | None = None, *, shard: Shard | str | tuple[int, int] | None = None, **settings
 ) -> GridPlan:
@@ -151,7 +140,7 @@ def plan_grid(
         grid = GridSpec.build(**settings)
     elif settings:
         raise ValueError(f"the grid's settings come from grid=...; do not also pass {', '.join(sorted(settings))}")
-    datasets = [(name, _load(grid, name, limit)) for name, limit in grid.datasets]
+    datasets = [(name, grid_problems(name, limit, grid.code.after, grid.code.before)) for name, limit in grid.datasets]
     if all(len(problems) == 0 for _, problems in datasets):
         raise ValueError("the datasets hold no problems")
     code = [name for name, problems in datasets if has_code(problems)]

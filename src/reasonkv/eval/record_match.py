@@ -1,20 +1,27 @@
 """Whether a record agrees with the manifest of the run that wrote it (the one its ``run`` names).
 
-A record's cell (``policy_label``, ``budget``, ``buffer``, ``policy_config``), its dataset and its setup
-(model, dtype, prompt format, seed, decoding settings, replay length) are copies of what its run's manifest
-says. A record that differs was edited after it was written, or belongs to another run: counted as it is,
-it would make a report row no grid had (a budget outside the grid) or mix two configurations in one row.
+A record's cell (``policy_label``, ``budget``, ``buffer``, ``policy_config``), its dataset, its problem and
+its setup (model, dtype, prompt format, seed, decoding settings, replay length) are copies of what its run's
+manifest says (the problems are those of the dataset's file the run read, its limit and contest-date window:
+:func:`run_problems`). A record that differs was edited after it was written, or belongs to another run:
+counted as it is, it would make a report row no grid had (a budget outside the grid, a problem the run never
+had) or mix two configurations in one row.
 :func:`manifest_mismatch` names the first field that differs; :mod:`reasonkv.eval.records` refuses such a
 line, as it refuses any other damaged one.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
-__all__ = ["manifest_mismatch"]
+from reasonkv.eval.datasets import dataset_path, grid_problems
+from reasonkv.eval.manifest import file_sha256
+
+__all__ = ["manifest_mismatch", "run_problems"]
 
 # record field -> the manifest setup's field it copies (every kind of record)
 _SETUP = {"model": "model", "dtype": "dtype", "prompt_format": "prompt_format", "base_seed": "seed"}
@@ -46,11 +53,71 @@ def _config_difference(here: Any, there: Any) -> str:
     return f"{_shown(here)} here, {_shown(there)} in its run"
 
 
-def manifest_mismatch(record: Mapping[str, Any], manifest: Mapping[str, Any]) -> str | None:
+def _dataset_file(entry: Mapping[str, Any]) -> Path | None:
+    """The file a manifest's dataset entry was read from: the bundled file of its name, else the file it names."""
+    name = str(entry.get("name"))
+    try:
+        return dataset_path(name)
+    except ValueError:
+        pass
+    for candidate in (entry.get("file"), name):
+        if isinstance(candidate, str) and Path(candidate).is_file():
+            return Path(candidate)
+    return None
+
+
+def run_problems(manifest: Mapping[str, Any]) -> dict[str, frozenset[str]]:
+    """The ids of the problems each dataset of a run gave it: dataset name -> ids.
+
+    Read from the dataset's file with the run's limit and contest-date window, as the run chose them
+    (:func:`reasonkv.eval.datasets.grid_problems`). A dataset whose file is no longer at hand, or no longer
+    holds what the run read (its SHA-256 differs from the manifest's), is left out: its problems are unknown
+    (a run resuming reads the same files, so this happens only to a report of results moved away from them).
+    """
+    grid = manifest.get("grid") if isinstance(manifest.get("grid"), Mapping) else {}
+    code = grid.get("code") if isinstance(grid.get("code"), Mapping) else {}
+    known: dict[str, frozenset[str]] = {}
+    for entry in grid.get("datasets") or []:
+        if not isinstance(entry, Mapping):
+            continue
+        path, limit = _dataset_file(entry), entry.get("limit")
+        if path is None or not (limit is None or isinstance(limit, int)):
+            continue
+        try:
+            state = path.stat()
+        except OSError:
+            continue
+        stamp = (state.st_size, state.st_mtime_ns, state.st_ctime_ns)
+        window = (code.get("after"), code.get("before"))
+        ids = _problem_ids(path.resolve(), stamp, str(entry.get("sha256")), limit, *window)
+        if ids is not None:
+            known[str(entry.get("name"))] = ids
+    return known
+
+
+@functools.lru_cache(maxsize=32)
+def _problem_ids(
+    path: Path, stamp: tuple[int, int, int], sha256: str, limit: int | None, after: str | None, before: str | None
+) -> frozenset[str] | None:
+    """The ids :func:`run_problems` reads, None when ``path`` is not the file the run read. Kept while the file's
+    ``stamp`` (size, modification and status-change times) stays: a resume scans its files several times, and
+    a dataset (LiveCodeBench's) may be large."""
+    if file_sha256(path) != sha256:
+        return None
+    try:
+        return frozenset(p.id for p in grid_problems(path, limit, after, before))
+    except (OSError, ValueError):
+        return None  # the file the run read loads; this one does not, so it is not that file
+
+
+def manifest_mismatch(
+    record: Mapping[str, Any], manifest: Mapping[str, Any], problems: Mapping[str, frozenset[str]] | None = None
+) -> str | None:
     """The first field in which ``record`` differs from its run's ``manifest``, in words; None when it agrees.
 
     Only the fields the record holds are compared (a setting its kind does not record is not asked for);
-    the cell's budget and buffer always (a missing budget is the full cache's).
+    the cell's budget and buffer always (a missing budget is the full cache's). ``problems`` is
+    :func:`run_problems` of ``manifest`` (computed when not given; a reader of many records passes it).
     """
     setup = manifest.get("setup") if isinstance(manifest.get("setup"), Mapping) else {}
     grid = manifest.get("grid") if isinstance(manifest.get("grid"), Mapping) else {}
@@ -58,6 +125,14 @@ def manifest_mismatch(record: Mapping[str, Any], manifest: Mapping[str, Any]) ->
     datasets = [d.get("name") for d in grid.get("datasets") or [] if isinstance(d, Mapping)]
     if "dataset" in record and datasets and record.get("dataset") not in datasets:
         return f"field 'dataset' is {_shown(record.get('dataset'))}, not a dataset of its {run} ({', '.join(datasets)})"
+    if "problem_id" in record:
+        problems = run_problems(manifest) if problems is None else problems
+        ids = problems.get(str(record.get("dataset")))
+        if ids is not None and str(record["problem_id"]) not in ids:
+            return (
+                f"field 'problem_id' is {_shown(record['problem_id'])}, not one of the {len(ids)} problems of "
+                f"{record.get('dataset')} in its {run}"
+            )
     compared = dict(_SETUP)
     if _unit(record) == "generation":
         compared.update({name: name for name in _SAMPLING})

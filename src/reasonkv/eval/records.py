@@ -15,7 +15,7 @@ of one of these kinds whose identity fields have their types (:func:`record_prob
 not (a hand edit, a collision) is an error naming the file, the line and the field, never skipped
 silently, and :func:`repair_results` moves such lines aside, keeping every other record. A record
 must also agree with the manifest its ``run`` names (:func:`reasonkv.eval.record_match.manifest_mismatch`:
-its cell, dataset and setup are the grid's; a manifest comes before the records of its run), or it is such
+its cell, dataset, problem and setup are the grid's; a manifest comes before the records of its run), or it is such
 a line. A manifest that was edited (its ``id`` no longer matches its content) is refused: it no longer says
 what the records after it were computed with.
 
@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from reasonkv.eval.manifest import manifest_problem
-from reasonkv.eval.record_match import manifest_mismatch
+from reasonkv.eval.record_match import manifest_mismatch, run_problems
 from reasonkv.runs.outputs import OutputLock, create_exclusive, write_atomic
 from reasonkv.runs.store import JsonlStore, numbered_lines
 
@@ -212,23 +212,26 @@ def checked_lines(path: str | os.PathLike[str]) -> Iterator[tuple[int, bytes, di
     """:func:`~reasonkv.runs.store.numbered_lines` of a results file, each record checked: ``problem`` says
     what is wrong with a line (:func:`record_problem`, or how it differs from the manifest its ``run``
     names: :func:`~reasonkv.eval.record_match.manifest_mismatch`), None for a sound record."""
-    manifests: dict[str, dict[str, Any]] = {}
+    manifests: dict[str, tuple[dict[str, Any], dict[str, frozenset[str]]]] = {}
     for number, line, record, problem in numbered_lines(path):
         problem = problem or record_problem(record)
         if problem is None and record["kind"] == "manifest":
-            manifests.setdefault(record["id"], record)
+            if record["id"] not in manifests:
+                manifests[record["id"]] = (record, run_problems(record))  # each run's problems read once
         elif problem is None:
             problem = _run_problem(record, manifests)
         yield number, line, record, problem
 
 
-def _run_problem(record: Mapping[str, Any], manifests: Mapping[str, dict[str, Any]]) -> str | None:
+def _run_problem(
+    record: Mapping[str, Any], manifests: Mapping[str, tuple[dict[str, Any], dict[str, frozenset[str]]]]
+) -> str | None:
     run = record.get("run")
     if run is None or not manifests:
         return None  # a file written before run manifests existed
     if run not in manifests:
         return f"field 'run' is {_shown(run)}, but no manifest before it in this file has that id"
-    return manifest_mismatch(record, manifests[run])
+    return manifest_mismatch(record, *manifests[run])
 
 
 def read_results(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str, Any]]]:

@@ -69,7 +69,7 @@ def generate(
         One prompt or a non-empty list of them: text or token ids inside the model's vocabulary. Token
         ids are decoded from as they are; text goes through the tokenizer's chat template (see ``chat``).
         A prompt and ``max_new_tokens`` longer than the model's context (``max_position_embeddings``)
-        get a warning: the model was never trained on the positions past it.
+        get a warning: the model was never trained on the positions past it (see ``max_new_tokens``).
     spec
         The cache's settings as one :class:`~reasonkv.cache.CacheSpec`; or give them as keywords (not
         both: a cache setting given twice is refused, naming it):
@@ -85,7 +85,12 @@ def generate(
         ``temperature``, and the spec's own ``seed`` seeds the eviction (and the sampling when ``seed`` is
         not given).
     max_new_tokens, temperature, top_p, top_k
-        Decoding (see :class:`~reasonkv.generation.sampling.Sampling`; temperature 0: greedy).
+        Decoding (see :class:`~reasonkv.generation.sampling.Sampling`; temperature 0: greedy). A prompt and
+        ``max_new_tokens`` past the model's context (``max_position_embeddings``) are decoded, with a
+        ``UserWarning``, not refused as the commands refuse them: research code probes past the context on
+        purpose. A row whose prompt and output tokens did exceed it says so in its stats:
+        ``stats["past_context"] = {"context": <max_position_embeddings>, "tokens": <prompt + output>}``
+        (absent from a row that stayed inside).
     stop
         A string, or a list of strings, that ends a row's generation (kept in its text).
     ignore_eos
@@ -120,9 +125,8 @@ def generate(
     if stop and tokenizer is None:
         raise ValueError("stop strings need a tokenizer")
     prompt_ids = encode_prompts(tokenizer, prompts, vocab_size(model), chat=chat)
-    too_long = over_context(
-        max(map(len, prompt_ids)), max_new_tokens, context_length(model), "the model's output past it is noise"
-    )
+    context = context_length(model)
+    too_long = over_context(max(map(len, prompt_ids)), max_new_tokens, context, "the model's output past it is noise")
     if too_long is not None:
         warnings.warn(f"reasonkv.generate: {too_long}", UserWarning, stacklevel=3)
     seed = None if seed is None else row_seeds(seed, len(prompt_ids))
@@ -170,6 +174,9 @@ def generate(
         if decode is not None:
             decode.close()
     results = meter.results(rows, prompt_ids)
+    for result in results:  # what the warning foresaw, as it happened to each row
+        if context is not None and result.prompt_tokens + result.num_tokens > context:
+            result.stats["past_context"] = {"context": context, "tokens": result.prompt_tokens + result.num_tokens}
     if decode is not None:
         for result in results:
             result.stats["compile"] = decode.describe()

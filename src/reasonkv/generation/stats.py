@@ -45,7 +45,9 @@ class GenerationResult:
     them, per tier, with the full-precision tokens it amounts to; None before its first eviction; see
     :meth:`reasonkv.cache.KVStorage.steady_kv_bytes`), ``peak_memory_bytes`` (CUDA max allocated, or the
     process's peak RSS on CPU), ``timings`` (seconds per eviction phase), ``budget``, ``buffer``,
-    ``quantized``, ``bits``, ``allocation`` and ``policy``.
+    ``quantized``, ``bits``, ``allocation`` and ``policy``. Only where they apply: ``selection`` (a selection
+    policy's reads), ``compile`` (a compiled decode) and ``past_context`` (``{"context", "tokens"}``: this row's
+    prompt and output tokens exceeded the model's context, which ``reasonkv.generate`` decodes with a warning).
     """
 
     text: str

@@ -39,15 +39,15 @@ PYRAMID_BETA = 20  # PyramidKV: the last layer keeps K // beta
 
 
 def check_allocation(allocation: object, budgets_file: object) -> None:
-    """``allocation`` one of :data:`ALLOCATIONS`; a budget file exactly with ``calibrated``."""
+    """``allocation`` one of :data:`ALLOCATIONS`; ``calibrated`` with its budget file. (A budget file under
+    another allocation is refused with every setting that does not apply to it:
+    :func:`reasonkv.cache.spec.check_allocation_settings`.)"""
     if allocation not in ALLOCATIONS:
         raise ValueError(f"allocation must be one of {', '.join(ALLOCATIONS)}, got {allocation!r}")
     if allocation == "calibrated" and budgets_file is None:
         raise ValueError(
             "allocation='calibrated' needs a budget file (budgets_file=...; `reasonkv calibrate --budgets` writes one)"
         )
-    if allocation != "calibrated" and budgets_file is not None:
-        raise ValueError(f"a budget file is read only with allocation='calibrated', not {allocation!r}")
 
 
 def apportion(weights: torch.Tensor, total: int, floor: int) -> torch.Tensor:
