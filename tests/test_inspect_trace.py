@@ -9,7 +9,8 @@ import torch
 
 import reasonkv
 from conftest import NoEosTokenizer, fast_few, tiny_gemma3, tiny_llama
-from reasonkv.inspect.trace import Eviction, Trace, TraceRecorder, load_trace, save_trace
+from reasonkv.cache.decisions import DecisionLog, Eviction, Trace
+from reasonkv.inspect.trace import load_trace, save_trace
 from reasonkv.policies import policy_class
 
 EVICTING = [name for name in reasonkv.list_policies() if policy_class(name).evicts]
@@ -41,12 +42,12 @@ def _decode_checking(model, policy: str, **kw) -> tuple[reasonkv.GenerationResul
 
     def check(step, cache):
         nonlocal checked
-        evictions = cache.evictor.recorder.by_row[0]
+        evictions = cache.evictor.log.by_row[0]
         if len(evictions) == checked:
             return
         assert len(evictions) == checked + 1, "one eviction per forward at most"
         last: Eviction = evictions[-1]
-        recorder = cache.evictor.recorder
+        recorder = cache.evictor.log
         assert last.seen == int(cache.next_position[0])
         kept, before = last.kept_mask(), last.before_mask()
         for t, layer in enumerate(recorder.layers):
@@ -149,7 +150,7 @@ def test_vase_records_the_value_ranges_and_the_reserve_it_kept(policy, one_torch
     checked = []
 
     def check(step, cache):
-        evictions = cache.evictor.recorder.by_row[0]
+        evictions = cache.evictor.log.by_row[0]
         if len(evictions) == len(checked):
             return
         last: Eviction = evictions[-1]
@@ -213,14 +214,14 @@ def test_a_trace_round_trips_through_its_file(tmp_path, one_torch_thread):
 
 def test_a_recorder_needs_an_attached_cache():
     with pytest.raises(ValueError, match="attached to a model"):
-        TraceRecorder(reasonkv.EvictingCache(8, 4))
+        DecisionLog(reasonkv.EvictingCache(8, 4))
 
 
 def test_tracing_is_off_by_default_and_then_records_nothing(monkeypatch, one_torch_thread):
-    """No recorder unless asked: the evictor's only cost is one attribute check per eviction."""
-    monkeypatch.setattr("reasonkv.generation.loop.TraceRecorder", lambda cache: pytest.fail("a recorder was made"))
+    """No log unless asked: the evictor's only cost is one attribute check per eviction."""
+    monkeypatch.setattr("reasonkv.generation.loop.DecisionLog", lambda cache: pytest.fail("a log was made"))
     recorders = []
     kw = dict(policy="h2o", budget=10, buffer=4, max_new_tokens=20)
-    on_step = lambda step, cache: recorders.append(cache.evictor.recorder)  # noqa: E731
+    on_step = lambda step, cache: recorders.append(cache.evictor.log)  # noqa: E731
     [result] = reasonkv.generate(tiny_llama(), NoEosTokenizer(), PROMPT, on_step=on_step, **kw)
     assert result.trace is None and result.stats["evictions"] >= 2 and set(recorders) == {None}
