@@ -1,11 +1,6 @@
-"""What the evictor decided at each eviction, and the per-row trace a :class:`DecisionLog` keeps of it.
-
-The evictor is the one scorer. At an eviction it ranks, keeps and gathers; while a log listens it also hands
-the log a :class:`Decision`: for the rows it evicted, what each evicting (layer, kv-head) held before, what
-the policy protected, the scores and the ranking it kept by, the policy's per-token signals, and what every
-layer holding tokens held afterwards. Nothing is recorded (and nothing costs) without a log. The log only
-reads decisions: it keeps, per evicted row, one :class:`Eviction`, and :mod:`reasonkv.inspect` saves and
-shows them.
+"""What the evictor decided at each eviction (:class:`Decision`), and the trace a :class:`DecisionLog` keeps of
+it: one :class:`Eviction` per evicted row, which :mod:`reasonkv.inspect` saves and shows. The evictor is the one
+scorer; the log only reads its decisions, and nothing is recorded (nor costs) without a log.
 
 Positions are kept as bit masks over the row's logical positions, packed eight to a byte
 (``numpy.packbits``), and scores in float16, so that a trace of 2,048 tokens x 30 layers x 3 kv-heads x 16
@@ -24,7 +19,6 @@ holds ``n`` and nothing is padded: the layout of every trace written before allo
 
 from __future__ import annotations
 
-import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -41,17 +35,11 @@ ARRAYS = ("kept", "before", "protected", "quantized", "scores", "ranks")  # an E
 
 @dataclass
 class Decision:
-    """One eviction of ``rows``, as the evictor made it.
-
-    Over the evicting layers, ``[rows, layers, kv_heads, slots]`` each: ``before``, the positions each head
-    held (-1: none); ``protected``, those the policy's sinks, window or prompt protection kept; ``scores``,
-    the policy's scores (None: it keeps without scoring); ``ranking``, the priority the evictor kept by,
-    higher first (None: it keeps without ranking); ``signals``, the policy's per-token signals by name.
-    ``shared``: one kept set for every evicting layer and head (a token-granularity policy without an
-    allocation). After the gather: ``seen``, each row's logical tokens; ``after``, what each layer holding
-    tokens (:attr:`~reasonkv.cache.evictor.Evictor.held_layers`) holds, ``[rows, kv_heads, slots]``;
-    ``quantized``, per evicting layer, the positions held quantized (-1 elsewhere; None without a tier).
-    """
+    """One eviction of ``rows`` as the evictor made it; :class:`Eviction` says what each field is, here unpacked:
+    ``[rows, evicting layers, kv_heads, slots]`` in slot order (``before``: positions, -1 none), ``ranking`` the
+    priority kept by (higher first). ``shared``: every evicting head holds the same tokens. Set after the gather:
+    ``seen``, and per layer (:attr:`~reasonkv.cache.evictor.Evictor.held_layers`; ``quantized``: evicting layers)
+    the positions held."""
 
     rows: torch.Tensor
     shared: bool
@@ -166,27 +154,20 @@ class Trace:
 
 class DecisionLog:
     """Every decision of the evictor of ``cache`` (an :class:`~reasonkv.cache.evicting.EvictingCache`), kept per
-    row as :class:`Eviction` records; listening from construction until :meth:`detach`."""
+    row as :class:`Eviction` records; listening from construction (until ``cache.evictor.listen(None)``)."""
 
     def __init__(self, cache):
         evictor = cache.evictor
         if evictor is None:
             raise ValueError("only a cache attached to a model (EvictingCache(model=...)) evicts: nothing to trace")
-        self.layers = tuple(i for i, _ in evictor.held_layers)
-        self.kinds = tuple(kind for _, kind in evictor.held_layers)
+        self.layers, self.kinds = zip(*evictor.held_layers, strict=True)
         self.heads = evictor.info.num_kv_heads
         self.settings = settings_of(cache.spec, evictor.budgets)
         self.by_row: dict[int, list[Eviction]] = defaultdict(list)
         self._full_layers = list(cache.full_layers)
         self._block = None if evictor.selector is None else evictor.selector.block_size
         self._reads: dict[int, tuple] = {}  # a selection policy's reads of the step in progress, by layer
-        self._evictor = weakref.ref(evictor)
-        evictor.log = self
-
-    def detach(self) -> None:
-        evictor = self._evictor()
-        if evictor is not None and evictor.log is self:
-            evictor.log = None
+        evictor.listen(self)
 
     def trace(self, row: int = 0) -> Trace:
         """The trace of one row of the batch."""
@@ -194,25 +175,20 @@ class DecisionLog:
 
     def record(self, decision: Decision) -> None:
         """One eviction: a record for each of its rows."""
-        before, ranks = decision.before, None if decision.ranking is None else _ranks(decision.ranking)
-        quantized = decision.quantized
+        before, scores, quantized = decision.before, decision.scores, decision.quantized
+        ranks = None if decision.ranking is None else _ranks(decision.ranking)
         for j, row in enumerate(decision.rows.tolist()):
-            n = decision.seen[j]
+            n, held = decision.seen[j], before[j]
             self.by_row[row].append(
                 Eviction(
                     seen=n,
-                    kept=pack(np.stack([_mask(held[j], n) for held in decision.after])),
-                    before=pack(_mask(before[j], n)),
-                    protected=pack(_mask(torch.where(decision.protected[j], before[j], -1), n)),
+                    kept=pack(np.stack([_mask(after[j], n) for after in decision.after])),
+                    before=pack(_mask(held, n)),
+                    protected=pack(_mask(torch.where(decision.protected[j], held, -1), n)),
                     quantized=None if quantized is None else pack(np.stack([_mask(q[j], n) for q in quantized])),
-                    scores=None
-                    if decision.scores is None
-                    else _in_position_order(decision.scores[j], before[j], torch.float16, np.nan),
-                    ranks=None if ranks is None else _in_position_order(ranks[j], before[j], _rank_dtype(ranks), 0),
-                    signals={
-                        name: _signal_of_row(value[j], before[j], n, decision.shared)
-                        for name, value in decision.signals.items()
-                    },
+                    scores=None if scores is None else _in_position_order(scores[j], held, torch.float16, np.nan),
+                    ranks=None if ranks is None else _in_position_order(ranks[j], held, _rank_dtype(ranks), 0),
+                    signals={k: _signal_of_row(v[j], held, n, decision.shared) for k, v in decision.signals.items()},
                 )
             )
 
@@ -224,22 +200,18 @@ class DecisionLog:
         if layer != self._full_layers[-1]:
             return
         reads, self._reads = [self._reads[i] for i in self._full_layers], {}
-        block = self._block
         for row in torch.nonzero(live).flatten().tolist():
             before = torch.stack([r[1][row] for r in reads])  # [L, H, S]
             n = int(before.max()) + 1
-            positions = torch.arange(n, device=before.device)
+            blocks = torch.arange(n, device=before.device) // self._block  # each position's block
             current = torch.stack([r[3][row] for r in reads])  # [L, H]
-            protected = (positions // block).view(1, 1, -1) == current.unsqueeze(-1)
-            scores = torch.stack(
-                [r[2][row].float()[:, (positions // block).clamp(max=r[2].shape[-1] - 1)] for r in reads]
-            )
+            scores = torch.stack([r[2][row].float()[:, blocks.clamp(max=r[2].shape[-1] - 1)] for r in reads])
             self.by_row[row].append(
                 Eviction(
                     seen=n,
                     kept=pack(np.stack([_mask(r[0][row], n) for r in reads])),
                     before=pack(_mask(before, n)),
-                    protected=pack(protected.cpu().numpy()),
+                    protected=pack((blocks.view(1, 1, -1) == current.unsqueeze(-1)).cpu().numpy()),
                     scores=scores.to(torch.float16).cpu().numpy(),
                 )
             )

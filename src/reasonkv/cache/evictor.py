@@ -12,9 +12,8 @@ Two hooks on the model do everything, so ``reasonkv.generate`` and ``model.gener
 A compiled decode step (:mod:`reasonkv.generation.compiled`) runs the same three parts the hooks run
 (:meth:`Evictor.announce`, :meth:`Evictor.observe`, :meth:`Evictor.finish`) around its graph instead.
 
-While a :class:`~reasonkv.cache.decisions.DecisionLog` listens, each eviction also hands it the
-:class:`~reasonkv.cache.decisions.Decision` made: what was held, protected, scored and ranked, and what is
-held after the gather. The evictor is the one scorer; the log, and the trace it keeps, only read.
+The evictor is the one scorer: a :class:`~reasonkv.cache.decisions.DecisionLog` listening is handed each
+eviction's :class:`~reasonkv.cache.decisions.Decision` (held, protected, scored, ranked, kept), and only reads it.
 
 A decode step that evicts nothing reads no device value (the cache keeps host-side bounds), so it
 costs the host no synchronisation; an eviction costs a fixed few, whatever the batch and the layers,
@@ -79,7 +78,7 @@ class Evictor:
         # The layers that hold tokens, with their kinds: the evicting ones and sliding windows (what a log traces).
         kinds = [(i, self.info.kind(i)) for i in range(self.info.num_layers)]
         self.held_layers = tuple((i, kind) for i, kind in kinds if kind in ("full", "sliding"))
-        self._log = None  # a DecisionLog, handed each decision; None costs nothing
+        self.log = None  # a DecisionLog (see listen), handed each decision; None costs nothing
         self._started = False
         # An allocation: the [layers, kv_heads] budgets, and the reader that gives each head its own mask.
         self.budgets: torch.Tensor | None = None
@@ -102,15 +101,10 @@ class Evictor:
     def cache(self) -> KVStorage:
         return self._cache()
 
-    @property
-    def log(self):
-        """The :class:`~reasonkv.cache.decisions.DecisionLog` told every decision (a selection policy's: every
-        read), or None."""
-        return self._log
-
-    @log.setter
-    def log(self, log) -> None:
-        self._log = log
+    def listen(self, log) -> None:
+        """Hand every decision (a selection policy's: every read) to ``log``, a
+        :class:`~reasonkv.cache.decisions.DecisionLog` (None: to nobody)."""
+        self.log = log
         if self.selector is not None:
             self.selector.on_read = None if log is None else log.read
 
@@ -239,30 +233,24 @@ class Evictor:
         the rankings they were taken from."""
         spec = self.spec
         rankings = self._head_rankings(self._view(rows), rows)
-        counts = []
-        for index, ranking in enumerate(rankings):
-            if spec.allocation == "adaptive":
-                heads = ranking.shape[1]
-                counts.append(
-                    adaptive_counts(ranking, spec.budget * heads, adaptive_floor(spec.adaptive_alpha, spec.budget))
-                )
-            else:
-                counts.append(static_counts(ranking, self.budgets[index]))
+        if spec.allocation == "adaptive":
+            floor = adaptive_floor(spec.adaptive_alpha, spec.budget)
+            counts = [adaptive_counts(r, spec.budget * r.shape[1], floor) for r in rankings]
+        else:
+            counts = [static_counts(r, budgets) for r, budgets in zip(rankings, self.budgets, strict=True)]
         width = int(torch.stack([c.max() for c in counts]).max())
         return [keep_counted(r, c, width) for r, c in zip(rankings, counts, strict=True)], rankings
 
     def _head_rankings(self, view: EvictionView, rows: torch.Tensor) -> list[torch.Tensor]:
         """The policy's ranking of every evicting head's own slots, ``[len(rows), kv_heads, slots]`` per layer; under
         an allocation a token ranking is spread over each head's positions, and a head's own padding ranks last."""
-        cache, layers, token = self.cache, self.cache.full_layers, self.policy.granularity == "token"
-        ranking = self.policy.ranking(view) if token else None
+        cache, token = self.cache, self.policy.granularity == "token"
         if self.budgets is None:
-            if token:
-                return [ranking.unsqueeze(1).expand(-1, cache.layers[i].keys.shape[1], -1) for i in layers]
-            return self.policy.ranking_layers(view)
-        held = [cache.positions(i).index_select(0, rows.to(cache.valid.device)) for i in layers]  # -1: padding
+            return self._every_head(self.policy.ranking(view)) if token else self.policy.ranking_layers(view)
+        held = [cache.positions(i).index_select(0, rows.to(cache.valid.device)) for i in cache.full_layers]
         if token:  # ranked over the widest head's slots: each head's by position
-            rankings = [by_position(ranking, view.token_positions(), h, select.NEVER_KEEP) for h in held]
+            ranking, positions = self.policy.ranking(view), view.token_positions()
+            rankings = [by_position(ranking, positions, h, select.NEVER_KEEP) for h in held]
         else:
             rankings = self.policy.ranking_layers(view)
         return [r.masked_fill(h.to(r.device) < 0, select.NEVER_KEEP) for r, h in zip(rankings, held, strict=True)]
@@ -317,10 +305,9 @@ class Evictor:
         without handing one over)."""
         if self.budgets is not None:
             return self._allocated_indices(rows)
-        cache, view = self.cache, self._view(rows)
+        view = self._view(rows)
         if self.policy.granularity == "token":
-            kept = self.policy.keep(view)
-            return [kept.unsqueeze(1).expand(-1, cache.layers[i].keys.shape[1], -1) for i in cache.full_layers], None
+            return self._every_head(self.policy.keep(view)), None
         return self.policy.keep_layers(view), None
 
     def _tiered_indices(self, rows: torch.Tensor) -> tuple[list, tuple[list, torch.Tensor], list[torch.Tensor]]:
@@ -332,18 +319,20 @@ class Evictor:
         rankings = self._head_rankings(self._view(rows), rows)
         if self.policy.granularity == "token":  # one split, every head alike
             split = split_tiers(rankings[0][:, 0], held, **sizes)
-            heads = [r.shape[1] for r in rankings]
-            full = [split.full.unsqueeze(1).expand(-1, h, -1) for h in heads]
-            return full, ([split.quantized.unsqueeze(1).expand(-1, h, -1) for h in heads], split.counts), rankings
+            return self._every_head(split.full), (self._every_head(split.quantized), split.counts), rankings
         splits = [split_tiers(ranking, held.unsqueeze(1), **sizes) for ranking in rankings]
         # Every head of a row holds as many tokens, so every head keeps as many quantized.
         return [s.full for s in splits], ([s.quantized for s in splits], splits[0].counts[:, 0]), rankings
 
+    def _every_head(self, per_token: torch.Tensor) -> list[torch.Tensor]:
+        """A token-granularity ``[rows, n]`` as every evicting layer's ``[rows, kv_heads, n]``."""
+        cache = self.cache
+        return [per_token.unsqueeze(1).expand(-1, cache.layers[i].keys.shape[1], -1) for i in cache.full_layers]
+
     # ------------------------------------------------------------------ what a log is told
     def _decision(self, rows: torch.Tensor, rankings: list[torch.Tensor] | None) -> Decision:
-        """What this eviction decided, before the gather, over every evicting head's own slots: the rankings the
-        eviction kept by (ranked here only where the policy kept without handing them over), and what the policy
-        protected, scored and signalled."""
+        """What this eviction decided, over each evicting head's own slots: the rankings it kept by (ranked here
+        only where the policy kept without handing them over), what the policy protected, scored and signalled."""
         cache, policy, view = self.cache, self.policy, self._view(rows)
         layers, rows = cache.full_layers, rows.to(cache.valid.device)
         before = torch.stack([cache.positions(i).index_select(0, rows) for i in layers], 1)  # [r, L, H, S]
@@ -354,27 +343,21 @@ class Evictor:
                 return values[:, None, None, :].expand(before.shape)
             return by_position(values, view.token_positions().to(values.device), before.to(values.device))
 
-        def per_layer(method) -> torch.Tensor:
-            return (
-                over_heads(method(view))
-                if policy.granularity == "token"
-                else torch.stack([method(view.at(i)) for i in layers], 1)
-            )
+        def per_layer(method) -> torch.Tensor:  # a token value over every head, or each layer's own
+            if policy.granularity == "token":
+                return over_heads(method(view))
+            return torch.stack([method(view.at(i)) for i in layers], 1)
 
         protected = per_layer(lambda v: v.protected())
         scores = None if type(policy).score is Policy.score else per_layer(lambda v: policy.score(v).float())
-        if not policy.can_rank():
-            rankings = None
-        elif rankings is None:
+        if rankings is None and policy.can_rank():
             rankings = self._head_rankings(view, rows)
-        signals = {}
-        if type(policy).signals is not Policy.signals:
-            if policy.granularity == "token":
-                signals = {name: over_heads(value) for name, value in policy.signals(view).items()}
-            else:
-                found = [policy.signals(view.at(i)) for i in layers]
-                signals = {name: torch.stack([f[name] for f in found], 1) for name in found[0]}
-        ranking = None if rankings is None else torch.stack(rankings, 1)
+        ranking = torch.stack(rankings, 1) if rankings is not None and policy.can_rank() else None
+        if policy.granularity == "token":
+            signals = {name: over_heads(value) for name, value in policy.signals(view).items()}
+        else:
+            found = [policy.signals(view.at(i)) for i in layers]
+            signals = {name: torch.stack([f[name] for f in found], 1) for name in found[0]}
         return Decision(rows, shared, before, protected, scores, ranking, signals)
 
     def _settled(self, decision: Decision) -> Decision:
