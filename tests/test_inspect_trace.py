@@ -9,9 +9,11 @@ import torch
 
 import reasonkv
 from conftest import NoEosTokenizer, fast_few, tiny_gemma3, tiny_llama
+from reasonkv.cache import CacheSpec
 from reasonkv.cache.decisions import DecisionLog, Eviction, Trace
 from reasonkv.inspect.trace import load_trace, save_trace
 from reasonkv.policies import policy_class
+from reasonkv.policies.h2o import H2O
 
 EVICTING = [name for name in reasonkv.list_policies() if policy_class(name).evicts]
 PROMPT = "A prompt of some length."
@@ -210,6 +212,22 @@ def test_a_trace_round_trips_through_its_file(tmp_path, one_torch_thread):
     (tmp_path / "other.npz").write_bytes(b"not a trace")
     with pytest.raises(ValueError, match="not a reasonkv trace"):
         load_trace(tmp_path / "other.npz")
+
+
+@pytest.mark.parametrize("settings", [dict(allocation="pyramid"), dict(quantized=16, bits=4)])
+def test_the_trace_reads_the_ranking_the_evictor_kept_by(settings, monkeypatch, one_torch_thread):
+    """Under an allocation or a tier the evictor ranks to keep; the trace reads that ranking and asks the policy
+    for none again: a traced run ranks as often as a plain one, and keeps the same tokens."""
+    calls = []
+    ranking = H2O.ranking
+    monkeypatch.setattr(H2O, "ranking", lambda self, view: calls.append(view.layer) or ranking(self, view))
+    spec = CacheSpec.build("h2o", 10, 4, seed=3, **settings)
+    kw = dict(spec=spec, max_new_tokens=28)
+    [plain] = reasonkv.generate(tiny_llama(), NoEosTokenizer(), PROMPT, **kw)
+    untraced, calls[:] = len(calls), []
+    [traced] = reasonkv.generate(tiny_llama(), NoEosTokenizer(), PROMPT, trace=True, **kw)
+    assert traced.token_ids == plain.token_ids and len(traced.trace.evictions) >= 3
+    assert traced.trace.evictions[-1].ranks is not None and len(calls) == untraced > 0
 
 
 def test_a_recorder_needs_an_attached_cache():
