@@ -9,8 +9,11 @@ import torch
 
 import reasonkv
 from conftest import NoEosTokenizer, fast_few, tiny_gemma3, tiny_llama
-from reasonkv.inspect.trace import Eviction, Trace, TraceRecorder, load_trace, save_trace
+from reasonkv.cache import CacheSpec
+from reasonkv.cache.decisions import DecisionLog, Eviction, Trace
+from reasonkv.inspect.trace import load_trace, save_trace
 from reasonkv.policies import policy_class
+from reasonkv.policies.h2o import H2O
 
 EVICTING = [name for name in reasonkv.list_policies() if policy_class(name).evicts]
 PROMPT = "A prompt of some length."
@@ -41,12 +44,12 @@ def _decode_checking(model, policy: str, **kw) -> tuple[reasonkv.GenerationResul
 
     def check(step, cache):
         nonlocal checked
-        evictions = cache.evictor.recorder.by_row[0]
+        evictions = cache.evictor.log.by_row[0]
         if len(evictions) == checked:
             return
         assert len(evictions) == checked + 1, "one eviction per forward at most"
         last: Eviction = evictions[-1]
-        recorder = cache.evictor.recorder
+        recorder = cache.evictor.log
         assert last.seen == int(cache.next_position[0])
         kept, before = last.kept_mask(), last.before_mask()
         for t, layer in enumerate(recorder.layers):
@@ -149,7 +152,7 @@ def test_vase_records_the_value_ranges_and_the_reserve_it_kept(policy, one_torch
     checked = []
 
     def check(step, cache):
-        evictions = cache.evictor.recorder.by_row[0]
+        evictions = cache.evictor.log.by_row[0]
         if len(evictions) == len(checked):
             return
         last: Eviction = evictions[-1]
@@ -211,16 +214,32 @@ def test_a_trace_round_trips_through_its_file(tmp_path, one_torch_thread):
         load_trace(tmp_path / "other.npz")
 
 
+@pytest.mark.parametrize("settings", [dict(allocation="pyramid"), dict(quantized=16, bits=4)])
+def test_the_trace_reads_the_ranking_the_evictor_kept_by(settings, monkeypatch, one_torch_thread):
+    """Under an allocation or a tier the evictor ranks to keep; the trace reads that ranking and asks the policy
+    for none again: a traced run ranks as often as a plain one, and keeps the same tokens."""
+    calls = []
+    ranking = H2O.ranking
+    monkeypatch.setattr(H2O, "ranking", lambda self, view: calls.append(view.layer) or ranking(self, view))
+    spec = CacheSpec.build("h2o", 10, 4, seed=3, **settings)
+    kw = dict(spec=spec, max_new_tokens=28)
+    [plain] = reasonkv.generate(tiny_llama(), NoEosTokenizer(), PROMPT, **kw)
+    untraced, calls[:] = len(calls), []
+    [traced] = reasonkv.generate(tiny_llama(), NoEosTokenizer(), PROMPT, trace=True, **kw)
+    assert traced.token_ids == plain.token_ids and len(traced.trace.evictions) >= 3
+    assert traced.trace.evictions[-1].ranks is not None and len(calls) == untraced > 0
+
+
 def test_a_recorder_needs_an_attached_cache():
     with pytest.raises(ValueError, match="attached to a model"):
-        TraceRecorder(reasonkv.EvictingCache(8, 4))
+        DecisionLog(reasonkv.EvictingCache(8, 4))
 
 
 def test_tracing_is_off_by_default_and_then_records_nothing(monkeypatch, one_torch_thread):
-    """No recorder unless asked: the evictor's only cost is one attribute check per eviction."""
-    monkeypatch.setattr("reasonkv.generation.loop.TraceRecorder", lambda cache: pytest.fail("a recorder was made"))
+    """No log unless asked: the evictor's only cost is one attribute check per eviction."""
+    monkeypatch.setattr("reasonkv.generation.loop.DecisionLog", lambda cache: pytest.fail("a log was made"))
     recorders = []
     kw = dict(policy="h2o", budget=10, buffer=4, max_new_tokens=20)
-    on_step = lambda step, cache: recorders.append(cache.evictor.recorder)  # noqa: E731
+    on_step = lambda step, cache: recorders.append(cache.evictor.log)  # noqa: E731
     [result] = reasonkv.generate(tiny_llama(), NoEosTokenizer(), PROMPT, on_step=on_step, **kw)
     assert result.trace is None and result.stats["evictions"] >= 2 and set(recorders) == {None}

@@ -148,6 +148,63 @@ def test_the_root_holds_only_the_entry_points():
     assert root <= {"__init__.py", "__main__.py"}, f"modules at the package root: {sorted(root)}"
 
 
+# The house from the top down, one tier per line (docs/design.md draws it): a module imports its own package
+# and the packages of the tiers below its own, never a peer in its tier nor anything above. The package root
+# (its version and the names it loads on first use) and the entry points and aliases beside it stand on top.
+LAYERS = (
+    ("cli",),
+    ("integrations",),
+    ("calibrate",),
+    ("eval", "bench"),
+    ("inspect",),
+    ("generation",),
+    ("cache",),
+    ("hf", "models"),
+    ("policies", "runs", "sandbox"),
+    ("selection", "suggest"),
+)
+
+
+def _upward_imports(modules) -> list[str]:
+    tier = {package: depth for depth, packages in enumerate(LAYERS) for package in packages}
+    found = []
+    for name, tree in modules:
+        if "/" not in name:  # the root's modules
+            continue
+        own = name.split("/")[0]
+        for imported in sorted(_imports(tree)):
+            parts = imported.split(".")
+            if parts[0] != "reasonkv" or len(parts) == 1 or parts[1] == own:
+                continue
+            if parts[1] not in tier or tier[parts[1]] <= tier[own]:  # a root module, a peer, or above
+                found.append(f"{name} imports {imported}")
+    return found
+
+
+def test_every_package_has_its_place_in_the_house():
+    packages = {path.relative_to(SRC).parts[0] for path in SRC.rglob("*.py") if path.parent != SRC}
+    placed = [package for packages in LAYERS for package in packages]
+    assert len(placed) == len(set(placed)) and packages == set(placed), sorted(packages ^ set(placed))
+
+
+def test_no_module_imports_from_a_layer_above_it():
+    found = _upward_imports(_modules())
+    assert not found, "imports that reach up or sideways (see LAYERS):\n" + "\n".join(found)
+
+
+def test_the_layer_check_finds_an_import_up_and_one_sideways():
+    modules = [
+        ("cache/x.py", ast.parse("from reasonkv.generation import generate\nimport reasonkv.policies.select")),
+        ("eval/y.py", ast.parse("from reasonkv.bench import run\nfrom reasonkv import __version__")),
+        ("hf/z.py", ast.parse("import reasonkv.select")),
+    ]
+    assert _upward_imports(modules) == [
+        "cache/x.py imports reasonkv.generation",
+        "eval/y.py imports reasonkv.bench",
+        "hf/z.py imports reasonkv.select",
+    ]
+
+
 # models/ from the bottom up: each module imports only modules of models/ listed before it, and reasonkv's
 # modules only at its top.
 MODELS_ORDER = ["devices", "files", "shapes", "checkpoint", "gguf", "bundled", "hub", "load", "__init__"]

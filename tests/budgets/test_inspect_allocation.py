@@ -20,10 +20,11 @@ import reasonkv
 from conftest import NoEosTokenizer, tiny_gemma3, tiny_llama
 from reasonkv.cache import CacheSpec
 from reasonkv.cache.allocation import adaptive_floor
+from reasonkv.cache.decisions import Eviction, by_position
 from reasonkv.cli import main
 from reasonkv.inspect.page import page_data, render_page
 from reasonkv.inspect.runs import Inspection, inspect_prompt
-from reasonkv.inspect.trace import Eviction, by_position, load_trace, save_trace
+from reasonkv.inspect.trace import load_trace, save_trace
 
 PROMPT = [5 + (7 * i) % 80 for i in range(40)]
 PROMPTS = [PROMPT, PROMPT[5:29], PROMPT[11:]]  # a ragged batch: 40, 24 and 29 tokens
@@ -58,7 +59,7 @@ def _held(positions: torch.Tensor, seen: int) -> np.ndarray:
 def _check_eviction(last: Eviction, cache, row: int, spec: CacheSpec, table: np.ndarray) -> np.ndarray:
     """One row's newest eviction record against the cache right after it; returns what each head of the
     evicting layers kept."""
-    recorder = cache.evictor.recorder
+    recorder = cache.evictor.log
     assert last.seen == int(cache.next_position[row])
     kept, before = last.kept_mask(), last.before_mask()
     for t, layer in enumerate(recorder.layers):  # sliding-window layers too: their window
@@ -100,7 +101,7 @@ def _decode_checking(spec: CacheSpec, max_new_tokens: int = 40, model=None):
     checked, kept = [0] * len(PROMPTS), []
 
     def check(step, cache):
-        recorder = cache.evictor.recorder
+        recorder = cache.evictor.log
         table = cache.evictor.budgets.cpu().numpy()
         assert np.array_equal(recorder.trace(0).budgets, table)
         for row in range(len(PROMPTS)):

@@ -12,6 +12,9 @@ Two hooks on the model do everything, so ``reasonkv.generate`` and ``model.gener
 A compiled decode step (:mod:`reasonkv.generation.compiled`) runs the same three parts the hooks run
 (:meth:`Evictor.announce`, :meth:`Evictor.observe`, :meth:`Evictor.finish`) around its graph instead.
 
+The evictor is the one scorer: a :class:`~reasonkv.cache.decisions.DecisionLog` listening is handed each
+eviction's :class:`~reasonkv.cache.decisions.Decision` (held, protected, scored, ranked, kept), and only reads it.
+
 A decode step that evicts nothing reads no device value (the cache keeps host-side bounds), so it
 costs the host no synchronisation; an eviction costs a fixed few, whatever the batch and the layers,
 with a quantized tier too (the tier's sizes are read once for all layers).
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from reasonkv.cache.allocation import adaptive_counts, adaptive_floor, keep_counted, static_counts
+from reasonkv.cache.decisions import Decision, by_position
 from reasonkv.cache.observe import Observer
 from reasonkv.cache.spec import CacheSpec
 from reasonkv.cache.storage import KVStorage
@@ -32,6 +36,7 @@ from reasonkv.cache.tiers import split_tiers
 from reasonkv.cache.timing import Stopwatch
 from reasonkv.hf import KernelReader, LayerMasks, StepCapture, attention_implementation, model_info
 from reasonkv.policies import noise, select
+from reasonkv.policies.base import Policy
 from reasonkv.policies.view import EvictionView
 from reasonkv.selection.reader import Selector
 
@@ -70,8 +75,10 @@ class Evictor:
         # Sliding-window layers hold other keys than the evicting ones: one mask per layer type.
         self.masks = LayerMasks(model, cache) if cache.window is not None else None
         self.eviction_count = 0
-        # An eviction trace (reasonkv.inspect.trace): told before and after each gather; None costs nothing.
-        self._recorder = None
+        # The layers that hold tokens, with their kinds: the evicting ones and sliding windows (what a log traces).
+        kinds = [(i, self.info.kind(i)) for i in range(self.info.num_layers)]
+        self.held_layers = tuple((i, kind) for i, kind in kinds if kind in ("full", "sliding"))
+        self.log = None  # a DecisionLog (see listen), handed each decision; None costs nothing
         self._started = False
         # An allocation: the [layers, kv_heads] budgets, and the reader that gives each head its own mask.
         self.budgets: torch.Tensor | None = None
@@ -94,14 +101,12 @@ class Evictor:
     def cache(self) -> KVStorage:
         return self._cache()
 
-    @property
-    def recorder(self):
-        """The eviction trace recorder, held weakly (it holds the cache it records)."""
-        return None if self._recorder is None else self._recorder()
-
-    @recorder.setter
-    def recorder(self, recorder) -> None:
-        self._recorder = None if recorder is None else weakref.ref(recorder)
+    def listen(self, log) -> None:
+        """Hand every decision (a selection policy's: every read) to ``log``, a
+        :class:`~reasonkv.cache.decisions.DecisionLog` (None: to nobody)."""
+        self.log = log
+        if self.selector is not None:
+            self.selector.on_read = None if log is None else log.read
 
     def detach(self) -> None:
         """Remove the hooks from the model, handing the policy any attention still owed (so that its state
@@ -218,30 +223,33 @@ class Evictor:
             return None
         return key, value, self.cache.head_mask(layer, query, query.dtype)
 
-    def _allocated_indices(self, rows: torch.Tensor) -> list[torch.Tensor]:
+    def _allocated_indices(self, rows: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The slots each head keeps under the allocation, from the policy's ranking: ``[len(rows), kv_heads,
-        width]`` per evicting layer, ``-1`` first where a head keeps fewer than the widest (one host read)."""
-        cache, view, spec = self.cache, self._view(rows), self.spec
-        layers = cache.full_layers
-        if self.policy.granularity == "token":  # ranked over the widest head's slots: each head's by position
-            ranking, ranked = self.policy.ranking(view), view.token_positions()
-            rankings = [_by_position(ranking, ranked, cache.positions(layer).index_select(0, rows)) for layer in layers]
+        width]`` per evicting layer, ``-1`` first where a head keeps fewer than the widest (one host read); and
+        the rankings they were taken from."""
+        spec = self.spec
+        rankings = self._head_rankings(self._view(rows), rows)
+        if spec.allocation == "adaptive":
+            floor = adaptive_floor(spec.adaptive_alpha, spec.budget)
+            counts = [adaptive_counts(r, spec.budget * r.shape[1], floor) for r in rankings]
+        else:
+            counts = [static_counts(r, budgets) for r, budgets in zip(rankings, self.budgets, strict=True)]
+        width = int(torch.stack([c.max() for c in counts]).max())
+        return [keep_counted(r, c, width) for r, c in zip(rankings, counts, strict=True)], rankings
+
+    def _head_rankings(self, view: EvictionView, rows: torch.Tensor) -> list[torch.Tensor]:
+        """The policy's ranking of every evicting head's own slots, ``[len(rows), kv_heads, slots]`` per layer; under
+        an allocation a token ranking is spread over each head's positions, and a head's own padding ranks last."""
+        cache, token = self.cache, self.policy.granularity == "token"
+        if self.budgets is None:
+            return self._every_head(self.policy.ranking(view)) if token else self.policy.ranking_layers(view)
+        held = [cache.positions(i).index_select(0, rows.to(cache.valid.device)) for i in cache.full_layers]
+        if token:  # ranked over the widest head's slots: each head's by position
+            ranking, positions = self.policy.ranking(view), view.token_positions()
+            rankings = [by_position(ranking, positions, h, select.NEVER_KEEP) for h in held]
         else:
             rankings = self.policy.ranking_layers(view)
-        counts = []
-        for index, (layer, ranking) in enumerate(zip(layers, rankings, strict=True)):
-            held = cache.positions(layer).index_select(0, rows.to(ranking.device)) >= 0  # a head's own padding
-            ranking = ranking.masked_fill(~held, select.NEVER_KEEP)
-            rankings[index] = ranking
-            if spec.allocation == "adaptive":
-                heads = ranking.shape[1]
-                counts.append(
-                    adaptive_counts(ranking, spec.budget * heads, adaptive_floor(spec.adaptive_alpha, spec.budget))
-                )
-            else:
-                counts.append(static_counts(ranking, self.budgets[index]))
-        width = int(torch.stack([c.max() for c in counts]).max())
-        return [keep_counted(r, c, width) for r, c in zip(rankings, counts, strict=True)]
+        return [r.masked_fill(h.to(r.device) < 0, select.NEVER_KEEP) for r, h in zip(rankings, held, strict=True)]
 
     # ------------------------------------------------------------------ eviction
     def evict_due(self) -> None:
@@ -258,16 +266,15 @@ class Evictor:
         self.observer.flush()  # the attention the policy is owed, before it scores
         with self.stopwatch("score"), select.checks_at_exit():
             if cache.quantized:
-                keep, quantized = self._tiered_indices(rows)
+                keep, quantized, rankings = self._tiered_indices(rows)
             else:
-                keep, quantized = self._kept_indices(rows), None
-        recorder = self.recorder
-        if recorder is not None:
-            recorder.before_gather(self._view(rows))
+                (keep, rankings), quantized = self._kept_indices(rows), None
+        log = self.log
+        decision = None if log is None else self._decision(rows, rankings)
         with self.stopwatch("gather"):
             cache.compact(rows, keep, quantized)
-        if recorder is not None:
-            recorder.after_gather()
+        if decision is not None:
+            log.record(self._settled(decision))
         self.eviction_count += 1
 
     @property
@@ -289,28 +296,76 @@ class Evictor:
             view.layer_budgets = dict(zip(self.cache.full_layers, means, strict=True))
         return view
 
-    def _kept_indices(self, rows: torch.Tensor) -> list[torch.Tensor]:
+    def _kept_indices(self, rows: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """The slots each evicting layer keeps, and the rankings they were taken from (None: the policy kept
+        without handing one over)."""
         if self.budgets is not None:
             return self._allocated_indices(rows)
-        cache, view = self.cache, self._view(rows)
+        view = self._view(rows)
         if self.policy.granularity == "token":
-            kept = self.policy.keep(view)
-            return [kept.unsqueeze(1).expand(-1, cache.layers[i].keys.shape[1], -1) for i in cache.full_layers]
-        return self.policy.keep_layers(view)
+            return self._every_head(self.policy.keep(view)), None
+        return self.policy.keep_layers(view), None
 
-    def _tiered_indices(self, rows: torch.Tensor) -> tuple[list[torch.Tensor], tuple[list[torch.Tensor], torch.Tensor]]:
-        """Full-precision slots per evicting layer, and the quantized slots per layer with their count per row."""
-        cache, view = self.cache, self._view(rows)
+    def _tiered_indices(self, rows: torch.Tensor) -> tuple[list, tuple[list, torch.Tensor], list[torch.Tensor]]:
+        """Full-precision slots per evicting layer, the quantized slots per layer with their count per row, and the
+        rankings they were split from."""
+        cache = self.cache
         held = cache.quantized_mask().index_select(0, rows.to(cache.valid.device))
         sizes = dict(full=cache.budget, quantized=cache.quantized, width=self._tier_width(rows))
-        if self.policy.granularity == "token":
-            split = split_tiers(self.policy.ranking(view), held, **sizes)
-            heads = [cache.layers[i].keys.shape[1] for i in cache.full_layers]
-            full = [split.full.unsqueeze(1).expand(-1, h, -1) for h in heads]
-            return full, ([split.quantized.unsqueeze(1).expand(-1, h, -1) for h in heads], split.counts)
-        splits = [split_tiers(ranking, held.unsqueeze(1), **sizes) for ranking in self.policy.ranking_layers(view)]
+        rankings = self._head_rankings(self._view(rows), rows)
+        if self.policy.granularity == "token":  # one split, every head alike
+            split = split_tiers(rankings[0][:, 0], held, **sizes)
+            return self._every_head(split.full), (self._every_head(split.quantized), split.counts), rankings
+        splits = [split_tiers(ranking, held.unsqueeze(1), **sizes) for ranking in rankings]
         # Every head of a row holds as many tokens, so every head keeps as many quantized.
-        return [s.full for s in splits], ([s.quantized for s in splits], splits[0].counts[:, 0])
+        return [s.full for s in splits], ([s.quantized for s in splits], splits[0].counts[:, 0]), rankings
+
+    def _every_head(self, per_token: torch.Tensor) -> list[torch.Tensor]:
+        """A token-granularity ``[rows, n]`` as every evicting layer's ``[rows, kv_heads, n]``."""
+        cache = self.cache
+        return [per_token.unsqueeze(1).expand(-1, cache.layers[i].keys.shape[1], -1) for i in cache.full_layers]
+
+    # ------------------------------------------------------------------ what a log is told
+    def _decision(self, rows: torch.Tensor, rankings: list[torch.Tensor] | None) -> Decision:
+        """What this eviction decided, over each evicting head's own slots: the rankings it kept by (ranked here
+        only where the policy kept without handing them over), what the policy protected, scored and signalled."""
+        cache, policy, view = self.cache, self.policy, self._view(rows)
+        layers, rows = cache.full_layers, rows.to(cache.valid.device)
+        before = torch.stack([cache.positions(i).index_select(0, rows) for i in layers], 1)  # [r, L, H, S]
+        shared = policy.granularity == "token" and self.budgets is None
+
+        def over_heads(values: torch.Tensor) -> torch.Tensor:  # a token value [r, S] as each head's [r, L, H, S]
+            if shared:
+                return values[:, None, None, :].expand(before.shape)
+            return by_position(values, view.token_positions().to(values.device), before.to(values.device))
+
+        def per_layer(method) -> torch.Tensor:  # a token value over every head, or each layer's own
+            if policy.granularity == "token":
+                return over_heads(method(view))
+            return torch.stack([method(view.at(i)) for i in layers], 1)
+
+        protected = per_layer(lambda v: v.protected())
+        scores = None if type(policy).score is Policy.score else per_layer(lambda v: policy.score(v).float())
+        if rankings is None and policy.can_rank():
+            rankings = self._head_rankings(view, rows)
+        ranking = torch.stack(rankings, 1) if rankings is not None and policy.can_rank() else None
+        if policy.granularity == "token":
+            signals = {name: over_heads(value) for name, value in policy.signals(view).items()}
+        else:
+            found = [policy.signals(view.at(i)) for i in layers]
+            signals = {name: torch.stack([f[name] for f in found], 1) for name in found[0]}
+        return Decision(rows, shared, before, protected, scores, ranking, signals)
+
+    def _settled(self, decision: Decision) -> Decision:
+        """``decision`` with what the cache holds after its gather."""
+        cache, rows = self.cache, decision.rows
+        decision.seen = cache.next_position.index_select(0, rows).tolist()
+        decision.after = [cache.positions(i).index_select(0, rows) for i, _ in self.held_layers]
+        if cache.quantized:  # a tier's slots come first in every evicting layer
+            held = cache.quantized_mask().index_select(0, rows)[:, None, :]
+            evicting = [p for p, (_, kind) in zip(decision.after, self.held_layers, strict=True) if kind == "full"]
+            decision.quantized = [torch.where(held, p[..., : held.shape[-1]], -1) for p in evicting]
+        return decision
 
     def _tier_width(self, rows: torch.Tensor) -> int:
         """The quantized tier's width after evicting ``rows`` (one host read for every layer): the most tier
@@ -320,18 +375,6 @@ class Evictor:
         counts = valid[:, : cache.low_width].sum(-1)
         evicted = (valid.index_select(0, rows).sum(-1) - cache.budget).clamp(0, cache.quantized)
         return int(counts.index_copy(0, rows, evicted).max())
-
-
-def _by_position(ranking: torch.Tensor, positions: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
-    """A token ranking ``[rows, slots]`` over slots holding ``positions`` (ascending, ``-1`` first) as each head's
-    ranking ``[rows, kv_heads, slots]`` over the slots of ``heads`` (its positions): a token the ranked slots do
-    not hold ranks as padding."""
-    rows, kv_heads, slots = heads.shape
-    keys = positions.unsqueeze(1).expand(rows, kv_heads, positions.shape[-1]).contiguous()
-    index = torch.searchsorted(keys, heads.contiguous()).clamp(max=positions.shape[-1] - 1)
-    found = keys.gather(2, index) == heads
-    spread = ranking.unsqueeze(1).expand(rows, kv_heads, -1).gather(2, index)
-    return spread.masked_fill(~found | (heads < 0), select.NEVER_KEEP)
 
 
 def _weak(ref: weakref.ReferenceType, method: str):

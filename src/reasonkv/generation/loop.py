@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from reasonkv.cache.decisions import DecisionLog
 from reasonkv.cache.evicting import EvictingCache
 from reasonkv.cache.spec import CacheSpec, resolve_spec
 from reasonkv.generation.compiled import CompiledDecode, compile_backend
@@ -25,7 +26,6 @@ from reasonkv.generation.rows import Rows
 from reasonkv.generation.sampling import Sampling
 from reasonkv.generation.stats import GenerationResult, Meter
 from reasonkv.hf import Forward, left_pad
-from reasonkv.inspect.trace import TraceRecorder
 from reasonkv.policies import noise
 
 __all__ = ["GenerationResult", "generate", "row_seeds"]
@@ -102,7 +102,7 @@ def generate(
     sync_timing
         Synchronise CUDA around each eviction phase so ``stats["timings"]`` splits time exactly.
     trace
-        Record every eviction: each result's ``trace`` is then a :class:`~reasonkv.inspect.trace.Trace`
+        Record every eviction: each result's ``trace`` is then a :class:`~reasonkv.cache.decisions.Trace`
         (what each layer and head held, protected and scored; see ``reasonkv inspect``).
     compile
         ``True`` (or a ``torch.compile`` backend's name: ``"inductor"``, the default, ``"aot_eager"``, ...):
@@ -143,7 +143,7 @@ def generate(
 
     cache = EvictingCache(model=model, spec=spec, sync_timing=sync_timing)
     cache.reserve(ids.shape[1] + max_new_tokens)
-    recorder = TraceRecorder(cache) if trace else None
+    log = DecisionLog(cache) if trace else None
     forward, meter = Forward(model), Meter(cache, device)
     eos = set() if ignore_eos else eos_ids(model, tokenizer)
     rows = Rows(len(prompt_ids), device, tokenizer, eos, stop, clock=meter.clock)
@@ -180,9 +180,9 @@ def generate(
     if decode is not None:
         for result in results:
             result.stats["compile"] = decode.describe()
-    if recorder is not None:
+    if log is not None:
         for row, result in enumerate(results):
-            result.trace = recorder.trace(row)
+            result.trace = log.trace(row)
     return results
 
 

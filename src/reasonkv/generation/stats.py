@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from reasonkv.cache.decisions import Trace
 from reasonkv.cache.evicting import EvictingCache
 from reasonkv.cache.layer import EvictingLayer
 from reasonkv.generation.rows import Rows
 from reasonkv.hf import synchronize
-from reasonkv.inspect.trace import Trace
 
 __all__ = ["GenerationResult", "Meter", "kv_bytes_held", "peak_row_tokens"]
 

@@ -1,5 +1,6 @@
-"""See what a policy kept: the eviction trace (trace.py) and the page that shows it (``reasonkv inspect``)."""
+"""See what a policy kept: the eviction trace's file (trace.py; the records are
+:mod:`reasonkv.cache.decisions`), the runs of ``reasonkv inspect`` and the page that shows them."""
 
-from reasonkv.inspect.trace import Eviction, Trace, TraceRecorder, load_trace, save_trace
+from reasonkv.inspect.trace import Eviction, Trace, load_trace, save_trace
 
-__all__ = ["Eviction", "Trace", "TraceRecorder", "load_trace", "save_trace"]
+__all__ = ["Eviction", "Trace", "load_trace", "save_trace"]
