@@ -1,10 +1,13 @@
 """``reasonkv calibrate --gates``: train SeerAttention-R's gate for a model by self-distillation.
 
 :class:`GatesSettings` says which model, which problems (the model answers them itself: its own
-reasoning traces, greedy, full cache), how long to train and where to write; :func:`run_gates` generates
-the traces, runs the frozen model once over each to take every full-attention layer's post-RoPE queries
+reasoning traces, sampled at temperature 0.6 as the papers decode, full cache, packed end to end into
+sequences of at least 2,048 tokens, as the authors pack theirs), how long to train and where to write;
+:func:`run_gates` generates the traces, runs the frozen model once over each packed sequence to take every
+full-attention layer's post-RoPE queries
 and keys from the attention tap (rotated back to pre-RoPE with the model's own rotary tables for the
-gate), builds the targets (:mod:`reasonkv.selection.distill`), trains the gate with a progress bar
+gate), builds the targets for queries in the later half of each sequence (where the authors put the
+loss, and a query has many blocks to choose from; :mod:`reasonkv.selection.distill`), trains the gate with a progress bar
 showing the loss, and writes ``gates.pt`` (loaded by ``seer``'s ``gates=FOLDER``) and ``gates.json`` (the
 loss curve, and the recall of the true top blocks on held-out traces: the trained gate, an untrained
 one and Quest's bound) into the ``--out`` folder, beside the model's other calibration files.
@@ -29,12 +32,21 @@ from reasonkv.hf import AttentionTap, model_info
 from reasonkv.models import DEFAULT_MODEL, load_model
 from reasonkv.policies.seer import GATE_FILE
 from reasonkv.selection.distill import LayerExample, layer_example, mean_loss, train_gate
-from reasonkv.selection.gate import GateShape, SeerGate
+from reasonkv.selection.gate import GATE_DIM, INITS, GateShape, SeerGate
 from reasonkv.selection.gatefile import GateFile, save_gate
 from reasonkv.selection.quest import quest_scores
 from reasonkv.selection.recall import top_block_recall
 
-__all__ = ["GatesSettings", "collect_examples", "gate_recall", "run_gates", "self_traces", "shape_for"]
+__all__ = [
+    "GatesSettings",
+    "collect_examples",
+    "gate_recall",
+    "pack_sequences",
+    "query_rows",
+    "run_gates",
+    "self_traces",
+    "shape_for",
+]
 
 SUMMARY_FILE = "gates.json"
 
@@ -47,13 +59,16 @@ class GatesSettings:
     ----------
     model, dtype, device, attn
         The model to load (and train the gate for).
-    dataset, traces, held_out, max_new_tokens
-        The model answers the first ``traces + held_out`` problems of ``dataset`` (greedy, up to
-        ``max_new_tokens`` tokens); the gate trains on ``traces`` of them, and its recall is measured on
-        the other ``held_out``.
-    block_size, gate_dim, steps, lr, queries, seed
-        The gate (blocks of ``block_size`` tokens, ``gate_dim`` channels), Adam's ``steps`` (one trace each)
-        at ``lr``, ``queries`` query positions per trace, the seed of the initial weights and the order.
+    dataset, traces, held_out, max_new_tokens, temperature, pack
+        The model answers the problems of ``dataset`` in order (sampled at ``temperature``, 0 for greedy,
+        up to ``max_new_tokens`` tokens each), and its answers (prompt and output) are packed end to end
+        into sequences of at least ``pack`` tokens, until ``traces + held_out`` sequences are full; the
+        gate trains on ``traces`` of them, and its recall is measured on the other ``held_out``.
+    block_size, gate_dim, qk_norm, init, steps, lr, queries, later_half, seed
+        The gate (blocks of ``block_size`` tokens, ``gate_dim`` channels, RMSNorm on its q and k, ``init``
+        its initial weights), Adam's ``steps`` (one sequence each) at ``lr``, ``queries`` query positions
+        per sequence (in its later half with ``later_half``, else from its second block), the seed of the
+        sampling, the initial weights and the order.
     out
         The folder to write ``gates.pt`` and ``gates.json`` into.
     """
@@ -66,11 +81,16 @@ class GatesSettings:
     traces: int = 24
     held_out: int = 4
     max_new_tokens: int = 384
+    temperature: float = 0.6
+    pack: int = 2048
     block_size: int = 64
-    gate_dim: int = 32
+    gate_dim: int = GATE_DIM
+    qk_norm: bool = True
+    init: str = "normal"
     steps: int = 300
     lr: float = 2e-3
     queries: int = 128
+    later_half: bool = True
     seed: int = 0
     progress: bool = True
     out: Path
@@ -78,12 +98,16 @@ class GatesSettings:
     def __post_init__(self) -> None:
         object.__setattr__(self, "model", os.fspath(self.model))
         object.__setattr__(self, "out", Path(self.out))
-        for name in ("traces", "max_new_tokens", "block_size", "gate_dim", "steps", "queries"):
+        for name in ("traces", "max_new_tokens", "pack", "block_size", "gate_dim", "steps", "queries"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if isinstance(self.held_out, bool) or not isinstance(self.held_out, int) or self.held_out < 0:
             raise ValueError(f"held_out must be a non-negative integer, got {self.held_out!r}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be 0 (greedy) or above, got {self.temperature!r}")
+        if self.init not in INITS:
+            raise ValueError(f"init must be one of {', '.join(INITS)}, got {self.init!r}")
         if not self.lr > 0:
             raise ValueError(f"lr must be positive, got {self.lr!r}")
         if self.out.exists() and not self.out.is_dir():
@@ -93,39 +117,96 @@ class GatesSettings:
         parts = ["reasonkv", "calibrate", "--gates", "--model", self.model, "--dataset", self.dataset]
         parts += ["--gate-traces", str(self.traces), "--held-out", str(self.held_out)]
         parts += ["--max-new-tokens", str(self.max_new_tokens), "--gate-steps", str(self.steps)]
-        parts += ["--block-size", str(self.block_size), "--gate-dim", str(self.gate_dim)]
+        parts += ["--gate-temperature", str(self.temperature), "--gate-pack", str(self.pack)]
+        parts += ["--block-size", str(self.block_size), "--gate-dim", str(self.gate_dim), "--gate-init", self.init]
+        parts += [] if self.qk_norm else ["--no-gate-norm"]
+        parts += [] if self.later_half else ["--gate-loss-everywhere"]
         return shlex.join([*parts, "--out", str(self.out)])
 
 
-def shape_for(model, *, block_size: int = 64, gate_dim: int = 32) -> GateShape:
+def shape_for(model, *, block_size: int = 64, gate_dim: int = GATE_DIM, qk_norm: bool = True) -> GateShape:
     """The gate shape for ``model``: its layers and heads, RoPE base read from its rotary frequencies."""
     info = model_info(model)
     rotary = info.rotary_of(info.full_layers[0], "calibrate --gates")
     base = 10000.0
     if len(rotary.inv_freq) > 1:  # inv_freq[f] = base^(-2f / rotary_dim)
         base = float(rotary.inv_freq[1]) ** (-rotary.rotary_dim / 2)
-    return GateShape(info.num_layers, info.num_heads, info.num_kv_heads, info.head_dim, gate_dim, block_size, base)
+    shape = (info.num_layers, info.num_heads, info.num_kv_heads, info.head_dim, gate_dim, block_size, base)
+    return GateShape(*shape, qk_norm=qk_norm)
 
 
-def self_traces(model, tokenizer, dataset: str, count: int, max_new_tokens: int, batch: int = 8) -> list[list[int]]:
-    """Prompt and greedy answer (full cache) of the first ``count`` problems of ``dataset``, as token ids."""
-    problems = list(load_dataset(dataset))[:count]
-    if len(problems) < count:
-        raise ValueError(f"dataset {dataset!r} has {len(problems)} problems; {count} were asked for")
-    sequences = []
-    for start in tqdm(range(0, count, batch), desc="gates: traces", leave=False):
+def pack_sequences(answers: list[list[int]], length: int) -> list[list[int]]:
+    """``answers`` concatenated in order into sequences of at least ``length`` tokens each (an answer is never
+    split); the answers left over that do not fill one more are dropped."""
+    packed, current = [], []
+    for answer in answers:
+        current = current + answer
+        if len(current) >= length:
+            packed.append(current)
+            current = []
+    return packed
+
+
+def self_traces(
+    model,
+    tokenizer,
+    dataset: str,
+    count: int,
+    max_new_tokens: int,
+    batch: int = 8,
+    *,
+    temperature: float = 0.6,
+    pack: int = 2048,
+    seed: int = 0,
+) -> list[list[int]]:
+    """``count`` sequences of at least ``pack`` tokens: prompts and the model's answers (full cache, sampled at
+    ``temperature``) to the problems of ``dataset`` in order, packed end to end, as token ids."""
+    problems = list(load_dataset(dataset))
+    answers: list[list[int]] = []
+    bar = tqdm(total=count, desc="gates: packed traces", leave=False)
+    for start in range(0, len(problems), batch):
         prompts = [prompt_ids(tokenizer, p) for p in problems[start : start + batch]]
-        results = generate(model, tokenizer, prompts, policy="full", max_new_tokens=max_new_tokens)
-        sequences += [p + list(r.token_ids) for p, r in zip(prompts, results, strict=True)]
-    return sequences
+        results = generate(
+            model,
+            tokenizer,
+            prompts,
+            policy="full",
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=[seed + start + i for i in range(len(prompts))],
+        )
+        answers += [p + list(r.token_ids) for p, r in zip(prompts, results, strict=True)]
+        packed = pack_sequences(answers, pack)
+        bar.update(min(len(packed), count) - bar.n)
+        if len(packed) >= count:
+            bar.close()
+            return packed[:count]
+    raise ValueError(
+        f"dataset {dataset!r}'s {len(problems)} answers fill {len(pack_sequences(answers, pack))} sequences of "
+        f"{pack} tokens; {count} were asked for"
+    )
+
+
+def query_rows(length: int, block_size: int, queries: int, later_half: bool) -> torch.Tensor:
+    """``queries`` query positions of a sequence of ``length`` tokens, evenly spread to its end from its second
+    block (the first with a block to choose), or with ``later_half`` from its middle if that is later."""
+    first = max(block_size, length // 2) if later_half else block_size
+    rows = torch.linspace(first, length - 1, min(queries, length - first))
+    return rows.round().long().unique()
 
 
 @torch.no_grad()  # not inference mode: the examples feed a gradient
 def collect_examples(
-    model, sequences: list[list[int]], block_size: int, queries: int, *, quest: bool = False
+    model,
+    sequences: list[list[int]],
+    block_size: int,
+    queries: int,
+    *,
+    quest: bool = False,
+    later_half: bool = False,
 ) -> list[list[LayerExample]]:
     """Per sequence, one :class:`LayerExample` per full-attention layer (the frozen model run once over it).
-    ``queries`` positions per sequence, evenly spread from the second block to the end. With ``quest``,
+    ``queries`` positions per sequence (:func:`query_rows`). With ``quest``,
     each example also keeps the post-RoPE queries and key bounds Quest scores with."""
     info = model_info(model)
     device = next(model.parameters()).device
@@ -145,8 +226,7 @@ def collect_examples(
             captured.clear()
             model(input_ids=torch.tensor([ids], device=device), use_cache=False)
             positions = torch.arange(len(ids), device=device)
-            rows = torch.linspace(block_size, len(ids) - 1, min(queries, len(ids) - block_size), device=device)
-            rows = rows.round().long().unique()
+            rows = query_rows(len(ids), block_size, queries, later_half).to(device)
             sequence = []
             for layer, (query, key) in sorted(captured.items()):
                 before_q = tables[layer].unrotate(query, positions)
@@ -204,12 +284,24 @@ def run_gates(settings: GatesSettings) -> int:
     for parameter in model.parameters():
         parameter.requires_grad_(False)
     count = settings.traces + settings.held_out
-    sequences = self_traces(model, tokenizer, settings.dataset, count, settings.max_new_tokens)
-    train = collect_examples(model, sequences[: settings.traces], settings.block_size, settings.queries)
-    held = collect_examples(model, sequences[settings.traces :], settings.block_size, settings.queries, quest=True)
-    shape = shape_for(model, block_size=settings.block_size, gate_dim=settings.gate_dim)
-    gate = SeerGate(shape, seed=settings.seed).to(settings.device)
-    untrained = SeerGate(shape, seed=settings.seed).to(settings.device)
+    sequences = self_traces(
+        model,
+        tokenizer,
+        settings.dataset,
+        count,
+        settings.max_new_tokens,
+        temperature=settings.temperature,
+        pack=settings.pack,
+        seed=settings.seed,
+    )
+    half = settings.later_half
+    train = collect_examples(model, sequences[: settings.traces], settings.block_size, settings.queries, later_half=half)
+    held = collect_examples(
+        model, sequences[settings.traces :], settings.block_size, settings.queries, quest=True, later_half=half
+    )
+    shape = shape_for(model, block_size=settings.block_size, gate_dim=settings.gate_dim, qk_norm=settings.qk_norm)
+    gate = SeerGate(shape, seed=settings.seed, init=settings.init).to(settings.device)
+    untrained = SeerGate(shape, seed=settings.seed, init=settings.init).to(settings.device)
     bar = tqdm(total=settings.steps, desc="gates: train", disable=not settings.progress)
 
     def step(index: int, loss: float) -> None:
@@ -238,7 +330,11 @@ def run_gates(settings: GatesSettings) -> int:
         "recall": recall,
     }
     training = {"steps": settings.steps, "first_loss": losses[0], "last_loss": losses[-1], "recall": recall}
-    source = f"{settings.dataset}: {len(train)} self-generated traces (greedy, up to {settings.max_new_tokens} tokens)"
+    sampling = f"temperature {settings.temperature:g}" if settings.temperature else "greedy"
+    source = (
+        f"{settings.dataset}: {len(train)} sequences of at least {settings.pack} tokens packed from the model's own "
+        f"answers ({sampling}, up to {settings.max_new_tokens} tokens each)"
+    )
     info = model_info(model)
     path = save_gate(GateFile(gate.cpu(), settings.model, info.fingerprint, source, training), settings.out / GATE_FILE)
     (settings.out / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
