@@ -4,13 +4,13 @@
 reasoning traces, sampled at temperature 0.6 as the papers decode, full cache, packed end to end into
 sequences of at least 2,048 tokens, as the authors pack theirs), how long to train and where to write;
 :func:`run_gates` generates the traces, runs the frozen model once over each packed sequence to take every
-full-attention layer's post-RoPE queries
-and keys from the attention tap (rotated back to pre-RoPE with the model's own rotary tables for the
-gate), builds the targets for queries in the later half of each sequence (where the authors put the
-loss, and a query has many blocks to choose from; :mod:`reasonkv.selection.distill`), trains the gate with a progress bar
-showing the loss, and writes ``gates.pt`` (loaded by ``seer``'s ``gates=FOLDER``) and ``gates.json`` (the
-loss curve, and the recall of the true top blocks on held-out traces: the trained gate, an untrained
-one and Quest's bound) into the ``--out`` folder, beside the model's other calibration files.
+full-attention layer's post-RoPE queries and keys from the attention tap (rotated back to pre-RoPE with
+the model's own rotary tables for the gate), builds the targets for queries in the later half of each
+sequence (where the authors put the loss, and a query has many blocks to choose from;
+:mod:`reasonkv.selection.distill`), trains the gate with a progress bar showing the loss, and writes
+``gates.pt`` (loaded by ``seer``'s ``gates=FOLDER``) and ``gates.json`` (the loss curve, and the recall of
+the true top blocks on held-out sequences: the trained gate, an untrained one and Quest's bound) into the
+``--out`` folder, beside the model's other calibration files.
 """
 
 from __future__ import annotations
@@ -294,11 +294,9 @@ def run_gates(settings: GatesSettings) -> int:
         pack=settings.pack,
         seed=settings.seed,
     )
-    half = settings.later_half
-    train = collect_examples(model, sequences[: settings.traces], settings.block_size, settings.queries, later_half=half)
-    held = collect_examples(
-        model, sequences[settings.traces :], settings.block_size, settings.queries, quest=True, later_half=half
-    )
+    block, queries, half = settings.block_size, settings.queries, settings.later_half
+    train = collect_examples(model, sequences[: settings.traces], block, queries, later_half=half)
+    held = collect_examples(model, sequences[settings.traces :], block, queries, quest=True, later_half=half)
     shape = shape_for(model, block_size=settings.block_size, gate_dim=settings.gate_dim, qk_norm=settings.qk_norm)
     gate = SeerGate(shape, seed=settings.seed, init=settings.init).to(settings.device)
     untrained = SeerGate(shape, seed=settings.seed, init=settings.init).to(settings.device)
