@@ -232,6 +232,15 @@ class Evictor:
             rankings = [_by_position(ranking, ranked, cache.positions(layer).index_select(0, rows)) for layer in layers]
         else:
             rankings = self.policy.ranking_layers(view)
+        budgets = self.budgets
+        if spec.allocation == "pyramid":  # PyramidKV caps its schedule for a row that has seen few tokens
+            seen = cache.next_position.index_select(0, rows.to(cache.next_position.device)).tolist()
+            picked = rows.to(cache.valid.device)
+            holds = [(cache.positions(layer).index_select(0, picked) >= 0).sum(-1).amax(-1) for layer in layers]
+            fullest = torch.stack(holds).amax(0).tolist()
+            shape = self.budgets.shape
+            tables = [spec.budget_table(*shape, length=n, held=h) for n, h in zip(seen, fullest, strict=True)]
+            budgets = torch.stack(tables, dim=1)  # [layers, rows, kv_heads]
         counts = []
         for index, (layer, ranking) in enumerate(zip(layers, rankings, strict=True)):
             held = cache.positions(layer).index_select(0, rows.to(ranking.device)) >= 0  # a head's own padding
@@ -243,7 +252,7 @@ class Evictor:
                     adaptive_counts(ranking, spec.budget * heads, adaptive_floor(spec.adaptive_alpha, spec.budget))
                 )
             else:
-                counts.append(static_counts(ranking, self.budgets[index]))
+                counts.append(static_counts(ranking, budgets[index]))
         width = int(torch.stack([c.max() for c in counts]).max())
         return [keep_counted(r, c, width) for r, c in zip(rankings, counts, strict=True)]
 

@@ -59,11 +59,12 @@ class GatesSettings:
     ----------
     model, dtype, device, attn
         The model to load (and train the gate for).
-    dataset, traces, held_out, max_new_tokens, temperature, pack
-        The model answers the problems of ``dataset`` in order (sampled at ``temperature``, 0 for greedy,
-        up to ``max_new_tokens`` tokens each), and its answers (prompt and output) are packed end to end
-        into sequences of at least ``pack`` tokens, until ``traces + held_out`` sequences are full; the
-        gate trains on ``traces`` of them, and its recall is measured on the other ``held_out``.
+    dataset, traces, held_out, max_new_tokens, temperature, pack, batch
+        The model answers the problems of ``dataset`` in order, ``batch`` at a time (sampled at
+        ``temperature``, 0 for greedy, up to ``max_new_tokens`` tokens each), and its answers (prompt and
+        output) are packed end to end into sequences of at least ``pack`` tokens, until ``traces +
+        held_out`` sequences are full; the gate trains on ``traces`` of them, and its recall is measured
+        on the other ``held_out``.
     block_size, gate_dim, qk_norm, init, steps, lr, queries, later_half, seed
         The gate (blocks of ``block_size`` tokens, ``gate_dim`` channels, RMSNorm on its q and k, ``init``
         its initial weights), Adam's ``steps`` (one sequence each) at ``lr``, ``queries`` query positions
@@ -83,6 +84,7 @@ class GatesSettings:
     max_new_tokens: int = 384
     temperature: float = 0.6
     pack: int = 2048
+    batch: int = 16
     block_size: int = 64
     gate_dim: int = GATE_DIM
     qk_norm: bool = True
@@ -98,7 +100,7 @@ class GatesSettings:
     def __post_init__(self) -> None:
         object.__setattr__(self, "model", os.fspath(self.model))
         object.__setattr__(self, "out", Path(self.out))
-        for name in ("traces", "max_new_tokens", "pack", "block_size", "gate_dim", "steps", "queries"):
+        for name in ("traces", "max_new_tokens", "pack", "batch", "block_size", "gate_dim", "steps", "queries"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -118,6 +120,7 @@ class GatesSettings:
         parts += ["--gate-traces", str(self.traces), "--held-out", str(self.held_out)]
         parts += ["--max-new-tokens", str(self.max_new_tokens), "--gate-steps", str(self.steps)]
         parts += ["--gate-temperature", str(self.temperature), "--gate-pack", str(self.pack)]
+        parts += ["--gate-batch", str(self.batch), "--gate-queries", str(self.queries)]
         parts += ["--block-size", str(self.block_size), "--gate-dim", str(self.gate_dim), "--gate-init", self.init]
         parts += [] if self.qk_norm else ["--no-gate-norm"]
         parts += [] if self.later_half else ["--gate-loss-everywhere"]
@@ -290,6 +293,7 @@ def run_gates(settings: GatesSettings) -> int:
         settings.dataset,
         count,
         settings.max_new_tokens,
+        settings.batch,
         temperature=settings.temperature,
         pack=settings.pack,
         seed=settings.seed,

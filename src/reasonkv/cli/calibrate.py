@@ -197,6 +197,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=2048,
         help="answers are packed end to end into sequences of at least this many tokens (default 2048)",
     )
+    gates.add_argument("--gate-batch", type=_positive_int, default=16, help="answers generated at a time (default 16)")
+    gates.add_argument(
+        "--gate-queries",
+        type=_positive_int,
+        default=128,
+        help="query positions per packed sequence the loss is taken at (default 128)",
+    )
     gates.add_argument(
         "--gate-dim", type=_positive_int, default=128, help="gate channels (default 128, the authors' width)"
     )
@@ -267,6 +274,8 @@ def settings_from(
             block_size=args.block_size,
             temperature=args.gate_temperature,
             pack=args.gate_pack,
+            batch=args.gate_batch,
+            queries=args.gate_queries,
             gate_dim=args.gate_dim,
             qk_norm=not args.no_gate_norm,
             init=args.gate_init,
