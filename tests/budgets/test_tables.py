@@ -57,7 +57,7 @@ def test_pyramid_follows_kvcache_factorys_schedule(budget, protected, length):
         return
     first, last = ends
     assert int(table[0, 0]) == first
-    # Its min_num is our last layer's (window on top); its integer steps leave the last layer up to 28 above it.
+    # Its min_num is our last layer's (window on top); its step rounded down leaves its last layer up to 28 above.
     assert int(table[-1, 0]) == 2 * (budget - protected) - (first - protected) + protected
     assert last - 28 <= int(table[-1, 0]) <= last
 

@@ -14,8 +14,8 @@ layers are the model's evicting (full-attention) layers, in order.
   ``2S - (n - W) + W``). At decode time a head can keep no more than it holds, so the first layer's cap is
   also the most any head of the row holds at the eviction (after the uniform steps of a short sequence,
   the pyramid then grows ``B`` tokens an eviction until its full height). Rounding goes to the largest
-  remainders, so the total is exactly the uniform one (KVCache-Factory's integer steps leave up to
-  ``layers - 1`` tokens of it unspent in the last layer).
+  remainders, so the total is exactly the uniform one (KVCache-Factory rounds the step between layers
+  down, so its deeper layers keep up to ``layers - 2`` tokens more and its total exceeds uniform's).
 - ``calibrated``: from a budget file (:func:`load_budget_file`): either integer ``budgets`` that already sum
   to the total, or non-negative ``weights`` (what ``reasonkv calibrate --budgets`` writes: the attention
   mass each head received) shared out in proportion, every head first getting its protected tokens.
