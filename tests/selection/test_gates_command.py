@@ -57,3 +57,31 @@ def test_a_run_trains_writes_the_gate_and_its_summary(tmp_path, monkeypatch):
     assert set(summary["recall"]["top1"]) == {"trained", "untrained", "quest"}
     gate_file = load_gate(tmp_path / "gates" / "gates.pt")
     assert gate_file.gate.shape.block_size == 16 and gate_file.training["steps"] == 12
+
+
+def test_answers_are_packed_whole_into_sequences_of_at_least_the_length():
+    answers = [[1] * 5, [2] * 7, [3] * 3, [4] * 9, [5] * 2]
+    packed = gates_module.pack_sequences(answers, 10)
+    assert packed == [[1] * 5 + [2] * 7, [3] * 3 + [4] * 9]  # the 2 left over fill no third sequence
+
+
+def test_the_loss_is_taken_in_the_later_half_of_a_long_sequence():
+    rows = gates_module.query_rows(2048, 64, 128, later_half=True)
+    assert int(rows.min()) == 1024 and int(rows.max()) == 2047 and len(rows) == 128
+    everywhere = gates_module.query_rows(2048, 64, 128, later_half=False)
+    assert int(everywhere.min()) == 64
+    short = gates_module.query_rows(100, 64, 128, later_half=True)  # the middle is inside the first block
+    assert int(short.min()) == 64 and len(short) == 36
+
+
+def test_the_defaults_are_the_authors_training_settings(tmp_path):
+    settings = cli_calibrate.settings_from(_args(tmp_path))
+    assert (settings.temperature, settings.pack, settings.gate_dim) == (0.6, 2048, 128)
+    assert settings.qk_norm and settings.init == "normal" and settings.later_half
+    other = cli_calibrate.settings_from(
+        _args(tmp_path, "--no-gate-norm", "--gate-init", "xavier", "--gate-loss-everywhere", "--gate-temperature", "0")
+    )
+    assert not other.qk_norm and other.init == "xavier" and not other.later_half and other.temperature == 0
+    assert "--no-gate-norm" in other.command() and "--gate-init xavier" in other.command()
+    with pytest.raises(ValueError, match="temperature must be 0 \\(greedy\\) or above, got -1.0"):
+        cli_calibrate.settings_from(_args(tmp_path, "--gate-temperature", "-1"))
