@@ -64,9 +64,9 @@ class Seer(SelectionPolicy):
         before it: a step never reads more than ``K`` tokens per head, the bytes an eviction cache of ``K``
         holds, for comparisons at equal bytes).
     threshold
-        0 (default): the top blocks by ``rule``. Above 0 (the threshold variant): the blocks whose gate
-        probability exceeds it, and the current block; as the authors', however many pass (the budget is
-        not used) unless ``cap``.
+        0 (default): the top blocks by ``rule``; above 0 (the threshold variant), the blocks whose gate
+        probability exceeds it and the current block, however many pass as the authors' (the budget is not
+        used), unless ``cap``.
     cap
         With ``threshold``: read at most the budget's blocks by ``rule`` of those that pass (default False:
         the authors do not cap; capping bounds what a step reads).
