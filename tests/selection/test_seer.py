@@ -311,3 +311,20 @@ def test_the_threshold_variant_is_not_capped_at_the_budget_unless_asked():
         Seer(gates="x", cap=True)
     with pytest.raises(ValueError, match="rule must be one of within, plus, got 'all'"):
         Seer(gates="x", rule="all")
+
+
+def test_a_version_1_gate_file_loads_as_a_gate_without_norm(tmp_path):
+    model = tiny_llama(layers=2)
+    gate = SeerGate(shape_for(model, block_size=BLOCK, gate_dim=16, qk_norm=False), seed=8)
+    save_gate(GateFile(gate, "tiny"), tmp_path / "new.pt")
+    payload = torch.load(tmp_path / "new.pt", weights_only=True)
+    payload["version"] = 1  # as written before RMSNorm: no qk_norm in the shape, no norm weights
+    del payload["shape"]["qk_norm"], payload["query_norm"], payload["key_norm"]
+    torch.save(payload, tmp_path / "old.pt")
+    loaded = load_gate(tmp_path / "old.pt").gate
+    assert not loaded.shape.qk_norm and len(loaded.query_norm) == 0
+    assert torch.equal(loaded.key[1], gate.key[1].detach().half().float())
+    payload["version"] = 3
+    torch.save(payload, tmp_path / "future.pt")
+    with pytest.raises(ValueError, match="has gate file version 3; this reasonkv reads 1, 2"):
+        load_gate(tmp_path / "future.pt")
