@@ -243,3 +243,33 @@ def test_batched_rows_evict_every_b_tokens_from_what_each_holds(allocation):
         assert row.evictions == alone.evictions > 5, r
         assert row.step_bytes["held"] == pytest.approx(alone.step_bytes["held"], rel=1e-12), r
         assert row.top1_agreement == alone.top1_agreement, r
+
+
+def test_pyramid_keeps_k_in_every_head_while_the_sequence_is_short_then_falls_with_depth():
+    """PyramidKV's short-sequence branch: a row that has seen fewer than 2 (K - W) tokens keeps K everywhere
+    (before, the upper layers asked for more than the row held, and the cache held less than uniform's); then
+    the first layer keeps no more than it holds, and every eviction keeps the uniform total."""
+    model = tiny_llama(layers=4)
+    spec = CacheSpec.build("h2o", 20, 6, allocation="pyramid")  # W = 4 sinks: short below 2 x 16 = 32 tokens
+    held = []
+
+    def record(step, cache):
+        seen = int(cache.next_position[0])
+        counts = [(cache.positions(layer)[0] >= 0).sum(-1).tolist() for layer in cache.full_layers]
+        held.append((seen, counts))
+
+    reasonkv.generate(
+        model, None, [PROMPT[:20]], spec=spec, max_new_tokens=40, chat=False, ignore_eos=True, on_step=record
+    )
+    after = [
+        (seen, counts)
+        for (seen, counts), (_, before) in zip(held[1:], held[:-1], strict=True)
+        if counts != before and sum(map(sum, counts)) < sum(map(sum, before))
+    ]  # just after each eviction
+    short = [counts for seen, counts in after if seen < 32]
+    long = [counts for seen, counts in after if seen >= 32]
+    assert short and long
+    assert all(c == [[20, 20]] * 4 for c in short)
+    for counts in long:
+        first, last = counts[0][0], counts[-1][0]
+        assert first > 20 > last and sum(map(sum, counts)) == 20 * 4 * 2

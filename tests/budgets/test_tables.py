@@ -30,9 +30,41 @@ def test_pyramid_sums_to_the_uniform_total_and_falls_with_depth(budget, layers, 
         assert int(per_layer[0]) > budget > int(per_layer[-1])
 
 
-def test_pyramid_follows_pyramidkv_ends():
-    table = pyramid_table(64, 30, 3, 4)
-    assert int(table[-1, 0]) == 4 and int(table[0, 0]) == 2 * 64 - 4  # K // 20 = 3 < 4 protected
+def _kvcache_factory_ends(capacity, window, length, layers, beta=20):
+    """PyramidKVCluster.update_kv's first and last layer capacities (window included), or None for its
+    branches that keep every layer at the same count (a sequence shorter than 2 (capacity - window))."""
+    if length < (capacity - window) * 2:
+        return None
+    min_num = (capacity - window) // beta
+    max_num = (capacity - window) * 2 - min_num
+    if max_num >= length - window:
+        max_num = length - window
+        min_num = (capacity - window) * 2 - max_num
+    steps = (max_num - min_num) // (layers - 1)
+    return max_num + window, max_num - (layers - 1) * steps + window
+
+
+@pytest.mark.parametrize(
+    ("budget", "protected", "length"),
+    [(64, 4, None), (128, 0, 5000), (128, 32, 192), (128, 32, 200), (128, 32, 230), (300, 8, 584), (128, 0, 200)],
+)
+def test_pyramid_follows_kvcache_factorys_schedule(budget, protected, length):
+    table = pyramid_table(budget, 30, 3, protected, length)
+    assert int(table.sum()) == budget * 30 * 3
+    ends = _kvcache_factory_ends(budget, protected, 10**9 if length is None else length, 30)
+    if ends is None:  # a short sequence: every layer keeps K
+        assert bool((table == budget).all())
+        return
+    first, last = ends
+    assert int(table[0, 0]) == first
+    # Its min_num is our last layer's (window on top); its step rounded down leaves its last layer up to 28 above.
+    assert int(table[-1, 0]) == 2 * (budget - protected) - (first - protected) + protected
+    assert last - 28 <= int(table[-1, 0]) <= last
+
+
+def test_at_200_tokens_seen_pyramid_holds_what_uniform_holds():
+    table = pyramid_table(128, 30, 1, 0, length=200)
+    assert int(table.sum()) == 3840 and bool((table.clamp(max=200) == table).all())
 
 
 @pytest.mark.parametrize("seed", range(20))

@@ -103,42 +103,55 @@ def test_a_run_writes_over_its_own_output_and_adopts_one_from_before_markers(tmp
     assert (tmp_path / "gates" / "notes.txt").read_text() == "my notes\n"
 
 
-def test_settings_that_cannot_make_a_trace_long_enough_are_refused_before_generating(tmp_path, monkeypatch):
-    monkeypatch.setattr(gates_module, "prompt_ids", lambda tokenizer, problem: [5] * 40)
-    monkeypatch.setattr(gates_module, "generate", _no_model)
-    settings = _settings(tmp_path, block_size=64, max_new_tokens=16)
+def test_a_pack_too_short_for_the_gate_to_learn_from_is_refused_with_the_settings(tmp_path):
+    settings = _settings(tmp_path, block_size=64)
     assert (settings.shortest(), settings.shortest(held_out=True)) == (129, 257)
     with pytest.raises(ValueError) as caught:
-        gates_module.self_traces(None, None, settings)
+        _settings(tmp_path, block_size=64, pack=200)
     message = str(caught.value)
-    assert "--max-new-tokens 16 is too few: a training trace needs at least 129 tokens" in message
-    assert "a held-out one 257 (more than 3 blocks" in message
-    assert "problem gsm8k-test-0003's prompt of 40 tokens" in message
-    assert "use --max-new-tokens 217 or more" in message  # 257 - 40, for the held-out problem
-    settings = _settings(tmp_path, block_size=64, max_new_tokens=16, held_out=0)
-    with pytest.raises(ValueError, match="use --max-new-tokens 89 or more"):  # 129 - 40
-        gates_module.self_traces(None, None, settings)
+    assert "--gate-pack 200 is too short: a training sequence needs at least 129 tokens" in message
+    assert "a held-out one 257 (more than 3 blocks" in message and "use --gate-pack 257 or more" in message
+    with pytest.raises(ValueError, match="use --gate-pack 129 or more"):
+        _settings(tmp_path, block_size=64, pack=100, held_out=0)
 
 
 @pytest.mark.parametrize(
     ("lengths", "message"),
     [
-        ([20, 30, 32, 80], "none of the 3 training traces reached 33 tokens"),  # two whole blocks of 16, and one
-        ([80, 80, 80, 64], "none of the 1 held-out traces reached 65 tokens"),  # four, for the top-3 recall
+        ([10, 12, 14, 80], "no trace to train on"),  # no training sequence holds a block to choose
+        ([80, 80, 80, 40], "the held-out recall"),  # under four blocks of 16: the top 3 are every block
     ],
 )
-def test_traces_too_short_to_learn_from_write_nothing(tmp_path, monkeypatch, lengths, message):
+def test_sequences_too_short_to_learn_from_write_nothing(tmp_path, monkeypatch, lengths, message):
     _fake_run(monkeypatch, [[7] * n for n in lengths])
     with pytest.raises(ValueError, match=message):
         run_gates(_settings(tmp_path))
     assert not (tmp_path / "gates" / "gates.pt").exists() and not (tmp_path / "gates" / "gates.json").exists()
 
 
-def test_traces_that_ended_early_are_left_out_and_said(tmp_path, monkeypatch, capsys):
-    generator = torch.Generator().manual_seed(1)
-    _fake_run(monkeypatch, [torch.randint(3, 90, (n,), generator=generator).tolist() for n in (80, 20, 80, 80)])
-    assert run_gates(_settings(tmp_path)) == 0
-    assert "1 of 3 training traces ended before 33 tokens" in capsys.readouterr().err
-    summary = json.loads((tmp_path / "gates" / "gates.json").read_text())
-    assert summary["traces"] == 2 and summary["losses"][0] > 0
-    assert all(v == v for k in summary["recall"].values() for v in k.values())  # no nan
+def test_answers_are_packed_whole_into_sequences_of_at_least_the_length():
+    answers = [[1] * 5, [2] * 7, [3] * 3, [4] * 9, [5] * 2]
+    packed = gates_module.pack_sequences(answers, 10)
+    assert packed == [[1] * 5 + [2] * 7, [3] * 3 + [4] * 9]  # the 2 left over fill no third sequence
+
+
+def test_the_loss_is_taken_in_the_later_half_of_a_long_sequence():
+    rows = gates_module.query_rows(2048, 64, 128, later_half=True)
+    assert int(rows.min()) == 1024 and int(rows.max()) == 2047 and len(rows) == 128
+    everywhere = gates_module.query_rows(2048, 64, 128, later_half=False)
+    assert int(everywhere.min()) == 64
+    short = gates_module.query_rows(100, 64, 128, later_half=True)  # the middle is inside the first block
+    assert int(short.min()) == 64 and len(short) == 36
+
+
+def test_the_defaults_are_the_authors_training_settings(tmp_path):
+    settings = cli_calibrate.settings_from(_args(tmp_path))
+    assert (settings.temperature, settings.pack, settings.gate_dim) == (0.6, 2048, 128)
+    assert settings.qk_norm and settings.init == "normal" and settings.later_half
+    other = cli_calibrate.settings_from(
+        _args(tmp_path, "--no-gate-norm", "--gate-init", "xavier", "--gate-loss-everywhere", "--gate-temperature", "0")
+    )
+    assert not other.qk_norm and other.init == "xavier" and not other.later_half and other.temperature == 0
+    assert "--no-gate-norm" in other.command() and "--gate-init xavier" in other.command()
+    with pytest.raises(ValueError, match="temperature must be 0 \\(greedy\\) or above, got -1.0"):
+        cli_calibrate.settings_from(_args(tmp_path, "--gate-temperature", "-1"))

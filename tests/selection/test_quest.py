@@ -1,4 +1,5 @@
-"""Quest: the blocks a decode step reads are the top blocks of its formula, computed here independently."""
+"""Quest: the pages a decode step reads are the top pages of its formula, computed here independently, in
+every layer past the dense ones; per query head, each head attends to its own pages."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ BLOCK, BUDGET = 16, 80  # 5 blocks a step: the current one and the top 4
 
 
 def _reference_blocks(query, keys, positions, group_rule):
-    """Per (row, kv-head): the sorted top blocks by sum_d max(q_d min_d, q_d max_d), from the full keys."""
+    """Per (row, query head): the sorted top blocks by sum_d max(q_d min_d, q_d max_d), from the full keys,
+    the heads of a kv-head combined by ``group_rule`` (``head``: each its own)."""
     batch, heads, dim = query.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads
@@ -33,15 +35,23 @@ def _reference_blocks(query, keys, positions, group_rule):
                     torch.maximum(query[b, h * group + g].double() * low, query[b, h * group + g].double() * high).sum()
                     for g in range(group)
                 ]
-                scores.append(max(bounds) if group_rule == "max" else sum(bounds))
-            top = sorted(range(current), key=lambda j: -float(scores[j]))[: BUDGET // BLOCK - 1]
-            chosen[b, h] = sorted(top) + [current]
+                combined = {"max": [max(bounds)] * group, "sum": [sum(bounds)] * group, "head": bounds}[group_rule]
+                scores.append(combined)
+            for g in range(group):
+                top = sorted(range(current), key=lambda j: -float(scores[j][g]))[: BUDGET // BLOCK - 1]
+                chosen[b, h * group + g] = sorted(top) + [current]
     return chosen
 
 
-@pytest.mark.parametrize("group_rule", ["max", "sum"])
+def _attended(choice, mask, b, head, group):
+    """The blocks query head ``head`` attends to: those of its kv-head's read where its mask lets a slot through."""
+    blocks = choice.blocks[b, head // group].repeat_interleave(BLOCK)
+    return sorted(set(blocks[mask[b, head, 0] == 0].tolist()))
+
+
+@pytest.mark.parametrize("group_rule", ["max", "sum", "head"])
 def test_the_chosen_blocks_equal_the_formula_on_the_same_tensors(group_rule):
-    model = tiny_llama(layers=3, kv_heads=2, heads=4)
+    model = tiny_llama(layers=4, kv_heads=2, heads=4)
     generator = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 90, (n,), generator=generator).tolist() for n in LENGTHS]
     seen = []
@@ -56,7 +66,7 @@ def test_the_chosen_blocks_equal_the_formula_on_the_same_tensors(group_rule):
             out = read(layer, query, key, value, slot_positions, step_positions)
             if out is not None:
                 choice = selector.last[layer]
-                seen.append((query[:, :, 0].clone(), key.clone(), slot_positions[:, 0].clone(), choice))
+                seen.append((layer, query[:, :, 0].clone(), key.clone(), slot_positions[:, 0].clone(), choice, out[2]))
             return out
 
         selector.read = recording
@@ -67,18 +77,19 @@ def test_the_chosen_blocks_equal_the_formula_on_the_same_tensors(group_rule):
         prompts,
         policy="quest",
         budget=BUDGET,
-        block_size=BLOCK,
         group=group_rule,
         max_new_tokens=50,
         ignore_eos=True,
         on_step=spy,
     )
-    assert len(seen) == 3 * 49  # every layer of every decode step
-    for query, keys, positions, choice in seen[::7]:
+    assert sorted({layer for layer, *_ in seen}) == [2, 3]  # layers 0 and 1 read everything (Quest's dense layers)
+    assert len(seen) == 2 * 49  # every other layer at every decode step
+    for _, query, keys, positions, choice, mask in seen[::7]:
         reference = _reference_blocks(query, keys, positions, group_rule)
-        for (b, h), blocks in reference.items():
-            got = choice.blocks[b, h][choice.chosen[b, h]].tolist()
-            assert got == blocks, (b, h)
+        for (b, head), blocks in reference.items():
+            assert _attended(choice, mask, b, head, 2) == blocks, (b, head)
+            if group_rule != "head":  # one choice per kv-head: what it reads is exactly that choice
+                assert choice.blocks[b, head // 2][choice.chosen[b, head // 2]].tolist() == blocks
 
 
 def test_the_bound_is_an_upper_bound_of_every_key_in_the_block():
@@ -89,5 +100,5 @@ def test_the_bound_is_an_upper_bound_of_every_key_in_the_block():
     grouped = query.view(2, 3, 2, 16)
     exact = torch.einsum("bkgd,bkntd->bkgnt", grouped, keys).amax(-1).amax(2)  # the best key of each block
     assert (bound >= exact - 1e-5).all()
-    with pytest.raises(ValueError, match="group must be one of max, sum"):
+    with pytest.raises(ValueError, match="group must be one of max, sum, head"):
         quest_scores(query, keys.amin(3), keys.amax(3), "mean")

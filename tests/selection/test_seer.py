@@ -9,9 +9,11 @@ import reasonkv
 from conftest import tiny_llama, tiny_qwen3
 from reasonkv.calibrate.gates import collect_examples, gate_recall, shape_for
 from reasonkv.hf import model_info
+from reasonkv.policies.seer import Seer
 from reasonkv.selection.distill import block_targets, gate_loss, mean_loss, train_gate
 from reasonkv.selection.gate import SeerGate
 from reasonkv.selection.gatefile import GateFile, load_gate, save_gate
+from reasonkv.selection.pooled import PooledKeys
 
 BLOCK = 16
 
@@ -205,6 +207,124 @@ def test_the_shipped_smollm2_gate_loads_by_its_weights_and_reads_within_the_budg
         ignore_eos=True,
     )
     read = result.stats["selection"]
-    # 30 layers x 3 kv-heads, at most 128 tokens each per step, K and V of 64 float32 channels.
-    assert 0 < read["kv_bytes_read_per_step"] <= 30 * 3 * 128 * 2 * 64 * 4
+    # 30 layers x 3 kv-heads, at most 128 tokens and the current block each per step, K and V of 64 float32 channels.
+    assert 0 < read["kv_bytes_read_per_step"] <= 30 * 3 * (128 + 64) * 2 * 64 * 4
     assert read["read_fraction"] < 1 and result.stats["evictions"] == 0
+
+
+def _hand_rope(x, position, base):
+    """RoPE written out pair by pair (channel i with channel i + dim/2), at one position."""
+    dim = x.shape[-1]
+    out = x.clone().double()
+    for i in range(dim // 2):
+        angle = position * base ** (-2 * i / dim)
+        c, s = torch.cos(torch.tensor(angle, dtype=torch.float64)), torch.sin(torch.tensor(angle, dtype=torch.float64))
+        out[..., i] = x[..., i] * c - x[..., i + dim // 2] * s
+        out[..., i + dim // 2] = x[..., i + dim // 2] * c + x[..., i] * s
+    return out
+
+
+def _hand_norm(x, weight):
+    return x / torch.sqrt((x * x).mean() + 1e-6) * weight
+
+
+def _hand_logits(gate, layer, queries, maximum, minimum, mean, position):
+    """The authors' gate for one query (pre-RoPE ``queries`` ``[heads, d]``): per kv-head, the group's projected
+    queries summed, RMSNorm, RoPE at ``position``; per block, max/min/mean pooled keys projected, RMSNorm,
+    RoPE at the block's first position; logits q . k / sqrt(gate_dim)."""
+    s = gate.shape
+    out = torch.zeros(s.kv_heads, maximum.shape[1], dtype=torch.float64)
+    for k in range(s.kv_heads):
+        q = sum(queries[k * s.group + g].double() @ gate.query[layer][k, g].double() for g in range(s.group))
+        q = _hand_rope(_hand_norm(q, gate.query_norm[layer].double()), position, s.rope_base)
+        for j in range(maximum.shape[1]):
+            pooled = torch.cat([maximum[k, j], minimum[k, j], mean[k, j]]).double()
+            key = _hand_norm(pooled @ gate.key[layer][k].double(), gate.key_norm[layer].double())
+            out[k, j] = q @ _hand_rope(key, j * s.block_size, s.rope_base) / s.gate_dim**0.5
+    return out
+
+
+def test_the_gate_forward_with_rmsnorm_equals_a_hand_written_one():
+    model = tiny_llama(layers=2)
+    shape = shape_for(model, block_size=BLOCK, gate_dim=16)
+    assert shape.qk_norm  # the authors' training turns it on: the default
+    gate = SeerGate(shape, seed=4)
+    with torch.no_grad():  # norm weights away from their initial ones, so that they count
+        for w in [*gate.query_norm, *gate.key_norm]:
+            w.uniform_(0.5, 1.5)
+    generator = torch.Generator().manual_seed(5)
+    queries = torch.randn(4, 16, generator=generator)
+    maximum, minimum, mean = (torch.randn(2, 5, 16, generator=generator) for _ in range(3))
+    got = gate.logits(
+        gate.gate_queries(1, queries.view(1, 4, 1, 16), torch.tensor([[77]])),
+        gate.gate_keys(1, maximum[None], minimum[None], mean[None]),
+    )[0, :, 0]
+    expected = _hand_logits(gate, 1, queries, maximum, minimum, mean, 77)
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_the_gate_is_the_authors_width_and_initialisation_by_default():
+    model = tiny_llama(layers=2)
+    shape = shape_for(model, block_size=BLOCK)
+    assert shape.gate_dim == 128
+    gate = SeerGate(shape_for(tiny_llama(layers=2, heads=16, kv_heads=2), block_size=BLOCK), seed=0)
+    weights = torch.cat([w.detach().flatten() for w in [*gate.query, *gate.key]])
+    assert abs(float(weights.std()) - 0.02) < 0.001 and abs(float(weights.mean())) < 0.001
+    assert all(torch.equal(w, torch.ones(128)) for w in [*gate.query_norm, *gate.key_norm])
+    xavier = SeerGate(shape, init="xavier")
+    assert float(xavier.key[0].abs().max()) > 0.1  # uniform over +-sqrt(6 / (fan_in + fan_out))
+    with pytest.raises(ValueError, match="gate init must be one of normal, xavier, got 'zeros'"):
+        SeerGate(shape, init="zeros")
+
+
+def _seer(model, gate):
+    policy = Seer(gates="unused", block_size=BLOCK)
+    info = model_info(model)
+    policy.gate, policy.info = gate, info
+    policy.rotary = {layer: info.rotary_of(layer, "test").tables() for layer in info.full_layers}
+    return policy, policy.rotary[0]
+
+
+@pytest.mark.parametrize("newest", [70, 79])  # the current block filling (logit 0), and just completed (its own)
+def test_the_softmax_runs_over_every_block_up_to_the_current_one(newest):
+    model = tiny_llama(layers=2)
+    gate = SeerGate(shape_for(model, block_size=BLOCK, gate_dim=16), seed=6)
+    policy, rotary = _seer(model, gate)
+    generator = torch.Generator().manual_seed(7)
+    keys = torch.randn(1, 2, newest + 1, 16, generator=generator)  # pre-RoPE
+    pooled = PooledKeys(BLOCK)
+    pooled.add(keys, torch.arange(newest + 1).view(1, -1))
+    before = torch.randn(4, 16, generator=generator)
+    query = rotary.rotate(before.view(1, 4, 1, 16), torch.tensor(newest).view(1, 1, 1))[:, :, 0]
+    got = policy.gate_probabilities(0, query, pooled, torch.tensor([newest]))[0]
+    logits = _hand_logits(gate, 0, before, pooled.maximum[0], pooled.minimum[0], pooled.mean[0], newest)
+    if newest % BLOCK != BLOCK - 1:
+        logits[:, -1] = 0.0  # the authors' zeroed gate key of the block still filling
+    torch.testing.assert_close(got.double(), logits.softmax(-1), atol=1e-5, rtol=1e-4)
+    assert got.shape[-1] == newest // BLOCK + 1  # the current block is in the softmax
+
+
+def test_the_threshold_variant_is_not_capped_at_the_budget_unless_asked():
+    assert not Seer(gates="x", threshold=0.05).capped
+    assert Seer(gates="x", threshold=0.05, cap=True).capped and Seer(gates="x").capped
+    with pytest.raises(ValueError, match="cap=True caps the threshold variant"):
+        Seer(gates="x", cap=True)
+    with pytest.raises(ValueError, match="rule must be one of within, plus, got 'all'"):
+        Seer(gates="x", rule="all")
+
+
+def test_a_version_1_gate_file_loads_as_a_gate_without_norm(tmp_path):
+    model = tiny_llama(layers=2)
+    gate = SeerGate(shape_for(model, block_size=BLOCK, gate_dim=16, qk_norm=False), seed=8)
+    save_gate(GateFile(gate, "tiny"), tmp_path / "new.pt")
+    payload = torch.load(tmp_path / "new.pt", weights_only=True)
+    payload["version"] = 1  # as written before RMSNorm: no qk_norm in the shape, no norm weights
+    del payload["shape"]["qk_norm"], payload["query_norm"], payload["key_norm"]
+    torch.save(payload, tmp_path / "old.pt")
+    loaded = load_gate(tmp_path / "old.pt").gate
+    assert not loaded.shape.qk_norm and len(loaded.query_norm) == 0
+    assert torch.equal(loaded.key[1], gate.key[1].detach().half().float())
+    payload["version"] = 3
+    torch.save(payload, tmp_path / "future.pt")
+    with pytest.raises(ValueError, match="has gate file version 3; this reasonkv reads 1, 2"):
+        load_gate(tmp_path / "future.pt")

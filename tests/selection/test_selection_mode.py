@@ -60,7 +60,7 @@ def test_the_oracle_holds_for_logits_step_by_step():
 def test_a_small_budget_reads_less_and_holds_everything():
     model, prompts = tiny_llama(layers=3), _prompts(3)
     out = reasonkv.generate(
-        model, None, prompts, policy="quest", budget=64, block_size=16, max_new_tokens=80, ignore_eos=True
+        model, None, prompts, policy="quest", budget=64, dense_layers=0, max_new_tokens=80, ignore_eos=True
     )
     for row, result in zip(prompts, out, strict=True):
         stats = result.stats["selection"]
@@ -96,7 +96,7 @@ def test_the_pooled_side_cache_equals_pooling_the_full_keys_at_every_step():
         prompts,
         policy="quest",
         budget=64,
-        block_size=16,
+        dense_layers=0,  # a dense layer keeps no side cache
         max_new_tokens=60,
         ignore_eos=True,
         on_step=check,
@@ -107,7 +107,7 @@ def test_the_pooled_side_cache_equals_pooling_the_full_keys_at_every_step():
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        (dict(budget=32), "at least one block"),
+        (dict(budget=8), "at least one block"),
         (dict(budget=None), "needs a budget"),
         (dict(budget=256, sinks=4), "sinks=4"),
         (dict(budget=256, quantized=64), "no quantized tier"),
@@ -171,7 +171,7 @@ def test_the_eval_grid_refuses_a_compiled_selection_cell_when_built(policy):
 def test_a_trace_records_what_each_step_read():
     model, prompts = tiny_llama(layers=2), _prompts(5)[:2]
     out = reasonkv.generate(
-        model, None, prompts, policy="quest", budget=48, block_size=16, max_new_tokens=30, ignore_eos=True, trace=True
+        model, None, prompts, policy="quest", budget=48, dense_layers=1, max_new_tokens=30, ignore_eos=True, trace=True
     )
     for prompt, result in zip(prompts, out, strict=True):
         trace = result.trace
@@ -180,7 +180,8 @@ def test_a_trace_records_what_each_step_read():
             assert record.seen == len(prompt) + step + 1
             read, held = record.kept_mask(), record.before_mask()
             assert held.all()  # selection holds every token
-            assert (read.sum(-1) <= 48).all() and read[..., -1].all()  # within the budget, the newest token read
+            assert read[0].all()  # the dense layer reads everything
+            assert (read[1].sum(-1) <= 48).all() and read[..., -1].all()  # within the budget, the newest token read
             assert not (record.protected_mask() & ~read).any()  # the current block is always read
             assert record.scores.shape == (2, 2, record.seen)
 

@@ -233,9 +233,22 @@ class Evictor:
             floor = adaptive_floor(spec.adaptive_alpha, spec.budget)
             counts = [adaptive_counts(r, spec.budget * r.shape[1], floor) for r in rankings]
         else:
-            counts = [static_counts(r, budgets) for r, budgets in zip(rankings, self.budgets, strict=True)]
+            tables = self._pyramid_budgets(rows) if spec.allocation == "pyramid" else self.budgets
+            counts = [static_counts(r, budgets) for r, budgets in zip(rankings, tables, strict=True)]
         width = int(torch.stack([c.max() for c in counts]).max())
         return [keep_counted(r, c, width) for r, c in zip(rankings, counts, strict=True)], rankings
+
+    def _pyramid_budgets(self, rows: torch.Tensor) -> torch.Tensor:
+        """PyramidKV caps its schedule for a row that has seen few tokens: each row's own table, ``[layers,
+        len(rows), kv_heads]``, from the tokens it has seen and what its fullest head holds."""
+        cache, spec = self.cache, self.spec
+        seen = cache.next_position.index_select(0, rows.to(cache.next_position.device)).tolist()
+        picked = rows.to(cache.valid.device)
+        holds = [(cache.positions(i).index_select(0, picked) >= 0).sum(-1).amax(-1) for i in cache.full_layers]
+        fullest = torch.stack(holds).amax(0).tolist()
+        shape = self.budgets.shape
+        tables = [spec.budget_table(*shape, length=n, held=h) for n, h in zip(seen, fullest, strict=True)]
+        return torch.stack(tables, dim=1)
 
     def _head_rankings(self, view: EvictionView, rows: torch.Tensor) -> list[torch.Tensor]:
         """The policy's ranking of every evicting head's own slots, ``[len(rows), kv_heads, slots]`` per layer; under

@@ -271,14 +271,23 @@ class CacheSpec:
         """Whether heads may keep different numbers of tokens (any allocation but ``uniform``)."""
         return self.allocation != "uniform"
 
-    def budget_table(self, layers: int, kv_heads: int):
+    def budget_table(self, layers: int, kv_heads: int, length: int | None = None, held: int | None = None):
         """``[layers, kv_heads]`` tokens each evicting layer's heads keep (``adaptive``: the uniform split it
-        starts from), summing to ``K x layers x kv_heads``; ``ValueError`` when a budget file's counts differ."""
+        starts from), summing to ``K x layers x kv_heads``; ``ValueError`` when a budget file's counts differ.
+        ``length``, ``held``: the tokens the row has seen and the most one of its heads holds (``pyramid`` caps
+        its schedule for a short sequence)."""
         if self.budget is None:
             raise ValueError("the full cache has no budget to allocate")
         protected = self.policy.sinks + self.policy.window
         return budget_table(
-            self.allocation, self.budget, layers, kv_heads, protected=protected, budgets_file=self.budgets_file
+            self.allocation,
+            self.budget,
+            layers,
+            kv_heads,
+            protected=protected,
+            budgets_file=self.budgets_file,
+            length=length,
+            held=held,
         )
 
     def check_compile(self) -> None:

@@ -1,19 +1,21 @@
 """``reasonkv calibrate --gates``: train SeerAttention-R's gate for a model by self-distillation.
 
 :class:`GatesSettings` says which model, which problems (the model answers them itself: its own
-reasoning traces, greedy, full cache), how long to train and where to write; :func:`run_gates` generates
-the traces, runs the frozen model once over each to take every full-attention layer's post-RoPE queries
-and keys from the attention tap (rotated back to pre-RoPE with the model's own rotary tables for the
-gate), builds the targets (:mod:`reasonkv.selection.distill`), trains the gate with a progress bar
-showing the loss, and writes ``gates.pt`` (loaded by ``seer``'s ``gates=FOLDER``) and ``gates.json`` (the
-loss curve, and the recall of the true top blocks on held-out traces: the trained gate, an untrained
-one and Quest's bound) into the ``--out`` folder, beside the model's other calibration files.
+reasoning traces, sampled at temperature 0.6 as the papers decode, full cache, packed end to end into
+sequences of at least 2,048 tokens, as the authors pack theirs), how long to train and where to write;
+:func:`run_gates` generates the traces, runs the frozen model once over each packed sequence to take every
+full-attention layer's post-RoPE queries and keys from the attention tap (rotated back to pre-RoPE with
+the model's own rotary tables for the gate), builds the targets for queries in the later half of each
+sequence (where the authors put the loss, and a query has many blocks to choose from;
+:mod:`reasonkv.selection.distill`), trains the gate with a progress bar showing the loss, and writes
+``gates.pt`` (loaded by ``seer``'s ``gates=FOLDER``) and ``gates.json`` (the loss curve, and the recall of
+the true top blocks on held-out sequences: the trained gate, an untrained one and Quest's bound) into the
+``--out`` folder, beside the model's other calibration files.
 
 The folder is claimed first, before the model loads (:func:`claim_gates_output`): a ``gates.pt`` or
-``gates.json`` there that this command did not write is never replaced. A trace too short for the gate
-to learn from (:meth:`GatesSettings.shortest`) is refused before any generation when no answer could make
-it long enough, and left out when the model stopped early; a run left with no trace to train on, or none
-to measure recall on, writes nothing.
+``gates.json`` there that this command did not write is never replaced. A packed sequence shorter than the
+gate needs to learn from (:meth:`GatesSettings.shortest`) is refused with the settings, and a run whose
+training or held-out recall measured nothing writes nothing.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from reasonkv.policies.seer import GATE_FILE
 from reasonkv.runs.outputs import ClaimedFolder, claim_folder, write_atomic
 from reasonkv.runs.paths import portable_command, portable_path
 from reasonkv.selection.distill import LayerExample, layer_example, mean_loss, train_gate
-from reasonkv.selection.gate import GateShape, SeerGate
+from reasonkv.selection.gate import GATE_DIM, INITS, GateShape, SeerGate
 from reasonkv.selection.gatefile import GateFile, gate_bytes, load_gate
 from reasonkv.selection.quest import quest_scores
 from reasonkv.selection.recall import top_block_recall
@@ -47,6 +49,8 @@ __all__ = [
     "claim_gates_output",
     "collect_examples",
     "gate_recall",
+    "pack_sequences",
+    "query_rows",
     "run_gates",
     "self_traces",
     "shape_for",
@@ -54,7 +58,7 @@ __all__ = [
 
 SUMMARY_FILE = "gates.json"
 OUTPUT_FILES = (GATE_FILE, SUMMARY_FILE)
-TOP_K = (1, 3)  # the recall measured on held-out traces: of the true top 1 and top 3 blocks
+TOP_K = (1, 3)  # the recall measured on held-out sequences: of the true top 1 and top 3 blocks
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,13 +69,17 @@ class GatesSettings:
     ----------
     model, dtype, device, attn
         The model to load (and train the gate for).
-    dataset, traces, held_out, max_new_tokens
-        The model answers the first ``traces + held_out`` problems of ``dataset`` (greedy, up to
-        ``max_new_tokens`` tokens); the gate trains on ``traces`` of them, and its recall is measured on
-        the other ``held_out``.
-    block_size, gate_dim, steps, lr, queries, seed
-        The gate (blocks of ``block_size`` tokens, ``gate_dim`` channels), Adam's ``steps`` (one trace each)
-        at ``lr``, ``queries`` query positions per trace, the seed of the initial weights and the order.
+    dataset, traces, held_out, max_new_tokens, temperature, pack, batch
+        The model answers the problems of ``dataset`` in order, ``batch`` at a time (sampled at
+        ``temperature``, 0 for greedy, up to ``max_new_tokens`` tokens each), and its answers (prompt and
+        output) are packed end to end into sequences of at least ``pack`` tokens, until ``traces +
+        held_out`` sequences are full; the gate trains on ``traces`` of them, and its recall is measured
+        on the other ``held_out``.
+    block_size, gate_dim, qk_norm, init, steps, lr, queries, later_half, seed
+        The gate (blocks of ``block_size`` tokens, ``gate_dim`` channels, RMSNorm on its q and k, ``init``
+        its initial weights), Adam's ``steps`` (one sequence each) at ``lr``, ``queries`` query positions
+        per sequence (in its later half with ``later_half``, else from its second block), the seed of the
+        sampling, the initial weights and the order.
     out
         The folder to write ``gates.pt`` and ``gates.json`` into.
     """
@@ -84,11 +92,17 @@ class GatesSettings:
     traces: int = 24
     held_out: int = 4
     max_new_tokens: int = 384
+    temperature: float = 0.6
+    pack: int = 2048
+    batch: int = 16
     block_size: int = 64
-    gate_dim: int = 32
+    gate_dim: int = GATE_DIM
+    qk_norm: bool = True
+    init: str = "normal"
     steps: int = 300
     lr: float = 2e-3
     queries: int = 128
+    later_half: bool = True
     seed: int = 0
     progress: bool = True
     out: Path
@@ -96,114 +110,130 @@ class GatesSettings:
     def __post_init__(self) -> None:
         object.__setattr__(self, "model", os.fspath(self.model))
         object.__setattr__(self, "out", Path(self.out))
-        for name in ("traces", "max_new_tokens", "block_size", "gate_dim", "steps", "queries"):
+        for name in ("traces", "max_new_tokens", "pack", "batch", "block_size", "gate_dim", "steps", "queries"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if isinstance(self.held_out, bool) or not isinstance(self.held_out, int) or self.held_out < 0:
             raise ValueError(f"held_out must be a non-negative integer, got {self.held_out!r}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be 0 (greedy) or above, got {self.temperature!r}")
+        if self.init not in INITS:
+            raise ValueError(f"init must be one of {', '.join(INITS)}, got {self.init!r}")
         if not self.lr > 0:
             raise ValueError(f"lr must be positive, got {self.lr!r}")
         if self.out.exists() and not self.out.is_dir():
             raise ValueError(f"--out {str(self.out)!r} is a file; --gates writes a folder (gates.pt, gates.json)")
+        needed = self.shortest(held_out=self.held_out > 0)
+        if self.pack < needed:
+            raise ValueError(
+                f"--gate-pack {self.pack} is too short: a training sequence needs at least {self.shortest()} tokens "
+                f"(a query after two whole blocks of --block-size {self.block_size}, so the gate has blocks to "
+                f"choose among) and a held-out one {self.shortest(held_out=True)} (more than {max(TOP_K)} blocks, "
+                f"for the recall of the top {max(TOP_K)}); use --gate-pack {needed} or more"
+            )
 
     def shortest(self, *, held_out: bool = False) -> int:
-        """The fewest tokens a trace needs: its last query must have more whole blocks before its own block than
-        it picks, two for training (with one, the target is that block whatever the gate: the loss is 0) and,
-        on a held-out trace, one more than the recall's largest top k (with k, every pick is right)."""
+        """The fewest tokens a sequence needs: its last query must have more whole blocks before its own block
+        than it picks, two for training (with one, the target is that block whatever the gate: the loss is 0)
+        and, on a held-out sequence, one more than the recall's largest top k (with k, every pick is right)."""
         return (max(TOP_K) + 1 if held_out else 2) * self.block_size + 1
 
     def command(self) -> str:
         parts = ["reasonkv", "calibrate", "--gates", "--model", self.model, "--dataset", self.dataset]
         parts += ["--gate-traces", str(self.traces), "--held-out", str(self.held_out)]
         parts += ["--max-new-tokens", str(self.max_new_tokens), "--gate-steps", str(self.steps)]
-        parts += ["--block-size", str(self.block_size), "--gate-dim", str(self.gate_dim)]
+        parts += ["--gate-temperature", str(self.temperature), "--gate-pack", str(self.pack)]
+        parts += ["--gate-batch", str(self.batch), "--gate-queries", str(self.queries)]
+        parts += ["--block-size", str(self.block_size), "--gate-dim", str(self.gate_dim), "--gate-init", self.init]
+        parts += [] if self.qk_norm else ["--no-gate-norm"]
+        parts += [] if self.later_half else ["--gate-loss-everywhere"]
         return shlex.join([*parts, "--out", str(self.out)])
 
 
-def shape_for(model, *, block_size: int = 64, gate_dim: int = 32) -> GateShape:
+def shape_for(model, *, block_size: int = 64, gate_dim: int = GATE_DIM, qk_norm: bool = True) -> GateShape:
     """The gate shape for ``model``: its layers and heads, RoPE base read from its rotary frequencies."""
     info = model_info(model)
     rotary = info.rotary_of(info.full_layers[0], "calibrate --gates")
     base = 10000.0
     if len(rotary.inv_freq) > 1:  # inv_freq[f] = base^(-2f / rotary_dim)
         base = float(rotary.inv_freq[1]) ** (-rotary.rotary_dim / 2)
-    return GateShape(info.num_layers, info.num_heads, info.num_kv_heads, info.head_dim, gate_dim, block_size, base)
+    shape = (info.num_layers, info.num_heads, info.num_kv_heads, info.head_dim, gate_dim, block_size, base)
+    return GateShape(*shape, qk_norm=qk_norm)
 
 
-def self_traces(model, tokenizer, settings: GatesSettings, batch: int = 8) -> list[list[int]]:
-    """Prompt and greedy answer (full cache) of the first ``traces + held_out`` problems of ``settings.dataset``,
-    as token ids; ``ValueError`` before generating anything when ``max_new_tokens`` cannot make every trace
-    as long as it needs (:meth:`GatesSettings.shortest`)."""
-    count = settings.traces + settings.held_out
-    problems = list(load_dataset(settings.dataset))[:count]
-    if len(problems) < count:
-        raise ValueError(f"dataset {settings.dataset!r} has {len(problems)} problems; {count} were asked for")
-    prompts = [prompt_ids(tokenizer, p) for p in problems]
-    _check_reach(settings, problems, prompts)
-    sequences = []
-    for start in tqdm(range(0, count, batch), desc="gates: traces", leave=False):
-        chunk = prompts[start : start + batch]
-        results = generate(model, tokenizer, chunk, policy="full", max_new_tokens=settings.max_new_tokens)
-        sequences += [p + list(r.token_ids) for p, r in zip(chunk, results, strict=True)]
-    return sequences
+def pack_sequences(answers: list[list[int]], length: int) -> list[list[int]]:
+    """``answers`` concatenated in order into sequences of at least ``length`` tokens each (an answer is never
+    split); the answers left over that do not fill one more are dropped."""
+    packed, current = [], []
+    for answer in answers:
+        current = current + answer
+        if len(current) >= length:
+            packed.append(current)
+            current = []
+    return packed
 
 
-def _needs(settings: GatesSettings) -> str:
-    """What a trace needs, in words, for messages."""
-    what = (
-        f"a training trace needs at least {settings.shortest()} tokens (a query after two whole blocks of "
-        f"--block-size {settings.block_size}, so the gate has blocks to choose among)"
+def self_traces(
+    model,
+    tokenizer,
+    dataset: str,
+    count: int,
+    max_new_tokens: int,
+    batch: int = 8,
+    *,
+    temperature: float = 0.6,
+    pack: int = 2048,
+    seed: int = 0,
+) -> list[list[int]]:
+    """``count`` sequences of at least ``pack`` tokens: prompts and the model's answers (full cache, sampled at
+    ``temperature``) to the problems of ``dataset`` in order, packed end to end, as token ids."""
+    problems = list(load_dataset(dataset))
+    answers: list[list[int]] = []
+    bar = tqdm(total=count, desc="gates: packed traces", leave=False)
+    for start in range(0, len(problems), batch):
+        prompts = [prompt_ids(tokenizer, p) for p in problems[start : start + batch]]
+        results = generate(
+            model,
+            tokenizer,
+            prompts,
+            policy="full",
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=[seed + start + i for i in range(len(prompts))],
+        )
+        answers += [p + list(r.token_ids) for p, r in zip(prompts, results, strict=True)]
+        packed = pack_sequences(answers, pack)
+        bar.update(min(len(packed), count) - bar.n)
+        if len(packed) >= count:
+            bar.close()
+            return packed[:count]
+    raise ValueError(
+        f"dataset {dataset!r}'s {len(problems)} answers fill {len(pack_sequences(answers, pack))} sequences of "
+        f"{pack} tokens; {count} were asked for"
     )
-    if settings.held_out:
-        what += (
-            f" and a held-out one {settings.shortest(held_out=True)} (more than {max(TOP_K)} blocks, for the recall "
-            f"of the top {max(TOP_K)})"
-        )
-    return what
 
 
-def _check_reach(settings: GatesSettings, problems: list, prompts: list[list[int]]) -> None:
-    """Refuse settings under which some trace, its prompt and every new token together, stays too short."""
-    short = [
-        (settings.shortest(held_out=i >= settings.traces) - len(prompt), problem.id, len(prompt))
-        for i, (problem, prompt) in enumerate(zip(problems, prompts, strict=True))
-    ]
-    needed, problem, prompt = max(short)
-    if needed > settings.max_new_tokens:
-        raise ValueError(
-            f"calibrate --gates: --max-new-tokens {settings.max_new_tokens} is too few: {_needs(settings)}, but "
-            f"problem {problem}'s prompt of {prompt} tokens and {settings.max_new_tokens} new ones make at most "
-            f"{prompt + settings.max_new_tokens}; use --max-new-tokens {needed} or more, or a smaller --block-size"
-        )
-
-
-def _long_enough(settings: GatesSettings, sequences: list[list[int]], *, held_out: bool) -> list[list[int]]:
-    """The traces as long as they need (a model that stopped answering early leaves a shorter one out)."""
-    shortest = settings.shortest(held_out=held_out)
-    kept = [s for s in sequences if len(s) >= shortest]
-    what = "held-out" if held_out else "training"
-    if sequences and not kept:
-        raise ValueError(
-            f"calibrate --gates: none of the {len(sequences)} {what} traces reached {shortest} tokens (the model "
-            f"stopped answering early: they hold {sorted(len(s) for s in sequences)}); {_needs(settings)}. "
-            f"Nothing was written: use a smaller --block-size or problems with longer answers"
-        )
-    if len(kept) < len(sequences):
-        print(
-            f"calibrate --gates: {len(sequences) - len(kept)} of {len(sequences)} {what} traces ended before "
-            f"{shortest} tokens (the model stopped answering early) and are left out",
-            file=sys.stderr,
-        )
-    return kept
+def query_rows(length: int, block_size: int, queries: int, later_half: bool) -> torch.Tensor:
+    """``queries`` query positions of a sequence of ``length`` tokens, evenly spread to its end from its second
+    block (the first with a block to choose), or with ``later_half`` from its middle if that is later."""
+    first = max(block_size, length // 2) if later_half else block_size
+    rows = torch.linspace(first, length - 1, min(queries, length - first))
+    return rows.round().long().unique()
 
 
 @torch.no_grad()  # not inference mode: the examples feed a gradient
 def collect_examples(
-    model, sequences: list[list[int]], block_size: int, queries: int, *, quest: bool = False
+    model,
+    sequences: list[list[int]],
+    block_size: int,
+    queries: int,
+    *,
+    quest: bool = False,
+    later_half: bool = False,
 ) -> list[list[LayerExample]]:
     """Per sequence, one :class:`LayerExample` per full-attention layer (the frozen model run once over it).
-    ``queries`` positions per sequence, evenly spread from the second block to the end. With ``quest``,
+    ``queries`` positions per sequence (:func:`query_rows`). With ``quest``,
     each example also keeps the post-RoPE queries and key bounds Quest scores with."""
     info = model_info(model)
     device = next(model.parameters()).device
@@ -223,8 +253,7 @@ def collect_examples(
             captured.clear()
             model(input_ids=torch.tensor([ids], device=device), use_cache=False)
             positions = torch.arange(len(ids), device=device)
-            rows = torch.linspace(block_size, len(ids) - 1, min(queries, len(ids) - block_size), device=device)
-            rows = rows.round().long().unique()
+            rows = query_rows(len(ids), block_size, queries, later_half).to(device)
             sequence = []
             for layer, (query, key) in sorted(captured.items()):
                 before_q = tables[layer].unrotate(query, positions)
@@ -303,9 +332,11 @@ def run_gates(settings: GatesSettings) -> int:
 
 
 def _check_trained(train: list, recall: dict) -> None:
-    """Refuse to write a gate trained on nothing, or whose held-out recall measured nothing."""
+    """Refuse to train on nothing, or to write a gate whose held-out recall measured nothing."""
     if not train:
-        raise ValueError("calibrate --gates: no trace to train on; nothing was written")
+        raise ValueError(
+            "calibrate --gates: no trace to train on (no sequence holds a block to choose); nothing was written"
+        )
     empty = sorted(k for k, values in recall.items() if any(v != v for v in values.values()))  # nan != nan
     if empty:
         raise ValueError(
@@ -321,14 +352,25 @@ def _run(settings: GatesSettings) -> int:
     )
     for parameter in model.parameters():
         parameter.requires_grad_(False)
-    sequences = self_traces(model, tokenizer, settings)
-    train_ids = _long_enough(settings, sequences[: settings.traces], held_out=False)
-    held_ids = _long_enough(settings, sequences[settings.traces :], held_out=True)
-    train = collect_examples(model, train_ids, settings.block_size, settings.queries)
-    held = collect_examples(model, held_ids, settings.block_size, settings.queries, quest=True)
-    shape = shape_for(model, block_size=settings.block_size, gate_dim=settings.gate_dim)
-    gate = SeerGate(shape, seed=settings.seed).to(settings.device)
-    untrained = SeerGate(shape, seed=settings.seed).to(settings.device)
+    count = settings.traces + settings.held_out
+    sequences = self_traces(
+        model,
+        tokenizer,
+        settings.dataset,
+        count,
+        settings.max_new_tokens,
+        settings.batch,
+        temperature=settings.temperature,
+        pack=settings.pack,
+        seed=settings.seed,
+    )
+    block, queries, half = settings.block_size, settings.queries, settings.later_half
+    train = collect_examples(model, sequences[: settings.traces], block, queries, later_half=half)
+    held = collect_examples(model, sequences[settings.traces :], block, queries, quest=True, later_half=half)
+    _check_trained(train, {})
+    shape = shape_for(model, block_size=settings.block_size, gate_dim=settings.gate_dim, qk_norm=settings.qk_norm)
+    gate = SeerGate(shape, seed=settings.seed, init=settings.init).to(settings.device)
+    untrained = SeerGate(shape, seed=settings.seed, init=settings.init).to(settings.device)
     bar = tqdm(total=settings.steps, desc="gates: train", disable=not settings.progress)
 
     def step(index: int, loss: float) -> None:
@@ -358,7 +400,11 @@ def _run(settings: GatesSettings) -> int:
     }
     _check_trained(train, recall)
     training = {"steps": settings.steps, "first_loss": losses[0], "last_loss": losses[-1], "recall": recall}
-    source = f"{settings.dataset}: {len(train)} self-generated traces (greedy, up to {settings.max_new_tokens} tokens)"
+    sampling = f"temperature {settings.temperature:g}" if settings.temperature else "greedy"
+    source = (
+        f"{settings.dataset}: {len(train)} sequences of at least {settings.pack} tokens packed from the model's own "
+        f"answers ({sampling}, up to {settings.max_new_tokens} tokens each)"
+    )
     info = model_info(model)
     path = settings.out / GATE_FILE
     write_atomic(path, gate_bytes(GateFile(gate.cpu(), settings.model, info.fingerprint, source, training)))

@@ -176,10 +176,53 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="train the seer policy's gate by self-distillation and write gates.pt into --out",
     )
-    gates.add_argument("--gate-traces", type=_positive_int, default=24, help="traces to train on (default 24)")
-    gates.add_argument("--held-out", type=int, default=4, help="further traces to measure recall on (default 4)")
-    gates.add_argument("--gate-steps", type=_positive_int, default=300, help="Adam steps, one trace each (default 300)")
-    gates.add_argument("--gate-dim", type=_positive_int, default=32, help="gate channels (default 32)")
+    gates.add_argument(
+        "--gate-traces", type=_positive_int, default=24, help="packed sequences to train on (default 24)"
+    )
+    gates.add_argument(
+        "--held-out", type=int, default=4, help="further packed sequences to measure recall on (default 4)"
+    )
+    gates.add_argument(
+        "--gate-steps", type=_positive_int, default=300, help="Adam steps, one sequence each (default 300)"
+    )
+    gates.add_argument(
+        "--gate-temperature",
+        type=float,
+        default=0.6,
+        help="sampling temperature of the model's answers (default 0.6, as the papers decode; 0: greedy)",
+    )
+    gates.add_argument(
+        "--gate-pack",
+        type=_positive_int,
+        default=2048,
+        help="answers are packed end to end into sequences of at least this many tokens (default 2048)",
+    )
+    gates.add_argument("--gate-batch", type=_positive_int, default=16, help="answers generated at a time (default 16)")
+    gates.add_argument(
+        "--gate-queries",
+        type=_positive_int,
+        default=128,
+        help="query positions per packed sequence the loss is taken at (default 128)",
+    )
+    gates.add_argument(
+        "--gate-dim", type=_positive_int, default=128, help="gate channels (default 128, the authors' width)"
+    )
+    gates.add_argument(
+        "--gate-init",
+        choices=("normal", "xavier"),
+        default="normal",
+        help="initial gate weights: normal (default: N(0, 0.02), the authors' training) or xavier (uniform)",
+    )
+    gates.add_argument(
+        "--no-gate-norm",
+        action="store_true",
+        help="no RMSNorm on the gate's q and k (the authors' training turns it on, the default)",
+    )
+    gates.add_argument(
+        "--gate-loss-everywhere",
+        action="store_true",
+        help="train on queries from each sequence's second block, not only its later half (the authors' choice)",
+    )
     gates.add_argument("--block-size", type=_positive_int, default=64, help="tokens per block (default 64)")
     parser.add_argument(
         "--out", type=Path, required=True, help="output folder (reused to resume); a file with --centers"
@@ -229,7 +272,14 @@ def settings_from(
             held_out=args.held_out,
             max_new_tokens=args.max_new_tokens,
             block_size=args.block_size,
+            temperature=args.gate_temperature,
+            pack=args.gate_pack,
+            batch=args.gate_batch,
+            queries=args.gate_queries,
             gate_dim=args.gate_dim,
+            qk_norm=not args.no_gate_norm,
+            init=args.gate_init,
+            later_half=not args.gate_loss_everywhere,
             steps=args.gate_steps,
             progress=not args.no_progress,
             out=args.out,

@@ -12,9 +12,10 @@ from pathlib import Path
 import torch
 
 from reasonkv.policies.contract import ModelInfo
-from reasonkv.policies.options import check_at_least
+from reasonkv.policies.options import check_at_least, check_choice
 from reasonkv.policies.registry import register
 from reasonkv.policies.selective import SelectionPolicy
+from reasonkv.selection.blocks import RULES
 from reasonkv.selection.gatefile import GateFile, check_gate, load_gate
 from reasonkv.selection.pooled import PooledKeys
 
@@ -45,31 +46,58 @@ def bundled_gate(info: ModelInfo, who: str) -> tuple[GateFile, str]:
 class Seer(SelectionPolicy):
     """SeerAttention-R's gate (see :mod:`reasonkv.selection.gate`) over pooled pre-RoPE keys, kept as blocks fill.
 
-    Each decode step, per kv-head group: the gate's softmax over the blocks before the current one; the
-    top blocks within the budget are read, with the current block.
+    Each decode step, per kv-head group: the gate's softmax over every block up to the current one (the
+    current block, while it fills, has a zeroed gate key: logit 0, as the authors'); by default the top
+    ``K // block_size`` blocks are read, and the current block if it was not among them.
 
     Parameters
     ----------
+    block_size
+        Tokens per block (default 64, the authors').
     gates
         ``"bundled"`` (default: the gate the package ships for this model, matched by its weights), the
         path of a gate file, or a ``reasonkv calibrate --gates`` folder (its ``gates.pt``).
+    rule
+        How the budget counts blocks: ``plus`` (default, the authors': the top ``K // block_size`` of all
+        blocks, the current one competing, then the current block if it was not chosen, so a step reads
+        ``K`` tokens or one block more) or ``within`` (the current block and the top ``K // block_size - 1``
+        before it: a step never reads more than ``K`` tokens per head, the bytes an eviction cache of ``K``
+        holds, for comparisons at equal bytes).
     threshold
-        0 (default): the top blocks within the budget. Above 0 (the threshold variant): only the blocks
-        whose gate probability exceeds it, at most the budget's.
+        0 (default): the top blocks by ``rule``; above 0 (the threshold variant), the blocks whose gate
+        probability exceeds it and the current block, however many pass as the authors' (the budget is not
+        used), unless ``cap``.
+    cap
+        With ``threshold``: read at most the budget's blocks by ``rule`` of those that pass (default False:
+        the authors do not cap; capping bounds what a step reads).
     """
 
     name = "seer"
     summary = "selection (holds all tokens): a trained gate picks the blocks each step reads (SeerAttention-R)"
     paper = "Gao et al., SeerAttention-R: Sparse Attention Adaptation for Long Reasoning, 2025"
 
+    block_size: int = 64
     gates: str = "bundled"
+    rule: str = "plus"
     threshold: float = 0.0
+    cap: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_at_least(self, "threshold", 0.0)
         if self.threshold >= 1:
             raise ValueError(f"seer: threshold must be below 1 (a probability over blocks), got {self.threshold!r}")
+        check_choice(self, "rule", RULES)
+        if self.cap and not self.threshold:
+            raise ValueError("seer: cap=True caps the threshold variant; it needs threshold above 0")
+
+    @property
+    def block_rule(self) -> str:
+        return self.rule
+
+    @property
+    def capped(self) -> bool:
+        return self.cap or not self.threshold
 
     def reset(self, info: ModelInfo, batch: int, device: torch.device) -> None:
         super().reset(info, batch, device)
@@ -108,14 +136,16 @@ class Seer(SelectionPolicy):
     def gate_probabilities(
         self, layer: int, query: torch.Tensor, pooled: PooledKeys, position: torch.Tensor
     ) -> torch.Tensor:
-        """The gate's softmax ``[batch, kv_heads, blocks]`` over the complete blocks before ``position``'s
-        (0 elsewhere) for the post-RoPE ``query`` ``[batch, heads, head_dim]``."""
+        """The gate's softmax ``[batch, kv_heads, blocks]`` over the blocks up to ``position``'s (0 after it) for
+        the post-RoPE ``query`` ``[batch, heads, head_dim]``. The current block's logit is 0 while it fills (the
+        authors zero its gate key until it is complete), its own once its last token is in."""
         before = self.rotary[layer].unrotate(query.unsqueeze(2), position.view(-1, 1, 1))
         gate = self.gate
         gate_query = gate.gate_queries(layer, before, position.view(-1, 1))
         gate_keys = gate.gate_keys(layer, pooled.maximum, pooled.minimum, pooled.mean)
         logits = gate.logits(gate_query, gate_keys)[:, :, 0]
-        blocks = torch.arange(logits.shape[-1], device=logits.device)
-        visible = blocks.view(1, 1, -1) < (position // self.block_size).view(-1, 1, 1)
-        probabilities = logits.masked_fill(~visible, float("-inf")).softmax(dim=-1)
-        return torch.nan_to_num(probabilities, nan=0.0)  # no block before the current one yet
+        blocks = torch.arange(logits.shape[-1], device=logits.device).view(1, 1, -1)
+        current = (position // self.block_size).view(-1, 1, 1)
+        filling = ((position + 1) % self.block_size != 0).view(-1, 1, 1)
+        logits = logits.masked_fill((blocks == current) & filling, 0.0)
+        return logits.masked_fill(blocks > current, float("-inf")).softmax(dim=-1)

@@ -1,8 +1,9 @@
 """The base of the selection policies: the cache holds every token, each decode step reads a few blocks.
 
 A selection policy evicts nothing (``evicts = False``, ``selects = True``). Its budget ``K`` is what one
-decode step may read per (row, layer, kv-head): the current block and the ``K // block_size - 1`` blocks
-it scores highest (:mod:`reasonkv.selection.blocks`). The prefill attends fully. What it offers the
+decode step may read per (row, layer, kv-head), counted in blocks by the policy's ``block_rule``
+(:mod:`reasonkv.selection.blocks`). The prefill attends fully, and so do the first ``dense_layers`` layers
+at every step. What it offers the
 :class:`~reasonkv.selection.reader.Selector`: which keys its pooled side cache summarises
 (:meth:`SelectionPolicy.pool_input`) and the block scores of a decode step's query
 (:meth:`SelectionPolicy.block_scores`). ``sinks``, ``window`` and ``protect_prompt`` protect tokens from
@@ -37,7 +38,9 @@ class SelectionPolicy(Policy):
     protect_prompt
         Must stay False (as ``sinks``).
     block_size
-        Logical positions per block (64, as SeerAttention-R; Quest's pages are 16).
+        Logical positions per block (each policy's default is its authors').
+    dense_layers
+        The first this many layers read every token at every step (Quest's are 2).
     """
 
     evicts: ClassVar[bool] = False
@@ -46,16 +49,28 @@ class SelectionPolicy(Policy):
 
     sinks: int = 0
     block_size: int = 64
+    dense_layers: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_at_least(self, "block_size", 1)
+        check_at_least(self, "dense_layers", 0)
         for option, value in (("sinks", self.sinks), ("window", self.window), ("protect_prompt", self.protect_prompt)):
             if value:
                 raise ValueError(
                     f"policy {self.name!r} selects (it holds every token and evicts none): {option}={value!r} "
                     "protects tokens from eviction and does not apply; leave it 0"
                 )
+
+    @property
+    def block_rule(self) -> str:
+        """How the budget counts blocks: ``within`` (the current block among ``K // block_size``) or ``plus``."""
+        return "within"
+
+    @property
+    def capped(self) -> bool:
+        """Whether a step reads at most the budget's blocks (False: the uncapped threshold variant)."""
+        return True
 
     def reset(self, info: ModelInfo, batch: int, device: torch.device) -> None:
         self.info = info

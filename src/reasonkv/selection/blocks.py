@@ -1,10 +1,20 @@
 """From block scores to the slots one decode step reads.
 
-Each (row, kv-head) reads the current block (the one the newest token is in, always) and the
-``budget // block_size - 1`` best-scored complete blocks before it, so a step never reads more than
-``budget`` tokens per head. A block is a candidate once it lies wholly before the current block; early
-in a generation fewer blocks than the budget allows exist, and then all of them are read (a budget that
-covers every block reads the whole cache: the oracle of selection).
+Each (row, kv-head) reads the current block (the one the newest token is in, always) and the best-scored
+blocks by one of two rules (:func:`choose_blocks`):
+
+- ``within``: the ``budget // block_size - 1`` best complete blocks before the current one, so a step
+  never reads more than ``budget`` tokens per head (Quest's pages);
+- ``plus``: the ``budget // block_size`` best of all blocks, the current one competing, and then the
+  current block if it was not among them (SeerAttention-R's ``get_sparse_attn_mask_from_budget`` and
+  ``mask[:, :, -1] = True``): ``budget // block_size`` or one block more.
+
+Early in a generation fewer blocks than the budget allows exist, and then all of them are read (a budget
+that covers every block reads the whole cache: the oracle of selection). Without a budget (``None``: the
+threshold variant) every candidate that passes ``keep`` is read.
+
+A policy that chooses per query head (Quest's own rule) gets each head's choice; the kv-head then reads
+the union of its group's blocks once (:func:`union_choice`) and each query head attends only to its own.
 
 Slots follow the cache's layout: a row's tokens are contiguous in slot order and right-aligned, so the
 slot of logical position ``p`` is the slot of position 0 plus ``p``. Every slot read is checked against
@@ -15,45 +25,60 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["BlockChoice", "blocks_per_step", "choose_blocks", "read_slots", "gather_slots"]
+__all__ = ["RULES", "BlockChoice", "blocks_per_step", "choose_blocks", "gather_slots", "read_slots", "union_choice"]
+
+RULES = ("within", "plus")
 
 NOT_A_CANDIDATE = float("-inf")
 
 
 def blocks_per_step(budget: int, block_size: int) -> int:
-    """Blocks a step reads, the current one included: ``budget // block_size`` (at least one)."""
+    """``budget // block_size`` (at least one): the blocks a step reads under ``within``, the current one
+    included; the blocks chosen before the current one is added under ``plus``."""
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < block_size:
         raise ValueError(
             f"a selection budget must be at least one block ({block_size} tokens): got {budget!r} "
-            f"(each step reads the current block and budget // {block_size} - 1 more)"
+            f"(each step reads budget // {block_size} blocks, the current one included or added)"
         )
     return budget // block_size
 
 
 class BlockChoice:
-    """The blocks a step reads per (row, kv-head): ``blocks`` ``[batch, kv_heads, n]`` in ascending order,
-    the current block last, and ``chosen`` ``[batch, kv_heads, n]`` False where a pick is not a real block."""
+    """The blocks a step reads per (row, head): ``blocks`` ``[batch, heads, n]`` in ascending order, the current
+    block last, and ``chosen`` ``[batch, heads, n]`` False where a pick is not a real block (or repeats one)."""
 
     def __init__(self, blocks: torch.Tensor, chosen: torch.Tensor):
         self.blocks, self.chosen = blocks, chosen
 
 
 def choose_blocks(
-    scores: torch.Tensor, current: torch.Tensor, budget_blocks: int, keep: torch.Tensor | None = None
+    scores: torch.Tensor,
+    current: torch.Tensor,
+    budget_blocks: int | None,
+    keep: torch.Tensor | None = None,
+    rule: str = "within",
 ) -> BlockChoice:
-    """The top ``budget_blocks - 1`` candidates of ``scores`` ``[batch, kv_heads, blocks]`` (higher is read
-    first) and the current block ``current`` ``[batch]``. Candidates: blocks before the current one (and,
-    given ``keep`` ``[batch, kv_heads, blocks]``, where it is True: the threshold variant)."""
+    """The blocks read by ``rule`` (see the module) from ``scores`` ``[batch, heads, blocks]`` (higher is read
+    first) and the current block ``current`` ``[batch]``: the top ``budget_blocks - 1`` blocks before the
+    current one (``within``) or the top ``budget_blocks`` up to it (``plus``), then the current block.
+    ``budget_blocks`` None: every candidate. ``keep`` ``[batch, heads, blocks]``: only blocks where it is
+    True are candidates (the threshold variant)."""
+    if rule not in RULES:
+        raise ValueError(f"a block rule must be one of {', '.join(RULES)}, got {rule!r}")
     batch, heads, blocks = scores.shape
     index = torch.arange(blocks, device=scores.device)
-    candidate = index.view(1, 1, -1) < current.view(-1, 1, 1)
+    if rule == "within":
+        candidate = index.view(1, 1, -1) < current.view(-1, 1, 1)
+    else:
+        candidate = index.view(1, 1, -1) <= current.view(-1, 1, 1)
     if keep is not None:
         candidate = candidate & keep
-    k = min(budget_blocks - 1, blocks)
+    k = blocks if budget_blocks is None else min(budget_blocks - (rule == "within"), blocks)
     if k > 0:
         masked = scores.float().masked_fill(~candidate, NOT_A_CANDIDATE)
         top, picked = masked.topk(k, dim=-1)
-        chosen = top > NOT_A_CANDIDATE
+        # The current block is added below; a pick of it here is not read twice.
+        chosen = (top > NOT_A_CANDIDATE) & (picked != current.view(-1, 1, 1))
         # Ascending block order (unchosen picks last), so that reading every block reads slots in cache order.
         order = torch.where(chosen, picked, blocks).argsort(dim=-1)
         picked, chosen = picked.gather(-1, order), chosen.gather(-1, order)
@@ -64,6 +89,28 @@ def choose_blocks(
     blocks_read = torch.cat([picked, now], dim=-1)
     chosen = torch.cat([chosen, torch.ones_like(now, dtype=torch.bool)], dim=-1)
     return BlockChoice(blocks_read, chosen)
+
+
+def union_choice(choice: BlockChoice, kv_heads: int, blocks: int) -> tuple[BlockChoice, torch.Tensor]:
+    """Per-query-head ``choice`` ``[batch, heads, n]`` -> what each kv-head reads, the union of its group's
+    blocks (each once, ascending, the current block last), and ``mine`` ``[batch, heads, m]``: whether each
+    query head chose each block of its kv-head's union."""
+    batch, heads, _ = choice.blocks.shape
+    member = torch.zeros((batch, heads, blocks + 1), dtype=torch.bool, device=choice.blocks.device)
+    member.scatter_(-1, torch.where(choice.chosen, choice.blocks, blocks), True)
+    member = member[..., :blocks]
+    union = member.view(batch, kv_heads, heads // kv_heads, blocks).any(2)
+    current = choice.blocks[:, 0, -1]
+    index = torch.arange(blocks, device=union.device).view(1, 1, -1)
+    # The other blocks of the union ascending, then the rest; the current block (in every head's choice) last.
+    key = torch.where(index == current.view(-1, 1, 1), 3 * blocks, torch.where(union, index, blocks + index))
+    m = int(union.sum(-1).max())
+    others = key.argsort(dim=-1)[..., : m - 1]
+    picked = torch.cat([others, current.view(-1, 1, 1).expand(batch, kv_heads, 1)], dim=-1)
+    chosen = union.gather(-1, picked)
+    group = heads // kv_heads
+    mine = member.gather(-1, picked.repeat_interleave(group, dim=1))
+    return BlockChoice(picked, chosen), mine
 
 
 def read_slots(choice: BlockChoice, slot_positions: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,8 +1,9 @@
 """The gate file: a trained :class:`~reasonkv.selection.gate.SeerGate` and what it was trained for.
 
 A ``.pt`` file of plain tensors and numbers (read with ``weights_only=True``): the gate's shape (layers,
-query and kv heads, head_dim, gate_dim, block_size, RoPE base), the model's name and weights
-fingerprint, what it was trained on, and each layer's query and key projections. Loading checks the
+query and kv heads, head_dim, gate_dim, block_size, RoPE base, whether q and k are RMS-normalised), the
+model's name and weights fingerprint, what it was trained on, and each layer's query and key projections
+and RMSNorm weights. Version 1 files (gates without RMSNorm) load as gates with ``qk_norm`` off. Loading checks the
 format; :func:`check_gate` checks it against the model it is used with: a gate for another shape is
 refused with the counts that differ, one from other weights by the fingerprint.
 """
@@ -21,7 +22,8 @@ from reasonkv.selection.torchfile import read_torch_file
 
 __all__ = ["FORMAT", "GateFile", "check_gate", "gate_bytes", "load_gate", "save_gate"]
 
-FORMAT, VERSION = "reasonkv-seer-gate", 1
+FORMAT, VERSION = "reasonkv-seer-gate", 2
+READS = (1, 2)  # version 1: no RMSNorm on the gate's q and k
 
 
 @dataclass
@@ -56,6 +58,8 @@ def gate_bytes(gate_file: GateFile) -> bytes:
         "training": dict(gate_file.training),
         "query": [w.detach().to(torch.float16).cpu().contiguous() for w in gate.query],
         "key": [w.detach().to(torch.float16).cpu().contiguous() for w in gate.key],
+        "query_norm": [w.detach().to(torch.float16).cpu().contiguous() for w in gate.query_norm],
+        "key_norm": [w.detach().to(torch.float16).cpu().contiguous() for w in gate.key_norm],
     }
     buffer = io.BytesIO()
     torch.save(payload, buffer)
@@ -68,14 +72,22 @@ def load_gate(path: str | os.PathLike[str]) -> GateFile:
     if not os.path.isfile(path):
         raise ValueError(f"gate file {path!r} does not exist (train one: reasonkv calibrate --gates)")
     payload = read_torch_file(path, FORMAT, "gate file", "reasonkv calibrate --gates (gates.pt)")
-    if payload.get("version") != VERSION:
-        raise ValueError(f"{path!r} has gate file version {payload.get('version')!r}; this reasonkv reads {VERSION}")
-    shape = GateShape(**payload["shape"])
+    version = payload.get("version")
+    if version not in READS:
+        raise ValueError(
+            f"{path!r} has gate file version {version!r}; this reasonkv reads {', '.join(map(str, READS))}"
+        )
+    shape = GateShape(**{"qk_norm": False, **payload["shape"]})
     gate = SeerGate(shape)
-    if len(payload["query"]) != shape.layers or len(payload["key"]) != shape.layers:
-        raise ValueError(f"{path!r}: {len(payload['query'])} layers of weights for a gate of {shape.layers} layers")
+    norms = shape.layers if shape.qk_norm else 0
+    lists = {"query": shape.layers, "key": shape.layers, "query_norm": norms, "key_norm": norms}
+    for name, layers in lists.items():
+        if len(payload.get(name, [])) != layers:
+            raise ValueError(f"{path!r}: {len(payload.get(name, []))} layers of {name} weights where {layers} belong")
     with torch.no_grad():
-        for mine, theirs in zip([*gate.query, *gate.key], [*payload["query"], *payload["key"]], strict=True):
+        mine_all = [parameter for name in lists for parameter in getattr(gate, name)]
+        theirs_all = [weight for name in lists for weight in payload.get(name, [])]
+        for mine, theirs in zip(mine_all, theirs_all, strict=True):
             if mine.shape != theirs.shape:
                 raise ValueError(f"{path!r}: a weight of shape {list(theirs.shape)} where {list(mine.shape)} belongs")
             mine.copy_(theirs.float())

@@ -3,9 +3,9 @@ a block, from the block's elementwise minimum and maximum key.
 
 For a query ``q`` and a block whose keys lie in ``[min_d, max_d]`` in every channel ``d``,
 ``q · k <= sum_d max(q_d * min_d, q_d * max_d)``. Quest takes this bound per query head and reads the
-top pages of each head. Here the kv-heads of a GQA model share their K/V, so one set of blocks is read
-per kv-head: the bound of each of the group's query heads is taken and the group combines them by
-``max`` (default: a block is read if any head of the group may attend to it strongly) or ``sum``.
+top pages of each head (``head``). The query heads of a GQA kv-head share its K/V, so by default one set
+of blocks is read per kv-head: the bound of each of the group's query heads is taken and the group
+combines them by ``max`` (a block is read if any head of the group may attend to it strongly) or ``sum``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 __all__ = ["GROUPINGS", "quest_bound", "quest_scores"]
 
-GROUPINGS = ("max", "sum")
+GROUPINGS = ("max", "sum", "head")
 
 
 def quest_bound(query: torch.Tensor, minimum: torch.Tensor, maximum: torch.Tensor) -> torch.Tensor:
@@ -30,7 +30,8 @@ def quest_bound(query: torch.Tensor, minimum: torch.Tensor, maximum: torch.Tenso
 
 def quest_scores(query: torch.Tensor, minimum: torch.Tensor, maximum: torch.Tensor, group: str = "max") -> torch.Tensor:
     """Block scores ``[batch, kv_heads, blocks]`` of the newest query ``[batch, heads, head_dim]`` (post-RoPE)
-    from post-RoPE key bounds ``[batch, kv_heads, blocks, head_dim]``, the group's heads combined by ``group``."""
+    from post-RoPE key bounds ``[batch, kv_heads, blocks, head_dim]``, the group's heads combined by ``group``
+    (``head``: not combined, ``[batch, heads, blocks]``)."""
     batch, heads, dim = query.shape
     kv_heads = minimum.shape[1]
     bound = quest_bound(query.view(batch, kv_heads, heads // kv_heads, dim), minimum, maximum)
@@ -38,4 +39,6 @@ def quest_scores(query: torch.Tensor, minimum: torch.Tensor, maximum: torch.Tens
         return bound.amax(dim=2)
     if group == "sum":
         return bound.sum(dim=2)
+    if group == "head":
+        return bound.flatten(1, 2)
     raise ValueError(f"group must be one of {', '.join(GROUPINGS)}, got {group!r}")

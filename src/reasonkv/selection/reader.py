@@ -3,12 +3,15 @@
 A :class:`Selector` is called by the attention kernel wrapper (:class:`reasonkv.hf.tap.KernelReader`) of
 every full-attention layer, with the step's post-RoPE query and the whole cache's K/V (the newest token
 already written). It folds the step's new keys into the layer's pooled side cache; on a prefill (more
-than one query) it returns nothing and attention stays full, as the authors prefill; on a decode step it
-asks the policy for block scores, chooses the blocks (:mod:`reasonkv.selection.blocks`) and returns only
-their K/V, with a mask that hides the slots of the chosen blocks that hold no token.
+than one query) it returns nothing and attention stays full, as the authors prefill; so does a decode step
+of one of the policy's dense layers (Quest's first two). On other decode steps it asks the policy for
+block scores, chooses the blocks (:mod:`reasonkv.selection.blocks`; per query head, the union of a
+kv-head's group) and returns only their K/V, with a mask that hides the slots of the chosen blocks that
+hold no token (and, per query head, the blocks that head did not choose).
 
 It counts, per row, the K/V tokens read and held at every decode step (summed over layers and kv-heads),
-so that the bytes read per step can be reported beside the bytes held.
+so that the bytes read per step can be reported beside the bytes held: a dense layer reads every token it
+holds; a kv-head whose query heads choose apart reads each token of their union once.
 """
 
 from __future__ import annotations
@@ -17,7 +20,14 @@ from typing import Protocol
 
 import torch
 
-from reasonkv.selection.blocks import BlockChoice, blocks_per_step, choose_blocks, gather_slots, read_slots
+from reasonkv.selection.blocks import (
+    BlockChoice,
+    blocks_per_step,
+    choose_blocks,
+    gather_slots,
+    read_slots,
+    union_choice,
+)
 from reasonkv.selection.pooled import PooledKeys
 
 __all__ = ["BlockScorer", "Selector"]
@@ -27,6 +37,9 @@ class BlockScorer(Protocol):
     """What a selection policy offers the selector."""
 
     block_size: int
+    dense_layers: int  # layers 0 .. dense_layers - 1 read every token
+    block_rule: str  # "within" or "plus" (reasonkv.selection.blocks)
+    capped: bool  # False: every block that passes the threshold is read, whatever the budget
 
     def pool_input(self, layer: int, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The keys to pool (post-RoPE as given, or rotated back), ``[batch, kv_heads, q, head_dim]``."""
@@ -34,8 +47,9 @@ class BlockScorer(Protocol):
     def block_scores(
         self, layer: int, query: torch.Tensor, pooled: PooledKeys, position: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Scores ``[batch, kv_heads, blocks]`` of the newest query ``[batch, heads, head_dim]`` at ``position``
-        ``[batch]``, and optionally which blocks pass a threshold."""
+        """Scores ``[batch, kv_heads, blocks]`` (or ``[batch, heads, blocks]``: one choice per query head) of the
+        newest query ``[batch, heads, head_dim]`` at ``position`` ``[batch]``, and optionally which blocks pass
+        a threshold."""
 
 
 class Selector:
@@ -45,7 +59,8 @@ class Selector:
         self.policy = policy
         self.block_size = policy.block_size
         self.budget = budget
-        self.budget_blocks = blocks_per_step(budget, self.block_size)
+        self.dense_layers, self.rule = policy.dense_layers, policy.block_rule
+        self.budget_blocks = blocks_per_step(budget, self.block_size) if policy.capped else None
         self.pooled: dict[int, PooledKeys] = {}
         self.last: dict[int, BlockChoice] = {}  # the latest decode step's choice per layer (for inspection)
         self.steps = 0  # decode steps seen
@@ -79,10 +94,12 @@ class Selector:
         None to read everything (prefill). ``slot_positions`` ``[batch, kv_heads, slots]`` (-1: padding),
         ``step_positions`` ``[batch, q]`` the positions of the step's tokens (-1: padding)."""
         q = query.shape[2]
-        pooled = self.pooled.get(layer)
-        if pooled is None:
-            pooled = self.pooled[layer] = PooledKeys(self.block_size)
-        pooled.add(self.policy.pool_input(layer, key[:, :, -q:], step_positions), step_positions)
+        dense = layer < self.dense_layers
+        if not dense:  # a dense layer scores no block: it keeps no side cache
+            pooled = self.pooled.get(layer)
+            if pooled is None:
+                pooled = self.pooled[layer] = PooledKeys(self.block_size)
+            pooled.add(self.policy.pool_input(layer, key[:, :, -q:], step_positions), step_positions)
         if q != 1:
             return None
         batch, kv_heads = key.shape[:2]
@@ -93,8 +110,14 @@ class Selector:
             self.steps += 1
         newest = slot_positions[:, 0].max(dim=-1).values.clamp(min=0)  # [batch]: a padding step reads the last token
         current = newest // self.block_size
+        if dense:
+            return self._read_all(layer, slot_positions, current, step_positions)
         scores, keep = self.policy.block_scores(layer, query[:, :, 0], pooled, newest)
-        choice = choose_blocks(scores, current, self.budget_blocks, keep)
+        choice = choose_blocks(scores, current, self.budget_blocks, keep, self.rule)
+        mine = None
+        if scores.shape[1] != kv_heads:  # one choice per query head: the kv-head reads their union once
+            choice, mine = union_choice(choice, kv_heads, scores.shape[-1])
+            scores = scores.view(batch, kv_heads, -1, scores.shape[-1]).amax(2)
         slot, read = read_slots(choice, slot_positions, self.block_size)
         self._count(read, slot_positions)
         self.last[layer] = choice
@@ -102,10 +125,25 @@ class Selector:
             positions_read = torch.where(read, slot_positions.gather(2, slot), -1)
             self.on_read(layer, choice, positions_read, slot_positions, scores, step_positions[:, -1] >= 0)
         keys, values = gather_slots(key, slot), gather_slots(value, slot)
-        hidden = torch.zeros(read.shape, dtype=query.dtype, device=query.device)
-        hidden = hidden.masked_fill(~read, torch.finfo(query.dtype).min)
-        mask = hidden.repeat_interleave(query.shape[1] // kv_heads, dim=1).unsqueeze(2)
+        group = query.shape[1] // kv_heads
+        attended = read.repeat_interleave(group, dim=1)
+        if mine is not None:  # each query head attends to its own blocks of the union
+            attended = attended & mine.repeat_interleave(self.block_size, dim=-1)
+        hidden = torch.zeros(attended.shape, dtype=query.dtype, device=query.device)
+        mask = hidden.masked_fill(~attended, torch.finfo(query.dtype).min).unsqueeze(2)
         return keys, values, mask
+
+    def _read_all(self, layer: int, slot_positions: torch.Tensor, current: torch.Tensor, step_positions) -> None:
+        """A dense layer reads every token it holds (counted so); for inspection, every block up to the current."""
+        self._count(slot_positions >= 0, slot_positions)
+        if self.on_read is not None:
+            batch, kv_heads, _ = slot_positions.shape
+            index = torch.arange(int(current.max()) + 1, device=current.device).view(1, 1, -1)
+            blocks = torch.minimum(index, current.view(-1, 1, 1)).expand(batch, kv_heads, -1)
+            choice = BlockChoice(blocks, (index <= current.view(-1, 1, 1)).expand(batch, kv_heads, -1))
+            scores = torch.zeros(blocks.shape, device=current.device)  # a dense layer scores nothing
+            self.on_read(layer, choice, slot_positions, slot_positions, scores, step_positions[:, -1] >= 0)
+        return None
 
     def _count(self, read: torch.Tensor, slot_positions: torch.Tensor) -> None:
         got = read.sum(dim=(1, 2))

@@ -10,7 +10,8 @@ as :meth:`reasonkv.policies.Policy.ranking` returns it (protected slots at ``MUS
   its own ``floor`` highest-ranked slots (AdaKV's safeguard: no head is starved), then the rest of the
   layer's ``K x kv_heads`` goes to the highest-ranked remaining slots of any head, by the policy's own
   values (:func:`adaptive_counts`). ``floor = ceil(alpha x K)``; AdaKV's default ``alpha`` is 0.2, and
-  ``alpha = 1`` is the uniform split exactly.
+  ``alpha = 1`` is the uniform split exactly. This is kvpress's ``AdaKVPress`` rule, not the blend of the
+  floor and the layer-wide split that the AdaKV authors' own code computes.
 
 Ties are broken as :func:`reasonkv.policies.select.rank_order` breaks them (the higher index first; across
 heads, the later head). A head whose protected slots exceed its count keeps the highest-ranked of them
@@ -39,8 +40,9 @@ def _real(ranking: torch.Tensor) -> torch.Tensor:
 
 
 def static_counts(ranking: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:
-    """``[rows, kv_heads]``: each head's budget (``budgets`` ``[kv_heads]``), or its real slots when fewer."""
-    return torch.minimum(_real(ranking), budgets.to(ranking.device).view(1, -1))
+    """``[rows, kv_heads]``: each head's budget (``budgets`` ``[kv_heads]``, or ``[rows, kv_heads]`` when rows
+    differ), or its real slots when fewer."""
+    return torch.minimum(_real(ranking), budgets.to(ranking.device).view(-1, ranking.shape[1]))
 
 
 def adaptive_counts(ranking: torch.Tensor, total: int, floor: int) -> torch.Tensor:

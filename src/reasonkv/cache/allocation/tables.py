@@ -5,9 +5,17 @@ the uniform cache, so that a comparison between allocations is a comparison at e
 layers are the model's evicting (full-attention) layers, in order.
 
 - ``uniform``: ``K`` everywhere (the cache without an allocation).
-- ``pyramid``: PyramidKV's schedule (Cai et al., 2024): the budget falls linearly with depth, the same in
-  every head of a layer. The last layer keeps ``max(protected, K // beta)`` (``beta = 20``, the paper's
-  default), the first ``2K`` minus that, so the mean is ``K``; rounding goes to the largest remainders.
+- ``pyramid``: PyramidKV's schedule (Cai et al., 2024, as KVCache-Factory computes it): the budget falls
+  linearly with depth, the same in every head of a layer. The schedule shares what is left of ``K`` after
+  the protected tokens ``W`` (PyramidKV's window), which every layer keeps on top: with ``S = K - W``, the
+  last layer keeps ``S // beta + W`` (``beta = 20``, the paper's default), the first ``2S - S // beta + W``,
+  so the mean is ``K``. A short sequence caps it: of ``n`` tokens seen, when ``n < 2S`` every layer keeps
+  ``K`` (PyramidKV's middle branch), and the first layer keeps at most ``n`` (the last layer then
+  ``2S - (n - W) + W``). At decode time a head can keep no more than it holds, so the first layer's cap is
+  also the most any head of the row holds at the eviction (after the uniform steps of a short sequence,
+  the pyramid then grows ``B`` tokens an eviction until its full height). Rounding goes to the largest
+  remainders, so the total is exactly the uniform one (KVCache-Factory rounds the step between layers
+  down, so its deeper layers keep up to ``layers - 2`` tokens more and its total exceeds uniform's).
 - ``calibrated``: from a budget file (:func:`load_budget_file`): either integer ``budgets`` that already sum
   to the total, or non-negative ``weights`` (what ``reasonkv calibrate --budgets`` writes: the attention
   mass each head received) shared out in proportion, every head first getting its protected tokens.
@@ -72,16 +80,25 @@ def apportion(weights: torch.Tensor, total: int, floor: int) -> torch.Tensor:
     return (base + floor).view(weights.shape)
 
 
-def pyramid_table(budget: int, layers: int, kv_heads: int, protected: int) -> torch.Tensor:
-    """PyramidKV's linear schedule, ``[layers, kv_heads]``, summing to ``budget x layers x kv_heads``."""
-    if layers == 1:
-        return torch.full((1, kv_heads), budget, dtype=torch.long)
-    bottom = min(budget, max(protected, budget // PYRAMID_BETA, 1))
-    top = 2 * budget - bottom
+def pyramid_table(
+    budget: int, layers: int, kv_heads: int, protected: int, length: int | None = None, held: int | None = None
+) -> torch.Tensor:
+    """PyramidKV's linear schedule, ``[layers, kv_heads]``, summing to ``budget x layers x kv_heads``, for a
+    sequence of ``length`` tokens seen whose fullest head holds ``held`` (None: no cap)."""
+    span = budget - protected  # what the schedule shares; every layer keeps the protected tokens on top
+    short = length is not None and length < 2 * span
+    if layers == 1 or span <= 0 or short:
+        return torch.full((layers, kv_heads), budget, dtype=torch.long)
+    bottom = max(span // PYRAMID_BETA, 0 if protected else 1)
+    top = 2 * span - bottom
+    limits = [n - protected for n in (length, held) if n is not None]
+    if limits and top >= min(limits):  # the first layer keeps no more than the sequence, nor than it holds
+        top = max(min(limits), span)
+        bottom = 2 * span - top
     depth = torch.arange(layers, dtype=torch.float64)
-    per_layer = top - (top - bottom) * depth / (layers - 1)  # mean exactly `budget`
-    # Above the bottom, the layers share (K - bottom) x layers in proportion to the schedule.
-    counts = apportion(per_layer - bottom, (budget - bottom) * layers, 0) + bottom
+    per_layer = top - (top - bottom) * depth / (layers - 1)  # mean exactly `span`
+    # Above the bottom, the layers share (span - bottom) x layers in proportion to the schedule.
+    counts = apportion(per_layer - bottom, (span - bottom) * layers, 0) + bottom + protected
     return counts.view(layers, 1).expand(layers, kv_heads).clone()
 
 
@@ -186,12 +203,16 @@ def budget_table(
     *,
     protected: int = 0,
     budgets_file: str | Path | None = None,
+    length: int | None = None,
+    held: int | None = None,
 ) -> torch.Tensor:
     """The ``[layers, kv_heads]`` budgets of a static allocation (``adaptive``: the uniform table it starts
-    from), summing to ``budget x layers x kv_heads``; every entry holds at least ``protected`` tokens."""
+    from), summing to ``budget x layers x kv_heads``; every entry holds at least ``protected`` tokens.
+    ``length``, ``held``: the tokens a row has seen and the most one of its heads holds (only ``pyramid``
+    depends on them: PyramidKV's short-sequence cap)."""
     check_allocation(allocation, budgets_file)
     if allocation in ("uniform", "adaptive"):
         return torch.full((layers, kv_heads), budget, dtype=torch.long)
     if allocation == "pyramid":
-        return pyramid_table(budget, layers, kv_heads, protected)
+        return pyramid_table(budget, layers, kv_heads, protected, length, held)
     return load_budget_file(budgets_file).table(budget, layers, kv_heads, protected)
