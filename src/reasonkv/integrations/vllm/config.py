@@ -106,7 +106,8 @@ def refusals(vllm_config, settings: Settings) -> list[str]:
     found = []
     if not vllm.__version__.startswith(SUPPORTED_VERSIONS):
         found.append(
-            f"vLLM {vllm.__version__} is not a release this integration was built for ({', '.join(SUPPORTED_VERSIONS)}x)"
+            f"vLLM {vllm.__version__} is not a release this integration was built for "
+            f"({', '.join(SUPPORTED_VERSIONS)}x)"
         )
     model_config = vllm_config.model_config
     info = model_info(model_config.hf_config)

@@ -29,13 +29,13 @@ class BlockLayout:
         self.block_size, self.head_dim = keys.shape
 
     def _where(self, length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """For the first ``length`` tokens: their block (``[length, 1]``) and offsets of keys and values (``[length, dim]``)."""
+        """For the first ``length`` tokens: their block ``[length, 1]``, key and value offsets ``[length, dim]``."""
         slot = torch.arange(length)
         token = slot % self.block_size
         return (slot // self.block_size).unsqueeze(1), self.keys[token], self.values[token]
 
     def read(self, cache: torch.Tensor, blocks: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first ``length`` tokens held in ``blocks`` (in order): keys and values ``[kv_heads, length, head_dim]``."""
+        """The first ``length`` tokens held in ``blocks``, in order: keys, values ``[kv_heads, length, head_dim]``."""
         used = -(-length // self.block_size)
         flat = cache.index_select(0, blocks[:used]).flatten(2).transpose(1, 2)  # [used, area, kv_heads]
         block, key, value = self._where(length)
@@ -56,7 +56,7 @@ class BlockLayout:
 
 def probe_layout(write: Writer, block_size: int, head_dim: int, dtype: torch.dtype) -> BlockLayout:
     """Learn a block's layout from ``write(keys, values, block, slots)``, the backend's own op that stores
-    ``[tokens, kv_heads, head_dim]`` keys and values at ``slots`` of ``block`` (``[1, 1, block_size, 2 * head_dim]``)."""
+    ``[tokens, kv_heads, head_dim]`` keys and values at ``slots`` of ``block`` ``[1, 1, block_size, 2 * head_dim]``."""
     tokens = torch.arange(block_size).view(-1, 1).expand(block_size, head_dim)
     channels = torch.arange(head_dim).view(1, -1).expand(block_size, head_dim)
     digits = []

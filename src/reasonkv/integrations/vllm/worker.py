@@ -144,7 +144,8 @@ class EvictingCPURunner(CPUModelRunner):
         arrived = torch.arange(state.logical, logical).view(1, 1, -1).expand(len(caches), heads, -1)
         positions = arrived if state.positions is None else torch.cat([state.positions, arrived], dim=-1)
         if positions.shape[-1] != held:
-            raise RuntimeError(f"reasonkv: request {request_id} holds {held} tokens but {positions.shape[-1]} are known")
+            known = positions.shape[-1]
+            raise RuntimeError(f"reasonkv: request {request_id} holds {held} tokens but {known} are known")
         row = RequestRow(
             [k for k, _ in read],
             [v for _, v in read],
