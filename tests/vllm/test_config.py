@@ -5,18 +5,22 @@ changed without the key."""
 from __future__ import annotations
 
 import pytest
-import vllm
-from vllm.config import KVTransferConfig
-from vllm.engine.arg_utils import EngineArgs
+from engines import model_dir, needs_vllm
 
-from reasonkv.integrations.vllm import config as rk_config
+needs_vllm()
+
+import vllm  # noqa: E402
+from vllm.config import KVTransferConfig  # noqa: E402
+from vllm.engine.arg_utils import EngineArgs  # noqa: E402
+
+from reasonkv.integrations.vllm import config as rk_config  # noqa: E402
 
 GOOD = {"policy": "streaming", "budget": 64, "buffer": 16}
 
 
-def _config(model_dir, reasonkv=None, **options):
+def _config(reasonkv=None, **options):
     settings = dict(
-        model=model_dir,
+        model=model_dir(),
         dtype="float32",
         block_size=32,
         enable_prefix_caching=False,
@@ -28,23 +32,23 @@ def _config(model_dir, reasonkv=None, **options):
     return EngineArgs(**settings).create_engine_config()
 
 
-def _refused(model_dir, reasonkv=GOOD, **options) -> str:
+def _refused(reasonkv=GOOD, **options) -> str:
     with pytest.raises(ValueError) as caught:
-        _config(model_dir, reasonkv, **options)
+        _config(reasonkv, **options)
     text = str(caught.value)
     reasonkv_line = [line for line in text.splitlines() if "reasonkv:" in line]
     assert reasonkv_line, text
     return reasonkv_line[0]
 
 
-def test_without_the_key_the_engine_is_vllms_own(model_dir):
-    config = _config(model_dir)
+def test_without_the_key_the_engine_is_vllms_own():
+    config = _config()
     assert config.scheduler_config.scheduler_cls is None
     assert config.parallel_config.worker_cls == "vllm.v1.worker.cpu_worker.CPUWorker"
 
 
-def test_the_key_routes_scheduler_and_worker(model_dir):
-    config = _config(model_dir, GOOD)
+def test_the_key_routes_scheduler_and_worker():
+    config = _config(GOOD)
     assert config.scheduler_config.scheduler_cls == rk_config.SCHEDULER
     assert config.parallel_config.worker_cls == rk_config.WORKER
     settings = rk_config.settings_of(config)
@@ -63,8 +67,8 @@ def test_the_key_routes_scheduler_and_worker(model_dir):
         ("streaming", "must be a mapping"),
     ],
 )
-def test_bad_settings_get_reasonkvs_own_errors(model_dir, reasonkv, expected):
-    assert expected in _refused(model_dir, reasonkv)
+def test_bad_settings_get_reasonkvs_own_errors(reasonkv, expected):
+    assert expected in _refused(reasonkv)
 
 
 @pytest.mark.parametrize(
@@ -74,16 +78,17 @@ def test_bad_settings_get_reasonkvs_own_errors(model_dir, reasonkv, expected):
         ({"policy": "knorm", "budget": 64, "allocation": "pyramid"}, {}, "allocation='pyramid'"),
         ({"policy": "quest", "budget": 64}, {}, "selects"),
         ({"policy": "full"}, {}, "evicts nothing"),
-        ({"policy": "snapkv", "budget": 64}, {}, "reads recorded queries"),
+        ({"policy": "h2o", "budget": 64}, {}, "attention each key received"),
+        ({"policy": "snapkv", "budget": 64}, {"enforce_eager": False}, "enforce_eager=True"),
         (GOOD, {"enable_prefix_caching": True}, "prefix caching"),
         (GOOD, {"kv_cache_dtype": "fp8"}, "quantized KV cache"),
         (GOOD, {"kv_transfer_config": KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both")}, "KV"),
     ],
 )
-def test_unsupported_settings_are_refused_in_one_line(model_dir, reasonkv, options, expected):
-    assert expected in _refused(model_dir, reasonkv, **options)
+def test_unsupported_settings_are_refused_in_one_line(reasonkv, options, expected):
+    assert expected in _refused(reasonkv, **options)
 
 
-def test_an_unknown_vllm_release_is_refused(model_dir, monkeypatch):
+def test_an_unknown_vllm_release_is_refused(monkeypatch):
     monkeypatch.setattr(vllm, "__version__", "0.99.0")
-    assert "vLLM 0.99.0 is not a release" in _refused(model_dir)
+    assert "vLLM 0.99.0 is not a release" in _refused()

@@ -4,11 +4,15 @@ every cache dtype whose layout differs (fp32 keys transposed in a block, bf16 ke
 from __future__ import annotations
 
 import pytest
-import torch
-from vllm import _custom_ops as ops
-from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+from engines import needs_vllm
 
-from reasonkv.integrations.vllm.paged import probe_layout
+needs_vllm()
+
+import torch  # noqa: E402
+from vllm import _custom_ops as ops  # noqa: E402
+from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # noqa: E402
+
+from reasonkv.integrations.vllm.paged import probe_layout  # noqa: E402
 
 BLOCK, DIM, HEADS = 32, 64, 3
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from engines import needs_vllm
 
-from reasonkv.cache.rows import RowState
-from reasonkv.integrations.vllm.physical import Lengths
+needs_vllm()
+
+from reasonkv.cache.rows import RowState  # noqa: E402
+from reasonkv.integrations.vllm.physical import Lengths  # noqa: E402
 
 
 def _held_by_reasonkv(prompt: int, steps: int, budget: int, buffer: int) -> tuple[list[int], list[int]]:

@@ -93,10 +93,10 @@ def policy_refusal(spec: CacheSpec, needs: Needs) -> str | None:
             f"allocation={spec.allocation!r} gives heads different token counts, but a vLLM block holds the same "
             "tokens for every head"
         )
-    if needs.taps_attention or needs.hidden_layers:
+    if needs.attention_last or needs.attention_sum or needs.queries or needs.hidden_layers:
         return (
-            f"policy {policy.name!r} reads recorded queries, attention or hidden states, which this release of the "
-            "integration does not capture inside vLLM; the attention-free policies run (streaming, knorm, keydiff)"
+            f"policy {policy.name!r} reads the attention each key received, every query or hidden states, which this "
+            "release of the integration does not capture inside vLLM (it captures a window of recent queries)"
         )
     return None
 
@@ -111,9 +111,15 @@ def refusals(vllm_config, settings: Settings) -> list[str]:
         )
     model_config = vllm_config.model_config
     info = model_info(model_config.hf_config)
-    why = policy_refusal(settings.spec, settings.spec.policy.needs(info))
+    needs = settings.spec.policy.needs(info)
+    why = policy_refusal(settings.spec, needs)
     if why:
         found.append(why)
+    elif needs.query_window and not model_config.enforce_eager:
+        found.append(
+            f"policy {settings.spec.policy.name!r} reads recent post-RoPE queries, captured by a hook on each attention"
+            " layer that a compiled model does not run: pass enforce_eager=True (--enforce-eager)"
+        )
     if any(kind != "full" for kind in info.layer_kinds):
         found.append("a model with sliding-window or linear-attention layers (more than one kind of KV cache)")
     cache = vllm_config.cache_config

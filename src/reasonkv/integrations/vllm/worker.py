@@ -12,6 +12,7 @@ as the scheduler trims its own on the request's next step.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,6 +51,7 @@ class _Request:
     layer and head, ``[layers, kv_heads, held]``) up to logical length ``logical``, its policy and evictions."""
 
     policy: object
+    recorded: Recorded
     positions: torch.Tensor | None = None
     logical: int = 0
     evictions: int = 0
@@ -64,6 +66,36 @@ class EvictingCPURunner(CPUModelRunner):
         self.reasonkv_requests: dict[str, _Request] = {}
         self.reasonkv_forward: list[tuple[str, int, int, int]] = []  # (request, computed, new, prompt)
         self.reasonkv_layout: BlockLayout | None = None
+        self.reasonkv_window = settings.spec.policy.needs(self.reasonkv_info).query_window
+        self.reasonkv_hooks: list | None = None  # on each attention layer, once the model is loaded
+
+    def _request(self, request_id: str) -> _Request:
+        state = self.reasonkv_requests.get(request_id)
+        if state is None:
+            state = _Request(self.reasonkv.spec.new_policy(), Recorded(self.reasonkv_window))
+            state.policy.reset(self.reasonkv_info, 1, torch.device("cpu"))
+            self.reasonkv_requests[request_id] = state
+        return state
+
+    def _hook_queries(self) -> None:
+        """A policy that reads recent queries gets each attention layer's post-RoPE queries of every request, as
+        the layer receives them (a hook before its forward: eager mode, which the config check requires)."""
+        context = self.compilation_config.static_forward_context
+        self.reasonkv_hooks = []
+        for name in self.kv_cache_config.kv_cache_groups[0].layer_names:
+            layer = extract_layer_index(name)
+            module = context[name]
+            hook = functools.partial(self._capture, layer, module.num_heads, module.head_size)
+            self.reasonkv_hooks.append(module.register_forward_pre_hook(hook))
+
+    def _capture(self, layer: int, heads: int, head_dim: int, module, args) -> None:
+        query, start = args[0], 0
+        for request_id, computed, new, _ in self.reasonkv_forward:
+            queries = query[start : start + new].reshape(new, heads, head_dim).transpose(0, 1).unsqueeze(0).clone()
+            positions = torch.arange(computed, computed + new).unsqueeze(0)
+            valid = torch.ones(1, new, dtype=torch.bool)
+            self._request(request_id).recorded.push_queries(layer, queries, positions, valid)
+            start += new
 
     # ------------------------------------------------------------------ one step
     def _update_states(self, scheduler_output):
@@ -74,6 +106,8 @@ class EvictingCPURunner(CPUModelRunner):
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens: np.ndarray):
         result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        if self.reasonkv_window and self.reasonkv_hooks is None:
+            self._hook_queries()
         lengths = self.reasonkv.lengths
         batch = self.input_batch
         count = batch.num_reqs
@@ -131,10 +165,7 @@ class EvictingCPURunner(CPUModelRunner):
     def _evict(self, request_id: str, logical: int, held: int, prompt: int) -> None:
         """Evict one request holding ``held`` tokens (``logical`` computed) down to the budget, in place."""
         spec, info = self.reasonkv.spec, self.reasonkv_info
-        state = self.reasonkv_requests.get(request_id)
-        if state is None:
-            state = self.reasonkv_requests[request_id] = _Request(spec.new_policy())
-            state.policy.reset(info, 1, torch.device("cpu"))
+        state = self._request(request_id)
         caches = self._caches()
         layout = self._layout(caches[0])
         request = self.requests[request_id]
@@ -156,7 +187,7 @@ class EvictingCPURunner(CPUModelRunner):
             budget=spec.budget,
         )
         seed = noise.seed_tensor(spec.seed if isinstance(spec.seed, int) else spec.seed[0], 1, "cpu")
-        kept = kept_indices(state.policy, row, info, Recorded(), seed)  # [layers, kv_heads, K]
+        kept = kept_indices(state.policy, row, info, state.recorded, seed)  # [layers, kv_heads, K]
         for cache, (keys, values), index in zip(caches, read, kept, strict=True):
             spread = index.unsqueeze(-1).expand(-1, -1, keys.shape[-1])
             layout.write(cache, blocks, keys.gather(1, spread), values.gather(1, spread))

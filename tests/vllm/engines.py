@@ -1,5 +1,6 @@
-"""The vLLM integration's tests: run in the environment scripts/setup_vllm.sh builds (vLLM's CPU build);
-skipped as a whole where vLLM is not installed.
+"""Helpers of the vLLM integration's tests (not a conftest: tests/conftest.py is one already). They run in
+the environment scripts/setup_vllm.sh builds (vLLM's CPU build);
+each module skips where vLLM is not installed (``needs_vllm``), so this file imports none of it.
 
 Engines run in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0: a test can read the scheduler and its block pool),
 eagerly (no compile: seconds to start), in fp32, on the bundled SmolLM2, fed token ids (the converted
@@ -8,17 +9,24 @@ tokenizer maps spaces to <|endoftext|> in recent transformers).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup_vllm.sh builds .venv-vllm with it)")
+from reasonkv.models.bundled import BUNDLED, DEFAULT_MODEL, _ensure_converted
+
+
+def needs_vllm() -> None:
+    """Skip the calling test module where vLLM is not installed."""
+    # vllm.config, not vllm: where vLLM is missing, `vllm` would import this folder as a namespace package.
+    pytest.importorskip("vllm.config", reason="vLLM is not installed (scripts/setup_vllm.sh builds .venv-vllm with it)")
+
 
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-from reasonkv.models.bundled import BUNDLED, DEFAULT_MODEL, _ensure_converted  # noqa: E402
 
 # Three ragged prompts: shorter than K + B, longer than it (evicted right after prefill), in between.
 PROMPTS = [list(range(100, 126)), list(range(200, 320)), list(range(400, 470))]
@@ -26,12 +34,13 @@ BUDGET, BUFFER, BLOCK = 64, 16, 32
 NEW_TOKENS = 100
 
 
-@pytest.fixture(scope="session")
+@functools.cache
 def model_dir() -> str:
+    """The bundled SmolLM2's converted directory (converted on first use)."""
     return str(_ensure_converted(BUNDLED[DEFAULT_MODEL]))
 
 
-def engine(model_dir: str, reasonkv: dict | None = None, **options):
+def engine(reasonkv: dict | None = None, **options):
     """An in-process engine on the bundled model, with ``reasonkv`` as its additional_config key (None: none)."""
     from vllm import LLM
 
@@ -45,7 +54,7 @@ def engine(model_dir: str, reasonkv: dict | None = None, **options):
         additional_config={} if reasonkv is None else {"reasonkv": reasonkv},
     )
     settings.update(options)
-    return LLM(model_dir, **settings)
+    return LLM(model_dir(), **settings)
 
 
 def greedy(llm, prompts=PROMPTS, tokens: int = NEW_TOKENS) -> list[list[int]]:
