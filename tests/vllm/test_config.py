@@ -77,6 +77,7 @@ def test_bad_settings_get_reasonkvs_own_errors(reasonkv, expected):
         ({**GOOD, "quantized": 16}, {}, "quantized tier"),
         ({"policy": "knorm", "budget": 64, "allocation": "pyramid"}, {}, "allocation='pyramid'"),
         ({"policy": "quest", "budget": 64}, {}, "selects"),
+        ({"policy": "lagkv", "budget": 64}, {}, "not yet verified"),
         ({"policy": "full"}, {}, "evicts nothing"),
         ({"policy": "h2o", "budget": 64}, {}, "attention each key received"),
         ({"policy": "snapkv", "budget": 64}, {"enforce_eager": False}, "enforce_eager=True"),

@@ -28,6 +28,9 @@ SUPPORTED_VERSIONS = ("0.32.",)
 SCHEDULER = "reasonkv.integrations.vllm.scheduler.EvictingScheduler"
 WORKER = "reasonkv.integrations.vllm.worker.EvictingCPUWorker"
 _OWN_KEYS = ("stats_file",)
+# The policies whose tokens inside vLLM are tested to equal reasonkv.generate's (tests/vllm/test_engine.py). Another
+# policy that reads nothing the integration lacks is refused until a test holds it to the same standard.
+VERIFIED = ("streaming", "knorm", "keydiff", "tova", "snapkv")
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,11 @@ def policy_refusal(spec: CacheSpec, needs: Needs) -> str | None:
         return (
             f"policy {policy.name!r} reads the attention each key received, every query or hidden states, which this "
             "release of the integration does not capture inside vLLM (it captures a window of recent queries)"
+        )
+    if policy.name not in VERIFIED:
+        return (
+            f"policy {policy.name!r} is not yet verified to decode as reasonkv.generate does inside vLLM "
+            f"(verified: {', '.join(VERIFIED)})"
         )
     return None
 

@@ -5,6 +5,7 @@ the blocks past what it holds after its last eviction (the worker compacted the 
 blocks at the end of that step, and trims its own block table the same way), then gets blocks for what it holds
 plus the new tokens, so it holds at most ``ceil((K + B) / block) + 1`` blocks once evicting and the freed blocks
 return to the pool: admission and preemption see the physical sizes, so more requests run at once.
+A request resumed after a preemption counts its tokens at resumption as its prompt (see :class:`EvictingScheduler`).
 Per-request statistics (evictions, peak blocks) go to the log and, with ``stats_file``, one JSON line per request.
 """
 
@@ -29,8 +30,11 @@ logger = init_logger(__name__)
 
 @dataclass
 class _Held:
+    start: int  # the tokens the request had when its computation (re)started: its prompt, or all after a preemption
     peak_blocks: int = 0
     peak_blocks_evicted: int = 0  # after the first eviction
+    earlier_evictions: int = 0  # before its last preemption
+    restarts: list[int] = field(default_factory=list)  # the tokens it had at each resumption
 
 
 @dataclass
@@ -64,7 +68,14 @@ class PhysicalSizing:
         manager, size = self.manager, self.block_size
         group = manager.coordinator.single_type_managers[0]
         blocks = group.req_to_blocks[request.request_id]
-        prompt, computed = request.num_prompt_tokens, request.num_computed_tokens
+        computed = request.num_computed_tokens
+        held = self.held.get(request.request_id)
+        if held is None:
+            held = self.held[request.request_id] = _Held(request.num_prompt_tokens)
+        elif computed == 0:  # resumed after a preemption: prompt and output so far are computed again, then evicted
+            held.start = request.num_tokens
+            held.restarts.append(request.num_tokens)
+        prompt = held.start
         holds = self.lengths.physical(computed, prompt)
         keep = self.lengths.blocks(holds, size)
         if len(blocks) > keep:  # the worker compacted this request into its first `keep` blocks
@@ -80,29 +91,43 @@ class PhysicalSizing:
         if self.lengths.blocks(needed, size) - len(blocks) > free:
             return None
         new_blocks = group.allocate_new_blocks(request.request_id, needed, needed)
-        held = self.held.setdefault(request.request_id, _Held())
         count = len(blocks)
         held.peak_blocks = max(held.peak_blocks, count)
         if self.lengths.evictions(computed, prompt):
             held.peak_blocks_evicted = max(held.peak_blocks_evicted, count)
         return manager.create_kv_cache_blocks((new_blocks,))
 
+    def evictions(self, request: Request, held: _Held) -> int:
+        return held.earlier_evictions + self.lengths.evictions(request.num_computed_tokens, held.start)
+
+    def preempted(self, request: Request) -> None:
+        """Before vLLM frees a preempted request's blocks: count the evictions its computation made."""
+        held = self.held.get(request.request_id)
+        if held is not None:
+            held.earlier_evictions = self.evictions(request, held)
+
     def finished(self, request: Request) -> dict:
         """The request's statistics, forgotten here."""
-        held = self.held.pop(request.request_id, _Held())
+        held = self.held.pop(request.request_id, None) or _Held(request.num_prompt_tokens)
         return {
             "request_id": request.request_id,
             "prompt_tokens": request.num_prompt_tokens,
             "computed_tokens": request.num_computed_tokens,
-            "evictions": self.lengths.evictions(request.num_computed_tokens, request.num_prompt_tokens),
+            "evictions": self.evictions(request, held),
             "peak_blocks": held.peak_blocks,
             "peak_blocks_after_first_eviction": held.peak_blocks_evicted,
+            "resumed_at": held.restarts,
             "block_size": self.block_size,
         }
 
 
 class EvictingScheduler(Scheduler):
-    """The V1 scheduler, sizing requests physically (:class:`PhysicalSizing`); preemption refused."""
+    """The V1 scheduler, sizing requests physically (:class:`PhysicalSizing`).
+
+    A preempted request loses its blocks, as in vLLM; when it resumes, its prompt and the tokens it decoded are
+    computed again as one prompt, which is evicted after its prefill like any prompt of ``K + B`` tokens or more,
+    and decoding goes on from there: deterministic, and what reasonkv does given that longer prompt (the
+    worker applies the same rule, told of the resumption by vLLM)."""
 
     def __init__(self, vllm_config, kv_cache_config, *args, **kwargs):
         super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
@@ -123,10 +148,8 @@ class EvictingScheduler(Scheduler):
         )
 
     def _preempt_request(self, request: Request, timestamp: float, drop_stale_output: bool = False) -> None:
-        raise RuntimeError(
-            f"reasonkv: request {request.request_id} would be preempted; eviction does not resume a preempted request "
-            "(its evicted tokens are gone): give the engine more KV blocks or fewer concurrent requests (max_num_seqs)"
-        )
+        self.reasonkv_sizing.preempted(request)
+        super()._preempt_request(request, timestamp, drop_stale_output)
 
     def _free_request(self, request: Request, delay_free_blocks: bool = False):
         stats = self.reasonkv_sizing.finished(request)

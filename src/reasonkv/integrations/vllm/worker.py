@@ -64,6 +64,8 @@ class EvictingCPURunner(CPUModelRunner):
         self.reasonkv = settings
         self.reasonkv_info = model_info(self.model_config.hf_config)
         self.reasonkv_requests: dict[str, _Request] = {}
+        # The tokens a request had when it resumed after a preemption: its prompt from then on (see physical.py).
+        self.reasonkv_starts: dict[str, int] = {}
         self.reasonkv_forward: list[tuple[str, int, int, int]] = []  # (request, computed, new, prompt)
         self.reasonkv_layout: BlockLayout | None = None
         self.reasonkv_window = settings.spec.policy.needs(self.reasonkv_info).query_window
@@ -102,6 +104,13 @@ class EvictingCPURunner(CPUModelRunner):
         result = super()._update_states(scheduler_output)
         for request_id in scheduler_output.finished_req_ids:
             self.reasonkv_requests.pop(request_id, None)
+            self.reasonkv_starts.pop(request_id, None)
+        cached = scheduler_output.scheduled_cached_reqs
+        for index, request_id in enumerate(cached.req_ids):
+            if request_id in cached.resumed_req_ids:  # its blocks were freed: it starts again from all its tokens
+                self.reasonkv_requests.pop(request_id, None)
+                prompt = self.requests[request_id].num_prompt_tokens
+                self.reasonkv_starts[request_id] = prompt + cached.num_output_tokens[index]
         return result
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens: np.ndarray):
@@ -112,7 +121,8 @@ class EvictingCPURunner(CPUModelRunner):
         batch = self.input_batch
         count = batch.num_reqs
         computed = batch.num_computed_tokens_cpu[:count].astype(np.int64)
-        prompts = np.array([self.requests[r].num_prompt_tokens for r in batch.req_ids], dtype=np.int64)
+        starts = self.reasonkv_starts
+        prompts = np.array([starts.get(r, self.requests[r].num_prompt_tokens) for r in batch.req_ids], dtype=np.int64)
         held = np.array([lengths.physical(int(c), int(p)) for c, p in zip(computed, prompts, strict=True)])
         self.reasonkv_forward = [
             (r, int(c), int(n), int(p))
