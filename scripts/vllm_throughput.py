@@ -21,6 +21,8 @@ import time
 
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# The memory vLLM reserves for KV (GiB): the fixed pool of --kv-blocks lies within it.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 def _ints(text: str) -> list[int]:
