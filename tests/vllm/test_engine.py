@@ -34,8 +34,14 @@ from reasonkv.integrations.vllm.worker import EvictingCPURunner  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def reference():
+def reference_model():
     model, _ = reasonkv.load_model("smollm2-135m", dtype="fp32")
+    return model
+
+
+@pytest.fixture(scope="module")
+def reference(reference_model):
+    model = reference_model
 
     def generate(policy: str, **settings) -> list[list[int]]:
         results = reasonkv.generate(
@@ -109,3 +115,41 @@ def test_eviction_runs_four_long_requests_in_a_pool_where_the_full_cache_preempt
     assert full_preemptions > 0
     assert evicting_preemptions == 0 and all(len(t) == NEW_TOKENS for t in tokens)
     assert max(json.loads(line)["peak_blocks"] for line in stats.read_text().splitlines()) <= 5
+
+
+def test_a_preempted_request_resumes_as_reasonkv_decodes_its_longer_prompt(reference_model, tmp_path):
+    """8 blocks of 32 for 4 requests of 26 tokens that grow to 3 blocks before their first eviction: some are
+    preempted. A resumed request's tokens are reasonkv.generate's given its prompt plus what it had decoded."""
+    prompts = [list(range(2000 + 40 * i, 2026 + 40 * i)) for i in range(4)]
+    stats_file = tmp_path / "stats.jsonl"
+    llm = engine(
+        {"policy": "streaming", "budget": BUDGET, "buffer": BUFFER, "stats_file": str(stats_file)},
+        num_gpu_blocks_override=8,
+        disable_log_stats=False,
+        max_num_seqs=4,
+    )
+    try:
+        tokens = greedy(llm, prompts)
+        preemptions = _preemptions(llm)
+    finally:
+        _close(llm)
+    records = {r["request_id"].split("-")[0]: r for r in map(json.loads, stats_file.read_text().splitlines())}
+    assert preemptions > 0 and any(r["resumed_at"] for r in records.values())
+    for index, (prompt, out) in enumerate(zip(prompts, tokens, strict=True)):
+        done = 0
+        for resumed in [*records[str(index)]["resumed_at"], len(prompt) + NEW_TOKENS]:
+            upto = resumed - len(prompt)  # tokens decoded before this resumption (or the end)
+            if upto == done:  # preempted again before decoding anything
+                continue
+            [expected] = reasonkv.generate(
+                reference_model,
+                None,
+                [prompt + out[:done]],
+                policy="streaming",
+                budget=BUDGET,
+                buffer=BUFFER,
+                max_new_tokens=upto - done,
+                ignore_eos=True,
+            )
+            assert out[done:upto] == list(expected.token_ids), (index, done, upto)
+            done = upto
