@@ -92,11 +92,17 @@ class EvictingCPURunner(CPUModelRunner):
 
     def _capture(self, layer: int, heads: int, head_dim: int, module, args) -> None:
         query, start = args[0], 0
+        scale, softcap = module.impl.scale, getattr(module.impl, "logits_soft_cap", 0)
         for request_id, computed, new, _ in self.reasonkv_forward:
             queries = query[start : start + new].reshape(new, heads, head_dim).transpose(0, 1).unsqueeze(0).clone()
             positions = torch.arange(computed, computed + new).unsqueeze(0)
             valid = torch.ones(1, new, dtype=torch.bool)
-            self._request(request_id).recorded.push_queries(layer, queries, positions, valid)
+            recorded = self._request(request_id).recorded
+            recorded.push_queries(layer, queries, positions, valid)
+            # The kernel's own scaling and soft-cap, so that the policy's recomputed attention is the model's.
+            recorded.scalings[layer] = scale
+            if softcap:
+                recorded.softcaps[layer] = softcap
             start += new
 
     # ------------------------------------------------------------------ one step
