@@ -98,7 +98,7 @@ def _preemptions(llm) -> int:
 def test_eviction_runs_four_long_requests_in_a_pool_where_the_full_cache_preempts(tmp_path):
     """20 blocks of 32: four requests of 120 + 100 tokens need 7 blocks each in full (28), at most 4 evicting (16)."""
     prompts = [list(range(1000 + 150 * i, 1120 + 150 * i)) for i in range(4)]
-    small = dict(num_gpu_blocks_override=20, disable_log_stats=False, max_num_seqs=4)
+    small = dict(num_gpu_blocks_override=20, disable_log_stats=False, max_num_seqs=4, max_model_len=256)
     full = engine(**small)
     try:
         greedy(full, prompts)
@@ -125,6 +125,7 @@ def test_a_preempted_request_resumes_as_reasonkv_decodes_its_longer_prompt(refer
     llm = engine(
         {"policy": "streaming", "budget": BUDGET, "buffer": BUFFER, "stats_file": str(stats_file)},
         num_gpu_blocks_override=8,
+        max_model_len=256,  # what 8 blocks hold: vLLM refuses a longer one
         disable_log_stats=False,
         max_num_seqs=4,
     )
