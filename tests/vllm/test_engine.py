@@ -125,7 +125,7 @@ def test_a_preempted_request_resumes_as_reasonkv_decodes_its_longer_prompt(refer
     llm = engine(
         {"policy": "streaming", "budget": BUDGET, "buffer": BUFFER, "stats_file": str(stats_file)},
         num_gpu_blocks_override=8,
-        max_model_len=256,  # what 8 blocks hold: vLLM refuses a longer one
+        max_model_len=224,  # what 7 blocks hold (vLLM keeps one as its null block): it refuses a longer one
         disable_log_stats=False,
         max_num_seqs=4,
     )
