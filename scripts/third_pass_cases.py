@@ -70,12 +70,16 @@ def gates_overwrite_a_users_file(lab, tmp: Path):
 
 
 def gates_trained_on_nothing(lab, tmp: Path):
-    """2. Traces too short for the blocks: 207 to 384 tokens in 160-token blocks leave no query a complete block
-    before it to recall (the bundled SmolLM2 does the same at 16 new tokens in 64-token blocks)."""
+    """2. A gate trained on sequences too short for its blocks (no query has a whole block before it to choose):
+    160-token blocks on traces of 207 to 384 tokens (the bundled SmolLM2 does the same at 16 new tokens in
+    64-token blocks). Where answers are packed into longer sequences (``--gate-pack``), a pack under two blocks."""
     folder = tmp / "short"
+    short = ["--block-size", "160"]
     rc, text = reasonkv(
-        lab, "calibrate", "--model", lab.model, "--gates", *GATES, "--block-size", "160", "--out", folder
+        lab, "calibrate", "--model", lab.model, "--gates", *GATES, *short, "--gate-pack", "200", "--out", folder
     )
+    if "unrecognized arguments: --gate-pack" in text:  # a checkout from before packing
+        rc, text = reasonkv(lab, "calibrate", "--model", lab.model, "--gates", *GATES, *short, "--out", folder)
     if (folder / "gates.pt").exists():
         return OPEN, f"exit {rc}, gates.pt written: {_said(text)}"
     if rc != 0 and "Traceback" not in text:

@@ -58,7 +58,16 @@ def _close(llm) -> None:
     gc.collect()
 
 
-@pytest.mark.parametrize("policy", ["streaming", "knorm", "keydiff", "tova", "snapkv"])
+# CI runs one policy that reads keys only and one that reads queries; the others are in the slow tier (each
+# starts an engine: about a minute on two cores).
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    "policy",
+    ["streaming", "tova", pytest.param("knorm", marks=SLOW), pytest.param("keydiff", marks=SLOW),
+     pytest.param("snapkv", marks=SLOW)],
+)  # fmt: skip
 def test_same_tokens_as_reasonkv_with_blocks_bounded(reference, policy, tmp_path):
     stats = tmp_path / "stats.jsonl"
     llm = engine({"policy": policy, "budget": BUDGET, "buffer": BUFFER, "stats_file": str(stats)})
@@ -117,6 +126,7 @@ def test_eviction_runs_four_long_requests_in_a_pool_where_the_full_cache_preempt
     assert max(json.loads(line)["peak_blocks"] for line in stats.read_text().splitlines()) <= 5
 
 
+@pytest.mark.slow
 def test_a_preempted_request_resumes_as_reasonkv_decodes_its_longer_prompt(reference_model, tmp_path):
     """8 blocks of 32 for 4 requests of 26 tokens that grow to 3 blocks before their first eviction: some are
     preempted. A resumed request's tokens are reasonkv.generate's given its prompt plus what it had decoded."""
