@@ -22,7 +22,10 @@ def _mean(values):
 
 def test_selection_reads_a_part_of_what_it_holds_evicting_policies_read_all(tmp_path, capsys):
     out = tmp_path / "reads"
-    args = [*TINY, "--policies", "quest,h2o", "-o", f"quest.block_size={BLOCK}", "--lengths", f"64,{TOP}"]
+    # every layer selecting (quest reads layers 0-1 whole by default, as its authors do), so each step's reads
+    # have the bounds below
+    args = [*TINY, "--policies", "quest,h2o", "-o", f"quest.block_size={BLOCK}", "-o", "quest.dense_layers=0"]
+    args += ["--lengths", f"64,{TOP}"]
     args += ["--budget", str(BUDGET), "--buffer", "16", "--prompt-length", str(PROMPT), "--out", str(out)]
     assert main(args) == 0
     printed = capsys.readouterr().out
