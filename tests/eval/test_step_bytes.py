@@ -72,11 +72,13 @@ def test_a_chunked_replay_counts_the_steps_inside_a_chunk_exactly():
 
 @pytest.mark.parametrize("budget", [8, 12])
 def test_a_selection_cache_holds_every_token_and_reads_its_blocks(budget):
-    """quest with blocks of 4: each step reads, per (layer, kv-head), the current block and min(K // 4 - 1,
-    complete blocks before it) others; it holds the prompt and every token fed."""
+    """quest with blocks of 4, every layer selecting: each step reads, per (layer, kv-head), the current block
+    and min(K // 4 - 1, complete blocks before it) others; it holds the prompt and every token fed."""
     model = tiny_llama(kv_heads=KV_HEADS, layers=LAYERS)
     block = 4
-    rows = trace_fidelity(model, PROMPTS, TRACES, policy="quest", budget=budget, buffer=4, block_size=block)
+    rows = trace_fidelity(
+        model, PROMPTS, TRACES, policy="quest", budget=budget, buffer=4, block_size=block, dense_layers=0
+    )
     size = LAYERS * KV_HEADS * _token_bytes(model)
     for r, row in enumerate(rows):
         held, read = [], []
