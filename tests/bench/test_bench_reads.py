@@ -90,8 +90,9 @@ def test_a_selection_record_without_reading_counts_shows_no_reads():
 def test_prefilled_batch_counts_reads_per_window_every_row_together(tmp_path):
     """A prefilled sweep (one cache per length, extended) of 2 rows: each window's reads, both rows together."""
     out = tmp_path / "prefilled"
-    args = [*TINY, "--policies", "quest", "-o", f"quest.block_size={BLOCK}", "--lengths", "96,128"]
-    args += ["--budget", str(BUDGET), "--buffer", "16", "--prefill-to-length", "--decode-steps", "16"]
+    args = [*TINY, "--policies", "quest", "-o", f"quest.block_size={BLOCK}", "-o", "quest.dense_layers=0"]
+    args += ["--lengths", "96,128", "--budget", str(BUDGET), "--buffer", "16", "--prefill-to-length"]
+    args += ["--decode-steps", "16"]  # every layer selecting, so a step reads at most K per head
     assert main([*args, "--batch-sizes", "2", "--out", str(out)]) == 0
     document = json.loads((out / "bench.json").read_text())
     (quest,) = [r for r in document["records"] if r["policy"] == "quest"]
