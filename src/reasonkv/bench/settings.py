@@ -10,6 +10,7 @@ comma-separated text (``--lengths 1024,2048``) may be given as that text or as s
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import shlex
@@ -90,8 +91,6 @@ def _names(value: str | Sequence[str]) -> tuple[str, ...]:
     return names
 
 
-_SWITCHES = ("prefill_to_length", "transformers_cache", "sync_timing", "ragged", "eviction_cost", "max_batch", "force")
-_SWITCHES += ("progress", "plots", "reference_lengths", "padded_heads")
 DEFAULT_ROUNDS = 3  # the sweep's interleaved rounds: an odd count, so the median is one round's
 
 
@@ -325,7 +324,7 @@ class BenchSettings:
         for name in ("dtype", "device", "attn"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"{_flag(name)} must be a name (a string), got {getattr(self, name)!r}")
-        for name in _SWITCHES:
+        for name in (f.name for f in dataclasses.fields(self) if f.type == "bool"):  # the switches
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
