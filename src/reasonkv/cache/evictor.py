@@ -228,35 +228,43 @@ class Evictor:
         width]`` per evicting layer, ``-1`` first where a head keeps fewer than the widest (one host read); and
         the rankings they were taken from."""
         spec = self.spec
-        rankings = self._head_rankings(self._view(rows), rows)
+        held = self._held_positions(rows)
+        rankings = self._head_rankings(self._view(rows), rows, held)
         if spec.allocation == "adaptive":
             floor = adaptive_floor(spec.adaptive_alpha, spec.budget)
             counts = [adaptive_counts(r, spec.budget * r.shape[1], floor) for r in rankings]
         else:
-            tables = self._pyramid_budgets(rows) if spec.allocation == "pyramid" else self.budgets
+            tables = self._pyramid_budgets(rows, held) if spec.allocation == "pyramid" else self.budgets
             counts = [static_counts(r, budgets) for r, budgets in zip(rankings, tables, strict=True)]
         width = int(torch.stack([c.max() for c in counts]).max())
         return [keep_counted(r, c, width) for r, c in zip(rankings, counts, strict=True)], rankings
 
-    def _pyramid_budgets(self, rows: torch.Tensor) -> torch.Tensor:
+    def _held_positions(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        """Each evicting layer's positions of ``rows``, ``[len(rows), kv_heads, slots]`` (-1: a head's padding)."""
+        cache = self.cache
+        return [cache.positions(i).index_select(0, rows.to(cache.valid.device)) for i in cache.full_layers]
+
+    def _pyramid_budgets(self, rows: torch.Tensor, held: list[torch.Tensor]) -> torch.Tensor:
         """PyramidKV caps its schedule for a row that has seen few tokens: each row's own table, ``[layers,
-        len(rows), kv_heads]``, from the tokens it has seen and what its fullest head holds."""
+        len(rows), kv_heads]``, from the tokens it has seen and what its fullest head holds (``held``: each
+        evicting layer's positions of the rows)."""
         cache, spec = self.cache, self.spec
         seen = cache.next_position.index_select(0, rows.to(cache.next_position.device)).tolist()
-        picked = rows.to(cache.valid.device)
-        holds = [(cache.positions(i).index_select(0, picked) >= 0).sum(-1).amax(-1) for i in cache.full_layers]
-        fullest = torch.stack(holds).amax(0).tolist()
+        fullest = torch.stack([(h >= 0).sum(-1).amax(-1) for h in held]).amax(0).tolist()
         shape = self.budgets.shape
         tables = [spec.budget_table(*shape, length=n, held=h) for n, h in zip(seen, fullest, strict=True)]
         return torch.stack(tables, dim=1)
 
-    def _head_rankings(self, view: EvictionView, rows: torch.Tensor) -> list[torch.Tensor]:
+    def _head_rankings(
+        self, view: EvictionView, rows: torch.Tensor, held: list[torch.Tensor] | None = None
+    ) -> list[torch.Tensor]:
         """The policy's ranking of every evicting head's own slots, ``[len(rows), kv_heads, slots]`` per layer; under
-        an allocation a token ranking is spread over each head's positions, and a head's own padding ranks last."""
-        cache, token = self.cache, self.policy.granularity == "token"
+        an allocation a token ranking is spread over each head's positions (``held``, read here unless given), and
+        a head's own padding ranks last."""
+        token = self.policy.granularity == "token"
         if self.budgets is None:
             return self._every_head(self.policy.ranking(view)) if token else self.policy.ranking_layers(view)
-        held = [cache.positions(i).index_select(0, rows.to(cache.valid.device)) for i in cache.full_layers]
+        held = self._held_positions(rows) if held is None else held
         if token:  # ranked over the widest head's slots: each head's by position
             ranking, positions = self.policy.ranking(view), view.token_positions()
             rankings = [by_position(ranking, positions, h, select.NEVER_KEEP) for h in held]
