@@ -21,7 +21,6 @@ training or held-out recall measured nothing writes nothing.
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import sys
 from dataclasses import asdict, dataclass
@@ -30,12 +29,14 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from reasonkv.calibrate.shared import ModelSettings, generation_setting, out_setting, progress_setting
 from reasonkv.calibrate.traces import prompt_ids
 from reasonkv.eval.datasets import load_dataset
 from reasonkv.generation.loop import generate
 from reasonkv.hf import AttentionTap, model_info
-from reasonkv.models import DEFAULT_MODEL, load_model
+from reasonkv.models import load_model
 from reasonkv.policies.seer import GATE_FILE
+from reasonkv.runs.flags import setting
 from reasonkv.runs.outputs import ClaimedFolder, claim_folder, write_atomic
 from reasonkv.runs.paths import portable_command, portable_path
 from reasonkv.selection.distill import LayerExample, layer_example, mean_loss, train_gate
@@ -45,6 +46,7 @@ from reasonkv.selection.quest import quest_scores
 from reasonkv.selection.recall import top_block_recall
 
 __all__ = [
+    "GATES_GROUP",
     "GatesSettings",
     "claim_gates_output",
     "collect_examples",
@@ -56,13 +58,14 @@ __all__ = [
     "shape_for",
 ]
 
+GATES_GROUP = "gates (SeerAttention-R)"  # the flags' group on the command line
 SUMMARY_FILE = "gates.json"
 OUTPUT_FILES = (GATE_FILE, SUMMARY_FILE)
 TOP_K = (1, 3)  # the recall measured on held-out sequences: of the true top 1 and top 3 blocks
 
 
 @dataclass(frozen=True, kw_only=True)
-class GatesSettings:
+class GatesSettings(ModelSettings):
     """Everything one ``reasonkv calibrate --gates`` run is told.
 
     Parameters
@@ -84,31 +87,72 @@ class GatesSettings:
         The folder to write ``gates.pt`` and ``gates.json`` into.
     """
 
-    model: str = DEFAULT_MODEL
-    dtype: str = "fp32"
-    device: str = "cpu"
-    attn: str = "sdpa"
-    dataset: str = "gsm8k"
-    traces: int = 24
-    held_out: int = 4
-    max_new_tokens: int = 384
-    temperature: float = 0.6
-    pack: int = 2048
-    batch: int = 16
-    block_size: int = 64
-    gate_dim: int = GATE_DIM
-    qk_norm: bool = True
-    init: str = "normal"
-    steps: int = 300
+    traces: int = setting(
+        24, group=GATES_GROUP, name="--gate-traces", type="positive", help="packed sequences to train on (default 24)"
+    )
+    held_out: int = setting(
+        4, group=GATES_GROUP, type=int, help="further packed sequences to measure recall on (default 4)"
+    )
+    max_new_tokens: int = generation_setting(384)
+    steps: int = setting(
+        300, group=GATES_GROUP, name="--gate-steps", type="positive", help="Adam steps, one sequence each (default 300)"
+    )
+    temperature: float = setting(
+        0.6,
+        group=GATES_GROUP,
+        name="--gate-temperature",
+        type=float,
+        help="sampling temperature of the model's answers (default 0.6, as the papers decode; 0: greedy)",
+    )
+    pack: int = setting(
+        2048,
+        group=GATES_GROUP,
+        name="--gate-pack",
+        type="positive",
+        help="answers are packed end to end into sequences of at least this many tokens (default 2048)",
+    )
+    batch: int = setting(
+        16, group=GATES_GROUP, name="--gate-batch", type="positive", help="answers generated at a time (default 16)"
+    )
+    queries: int = setting(
+        128,
+        group=GATES_GROUP,
+        name="--gate-queries",
+        type="positive",
+        help="query positions per packed sequence the loss is taken at (default 128)",
+    )
+    gate_dim: int = setting(
+        GATE_DIM, group=GATES_GROUP, type="positive", help=f"gate channels (default {GATE_DIM}, the authors' width)"
+    )
+    init: str = setting(
+        "normal",
+        group=GATES_GROUP,
+        name="--gate-init",
+        choices=INITS,
+        help="initial gate weights: normal (default: N(0, 0.02), the authors' training) or xavier (uniform)",
+    )
+    qk_norm: bool = setting(
+        True,
+        group=GATES_GROUP,
+        negated=True,
+        name="--no-gate-norm",
+        help="no RMSNorm on the gate's q and k (the authors' training turns it on, the default)",
+    )
+    later_half: bool = setting(
+        True,
+        group=GATES_GROUP,
+        negated=True,
+        name="--gate-loss-everywhere",
+        help="train on queries from each sequence's second block, not only its later half (the authors' choice)",
+    )
+    block_size: int = setting(64, group=GATES_GROUP, type="positive", help="tokens per block (default 64)")
     lr: float = 2e-3
-    queries: int = 128
-    later_half: bool = True
     seed: int = 0
-    progress: bool = True
-    out: Path
+    progress: bool = progress_setting()
+    out: Path = out_setting()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "model", os.fspath(self.model))
+        super().__post_init__()
         object.__setattr__(self, "out", Path(self.out))
         for name in ("traces", "max_new_tokens", "pack", "batch", "block_size", "gate_dim", "steps", "queries"):
             value = getattr(self, name)

@@ -50,6 +50,7 @@ import torch.nn.functional as F
 
 from reasonkv.calibrate.labels import MASKED_IMPLEMENTATIONS, attention_masks
 from reasonkv.hf import AttentionTap, attention_implementation, decoder_layers, model_info
+from reasonkv.runs.flags import setting
 
 __all__ = [
     "BASELINE_SCORES",
@@ -83,9 +84,9 @@ class SignalSettings:
         SnapKV's pooling (default "max", the snapkv policy's).
     """
 
-    window: int = 128
+    window: int = setting(128, group="signals", type="positive", help="EPIKV z-score window W (default 128)")
     eps: float = 1e-6
-    query_window: int = 32
+    query_window: int = setting(32, group="signals", type="positive", help="SnapKV window (default 32)")
     kernel: int = 7
     pooling: str = "max"
 
