@@ -25,7 +25,6 @@ from reasonkv.cache.allocation import load_budget_file
 from reasonkv.calibrate.reading import ReadingSettings, read_sequences
 from reasonkv.calibrate.shared import traces_setting
 from reasonkv.hf import AttentionTap, model_info
-from reasonkv.models import load_model
 from reasonkv.policies import attention
 from reasonkv.runs.flags import setting
 from reasonkv.runs.paths import portable_command
@@ -140,10 +139,7 @@ def head_mass(model, sequences: list[list[int]], *, sinks: int, window: int) -> 
 
 def run_budgets(settings: BudgetsSettings) -> int:
     """Measure and write the budget file ``settings`` describe; returns 0."""
-    print(f"loading {settings.model} ({settings.dtype}, {settings.device}, {settings.attn}) ...", file=sys.stderr)
-    model, tokenizer = load_model(
-        settings.model, dtype=settings.dtype, device=settings.device, attn_implementation=settings.attn
-    )
+    model, tokenizer = settings.load()
     sequences = read_sequences(settings, tokenizer)
     weights, queries = head_mass(model, sequences, sinks=settings.sinks, window=settings.window)
     layers, kv_heads = weights.shape

@@ -16,17 +16,17 @@ from pathlib import Path
 from typing import Any
 
 from reasonkv.calibrate.labels import TARGETS, LabelSettings
-from reasonkv.calibrate.pipeline import SIGNALS
 from reasonkv.calibrate.profile import CONTROLS
 from reasonkv.calibrate.shared import (
     ModelSettings,
+    check_positive,
     cut_setting,
     generation_setting,
     out_setting,
     progress_setting,
     traces_setting,
 )
-from reasonkv.calibrate.signals import SignalSettings
+from reasonkv.calibrate.signals import SIGNALS, SignalSettings
 from reasonkv.calibrate.traces import SOURCES
 from reasonkv.runs.flags import nested, setting
 
@@ -36,11 +36,6 @@ __all__ = ["CalibrateSettings"]
 def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
-
-
-def _check_positive(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,10 +110,9 @@ class CalibrateSettings(ModelSettings):
     def __post_init__(self) -> None:
         super().__post_init__()
         object.__setattr__(self, "out", Path(self.out))
-        for name in ("traces", "max_new_tokens", "min_width", "max_width", "bootstrap"):
-            _check_positive(name, getattr(self, name))
+        check_positive(self, "traces", "max_new_tokens", "min_width", "max_width", "bootstrap")
         if self.max_trace_tokens is not None:
-            _check_positive("max_trace_tokens", self.max_trace_tokens)
+            check_positive(self, "max_trace_tokens")
         _check_choice("source", self.source, SOURCES)
         _check_choice("target", self.target, TARGETS)
         _check_choice("signal", self.signal, SIGNALS)

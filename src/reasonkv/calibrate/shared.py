@@ -4,14 +4,23 @@ the flags several of them declare for their own fields (``reasonkv calibrate`` a
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from reasonkv.models import DEFAULT_MODEL
+from reasonkv.models import DEFAULT_MODEL, load_model
 from reasonkv.runs.flags import setting
 
-__all__ = ["ModelSettings", "cut_setting", "generation_setting", "out_setting", "progress_setting", "traces_setting"]
+__all__ = [
+    "ModelSettings",
+    "check_positive",
+    "cut_setting",
+    "generation_setting",
+    "out_setting",
+    "progress_setting",
+    "traces_setting",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,6 +37,21 @@ class ModelSettings:
     def __post_init__(self) -> None:
         object.__setattr__(self, "model", os.fspath(self.model))
         object.__setattr__(self, "dataset", os.fspath(self.dataset))
+
+    def load(self, *, progress: bool | None = None) -> tuple[Any, Any]:
+        """The model and its tokenizer, loaded as the settings say (announced on stderr)."""
+        print(f"loading {self.model} ({self.dtype}, {self.device}, {self.attn}) ...", file=sys.stderr, flush=True)
+        return load_model(
+            self.model, dtype=self.dtype, device=self.device, attn_implementation=self.attn, progress=progress
+        )
+
+
+def check_positive(settings: Any, *names: str) -> None:
+    """Refuse a setting among ``names`` of ``settings`` that is not a positive integer."""
+    for name in names:
+        value = getattr(settings, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 def traces_setting(default: int) -> Any:

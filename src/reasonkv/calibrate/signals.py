@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from reasonkv.calibrate.labels import MASKED_IMPLEMENTATIONS, attention_masks
+from reasonkv.calibrate.shared import check_positive
 from reasonkv.hf import AttentionTap, attention_implementation, decoder_layers, model_info
 from reasonkv.policies import attention
 from reasonkv.policies.epikv_signal import rolling_zscore, step_distances, window_mean
@@ -63,6 +64,7 @@ from reasonkv.runs.flags import setting
 
 __all__ = [
     "BASELINE_SCORES",
+    "SIGNALS",
     "SignalSettings",
     "causal_zscore",
     "chunk_means",
@@ -71,6 +73,7 @@ __all__ = [
 ]
 
 BASELINE_SCORES = ("knorm", "h2o", "tova", "snapkv", "recency", "random")
+SIGNALS = ("z", "g")  # the per-layer signals a band can be picked by
 
 
 @dataclass(frozen=True)
@@ -98,10 +101,7 @@ class SignalSettings:
     pooling: str = "max"
 
     def __post_init__(self) -> None:
-        for name in ("window", "query_window", "kernel"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_positive(self, "window", "query_window", "kernel")
         if self.kernel % 2 == 0:
             raise ValueError(f"kernel must be odd, got {self.kernel}")
         if not isinstance(self.eps, (int, float)) or isinstance(self.eps, bool) or not self.eps >= 0:

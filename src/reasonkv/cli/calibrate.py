@@ -15,7 +15,7 @@ and ``summary.md``. The folder must be calibrate's own (or new, or free of these
 while the command runs (:func:`reasonkv.calibrate.store.claim_output`).
 
 Every flag is declared once, as a field of the settings it sets (:mod:`reasonkv.runs.flags`), or, for the
-switches that pick the calibration, of :class:`Calibration`; this module adds them to the parser, reads them
+switches that pick the calibration, of :class:`CalibrationKind`; this module adds them to the parser, reads them
 back into the settings the switches pick, and refuses combinations no calibration takes.
 :func:`reasonkv.calibrate.run.run_calibration` (or the picked calibration's own run) does the rest.
 """
@@ -34,11 +34,11 @@ from reasonkv.calibrate.settings import CalibrateSettings
 from reasonkv.cli.flags import add_flags, read_flags
 from reasonkv.runs.flags import setting
 
-__all__ = ["Calibration", "add_arguments", "run", "settings_from"]
+__all__ = ["CalibrationKind", "add_arguments", "run", "settings_from"]
 
 
 @dataclass(frozen=True)
-class Calibration:
+class CalibrationKind:
     """Which calibration runs: the layer anatomy (none of these), or one of the files another command loads."""
 
     centers: bool = setting(
@@ -59,14 +59,14 @@ class Calibration:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_flags(parser, CalibrateSettings, Calibration, CentersSettings, BudgetsSettings, GatesSettings)
+    add_flags(parser, CalibrateSettings, CalibrationKind, CentersSettings, BudgetsSettings, GatesSettings)
 
 
 def settings_from(
     args: argparse.Namespace,
 ) -> CalibrateSettings | CentersSettings | GatesSettings | BudgetsSettings:
     """The settings the arguments describe (``ValueError`` for anything wrong, before any folder is touched)."""
-    picked = Calibration(**read_flags(Calibration, args))
+    picked = CalibrationKind(**read_flags(CalibrationKind, args))
     if picked.budgets:
         if args.analyse_only or picked.centers or picked.gates:
             raise ValueError(
