@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from reasonkv.policies.query_centers import QueryCenters
-from reasonkv.selection.gate import GateShape, SeerGate
-from reasonkv.selection.gatefile import GateFile, load_gate, save_gate
+from reasonkv.policies.seer import GateFile, GateShape, SeerGate, load_gate, save_gate
 
 
 def _gate(path):

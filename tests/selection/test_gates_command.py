@@ -13,7 +13,7 @@ from reasonkv.calibrate import gates as gates_module
 from reasonkv.calibrate import shared as calibrate_shared
 from reasonkv.calibrate.gates import GatesSettings, run_gates
 from reasonkv.cli import calibrate as cli_calibrate
-from reasonkv.selection.gatefile import load_gate
+from reasonkv.policies.seer import load_gate
 
 
 def _args(tmp_path, *extra):

@@ -8,7 +8,7 @@ import torch
 
 import reasonkv
 from conftest import tiny_llama
-from reasonkv.selection.quest import quest_scores
+from reasonkv.policies.quest import quest_scores
 
 LENGTHS = (170, 101, 140)
 BLOCK, BUDGET = 16, 80  # 5 blocks a step: the current one and the top 4

@@ -9,10 +9,17 @@ import reasonkv
 from conftest import tiny_llama, tiny_qwen3
 from reasonkv.calibrate.gates import collect_examples, gate_recall, shape_for
 from reasonkv.hf import model_info
-from reasonkv.policies.seer import Seer
-from reasonkv.selection.distill import block_targets, gate_loss, mean_loss, train_gate
-from reasonkv.selection.gate import SeerGate
-from reasonkv.selection.gatefile import GateFile, load_gate, save_gate
+from reasonkv.policies.seer import (
+    GateFile,
+    Seer,
+    SeerGate,
+    block_targets,
+    gate_loss,
+    load_gate,
+    mean_loss,
+    save_gate,
+    train_gate,
+)
 from reasonkv.selection.pooled import PooledKeys
 
 BLOCK = 16

@@ -7,7 +7,7 @@ sequences of at least 2,048 tokens, as the authors pack theirs), how long to tra
 full-attention layer's post-RoPE queries and keys from the attention tap (rotated back to pre-RoPE with
 the model's own rotary tables for the gate), builds the targets for queries in the later half of each
 sequence (where the authors put the loss, and a query has many blocks to choose from;
-:mod:`reasonkv.selection.distill`), trains the gate with a progress bar showing the loss, and writes
+:mod:`reasonkv.policies.seer`), trains the gate with a progress bar showing the loss, and writes
 ``gates.pt`` (loaded by ``seer``'s ``gates=FOLDER``) and ``gates.json`` (the loss curve, and the recall of
 the true top blocks on held-out sequences: the trained gate, an untrained one and Quest's bound) into the
 ``--out`` folder, beside the model's other calibration files.
@@ -35,14 +35,24 @@ from reasonkv.calibrate.traces import prompt_ids
 from reasonkv.eval.datasets import load_dataset
 from reasonkv.generation.loop import generate
 from reasonkv.hf import AttentionTap, model_info
-from reasonkv.policies.seer import GATE_FILE
+from reasonkv.policies.quest import quest_scores
+from reasonkv.policies.seer import (
+    GATE_DIM,
+    GATE_FILE,
+    INITS,
+    GateFile,
+    GateShape,
+    LayerExample,
+    SeerGate,
+    gate_bytes,
+    layer_example,
+    load_gate,
+    mean_loss,
+    train_gate,
+)
 from reasonkv.runs.flags import setting
 from reasonkv.runs.outputs import ClaimedFolder, claim_folder, write_atomic
 from reasonkv.runs.paths import portable_command, portable_path
-from reasonkv.selection.distill import LayerExample, layer_example, mean_loss, train_gate
-from reasonkv.selection.gate import GATE_DIM, INITS, GateShape, SeerGate
-from reasonkv.selection.gatefile import GateFile, gate_bytes, load_gate
-from reasonkv.selection.quest import quest_scores
 from reasonkv.selection.recall import top_block_recall
 
 __all__ = [

@@ -1,28 +1,301 @@
 """SeerAttention-R (Gao et al., "SeerAttention-R: Sparse Attention Adaptation for Long Reasoning", 2025): a
 small trained gate chooses, per kv-head group and decode step, the blocks of the K/V cache to read. A
-selection policy: the cache holds every token."""
+selection policy: the cache holds every token. This module holds the gate, its file, its training by
+self-distillation and the policy.
+
+**The gate** (:class:`SeerGate`) is the authors' (``seer_attn/decode_sparse/attn_gate_inf.py``: "Qproj" query
+pooling, keys pooled by max, min and mean, RMSNorm on the gate's q and k as their training script turns on),
+per layer and kv-head ``k`` with query heads ``g`` of its group:
+
+- the gate query: the group's pre-RoPE queries (after any q-norm), each projected by its own matrix and
+  summed, ``q_k = sum_g W^q_{k,g} q_g`` (``gate_dim`` channels), RMS-normalised (a learned weight of
+  ``gate_dim`` per layer, eps 1e-6; ``qk_norm``), then rotated by RoPE at the token's position (a RoPE of
+  ``gate_dim`` channels with the model's base);
+- the gate key of block ``j``: the block's pre-RoPE keys pooled by max, min and mean, concatenated
+  (``3 * head_dim``), projected ``W^k_k`` (``gate_dim``), RMS-normalised likewise, rotated at the block's
+  first position ``j * block_size`` (the authors rotate a block completed during decode at the position
+  it was completed at; see ``docs/selection.md``);
+- the block logits: ``q_k · K_{k,j} / sqrt(gate_dim)``, softmaxed over blocks by the policy.
+
+The authors' width is 128 (from {64, 128, 256}) and their initialisation N(0, 0.02); ``init="xavier"``
+is the Xavier-uniform their inference module's own constructor uses, kept as an option. The pooled keys
+are kept incrementally as blocks fill (:class:`~reasonkv.selection.pooled.PooledKeys`); the projection of
+a block is cheap enough to redo each step on the pooled side cache.
+
+**The gate file** (:func:`save_gate`, :func:`load_gate`): a ``.pt`` file of plain tensors and numbers (read
+with ``weights_only=True``): the gate's shape, the model's name and weights fingerprint, what it was
+trained on, and each layer's query and key projections and RMSNorm weights. Version 1 files (gates without
+RMSNorm) load as gates with ``qk_norm`` off. Loading checks the format; :func:`check_gate` checks it against
+the model it is used with: a gate for another shape is refused with the counts that differ, one from other
+weights by the fingerprint.
+
+**Training** by self-distillation, the frozen model's own block attention the target (the authors' recipe,
+``attn_gate_training.py`` and the Qwen3 training model), for one sequence and one layer: every query's
+attention over the keys (softmax of ``q · k * scaling``, causal) is max-pooled over each block of
+``block_size`` keys, then over the query heads of each kv-head group; the blocks a decode step could
+choose (wholly before the query's own block) are kept and renormalised to sum to 1. The gate's logits over
+the same blocks go through a log-softmax, and the loss is the KL divergence from the target to the gate,
+averaged over queries and kv-heads. Queries in the first block have no block to choose and are left out.
+:func:`layer_example` turns the model's queries and keys of one sequence into what the loss needs,
+:func:`gate_loss` is that loss, :func:`train_gate` runs Adam over examples; the model is run elsewhere
+(:mod:`reasonkv.calibrate.gates`).
+"""
 
 from __future__ import annotations
 
+import io
+import math
 import os
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from reasonkv.policies.contract import ModelInfo
 from reasonkv.policies.options import check_at_least, check_choice
 from reasonkv.policies.registry import register
 from reasonkv.policies.selective import SelectionPolicy
 from reasonkv.selection.blocks import RULES
-from reasonkv.selection.gatefile import GateFile, check_gate, load_gate
 from reasonkv.selection.pooled import PooledKeys
+from reasonkv.selection.torchfile import read_torch_file
 
-__all__ = ["GATE_FILE", "Seer", "bundled_gate"]
+__all__ = [
+    "FORMAT",
+    "GATE_DIM",
+    "GATE_FILE",
+    "INITS",
+    "GateFile",
+    "GateShape",
+    "LayerExample",
+    "Seer",
+    "SeerGate",
+    "block_pool",
+    "block_targets",
+    "bundled_gate",
+    "check_gate",
+    "gate_bytes",
+    "gate_loss",
+    "gate_rope",
+    "layer_example",
+    "load_gate",
+    "mean_loss",
+    "rms_norm",
+    "save_gate",
+    "train_gate",
+]
 
+GATE_DIM = 128  # the authors' gate width
+INITS = ("normal", "xavier")
+NORM_EPS = 1e-6
+
+FORMAT, VERSION = "reasonkv-seer-gate", 2
+READS = (1, 2)  # version 1: no RMSNorm on the gate's q and k
+WEIGHTS = ("query", "key", "query_norm", "key_norm")  # the gate's weight lists, in the file's order
 BUNDLED = ("reasonkv", "data", "gates")  # package folder of the bundled models' gate files
 GATE_FILE = "gates.pt"  # the name reasonkv calibrate --gates writes in its folder
+
+
+# ---------------------------------------------------------------------------------------------------- the gate
+class GateShape:
+    """What a gate was built for: layers, query and kv heads, head_dim, gate_dim, block_size, RoPE base, and
+    whether the gate's q and k are RMS-normalised (``qk_norm``)."""
+
+    FIELDS = ("layers", "heads", "kv_heads", "head_dim", "gate_dim", "block_size", "rope_base", "qk_norm")
+
+    def __init__(
+        self, layers, heads, kv_heads, head_dim, gate_dim=GATE_DIM, block_size=64, rope_base=10000.0, qk_norm=True
+    ):
+        self.layers, self.heads, self.kv_heads, self.head_dim = layers, heads, kv_heads, head_dim
+        self.gate_dim, self.block_size, self.rope_base = gate_dim, block_size, float(rope_base)
+        if not isinstance(qk_norm, bool):
+            raise ValueError(f"gate qk_norm must be True or False, got {qk_norm!r}")
+        self.qk_norm = qk_norm
+        for name in ("layers", "heads", "kv_heads", "head_dim", "gate_dim", "block_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"gate {name} must be a positive integer, got {value!r}")
+        if heads % kv_heads:
+            raise ValueError(f"gate heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
+        if gate_dim % 2:
+            raise ValueError(f"gate_dim must be even (RoPE rotates channel pairs), got {gate_dim}")
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.kv_heads
+
+    def as_dict(self) -> dict:
+        return {name: getattr(self, name) for name in self.FIELDS}
+
+
+def gate_rope(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
+    """RoPE (half pairing, as transformers' ``rotate_half``) of ``x`` ``[..., n, dim]`` at ``positions``
+    (broadcast to ``[..., n]``), in float32."""
+    dim = x.shape[-1]
+    inv_freq = base ** (-torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim)
+    angles = positions.float().unsqueeze(-1) * inv_freq
+    cos, sin = angles.cos(), angles.sin()
+    first, second = x[..., : dim // 2].float(), x[..., dim // 2 :].float()
+    return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension (the authors' RMSNorm, eps 1e-6)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + NORM_EPS) * weight
+
+
+class SeerGate(nn.Module):
+    """The gates of every layer: ``query[layer]`` ``[kv_heads, group, head_dim, gate_dim]``,
+    ``key[layer]`` ``[kv_heads, 3 * head_dim, gate_dim]`` and, with ``qk_norm``, the RMSNorm weights
+    ``query_norm[layer]``/``key_norm[layer]`` ``[gate_dim]`` (ones at first). ``init``: ``normal`` (default:
+    N(0, 0.02), the authors' training initialisation) or ``xavier`` (Xavier-uniform)."""
+
+    def __init__(self, shape: GateShape, seed: int = 0, init: str = "normal"):
+        super().__init__()
+        if init not in INITS:
+            raise ValueError(f"gate init must be one of {', '.join(INITS)}, got {init!r}")
+        self.shape = s = shape
+        generator = torch.Generator().manual_seed(seed)
+        draw = _normal if init == "normal" else _xavier
+        self.query = nn.ParameterList(
+            [nn.Parameter(draw((s.kv_heads, s.group, s.head_dim, s.gate_dim), generator)) for _ in range(s.layers)]
+        )
+        self.key = nn.ParameterList(
+            [nn.Parameter(draw((s.kv_heads, 3 * s.head_dim, s.gate_dim), generator)) for _ in range(s.layers)]
+        )
+        norms = s.layers if s.qk_norm else 0
+        self.query_norm = nn.ParameterList([nn.Parameter(torch.ones(s.gate_dim)) for _ in range(norms)])
+        self.key_norm = nn.ParameterList([nn.Parameter(torch.ones(s.gate_dim)) for _ in range(norms)])
+
+    def gate_queries(self, layer: int, queries: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Pre-RoPE ``queries`` ``[batch, heads, n, head_dim]`` at ``positions`` ``[batch, n]`` ->
+        ``[batch, kv_heads, n, gate_dim]``, rotated."""
+        batch, heads, n, dim = queries.shape
+        grouped = queries.float().view(batch, self.shape.kv_heads, self.shape.group, n, dim)
+        projected = torch.einsum("bkgnd,kgdo->bkno", grouped, self.query[layer])
+        if self.shape.qk_norm:
+            projected = rms_norm(projected, self.query_norm[layer])
+        return gate_rope(projected, positions.unsqueeze(1), self.shape.rope_base)
+
+    def gate_keys(self, layer: int, maximum: torch.Tensor, minimum: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+        """Pooled pre-RoPE keys ``[batch, kv_heads, blocks, head_dim]`` (max, min, mean) -> gate keys
+        ``[batch, kv_heads, blocks, gate_dim]`` rotated at each block's first position."""
+        pooled = torch.cat([maximum, minimum, mean], dim=-1).float()
+        pooled = torch.where(torch.isfinite(pooled), pooled, 0.0)  # blocks with no token yet
+        projected = torch.einsum("bknc,kco->bkno", pooled, self.key[layer])
+        if self.shape.qk_norm:
+            projected = rms_norm(projected, self.key_norm[layer])
+        starts = torch.arange(pooled.shape[2], device=pooled.device) * self.shape.block_size
+        return gate_rope(projected, starts, self.shape.rope_base)
+
+    def logits(self, gate_queries: torch.Tensor, gate_keys: torch.Tensor) -> torch.Tensor:
+        """``[batch, kv_heads, n, blocks]``: ``q · K / sqrt(gate_dim)`` (before the softmax over blocks)."""
+        return gate_queries @ gate_keys.transpose(-1, -2) / math.sqrt(self.shape.gate_dim)
+
+
+def _normal(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    return torch.randn(shape, generator=generator) * 0.02
+
+
+def _xavier(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    fan_in, fan_out = shape[-2], shape[-1]
+    bound = math.sqrt(6.0 / (fan_in + fan_out))
+    return (torch.rand(shape, generator=generator) * 2 - 1) * bound
+
+
+# ---------------------------------------------------------------------------------------------------- its file
+@dataclass
+class GateFile:
+    """A gate and its provenance."""
+
+    gate: SeerGate
+    model: str = ""
+    fingerprint: str = ""
+    source: str = ""
+    training: dict = field(default_factory=dict)  # steps, final loss, ...
+
+
+def save_gate(gate_file: GateFile, path: str | os.PathLike[str]) -> Path:
+    """Write ``gate_file`` to ``path`` (weights as float16: a gate is a selector, not the model)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(gate_bytes(gate_file))
+    return path
+
+
+def gate_bytes(gate_file: GateFile) -> bytes:
+    """The file :func:`save_gate` writes, as bytes (for a writer that replaces files whole)."""
+    gate = gate_file.gate
+    payload = {
+        "format": FORMAT,
+        "version": VERSION,
+        "shape": gate.shape.as_dict(),
+        "model": gate_file.model,
+        "fingerprint": gate_file.fingerprint,
+        "source": gate_file.source,
+        "training": dict(gate_file.training),
+        **{name: [w.detach().to(torch.float16).cpu().contiguous() for w in getattr(gate, name)] for name in WEIGHTS},
+    }
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    return buffer.getvalue()
+
+
+def load_gate(path: str | os.PathLike[str]) -> GateFile:
+    """Read a file :func:`save_gate` wrote; ``ValueError`` naming the path for anything else."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"gate file {path!r} does not exist (train one: reasonkv calibrate --gates)")
+    payload = read_torch_file(path, FORMAT, "gate file", "reasonkv calibrate --gates (gates.pt)")
+    version = payload.get("version")
+    if version not in READS:
+        raise ValueError(
+            f"{path!r} has gate file version {version!r}; this reasonkv reads {', '.join(map(str, READS))}"
+        )
+    shape = GateShape(**{"qk_norm": False, **payload["shape"]})
+    gate = SeerGate(shape)
+    for name in WEIGHTS:
+        mine, theirs = getattr(gate, name), payload.get(name, [])
+        if len(theirs) != len(mine):
+            raise ValueError(f"{path!r}: {len(theirs)} layers of {name} weights where {len(mine)} belong")
+    with torch.no_grad():
+        for name in WEIGHTS:
+            for mine, theirs in zip(getattr(gate, name), payload.get(name, []), strict=True):
+                if mine.shape != theirs.shape:
+                    raise ValueError(
+                        f"{path!r}: a weight of shape {list(theirs.shape)} where {list(mine.shape)} belongs"
+                    )
+                mine.copy_(theirs.float())
+    return GateFile(
+        gate, str(payload["model"]), str(payload["fingerprint"]), str(payload["source"]), payload["training"]
+    )
+
+
+def check_gate(gate_file: GateFile, info: ModelInfo, who: str, path: str = "") -> None:
+    """``ValueError`` naming ``who`` when the gate was made for another model: its layer, head or head_dim
+    counts differ from ``info``'s, or its weights do."""
+    where = f" {path!r}" if path else ""
+    shape = gate_file.gate.shape
+    mine = {"layers": shape.layers, "heads": shape.heads, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim}
+    theirs = {
+        "layers": info.num_layers,
+        "heads": info.num_heads,
+        "kv_heads": info.num_kv_heads,
+        "head_dim": info.head_dim,
+    }
+    differ = [f"{name} {mine[name]} (the model has {theirs[name]})" for name in mine if mine[name] != theirs[name]]
+    if differ:
+        raise ValueError(
+            f"{who}: the gate file{where} is for another model ({gate_file.model or 'unnamed'}): " + ", ".join(differ)
+        )
+    if gate_file.fingerprint and info.fingerprint and gate_file.fingerprint != info.fingerprint:
+        raise ValueError(
+            f"{who}: the gate file{where} was trained on other weights ({gate_file.model or 'unnamed'}, fingerprint "
+            f"{gate_file.fingerprint}) than this model's (fingerprint {info.fingerprint}); train this model's with "
+            "reasonkv calibrate --gates"
+        )
 
 
 def bundled_gate(info: ModelInfo, who: str) -> tuple[GateFile, str]:
@@ -41,10 +314,135 @@ def bundled_gate(info: ModelInfo, who: str) -> tuple[GateFile, str]:
     )
 
 
+# ---------------------------------------------------------------------------------------------------- its training
+@dataclass
+class LayerExample:
+    """One sequence's training material for one layer: the gate's inputs and the target.
+
+    ``queries`` ``[heads, n, head_dim]`` pre-RoPE at ``positions`` ``[n]``; ``maximum``/``minimum``/``mean``
+    ``[kv_heads, blocks, head_dim]`` the pooled pre-RoPE keys; ``target`` ``[kv_heads, n, blocks]``;
+    ``visible`` ``[n, blocks]``.
+    """
+
+    layer: int
+    queries: torch.Tensor
+    positions: torch.Tensor
+    maximum: torch.Tensor
+    minimum: torch.Tensor
+    mean: torch.Tensor
+    target: torch.Tensor
+    visible: torch.Tensor
+    quest: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # post-RoPE queries, key min, key max
+
+
+def block_pool(keys: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Max, min and mean of ``keys`` ``[kv_heads, length, dim]`` per block: ``[kv_heads, blocks, dim]`` each."""
+    heads, length, dim = keys.shape
+    blocks = -(-length // block_size)
+    pad = blocks * block_size - length
+    k = keys.float()
+    high = torch.nn.functional.pad(k, (0, 0, 0, pad), value=float("-inf")).view(heads, blocks, block_size, dim)
+    low = torch.nn.functional.pad(k, (0, 0, 0, pad), value=float("inf")).view(heads, blocks, block_size, dim)
+    total = torch.nn.functional.pad(k, (0, 0, 0, pad)).view(heads, blocks, block_size, dim).sum(2)
+    counts = torch.full((blocks,), float(block_size))
+    counts[-1] = block_size - pad
+    return high.amax(2), low.amin(2), total / counts.view(1, -1, 1).to(total.device)
+
+
+def block_targets(
+    queries: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, scaling: float, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target ``[kv_heads, n, blocks]`` and which blocks each query may choose ``[n, blocks]``, for the
+    queries at positions ``rows`` ``[n]`` of post-RoPE ``queries`` ``[heads, length, head_dim]`` against
+    post-RoPE ``keys`` ``[kv_heads, length, head_dim]``."""
+    heads, length, _ = queries.shape
+    kv_heads = keys.shape[0]
+    group = heads // kv_heads
+    expanded = keys.float().repeat_interleave(group, dim=0)
+    logits = queries[:, rows].float() @ expanded.transpose(-1, -2) * scaling  # [heads, n, length]
+    causal = torch.arange(length, device=rows.device).view(1, -1) <= rows.view(-1, 1)
+    attention = logits.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+    blocks = -(-length // block_size)
+    pad = blocks * block_size - length
+    pooled = torch.nn.functional.pad(attention, (0, pad)).view(heads, len(rows), blocks, block_size).amax(-1)
+    pooled = pooled.view(kv_heads, group, len(rows), blocks).amax(1)
+    visible = torch.arange(blocks, device=rows.device).view(1, -1) < (rows // block_size).view(-1, 1)
+    pooled = pooled * visible
+    return pooled / pooled.sum(-1, keepdim=True).clamp(min=1e-12), visible
+
+
+def layer_example(
+    layer: int,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    queries_before: torch.Tensor,
+    keys_before: torch.Tensor,
+    rows: torch.Tensor,
+    scaling: float,
+    block_size: int,
+) -> LayerExample:
+    """One layer's example from its post-RoPE ``queries`` ``[heads, length, d]``/``keys`` ``[kv_heads, length, d]``
+    and their pre-RoPE values, for the query positions ``rows`` (each at least ``block_size``)."""
+    target, visible = block_targets(queries, keys, rows, scaling, block_size)
+    maximum, minimum, mean = block_pool(keys_before, block_size)
+    return LayerExample(layer, queries_before[:, rows].float(), rows, maximum, minimum, mean, target, visible)
+
+
+def gate_loss(gate: SeerGate, example: LayerExample) -> torch.Tensor:
+    """KL(target || gate) of one example, averaged over its queries and kv-heads."""
+    gate_queries = gate.gate_queries(example.layer, example.queries.unsqueeze(0), example.positions.unsqueeze(0))
+    gate_keys = gate.gate_keys(
+        example.layer, example.maximum.unsqueeze(0), example.minimum.unsqueeze(0), example.mean.unsqueeze(0)
+    )
+    logits = gate.logits(gate_queries, gate_keys)[0]  # [kv_heads, n, blocks]
+    log_p = logits.masked_fill(~example.visible, float("-inf")).log_softmax(dim=-1)
+    target = example.target
+    terms = torch.xlogy(target, target) - target * log_p.masked_fill(~example.visible, 0.0)
+    return terms.sum(-1).mean()
+
+
+def train_gate(
+    gate: SeerGate,
+    examples: Sequence[Sequence[LayerExample]],
+    *,
+    steps: int,
+    lr: float = 1e-3,
+    on_step: Callable[[int, float], None] | None = None,
+    seed: int = 0,
+) -> list[float]:
+    """Adam on the gate over ``examples`` (per sequence, one example per layer), one sequence per step in a
+    seeded shuffled order; returns the loss (summed over layers) of every step."""
+    if not examples:
+        raise ValueError("gate training needs at least one sequence")
+    optimizer = torch.optim.Adam(gate.parameters(), lr=lr)
+    generator = torch.Generator().manual_seed(seed)
+    order: list[int] = []
+    losses = []
+    for step in range(steps):
+        if not order:
+            order = torch.randperm(len(examples), generator=generator).tolist()
+        sequence = examples[order.pop()]
+        optimizer.zero_grad()
+        loss = sum(gate_loss(gate, example) for example in sequence)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+        if on_step is not None:
+            on_step(step, losses[-1])
+    return losses
+
+
+def mean_loss(gate: SeerGate, examples: Sequence[Sequence[LayerExample]]) -> float:
+    """The loss summed over layers, averaged over sequences (no gradient)."""
+    with torch.no_grad():
+        return sum(float(sum(gate_loss(gate, e) for e in sequence)) for sequence in examples) / len(examples)
+
+
+# ---------------------------------------------------------------------------------------------------- the policy
 @register
 @dataclass
 class Seer(SelectionPolicy):
-    """SeerAttention-R's gate (see :mod:`reasonkv.selection.gate`) over pooled pre-RoPE keys, kept as blocks fill.
+    """SeerAttention-R's gate (:class:`SeerGate`) over pooled pre-RoPE keys, kept as blocks fill.
 
     Each decode step, per kv-head group: the gate's softmax over every block up to the current one (the
     current block, while it fills, has a zeroed gate key: logit 0, as the authors'); by default the top
@@ -114,8 +512,7 @@ class Seer(SelectionPolicy):
 
     def _gate_file(self, info: ModelInfo) -> tuple[GateFile, str]:
         if self.gates == "bundled":
-            gate_file, name = bundled_gate(info, self.name)
-            return gate_file, name
+            return bundled_gate(info, self.name)
         path = self.gates
         if os.path.isdir(path):
             path = os.path.join(path, GATE_FILE)
