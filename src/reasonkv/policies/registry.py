@@ -8,6 +8,7 @@ from typing import Any
 
 from reasonkv.policies.base import Policy
 from reasonkv.policies.options import field_types, parse_value, split_option
+from reasonkv.policies.selective import PROTECTION
 from reasonkv.suggest import did_you_mean
 
 __all__ = ["get_policy", "list_policies", "options_by_policy", "parse_options", "policy_class", "register"]
@@ -52,13 +53,26 @@ def get_policy(name: str | Policy, **options) -> Policy:
 
 
 def _checked(cls: type[Policy], options: dict) -> dict:
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(options) - known)
+    unknown = sorted(set(options) - set(field_types(cls)))
     if unknown:
-        hint = did_you_mean(unknown[0], known) if len(unknown) == 1 else ""
-        named = ", ".join(map(repr, unknown))
-        raise ValueError(f"policy {cls.name!r} has no option {named}; {hint}options: {', '.join(sorted(known))}")
+        raise _no_option(cls, {name: options[name] for name in unknown})
     return options
+
+
+def _no_option(cls: type[Policy], unknown: dict[str, Any]) -> ValueError:
+    """The error for options ``cls`` does not have (names to values), listing those it has; an option that
+    protects tokens from eviction, given to a selection policy, says that selection policies have none."""
+    known = sorted(field_types(cls))
+    protecting = [name for name in unknown if cls.selects and name in PROTECTION]
+    if protecting:
+        name = protecting[0]
+        return ValueError(
+            f"policy {cls.name!r} has no option {name}={unknown[name]}: {name} protects tokens from eviction, and "
+            f"selection policies hold every token, so they have no such option; options: {', '.join(known)}"
+        )
+    hint = did_you_mean(next(iter(unknown)), known) if len(unknown) == 1 else ""
+    named = ", ".join(map(repr, unknown))
+    return ValueError(f"policy {cls.name!r} has no option {named}; {hint}options: {', '.join(known)}")
 
 
 def options_by_policy(policies: Sequence[str], pairs: Sequence[str]) -> dict[str, dict[str, Any]]:
@@ -84,9 +98,7 @@ def options_by_policy(policies: Sequence[str], pairs: Sequence[str]) -> dict[str
             takers = [name for name, cls in classes.items() if option in field_types(cls) and cls.evicts]
         for name in takers:
             if option not in field_types(classes[name]):
-                known = sorted(field_types(classes[name]))
-                hint = did_you_mean(option, known)
-                raise ValueError(f"policy {name!r} has no option {option!r}; {hint}options: {', '.join(known)}")
+                raise _no_option(classes[name], {option: value})
             out[name][option] = parse_value(classes[name], option, value)
         if not takers:
             offered = {o for name, cls in classes.items() if cls.evicts for o in field_types(cls)}

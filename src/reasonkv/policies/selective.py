@@ -7,7 +7,8 @@ at every step. What it offers the
 :class:`~reasonkv.selection.reader.Selector`: which keys its pooled side cache summarises
 (:meth:`SelectionPolicy.pool_input`) and the block scores of a decode step's query
 (:meth:`SelectionPolicy.block_scores`). ``sinks``, ``window`` and ``protect_prompt`` protect tokens from
-eviction, which selection never does: they must stay 0 / False.
+eviction, which selection never does: a selection policy has no such options (the registry refuses them,
+naming the option), and its records state them as none.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from reasonkv.policies.contract import ModelInfo
 from reasonkv.policies.options import check_at_least
 from reasonkv.selection.pooled import PooledKeys
 
-__all__ = ["SelectionPolicy"]
+__all__ = ["PROTECTION", "SelectionPolicy"]
+
+PROTECTION = ("sinks", "window", "protect_prompt")  # an evicting policy's options that a selection policy lacks
 
 
 @dataclass
@@ -31,12 +34,6 @@ class SelectionPolicy(Policy):
 
     Parameters
     ----------
-    sinks
-        Must stay 0: selection evicts nothing, so it protects nothing.
-    window
-        Must stay 0 (as ``sinks``).
-    protect_prompt
-        Must stay False (as ``sinks``).
     block_size
         Logical positions per block (each policy's default is its authors').
     dense_layers
@@ -47,7 +44,11 @@ class SelectionPolicy(Policy):
     selects: ClassVar[bool] = True
     granularity: ClassVar[str] = "head"
 
-    sinks: int = 0
+    # What an evicting policy protects from eviction: constants here, not options, since nothing is evicted.
+    sinks: ClassVar[int] = 0
+    window: ClassVar[int] = 0
+    protect_prompt: ClassVar[bool] = False
+
     block_size: int = 64
     dense_layers: int = 0
 
@@ -55,12 +56,11 @@ class SelectionPolicy(Policy):
         super().__post_init__()
         check_at_least(self, "block_size", 1)
         check_at_least(self, "dense_layers", 0)
-        for option, value in (("sinks", self.sinks), ("window", self.window), ("protect_prompt", self.protect_prompt)):
-            if value:
-                raise ValueError(
-                    f"policy {self.name!r} selects (it holds every token and evicts none): {option}={value!r} "
-                    "protects tokens from eviction and does not apply; leave it 0"
-                )
+
+    def config(self) -> dict[str, object]:
+        """As every policy's, the protection (none) among them, so that records of every policy have one shape."""
+        policy, *options = super().config().items()
+        return dict([policy, *((name, getattr(self, name)) for name in PROTECTION), *options])
 
     @property
     def block_rule(self) -> str:
