@@ -278,14 +278,13 @@ def check_gate(gate_file: GateFile, info: ModelInfo, who: str, path: str = "") -
     counts differ from ``info``'s, or its weights do."""
     where = f" {path!r}" if path else ""
     shape = gate_file.gate.shape
-    mine = {"layers": shape.layers, "heads": shape.heads, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim}
-    theirs = {
-        "layers": info.num_layers,
-        "heads": info.num_heads,
-        "kv_heads": info.num_kv_heads,
-        "head_dim": info.head_dim,
-    }
-    differ = [f"{name} {mine[name]} (the model has {theirs[name]})" for name in mine if mine[name] != theirs[name]]
+    mine = (shape.layers, shape.heads, shape.kv_heads, shape.head_dim)
+    theirs = (info.num_layers, info.num_heads, info.num_kv_heads, info.head_dim)
+    differ = [
+        f"{name} {a} (the model has {b})"
+        for name, a, b in zip(("layers", "heads", "kv_heads", "head_dim"), mine, theirs, strict=True)
+        if a != b
+    ]
     if differ:
         raise ValueError(
             f"{who}: the gate file{where} is for another model ({gate_file.model or 'unnamed'}): " + ", ".join(differ)
