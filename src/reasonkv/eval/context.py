@@ -194,7 +194,7 @@ class Context:
         sampling = self.grid.sampling
         return GenerationRecord(
             {
-                **self._base("generation", dataset, problem, cell),
+                **self._base(GenerationRecord.kind, dataset, problem, cell),
                 "sample": sample,
                 "max_new_tokens": sampling.max_new_tokens,
                 "temperature": sampling.temperature,
@@ -206,7 +206,7 @@ class Context:
     def fidelity_key(self, dataset: str, problem: Problem, cell: Cell) -> FidelityRecord:
         """The identity of a fidelity unit: the record its result starts from."""
         return FidelityRecord(
-            {**self._base("fidelity", dataset, problem, cell), "fidelity_tokens": self.grid.replay_tokens}
+            {**self._base(FidelityRecord.kind, dataset, problem, cell), "fidelity_tokens": self.grid.replay_tokens}
         )
 
     def note_fidelity(self, dataset: str, cell: Cell, said: dict[str, Any] | None) -> None:

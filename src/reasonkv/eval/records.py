@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from reasonkv.eval.manifest import manifest_problem
-from reasonkv.eval.record_kinds import KINDS, UNITS, ErrorRecord, Record
+from reasonkv.eval.record_kinds import KINDS, UNITS, ErrorRecord, ManifestRecord, Record
 from reasonkv.eval.record_match import manifest_mismatch, run_problems
 from reasonkv.runs.outputs import OutputLock, create_exclusive, write_atomic
 from reasonkv.runs.store import JsonlStore, numbered_lines
@@ -89,7 +89,7 @@ def checked_lines(path: str | os.PathLike[str]) -> Iterator[tuple[int, bytes, di
     manifests: dict[str, tuple[dict[str, Any], dict[str, frozenset[str]]]] = {}
     for number, line, record, problem in numbered_lines(path):
         problem = problem or record_problem(record)
-        if problem is None and record["kind"] == "manifest":
+        if problem is None and record["kind"] == ManifestRecord.kind:
             if record["id"] not in manifests:
                 manifests[record["id"]] = (record, run_problems(record))  # each run's problems read once
         elif problem is None:
@@ -189,14 +189,14 @@ def scan_results(
         raise _not_ours(path, "it is empty")
     manifests: list[dict[str, Any]] = []
     for number, _, record, problem in checked_lines(path):
+        manifest = record is not None and record.get("kind") == ManifestRecord.kind
         if not manifests:
             _check_first(path, number, record, problem)
-        else:
-            if problem is not None:
-                raise _damaged(path, number, problem, repairable=record is None or record.get("kind") != "manifest")
-        if record["kind"] == "manifest":
+        elif problem is not None:
+            raise _damaged(path, number, problem, repairable=not manifest)
+        if manifest:
             manifests.append(record)
-        if visit is not None and (include_manifests or record["kind"] != "manifest"):
+        if visit is not None and (include_manifests or not manifest):
             visit(record)
         if first_only:
             break
@@ -215,7 +215,7 @@ def _check_first(path: Path, number: int, record: dict[str, Any] | None, problem
             f"{path} holds records written before run manifests existed: reasonkv report reads it, "
             "but a run appends only to a results file that starts with a manifest; use another --out"
         )
-    if kind != "manifest":
+    if kind != ManifestRecord.kind:
         raise _not_ours(path, "its first record is not a run manifest")
     if record.get("tool") != "reasonkv":
         raise _not_ours(path, f"record 1 is a manifest of {record.get('tool')!r}")
@@ -240,7 +240,7 @@ def repair_results(path: str | os.PathLike[str]) -> str | None:
         problem = problem if kept else None  # the first line was checked by scan_results
         if problem is None:
             kept.append(line if line.endswith(b"\n") else line + b"\n")
-        elif record is not None and record.get("kind") == "manifest":
+        elif record is not None and record.get("kind") == ManifestRecord.kind:
             raise _damaged(path, number, problem, repairable=False)
         else:
             rejected.append((number, line if line.endswith(b"\n") else line + b"\n"))
@@ -256,7 +256,7 @@ def repair_results(path: str | os.PathLike[str]) -> str | None:
 
 def _is_result(record: Mapping[str, Any]) -> bool:
     """Whether a line counts as a record in messages (a manifest says what the records were computed with)."""
-    return record.get("kind") != "manifest"
+    return record.get("kind") != ManifestRecord.kind
 
 
 def _line(record: Mapping[str, Any]) -> str:
@@ -302,7 +302,7 @@ class ResultsFile:
         fsync: bool = False,
     ):
         self.path = Path(path)
-        if manifest.get("kind") != "manifest" or not manifest.get("id"):
+        if manifest.get("kind") != ManifestRecord.kind or not manifest.get("id"):
             raise ValueError("a results file starts with a manifest record (kind 'manifest', with an id)")
         scan_results(self.path, first_only=True)  # refuse a foreign file before creating its lock file
         self._store = JsonlStore(

@@ -62,7 +62,7 @@ from typing import Any
 from reasonkv.eval.code_report import code_summary
 from reasonkv.eval.collapse import stopped_early
 from reasonkv.eval.grading import counts_as_correct, cut_off_guess
-from reasonkv.eval.record_kinds import KINDS, ErrorRecord, GenerationRecord, ManifestRecord, Record, UnitRecord
+from reasonkv.eval.record_kinds import KINDS, GenerationRecord, ManifestRecord, Record, UnitRecord
 from reasonkv.eval.records import conflict, read_results
 from reasonkv.eval.shards import shard_files
 
@@ -200,7 +200,7 @@ def read_report_input(
                 if key in conflicts:
                     if record.result:
                         conflicts[key].places.append(place)
-                elif held is None or held["kind"] == ErrorRecord.kind:
+                elif held is None or not Record.read(held).result:
                     by_unit[key], where[key], said[key] = data, place, says
                 elif record.result:
                     differs = conflict(said[key], says)
