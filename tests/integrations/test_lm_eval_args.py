@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from reasonkv.cache.spec import DEFAULT_BUFFER, CacheSpec, resolve_spec
@@ -93,3 +95,18 @@ def test_an_allocation_the_spec_refuses_is_refused_in_the_specs_words(allocation
 def test_an_allocation_value_of_the_wrong_type_is_named(args, message):
     with pytest.raises(ValueError, match=message):
         parse_model_args({"policy": "h2o", "budget": 64, **args})
+
+
+def test_the_results_config_names_an_allocation_other_than_uniform():
+    pytest.importorskip("lm_eval")
+    from reasonkv.integrations.lm_eval import ReasonKVLM
+
+    def settings(**cache):
+        spec = parse_model_args({"policy": "h2o", "budget": 64, **cache}).spec
+        return ReasonKVLM.settings.fget(SimpleNamespace(spec=spec, pretrained="m", scoring="evicting"))
+
+    assert "allocation" not in settings()  # as before allocations
+    assert {k: settings(allocation="adaptive", adaptive_alpha=0.5)[k] for k in ("allocation", "adaptive_alpha")} == {
+        "allocation": "adaptive",
+        "adaptive_alpha": 0.5,
+    }
