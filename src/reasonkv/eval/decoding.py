@@ -186,8 +186,7 @@ def _generation_record(
     verdict = grade(out.text, problem, complete=out.finish_reason != "length") if code is None else code
     limit = ctx.grid.sampling.max_new_tokens
     flags = collapse_flags(out.text, ids, max_new_tokens=limit, eos_hit=eos_hit, kind=problem.kind)
-    record = dict(key.to_json())
-    record.update(
+    record = key.with_fields(
         seed=seed,
         equivalent_budget=ctx.equivalent_budget(cell),
         prompt_tokens=out.prompt_tokens,
@@ -221,9 +220,7 @@ def _generation_record(
         run=ctx.run_id,
         time=now(),
     )
-    if code is not None:
-        record.update(code.fields())
-    return GenerationRecord(record)
+    return record if code is None else record.with_fields(**code.fields())
 
 
 def steady_bytes_fields(held: dict | None) -> dict[str, Any]:

@@ -87,6 +87,10 @@ class Record:
 
     kind: ClassVar[str] = ""
     TYPES: ClassVar[dict[str, Check]] = {}
+    #: The kind of record that completes the unit of work this one is about (None: about no unit).
+    unit: ClassVar[str | None] = None
+    #: Whether the record holds a result (an error record settles its unit without one).
+    result: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -113,6 +117,10 @@ class Record:
 
     def to_json(self) -> dict[str, Any]:
         return self.data
+
+    def with_fields(self, **fields: Any) -> Record:
+        """This record with ``fields`` set (a field it holds keeps its place, a new one comes last)."""
+        return type(self)({**self.data, **fields})
 
     def get(self, name: str, default: Any = None) -> Any:
         return self.data.get(name, default)
@@ -163,13 +171,7 @@ class UnitRecord(Record):
 
     KEY: ClassVar[tuple[str, ...]] = ()
     OUTCOME: ClassVar[tuple[str, ...]] = ()
-    #: Whether the record holds a result (an error record settles its unit without one).
-    result: ClassVar[bool] = True
-
-    @property
-    def unit(self) -> str:
-        """The kind of record that completes the unit (an error record names it)."""
-        return self.kind
+    result = True
 
     def key(self) -> tuple:
         """The unit of work: ``(unit, *values of KEY)``, missing fields as ``None``."""
@@ -194,7 +196,7 @@ class UnitRecord(Record):
 class GenerationRecord(UnitRecord):
     """One decoded and graded sample (:mod:`reasonkv.eval.decoding`)."""
 
-    kind = "generation"
+    kind = unit = "generation"
     KEY = (*_CELL, "sample", "base_seed", "max_new_tokens", "temperature", "top_p", "top_k", "prompt_format")
     # The tokens are compared too: a record copied from another unit and relabelled may grade alike.
     OUTCOME = ("correct", "extracted_answer", "grading_method", "finish_reason", "output_ids")
@@ -232,7 +234,7 @@ class GenerationRecord(UnitRecord):
 class FidelityRecord(UnitRecord):
     """One replay of the greedy full-cache trace under an evicting cell (:mod:`reasonkv.eval.replays`)."""
 
-    kind = "fidelity"
+    kind = unit = "fidelity"
     KEY = (*_CELL, "base_seed", "fidelity_tokens", "prompt_format")
     OUTCOME = ("top1_agreement", "kl_mean", "answer_logprob_delta")
     TYPES = {
@@ -260,7 +262,7 @@ class ErrorRecord(UnitRecord):
         return cls({"kind": "error", **identity, "unit": unit.kind, **fields})
 
     @property
-    def unit(self) -> str:
+    def unit(self) -> str:  # type: ignore[override]
         return self.data.get("unit")
 
     @property

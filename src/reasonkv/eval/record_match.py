@@ -20,7 +20,7 @@ from typing import Any
 
 from reasonkv.eval.datasets import dataset_path, grid_problems
 from reasonkv.eval.manifest import file_sha256
-from reasonkv.eval.record_kinds import FidelityRecord, GenerationRecord, Record
+from reasonkv.eval.record_kinds import KINDS, FidelityRecord, GenerationRecord, Record
 
 __all__ = ["manifest_mismatch", "run_problems"]
 
@@ -130,7 +130,7 @@ def manifest_mismatch(
                 f"field 'problem_id' is {_shown(record['problem_id'])}, not one of the {len(ids)} problems of "
                 f"{record.get('dataset')} in its {run}"
             )
-    unit = Record.read(record).unit
+    unit = Record.read(record).unit if record.get("kind") in KINDS else None
     compared = dict(_SETUP)
     if unit == GenerationRecord.kind:
         compared.update({name: name for name in _SAMPLING})

@@ -132,8 +132,7 @@ def _fidelity_batch(ctx: Context, dataset, cell: Cell, batch, traces, sources, r
     for i, problem in enumerate(batch):
         tf = trace_rows[i]
         ans = answers.get(i)
-        record = dict(ctx.fidelity_key(dataset, problem, cell).to_json())
-        record.update(
+        record = ctx.fidelity_key(dataset, problem, cell).with_fields(
             seed=seeds[i],
             equivalent_budget=ctx.equivalent_budget(cell),
             prompt_tokens=len(ctx.prompt_ids(problem)),
@@ -160,5 +159,5 @@ def _fidelity_batch(ctx: Context, dataset, cell: Cell, batch, traces, sources, r
             run=ctx.run_id,
             time=now(),
         )
-        records.append(FidelityRecord(record))
+        records.append(record)
     return records

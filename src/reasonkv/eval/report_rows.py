@@ -506,9 +506,9 @@ def summarize(records: Sequence[dict[str, Any]], conflicts: Sequence[Conflict] =
             if index >= len(units):
                 group.conflicts += 1
                 continue
-            typed = Record.read(record)
-            generation = typed.unit == GenerationRecord.kind
-            if not typed.result:
+            unit = Record.read(record)
+            generation = unit.unit == GenerationRecord.kind
+            if not unit.result:
                 (group.generation_errors if generation else group.fidelity_errors).append(record)
             else:
                 (group.generations if generation else group.fidelities).append(record)
