@@ -288,11 +288,6 @@ class ErrorRecord(UnitRecord):
 
 
 #: Every record kind a results file may hold, by its ``kind``: the one place a line's kind is read.
-KINDS: dict[str, type[Record]] = {
-    "manifest": ManifestRecord,
-    "generation": GenerationRecord,
-    "fidelity": FidelityRecord,
-    "error": ErrorRecord,
-}
+KINDS: dict[str, type[Record]] = {c.kind: c for c in (ManifestRecord, GenerationRecord, FidelityRecord, ErrorRecord)}
 #: The kinds of record that complete a unit of work.
-UNITS: dict[str, type[UnitRecord]] = {"generation": GenerationRecord, "fidelity": FidelityRecord}
+UNITS: dict[str, type[UnitRecord]] = {c.kind: c for c in (GenerationRecord, FidelityRecord)}
