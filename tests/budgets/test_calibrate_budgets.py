@@ -14,6 +14,7 @@ from conftest import tiny_llama
 from eager_mass import eager_head_mass
 from reasonkv.cache import CacheSpec
 from reasonkv.calibrate import budgets as calibrate_budgets
+from reasonkv.calibrate import shared as calibrate_shared
 from reasonkv.calibrate.budgets import BudgetsSettings, head_mass
 from reasonkv.cli import calibrate as cli_calibrate
 
@@ -32,7 +33,7 @@ def test_head_mass_is_the_kernels_attention_beyond_sinks_and_window(monkeypatch)
 
 def test_the_written_file_drives_a_calibrated_cache(tmp_path, monkeypatch):
     model = tiny_llama(layers=3, kv_heads=2, heads=4)
-    monkeypatch.setattr(calibrate_budgets, "load_model", lambda *a, **k: (model, None))
+    monkeypatch.setattr(calibrate_shared, "load_model", lambda *a, **k: (model, None))
     monkeypatch.setattr(calibrate_budgets, "read_sequences", lambda settings, tokenizer: [list(range(3, 60))])
     out = tmp_path / "budgets.json"
     settings = BudgetsSettings(model="tiny", sinks=2, window=8, out=out)

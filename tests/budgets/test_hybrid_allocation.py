@@ -22,6 +22,7 @@ from reasonkv.cache import CacheSpec
 from reasonkv.cache.layer import EvictingLayer
 from reasonkv.cache.ragged import RaggedLayer
 from reasonkv.calibrate import budgets as calibrate_budgets
+from reasonkv.calibrate import shared as calibrate_shared
 from reasonkv.calibrate.budgets import BudgetsSettings, head_mass
 from reasonkv.hf import cache_keyword, layer_kinds
 from reasonkv.policies import get_policy, list_policies
@@ -338,7 +339,7 @@ def test_calibrated_mass_is_the_kernels_on_the_evicting_layers(factory):
 
 def test_calibrate_budgets_writes_the_evicting_layers_and_the_cache_reads_them(tmp_path, monkeypatch):
     model = tiny_gemma3()
-    monkeypatch.setattr(calibrate_budgets, "load_model", lambda *a, **k: (model, None))
+    monkeypatch.setattr(calibrate_shared, "load_model", lambda *a, **k: (model, None))
     monkeypatch.setattr(calibrate_budgets, "read_sequences", lambda settings, tokenizer: [list(range(3, 60))])
     out = tmp_path / "budgets.json"
     assert calibrate_budgets.run_budgets(BudgetsSettings(model="tiny", sinks=2, window=8, out=out)) == 0

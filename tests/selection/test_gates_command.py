@@ -10,6 +10,7 @@ import torch
 
 from conftest import tiny_llama
 from reasonkv.calibrate import gates as gates_module
+from reasonkv.calibrate import shared as calibrate_shared
 from reasonkv.calibrate.gates import GatesSettings, run_gates
 from reasonkv.cli import calibrate as cli_calibrate
 from reasonkv.selection.gatefile import load_gate
@@ -38,7 +39,7 @@ def test_a_run_trains_writes_the_gate_and_its_summary(tmp_path, monkeypatch):
     model = tiny_llama(layers=2)
     generator = torch.Generator().manual_seed(0)
     sequences = [torch.randint(3, 90, (100,), generator=generator).tolist() for _ in range(4)]
-    monkeypatch.setattr(gates_module, "load_model", lambda *a, **k: (model, None))
+    monkeypatch.setattr(calibrate_shared, "load_model", lambda *a, **k: (model, None))
     monkeypatch.setattr(gates_module, "self_traces", lambda *a, **k: sequences)
     settings = GatesSettings(
         model="tiny",
@@ -67,7 +68,7 @@ def _settings(tmp_path, **overrides):
 def _fake_run(monkeypatch, sequences):
     """The tiny model instead of a loaded one, and ``sequences`` instead of its own answers."""
     model = tiny_llama(layers=2)
-    monkeypatch.setattr(gates_module, "load_model", lambda *a, **k: (model, None))
+    monkeypatch.setattr(calibrate_shared, "load_model", lambda *a, **k: (model, None))
     monkeypatch.setattr(gates_module, "self_traces", lambda *a, **k: sequences)
 
 
@@ -80,7 +81,7 @@ def test_a_users_file_in_the_folder_is_refused_before_the_model_loads(tmp_path, 
     (tmp_path / "gates").mkdir()
     (tmp_path / "gates" / name).write_text("mine\n")
     (tmp_path / "gates" / "notes.txt").write_text("my notes\n")
-    monkeypatch.setattr(gates_module, "load_model", _no_model)
+    monkeypatch.setattr(calibrate_shared, "load_model", _no_model)
     with pytest.raises(ValueError, match=rf"gates/{name} exists and was not written by `reasonkv calibrate`"):
         run_gates(_settings(tmp_path))
     assert sorted(p.name for p in (tmp_path / "gates").iterdir()) == sorted([name, "notes.txt"])

@@ -23,12 +23,15 @@ import torch
 
 from reasonkv.cache.allocation import load_budget_file
 from reasonkv.calibrate.reading import ReadingSettings, read_sequences
+from reasonkv.calibrate.shared import traces_setting
 from reasonkv.hf import AttentionTap, model_info
-from reasonkv.models import load_model
 from reasonkv.policies import attention
+from reasonkv.runs.flags import setting
 from reasonkv.runs.paths import portable_command
 
-__all__ = ["BudgetsSettings", "head_mass", "run_budgets"]
+__all__ = ["BUDGETS_GROUP", "BudgetsSettings", "head_mass", "run_budgets"]
+
+BUDGETS_GROUP = "budgets per (layer, kv-head) (allocation='calibrated')"  # the flags' group on the command line
 
 CHUNK = 256  # queries whose attention rows are built at once
 
@@ -48,9 +51,21 @@ class BudgetsSettings(ReadingSettings):
     FLAG: ClassVar[str] = "--budgets"
     FILE_KIND: ClassVar[str] = "budget file"
 
-    traces: int = 16
-    sinks: int = 4
-    window: int = 64
+    traces: int = traces_setting(16)
+    sinks: int = setting(
+        4,
+        group=BUDGETS_GROUP,
+        name="--budget-sinks",
+        type=int,
+        help="with --budgets: the streaming head's first keys (default 4)",
+    )
+    window: int = setting(
+        64,
+        group=BUDGETS_GROUP,
+        name="--budget-window",
+        type="positive",
+        help="with --budgets: the streaming head's most recent keys (default 64)",
+    )
 
     def _more_counts(self) -> tuple[tuple[str, int], ...]:
         return (("sinks", 0), ("window", 1))
@@ -124,10 +139,7 @@ def head_mass(model, sequences: list[list[int]], *, sinks: int, window: int) -> 
 
 def run_budgets(settings: BudgetsSettings) -> int:
     """Measure and write the budget file ``settings`` describe; returns 0."""
-    print(f"loading {settings.model} ({settings.dtype}, {settings.device}, {settings.attn}) ...", file=sys.stderr)
-    model, tokenizer = load_model(
-        settings.model, dtype=settings.dtype, device=settings.device, attn_implementation=settings.attn
-    )
+    model, tokenizer = settings.load()
     sequences = read_sequences(settings, tokenizer)
     weights, queries = head_mass(model, sequences, sinks=settings.sinks, window=settings.window)
     layers, kv_heads = weights.shape

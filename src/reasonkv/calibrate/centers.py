@@ -20,7 +20,6 @@ import torch
 
 from reasonkv.calibrate.reading import ReadingSettings, read_sequences
 from reasonkv.hf import AttentionTap, model_info
-from reasonkv.models import load_model
 from reasonkv.policies.query_centers import CenterSums, QueryCenters
 
 __all__ = ["CentersSettings", "compute_centers", "run_centers"]
@@ -77,10 +76,7 @@ def compute_centers(model, sequences: list[list[int]], *, name: str = "", source
 
 def run_centers(settings: CentersSettings) -> int:
     """Compute and write the query centers ``settings`` describe; returns 0."""
-    print(f"loading {settings.model} ({settings.dtype}, {settings.device}, {settings.attn}) ...", file=sys.stderr)
-    model, tokenizer = load_model(
-        settings.model, dtype=settings.dtype, device=settings.device, attn_implementation=settings.attn
-    )
+    model, tokenizer = settings.load()
     sequences = read_sequences(settings, tokenizer)
     centers = compute_centers(model, sequences, name=settings.model, source=settings.source)
     settings.out.parent.mkdir(parents=True, exist_ok=True)

@@ -21,21 +21,22 @@ training or held-out recall measured nothing writes nothing.
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
+from reasonkv.calibrate.shared import ModelSettings, check_positive, generation_setting, out_setting, progress_setting
 from reasonkv.calibrate.traces import prompt_ids
 from reasonkv.eval.datasets import load_dataset
 from reasonkv.generation.loop import generate
 from reasonkv.hf import AttentionTap, model_info
-from reasonkv.models import DEFAULT_MODEL, load_model
 from reasonkv.policies.seer import GATE_FILE
+from reasonkv.runs.flags import setting
 from reasonkv.runs.outputs import ClaimedFolder, claim_folder, write_atomic
 from reasonkv.runs.paths import portable_command, portable_path
 from reasonkv.selection.distill import LayerExample, layer_example, mean_loss, train_gate
@@ -45,6 +46,7 @@ from reasonkv.selection.quest import quest_scores
 from reasonkv.selection.recall import top_block_recall
 
 __all__ = [
+    "GATES_GROUP",
     "GatesSettings",
     "claim_gates_output",
     "collect_examples",
@@ -56,13 +58,19 @@ __all__ = [
     "shape_for",
 ]
 
+GATES_GROUP = "gates (SeerAttention-R)"  # the flags' group on the command line
 SUMMARY_FILE = "gates.json"
 OUTPUT_FILES = (GATE_FILE, SUMMARY_FILE)
 TOP_K = (1, 3)  # the recall measured on held-out sequences: of the true top 1 and top 3 blocks
 
 
+def _gate(default: Any, help: str, **flag: Any) -> Any:
+    """A setting of ``--gates``, its flag shown in the gates' group."""
+    return setting(default, group=GATES_GROUP, help=help, **flag)
+
+
 @dataclass(frozen=True, kw_only=True)
-class GatesSettings:
+class GatesSettings(ModelSettings):
     """Everything one ``reasonkv calibrate --gates`` run is told.
 
     Parameters
@@ -84,36 +92,58 @@ class GatesSettings:
         The folder to write ``gates.pt`` and ``gates.json`` into.
     """
 
-    model: str = DEFAULT_MODEL
-    dtype: str = "fp32"
-    device: str = "cpu"
-    attn: str = "sdpa"
-    dataset: str = "gsm8k"
-    traces: int = 24
-    held_out: int = 4
-    max_new_tokens: int = 384
-    temperature: float = 0.6
-    pack: int = 2048
-    batch: int = 16
-    block_size: int = 64
-    gate_dim: int = GATE_DIM
-    qk_norm: bool = True
-    init: str = "normal"
-    steps: int = 300
+    traces: int = _gate(24, "packed sequences to train on (default 24)", name="--gate-traces", type="positive")
+    held_out: int = _gate(4, "further packed sequences to measure recall on (default 4)", type=int)
+    max_new_tokens: int = generation_setting(384)
+    steps: int = _gate(300, "Adam steps, one sequence each (default 300)", name="--gate-steps", type="positive")
+    temperature: float = _gate(
+        0.6,
+        "sampling temperature of the model's answers (default 0.6, as the papers decode; 0: greedy)",
+        name="--gate-temperature",
+        type=float,
+    )
+    pack: int = _gate(
+        2048,
+        "answers are packed end to end into sequences of at least this many tokens (default 2048)",
+        name="--gate-pack",
+        type="positive",
+    )
+    batch: int = _gate(16, "answers generated at a time (default 16)", name="--gate-batch", type="positive")
+    queries: int = _gate(
+        128,
+        "query positions per packed sequence the loss is taken at (default 128)",
+        name="--gate-queries",
+        type="positive",
+    )
+    gate_dim: int = _gate(GATE_DIM, f"gate channels (default {GATE_DIM}, the authors' width)", type="positive")
+    init: str = _gate(
+        "normal",
+        "initial gate weights: normal (default: N(0, 0.02), the authors' training) or xavier (uniform)",
+        name="--gate-init",
+        choices=INITS,
+    )
+    qk_norm: bool = _gate(
+        True,
+        "no RMSNorm on the gate's q and k (the authors' training turns it on, the default)",
+        name="--no-gate-norm",
+        negated=True,
+    )
+    later_half: bool = _gate(
+        True,
+        "train on queries from each sequence's second block, not only its later half (the authors' choice)",
+        name="--gate-loss-everywhere",
+        negated=True,
+    )
+    block_size: int = _gate(64, "tokens per block (default 64)", type="positive")
     lr: float = 2e-3
-    queries: int = 128
-    later_half: bool = True
     seed: int = 0
-    progress: bool = True
-    out: Path
+    progress: bool = progress_setting()
+    out: Path = out_setting()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "model", os.fspath(self.model))
+        super().__post_init__()
         object.__setattr__(self, "out", Path(self.out))
-        for name in ("traces", "max_new_tokens", "pack", "batch", "block_size", "gate_dim", "steps", "queries"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_positive(self, "traces", "max_new_tokens", "pack", "batch", "block_size", "gate_dim", "steps", "queries")
         if isinstance(self.held_out, bool) or not isinstance(self.held_out, int) or self.held_out < 0:
             raise ValueError(f"held_out must be a non-negative integer, got {self.held_out!r}")
         if not self.temperature >= 0:
@@ -174,20 +204,12 @@ def pack_sequences(answers: list[list[int]], length: int) -> list[list[int]]:
     return packed
 
 
-def self_traces(
-    model,
-    tokenizer,
-    dataset: str,
-    count: int,
-    max_new_tokens: int,
-    batch: int = 8,
-    *,
-    temperature: float = 0.6,
-    pack: int = 2048,
-    seed: int = 0,
-) -> list[list[int]]:
-    """``count`` sequences of at least ``pack`` tokens: prompts and the model's answers (full cache, sampled at
-    ``temperature``) to the problems of ``dataset`` in order, packed end to end, as token ids."""
+def self_traces(model, tokenizer, settings: GatesSettings) -> list[list[int]]:
+    """``traces + held_out`` sequences of at least ``pack`` tokens: prompts and the model's answers (full cache,
+    ``batch`` at a time, sampled at ``temperature``, seeded from ``seed``, ``max_new_tokens`` at most) to the
+    problems of ``dataset`` in order, packed end to end, as token ids."""
+    s = settings
+    dataset, count, batch, pack = s.dataset, s.traces + s.held_out, s.batch, s.pack
     problems = list(load_dataset(dataset))
     answers: list[list[int]] = []
     bar = tqdm(total=count, desc="gates: packed traces", leave=False)
@@ -198,9 +220,9 @@ def self_traces(
             tokenizer,
             prompts,
             policy="full",
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            seed=[seed + start + i for i in range(len(prompts))],
+            max_new_tokens=s.max_new_tokens,
+            temperature=s.temperature,
+            seed=[s.seed + start + i for i in range(len(prompts))],
         )
         answers += [p + list(r.token_ids) for p, r in zip(prompts, results, strict=True)]
         packed = pack_sequences(answers, pack)
@@ -346,24 +368,10 @@ def _check_trained(train: list, recall: dict) -> None:
 
 
 def _run(settings: GatesSettings) -> int:
-    print(f"loading {settings.model} ({settings.dtype}, {settings.device}, {settings.attn}) ...", file=sys.stderr)
-    model, tokenizer = load_model(
-        settings.model, dtype=settings.dtype, device=settings.device, attn_implementation=settings.attn
-    )
+    model, tokenizer = settings.load()
     for parameter in model.parameters():
         parameter.requires_grad_(False)
-    count = settings.traces + settings.held_out
-    sequences = self_traces(
-        model,
-        tokenizer,
-        settings.dataset,
-        count,
-        settings.max_new_tokens,
-        settings.batch,
-        temperature=settings.temperature,
-        pack=settings.pack,
-        seed=settings.seed,
-    )
+    sequences = self_traces(model, tokenizer, settings)
     block, queries, half = settings.block_size, settings.queries, settings.later_half
     train = collect_examples(model, sequences[: settings.traces], block, queries, later_half=half)
     held = collect_examples(model, sequences[settings.traces :], block, queries, quest=True, later_half=half)

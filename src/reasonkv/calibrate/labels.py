@@ -40,8 +40,10 @@ from typing import Any
 
 import torch
 
+from reasonkv.calibrate.shared import check_positive
 from reasonkv.calibrate.traces import Trace
 from reasonkv.hf import Forward, attention_implementation, cached_kv, masks_per_layer_type, plain_cache
+from reasonkv.runs.flags import setting
 
 __all__ = [
     "MASKED_IMPLEMENTATIONS",
@@ -76,15 +78,14 @@ class LabelSettings:
         ``batch x tokens x vocab``); results do not depend on it.
     """
 
-    chunk_size: int = 8
-    horizon: int | None = None
-    batch_size: int = 8
+    chunk_size: int = setting(8, group="labels", type="positive", help="tokens hidden at once (default 8)")
+    horizon: int | None = setting(
+        None, group="labels", type="positive or all", help="score only this many tokens after a chunk (default: all)"
+    )
+    batch_size: int = setting(8, group="labels", type="positive", help="chunks hidden per forward (default 8)")
 
     def __post_init__(self) -> None:
-        for name in ("chunk_size", "batch_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_positive(self, "chunk_size", "batch_size")
         if self.horizon is not None and (
             isinstance(self.horizon, bool) or not isinstance(self.horizon, int) or self.horizon < 1
         ):

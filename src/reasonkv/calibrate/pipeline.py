@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -21,16 +21,18 @@ from reasonkv.calibrate.bands import Band, discover_bands
 from reasonkv.calibrate.labels import TARGETS, LabelSettings, label_trace
 from reasonkv.calibrate.profile import Profile, layer_profile
 from reasonkv.calibrate.scores import chunk_scores
-from reasonkv.calibrate.signals import SignalSettings, trace_signals
+from reasonkv.calibrate.signals import SIGNALS, SignalSettings, trace_signals
 from reasonkv.calibrate.stats import spearman
 from reasonkv.calibrate.store import RecordStore
-from reasonkv.calibrate.traces import SOURCES, generated_trace, reference_trace
+from reasonkv.calibrate.traces import generated_trace, reference_trace
+
+if TYPE_CHECKING:
+    from reasonkv.calibrate.settings import CalibrateSettings
 
 __all__ = ["LABELS_FILE", "SIGNALS_FILE", "Analysis", "analyse", "auc_for", "collect", "open_stores"]
 
 LABELS_FILE = "labels.jsonl"
 SIGNALS_FILE = "signals.jsonl"
-SIGNALS = ("z", "g")
 
 
 def open_stores(
@@ -52,32 +54,25 @@ def collect(
     problems: Sequence[Any],
     label_store: RecordStore,
     signal_store: RecordStore,
-    *,
-    labels: LabelSettings,
-    signals: SignalSettings,
-    source: str = "reference",
-    max_trace_tokens: int | None = None,
-    max_new_tokens: int = 512,
-    progress: bool = True,
+    settings: CalibrateSettings,
 ) -> list[str]:
-    """Label and record every problem not yet in the stores; returns the ids in problem order."""
+    """Label and record every problem not yet in the stores (traces, labels and signals as ``settings`` say);
+    returns the ids in problem order."""
     from tqdm.auto import tqdm
 
-    if source not in SOURCES:
-        raise ValueError(f"source must be one of {', '.join(SOURCES)}, got {source!r}")
     ids = []
-    bar = tqdm(problems, desc="calibrate", unit="trace", disable=not progress)
+    bar = tqdm(problems, desc="calibrate", unit="trace", disable=not settings.progress)
     for problem in bar:
         ids.append(problem.id)
         if problem.id in label_store and problem.id in signal_store:
             continue
         if problem.id not in label_store:
             started, cpu = time.perf_counter(), time.process_time()
-            if source == "reference":
-                trace = reference_trace(tokenizer, problem, max_tokens=max_trace_tokens)
+            if settings.source == "reference":
+                trace = reference_trace(tokenizer, problem, max_tokens=settings.max_trace_tokens)
             else:
-                trace = generated_trace(model, tokenizer, problem, max_new_tokens=max_new_tokens)
-            result = label_trace(model, trace, labels)
+                trace = generated_trace(model, tokenizer, problem, max_new_tokens=settings.max_new_tokens)
+            result = label_trace(model, trace, settings.labels)
             label_store.append(
                 {
                     "id": trace.id,
@@ -92,7 +87,7 @@ def collect(
             )
         record = label_store.records[problem.id]
         cpu = time.process_time()
-        result = trace_signals(model, record["ids"], record["chunks"], signals, seed_key=problem.id)
+        result = trace_signals(model, record["ids"], record["chunks"], settings.signals, seed_key=problem.id)
         signal_store.append({"id": problem.id, **result, "cpu_seconds": time.process_time() - cpu})
         bar.set_postfix(chunks=len(record["chunks"]), tokens=len(record["ids"]))
     return ids
@@ -124,27 +119,14 @@ def _arrays(label_records, signal_records, target: str, kind: str):
 
 
 def analyse(
-    label_store: RecordStore,
-    signal_store: RecordStore,
-    ids: Sequence[str],
-    *,
-    signal: str = "z",
-    target: str = "later",
-    control: str = "position",
-    min_width: int = 3,
-    max_width: int = 8,
-    replicates: int = 1000,
-    level: float = 0.95,
-    seed: int = 0,
+    label_store: RecordStore, signal_store: RecordStore, ids: Sequence[str], settings: CalibrateSettings
 ) -> Analysis:
-    """Profiles for every signal x label kind and the bands of ``(signal, target)``.
+    """Profiles for every signal x label kind and the bands of ``(signal, target)``, with ``control``,
+    ``bootstrap`` resamples seeded by ``seed``, and the band widths as ``settings`` say.
 
     The AUC tables need the calibrated layers: :func:`auc_for` adds them once they are chosen.
     """
-    if signal not in SIGNALS:
-        raise ValueError(f"signal must be one of {', '.join(SIGNALS)}, got {signal!r}")
-    if target not in TARGETS:
-        raise ValueError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
+    s = settings
     missing = [i for i in ids if i not in label_store or i not in signal_store]
     if missing:
         raise ValueError(f"{len(missing)} traces have no records yet (first: {missing[0]!r})")
@@ -157,21 +139,14 @@ def analyse(
         for label_kind in TARGETS:
             signals, labels = _arrays(label_records, signal_records, label_kind, kind)
             profiles[(kind, label_kind)] = layer_profile(
-                signals,
-                labels,
-                signal=kind,
-                target=label_kind,
-                control=control,
-                replicates=replicates,
-                level=level,
-                seed=seed,
+                signals, labels, signal=kind, target=label_kind, control=s.control, replicates=s.bootstrap, seed=s.seed
             )
     label_position = {}
     for label_kind in TARGETS:
         rhos = [spearman(np.arange(len(r["chunks"])), r["labels"][label_kind]) for r in label_records]
         label_position[label_kind] = float(np.nanmean(rhos)) if not np.isnan(rhos).all() else float("nan")
-    main = profiles[(signal, target)]
-    band_a, band_b = discover_bands(main, min_width=min_width, max_width=max_width)
+    main = profiles[(s.signal, s.target)]
+    band_a, band_b = discover_bands(main, min_width=s.min_width, max_width=s.max_width)
     return Analysis(
         num_layers=main.num_layers,
         traces=len(ids),
@@ -179,9 +154,9 @@ def analyse(
         profiles=profiles,
         band_a=band_a,
         band_b=band_b,
-        signal=signal,
-        target=target,
-        control=control,
+        signal=s.signal,
+        target=s.target,
+        control=s.control,
         label_position=label_position,
         seconds_per_trace=_mean(label_records, "seconds") + _mean(signal_records, "seconds"),
         cpu_seconds_per_trace=_mean(label_records, "cpu_seconds") + _mean(signal_records, "cpu_seconds"),
@@ -199,18 +174,15 @@ def auc_for(
     signal_store: RecordStore,
     ids: Sequence[str],
     calibrations: dict[str, Any],
-    *,
-    targets: Sequence[str] = ("later", "answer"),
-    fraction: float = 0.2,
-    replicates: int = 1000,
-    level: float = 0.95,
-    seed: int = 0,
+    settings: CalibrateSettings,
 ) -> dict[str, list[AucRow]]:
-    """AUC tables per label kind for every score, EPIKV scored with each of ``calibrations``."""
+    """AUC tables per label kind reported for every score, EPIKV scored with each of ``calibrations`` (the
+    positives, resamples and seed as ``settings`` say)."""
+    s = settings
     scores = [chunk_scores(signal_store.records[i], calibrations) for i in ids]
     tables = {}
-    for target in targets:
+    for target in s.targets:
         labels = [np.asarray(label_store.records[i]["labels"][target], dtype=float) for i in ids]
-        tables[target] = auc_table(scores, labels, fraction=fraction, replicates=replicates, level=level, seed=seed)
+        tables[target] = auc_table(scores, labels, fraction=s.top_fraction, replicates=s.bootstrap, seed=s.seed)
     analysis.auc = tables
     return tables

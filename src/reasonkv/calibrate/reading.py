@@ -8,21 +8,23 @@ the sequences they name (:func:`read_sequences`); each command adds its own opti
 
 from __future__ import annotations
 
-import os
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+from reasonkv.calibrate.shared import ModelSettings, cut_setting, out_setting, traces_setting
 from reasonkv.calibrate.traces import reference_trace
 from reasonkv.eval.datasets import load_dataset
-from reasonkv.models import DEFAULT_MODEL
+from reasonkv.runs.flags import setting
 
-__all__ = ["ReadingSettings", "read_sequences"]
+__all__ = ["TEXT_GROUP", "ReadingSettings", "read_sequences"]
+
+TEXT_GROUP = "query centers (TriAttention)"  # where --text is shown: beside --centers, which reads it first
 
 
 @dataclass(frozen=True, kw_only=True)
-class ReadingSettings:
+class ReadingSettings(ModelSettings):
     """The model, what it reads and the one file a calibration writes.
 
     Parameters
@@ -43,18 +45,15 @@ class ReadingSettings:
     FLAG: ClassVar[str]  # the command's flag, e.g. "--centers"
     FILE_KIND: ClassVar[str]  # what ``out`` must hold if it exists, e.g. "query centers file"
 
-    model: str = DEFAULT_MODEL
-    dtype: str = "fp32"
-    device: str = "cpu"
-    attn: str = "sdpa"
-    dataset: str = "gsm8k"
-    traces: int = 100
-    text: Path | None = None
-    max_tokens: int | None = None
-    out: Path
+    traces: int = traces_setting(100)
+    text: Path | None = setting(
+        None, group=TEXT_GROUP, type=Path, help="with --centers: a plain-text file to read instead of --dataset"
+    )
+    max_tokens: int | None = cut_setting()
+    out: Path = out_setting()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "model", os.fspath(self.model))
+        super().__post_init__()
         object.__setattr__(self, "out", Path(self.out))
         if self.text is not None:
             object.__setattr__(self, "text", Path(self.text))

@@ -20,7 +20,7 @@ from reasonkv.calibrate.settings import CalibrateSettings
 from reasonkv.calibrate.store import claim_output
 from reasonkv.calibrate.summary import render_summary
 from reasonkv.eval.datasets import load_dataset
-from reasonkv.models import bundled_model, load_model
+from reasonkv.models import bundled_model
 from reasonkv.policies.calibration import Calibration, default_anatomy
 from reasonkv.runs.paths import portable_command
 
@@ -61,40 +61,10 @@ def _run(settings: CalibrateSettings) -> int:
         todo = sum(1 for i in ids if i not in label_store or i not in signal_store)
         _say(f"calibrate: {len(ids) - todo} of {len(ids)} traces already in {out}")
         if todo:
-            _say(f"loading {s.model} ({s.dtype}, {s.device}, {s.attn}) ...")
-            model, tokenizer = load_model(
-                s.model,
-                dtype=s.dtype,
-                device=s.device,
-                attn_implementation=s.attn,
-                progress=None if s.progress else False,
-            )
-            collect(
-                model,
-                tokenizer,
-                problems,
-                label_store,
-                signal_store,
-                labels=s.labels,
-                signals=s.signals,
-                source=s.source,
-                max_trace_tokens=s.max_trace_tokens,
-                max_new_tokens=s.max_new_tokens,
-                progress=s.progress,
-            )
+            model, tokenizer = s.load(progress=None if s.progress else False)
+            collect(model, tokenizer, problems, label_store, signal_store, s)
 
-    analysis = analyse(
-        label_store,
-        signal_store,
-        ids,
-        signal=s.signal,
-        target=s.target,
-        control=s.control,
-        min_width=s.min_width,
-        max_width=s.max_width,
-        replicates=s.bootstrap,
-        seed=s.seed,
-    )
+    analysis = analyse(label_store, signal_store, ids, s)
     calibration = write_band_calibration(
         out / "calibration.json",
         model=s.model,
@@ -105,17 +75,7 @@ def _run(settings: CalibrateSettings) -> int:
         min_width=s.min_width,
     )
     default = default_anatomy(analysis.num_layers)
-    auc_for(
-        analysis,
-        label_store,
-        signal_store,
-        ids,
-        {"default": default, "cal": calibration},
-        targets=s.targets,
-        fraction=s.top_fraction,
-        replicates=s.bootstrap,
-        seed=s.seed,
-    )
+    auc_for(analysis, label_store, signal_store, ids, {"default": default, "cal": calibration}, s)
     plot_file = _plot(s, analysis, default)
     bundled = bundled_model(s.model)
     run_info = {

@@ -1,4 +1,5 @@
-"""``reasonkv calibrate``'s settings: one frozen object, built by the command line or in Python, checked once.
+"""``reasonkv calibrate``'s settings: one frozen object, built by the command line or in Python, checked once;
+each field carries its flag (:mod:`reasonkv.runs.flags`).
 
 :class:`CalibrateSettings` holds the model to load, the traces to study, the label and signal settings
 (:class:`~reasonkv.calibrate.labels.LabelSettings`, :class:`~reasonkv.calibrate.signals.SignalSettings`),
@@ -9,18 +10,25 @@ reads nothing else.
 from __future__ import annotations
 
 import dataclasses
-import os
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from reasonkv.calibrate.labels import TARGETS, LabelSettings
-from reasonkv.calibrate.pipeline import SIGNALS
 from reasonkv.calibrate.profile import CONTROLS
-from reasonkv.calibrate.signals import SignalSettings
+from reasonkv.calibrate.shared import (
+    ModelSettings,
+    check_positive,
+    cut_setting,
+    generation_setting,
+    out_setting,
+    progress_setting,
+    traces_setting,
+)
+from reasonkv.calibrate.signals import SIGNALS, SignalSettings
 from reasonkv.calibrate.traces import SOURCES
-from reasonkv.models import DEFAULT_MODEL
+from reasonkv.runs.flags import nested, setting
 
 __all__ = ["CalibrateSettings"]
 
@@ -30,13 +38,8 @@ def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
         raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
 
 
-def _check_positive(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
 @dataclass(frozen=True, kw_only=True)
-class CalibrateSettings:
+class CalibrateSettings(ModelSettings):
     """Everything one ``reasonkv calibrate`` run is told.
 
     Parameters
@@ -71,37 +74,45 @@ class CalibrateSettings:
         Show a progress bar.
     """
 
-    model: str = DEFAULT_MODEL
-    dtype: str = "fp32"
-    device: str = "cpu"
-    attn: str = "sdpa"
-    dataset: str = "gsm8k"
-    traces: int = 180  # the committed anatomy's count (docs/anatomy), whose AUC intervals are about +-0.04
-    source: str = "reference"
-    max_trace_tokens: int | None = None
-    max_new_tokens: int = 512
-    labels: LabelSettings = field(default_factory=LabelSettings)
-    signals: SignalSettings = field(default_factory=SignalSettings)
-    target: str = "later"
-    signal: str = "z"
-    control: str = "position"
-    min_width: int = 3
-    max_width: int = 8
-    top_fraction: float = 0.2
-    bootstrap: int = 1000
-    seed: int = 0
-    out: Path
-    analyse_only: bool = False
-    progress: bool = True
+    traces: int = traces_setting(180)  # the committed anatomy's count (docs/anatomy): AUC intervals about +-0.04
+    source: str = setting(
+        "reference",
+        group="traces",
+        choices=SOURCES,
+        help="teacher-force the reference solutions (default) or the model's own greedy answers",
+    )
+    max_trace_tokens: int | None = cut_setting()
+    max_new_tokens: int = generation_setting(512)
+    labels: LabelSettings = nested(LabelSettings)
+    signals: SignalSettings = nested(SignalSettings)
+    target: str = setting(
+        "later",
+        group="analysis",
+        choices=TARGETS,
+        help="label that picks the bands (default later: mean drop of the later tokens)",
+    )
+    signal: str = setting("z", group="analysis", choices=SIGNALS, help="z-scored (default) or raw g")
+    control: str = setting(
+        "position",
+        group="analysis",
+        choices=CONTROLS,
+        help="partial out the chunk position from the correlations (default) or not",
+    )
+    min_width: int = setting(3, group="analysis", type="positive", help="shortest band (default 3 layers)")
+    max_width: int = setting(8, group="analysis", type="positive", help="widest band (default 8 layers)")
+    top_fraction: float = setting(0.2, group="analysis", type="fraction", help="positives of the AUC (default 0.2)")
+    bootstrap: int = setting(1000, group="analysis", type="positive", help="trace resamples (default 1000)")
+    seed: int = setting(0, group="analysis", type=int, help="bootstrap seed (default 0)")
+    out: Path = out_setting()
+    analyse_only: bool = setting(False, group="options", help="no model: analyse the records already in --out")
+    progress: bool = progress_setting()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "model", os.fspath(self.model))
-        object.__setattr__(self, "dataset", os.fspath(self.dataset))
+        super().__post_init__()
         object.__setattr__(self, "out", Path(self.out))
-        for name in ("traces", "max_new_tokens", "min_width", "max_width", "bootstrap"):
-            _check_positive(name, getattr(self, name))
+        check_positive(self, "traces", "max_new_tokens", "min_width", "max_width", "bootstrap")
         if self.max_trace_tokens is not None:
-            _check_positive("max_trace_tokens", self.max_trace_tokens)
+            check_positive(self, "max_trace_tokens")
         _check_choice("source", self.source, SOURCES)
         _check_choice("target", self.target, TARGETS)
         _check_choice("signal", self.signal, SIGNALS)

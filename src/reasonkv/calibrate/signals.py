@@ -30,11 +30,14 @@ read and evict) and every head, so that each is one number per token:
 ``random``
     uniform noise seeded by the trace id, the chance reference.
 
-Attention probabilities come from this offline pass only (analysis, not decoding): a probe listens
-on the attention tap (:class:`reasonkv.hf.AttentionTap`), recomputes each layer's softmax attention
-from the post-RoPE queries and keys with the same additive mask the labels use (learned attention
-sinks and soft-capping included) and reduces it to the scores above, while the model's own kernel
-runs as usual. ``g`` and ``z`` cover every decoder layer, as EPIKV's layers do.
+Every score is its policy's own function (``g`` and ``z``: :mod:`reasonkv.policies.epikv_signal`; the
+baselines: those of :mod:`~reasonkv.policies.knorm`, :mod:`~reasonkv.policies.h2o`,
+:mod:`~reasonkv.policies.tova` and :mod:`~reasonkv.policies.snapkv`), applied to the whole sequence at once.
+Attention probabilities come from this offline pass only (analysis, not decoding): a probe listens on the
+attention tap (:class:`reasonkv.hf.AttentionTap`) and recomputes each layer's causal softmax attention from the
+post-RoPE queries and keys as the policies do (:mod:`reasonkv.policies.attention`: learned attention sinks and
+soft-capping included), while the model's own kernel runs as usual. ``g`` and ``z`` cover every decoder layer,
+as EPIKV's layers do.
 """
 
 from __future__ import annotations
@@ -49,20 +52,28 @@ import torch
 import torch.nn.functional as F
 
 from reasonkv.calibrate.labels import MASKED_IMPLEMENTATIONS, attention_masks
+from reasonkv.calibrate.shared import check_positive
 from reasonkv.hf import AttentionTap, attention_implementation, decoder_layers, model_info
+from reasonkv.policies import attention
+from reasonkv.policies.epikv_signal import rolling_zscore, step_distances, window_mean
+from reasonkv.policies.h2o import received_attention
+from reasonkv.policies.knorm import key_norm_scores
+from reasonkv.policies.snapkv import POOLINGS, pooled_window_scores
+from reasonkv.policies.tova import newest_query_scores
+from reasonkv.runs.flags import setting
 
 __all__ = [
     "BASELINE_SCORES",
+    "SIGNALS",
     "SignalSettings",
     "causal_zscore",
     "chunk_means",
-    "step_distances",
     "token_signals",
     "trace_signals",
 ]
 
 BASELINE_SCORES = ("knorm", "h2o", "tova", "snapkv", "recency", "random")
-_POOLINGS = ("max", "avg")
+SIGNALS = ("z", "g")  # the per-layer signals a band can be picked by
 
 
 @dataclass(frozen=True)
@@ -83,131 +94,71 @@ class SignalSettings:
         SnapKV's pooling (default "max", the snapkv policy's).
     """
 
-    window: int = 128
+    window: int = setting(128, group="signals", type="positive", help="EPIKV z-score window W (default 128)")
     eps: float = 1e-6
-    query_window: int = 32
+    query_window: int = setting(32, group="signals", type="positive", help="SnapKV window (default 32)")
     kernel: int = 7
     pooling: str = "max"
 
     def __post_init__(self) -> None:
-        for name in ("window", "query_window", "kernel"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_positive(self, "window", "query_window", "kernel")
         if self.kernel % 2 == 0:
             raise ValueError(f"kernel must be odd, got {self.kernel}")
         if not isinstance(self.eps, (int, float)) or isinstance(self.eps, bool) or not self.eps >= 0:
             raise ValueError(f"eps must be a non-negative number, got {self.eps!r}")
-        if self.pooling not in _POOLINGS:
-            raise ValueError(f"pooling must be one of {', '.join(_POOLINGS)}, got {self.pooling!r}")
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {self.pooling!r}")
 
     def record_settings(self) -> dict[str, Any]:
         return asdict(self)
 
 
-# --------------------------------------------------------------------------- pure maths
-
-
-def step_distances(hidden: torch.Tensor) -> torch.Tensor:
-    """``[T, dim] -> [T]``: ``||h(t) - h(t-1)||_2`` in float32, ``NaN`` at ``t = 0``."""
-    hidden = hidden.float()
-    g = torch.full((hidden.shape[0],), math.nan, dtype=torch.float32, device=hidden.device)
-    g[1:] = torch.linalg.vector_norm(hidden[1:] - hidden[:-1], dim=-1)
-    return g
+# --------------------------------------------------------------------------- over a whole sequence
 
 
 def causal_zscore(g: torch.Tensor, window: int, eps: float = 1e-6) -> torch.Tensor:
-    """EPIKV's rolling z-score along the last axis of ``g`` (``NaN`` = missing).
+    """EPIKV's rolling z-score along the last axis of ``g`` (``NaN`` = missing), the policy's own
+    (:func:`~reasonkv.policies.epikv_signal.rolling_zscore`) against each position's ``window`` previous values.
 
     ``z(t) = (g(t) - mu) / (sigma + eps)`` with ``mu``, ``sigma`` the mean and population standard
     deviation of the defined values among ``g(t - window) .. g(t - 1)``; 0 where ``g(t)`` is
-    missing or fewer than two values are defined. Computed with running sums in float64.
+    missing or fewer than two values are defined. Computed in float64, one row at a time (the windows of
+    a row are a view; the statistics are ``window`` times its length).
     """
-    defined = ~g.isnan()
-    x = torch.where(defined, g, 0.0).double()
-    n = defined.double()
-    zero = x.new_zeros((*x.shape[:-1], 1))
-    sums = [torch.cat([zero, v.cumsum(-1)], -1) for v in (x, x * x, n)]  # sums[k][t] = sum over < t
-    length = g.shape[-1]
-    hi = torch.arange(length, device=g.device)
-    lo = (hi - window).clamp(min=0)
-    s1, s2, count = (s[..., hi] - s[..., lo] for s in sums)
-    mu = s1 / count.clamp(min=1)
-    sigma = (s2 / count.clamp(min=1) - mu * mu).clamp(min=0).sqrt()
-    z = (x - mu) / (sigma + eps)
-    return torch.where(defined & (count >= 2), z, 0.0).float()
+    rows = g.reshape(-1, g.shape[-1]).double()
+    z = []
+    for row in rows:
+        history = F.pad(row, (window, 0), value=math.nan).unfold(0, window, 1)[:-1]  # [T, window]
+        z.append(rolling_zscore(row, history, eps))
+    return torch.stack(z).float().view(g.shape)
 
 
 def chunk_means(values: torch.Tensor, chunks: list[tuple[int, int]] | list[list[int]]) -> torch.Tensor:
-    """Mean over each chunk's positions along the last axis, ignoring ``NaN``: ``[..., T] -> [..., chunks]``."""
-    out = []
-    for start, end in chunks:
-        part = values[..., start:end]
-        defined = ~part.isnan()
-        total = torch.where(defined, part, 0.0).sum(-1)
-        out.append(total / defined.sum(-1))  # 0/0 = NaN for a chunk with nothing defined
-    return torch.stack(out, -1)
+    """Mean over each chunk's positions along the last axis, ignoring ``NaN``: ``[..., T] -> [..., chunks]``
+    (``NaN`` for a chunk with nothing defined)."""
+    return torch.stack([window_mean(values[..., start:end]) for start, end in chunks], -1)
 
 
-def _pool(scores: torch.Tensor, kernel: int, mode: str) -> torch.Tensor:
-    """Same-length pooling along the last axis of ``[heads, T]`` (edges see fewer neighbours)."""
-    if kernel <= 1:
-        return scores
-    flat = scores.unsqueeze(1)
-    if mode == "max":
-        pooled = F.max_pool1d(flat, kernel, stride=1, padding=kernel // 2)
-    else:
-        pooled = F.avg_pool1d(flat, kernel, stride=1, padding=kernel // 2, count_include_pad=False)
-    return pooled.squeeze(1)
-
-
-# --------------------------------------------------------------------------- the probe
-
-
-class _Probe:
-    """Tap listener that reduces the attention probabilities of each layer to the baseline scores.
-
-    Only the full-attention layers count, the ones those policies read and evict on a hybrid model;
-    learned attention sinks and soft-capping enter the softmax as in the model's kernel.
-    """
-
-    def __init__(self, settings: SignalSettings, full_layers: tuple[int, ...]):
-        self.settings = settings
-        self.full_layers = full_layers
-        self.per_layer: dict[str, dict[int, torch.Tensor]] = {name: {} for name in ("knorm", "h2o", "tova", "snapkv")}
-
-    def __call__(self, layer: int, query, key, attention_mask, kwargs: dict) -> None:
-        if layer not in self.full_layers:
-            return
-        _, hq, _, dim = query.shape
-        hkv = key.shape[1]
-        groups = hq // hkv
-        scaling = kwargs.get("scaling") or dim**-0.5
-        keys = key.float().repeat_interleave(groups, dim=1)
-        logits = torch.matmul(query.float(), keys.transpose(-1, -2)) * scaling
-        softcap = kwargs.get("softcap")
-        if softcap:
-            logits = torch.tanh(logits / softcap) * softcap
-        if attention_mask is not None:
-            if attention_mask.dtype == torch.bool:
-                logits = logits.masked_fill(~attention_mask, float("-inf"))
-            else:
-                logits = logits + attention_mask.float()
-        sinks = kwargs.get("s_aux", kwargs.get("sinks"))
-        if sinks is None:
-            probs = logits.softmax(-1)  # [1, Hq, T, T]
-        else:  # one more logit per head shares the softmax, then is dropped
-            sink = sinks.float().view(1, -1, 1, 1).expand(*logits.shape[:-1], 1)
-            probs = torch.cat([logits, sink], dim=-1).softmax(-1)[..., :-1]
-
-        p = probs[0]
-        s = self.settings
-        self.per_layer["knorm"][layer] = -torch.linalg.vector_norm(key[0].float(), dim=-1).mean(0)
-        self.per_layer["h2o"][layer] = p.sum(1).mean(0)
-        self.per_layer["tova"][layer] = p[:, -1].mean(0)
-        window = p[:, -s.query_window :].sum(1)  # [Hq, T]
-        grouped = window.view(hkv, groups, -1).mean(1)
-        self.per_layer["snapkv"][layer] = _pool(grouped, s.kernel, s.pooling).mean(0)
+def _layer_scores(query, key, kwargs: dict, settings: SignalSettings) -> dict[str, torch.Tensor]:
+    """The baseline scores of one full-attention layer over the whole sequence (``[T]`` each), each the
+    policy's own function of the attention it reads, averaged over the kv heads: ``query`` ``[1, Hq, T, D]``
+    and ``key`` ``[1, Hkv, T, D]`` post-RoPE, causal, as the model's kernel sees them (learned sinks and
+    soft-capping from ``kwargs``)."""
+    _, kv_heads, length, _ = key.shape
+    scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
+    extra = {"softcap": kwargs.get("softcap"), "sinks": kwargs.get("s_aux", kwargs.get("sinks"))}
+    every = torch.ones(1, length, dtype=torch.bool, device=key.device)
+    w = min(settings.query_window, length)
+    recent = torch.arange(length - w, length, device=key.device).view(1, w)
+    slots = torch.arange(length, device=key.device).expand(1, kv_heads, length)
+    window = attention.window_attention(query[:, :, -w:], recent, every[:, -w:], key, slots, every, scaling, **extra)
+    scores = {
+        "knorm": key_norm_scores(key),
+        "h2o": received_attention(attention.column_sums(query, key, every, every, scaling, **extra), kv_heads),
+        "tova": newest_query_scores(attention.newest_row(query[:, :, -1:], key, every, scaling, **extra), kv_heads),
+        "snapkv": pooled_window_scores(window, every, kv_heads, kernel=settings.kernel, pooling=settings.pooling),
+    }
+    return {name: value[0].mean(0) for name, value in scores.items()}
 
 
 @torch.inference_mode()
@@ -237,7 +188,13 @@ def token_signals(
 
         return record
 
-    probe = _Probe(settings, model_info(model).full_layers)
+    full_layers = model_info(model).full_layers
+    per_layer: dict[int, dict[str, torch.Tensor]] = {}
+
+    def probe(layer: int, query, key, mask, kwargs: dict) -> None:
+        if layer in full_layers:  # the layers these policies read and evict on a hybrid model
+            per_layer[layer] = _layer_scores(query, key, kwargs, settings)
+
     handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(layers)]
     dtype = next(model.parameters()).dtype
     positions = torch.arange(total, device=device)
@@ -249,13 +206,22 @@ def token_signals(
         for handle in handles:
             handle.remove()
 
-    g = torch.stack([step_distances(hidden[i]) for i in range(len(layers))])
+    g = torch.stack([_step_distances(hidden[i]) for i in range(len(layers))])
     z = causal_zscore(g, settings.window, settings.eps)
-    scores = {name: torch.stack(list(values.values())).mean(0).float() for name, values in probe.per_layer.items()}
+    scores = {name: torch.stack([s[name] for s in per_layer.values()]).mean(0).float() for name in BASELINE_SCORES[:4]}
     scores["recency"] = positions.float()
     generator = torch.Generator().manual_seed(zlib.crc32(seed_key.encode()))
     scores["random"] = torch.rand(total, generator=generator).to(device)
     return {"g": g, "z": z, "scores": scores}
+
+
+def _step_distances(hidden: torch.Tensor) -> torch.Tensor:
+    """EPIKV's ``g`` (the policy's own) of one layer's outputs ``[T, dim]`` from the sequence's start: ``[T]``,
+    ``NaN`` at 0."""
+    length, dim = hidden.shape
+    valid = torch.ones(1, length, dtype=torch.bool, device=hidden.device)
+    start = torch.zeros(1, dtype=torch.bool, device=hidden.device)  # no token before the first
+    return step_distances(hidden.unsqueeze(0), valid, hidden.new_zeros((1, dim), dtype=torch.float32), start)[0][0]
 
 
 def trace_signals(

@@ -133,6 +133,27 @@ def non_negative_argument(text: str) -> int:
     return value
 
 
+def positive_argument(text: str) -> int:
+    """A positive integer."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def positive_or_all_argument(text: str) -> int | None:
+    """A positive integer, or ``none`` / ``all`` (no limit: None)."""
+    return None if text.lower() in ("none", "all") else positive_argument(text)
+
+
+def fraction_argument(text: str) -> float:
+    """A number strictly between 0 and 1."""
+    value = float(text)
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1), got {value}")
+    return value
+
+
 def load_model_from(args: argparse.Namespace):
     """Load ``--model`` (transformers' loading bars only on a terminal, never under ``--no-progress`` or ``--json``)."""
     print(f"loading {args.model} ({args.dtype}, {args.device}, {args.attn}) ...", file=sys.stderr, flush=True)

@@ -13,6 +13,14 @@ from reasonkv.policies.contract import AttentionChunk, Needs
 from reasonkv.policies.options import check_option
 from reasonkv.policies.registry import register
 
+__all__ = ["H2O", "received_attention"]
+
+
+def received_attention(column_sums: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """What one forward adds to H2O's scores: the attention each key received from the forward's queries
+    (``column_sums`` ``[rows, query_heads, slots]``), averaged over the query heads of its kv head."""
+    return group_mean(column_sums, kv_heads)
+
 
 @register
 @dataclass
@@ -103,7 +111,7 @@ class H2O(Policy):
         self.accumulated = PositionTable(batch, (len(self._index), info.num_kv_heads), device=device)
 
     def observe_attention(self, chunk: AttentionChunk) -> None:
-        mass = group_mean(chunk.column_sums, self._kv_heads)  # [batch, kv_heads, slots]
+        mass = received_attention(chunk.column_sums, self._kv_heads)  # [batch, kv_heads, slots]
         self.accumulated.add(chunk.slot_positions, mass, bound=chunk.position_bound, at=(self._index[chunk.layer],))
 
     def recent(self, budget: int) -> int:

@@ -9,6 +9,13 @@ import torch
 from reasonkv.policies.base import Policy
 from reasonkv.policies.registry import register
 
+__all__ = ["KNorm", "key_norm_scores"]
+
+
+def key_norm_scores(keys: torch.Tensor) -> torch.Tensor:
+    """K-norm's score of each key, ``-||k||_2`` (higher = keep): ``[..., slots, head_dim] -> [..., slots]``."""
+    return -keys.float().norm(dim=-1)
+
 
 @register
 @dataclass
@@ -51,4 +58,4 @@ class KNorm(Policy):
     chunk_exact = True  # stateless: reads only the stored keys at eviction time
 
     def score(self, view) -> torch.Tensor:
-        return -view.keys().float().norm(dim=-1)
+        return key_norm_scores(view.keys())

@@ -12,7 +12,7 @@ from reasonkv.policies.contract import Needs
 from reasonkv.policies.options import check_at_least, check_choice, check_option
 from reasonkv.policies.registry import register
 
-__all__ = ["SnapKV", "window_scores", "pool_valid", "POOLINGS"]
+__all__ = ["SnapKV", "window_scores", "pooled_window_scores", "pool_valid", "POOLINGS"]
 
 POOLINGS = ("max", "avg")
 
@@ -46,10 +46,19 @@ def window_scores(view, *, kernel: int = 7, pooling: str = "max") -> torch.Tenso
     soft-capping enter the softmax as in the model's kernel; on a hybrid model only full-attention
     layers are scored (they alone are evicted and record queries).
     """
-    probs = view.window_attention()  # [rows, query_heads, w, slots]
-    summed = probs.sum(dim=2)
-    grouped = group_mean(summed, view.info.num_kv_heads)
-    return pool_valid(grouped, view.valid.unsqueeze(1), kernel, pooling)
+    return pooled_window_scores(
+        view.window_attention(), view.valid, view.info.num_kv_heads, kernel=kernel, pooling=pooling
+    )
+
+
+def pooled_window_scores(
+    probs: torch.Tensor, valid: torch.Tensor, kv_heads: int, *, kernel: int = 7, pooling: str = "max"
+) -> torch.Tensor:
+    """SnapKV's scores from the window's attention ``probs`` ``[rows, query_heads, w, slots]`` over the slots
+    ``valid`` ``[rows, slots]`` marks real: summed over the window, averaged per kv group, pooled along the
+    slots. ``[rows, kv_heads, slots]``."""
+    grouped = group_mean(probs.sum(dim=2), kv_heads)
+    return pool_valid(grouped, valid.unsqueeze(1), kernel, pooling)
 
 
 def check_window_options(policy) -> None:

@@ -11,6 +11,16 @@ from reasonkv.policies.common import group_mean
 from reasonkv.policies.contract import Needs
 from reasonkv.policies.registry import register
 
+__all__ = ["TOVA", "newest_query_scores"]
+
+
+def newest_query_scores(attention: torch.Tensor, kv_heads: int, layerwise: bool = True) -> torch.Tensor:
+    """TOVA's scores from the newest query's attention row ``[rows, query_heads, slots]``: ``[rows, kv_heads,
+    slots]``, the mean over the layer's query heads in every kv head (``layerwise``) or over each kv group."""
+    if layerwise:
+        return attention.mean(1, keepdim=True).expand(-1, kv_heads, -1)
+    return group_mean(attention, kv_heads)
+
 
 @register
 @dataclass
@@ -74,8 +84,5 @@ class TOVA(Policy):
         return Needs(query_window=1)
 
     def score(self, view) -> torch.Tensor:
-        attention = view.window_attention()[:, :, -1]  # the newest query's row, [rows, query_heads, slots]
-        kv_heads = view.info.num_kv_heads
-        if self.layerwise:
-            return attention.mean(1, keepdim=True).expand(-1, kv_heads, -1)
-        return group_mean(attention, kv_heads)
+        newest = view.window_attention()[:, :, -1]  # the newest query's row, [rows, query_heads, slots]
+        return newest_query_scores(newest, view.info.num_kv_heads, self.layerwise)

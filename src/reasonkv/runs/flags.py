@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Flag", "dest", "flag_values", "flags", "option", "setting", "spell"]
+__all__ = ["Flag", "dest", "flag_values", "flags", "nested", "option", "setting", "spell"]
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,8 @@ class Flag:
     spelled out even at its default (what a reader of the command needs to see). ``in_command``: False for how
     the run shows itself (progress bars), which the command that reproduces it leaves out. ``shared``: the name of a set
     of flags several commands share (``model``, ``policy options``, ``buffer``, ``allocation``), added by the
-    command line's own helper (with ``shared_with``'s keywords), once for all the fields that name it.
+    command line's own helper (with ``shared_with``'s keywords), once for all the fields that name it. ``name``:
+    the flag as spelled when it is not the field's name (``--gate-steps`` for a field ``steps``).
     """
 
     group: str
@@ -46,11 +47,18 @@ class Flag:
     in_command: bool = True
     shared: str | None = None
     shared_with: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    name: str | None = None
 
 
 def setting(default: Any = dataclasses.MISSING, **flag: Any) -> Any:
     """A dataclass field with its :class:`Flag` (``default``: the setting's default, also the flag's)."""
     return dataclasses.field(default=default, metadata={"flag": Flag(**flag)})
+
+
+def nested(cls) -> Any:
+    """A dataclass field holding the settings class ``cls`` (default: its defaults), whose flags are added and
+    read in this field's place."""
+    return dataclasses.field(default_factory=cls, metadata={"settings": cls})
 
 
 def flags(cls) -> list[tuple[dataclasses.Field, Flag]]:
@@ -60,12 +68,12 @@ def flags(cls) -> list[tuple[dataclasses.Field, Flag]]:
 
 def option(field: dataclasses.Field, flag: Flag) -> str:
     """The flag's long form (``--prefill-to-length``, ``--no-progress``)."""
-    return ("--no-" if flag.negated else "--") + field.name.replace("_", "-")
+    return flag.name or ("--no-" if flag.negated else "--") + field.name.replace("_", "-")
 
 
 def dest(field: dataclasses.Field, flag: Flag) -> str:
     """Where the parser keeps the flag's value."""
-    return ("no_" if flag.negated else "") + field.name
+    return option(field, flag)[2:].replace("-", "_")
 
 
 def _text(value: Any) -> str:
