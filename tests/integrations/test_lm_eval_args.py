@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
-from reasonkv.cache.spec import DEFAULT_BUFFER, CacheSpec
+from reasonkv.cache.spec import DEFAULT_BUFFER, CacheSpec, resolve_spec
 from reasonkv.integrations.lm_eval_args import parse_model_args
 from reasonkv.policies import parse_options
 
@@ -62,3 +64,49 @@ def test_bad_arguments_are_one_line_naming_the_argument(args, message):
         parse_model_args(args)
     assert message in str(caught.value)
     assert "\n" not in str(caught.value)
+
+
+def test_the_allocation_builds_the_spec_as_the_command_line_does():
+    args = {"policy": "h2o", "budget": 64, "buffer": 16, "allocation": "adaptive", "adaptive_alpha": "0.5"}
+    spec = parse_model_args({**args, "padded_heads": "true"}).spec
+    assert spec == resolve_spec(None, policy="h2o", budget=64, buffer=16, allocation="adaptive", adaptive_alpha=0.5,
+                                ragged=False)  # fmt: skip
+    assert (spec.allocation, spec.adaptive_alpha, spec.ragged) == ("adaptive", 0.5, False)
+    assert parse_model_args({"policy": "h2o", "budget": 64, "allocation": "pyramid"}).spec.allocation == "pyramid"
+    assert parse_model_args({"policy": "h2o", "budget": 64}).spec == CacheSpec.build("h2o", 64)  # uniform
+
+
+@pytest.mark.parametrize("allocation", [{"allocation": "even"}, {"allocation": "pyramid", "adaptive_alpha": 0.3}])
+def test_an_allocation_the_spec_refuses_is_refused_in_the_specs_words(allocation):
+    with pytest.raises(ValueError) as refused:
+        resolve_spec(None, policy="h2o", budget=64, **allocation)
+    with pytest.raises(ValueError) as caught:
+        parse_model_args({"policy": "h2o", "budget": 64, **allocation})
+    assert str(caught.value) == f"model_args: {refused.value}"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ({"allocation": "adaptive", "adaptive_alpha": "lots"}, "model_args adaptive_alpha='lots': expected a number"),
+        ({"padded_heads": "maybe"}, "model_args padded_heads='maybe': expected true or false"),
+    ],
+)
+def test_an_allocation_value_of_the_wrong_type_is_named(args, message):
+    with pytest.raises(ValueError, match=message):
+        parse_model_args({"policy": "h2o", "budget": 64, **args})
+
+
+def test_the_results_config_names_an_allocation_other_than_uniform():
+    pytest.importorskip("lm_eval")
+    from reasonkv.integrations.lm_eval import ReasonKVLM
+
+    def settings(**cache):
+        spec = parse_model_args({"policy": "h2o", "budget": 64, **cache}).spec
+        return ReasonKVLM.settings.fget(SimpleNamespace(spec=spec, pretrained="m", scoring="evicting"))
+
+    assert "allocation" not in settings()  # as before allocations
+    assert {k: settings(allocation="adaptive", adaptive_alpha=0.5)[k] for k in ("allocation", "adaptive_alpha")} == {
+        "allocation": "adaptive",
+        "adaptive_alpha": 0.5,
+    }

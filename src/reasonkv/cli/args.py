@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from reasonkv.cache.spec import ALLOCATIONS, DEFAULT_BUFFER
@@ -187,6 +188,33 @@ def _sandbox_limit(text: str, number, check, flag: str):
         return check(value, flag)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def int_list_argument(text: str) -> list[int]:
+    """Comma-separated integers (``--budgets 128,256``)."""
+    values = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            values.append(int(part))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one integer")
+    return values
+
+
+def positive_rate_argument(text: str) -> float:
+    """A positive, finite number of tokens per second."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number of tokens per second, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of tokens per second, got {text!r}")
+    return value
 
 
 def code_timeout_argument(text: str) -> float:

@@ -11,12 +11,18 @@ from typing import Any
 from reasonkv.cli.args import (
     add_allocation_arguments,
     add_buffer_argument,
+    add_compile_argument,
     add_model_arguments,
     add_policy_options,
+    add_tier_arguments,
+    code_memory_argument,
+    code_timeout_argument,
     fraction_argument,
+    int_list_argument,
     non_negative_argument,
     positive_argument,
     positive_or_all_argument,
+    positive_rate_argument,
 )
 from reasonkv.runs.flags import Flag, dest, option
 
@@ -28,6 +34,8 @@ SHARED = {
     "policy options": add_policy_options,
     "buffer": add_buffer_argument,
     "allocation": add_allocation_arguments,
+    "tier": add_tier_arguments,
+    "compile": add_compile_argument,
 }
 # The argument types a settings class names (their messages name the flag; a plain int would not).
 TYPES = {
@@ -35,6 +43,10 @@ TYPES = {
     "positive": positive_argument,
     "positive or all": positive_or_all_argument,
     "fraction": fraction_argument,
+    "int-list": int_list_argument,
+    "positive-rate": positive_rate_argument,
+    "code-timeout": code_timeout_argument,
+    "code-memory": code_memory_argument,
 }
 
 
@@ -50,10 +62,11 @@ def _flags(cls) -> list[tuple[dataclasses.Field, Flag]]:
     return found
 
 
-def add_flags(parser: argparse.ArgumentParser, *classes) -> None:
+def add_flags(parser: argparse.ArgumentParser, *classes, descriptions: dict[str, str] | None = None) -> None:
     """Add the flags of the settings ``classes`` to ``parser``: a flag several classes declare (the same
     destination, or the same shared set) once, in its groups, group after group in the order the groups first
-    appear, the parser's own options (group ``"options"``) last; within a group, in the fields' order."""
+    appear, the parser's own options (group ``"options"``) last; within a group, in the fields' order
+    (``descriptions``: what a group says before its flags, by its title)."""
     groups = {group.title: group for group in parser._action_groups}
     declared: dict[str, tuple[dataclasses.Field, Flag]] = {}
     for cls in classes:
@@ -63,7 +76,7 @@ def add_flags(parser: argparse.ArgumentParser, *classes) -> None:
     order.sort(key=lambda title: groups.get(title) is parser._optionals)
     for title in order:
         if title not in groups:
-            groups[title] = parser.add_argument_group(title)
+            groups[title] = parser.add_argument_group(title, (descriptions or {}).get(title))
         for field, flag in declared.values():
             if flag.group == title:
                 _add(groups[title], field, flag)
@@ -76,6 +89,9 @@ def _add(group, field: dataclasses.Field, flag: Flag) -> None:
     names = [option(field, flag)] + ([flag.short] if flag.short else [])
     if flag.negated or (field.type in (bool, "bool") and not flag.optional_value):
         group.add_argument(*names, action="store_true", help=flag.help)
+        return
+    if field.type == "bool | None":  # on, off, or not said (--NAME / --no-NAME)
+        group.add_argument(*names, action=argparse.BooleanOptionalAction, default=None, help=flag.help)
         return
     extra: dict[str, Any] = {"help": flag.help}
     for name in ("type", "choices", "metavar"):

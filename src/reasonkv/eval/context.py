@@ -22,7 +22,8 @@ from reasonkv.eval.code import CodeGrader
 from reasonkv.eval.datasets import Problem
 from reasonkv.eval.grid import Cell, GridSpec
 from reasonkv.eval.prompts import build_prompt
-from reasonkv.eval.records import ResultsFile, conflict, outcome, unit_key
+from reasonkv.eval.record_kinds import ErrorRecord, FidelityRecord, GenerationRecord, Record, UnitRecord
+from reasonkv.eval.records import ResultsFile, conflict
 from reasonkv.generation.context import context_length
 from reasonkv.generation.inputs import encode_prompt
 from reasonkv.hf import model_info
@@ -75,37 +76,28 @@ class Ledger:
     outcomes: dict[tuple, dict[str, Any]] = field(default_factory=dict)  # unit -> what its result says
     conflicts: dict[tuple, list[str]] = field(default_factory=dict)  # unit -> the fields two results differ in
 
-    def note(self, record: dict[str, Any]) -> None:
-        kind = record.get("kind")
-        if kind == "manifest":
+    def note(self, record: Record | dict[str, Any]) -> None:
+        record = record if isinstance(record, Record) else Record.read(record)
+        if not isinstance(record, UnitRecord):
             return
-        key = unit_key(record)
-        if kind == "error":
-            self.errors[key] = str(record.get("error"))
+        key = record.key()
+        if not record.result:
+            self.errors[key] = str(record.error)
             return
-        said = outcome(record)
+        said = record.outcome()
         if key in self.outcomes and key not in self.conflicts:
             differs = conflict(self.outcomes[key], said)
             if differs:  # the run is settled either way; say so, as `report` will (it leaves the unit out)
                 self.conflicts[key] = differs
                 print(
-                    f"warning: two results of {record.get('dataset')} {record.get('problem_id')} "
-                    f"{record.get('policy_label')}{'' if record.get('budget') is None else '@' + str(record['budget'])}"
-                    f" differ in {', '.join(differs)}; reasonkv report leaves the unit out of its numbers",
+                    f"warning: two results of {record.named()} differ in {', '.join(differs)}; "
+                    "reasonkv report leaves the unit out of its numbers",
                     file=sys.stderr,
                 )
         self.outcomes.setdefault(key, said)
-        self.results[key] = record["correct"] if kind == "generation" else None
-        ids = record.get("output_ids")
-        if (
-            kind == "generation"
-            and record.get("policy") == "full"
-            and record.get("temperature") == 0
-            and record.get("sample") == 0
-            and isinstance(ids, list)
-            and ids
-        ):
-            self.traces[(record.get("dataset"), record.get("problem_id"))] = (ids, record.get("finish_reason"))
+        self.results[key] = record.correct if isinstance(record, GenerationRecord) else None
+        if isinstance(record, GenerationRecord) and record.greedy_full_trace:
+            self.traces[(record.dataset, record.problem_id)] = (record.output_ids, record.finish_reason)
 
     def settled(self, key: tuple) -> bool:
         """Whether a unit needs no work: it has a result, or an error record and errors are not retried."""
@@ -155,7 +147,7 @@ class Context:
             self._prompts[key] = ids
         return self._prompts[key]
 
-    def base(self, kind: str, dataset: str, problem: Problem, cell: Cell) -> dict[str, Any]:
+    def _base(self, kind: str, dataset: str, problem: Problem, cell: Cell) -> dict[str, Any]:
         # An allocation other than uniform is part of the unit (absent for uniform: older records keep their keys).
         allocation = {} if cell.allocation == "uniform" else {"allocation": cell.allocation}
         return {
@@ -197,46 +189,46 @@ class Context:
         fmt = QuantFormat(tier["bits"], tier["group_size"])
         return round(equivalent_budget(cell.budget, cell.quantized, fmt, model_info(self.model).head_dim, size), 2)
 
-    def generation_key(self, dataset: str, problem: Problem, cell: Cell, sample: int) -> dict[str, Any]:
+    def generation_key(self, dataset: str, problem: Problem, cell: Cell, sample: int) -> GenerationRecord:
+        """The identity of a generation unit: the record its result starts from."""
         sampling = self.grid.sampling
-        return {
-            **self.base("generation", dataset, problem, cell),
-            "sample": sample,
-            "max_new_tokens": sampling.max_new_tokens,
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "top_k": sampling.top_k,
-        }
+        return GenerationRecord(
+            {
+                **self._base(GenerationRecord.kind, dataset, problem, cell),
+                "sample": sample,
+                "max_new_tokens": sampling.max_new_tokens,
+                "temperature": sampling.temperature,
+                "top_p": sampling.top_p,
+                "top_k": sampling.top_k,
+            }
+        )
 
-    def fidelity_key(self, dataset: str, problem: Problem, cell: Cell) -> dict[str, Any]:
-        return {**self.base("fidelity", dataset, problem, cell), "fidelity_tokens": self.grid.replay_tokens}
+    def fidelity_key(self, dataset: str, problem: Problem, cell: Cell) -> FidelityRecord:
+        """The identity of a fidelity unit: the record its result starts from."""
+        return FidelityRecord(
+            {**self._base(FidelityRecord.kind, dataset, problem, cell), "fidelity_tokens": self.grid.replay_tokens}
+        )
 
     def note_fidelity(self, dataset: str, cell: Cell, said: dict[str, Any] | None) -> None:
-        """Add a fidelity result (a record, or the outcome of one already on disk) to its cell's tally."""
+        """Add what a fidelity result says (its record's outcome) to its cell's tally."""
         top1, kl = (said or {}).get("top1_agreement"), (said or {}).get("kl_mean")
         if isinstance(top1, (int, float)) and isinstance(kl, (int, float)):
             tally = self.fidelity_tally.setdefault(f"{dataset} {cell.name}", [0.0, 0.0, 0])
             tally[0], tally[1], tally[2] = tally[0] + top1, tally[1] + kl, tally[2] + 1
 
-    def emit(self, record: dict[str, Any]) -> None:
+    def emit(self, record: UnitRecord) -> None:
         """Write one record, note it done, and tell ``on_record``."""
         self.results.append(record)
         self.ledger.note(record)
-        self.counts[record["kind"]] += 1
+        self.counts[record.kind] += 1
         if self.on_record is not None:
-            self.on_record(record)
+            self.on_record(record.to_json())
 
-    def error(self, key: dict[str, Any], why: str, stage: str, seed: int | None = None) -> None:
+    def error(self, key: UnitRecord, why: str, stage: str, seed: int | None = None) -> None:
         """Write the error record of the unit ``key`` describes."""
-        record = {"kind": "error", **{k: v for k, v in key.items() if k != "kind"}, "unit": key["kind"]}
-        record.update(seed=seed, stage=stage, error=why, run=self.run_id, time=now())
-        told = (key["dataset"], key["problem_id"], key["policy_label"], key["budget"], why)
+        record = ErrorRecord.of(key, seed=seed, stage=stage, error=why, run=self.run_id, time=now())
+        told = (key.dataset, key.problem_id, key.policy_label, key.budget, why)
         if told not in self._told:  # the fidelity unit of a problem whose generation failed alike: said once
             self._told.add(told)
-            print(
-                f"{self.label}error: {key['dataset']} {key['problem_id']} {key['policy_label']}"
-                f"{'' if key['budget'] is None else '@' + str(key['budget'])}: {why}",
-                file=sys.stderr,
-                flush=True,
-            )
+            print(f"{self.label}error: {key.named()}: {why}", file=sys.stderr, flush=True)
         self.emit(record)

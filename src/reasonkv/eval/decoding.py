@@ -33,7 +33,7 @@ from reasonkv.eval.datasets import Problem
 from reasonkv.eval.extraction import CODE_KINDS
 from reasonkv.eval.grading import grade
 from reasonkv.eval.grid import Cell
-from reasonkv.eval.records import unit_key
+from reasonkv.eval.record_kinds import GenerationRecord
 from reasonkv.eval.units import Unit, sample_seed
 from reasonkv.generation import GenerationResult, generate
 from reasonkv.generation.context import over_context
@@ -79,9 +79,9 @@ def run_generation(ctx: Context, dataset: str, problems: Sequence[Problem], mine
                 if Unit("generation", dataset, problem.id, index, s) not in mine:
                     continue
                 key = ctx.generation_key(dataset, problem, cell, s)
-                if ctx.ledger.settled(unit_key(key)):
+                if ctx.ledger.settled(key.key()):
                     ctx.counts["skipped"] += 1
-                    correct = ctx.ledger.results.get(unit_key(key))
+                    correct = ctx.ledger.results.get(key.key())
                     if correct is not None:
                         tally[0] += correct
                         tally[1] += 1
@@ -115,7 +115,7 @@ def run_generation(ctx: Context, dataset: str, problems: Sequence[Problem], mine
                         ctx.emit(record)
                         if problem.id in grid.trace_problems:
                             _keep_trace(ctx, dataset, problem, cell, s, out)
-                        tally[0] += bool(record["correct"])
+                        tally[0] += bool(record.correct)
                         tally[1] += 1
                     bar.set_postfix_str(_running(cell.name, tally), refresh=False)
                     bar.update(1)
@@ -172,16 +172,21 @@ def _keep_trace(ctx: Context, dataset: str, problem: Problem, cell: Cell, sample
 
 
 def _generation_record(
-    ctx: Context, key: dict, problem: Problem, cell: Cell, seed: int, out: GenerationResult, code: CodeGrade | None
-) -> dict[str, Any]:
+    ctx: Context,
+    key: GenerationRecord,
+    problem: Problem,
+    cell: Cell,
+    seed: int,
+    out: GenerationResult,
+    code: CodeGrade | None,
+) -> GenerationRecord:
     stats = out.stats
     eos_hit = out.finish_reason == "eos"
     ids = out.token_ids[:-1] if eos_hit else out.token_ids
     verdict = grade(out.text, problem, complete=out.finish_reason != "length") if code is None else code
     limit = ctx.grid.sampling.max_new_tokens
     flags = collapse_flags(out.text, ids, max_new_tokens=limit, eos_hit=eos_hit, kind=problem.kind)
-    record = dict(key)
-    record.update(
+    record = key.with_fields(
         seed=seed,
         equivalent_budget=ctx.equivalent_budget(cell),
         prompt_tokens=out.prompt_tokens,
@@ -215,9 +220,7 @@ def _generation_record(
         run=ctx.run_id,
         time=now(),
     )
-    if code is not None:
-        record.update(code.fields())
-    return record
+    return record if code is None else record.with_fields(**code.fields())
 
 
 def steady_bytes_fields(held: dict | None) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from reasonkv.eval.record_kinds import FidelityRecord
 from reasonkv.eval.report import load_results
 
 __all__ = ["Cell", "cells", "markdown", "plot", "tier_sizes", "write_tables"]
@@ -59,7 +60,7 @@ def _measured_records(records: Iterable[dict]) -> dict[tuple, list[dict]]:
     """Fidelity records with measured steady bytes, by (dataset, policy, variant, K, Q)."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in records:
-        if r.get("kind") != "fidelity" or not _finite(r.get("steady_kv_tokens")):
+        if r.get("kind") != FidelityRecord.kind or not _finite(r.get("steady_kv_tokens")):
             continue
         variant, quantized = _variant(r)
         groups[(r["dataset"], r["policy"], variant, r["budget"], quantized)].append(r)

@@ -168,8 +168,8 @@ def parse_samples(samples: int | str | Mapping[str, int], datasets: Sequence[str
 
 
 def make_cells(
-    policies: str | Sequence[str],
-    budgets: Sequence[int],
+    policies: str | Sequence[str] = ("full", "streaming"),
+    budgets: Sequence[int] = (256,),
     buffer: int = DEFAULT_BUFFER,
     options: Mapping[str, Mapping[str, Any]] | Sequence[str] | None = None,
     quantized: int = 0,
@@ -357,14 +357,6 @@ class GridSpec:
         cls,
         *,
         dataset: str | Sequence[str],
-        policies: str | Sequence[str] = ("full", "streaming"),
-        budgets: Sequence[int] = (256,),
-        buffer: int = DEFAULT_BUFFER,
-        options: Mapping[str, Mapping[str, Any]] | Sequence[str] | None = None,
-        quantized: int = 0,
-        bits: int | None = None,
-        allocations: str | Sequence[str] = ("uniform",),
-        budgets_file: str | None = None,
         limit: int | None = None,
         samples: int | str | Mapping[str, int] = 1,
         max_new_tokens: int = 512,
@@ -381,13 +373,15 @@ class GridSpec:
         code: CodeSettings | Mapping[str, Any] | None = None,
         trace_problems: str | Sequence[str] = (),
         compile: bool = False,
+        **cells: Any,
     ) -> GridSpec:
         """A grid from loose settings (strings as the command line gives them, or Python values).
 
         ``dataset`` is a bundled benchmark or a JSONL path, several comma-separated, each optionally
-        ``NAME:LIMIT``; ``policies`` comma-separated names; ``options`` ``["key=value",
-        "policy.key=value"]`` or ``{policy: {key: value}}``; ``samples`` a count or per dataset
-        (``"aime25=64,math500=8"``); ``code`` a :class:`CodeSettings` or its keywords.
+        ``NAME:LIMIT``; ``samples`` a count or per dataset (``"aime25=64,math500=8"``); ``code`` a
+        :class:`CodeSettings` or its keywords; ``cells`` the keywords of :func:`make_cells`: ``policies``
+        (comma-separated names), ``budgets``, ``buffer``, ``options`` (``["key=value", "policy.key=value"]``
+        or ``{policy: {key: value}}``), ``quantized``, ``bits``, ``allocations`` and ``budgets_file``.
         """
         datasets = tuple(parse_dataset_spec(dataset, limit))
         per_dataset = parse_samples(samples, [name for name, _ in datasets])
@@ -405,13 +399,13 @@ class GridSpec:
                 raise ValueError("fidelity-only (generation=False) with fidelity off would measure nothing")
             fidelity = True
         sampling = Sampling(max_new_tokens, temperature, top_p, top_k)
-        cells = make_cells(policies, budgets, buffer, options, quantized, bits, allocations, budgets_file)
+        made = make_cells(**cells)
         if compile:
-            for cell in cells:
+            for cell in made:
                 cell.spec.check_compile()
         return cls(
             datasets=datasets,
-            cells=tuple(cells),
+            cells=tuple(made),
             samples=per_dataset,
             sampling=sampling,
             seed=seed,

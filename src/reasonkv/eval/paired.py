@@ -21,6 +21,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from reasonkv.eval.record_kinds import FidelityRecord
 from reasonkv.eval.report_rows import MIN_PAIRED, paired_interval
 
 __all__ = ["PairedRow", "markdown", "paired_fidelity"]
@@ -64,7 +65,7 @@ def paired_fidelity(records: Iterable[dict], against: str) -> list[PairedRow]:
     Raises ``ValueError`` naming the policies there are when no cell holds ``against``."""
     cells: dict[tuple, dict[str, dict[tuple, tuple[float, float]]]] = defaultdict(lambda: defaultdict(dict))
     for r in records:
-        if r.get("kind") != "fidelity" or not _finite(r.get("top1_agreement")):
+        if r.get("kind") != FidelityRecord.kind or not _finite(r.get("top1_agreement")):
             continue
         cell = (r.get("model", "?"), r["dataset"], r["budget"], r.get("buffer"))
         cells[cell][_label(r)][(r["problem_id"], r.get("sample", 0))] = (r["top1_agreement"], r.get("kl_mean"))

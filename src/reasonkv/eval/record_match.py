@@ -20,6 +20,7 @@ from typing import Any
 
 from reasonkv.eval.datasets import dataset_path, grid_problems
 from reasonkv.eval.manifest import file_sha256
+from reasonkv.eval.record_kinds import KINDS, FidelityRecord, GenerationRecord, Record
 
 __all__ = ["manifest_mismatch", "run_problems"]
 
@@ -27,10 +28,6 @@ __all__ = ["manifest_mismatch", "run_problems"]
 _SETUP = {"model": "model", "dtype": "dtype", "prompt_format": "prompt_format", "base_seed": "seed"}
 # the same, generation units only
 _SAMPLING = ("max_new_tokens", "temperature", "top_p", "top_k")
-
-
-def _unit(record: Mapping[str, Any]) -> Any:
-    return record.get("unit") if record.get("kind") == "error" else record.get("kind")
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -133,14 +130,15 @@ def manifest_mismatch(
                 f"field 'problem_id' is {_shown(record['problem_id'])}, not one of the {len(ids)} problems of "
                 f"{record.get('dataset')} in its {run}"
             )
+    unit = Record.read(record).unit if record.get("kind") in KINDS else None
     compared = dict(_SETUP)
-    if _unit(record) == "generation":
+    if unit == GenerationRecord.kind:
         compared.update({name: name for name in _SAMPLING})
     for name, there in compared.items():
         if name in record and there in setup and not _same(record[name], setup[there]):
             return f"field '{name}' is {_shown(record[name])}, but its {run} has {_shown(setup[there])}"
     replays = grid.get("fidelity_tokens") if grid.get("fidelity") else None
-    if _unit(record) == "fidelity" and replays is not None and not _same(record.get("fidelity_tokens"), replays):
+    if unit == FidelityRecord.kind and replays is not None and not _same(record.get("fidelity_tokens"), replays):
         return f"field 'fidelity_tokens' is {_shown(record.get('fidelity_tokens'))}, but its {run} replays {replays}"
     return _cell_mismatch(record, [p for p in grid.get("policies") or [] if isinstance(p, Mapping)], run)
 

@@ -3,15 +3,14 @@
 Record kinds
     ``manifest`` (what the records after it were computed with; the first line of every results
     file, see :mod:`reasonkv.eval.manifest`), ``generation`` and ``fidelity`` (the results of one unit
-    of work each, see :mod:`reasonkv.eval.runner`), and ``error``: a unit that could not be computed,
-    with the unit's identity fields, ``unit`` (the kind of record it would have been) and ``error``
-    (the reason).
+    of work each, see :mod:`reasonkv.eval.runner`), and ``error``: a unit that could not be computed.
+    Each is a class of :mod:`reasonkv.eval.record_kinds`, which says its fields, key and outcome.
 
 A results file is a :class:`reasonkv.runs.store.JsonlStore` (a torn last line is skipped, then cut
 off); ``eval`` and ``report`` check its lines alike (:func:`scan_results`, :func:`read_results`). It is
 this tool's own when its first line is a sound manifest of this tool (:func:`scan_results`); nothing
 else is ever written to (see :mod:`reasonkv.runs.outputs`). Every other line must be a record
-of one of these kinds whose identity fields have their types (:func:`record_problem`); a line that is
+of one of these kinds whose fields have their types (:func:`record_problem`); a line that is
 not (a hand edit, a collision) is an error naming the file, the line and the field, never skipped
 silently, and :func:`repair_results` moves such lines aside, keeping every other record. A record
 must also agree with the manifest its ``run`` names (:func:`reasonkv.eval.record_match.manifest_mismatch`:
@@ -27,7 +26,6 @@ command picks one silently (:func:`conflict`).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -37,15 +35,12 @@ from pathlib import Path
 from typing import Any
 
 from reasonkv.eval.manifest import manifest_problem
+from reasonkv.eval.record_kinds import KINDS, UNITS, ErrorRecord, ManifestRecord, Record
 from reasonkv.eval.record_match import manifest_mismatch, run_problems
 from reasonkv.runs.outputs import OutputLock, create_exclusive, write_atomic
 from reasonkv.runs.store import JsonlStore, numbered_lines
 
 __all__ = [
-    "KEY_FIELDS",
-    "KINDS",
-    "FIELD_TYPES",
-    "OUTCOME_FIELDS",
     "ResultsFile",
     "conflict",
     "outcome",
@@ -58,153 +53,32 @@ __all__ = [
     "unit_key",
 ]
 
-#: The fields that identify a unit of work, per record kind. Two records with the same key are the
-#: same work: a rerun skips it. Everything that changes the result is in the key.
-KEY_FIELDS: dict[str, tuple[str, ...]] = {
-    "generation": (
-        "model",
-        "dtype",
-        "dataset",
-        "problem_id",
-        "policy_config",
-        "budget",
-        "buffer",
-        "tier",
-        "allocation",
-        "sample",
-        "base_seed",
-        "max_new_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "prompt_format",
-    ),
-    "fidelity": (
-        "model",
-        "dtype",
-        "dataset",
-        "problem_id",
-        "policy_config",
-        "budget",
-        "buffer",
-        "tier",
-        "allocation",
-        "base_seed",
-        "fidelity_tokens",
-        "prompt_format",
-    ),
-}
-
-#: Every record kind a results file may hold.
-KINDS = ("manifest", "generation", "fidelity", "error")
-
-_INT = (int,)
-_NUMBER = (int, float)
-#: The types of the fields reasonkv reads back from a record (a field may be missing, or null), and what
-#: to say when one is not: ``(types, what, smallest value)``.
-FIELD_TYPES: dict[str, tuple[tuple[type, ...], str, float | None]] = {
-    "model": ((str,), "a string", None),
-    "dtype": ((str,), "a string", None),
-    "dataset": ((str,), "a string", None),
-    "problem_id": ((str, int), "a string", None),
-    "prompt_format": ((str,), "a string", None),
-    "policy": ((str,), "a string", None),
-    "policy_label": ((str,), "a string", None),
-    "policy_config": ((dict,), "an object", None),
-    "budget": (_INT, "a positive integer", 1),
-    "buffer": (_INT, "a non-negative integer", 0),
-    "tier": ((dict,), "an object", None),
-    "allocation": ((str,), "a string", None),
-    "sample": (_INT, "a non-negative integer", 0),
-    "base_seed": (_INT, "an integer", None),
-    "seed": (_INT, "an integer", None),
-    "max_new_tokens": (_INT, "a positive integer", 1),
-    "temperature": (_NUMBER, "a number", None),
-    "top_p": (_NUMBER, "a number", None),
-    "top_k": (_INT, "an integer", None),
-    "fidelity_tokens": (_INT, "a positive integer", 1),
-    "correct": ((bool,), "true or false", None),
-    "output_ids": ((list,), "a list", None),
-    "output_tokens": (_INT, "an integer", None),
-    "tokens_per_second": (_NUMBER, "a number", None),
-    "extracted_answer": ((str,), "a string", None),
-    "grading_method": ((str,), "a string", None),
-    "finish_reason": ((str,), "a string", None),
-    "collapse": ((dict,), "an object", None),
-    "collapsed": ((bool,), "true or false", None),
-    "top1_agreement": (_NUMBER, "a number between 0 and 1", 0),
-    "kl_mean": (_NUMBER, "a number", None),
-    "answer_logprob_delta": (_NUMBER, "a number", None),
-    "answer_logprob_delta_mean": (_NUMBER, "a number", None),
-    "run": ((str,), "a string", None),
-}
-
-
-def _canonical(value: Any) -> Any:
-    """A hashable form of a JSON value (dicts sorted, lists as tuples, floats normalised)."""
-    if isinstance(value, Mapping):
-        return tuple(sorted((str(k), _canonical(v)) for k, v in value.items()))
-    if isinstance(value, (list, tuple)):
-        return tuple(_canonical(v) for v in value)
-    if isinstance(value, float) and value.is_integer() and math.isfinite(value):
-        return int(value)  # 0.0 and 0 are the same setting once written to JSON
-    return value
-
 
 def record_key(record: Mapping[str, Any]) -> tuple:
-    """The unit of work ``record`` completes: ``(kind, *values of KEY_FIELDS[kind])``.
+    """The unit of work a generation or fidelity record completes (:meth:`UnitRecord.key`).
 
-    Missing fields count as ``None``. Raises ``ValueError`` for a kind without a key (manifest, unknown).
+    Raises ``ValueError`` for a kind without a key (manifest, error, unknown).
     """
     kind = record.get("kind")
-    if kind not in KEY_FIELDS:
-        raise ValueError(f"record kind must be one of {sorted(KEY_FIELDS)}, got {kind!r}")
-    return (kind, *(_canonical(_jsonable(record.get(name))) for name in KEY_FIELDS[kind]))
+    if kind not in UNITS:
+        raise ValueError(f"record kind must be one of {sorted(UNITS)}, got {kind!r}")
+    return UNITS[kind](dict(record)).key()
 
 
 def unit_key(record: Mapping[str, Any]) -> tuple:
     """The unit a generation, fidelity or error record is about (an error record names it in ``unit``)."""
-    if record.get("kind") == "error":
+    if record.get("kind") == ErrorRecord.kind:
         return record_key({**record, "kind": record.get("unit")})
     return record_key(record)
 
 
-def _jsonable(value: Any) -> Any:
-    # Keys are compared between records read back from JSON and records about to be written, so
-    # both go through the same conversion (tuples become lists, non-JSON values become strings).
-    return json.loads(json.dumps(value, default=str))
-
-
 def record_problem(record: Mapping[str, Any]) -> str | None:
-    """What is wrong with a record read from a results file (a hand edit), in words; None when it is sound.
-
-    Its ``kind`` must be one of :data:`KINDS`, a manifest must be sound (:func:`manifest_problem`), a
-    generation record must hold ``correct`` as true or false (``"yes"`` is not correct), an error record
-    must name its ``unit`` and its ``error``, and each field of :data:`FIELD_TYPES` that is there and not
-    null must have its type and range (``"budget": {}``, ``"budget": 0`` or ``"top1_agreement": 1.5`` are
-    refused).
-    """
-    kind = record.get("kind")
-    if kind not in KINDS:
-        return f"field 'kind' must be one of {', '.join(KINDS)}, got {_shown(kind)}"
-    if kind == "manifest":
-        if record.get("tool") != "reasonkv":
-            return f"a manifest of {record.get('tool')!r}, not of reasonkv"
-        return manifest_problem(record)
-    if kind == "generation" and not isinstance(record.get("correct"), bool):
-        return f"field 'correct' must be true or false, got {_shown(record.get('correct'))}"
-    if kind == "error" and record.get("unit") not in KEY_FIELDS:
-        return f"field 'unit' must be one of {', '.join(KEY_FIELDS)}, got {_shown(record.get('unit'))}"
-    if kind == "error" and not isinstance(record.get("error"), str):
-        return f"field 'error' must be the reason, a string, got {_shown(record.get('error'))}"
-    for name, (types, what, smallest) in FIELD_TYPES.items():
-        value = record.get(name)
-        if value is None:
-            continue
-        wrong_type = (isinstance(value, bool) and bool not in types) or not isinstance(value, types)
-        out_of_range = not wrong_type and smallest is not None and value < smallest
-        if wrong_type or out_of_range or (name == "top1_agreement" and value > 1):
-            return f"field '{name}' must be {what} (or null), got {_shown(value)}"
+    """What is wrong with a record read from a results file (a hand edit), in words; None when it is sound
+    (:meth:`Record.from_json`: ``"budget": {}``, ``"budget": 0`` or ``"top1_agreement": 1.5`` are refused)."""
+    try:
+        Record.from_json(record)
+    except ValueError as error:
+        return str(error)
     return None
 
 
@@ -215,7 +89,7 @@ def checked_lines(path: str | os.PathLike[str]) -> Iterator[tuple[int, bytes, di
     manifests: dict[str, tuple[dict[str, Any], dict[str, frozenset[str]]]] = {}
     for number, line, record, problem in numbered_lines(path):
         problem = problem or record_problem(record)
-        if problem is None and record["kind"] == "manifest":
+        if problem is None and record["kind"] == ManifestRecord.kind:
             if record["id"] not in manifests:
                 manifests[record["id"]] = (record, run_problems(record))  # each run's problems read once
         elif problem is None:
@@ -234,8 +108,9 @@ def _run_problem(
     return manifest_mismatch(record, *manifests[run])
 
 
-def read_results(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str, Any]]]:
-    """``(line number, record)`` for every complete record of a results file, each checked (:func:`checked_lines`).
+def read_results(path: str | os.PathLike[str]) -> Iterator[tuple[int, Record]]:
+    """``(line number, record)`` for every complete record of a results file, each checked (:func:`checked_lines`)
+    and of its kind's class (:mod:`reasonkv.eval.record_kinds`).
 
     The one reader of results records for ``report`` (``eval`` resumes through :func:`scan_results`, which
     applies the same checks). Nothing when the file does not exist; a torn last line is skipped; any other
@@ -244,26 +119,13 @@ def read_results(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str, 
     for number, _, record, problem in checked_lines(path):
         if problem is not None:
             raise ValueError(f"{path}, line {number}: {problem}")
-        yield number, record
-
-
-#: What a result says, per kind: two records of one unit that differ here are a conflict. The tokens are
-#: compared too: a record copied from another unit and relabelled may grade alike, but its tokens differ.
-OUTCOME_FIELDS: dict[str, tuple[str, ...]] = {
-    "generation": ("correct", "extracted_answer", "grading_method", "finish_reason", "output_ids"),
-    "fidelity": ("top1_agreement", "kl_mean", "answer_logprob_delta"),
-}
+        yield number, Record.read(record)
 
 
 def outcome(record: Mapping[str, Any]) -> dict[str, Any]:
-    """What a generation or fidelity record says (:data:`OUTCOME_FIELDS`); ``{}`` for other kinds.
-
-    ``output_ids`` is kept as a SHA-256 of the list (readers keep outcomes for every unit, not its tokens).
-    """
-    said = {name: record.get(name) for name in OUTCOME_FIELDS.get(record.get("kind"), ())}
-    if isinstance(said.get("output_ids"), list):
-        said["output_ids"] = hashlib.sha256(json.dumps(said["output_ids"]).encode()).hexdigest()
-    return said
+    """What a generation or fidelity record says (:meth:`UnitRecord.outcome`); ``{}`` for other kinds."""
+    cls = UNITS.get(record.get("kind"))
+    return {} if cls is None else cls(dict(record)).outcome()
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -327,14 +189,14 @@ def scan_results(
         raise _not_ours(path, "it is empty")
     manifests: list[dict[str, Any]] = []
     for number, _, record, problem in checked_lines(path):
+        manifest = record is not None and record.get("kind") == ManifestRecord.kind
         if not manifests:
             _check_first(path, number, record, problem)
-        else:
-            if problem is not None:
-                raise _damaged(path, number, problem, repairable=record is None or record.get("kind") != "manifest")
-        if record["kind"] == "manifest":
+        elif problem is not None:
+            raise _damaged(path, number, problem, repairable=not manifest)
+        if manifest:
             manifests.append(record)
-        if visit is not None and (include_manifests or record["kind"] != "manifest"):
+        if visit is not None and (include_manifests or not manifest):
             visit(record)
         if first_only:
             break
@@ -348,12 +210,12 @@ def _check_first(path: Path, number: int, record: dict[str, Any] | None, problem
     if record is None:
         raise _not_ours(path, f"line {number}: {problem}")
     kind = record.get("kind")
-    if kind in KEY_FIELDS:
+    if kind in UNITS:
         raise ValueError(
             f"{path} holds records written before run manifests existed: reasonkv report reads it, "
             "but a run appends only to a results file that starts with a manifest; use another --out"
         )
-    if kind != "manifest":
+    if kind != ManifestRecord.kind:
         raise _not_ours(path, "its first record is not a run manifest")
     if record.get("tool") != "reasonkv":
         raise _not_ours(path, f"record 1 is a manifest of {record.get('tool')!r}")
@@ -378,7 +240,7 @@ def repair_results(path: str | os.PathLike[str]) -> str | None:
         problem = problem if kept else None  # the first line was checked by scan_results
         if problem is None:
             kept.append(line if line.endswith(b"\n") else line + b"\n")
-        elif record is not None and record.get("kind") == "manifest":
+        elif record is not None and record.get("kind") == ManifestRecord.kind:
             raise _damaged(path, number, problem, repairable=False)
         else:
             rejected.append((number, line if line.endswith(b"\n") else line + b"\n"))
@@ -394,7 +256,7 @@ def repair_results(path: str | os.PathLike[str]) -> str | None:
 
 def _is_result(record: Mapping[str, Any]) -> bool:
     """Whether a line counts as a record in messages (a manifest says what the records were computed with)."""
-    return record.get("kind") != "manifest"
+    return record.get("kind") != ManifestRecord.kind
 
 
 def _line(record: Mapping[str, Any]) -> str:
@@ -440,7 +302,7 @@ class ResultsFile:
         fsync: bool = False,
     ):
         self.path = Path(path)
-        if manifest.get("kind") != "manifest" or not manifest.get("id"):
+        if manifest.get("kind") != ManifestRecord.kind or not manifest.get("id"):
             raise ValueError("a results file starts with a manifest record (kind 'manifest', with an id)")
         scan_results(self.path, first_only=True)  # refuse a foreign file before creating its lock file
         self._store = JsonlStore(
@@ -458,10 +320,12 @@ class ResultsFile:
             self._store.close(check=False)
             raise
 
-    def append(self, record: Mapping[str, Any]) -> None:
+    def append(self, record: Record | Mapping[str, Any]) -> None:
         """Write one record as a line and flush it."""
+        if isinstance(record, Record):
+            record = record.to_json()
         if record.get("kind") not in KINDS:
-            raise ValueError(f"record kind must be one of {KINDS}, got {record.get('kind')!r}")
+            raise ValueError(f"record kind must be one of {tuple(KINDS)}, got {record.get('kind')!r}")
         self._store.append(record)
 
     @property

@@ -16,7 +16,7 @@ from reasonkv.eval.context import Context, attempt, chunks, now, progress, reaso
 from reasonkv.eval.datasets import Problem
 from reasonkv.eval.decoding import refused_prompt, steady_bytes_fields
 from reasonkv.eval.grid import Cell
-from reasonkv.eval.records import unit_key
+from reasonkv.eval.record_kinds import FidelityRecord
 from reasonkv.eval.units import Unit, sample_seed
 from reasonkv.generation import generate
 
@@ -34,9 +34,9 @@ def run_fidelity(ctx: Context, dataset: str, problems: Sequence[Problem], mine: 
             if Unit("fidelity", dataset, problem.id, index) not in mine:
                 continue
             key = ctx.fidelity_key(dataset, problem, cell)
-            if ctx.ledger.settled(unit_key(key)):
+            if ctx.ledger.settled(key.key()):
                 ctx.counts["skipped"] += 1
-                ctx.note_fidelity(dataset, cell, ctx.ledger.outcomes.get(unit_key(key)))
+                ctx.note_fidelity(dataset, cell, ctx.ledger.outcomes.get(key.key()))
                 continue
             why = refused_prompt(cell, len(ctx.prompt_ids(problem)), grid.replay_tokens, ctx.context)
             if why is not None:
@@ -57,7 +57,7 @@ def run_fidelity(ctx: Context, dataset: str, problems: Sequence[Problem], mine: 
             for batch in chunks(cell_problems, grid.batch_size):
                 bar.set_postfix_str(cell.name, refresh=False)
 
-                def replay(items: list[Problem], c=cell) -> list[dict]:
+                def replay(items: list[Problem], c=cell) -> list[FidelityRecord]:
                     return _fidelity_batch(ctx, dataset, c, items, traces, sources, references)
 
                 for problem, record in attempt(replay, list(batch)):
@@ -66,7 +66,7 @@ def run_fidelity(ctx: Context, dataset: str, problems: Sequence[Problem], mine: 
                         ctx.error(ctx.fidelity_key(dataset, problem, cell), reason(record), "fidelity", seed)
                     else:
                         ctx.emit(record)
-                        ctx.note_fidelity(dataset, cell, record)
+                        ctx.note_fidelity(dataset, cell, record.outcome())
                     bar.update(1)
     finally:
         bar.close()
@@ -107,7 +107,7 @@ def _traces(ctx: Context, dataset: str, problems: Sequence[Problem], pending: li
     return traces, sources
 
 
-def _fidelity_batch(ctx: Context, dataset, cell: Cell, batch, traces, sources, references) -> list[dict]:
+def _fidelity_batch(ctx: Context, dataset, cell: Cell, batch, traces, sources, references) -> list[FidelityRecord]:
     grid = ctx.grid
     seeds = [sample_seed(grid.seed, p.id, 0) for p in batch]
     replay = dict(max_chunk=grid.max_chunk or fidelity.DEFAULT_MAX_CHUNK, pad_id=fidelity.pad_id_of(ctx.tokenizer))
@@ -132,8 +132,7 @@ def _fidelity_batch(ctx: Context, dataset, cell: Cell, batch, traces, sources, r
     for i, problem in enumerate(batch):
         tf = trace_rows[i]
         ans = answers.get(i)
-        record = ctx.fidelity_key(dataset, problem, cell)
-        record.update(
+        record = ctx.fidelity_key(dataset, problem, cell).with_fields(
             seed=seeds[i],
             equivalent_budget=ctx.equivalent_budget(cell),
             prompt_tokens=len(ctx.prompt_ids(problem)),

@@ -62,7 +62,8 @@ from typing import Any
 from reasonkv.eval.code_report import code_summary
 from reasonkv.eval.collapse import stopped_early
 from reasonkv.eval.grading import counts_as_correct, cut_off_guess
-from reasonkv.eval.records import KEY_FIELDS, conflict, outcome, read_results, unit_key
+from reasonkv.eval.record_kinds import KINDS, GenerationRecord, ManifestRecord, Record, UnitRecord
+from reasonkv.eval.records import conflict, read_results
 from reasonkv.eval.shards import shard_files
 
 __all__ = [
@@ -187,26 +188,27 @@ def read_report_input(
         for file in run_files(path):
             for number, record in read_results(file):
                 place = f"{file}, line {number}"
-                if record["kind"] == "manifest":
-                    manifests.setdefault(record.get("id"), record)
+                data = record.to_json()
+                if isinstance(record, ManifestRecord):
+                    manifests.setdefault(data.get("id"), data)
                     continue
-                says = outcome(record)
+                says = record.outcome()
                 for name in drop:
-                    record.pop(name, None)
-                key = unit_key(record)
+                    data.pop(name, None)
+                key = record.key()
                 held = by_unit.get(key)
                 if key in conflicts:
-                    if record["kind"] != "error":
+                    if record.result:
                         conflicts[key].places.append(place)
-                elif held is None or held["kind"] == "error":
-                    by_unit[key], where[key], said[key] = record, place, says
-                elif record["kind"] != "error":
+                elif held is None or not Record.read(held).result:
+                    by_unit[key], where[key], said[key] = data, place, says
+                elif record.result:
                     differs = conflict(said[key], says)
                     if differs:
                         conflicts[key] = Conflict(held, [where[key], place], differs)
                         del by_unit[key]
                     else:  # the same result: the later record (its timings) stands for it
-                        by_unit[key], where[key], said[key] = record, place, says
+                        by_unit[key], where[key], said[key] = data, place, says
     return ReportInput(list(by_unit.values()), list(manifests.values()), list(conflicts.values()))
 
 
@@ -288,10 +290,6 @@ def section_names(sections: Sequence[Section]) -> dict[Section, tuple[str, str]]
     return names
 
 
-def _unit(record: dict[str, Any]) -> str:
-    return record["unit"] if record["kind"] == "error" else record["kind"]
-
-
 def _setup_section(record: dict[str, Any], manifests: dict[Any, dict[str, Any]]) -> Section | None:
     """The section of the run that wrote ``record`` (its manifest's setup), or of its own generation settings;
     ``None`` for a fidelity record without a manifest."""
@@ -311,7 +309,7 @@ def _setup_section(record: dict[str, Any], manifests: dict[Any, dict[str, Any]])
             setup.get("seed"),
             str(weights)[:12] if weights else None,
         )
-    if _unit(record) != "generation":
+    if Record.read(record).unit != GenerationRecord.kind:
         return None
     return Section(
         model,
@@ -494,8 +492,9 @@ def summarize(records: Sequence[dict[str, Any]], conflicts: Sequence[Conflict] =
     ``records`` are what :func:`load_results` returns (manifests included: they say each record's setup);
     ``conflicts`` the units left out (:func:`read_report_input`), counted in their rows.
     """
-    manifests = {r.get("id"): r for r in records if r.get("kind") == "manifest"}
-    units = [r for r in records if r.get("kind") in (*KEY_FIELDS, "error")]
+    typed = [Record.read(r) for r in records if r.get("kind") in KINDS]
+    manifests = {r.get("id"): r.to_json() for r in typed if isinstance(r, ManifestRecord)}
+    units = [r.to_json() for r in typed if isinstance(r, UnitRecord)]
     left_out = [c.record for c in conflicts]
     placed = _sections_of(units + left_out, manifests)
     groups: dict[tuple, _Group] = {}
@@ -507,11 +506,12 @@ def summarize(records: Sequence[dict[str, Any]], conflicts: Sequence[Conflict] =
             if index >= len(units):
                 group.conflicts += 1
                 continue
-            kind, unit = record["kind"], _unit(record)
-            if kind == "error":
-                (group.generation_errors if unit == "generation" else group.fidelity_errors).append(record)
+            unit = Record.read(record)
+            generation = unit.unit == GenerationRecord.kind
+            if not unit.result:
+                (group.generation_errors if generation else group.fidelity_errors).append(record)
             else:
-                (group.generations if kind == "generation" else group.fidelities).append(record)
+                (group.generations if generation else group.fidelities).append(record)
 
     rows = []
     full_of: dict[Section, list[dict]] = {}

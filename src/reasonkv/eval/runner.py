@@ -108,7 +108,7 @@ from reasonkv.eval.environment import environment, weights_sha256
 from reasonkv.eval.grid import GridSpec
 from reasonkv.eval.manifest import build_manifest, check_compatible, tokenizer_sha256
 from reasonkv.eval.plan import GridPlan, has_code, plan_grid
-from reasonkv.eval.records import ResultsFile, scan_results, unit_key
+from reasonkv.eval.records import ResultsFile, scan_results
 from reasonkv.eval.replays import run_fidelity
 from reasonkv.eval.shards import Shard, join_run, merge_shards, read_run, run_files, shard_files, writer_path
 from reasonkv.models import load_model
@@ -425,9 +425,9 @@ def _finish(result: GridResult, plan: GridPlan, ctx, ledger) -> None:
     for unit in plan.units:
         problem, cell = problems[(unit.dataset, unit.problem)], plan.cells[unit.cell]
         if unit.kind == "generation":
-            key = unit_key(ctx.generation_key(unit.dataset, problem, cell, unit.sample))
+            key = ctx.generation_key(unit.dataset, problem, cell, unit.sample).key()
         else:
-            key = unit_key(ctx.fidelity_key(unit.dataset, problem, cell))
+            key = ctx.fidelity_key(unit.dataset, problem, cell).key()
         missing += not ledger.recorded(key)
         if ledger.failed(key):
             failed.add((unit.dataset, unit.problem, unit.cell, unit.sample))

@@ -41,7 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from reasonkv.eval.manifest import check_compatible, grid_differences, grid_identity, grid_sha256
-from reasonkv.eval.records import ResultsFile, repair_results, scan_results, unit_key
+from reasonkv.eval.record_kinds import ManifestRecord, Record
+from reasonkv.eval.records import ResultsFile, repair_results, scan_results
 from reasonkv.runs.outputs import (
     OutputError,
     OutputLock,
@@ -381,9 +382,9 @@ def _merge(lock: OutputLock, shards: list[Path]) -> tuple[int, dict[Path, int]]:
     first = scan_results(shards[0], first_only=True)[0]
     settled: dict[tuple, int] = {}  # unit -> 1 (an error record), 2 (a result)
 
-    def note(record: dict) -> None:
-        key = unit_key(record)
-        settled[key] = max(settled.get(key, 0), 1 if record.get("kind") == "error" else 2)
+    def note(data: dict) -> None:
+        record = Record.read(data)
+        settled[record.key()] = max(settled.get(record.key(), 0), 2 if record.result else 1)
 
     appended = 0
     sizes: dict[Path, int] = {}
@@ -393,16 +394,17 @@ def _merge(lock: OutputLock, shards: list[Path]) -> tuple[int, dict[Path, int]]:
         )
         ids = {m.get("id") for m in results.manifests}
 
-        def take(record: dict) -> None:
+        def take(data: dict) -> None:
             nonlocal appended
-            if record.get("kind") == "manifest":
-                if record.get("id") not in ids:
-                    check_compatible(out, results.manifests, record)
+            record = Record.read(data)
+            if isinstance(record, ManifestRecord):
+                if data.get("id") not in ids:
+                    check_compatible(out, results.manifests, data)
                     results.append(record)
-                    ids.add(record.get("id"))
+                    ids.add(data.get("id"))
                 return
-            state = 1 if record.get("kind") == "error" else 2
-            key = unit_key(record)
+            state = 2 if record.result else 1
+            key = record.key()
             if settled.get(key, 0) < state:
                 results.append(record)
                 settled[key] = state

@@ -130,6 +130,7 @@ class ReasonKVLM(HFLM):
             "bits": spec.bits,
             "group_size": spec.group_size,
             "seed": spec.seed,
+            **_allocation_settings(spec),
             "scoring": self.scoring,
         }
 
@@ -377,6 +378,14 @@ def _annotate(requests: Sequence, stats: Sequence[dict]) -> None:
         unique[id(request)] = request
     for key, request in unique.items():
         request.arguments = (*_args(request), {ANNOTATION: per_request[key]})
+
+
+def _allocation_settings(spec) -> dict[str, Any]:
+    """How the spec shares its budget among layers and kv-heads (nothing under uniform, as before allocations)."""
+    if spec.allocation == "uniform":
+        return {}
+    names = ("allocation", "budgets_file", "adaptive_alpha", "ragged")
+    return {name: getattr(spec, name) for name in names if getattr(spec, name) is not None}
 
 
 def _cache_settings(spec) -> dict[str, Any]:

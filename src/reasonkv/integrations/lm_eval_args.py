@@ -3,9 +3,11 @@
 lm-eval hands a model its ``--model_args`` as keyword arguments, typed by its own parser (``budget=64`` is an
 int, ``policy.layers=[1,2]`` a list) or, from Python, as given. They are of three kinds:
 
-- the cache: ``policy``, ``budget``, ``buffer``, ``quantized``, ``bits``, ``group_size``, ``seed``, and the
-  policy's options as ``policy.KEY=VALUE`` (``POLICY.KEY=VALUE`` too), parsed by the option's type with the
-  command line's own parser (what ``-o KEY=VALUE`` does);
+- the cache: ``policy``, ``budget``, ``buffer``, ``quantized``, ``bits``, ``group_size``, ``seed``, the
+  allocation (``allocation``, ``budgets_file``, ``adaptive_alpha``, ``padded_heads``: the command line's
+  ``--allocation`` and its flags), and the policy's options as ``policy.KEY=VALUE`` (``POLICY.KEY=VALUE``
+  too), parsed by the option's type with the command line's own parser (what ``-o KEY=VALUE`` does); the spec
+  is built as every command builds it (:func:`~reasonkv.cache.spec.resolve_spec`), so it meets the same rules;
 - the model: ``pretrained`` (a hub id, a local directory, a .gguf file, a bundled name, or in Python a loaded
   model with its ``tokenizer``), ``dtype``, ``device``, ``attn_implementation``, and ``scoring``: how
   loglikelihood requests are scored (``evicting``: through the evicting cache, as decoding would see the text;
@@ -21,14 +23,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from reasonkv.cache.spec import DEFAULT_BUFFER, CacheSpec
+from reasonkv.cache.spec import DEFAULT_BUFFER, CacheSpec, resolve_spec
 from reasonkv.policies import Policy, parse_options, policy_class
 from reasonkv.policies.options import field_types, split_option
 
-__all__ = ["CACHE_ARGS", "HARNESS_ARGS", "MODEL_ARGS", "SCORING", "ModelArgs", "parse_model_args"]
+__all__ = ["ALLOCATION_ARGS", "CACHE_ARGS", "HARNESS_ARGS", "MODEL_ARGS", "SCORING", "ModelArgs", "parse_model_args"]
 
 SCORING = ("evicting", "full")
 CACHE_ARGS = ("policy", "budget", "buffer", "quantized", "bits", "group_size", "seed")
+ALLOCATION_ARGS = ("allocation", "budgets_file", "adaptive_alpha", "padded_heads")
 MODEL_ARGS = ("pretrained", "tokenizer", "dtype", "device", "attn_implementation", "scoring")
 # lm-eval's HF-model settings that keep their meaning; max_batch_size is what lm-eval passes with every model
 # (for batch_size=auto, which reasonkv refuses) and is accepted to be ignored.
@@ -43,7 +46,7 @@ HARNESS_ARGS = (
     "enable_thinking",
     "chat_template_args",
 )
-_KNOWN = CACHE_ARGS + MODEL_ARGS + HARNESS_ARGS
+_KNOWN = CACHE_ARGS + ALLOCATION_ARGS + MODEL_ARGS + HARNESS_ARGS
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,16 @@ def parse_model_args(args: Mapping[str, Any]) -> ModelArgs:
     tier = {"quantized": _integer(args, "quantized", default=0)}
     tier.update({name: _integer(args, name, none=True) for name in ("bits", "group_size")})
     try:
-        spec = CacheSpec.build(policy, budget, buffer, **tier, seed=_integer(args, "seed", default=0), **options)
+        spec = resolve_spec(
+            None,
+            policy=policy,
+            budget=budget,
+            buffer=buffer,
+            **tier,
+            seed=_integer(args, "seed", default=0),
+            **_allocation(args),
+            **options,
+        )
     except ValueError as error:
         raise ValueError(f"model_args: {error}") from None
     scoring = args.get("scoring", "evicting")
@@ -121,6 +133,30 @@ def parse_model_args(args: Mapping[str, Any]) -> ModelArgs:
         batch_size=batch_size,
         harness=harness,
     )
+
+
+def _allocation(args: Mapping[str, Any]) -> dict[str, Any]:
+    """The allocation's keywords of :func:`~reasonkv.cache.spec.resolve_spec` (None: not given), as the command
+    line's ``--allocation``, ``--budgets-file``, ``--adaptive-alpha`` and ``--padded-heads`` give them."""
+    alpha = args.get("adaptive_alpha")
+    if isinstance(alpha, str) and alpha.strip().lower() != "none":
+        try:
+            alpha = float(alpha)
+        except ValueError:
+            raise ValueError(f"model_args adaptive_alpha={alpha!r}: expected a number") from None
+    elif isinstance(alpha, str):
+        alpha = None
+    padded = args.get("padded_heads", False)
+    if isinstance(padded, str) and padded.strip().lower() in ("true", "false"):
+        padded = padded.strip().lower() == "true"
+    if not isinstance(padded, bool):
+        raise ValueError(f"model_args padded_heads={padded!r}: expected true or false")
+    return {
+        "allocation": args.get("allocation"),
+        "budgets_file": args.get("budgets_file"),
+        "adaptive_alpha": alpha,
+        "ragged": False if padded else None,  # None: not given (refused only when given, off its allocation)
+    }
 
 
 def _policy_option(policy: str, key: str, value: Any) -> dict[str, Any]:
