@@ -28,7 +28,7 @@ Modules, one job each:
 
 from __future__ import annotations
 
-import importlib
+from reasonkv import lazy_exports
 
 __all__ = [
     "BenchSettings",
@@ -54,9 +54,4 @@ _EXPORTS = {
     "summarise": "reasonkv.bench.report",
 }
 
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'reasonkv.bench' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_exports(globals(), _EXPORTS)
