@@ -22,7 +22,8 @@ Modules, one job each:
   :mod:`~reasonkv.bench.plan`: the entries and their caches; :mod:`~reasonkv.bench.run`: the run
   (:func:`run_bench`); :mod:`~reasonkv.bench.store`: results on disk, resume;
   :mod:`~reasonkv.bench.machine`: what it measured on;
-  :mod:`~reasonkv.bench.report`: overhead summary and markdown; :mod:`~reasonkv.bench.plots`: PNGs;
+  :mod:`~reasonkv.bench.report`: overhead summary and markdown (its tables: :mod:`~reasonkv.bench.markdown`);
+  :mod:`~reasonkv.bench.plots`: PNGs;
   :mod:`~reasonkv.cli.bench`: the command's arguments.
 """
 

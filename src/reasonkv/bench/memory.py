@@ -82,6 +82,13 @@ def format_bytes(value: float | None) -> str:
     return f"{value / 1024**3:.2f} GiB"
 
 
+def format_small_bytes(value: float | None) -> str:
+    """Bytes as KiB below 1 MiB (a small model's cache), else as :func:`format_bytes`."""
+    if value is not None and abs(value) < 1024**2:
+        return f"{value / 1024:.1f} KiB"
+    return format_bytes(value)
+
+
 def held_bytes(window: dict) -> int:
     """K/V bytes a measured window held: the full-precision slots in use, the quantized tier, the sliding window
     (``kv_bytes`` is the allocated capacity, which storage grows ahead of use)."""

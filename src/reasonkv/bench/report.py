@@ -25,6 +25,7 @@ from collections import defaultdict
 
 from reasonkv.bench.compiled import COMPILED, compiled_label
 from reasonkv.bench.layers import layer_markdown, layer_summary
+from reasonkv.bench.markdown import cell, table
 from reasonkv.bench.memory import format_bytes, held_bytes
 from reasonkv.bench.reads import reads_markdown, reads_summary, window_read
 from reasonkv.bench.rounds import same_rounds
@@ -242,16 +243,6 @@ def _ms(seconds) -> str:
     return "-" if seconds is None else f"{1000 * seconds:.2f}"
 
 
-def _num(value, fmt: str = "{:.2f}") -> str:
-    return "-" if value is None else fmt.format(value)
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return lines + [""]
-
-
 def _mark(ok) -> str:
     return "-" if ok is None else ("yes" if ok else "NO")
 
@@ -319,7 +310,7 @@ def _sweep_markdown(records: list[dict], summary: dict, meta: dict) -> list[str]
                         _ms(w["step_median_s"]),
                         _ms(w["step_mean_s"]),
                         _rounds_cell(w),
-                        _num(w.get("gpu_clock_mhz"), "{}"),
+                        cell(w.get("gpu_clock_mhz"), "{}"),
                         *(_ms(split[p]) for p in ("forward", "record", "observe", "score", "gather")),
                         str(w["evictions"]),
                         str(w["slots"]),
@@ -336,7 +327,7 @@ def _sweep_markdown(records: list[dict], summary: dict, meta: dict) -> list[str]
         header += ["KV read per step", "KV allocated"] if selecting else ["KV allocated"]
         header += ["KV full-attention layers", "KV sliding layers"] if hybrid else []
         header += [f"peak ({peak_kind})"]
-        lines += _table(header, rows)
+        lines += table(header, rows)
         lines += _summary_markdown(batch, batch_summary)
     return lines
 
@@ -372,17 +363,17 @@ def _summary_markdown(batch: int, summary: dict) -> list[str]:
         "",
     ]
     rows = [
-        [n, *(_num(policies[n]["overhead_pct"].get(tokens), "{:.2f}") for tokens in lengths)]
-        + [_num(policies[n]["overhead_pct_steady"], "{:.2f}")]
+        [n, *(cell(policies[n]["overhead_pct"].get(tokens), "{:.2f}") for tokens in lengths)]
+        + [cell(policies[n]["overhead_pct_steady"], "{:.2f}")]
         for n in order
     ]
-    lines += _table(["policy", *(f"@{tokens}" for tokens in lengths), "steady"], rows)
+    lines += table(["policy", *(f"@{tokens}" for tokens in lengths), "steady"], rows)
     if "streaming" in policies:
         lines += ["(b) Step time relative to streaming (same eviction schedule, trivial scoring):", ""]
         rows = [
-            [n, *(_num(policies[n]["step_vs_streaming"].get(tokens), "{:.3f}") for tokens in lengths)] for n in order
+            [n, *(cell(policies[n]["step_vs_streaming"].get(tokens), "{:.3f}") for tokens in lengths)] for n in order
         ]
-        lines += _table(["policy", *(f"@{tokens}" for tokens in lengths)], rows)
+        lines += table(["policy", *(f"@{tokens}" for tokens in lengths)], rows)
     lines += [
         "(c) Flatness: step time at 8 K over step time at K (a window that ends at K: the cache holds fewer "
         "slots than K + B and never evicts), and over the first length measured in its steady state (both "
@@ -398,7 +389,7 @@ def _summary_markdown(batch: int, summary: dict) -> list[str]:
         if not s["evicts"]:
             continue
         flat_texts = [
-            "-" if not flat else f"{_num(flat['ratio'], '{:.3f}')} ({flat['long_length']}/{flat['short_length']})"
+            "-" if not flat else f"{cell(flat['ratio'], '{:.3f}')} ({flat['long_length']}/{flat['short_length']})"
             for flat in (s.get("flatness"), s.get("flatness_steady"))
         ]
         rows.append(
@@ -414,7 +405,7 @@ def _summary_markdown(batch: int, summary: dict) -> list[str]:
     header = ["policy", "flatness vs K", "flatness vs steady", "KV allocated (max)", "bound", "within"]
     if hybrid:
         header += ["full-attention layers (max)", "bound: K + B tokens", "sliding layers (max)", "bound: window"]
-    lines += _table(header, rows)
+    lines += table(header, rows)
     lines += reads_markdown(summary.get("reads", {}), order)
     if summary.get("layers"):
         layers = summary["layers"]
@@ -426,13 +417,13 @@ def _summary_markdown(batch: int, summary: dict) -> list[str]:
             s = policies[n]
             cells = []
             for tokens in lengths:
-                cell = _num(s["tokens_per_s_vs_full"].get(tokens), "{:.2f}")
+                text = cell(s["tokens_per_s_vs_full"].get(tokens), "{:.2f}")
                 cumulative = s["cumulative_tokens_per_s_vs_full"].get(tokens)
                 if cumulative is not None:
-                    cell += f" ({cumulative:.2f})"
-                cells.append(cell)
+                    text += f" ({cumulative:.2f})"
+                cells.append(text)
             rows.append([n, *cells])
-        lines += _table(["policy", *(f"@{tokens}" for tokens in lengths)], rows)
+        lines += table(["policy", *(f"@{tokens}" for tokens in lengths)], rows)
     if TRANSFORMERS in policies:
         lines += [
             "(e) Tokens/s relative to transformers' own cache (the one `model.generate` builds, no reasonkv hook; "
@@ -440,10 +431,10 @@ def _summary_markdown(batch: int, summary: dict) -> list[str]:
             "",
         ]
         rows = [
-            [n, *(_num(policies[n]["tokens_per_s_vs_transformers"].get(tokens), "{:.3f}") for tokens in lengths)]
+            [n, *(cell(policies[n]["tokens_per_s_vs_transformers"].get(tokens), "{:.3f}") for tokens in lengths)]
             for n in order
         ]
-        lines += _table(["policy", *(f"@{tokens}" for tokens in lengths)], rows)
+        lines += table(["policy", *(f"@{tokens}" for tokens in lengths)], rows)
     evicted = [n for n in order if policies[n].get("prefill_eviction_s")]
     if evicted:
         lines += [
@@ -462,7 +453,7 @@ def _summary_markdown(batch: int, summary: dict) -> list[str]:
             *(f"evict @{tokens}" for tokens in lengths),
             *(f"bookkeeping @{tokens}" for tokens in lengths),
         ]
-        lines += _table(header, rows)
+        lines += table(header, rows)
     lines += targets_markdown(summary["targets"])
     return lines
 
@@ -491,7 +482,7 @@ def _eviction_markdown(records: list[dict], summary: dict | None) -> list[str]:
                 str(record["repeats"]),
             ]
         )
-    lines += _table(["policy", "batch", "mean ms", "median ms", "std ms", "min ms", "score ms", "gather ms", "n"], rows)
+    lines += table(["policy", "batch", "mean ms", "median ms", "std ms", "min ms", "score ms", "gather ms", "n"], rows)
     if summary and summary.get("cheapest_nontrivial"):
         lines += [cheapest_text(summary["cheapest_nontrivial"], summary.get("epikv_cheapest")) + ".", ""]
     if summary:
@@ -524,13 +515,13 @@ def _max_batch_markdown(records: list[dict], summary: dict | None) -> list[str]:
                 format_bytes(model["fixed"]),
                 str(record["max_batch"]),
                 str(record["measured_batch"]),
-                _num(record.get("tokens_per_s"), "{:.1f}"),
-                _num(ratios.get(record["policy"]), "{:.2f}"),
+                cell(record.get("tokens_per_s"), "{:.1f}"),
+                cell(ratios.get(record["policy"]), "{:.2f}"),
                 "; ".join(record.get("notes", [])) or "-",
             ]
         )
     header = ["policy", "KV/row (computed)", "other/row (measured)", "fixed (measured)", "fits", "measured at"]
-    lines += _table(header + ["tok/s", "vs full", "notes"], rows)
+    lines += table(header + ["tok/s", "vs full", "notes"], rows)
     return lines
 
 
