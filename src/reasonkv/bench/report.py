@@ -25,7 +25,7 @@ from collections import defaultdict
 
 from reasonkv.bench.compiled import COMPILED, compiled_label
 from reasonkv.bench.layers import layer_markdown, layer_summary
-from reasonkv.bench.markdown import cell, table
+from reasonkv.bench.markdown import cell, section, table
 from reasonkv.bench.memory import format_bytes, held_bytes
 from reasonkv.bench.reads import reads_markdown, reads_summary, window_read
 from reasonkv.bench.rounds import same_rounds
@@ -460,28 +460,16 @@ def _summary_markdown(batch: int, summary: dict) -> list[str]:
 
 def _eviction_markdown(records: list[dict], summary: dict | None) -> list[str]:
     config = records[0]["config"]
-    lines = [
-        f"## Eviction cost ({config['cached']} cached tokens, K = {config['cached'] - config['buffer']}, "
+    lines = section(
+        f"Eviction cost ({config['cached']} cached tokens, K = {config['cached'] - config['buffer']}, "
         f"B = {config['buffer']})",
-        "",
         "One eviction (score + select + gather), mean over repeats after a warm-up eviction.",
-        "",
+    )
+    times = ("mean_s", "median_s", "std_s", "min_s", "score_mean_s", "gather_mean_s")
+    rows = [
+        [r["policy"], str(r["batch"]), *(_ms(r[key]) for key in times), str(r["repeats"])]
+        for r in sorted(records, key=lambda r: r["mean_s"])
     ]
-    rows = []
-    for record in sorted(records, key=lambda r: r["mean_s"]):
-        rows.append(
-            [
-                record["policy"],
-                str(record["batch"]),
-                _ms(record["mean_s"]),
-                _ms(record["median_s"]),
-                _ms(record["std_s"]),
-                _ms(record["min_s"]),
-                _ms(record["score_mean_s"]),
-                _ms(record["gather_mean_s"]),
-                str(record["repeats"]),
-            ]
-        )
     lines += table(["policy", "batch", "mean ms", "median ms", "std ms", "min ms", "score ms", "gather ms", "n"], rows)
     if summary and summary.get("cheapest_nontrivial"):
         lines += [cheapest_text(summary["cheapest_nontrivial"], summary.get("epikv_cheapest")) + ".", ""]
@@ -493,14 +481,12 @@ def _eviction_markdown(records: list[dict], summary: dict | None) -> list[str]:
 
 def _max_batch_markdown(records: list[dict], summary: dict | None) -> list[str]:
     config = records[0]["config"]
-    lines = [
-        f"## Max batch (memory limit {format_bytes(config['memory_limit_bytes'])}, length {config['length']}, "
+    lines = section(
+        f"Max batch (memory limit {format_bytes(config['memory_limit_bytes'])}, length {config['length']}, "
         f"K = {config['budget']}, B = {config['buffer']})",
-        "",
         "KV per row is computed (exact formula); the other per-row bytes and the fixed part are measured "
         f"from two probe batches {tuple(config['probe_batches'])}; tokens/s is measured at the batch shown.",
-        "",
-    ]
+    )
     ratios = (summary or {}).get("tokens_per_s_vs_full", {})
     rows = []
     by_policy = {r["policy"]: r for r in records}
