@@ -134,17 +134,7 @@ class RaggedLayer(EvictingLayer):
         return keys, values, positions
 
     # ------------------------------------------------------------------ writing
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        batch, _, q, _ = key_states.shape
-        if self.rows.opens_step(self.length):
-            if not self.rows.expects(q):
-                self.unannounced(batch, q, key_states.device)
-            self.rows.open_step(q)
-        self.write(key_states, value_states, self.rows.step_positions)
-        return self.keys, self.values
-
+    # The base class's update() serves: it calls write(), and returns keys and values (no tier under an allocation).
     def write(self, key_states: torch.Tensor, value_states: torch.Tensor, positions: torch.Tensor) -> None:
         """Append ``q`` tokens to every head of every row (their positions ``[batch, q]``, -1 at padding)."""
         batch, heads, q, dim = key_states.shape
