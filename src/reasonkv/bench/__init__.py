@@ -31,18 +31,6 @@ from __future__ import annotations
 
 from reasonkv import lazy_exports
 
-__all__ = [
-    "BenchSettings",
-    "MemoryModel",
-    "kv_bytes_per_token",
-    "measure_eviction_cost",
-    "measure_max_batch",
-    "measure_prefilled",
-    "measure_sweep",
-    "run_bench",
-    "summarise",
-]
-
 _EXPORTS = {
     "BenchSettings": "reasonkv.bench.settings",
     "MemoryModel": "reasonkv.bench.memory",
@@ -54,5 +42,7 @@ _EXPORTS = {
     "run_bench": "reasonkv.bench.run",
     "summarise": "reasonkv.bench.report",
 }
+
+__all__ = sorted(_EXPORTS)
 
 __getattr__ = lazy_exports(globals(), _EXPORTS)
