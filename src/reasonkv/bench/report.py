@@ -29,7 +29,7 @@ from reasonkv.bench.markdown import cell, section, table
 from reasonkv.bench.memory import format_bytes, held_bytes
 from reasonkv.bench.reads import reads_markdown, reads_summary, window_read
 from reasonkv.bench.rounds import same_rounds
-from reasonkv.bench.settings import TRANSFORMERS
+from reasonkv.bench.settings import EVICTION, MAX_BATCH, TRANSFORMERS
 from reasonkv.bench.targets import (
     EVICTION_TARGET_S,
     TRIVIAL_POLICIES,
@@ -511,6 +511,18 @@ def _max_batch_markdown(records: list[dict], summary: dict | None) -> list[str]:
     return lines
 
 
+def _cost_markdown(records: list[dict], summary: dict) -> list[str]:
+    """The eviction-cost and max-batch sections, of the modes that ran."""
+    lines = []
+    evictions = [r for r in records if r.get("mode") == EVICTION]
+    if evictions:
+        lines += _eviction_markdown(evictions, summary.get("eviction_cost"))
+    batches = [r for r in records if r.get("mode") == MAX_BATCH]
+    if batches:
+        lines += _max_batch_markdown(batches, summary.get("max_batch"))
+    return lines
+
+
 def markdown(records: list[dict], summary: dict, meta: dict) -> str:
     """The whole report as markdown."""
     machine = meta.get("machine", {})
@@ -533,12 +545,7 @@ def markdown(records: list[dict], summary: dict, meta: dict) -> str:
     if sweeps:
         lines += _sweep_markdown(sweeps, summary, meta)
         lines += variant_markdown(summary)
-    evictions = [r for r in records if r.get("mode") == "eviction-cost"]
-    if evictions:
-        lines += _eviction_markdown(evictions, summary.get("eviction_cost"))
-    batches = [r for r in records if r.get("mode") == "max-batch"]
-    if batches:
-        lines += _max_batch_markdown(batches, summary.get("max_batch"))
+    lines += _cost_markdown(records, summary)
     errors = meta.get("errors") or []
     if errors:
         lines += ["## Entries that failed", ""]
@@ -553,10 +560,5 @@ def summary_text(records: list[dict], summary: dict, meta: dict) -> str:
     for batch, batch_summary in summary["sweep"].items():
         lines += _summary_markdown(int(batch), batch_summary)
     lines += variant_markdown(summary)
-    evictions = [r for r in records if r.get("mode") == "eviction-cost"]
-    if evictions:
-        lines += _eviction_markdown(evictions, summary.get("eviction_cost"))
-    batches = [r for r in records if r.get("mode") == "max-batch"]
-    if batches:
-        lines += _max_batch_markdown(batches, summary.get("max_batch"))
+    lines += _cost_markdown(records, summary)
     return "\n".join(lines)
