@@ -30,13 +30,21 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'reasonkv' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+def lazy_exports(namespace: dict, exports: dict[str, str]):
+    """A package's module ``__getattr__`` (PEP 562): ``name`` is imported from the module ``exports[name]`` on
+    first use and kept in ``namespace`` (the package's ``globals()``), so importing the package stays light."""
+
+    def __getattr__(name: str):
+        module = exports.get(name)
+        if module is None:
+            raise AttributeError(f"module {namespace['__name__']!r} has no attribute {name!r}")
+        value = namespace[name] = getattr(importlib.import_module(module), name)
+        return value
+
+    return __getattr__
+
+
+__getattr__ = lazy_exports(globals(), _EXPORTS)
 
 
 def __dir__() -> list[str]:

@@ -22,25 +22,14 @@ Modules, one job each:
   :mod:`~reasonkv.bench.plan`: the entries and their caches; :mod:`~reasonkv.bench.run`: the run
   (:func:`run_bench`); :mod:`~reasonkv.bench.store`: results on disk, resume;
   :mod:`~reasonkv.bench.machine`: what it measured on;
-  :mod:`~reasonkv.bench.report`: overhead summary and markdown; :mod:`~reasonkv.bench.plots`: PNGs;
+  :mod:`~reasonkv.bench.report`: overhead summary and markdown (its tables: :mod:`~reasonkv.bench.markdown`);
+  :mod:`~reasonkv.bench.plots`: PNGs;
   :mod:`~reasonkv.cli.bench`: the command's arguments.
 """
 
 from __future__ import annotations
 
-import importlib
-
-__all__ = [
-    "BenchSettings",
-    "MemoryModel",
-    "kv_bytes_per_token",
-    "measure_eviction_cost",
-    "measure_max_batch",
-    "measure_prefilled",
-    "measure_sweep",
-    "run_bench",
-    "summarise",
-]
+from reasonkv import lazy_exports
 
 _EXPORTS = {
     "BenchSettings": "reasonkv.bench.settings",
@@ -54,9 +43,6 @@ _EXPORTS = {
     "summarise": "reasonkv.bench.report",
 }
 
+__all__ = sorted(_EXPORTS)
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'reasonkv.bench' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_exports(globals(), _EXPORTS)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from reasonkv.bench.markdown import cell, per_batch
 from reasonkv.bench.rounds import same_rounds
 from reasonkv.bench.windows import by_length
 from reasonkv.generation.compiled import GRAPH_LIMITS, compile_mode, compiled_function
@@ -96,35 +97,37 @@ def compiled_summary(records: list[dict]) -> dict:
     return out
 
 
-def _cell(value, fmt: str) -> str:
-    return "-" if value is None else fmt.format(value)
-
-
 def compiled_markdown(summary: dict) -> list[str]:
     """The comparison as markdown tables, one per batch size, and a sentence per cache that ran eagerly."""
-    lines: list[str] = []
-    for batch, variants in summary.items():
-        lines += [
-            f"### Compiled against eager decoding (batch {batch})",
-            "",
-            "Tokens/s of each entry's decode steps run eagerly and as one compiled graph per step, in the same "
-            "run. The steps that compiled a graph are left out of tokens/s; their time is the warm-up. The last "
-            "column sets the compiled entry against plain transformers compiled (a StaticCache and torch.compile "
-            "of the model's forward) at the same length.",
-            "",
-            "| entry | length | eager tok/s | compiled tok/s | compiled / eager | warm-up s (graphs) "
-            "| vs transformers~compiled |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        eager_runs = []
-        for label, s in variants.items():
-            warmup = f"{_cell(s['warmup_seconds'], '{:.1f}')} ({_cell(s['compilations'], '{}')})"
-            for n, ratio in s["compiled_vs_eager"].items():
-                lines.append(
-                    f"| {s['policy']} | {n} | {s['eager_tokens_per_s'][n]:.1f} | {s['compiled_tokens_per_s'][n]:.1f} "
-                    f"| {ratio:.3f} | {warmup} | {_cell(s['vs_transformers_compiled'].get(n), '{:.3f}')} |"
-                )
-            if s["eager_reason"]:
-                eager_runs.append(f"{label} decoded eagerly: {s['eager_reason']}.")
-        lines += ["", *eager_runs, ""] if eager_runs else [""]
-    return lines
+    return per_batch(
+        summary,
+        "Compiled against eager decoding",
+        "Tokens/s of each entry's decode steps run eagerly and as one compiled graph per step, in the same "
+        "run. The steps that compiled a graph are left out of tokens/s; their time is the warm-up. The last "
+        "column sets the compiled entry against plain transformers compiled (a StaticCache and torch.compile "
+        "of the model's forward) at the same length.",
+        [
+            "entry",
+            "length",
+            "eager tok/s",
+            "compiled tok/s",
+            "compiled / eager",
+            "warm-up s (graphs)",
+            "vs transformers~compiled",
+        ],
+        _compiled_rows,
+        notes=lambda variants: [
+            f"{label} decoded eagerly: {s['eager_reason']}." for label, s in variants.items() if s["eager_reason"]
+        ],
+    )
+
+
+def _compiled_rows(variants: dict) -> list[list[str]]:
+    rows = []
+    for s in variants.values():
+        warmup = f"{cell(s['warmup_seconds'], '{:.1f}')} ({cell(s['compilations'], '{}')})"
+        for n, ratio in s["compiled_vs_eager"].items():
+            eager, graph = s["eager_tokens_per_s"][n], s["compiled_tokens_per_s"][n]
+            vs = cell(s["vs_transformers_compiled"].get(n), "{:.3f}")
+            rows.append([s["policy"], str(n), f"{eager:.1f}", f"{graph:.1f}", f"{ratio:.3f}", warmup, vs])
+    return rows

@@ -11,7 +11,8 @@ would hold there (``K + B`` tokens in every head).
 
 from __future__ import annotations
 
-from reasonkv.bench.memory import format_bytes
+from reasonkv.bench.markdown import table
+from reasonkv.bench.memory import format_small_bytes
 
 __all__ = ["layer_markdown", "layer_summary"]
 
@@ -33,12 +34,6 @@ def layer_summary(records: list[dict]) -> dict[str, dict]:
     return out
 
 
-def _bytes(value) -> str:
-    if value is not None and abs(value) < 1024**2:
-        return f"{value / 1024:.1f} KiB"
-    return format_bytes(value)
-
-
 def layer_markdown(summary: dict[str, dict], order: list[str], *, uniform_layer_bytes: int | None) -> list[str]:
     """One row per evicting layer: each entry's K/V held (its heads' tokens in brackets) at its longest length,
     and ``uniform_layer_bytes`` (``K + B`` tokens in every head of one layer, the batch's rows) beside them."""
@@ -53,8 +48,8 @@ def layer_markdown(summary: dict[str, dict], order: list[str], *, uniform_layer_
         "",
     ]
     header = ["layer", *(f"{name} @{summary[name]['length']}" for name in names), "uniform (K + B)"]
-    lines += ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     totals = {name: [0, 0] for name in names}
+    rows = []
     for layer in range(layers):
         cells = [str(layer)]
         for name in names:
@@ -63,14 +58,13 @@ def layer_markdown(summary: dict[str, dict], order: list[str], *, uniform_layer_
                 cells.append("-")
                 continue
             totals[name][0] += held[layer]
-            text = _bytes(held[layer])
+            text = format_small_bytes(held[layer])
             if layer < len(used):
                 totals[name][1] += used[layer]
-                text += f" ({_bytes(used[layer])})"
+                text += f" ({format_small_bytes(used[layer])})"
             cells.append(text)
-        cells.append(_bytes(uniform_layer_bytes))
-        lines.append("| " + " | ".join(cells) + " |")
+        rows.append([*cells, format_small_bytes(uniform_layer_bytes)])
     total_uniform = None if uniform_layer_bytes is None else uniform_layer_bytes * layers
-    cells = ["all", *(f"{_bytes(totals[n][0])} ({_bytes(totals[n][1])})" for n in names), _bytes(total_uniform)]
-    lines.append("| " + " | ".join(cells) + " |")
-    return lines + [""]
+    both = [f"{format_small_bytes(totals[n][0])} ({format_small_bytes(totals[n][1])})" for n in names]
+    rows.append(["all", *both, format_small_bytes(total_uniform)])
+    return lines + table(header, rows)

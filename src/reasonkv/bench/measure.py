@@ -50,7 +50,6 @@ __all__ = [
 ]
 
 PHASES = ("record", "observe", "score", "gather")
-SPLIT = ("forward", *PHASES)
 WARMUP_STEPS = 2  # untimed decode steps after a prefill
 
 

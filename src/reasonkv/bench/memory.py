@@ -82,6 +82,13 @@ def format_bytes(value: float | None) -> str:
     return f"{value / 1024**3:.2f} GiB"
 
 
+def format_small_bytes(value: float | None) -> str:
+    """Bytes as KiB below 1 MiB (a small model's cache), else as :func:`format_bytes`."""
+    if value is not None and abs(value) < 1024**2:
+        return f"{value / 1024:.1f} KiB"
+    return format_bytes(value)
+
+
 def held_bytes(window: dict) -> int:
     """K/V bytes a measured window held: the full-precision slots in use, the quantized tier, the sliding window
     (``kv_bytes`` is the allocated capacity, which storage grows ahead of use)."""
@@ -138,11 +145,12 @@ def _maxrss() -> int:
     return peak if os.uname().sysname == "Darwin" else peak * 1024
 
 
-def _vm_hwm() -> int | None:
+def _proc_bytes(path: str, field: str) -> int | None:
+    """The ``field:`` line of a Linux ``/proc`` file (kB there) in bytes, or None where it cannot be read."""
     try:
-        with open("/proc/self/status", encoding="ascii") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
+        with open(path, encoding="ascii") as lines:
+            for line in lines:
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
@@ -180,7 +188,7 @@ class PeakTracker:
             return int(torch.cuda.max_memory_allocated(self.device))
         if not self._cpu_resettable:
             return None
-        return _vm_hwm()
+        return _proc_bytes("/proc/self/status", "VmHWM")
 
     def current(self) -> int:
         """Bytes in use now: CUDA allocated, or the resident set."""
@@ -194,15 +202,7 @@ def machine_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         return int(min(total, free + torch.cuda.memory_reserved(device)))
-    available = None
-    try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024
-                    break
-    except (OSError, ValueError, IndexError):
-        pass
+    available = _proc_bytes("/proc/meminfo", "MemAvailable")
     if available is None:
         available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
     return int(available + rss_bytes())

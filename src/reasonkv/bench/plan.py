@@ -266,36 +266,27 @@ def _tier_variants(settings: BenchSettings, evicting: list[str]) -> dict[str, di
 def _configs(settings: BenchSettings, tiers: dict[str, dict], warnings: list[str]) -> dict[str, dict]:
     """Per mode, what its records store: a folder resumes only with the same (:mod:`reasonkv.bench.store`)."""
     s = settings
-    common = {"model": s.model, "dtype": s.dtype, "device": s.device, "attn": s.attn, "seed": s.seed}
+    common = _fields(s, "model", "dtype", "device", "attn", "seed")
     if tiers:  # only then, so that plain runs resume folders written before tiers existed
         common.update(quantized=s.quantized, bits=tiers[next(iter(tiers))]["bits"])
     configs = {}
     if s.runs_sweep:
         configs[SWEEP] = _sweep_config(s, common, warnings)
     if s.eviction_cost:
-        configs[EVICTION] = {
-            **common,
-            "cached": s.cached,
-            "buffer": s.buffer,
-            "repeats": s.repeats,
-            "prefill_chunk": s.prefill_chunk,
-            "prompt_length": s.prompt_length,
-        }
+        configs[EVICTION] = {**common, **_fields(s, "cached", "buffer", "repeats", "prefill_chunk", "prompt_length")}
     if s.max_batch:
         configs[MAX_BATCH] = {
             **common,
-            "budget": s.budget,
-            "buffer": s.buffer,
-            "length": s.length,
-            "memory_limit_bytes": s.memory_limit_bytes,
-            "decode_steps": s.decode_steps,
+            **_fields(s, "budget", "buffer", "length", "memory_limit_bytes", "decode_steps"),
             "probe_batches": sorted(s.probe_batches),
-            "probe_steps": s.probe_steps,
-            "max_measured_batch": s.max_measured_batch,
-            "prefill_chunk": s.prefill_chunk,
-            "prompt_length": s.prompt_length,
+            **_fields(s, "probe_steps", "max_measured_batch", "prefill_chunk", "prompt_length"),
         }
     return configs
+
+
+def _fields(settings: BenchSettings, *names: str) -> dict:
+    """The settings' values of the fields ``names``, by name, in that order."""
+    return {name: getattr(settings, name) for name in names}
 
 
 def _sweep_config(s: BenchSettings, common: dict, warnings: list[str]) -> dict:

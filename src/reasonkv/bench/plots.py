@@ -47,6 +47,12 @@ def _sweeps_by_batch(records: list[dict]) -> dict[int, dict[str, dict]]:
     return dict(sorted(out.items()))
 
 
+def _save(plt, fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _step_time(plt, sweeps: dict[int, dict[str, dict]], path: Path) -> None:
     fig, axes = plt.subplots(1, len(sweeps), figsize=(6.5 * len(sweeps), 4.5), squeeze=False)
     for ax, (batch, group) in zip(axes[0], sweeps.items(), strict=True):
@@ -84,9 +90,7 @@ def _step_time(plt, sweeps: dict[int, dict[str, dict]], path: Path) -> None:
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def _memory(plt, sweeps: dict[int, dict[str, dict]], path: Path, peak_label: str) -> None:
@@ -112,9 +116,7 @@ def _memory(plt, sweeps: dict[int, dict[str, dict]], path: Path, peak_label: str
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=2, loc=corner)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def _throughput(plt, sweeps: dict[int, dict[str, dict]], max_batch: list[dict], path: Path) -> None:
@@ -160,9 +162,7 @@ def _throughput(plt, sweeps: dict[int, dict[str, dict]], max_batch: list[dict], 
         ax.set_ylabel("tokens/s")
         ax.tick_params(axis="x", rotation=45)
         ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def _eviction_cost(plt, records: list[dict], path: Path) -> None:
@@ -174,9 +174,7 @@ def _eviction_cost(plt, records: list[dict], path: Path) -> None:
     ax.set_title(f"one eviction with {config['cached']} cached tokens")
     ax.set_xlabel("ms (mean +- std)")
     ax.grid(alpha=0.3, axis="x")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def write_plots(records: list[dict], out: Path, *, device: str = "cpu") -> list[Path]:

@@ -126,8 +126,15 @@ class PrefilledSession:
         Most tokens per prefill forward, summed over the batch (0: one forward).
     prompt_length, seed
         The first forward of a fresh cache (what the policies treat as the prompt); the random ids' seed.
-    sync_timing, ragged, compile
-        As :func:`measure_prefilled` takes them.
+    sync_timing
+        (CUDA) synchronise around every timed phase for an exact split.
+    ragged
+        The untimed steps first stagger the rows, row ``r`` fed padding for its first
+        ``ragged_shifts(batch, B)[r]`` steps, then run ``B + 1`` steps more, so that every row has evicted once
+        before the timed steps (``row_shifts`` in a window).
+    compile
+        A ``torch.compile`` backend for the decode steps (a window's ``compile`` says what compiled and how long
+        it took).
     """
 
     def __init__(
@@ -300,14 +307,9 @@ def measure_prefilled(
     length: int,
     decode_steps: int,
     window: int | None = None,
-    prefill_chunk: int = 0,
-    prompt_length: int = 32,
-    seed: int = 0,
     bar=None,
-    sync_timing: bool = True,
-    ragged: bool = False,
-    compile: str | None = None,
     peak_from_prefill: bool = False,
+    **options,
 ) -> dict:
     """Prefill a fresh cache ``spec`` with ``batch`` seeded random rows, then time ``decode_steps`` decode steps
     that end at ``length`` (:class:`PrefilledSession`, measured at one length).
@@ -315,25 +317,10 @@ def measure_prefilled(
     Mirrors :func:`reasonkv.generate` (same cache and hooks, greedy, EOS ignored). Returns the window's
     statistics plus ``prefill_s``, ``prefill_phases_s`` (the prefill's record / observe / score / gather
     seconds), ``prefill_evictions``, ``prefill_chunks``, ``prefilled_tokens`` and the timed steps' ``step_s``.
-    ``sync_timing`` (CUDA) synchronises around every timed phase for an exact split. ``ragged``: the untimed
-    steps first stagger the rows, row ``r`` fed padding for its first ``ragged_shifts(batch, B)[r]`` steps,
-    then run ``B + 1`` steps more, so that every row has evicted once before the timed steps
-    (``row_shifts`` in the result). ``compile``: a ``torch.compile`` backend for the decode steps (the
-    result's ``compile`` says what compiled and how long it took). ``peak_from_prefill``: the peak counts
-    every decode step, not only the window's.
+    ``options``: :class:`PrefilledSession`'s (``prefill_chunk``, ``prompt_length``, ``seed``, ``sync_timing``,
+    ``ragged``, ``compile``). ``peak_from_prefill``: the peak counts every decode step, not only the window's.
     """
-    session = PrefilledSession(
-        model,
-        spec,
-        batch=batch,
-        top=length,
-        prefill_chunk=prefill_chunk,
-        prompt_length=prompt_length,
-        seed=seed,
-        sync_timing=sync_timing,
-        ragged=ragged,
-        compile=compile,
-    )
+    session = PrefilledSession(model, spec, batch=batch, top=length, **options)
     try:
         return session.measure(length, decode_steps, window=window, bar=bar, peak_from_prefill=peak_from_prefill)
     finally:
@@ -348,30 +335,14 @@ def measure_prefilled_sweep(
     lengths: Sequence[int],
     decode_steps: int,
     window: int | None = None,
-    prefill_chunk: int = 0,
-    prompt_length: int = 32,
-    seed: int = 0,
     progress: bool = False,
-    sync_timing: bool = True,
-    ragged: bool = False,
-    compile: str | None = None,
+    **options,
 ) -> dict:
     """:func:`measure_prefilled` at every length, shortest first, on one cache extended from length to length
-    (:class:`PrefilledSession`); same record layout as the decode sweep."""
+    (:class:`PrefilledSession`, its ``options``); same record layout as the decode sweep."""
     lengths = sorted(set(lengths))
     bar = progress_bar(decode_steps * len(lengths), entry_label(spec, batch), progress)
-    session = PrefilledSession(
-        model,
-        spec,
-        batch=batch,
-        top=lengths[-1],
-        prefill_chunk=prefill_chunk,
-        prompt_length=prompt_length,
-        seed=seed,
-        sync_timing=sync_timing,
-        ragged=ragged,
-        compile=compile,
-    )
+    session = PrefilledSession(model, spec, batch=batch, top=lengths[-1], **options)
     windows = []
     try:
         for length in lengths:
@@ -391,7 +362,7 @@ def measure_prefilled_sweep(
             "peak_slots": max(w["peak_slots"] for w in windows),
         },
     }
-    if compile:  # a graph per cache capacity at most: a full cache grows with the length, the others do not
+    if session.compile:  # a graph per cache capacity at most: a full cache grows with the length, the others do not
         result["compile"] = {
             **windows[0]["compile"],
             "compilations": sum(w["compile"]["compilations"] for w in windows),

@@ -12,16 +12,10 @@ bytes of its side caches (block summaries).
 
 from __future__ import annotations
 
-from reasonkv.bench.memory import format_bytes, held_bytes
+from reasonkv.bench.markdown import cell, row
+from reasonkv.bench.memory import format_small_bytes, held_bytes
 
 __all__ = ["read_entry", "reads_markdown", "reads_summary", "window_read"]
-
-
-def _bytes(value: float | None) -> str:
-    """Bytes as KiB below 1 MiB (a small model's cache), else as the rest of the report writes them."""
-    if value is not None and abs(value) < 1024**2:
-        return f"{value / 1024:.1f} KiB"
-    return format_bytes(value)
 
 
 def _mean(values: list[float]) -> float | None:
@@ -99,11 +93,11 @@ def reads_markdown(summary: dict[str, dict], order: list[str]) -> list[str]:
         cells = [
             name,
             "selects" if entry["selects"] else "holds what it reads",
-            _bytes(entry["kv_bytes_held_max"]),
-            _bytes(entry["kv_bytes_read_per_step"]),
-            _bytes(entry["kv_bytes_full_read_per_step"]),
-            "-" if fraction is None else f"{fraction:.3f}",
-            _bytes(entry["side_cache_bytes"]) if entry["selects"] else "-",
+            format_small_bytes(entry["kv_bytes_held_max"]),
+            format_small_bytes(entry["kv_bytes_read_per_step"]),
+            format_small_bytes(entry["kv_bytes_full_read_per_step"]),
+            cell(fraction, "{:.3f}"),
+            format_small_bytes(entry["side_cache_bytes"]) if entry["selects"] else "-",
         ]
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append(row(cells))
     return lines + [""]

@@ -25,10 +25,11 @@ from collections import defaultdict
 
 from reasonkv.bench.compiled import COMPILED, compiled_label
 from reasonkv.bench.layers import layer_markdown, layer_summary
+from reasonkv.bench.markdown import cell, section, table
 from reasonkv.bench.memory import format_bytes, held_bytes
 from reasonkv.bench.reads import reads_markdown, reads_summary, window_read
 from reasonkv.bench.rounds import same_rounds
-from reasonkv.bench.settings import TRANSFORMERS
+from reasonkv.bench.settings import EVICTION, MAX_BATCH, TRANSFORMERS
 from reasonkv.bench.targets import (
     EVICTION_TARGET_S,
     TRIVIAL_POLICIES,
@@ -242,16 +243,6 @@ def _ms(seconds) -> str:
     return "-" if seconds is None else f"{1000 * seconds:.2f}"
 
 
-def _num(value, fmt: str = "{:.2f}") -> str:
-    return "-" if value is None else fmt.format(value)
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return lines + [""]
-
-
 def _mark(ok) -> str:
     return "-" if ok is None else ("yes" if ok else "NO")
 
@@ -319,7 +310,7 @@ def _sweep_markdown(records: list[dict], summary: dict, meta: dict) -> list[str]
                         _ms(w["step_median_s"]),
                         _ms(w["step_mean_s"]),
                         _rounds_cell(w),
-                        _num(w.get("gpu_clock_mhz"), "{}"),
+                        cell(w.get("gpu_clock_mhz"), "{}"),
                         *(_ms(split[p]) for p in ("forward", "record", "observe", "score", "gather")),
                         str(w["evictions"]),
                         str(w["slots"]),
@@ -336,7 +327,7 @@ def _sweep_markdown(records: list[dict], summary: dict, meta: dict) -> list[str]
         header += ["KV read per step", "KV allocated"] if selecting else ["KV allocated"]
         header += ["KV full-attention layers", "KV sliding layers"] if hybrid else []
         header += [f"peak ({peak_kind})"]
-        lines += _table(header, rows)
+        lines += table(header, rows)
         lines += _summary_markdown(batch, batch_summary)
     return lines
 
@@ -372,17 +363,17 @@ def _summary_markdown(batch: int, summary: dict) -> list[str]:
         "",
     ]
     rows = [
-        [n, *(_num(policies[n]["overhead_pct"].get(tokens), "{:.2f}") for tokens in lengths)]
-        + [_num(policies[n]["overhead_pct_steady"], "{:.2f}")]
+        [n, *(cell(policies[n]["overhead_pct"].get(tokens), "{:.2f}") for tokens in lengths)]
+        + [cell(policies[n]["overhead_pct_steady"], "{:.2f}")]
         for n in order
     ]
-    lines += _table(["policy", *(f"@{tokens}" for tokens in lengths), "steady"], rows)
+    lines += table(["policy", *(f"@{tokens}" for tokens in lengths), "steady"], rows)
     if "streaming" in policies:
         lines += ["(b) Step time relative to streaming (same eviction schedule, trivial scoring):", ""]
         rows = [
-            [n, *(_num(policies[n]["step_vs_streaming"].get(tokens), "{:.3f}") for tokens in lengths)] for n in order
+            [n, *(cell(policies[n]["step_vs_streaming"].get(tokens), "{:.3f}") for tokens in lengths)] for n in order
         ]
-        lines += _table(["policy", *(f"@{tokens}" for tokens in lengths)], rows)
+        lines += table(["policy", *(f"@{tokens}" for tokens in lengths)], rows)
     lines += [
         "(c) Flatness: step time at 8 K over step time at K (a window that ends at K: the cache holds fewer "
         "slots than K + B and never evicts), and over the first length measured in its steady state (both "
@@ -398,7 +389,7 @@ def _summary_markdown(batch: int, summary: dict) -> list[str]:
         if not s["evicts"]:
             continue
         flat_texts = [
-            "-" if not flat else f"{_num(flat['ratio'], '{:.3f}')} ({flat['long_length']}/{flat['short_length']})"
+            "-" if not flat else f"{cell(flat['ratio'], '{:.3f}')} ({flat['long_length']}/{flat['short_length']})"
             for flat in (s.get("flatness"), s.get("flatness_steady"))
         ]
         rows.append(
@@ -414,7 +405,7 @@ def _summary_markdown(batch: int, summary: dict) -> list[str]:
     header = ["policy", "flatness vs K", "flatness vs steady", "KV allocated (max)", "bound", "within"]
     if hybrid:
         header += ["full-attention layers (max)", "bound: K + B tokens", "sliding layers (max)", "bound: window"]
-    lines += _table(header, rows)
+    lines += table(header, rows)
     lines += reads_markdown(summary.get("reads", {}), order)
     if summary.get("layers"):
         layers = summary["layers"]
@@ -426,13 +417,13 @@ def _summary_markdown(batch: int, summary: dict) -> list[str]:
             s = policies[n]
             cells = []
             for tokens in lengths:
-                cell = _num(s["tokens_per_s_vs_full"].get(tokens), "{:.2f}")
+                text = cell(s["tokens_per_s_vs_full"].get(tokens), "{:.2f}")
                 cumulative = s["cumulative_tokens_per_s_vs_full"].get(tokens)
                 if cumulative is not None:
-                    cell += f" ({cumulative:.2f})"
-                cells.append(cell)
+                    text += f" ({cumulative:.2f})"
+                cells.append(text)
             rows.append([n, *cells])
-        lines += _table(["policy", *(f"@{tokens}" for tokens in lengths)], rows)
+        lines += table(["policy", *(f"@{tokens}" for tokens in lengths)], rows)
     if TRANSFORMERS in policies:
         lines += [
             "(e) Tokens/s relative to transformers' own cache (the one `model.generate` builds, no reasonkv hook; "
@@ -440,10 +431,10 @@ def _summary_markdown(batch: int, summary: dict) -> list[str]:
             "",
         ]
         rows = [
-            [n, *(_num(policies[n]["tokens_per_s_vs_transformers"].get(tokens), "{:.3f}") for tokens in lengths)]
+            [n, *(cell(policies[n]["tokens_per_s_vs_transformers"].get(tokens), "{:.3f}") for tokens in lengths)]
             for n in order
         ]
-        lines += _table(["policy", *(f"@{tokens}" for tokens in lengths)], rows)
+        lines += table(["policy", *(f"@{tokens}" for tokens in lengths)], rows)
     evicted = [n for n in order if policies[n].get("prefill_eviction_s")]
     if evicted:
         lines += [
@@ -462,36 +453,24 @@ def _summary_markdown(batch: int, summary: dict) -> list[str]:
             *(f"evict @{tokens}" for tokens in lengths),
             *(f"bookkeeping @{tokens}" for tokens in lengths),
         ]
-        lines += _table(header, rows)
+        lines += table(header, rows)
     lines += targets_markdown(summary["targets"])
     return lines
 
 
 def _eviction_markdown(records: list[dict], summary: dict | None) -> list[str]:
     config = records[0]["config"]
-    lines = [
-        f"## Eviction cost ({config['cached']} cached tokens, K = {config['cached'] - config['buffer']}, "
+    lines = section(
+        f"Eviction cost ({config['cached']} cached tokens, K = {config['cached'] - config['buffer']}, "
         f"B = {config['buffer']})",
-        "",
         "One eviction (score + select + gather), mean over repeats after a warm-up eviction.",
-        "",
+    )
+    times = ("mean_s", "median_s", "std_s", "min_s", "score_mean_s", "gather_mean_s")
+    rows = [
+        [r["policy"], str(r["batch"]), *(_ms(r[key]) for key in times), str(r["repeats"])]
+        for r in sorted(records, key=lambda r: r["mean_s"])
     ]
-    rows = []
-    for record in sorted(records, key=lambda r: r["mean_s"]):
-        rows.append(
-            [
-                record["policy"],
-                str(record["batch"]),
-                _ms(record["mean_s"]),
-                _ms(record["median_s"]),
-                _ms(record["std_s"]),
-                _ms(record["min_s"]),
-                _ms(record["score_mean_s"]),
-                _ms(record["gather_mean_s"]),
-                str(record["repeats"]),
-            ]
-        )
-    lines += _table(["policy", "batch", "mean ms", "median ms", "std ms", "min ms", "score ms", "gather ms", "n"], rows)
+    lines += table(["policy", "batch", "mean ms", "median ms", "std ms", "min ms", "score ms", "gather ms", "n"], rows)
     if summary and summary.get("cheapest_nontrivial"):
         lines += [cheapest_text(summary["cheapest_nontrivial"], summary.get("epikv_cheapest")) + ".", ""]
     if summary:
@@ -502,14 +481,12 @@ def _eviction_markdown(records: list[dict], summary: dict | None) -> list[str]:
 
 def _max_batch_markdown(records: list[dict], summary: dict | None) -> list[str]:
     config = records[0]["config"]
-    lines = [
-        f"## Max batch (memory limit {format_bytes(config['memory_limit_bytes'])}, length {config['length']}, "
+    lines = section(
+        f"Max batch (memory limit {format_bytes(config['memory_limit_bytes'])}, length {config['length']}, "
         f"K = {config['budget']}, B = {config['buffer']})",
-        "",
         "KV per row is computed (exact formula); the other per-row bytes and the fixed part are measured "
         f"from two probe batches {tuple(config['probe_batches'])}; tokens/s is measured at the batch shown.",
-        "",
-    ]
+    )
     ratios = (summary or {}).get("tokens_per_s_vs_full", {})
     rows = []
     by_policy = {r["policy"]: r for r in records}
@@ -524,13 +501,25 @@ def _max_batch_markdown(records: list[dict], summary: dict | None) -> list[str]:
                 format_bytes(model["fixed"]),
                 str(record["max_batch"]),
                 str(record["measured_batch"]),
-                _num(record.get("tokens_per_s"), "{:.1f}"),
-                _num(ratios.get(record["policy"]), "{:.2f}"),
+                cell(record.get("tokens_per_s"), "{:.1f}"),
+                cell(ratios.get(record["policy"]), "{:.2f}"),
                 "; ".join(record.get("notes", [])) or "-",
             ]
         )
     header = ["policy", "KV/row (computed)", "other/row (measured)", "fixed (measured)", "fits", "measured at"]
-    lines += _table(header + ["tok/s", "vs full", "notes"], rows)
+    lines += table(header + ["tok/s", "vs full", "notes"], rows)
+    return lines
+
+
+def _cost_markdown(records: list[dict], summary: dict) -> list[str]:
+    """The eviction-cost and max-batch sections, of the modes that ran."""
+    lines = []
+    evictions = [r for r in records if r.get("mode") == EVICTION]
+    if evictions:
+        lines += _eviction_markdown(evictions, summary.get("eviction_cost"))
+    batches = [r for r in records if r.get("mode") == MAX_BATCH]
+    if batches:
+        lines += _max_batch_markdown(batches, summary.get("max_batch"))
     return lines
 
 
@@ -556,12 +545,7 @@ def markdown(records: list[dict], summary: dict, meta: dict) -> str:
     if sweeps:
         lines += _sweep_markdown(sweeps, summary, meta)
         lines += variant_markdown(summary)
-    evictions = [r for r in records if r.get("mode") == "eviction-cost"]
-    if evictions:
-        lines += _eviction_markdown(evictions, summary.get("eviction_cost"))
-    batches = [r for r in records if r.get("mode") == "max-batch"]
-    if batches:
-        lines += _max_batch_markdown(batches, summary.get("max_batch"))
+    lines += _cost_markdown(records, summary)
     errors = meta.get("errors") or []
     if errors:
         lines += ["## Entries that failed", ""]
@@ -576,10 +560,5 @@ def summary_text(records: list[dict], summary: dict, meta: dict) -> str:
     for batch, batch_summary in summary["sweep"].items():
         lines += _summary_markdown(int(batch), batch_summary)
     lines += variant_markdown(summary)
-    evictions = [r for r in records if r.get("mode") == "eviction-cost"]
-    if evictions:
-        lines += _eviction_markdown(evictions, summary.get("eviction_cost"))
-    batches = [r for r in records if r.get("mode") == "max-batch"]
-    if batches:
-        lines += _max_batch_markdown(batches, summary.get("max_batch"))
+    lines += _cost_markdown(records, summary)
     return "\n".join(lines)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+from reasonkv.bench.markdown import cell, per_batch
 from reasonkv.bench.measure import WARMUP_STEPS, model_dtype
 from reasonkv.bench.memory import format_bytes, kv_bytes_per_token
 from reasonkv.bench.prefilled import measure_prefilled
@@ -112,26 +113,23 @@ def tier_summary(records: list[dict]) -> dict:
 
 def tier_markdown(summary: dict) -> list[str]:
     """The comparison as markdown tables, one per batch size."""
-    lines: list[str] = []
-    for batch, variants in summary.items():
-        lines += [
-            f"### Quantized tier against the plain policy at the same K/V bytes (batch {batch})",
-            "",
-            "K' full-precision + Q quantized tokens per head, K' chosen so that the measured K/V bytes equal K "
-            "plain ones (the nominal K' in parentheses); step time and K/V bytes held relative to the plain "
-            "policy at K, at each length.",
-            "",
-            "| variant | K' (nominal) + Q (vs K) | length | step vs plain | K/V held | K/V vs plain |",
-            "|---|---|---|---|---|---|",
-        ]
-        for label, s in variants.items():
-            for n, ratio in s["step_vs_plain"].items():
-                kv = s["kv_bytes_vs_plain"].get(n)
-                nominal = s.get("nominal_budget", s["budget"])
-                lines.append(
-                    f"| {label} | {s['budget']} ({nominal}) + {s['quantized']} int{s['bits']} (vs {s['plain_budget']}) "
-                    f"| {n} | "
-                    f"{ratio:.3f} | {format_bytes(s['kv_bytes'][n])} | {'-' if kv is None else f'{kv:.3f}'} |"
-                )
-        lines.append("")
-    return lines
+    return per_batch(
+        summary,
+        "Quantized tier against the plain policy at the same K/V bytes",
+        "K' full-precision + Q quantized tokens per head, K' chosen so that the measured K/V bytes equal K "
+        "plain ones (the nominal K' in parentheses); step time and K/V bytes held relative to the plain "
+        "policy at K, at each length.",
+        ["variant", "K' (nominal) + Q (vs K)", "length", "step vs plain", "K/V held", "K/V vs plain"],
+        _tier_rows,
+    )
+
+
+def _tier_rows(variants: dict) -> list[list[str]]:
+    rows = []
+    for label, s in variants.items():
+        nominal = s.get("nominal_budget", s["budget"])
+        budgets = f"{s['budget']} ({nominal}) + {s['quantized']} int{s['bits']} (vs {s['plain_budget']})"
+        for n, ratio in s["step_vs_plain"].items():
+            kv = s["kv_bytes_vs_plain"].get(n)
+            rows.append([label, budgets, str(n), f"{ratio:.3f}", format_bytes(s["kv_bytes"][n]), cell(kv, "{:.3f}")])
+    return rows

@@ -11,6 +11,7 @@ evicting on their own schedules there are more evictions, each compacting fewer 
 from __future__ import annotations
 
 from reasonkv.bench.compiled import compiled_markdown, compiled_summary
+from reasonkv.bench.markdown import per_batch
 from reasonkv.bench.rounds import same_rounds
 from reasonkv.bench.tiers import tier_markdown, tier_summary
 from reasonkv.bench.windows import by_length
@@ -58,26 +59,25 @@ def ragged_summary(records: list[dict]) -> dict:
 
 def ragged_markdown(summary: dict) -> list[str]:
     """The comparison as markdown tables, one per batch size."""
-    lines: list[str] = []
-    for batch, variants in summary.items():
-        lines += [
-            f"### Rows evicting at different steps against rows evicting together (batch {batch})",
-            "",
-            "The ragged variant's rows are prefilled to lengths B / batch apart: more evictions, each of fewer "
-            "rows. Step time relative to the rows evicting together, evictions in the window (eviction events: "
-            "rows evicting together count once) and the share of a step spent compacting the cache (gather).",
-            "",
-            "| variant | length | step vs together | evictions (together) | gather share (together) |",
-            "|---|---|---|---|---|",
-        ]
-        for label, s in variants.items():
-            for n, ratio in s["step_vs_lockstep"].items():
-                lines.append(
-                    f"| {label} | {n} | {ratio:.3f} | {s['evictions'][n]} ({s['lockstep_evictions'][n]}) | "
-                    f"{100 * s['gather_share'][n]:.2f}% ({100 * s['lockstep_gather_share'][n]:.2f}%) |"
-                )
-        lines.append("")
-    return lines
+    return per_batch(
+        summary,
+        "Rows evicting at different steps against rows evicting together",
+        "The ragged variant's rows are prefilled to lengths B / batch apart: more evictions, each of fewer "
+        "rows. Step time relative to the rows evicting together, evictions in the window (eviction events: "
+        "rows evicting together count once) and the share of a step spent compacting the cache (gather).",
+        ["variant", "length", "step vs together", "evictions (together)", "gather share (together)"],
+        _ragged_rows,
+    )
+
+
+def _ragged_rows(variants: dict) -> list[list[str]]:
+    rows = []
+    for label, s in variants.items():
+        for n, ratio in s["step_vs_lockstep"].items():
+            evictions = f"{s['evictions'][n]} ({s['lockstep_evictions'][n]})"
+            gather = f"{100 * s['gather_share'][n]:.2f}% ({100 * s['lockstep_gather_share'][n]:.2f}%)"
+            rows.append([label, str(n), f"{ratio:.3f}", evictions, gather])
+    return rows
 
 
 def variant_summaries(records: list[dict]) -> dict:

@@ -9,7 +9,7 @@ transformers.
 
 from __future__ import annotations
 
-import importlib
+from reasonkv import lazy_exports
 
 _EXPORTS = {
     "CacheSpec": "reasonkv.cache.spec",
@@ -21,11 +21,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'reasonkv.cache' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(globals(), _EXPORTS)

@@ -27,6 +27,21 @@ from reasonkv.cache.layer import EvictingLayer
 __all__ = ["RaggedLayer"]
 
 
+def _assembled(name: str, read) -> property:
+    """A layer's ``keys``, ``values`` or ``positions``, assembled by ``read(layer, flat)`` from its flat buffer
+    ``_name`` at each read (None before the first write). The base class may reset it to None; nothing sets it."""
+
+    def get(layer):
+        flat = getattr(layer, f"_{name}")
+        return None if flat is None else read(layer, flat)
+
+    def refuse(layer, value) -> None:
+        if value is not None:
+            raise AttributeError(f"a ragged layer's {name} are assembled from its regions")
+
+    return property(get, refuse)
+
+
 class RaggedLayer(EvictingLayer):
     """An evicting layer whose heads hold different numbers of tokens in one flat buffer (see the module).
 
@@ -43,36 +58,9 @@ class RaggedLayer(EvictingLayer):
         self._dense: tuple[torch.Tensor, torch.Tensor] | None = None  # the dense read's index, until a write
 
     # The base class sets these as attributes; here they are assembled from the flat buffers.
-    @property
-    def keys(self) -> torch.Tensor | None:
-        return None if self._keys is None else self._read(self._keys)
-
-    @keys.setter
-    def keys(self, value) -> None:
-        if value is not None:
-            raise AttributeError("a ragged layer's keys are assembled from its regions")
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        return None if self._values is None else self._read(self._values)
-
-    @values.setter
-    def values(self, value) -> None:
-        if value is not None:
-            raise AttributeError("a ragged layer's values are assembled from its regions")
-
-    @property
-    def positions(self) -> torch.Tensor | None:
-        if self._positions is None:
-            return None
-        index, held = self._dense_index()
-        batch, heads, slots = index.shape
-        return self._positions.gather(1, index.view(batch, -1)).view(batch, heads, slots).masked_fill(~held, -1)
-
-    @positions.setter
-    def positions(self, value) -> None:
-        if value is not None:
-            raise AttributeError("a ragged layer's positions are assembled from its regions")
+    keys = _assembled("keys", lambda layer, flat: layer._read(flat))
+    values = _assembled("values", lambda layer, flat: layer._read(flat))
+    positions = _assembled("positions", lambda layer, flat: layer._read_positions(flat))
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device, self.dtype = key_states.device, key_states.dtype
@@ -124,6 +112,12 @@ class RaggedLayer(EvictingLayer):
         rows = flat.reshape(-1, flat.shape[-1]).index_select(0, (first + index).flatten())
         return rows.view(batch, heads, slots, flat.shape[-1])
 
+    def _read_positions(self, flat: torch.Tensor) -> torch.Tensor:
+        """The dense ``[batch, kv_heads, slots]`` positions of the flat ones (-1 where a head holds no token)."""
+        index, held = self._dense_index()
+        batch, heads, slots = index.shape
+        return flat.gather(1, index.view(batch, -1)).view(batch, heads, slots).masked_fill(~held, -1)
+
     def read_rows(self, rows: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Keys, values and positions of the dense ``slots`` ``[n, heads, m]`` of ``rows``: a slot before the
         dense axis (negative) reads a head's earlier entries, as a dense layer reads its buffers before the
@@ -140,17 +134,7 @@ class RaggedLayer(EvictingLayer):
         return keys, values, positions
 
     # ------------------------------------------------------------------ writing
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        batch, _, q, _ = key_states.shape
-        if self.rows.opens_step(self.length):
-            if not self.rows.expects(q):
-                self.unannounced(batch, q, key_states.device)
-            self.rows.open_step(q)
-        self.write(key_states, value_states, self.rows.step_positions)
-        return self.keys, self.values
-
+    # The base class's update() serves: it calls write(), and returns keys and values (no tier under an allocation).
     def write(self, key_states: torch.Tensor, value_states: torch.Tensor, positions: torch.Tensor) -> None:
         """Append ``q`` tokens to every head of every row (their positions ``[batch, q]``, -1 at padding)."""
         batch, heads, q, dim = key_states.shape

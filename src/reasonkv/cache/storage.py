@@ -53,6 +53,11 @@ from reasonkv.hf import model_info, native_cache_layers
 __all__ = ["KVStorage", "kv_bytes_by_kind"]
 
 
+def _of_rows(name: str, doc: str | None = None) -> property:
+    """The storage's read-only view of its layers' shared :class:`RowState` attribute ``name``."""
+    return property(lambda storage: getattr(storage.rows, name), doc=doc)
+
+
 class KVStorage(Cache):
     """A transformers ``Cache`` that stores at most ``budget + buffer`` tokens per head between evictions.
 
@@ -136,49 +141,22 @@ class KVStorage(Cache):
         return [self._new_layer() if kind == "full" else layer for kind, layer in zip(kinds, native, strict=True)]
 
     # ------------------------------------------------------------------ the rows (shared by the layers)
-    @property
-    def valid(self) -> torch.Tensor:
-        """``[batch, slots]``: True where a slot holds a real token (False: padding)."""
-        return self.rows.valid
-
-    @property
-    def slots(self) -> int:
-        """Stored slots (the same in every evicting layer between forward passes)."""
-        return self.rows.slots
-
-    @property
-    def seen(self) -> int:
-        """Logical tokens seen, padding included (what transformers calls the sequence length)."""
-        return self.rows.seen
-
-    @property
-    def peak_slots(self) -> int:
-        return self.rows.peak_slots
-
-    @property
-    def next_position(self) -> torch.Tensor | None:
-        """``[batch]``: real tokens seen per row (the logical position of each row's next token)."""
-        return self.rows.next_position
-
-    @property
-    def prompt_lengths(self) -> torch.Tensor | None:
-        """``[batch]``: real prompt tokens per row."""
-        return self.rows.prompt_lengths
-
-    @property
-    def row_evictions(self) -> torch.Tensor | None:
-        """``[batch]``: evictions per row."""
-        return self.rows.row_evictions
-
-    @property
-    def low_width(self) -> int:
-        """Slots of the quantized tier: the first ones of every evicting layer (0 without a tier)."""
-        return self.rows.low_width
-
-    @property
-    def maybe_padded(self) -> bool:
-        """Whether a slot may hold padding (host-side: False spares the attention a mask)."""
-        return self.rows.maybe_padded
+    valid = _of_rows("valid", "``[batch, slots]``: True where a slot holds a real token (False: padding).")
+    slots = _of_rows("slots", "Stored slots (the same in every evicting layer between forward passes).")
+    seen = _of_rows("seen", "Logical tokens seen, padding included (what transformers calls the sequence length).")
+    peak_slots = _of_rows("peak_slots")
+    next_position = _of_rows(
+        "next_position", "``[batch]``: real tokens seen per row (the logical position of each row's next token)."
+    )
+    prompt_lengths = _of_rows("prompt_lengths", "``[batch]``: real prompt tokens per row.")
+    row_evictions = _of_rows("row_evictions", "``[batch]``: evictions per row.")
+    low_width = _of_rows(
+        "low_width", "Slots of the quantized tier: the first ones of every evicting layer (0 without a tier)."
+    )
+    maybe_padded = _of_rows(
+        "maybe_padded", "Whether a slot may hold padding (host-side: False spares the attention a mask)."
+    )
+    capacity = _of_rows("capacity", "Slots allocated per row (what the buffers can hold before they grow).")
 
     def due_rows(self) -> torch.Tensor | None:
         """Indices of the rows due for eviction (see :meth:`RowState.due_rows`), or None."""
@@ -218,11 +196,6 @@ class KVStorage(Cache):
     def evictions(self) -> int:
         """Row evictions so far, summed over the batch."""
         return 0 if self.rows.row_evictions is None else int(self.rows.row_evictions.sum())
-
-    @property
-    def capacity(self) -> int:
-        """Slots allocated per row (what the buffers can hold before they grow)."""
-        return self.rows.capacity
 
     def kv_bytes(self) -> int:
         """Bytes of K/V storage held (allocated capacity, not just the used slots), all layer kinds and tiers."""

@@ -195,25 +195,20 @@ def load_bundled(
     bundled: Bundled, dtype: torch.dtype, device: torch.device, attn: str
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a bundled model's converted copy; a copy whose files turn out damaged is converted again, once."""
-    source = _ensure_converted(bundled)
-    try:
-        _check_copy(source)
-        return load_directory(source, dtype, device, attn)
-    except Exception as error:
-        if not is_corrupt_file_error(error):
-            raise
-        logger.warning("The converted %s in %s is damaged (%s); converting it again.", bundled.name, source, error)
-    source = _ensure_converted(bundled, rebuild=True)
-    try:
-        _check_copy(source)
-        return load_directory(source, dtype, device, attn)
-    except Exception as error:
-        if not is_corrupt_file_error(error):
-            raise
-        raise CorruptModelError(
-            f"the converted {bundled.name} in {str(source)!r} is damaged again right after converting it "
-            f"({error}); delete that directory, check the disk, and try again"
-        ) from None
+    for rebuild in (False, True):
+        source = _ensure_converted(bundled, rebuild=rebuild)
+        try:
+            _check_copy(source)
+            return load_directory(source, dtype, device, attn)
+        except Exception as error:
+            if not is_corrupt_file_error(error):
+                raise
+            if rebuild:
+                raise CorruptModelError(
+                    f"the converted {bundled.name} in {str(source)!r} is damaged again right after converting it "
+                    f"({error}); delete that directory, check the disk, and try again"
+                ) from None
+            logger.warning("The converted %s in %s is damaged (%s); converting it again.", bundled.name, source, error)
 
 
 def _ensure_smollm2_converted() -> Path:

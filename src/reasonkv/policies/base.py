@@ -123,11 +123,11 @@ class Policy:
         ``keep`` (if overridden) is not more specific than its ``ranking``."""
         if not cls.evicts:
             return False
-        keep_from = next(c for c in cls.__mro__ if "keep" in c.__dict__)
-        ranking_from = next(c for c in cls.__mro__ if "ranking" in c.__dict__)
-        if not issubclass(ranking_from, keep_from):
+        keep_from = next(i for i, c in enumerate(cls.__mro__) if "keep" in c.__dict__)
+        ranking_from = next(i for i, c in enumerate(cls.__mro__) if "ranking" in c.__dict__)
+        if ranking_from > keep_from:  # a keep met first in the method order is more specific
             return False
-        return ranking_from is not Policy or cls.score is not Policy.score
+        return cls.__mro__[ranking_from] is not Policy or cls.score is not Policy.score
 
     def layers_share_kept_set(self) -> str | None:
         """Why every layer keeps the same tokens per kv head (one set chosen for all layers), or None when each

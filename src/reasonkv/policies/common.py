@@ -62,6 +62,13 @@ class PositionTable:
     def _bound(self, positions: torch.Tensor, bound: int | None) -> None:
         self._reserve(bound if bound is not None else int(positions.max()) + 1 if positions.numel() else 1)
 
+    def _written(self, positions: torch.Tensor, bound: int | None, at: tuple[int, ...]):
+        """The table (grown to ``bound``) and the index that writes ``positions`` in it; padding (-1) lands past
+        the capacity, where nothing reads."""
+        self._bound(positions, bound)
+        target = self._target(at)
+        return target, self._index(target, positions, padding_to=self.capacity)
+
     def get(self, positions: torch.Tensor, bound: int | None = None, at: tuple[int, ...] = ()) -> torch.Tensor:
         """Values at ``positions`` (``[batch, S]`` or ``[batch, *inner, S]``); padding reads ``fill``.
 
@@ -79,18 +86,14 @@ class PositionTable:
         self, positions: torch.Tensor, values: torch.Tensor, bound: int | None = None, at: tuple[int, ...] = ()
     ) -> None:
         """Write ``values`` at ``positions``; entries at padding positions (-1) are not written."""
-        self._bound(positions, bound)
-        target = self._target(at)
-        index = self._index(target, positions, padding_to=self.capacity)
+        target, index = self._written(positions, bound, at)
         target.scatter_(-1, index, values.float().expand(index.shape))
 
     def add(
         self, positions: torch.Tensor, values: torch.Tensor, bound: int | None = None, at: tuple[int, ...] = ()
     ) -> None:
         """Add ``values`` at ``positions`` (padding ignored; repeated positions accumulate)."""
-        self._bound(positions, bound)
-        target = self._target(at)
-        index = self._index(target, positions, padding_to=self.capacity)
+        target, index = self._written(positions, bound, at)
         target.scatter_add_(-1, index, values.float().expand(index.shape))
 
     def lookup(self, rows: torch.Tensor, positions: torch.Tensor, *inner: int) -> torch.Tensor:

@@ -102,10 +102,6 @@ class Step:
     position_bound: int = 0  # every logical position seen so far is below this (sizes tables, no device read)
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [batch, q, hidden]
 
-    @property
-    def is_prefill(self) -> bool:
-        return self.input_valid.shape[1] > 1
-
 
 @dataclass
 class AttentionChunk:

@@ -102,9 +102,32 @@ _SELECTION_DOC = """
 """
 
 
+@dataclass
+class ValueAware:
+    """VASE's selection over a base policy's score (the class it is mixed into, after it): its options
+    (appended to the base's), their check, and the ranking and signals they give."""
+
+    stochastic = True
+    paper = "https://arxiv.org/abs/2606.03928"
+
+    reserve: float = 0.125
+    sample: bool = True
+    temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_vase_options(self)
+
+    def ranking(self, view) -> torch.Tensor:
+        return value_aware_rank(self, view, self.score(view))
+
+    def signals(self, view) -> dict[str, torch.Tensor]:
+        return value_signals(self, view)
+
+
 @register
 @dataclass
-class VaseAttnV(SnapKV):
+class VaseAttnV(ValueAware, SnapKV):
     __doc__ = (
         """VASE-AttnV: value-aware stochastic eviction with SnapKV-style attention scores, per (layer, kv-head).
 
@@ -136,28 +159,12 @@ class VaseAttnV(SnapKV):
     )
 
     name = "vase-attnv"
-    stochastic = True
     summary = "VASE: value-range reservation + sampling by window attention, per kv head"
-    paper = "https://arxiv.org/abs/2606.03928"
-
-    reserve: float = 0.125
-    sample: bool = True
-    temperature: float = 1.0
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_vase_options(self)
-
-    def ranking(self, view) -> torch.Tensor:
-        return value_aware_rank(self, view, self.score(view))
-
-    def signals(self, view) -> dict[str, torch.Tensor]:
-        return value_signals(self, view)
 
 
 @register
 @dataclass
-class VaseDKV(CurDKV):
+class VaseDKV(ValueAware, CurDKV):
     __doc__ = (
         """VASE-DKV: value-aware stochastic eviction with CurDKV leverage scores, per (layer, kv-head).
 
@@ -191,17 +198,7 @@ class VaseDKV(CurDKV):
     )
 
     name = "vase-dkv"
-    stochastic = True
     summary = "VASE: value-range reservation + sampling by CUR leverage (sketch redrawn per eviction)"
-    paper = "https://arxiv.org/abs/2606.03928"
-
-    reserve: float = 0.125
-    sample: bool = True
-    temperature: float = 1.0
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_vase_options(self)
 
     def projection(self, view) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A fresh ``(G_k, G_v)`` for every eviction and layer, keyed by each row's seed, eviction and layer."""
@@ -209,9 +206,3 @@ class VaseDKV(CurDKV):
             return None
         keys, values = view.keys(), view.values()
         return self._draw(view.seeds, keys.shape[1], keys.shape[-1], values.shape[-1])
-
-    def ranking(self, view) -> torch.Tensor:
-        return value_aware_rank(self, view, self.score(view))
-
-    def signals(self, view) -> dict[str, torch.Tensor]:
-        return value_signals(self, view)

@@ -55,17 +55,6 @@ from reasonkv.sandbox.limits import Limits, check_memory, check_timeout, launche
 from reasonkv.sandbox.supervise import Finished, supervise
 from reasonkv.sandbox.usage import RunUsage
 
-__all__ = [
-    "GUARANTEES",
-    "OUTPUT_LIMIT",
-    "STATUSES",
-    "RunResult",
-    "Sandbox",
-    "SandboxUnavailable",
-    "Setup",
-    "probe",
-]
-
 STATUSES = ("ok", "failed", "timeout", "memory", "output-limit", "killed")
 
 #: What only namespaces guarantee: name -> (the mechanism that provides it, what fails without it).
