@@ -54,6 +54,7 @@ from reasonkv.runs.flags import setting
 from reasonkv.runs.outputs import ClaimedFolder, claim_folder, write_atomic
 from reasonkv.runs.paths import portable_command, portable_path
 from reasonkv.selection.recall import top_block_recall
+from reasonkv.suggest.integers import check_int
 
 __all__ = [
     "GATES_GROUP",
@@ -154,8 +155,7 @@ class GatesSettings(ModelSettings):
         super().__post_init__()
         object.__setattr__(self, "out", Path(self.out))
         check_positive(self, "traces", "max_new_tokens", "pack", "batch", "block_size", "gate_dim", "steps", "queries")
-        if isinstance(self.held_out, bool) or not isinstance(self.held_out, int) or self.held_out < 0:
-            raise ValueError(f"held_out must be a non-negative integer, got {self.held_out!r}")
+        check_int("held_out", self.held_out, 0)
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be 0 (greedy) or above, got {self.temperature!r}")
         if self.init not in INITS:

@@ -44,6 +44,7 @@ from reasonkv.calibrate.shared import check_positive
 from reasonkv.calibrate.traces import Trace
 from reasonkv.hf import Forward, attention_implementation, cached_kv, masks_per_layer_type, plain_cache
 from reasonkv.runs.flags import setting
+from reasonkv.suggest.integers import is_int
 
 __all__ = [
     "MASKED_IMPLEMENTATIONS",
@@ -86,9 +87,7 @@ class LabelSettings:
 
     def __post_init__(self) -> None:
         check_positive(self, "chunk_size", "batch_size")
-        if self.horizon is not None and (
-            isinstance(self.horizon, bool) or not isinstance(self.horizon, int) or self.horizon < 1
-        ):
+        if self.horizon is not None and (not is_int(self.horizon) or self.horizon < 1):
             raise ValueError(f"horizon must be a positive integer or None, got {self.horizon!r}")
 
     def record_settings(self) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from reasonkv.calibrate.shared import ModelSettings, cut_setting, out_setting, t
 from reasonkv.calibrate.traces import reference_trace
 from reasonkv.eval.datasets import load_dataset
 from reasonkv.runs.flags import setting
+from reasonkv.suggest.integers import check_int
 
 __all__ = ["TEXT_GROUP", "ReadingSettings", "read_sequences"]
 
@@ -61,8 +62,8 @@ class ReadingSettings(ModelSettings):
                 raise ValueError(f"--text {str(self.text)!r} is not a file")
         for name, low in (("traces", 1), ("max_tokens", 1), *self._more_counts()):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
-                raise ValueError(f"{name} must be an integer of at least {low}, got {value!r}")
+            if value is not None:
+                check_int(name, value, low)
         if self.out.is_dir():
             raise ValueError(f"--out {str(self.out)!r} is a folder; {self.FLAG} writes one file")
         if self.out.exists():

@@ -29,6 +29,7 @@ from reasonkv.calibrate.shared import (
 from reasonkv.calibrate.signals import SIGNALS, SignalSettings
 from reasonkv.calibrate.traces import SOURCES
 from reasonkv.runs.flags import nested, setting
+from reasonkv.suggest.integers import check_int
 
 __all__ = ["CalibrateSettings"]
 
@@ -123,8 +124,7 @@ class CalibrateSettings(ModelSettings):
             raise ValueError(f"top_fraction must be a number in (0, 1), got {self.top_fraction!r}")
         if not 0 < self.top_fraction < 1:
             raise ValueError(f"top_fraction must be in (0, 1), got {self.top_fraction}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        check_int("seed", self.seed)
         if self.min_width > self.max_width:
             raise ValueError(f"min_width {self.min_width} is larger than max_width {self.max_width}")
 

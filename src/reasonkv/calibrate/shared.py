@@ -11,6 +11,7 @@ from typing import Any
 
 from reasonkv.models import DEFAULT_MODEL, load_model
 from reasonkv.runs.flags import setting
+from reasonkv.suggest.integers import check_int
 
 __all__ = [
     "ModelSettings",
@@ -49,9 +50,7 @@ class ModelSettings:
 def check_positive(settings: Any, *names: str) -> None:
     """Refuse a setting among ``names`` of ``settings`` that is not a positive integer."""
     for name in names:
-        value = getattr(settings, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_int(name, getattr(settings, name), 1)
 
 
 def traces_setting(default: int) -> Any:

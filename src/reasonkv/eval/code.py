@@ -44,6 +44,7 @@ from reasonkv.eval.extraction import find_code
 from reasonkv.eval.prompts import strip_thinking
 from reasonkv.sandbox import RunResult, Sandbox
 from reasonkv.sandbox.limits import check_memory, check_timeout
+from reasonkv.suggest.integers import check_int
 
 __all__ = ["OUTCOMES", "CodeGrade", "CodeGrader", "program_for", "stdio_equal"]
 
@@ -273,8 +274,8 @@ class CodeGrader:
     """
 
     def __init__(self, sandbox: Sandbox, *, timeout: float = 6.0, memory_mb: int = 1024, workers: int | None = None):
-        if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
-            raise ValueError(f"workers must be a positive integer, got {workers!r}")
+        if workers is not None:
+            check_int("workers", workers, 1)
         timeout = check_timeout(timeout)  # here, not in every test run: one clear error, not one per unit
         check_memory(memory_mb)
         sandbox.check()

@@ -23,6 +23,7 @@ from typing import Any, Literal
 from reasonkv.eval.codetasks import code_fields
 from reasonkv.eval.livecodebench import in_window, parse_day
 from reasonkv.suggest import did_you_mean
+from reasonkv.suggest.integers import is_int
 
 __all__ = ["DATASETS", "DATA_DIR", "Problem", "dataset_path", "grid_problems", "load_dataset"]
 
@@ -223,7 +224,7 @@ def _row_to_problem(row: dict[str, Any], where: str, default_kind: Kind, path: P
         raise ValueError(f"{where}: missing required field{'s' if len(missing) > 1 else ''} {fields} ({_FORMAT})")
     for name in _REQUIRED:
         value = row[name]
-        if not isinstance(value, (str, int)) or isinstance(value, bool):
+        if not isinstance(value, str) and not is_int(value):
             raise ValueError(f"{where}: field {name!r} must be a string, got {type(value).__name__}")
     kind = row.get("kind") or ("choice" if "choices" in row else default_kind)
     if kind not in _KINDS:

@@ -25,6 +25,7 @@ from reasonkv.generation.sampling import Sampling
 from reasonkv.policies import options_by_policy, policy_class
 from reasonkv.sandbox import GUARANTEES
 from reasonkv.sandbox.limits import check_memory, check_timeout
+from reasonkv.suggest.integers import check_int, is_int
 
 __all__ = ["Cell", "CodeSettings", "GridSpec", "make_cells", "parse_dataset_spec", "parse_samples", "policy_options"]
 
@@ -105,11 +106,6 @@ def _split_names(value: str | Sequence[str]) -> list[str]:
     return [v.strip() for v in items if v.strip()]
 
 
-def _check_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-
-
 def policy_options(policies: Sequence[str], pairs: Sequence[str]) -> dict[str, dict[str, Any]]:
     """Typed options per policy from ``KEY=VALUE`` / ``POLICY.KEY=VALUE`` strings."""
     return options_by_policy(policies, pairs)
@@ -158,12 +154,12 @@ def parse_samples(samples: int | str | Mapping[str, int], datasets: Sequence[str
                 default = count
     else:
         default = samples
-    _check_int("samples", default, 1)
+    check_int("samples", default, 1)
     unknown = sorted(set(named) - set(datasets))
     if unknown:
         raise ValueError(f"samples given for {', '.join(unknown)}, which is not in --dataset ({', '.join(datasets)})")
     for name, count in named.items():
-        _check_int(f"samples for {name}", count, 1)
+        check_int(f"samples for {name}", count, 1)
     return {name: named.get(name, default) for name in datasets}
 
 
@@ -195,7 +191,7 @@ def make_cells(
         chosen = policy_options(policies, list(options or []))
     budgets = list(budgets)
     for b in budgets:
-        if isinstance(b, bool) or not isinstance(b, int) or b <= 0:
+        if not is_int(b) or b <= 0:
             raise ValueError(f"budgets must be positive integers, got {b!r}")
     if len(set(budgets)) != len(budgets):
         raise ValueError(f"budget listed twice: {budgets}")
@@ -275,7 +271,7 @@ class CodeSettings:
         timeout = check_timeout(timeout, "code timeout")
         check_memory(memory_mb, "code memory_mb")
         if workers is not None:
-            _check_int("code workers", workers, 1)
+            check_int("code workers", workers, 1)
         missing = tuple(sorted(set(_split_names(allow_missing))))
         unknown = [name for name in missing if name not in GUARANTEE_NAMES]
         if unknown:
@@ -385,12 +381,12 @@ class GridSpec:
         """
         datasets = tuple(parse_dataset_spec(dataset, limit))
         per_dataset = parse_samples(samples, [name for name, _ in datasets])
-        _check_int("batch_size", batch_size, 1)
-        _check_int("seed", seed, 0)
+        check_int("batch_size", batch_size, 1)
+        check_int("seed", seed, 0)
         if fidelity_tokens is not None:
-            _check_int("fidelity_tokens", fidelity_tokens, 1)
+            check_int("fidelity_tokens", fidelity_tokens, 1)
         if max_chunk is not None:
-            _check_int("max_chunk", max_chunk, 1)
+            check_int("max_chunk", max_chunk, 1)
         for name, value in (("generation", generation), ("fidelity", fidelity), ("compile", compile)):
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"{name} must be True or False, got {value!r}")

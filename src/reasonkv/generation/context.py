@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from reasonkv.hf import text_config
+from reasonkv.suggest.integers import is_int
 
 __all__ = ["check_context", "context_length", "over_context"]
 
@@ -19,7 +20,7 @@ __all__ = ["check_context", "context_length", "over_context"]
 def context_length(model) -> int | None:
     """The model's context length (``max_position_embeddings``), when its config says."""
     length = getattr(text_config(model), "max_position_embeddings", None)
-    return length if isinstance(length, int) and not isinstance(length, bool) and length > 0 else None
+    return length if is_int(length) and length > 0 else None
 
 
 def over_context(prompt_tokens: int, new_tokens: int, context: int | None, advice: str) -> str | None:

@@ -27,6 +27,7 @@ from reasonkv.generation.sampling import Sampling
 from reasonkv.generation.stats import GenerationResult, Meter
 from reasonkv.hf import Forward, left_pad
 from reasonkv.policies import noise
+from reasonkv.suggest.integers import is_int
 
 __all__ = ["GenerationResult", "generate", "row_seeds"]
 
@@ -188,10 +189,10 @@ def generate(
 
 def row_seeds(seed: int | Sequence[int], batch: int) -> tuple[int, ...]:
     """One integer seed per row, from one integer or a list with one per prompt."""
-    if isinstance(seed, int) and not isinstance(seed, bool):
+    if is_int(seed):
         return (seed,) * batch
     seeds = list(seed) if isinstance(seed, Iterable) and not isinstance(seed, (str, bytes)) else None
-    if seeds is None or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
+    if seeds is None or not all(map(is_int, seeds)):
         raise ValueError(f"seed must be an integer or a list of {batch} integers (one per prompt), got {seed!r}")
     if len(seeds) != batch:
         raise ValueError(f"seed has {len(seeds)} values for {batch} prompts; pass one integer or one per prompt")

@@ -26,6 +26,7 @@ from typing import Any
 from reasonkv.cache.spec import DEFAULT_BUFFER, CacheSpec, resolve_spec
 from reasonkv.policies import Policy, parse_options, policy_class
 from reasonkv.policies.options import field_types, split_option
+from reasonkv.suggest.integers import is_int
 
 __all__ = ["ALLOCATION_ARGS", "CACHE_ARGS", "HARNESS_ARGS", "MODEL_ARGS", "SCORING", "ModelArgs", "parse_model_args"]
 
@@ -113,7 +114,7 @@ def parse_model_args(args: Mapping[str, Any]) -> ModelArgs:
     batch_size = args.get("batch_size", 1)
     if isinstance(batch_size, str) and batch_size.strip().isdigit():
         batch_size = int(batch_size)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+    if not is_int(batch_size) or batch_size < 1:
         raise ValueError(
             f"model_args batch_size={batch_size!r}: expected a positive integer (reasonkv sizes no batch "
             "automatically: its cache holds at most K + B tokens per row, so pick the batch the device fits)"
@@ -186,7 +187,7 @@ def _integer(args: Mapping[str, Any], name: str, *, default: int | None = None, 
     if value is None or (isinstance(value, str) and value.strip().lower() == "none"):
         if none or value is default:
             return None
-    elif isinstance(value, int) and not isinstance(value, bool):
+    elif is_int(value):
         return value
     elif isinstance(value, str) and value.strip().lstrip("+-").isdigit():
         return int(value)

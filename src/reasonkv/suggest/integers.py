@@ -1,0 +1,26 @@
+"""Whole numbers a user gives (counts, sizes, seeds): an ``int`` and never a ``bool``.
+
+To Python ``True`` is the integer 1; to a user it is never a count, so every integer setting refuses it.
+"""
+
+from __future__ import annotations
+
+__all__ = ["check_int", "is_int"]
+
+
+def is_int(value: object) -> bool:
+    """``value`` is an ``int`` and not a ``bool``."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_int(name: str, value: object, minimum: int | None = None) -> None:
+    """Raise ``ValueError`` naming the setting ``name``, its ``value`` and what is allowed, unless ``value`` is
+    an integer (:func:`is_int`) of at least ``minimum`` (any integer when None)."""
+    if not is_int(value) or (minimum is not None and value < minimum):
+        raise ValueError(f"{name} must be {_allowed(minimum)}, got {value!r}")
+
+
+def _allowed(minimum: int | None) -> str:
+    if minimum is None:
+        return "an integer"
+    return {0: "a non-negative integer", 1: "a positive integer"}.get(minimum, f"an integer >= {minimum}")
