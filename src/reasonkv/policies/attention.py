@@ -23,6 +23,7 @@ __all__ = [
     "grouped_sinks",
     "key_mask",
     "masked_softmax_",
+    "newest_row",
     "window_attention",
 ]
 
@@ -107,6 +108,25 @@ def window_attention(
     visible = visible & (key_positions >= 0).view(b, hkv, 1, 1, s)
     sink = None if sinks is None else grouped_sinks(sinks, hkv)
     return masked_softmax_(logits, visible, sink).view(b, hq, w, s)
+
+
+def newest_row(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    key_valid: torch.Tensor,
+    scaling: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention row of one query per row (``[B, Hq, 1, D]``) over every valid stored key: ``[B, Hq, S]``.
+
+    The query is the newest token, so every stored key is at or before it; ``key_valid`` ``[B, S]``.
+    ``softcap`` and ``sinks`` (``[Hq]``) as the model's kernel uses them.
+    """
+    b, hq = query.shape[:2]
+    s = keys.shape[2]
+    logits = grouped_logits(query, keys, scaling, softcap).view(b, hq, s)
+    return masked_softmax_(logits, key_valid.view(b, 1, s), None if sinks is None else sinks.float().view(1, hq, 1))
 
 
 def column_sums(
