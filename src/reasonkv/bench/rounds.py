@@ -17,6 +17,8 @@ import statistics
 from collections.abc import Callable, Hashable, Sequence
 from typing import TypeVar
 
+from reasonkv.suggest.integers import check_int
+
 __all__ = ["combine_rounds", "interleaved", "run_rounds", "same_rounds", "spread"]
 
 Entry = TypeVar("Entry", bound=Hashable)
@@ -24,8 +26,7 @@ Entry = TypeVar("Entry", bound=Hashable)
 
 def interleaved(entries: Sequence[Entry], rounds: int) -> list[tuple[int, Entry]]:
     """``(round, entry)`` in measuring order: every entry in round 0, then every entry in round 1, ..."""
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-        raise ValueError(f"rounds must be a positive integer, got {rounds!r}")
+    check_int("rounds", rounds, 1)
     return [(r, entry) for r in range(rounds) for entry in entries]
 
 

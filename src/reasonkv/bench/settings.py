@@ -35,6 +35,7 @@ from reasonkv.models import (
     shape_config,
 )
 from reasonkv.runs.flags import flag_values, setting, spell
+from reasonkv.suggest.integers import check_int, is_int
 
 __all__ = [
     "DEFAULT_DTYPE",
@@ -67,7 +68,7 @@ def parse_int_list(value: str | Sequence[int], what: str, *, increasing: bool = 
         raise ValueError(f"{what}: expected comma-separated positive integers, got {value!r}")
     values = []
     for part in parts:
-        if isinstance(part, bool) or not isinstance(part, (int, str)):
+        if not (is_int(part) or isinstance(part, str)):
             raise ValueError(f"{what}: {part!r} is not an integer (in {value!r})")
         try:
             number = int(part)
@@ -99,7 +100,7 @@ def _flag(name: str) -> str:
 
 
 def _check_int(name: str, value: Any, minimum: int, what: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not is_int(value) or value < minimum:
         raise ValueError(f"{_flag(name)} must be {what}, got {value}")
 
 
@@ -327,8 +328,7 @@ class BenchSettings:
         for name in (f.name for f in dataclasses.fields(self) if f.type == "bool"):  # the switches
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"--seed must be an integer, got {self.seed!r}")
+        check_int("--seed", self.seed)
         lists = {
             "batch_sizes": parse_int_list(self.batch_sizes, "--batch-sizes"),
             "probe_batches": parse_int_list(self.probe_batches, "--probe-batches"),
@@ -397,7 +397,7 @@ class BenchSettings:
     def _check_eviction_cost(self) -> None:
         if self.cached is None:
             raise ValueError("--eviction-cost needs --cached N (the tokens the cache holds at each eviction)")
-        if isinstance(self.cached, bool) or not isinstance(self.cached, int) or not 1 <= self.buffer < self.cached:
+        if not is_int(self.cached) or not 1 <= self.buffer < self.cached:
             raise ValueError(
                 f"--eviction-cost needs 1 <= --buffer < --cached (budget = cached - buffer), "
                 f"got buffer {self.buffer} and cached {self.cached}"

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from reasonkv.hf import Forward, native_cache, synchronize, vocab_size
+from reasonkv.suggest.integers import is_int
 
 __all__ = ["WARMUP_CAP_STEPS", "settle", "warm_up"]
 
@@ -31,7 +32,7 @@ def settle(
     Returns ``{"steps", "stable", "window_medians_s"}``.
     """
     for name, value, least in (("window", window, 1), ("last", last, 2), ("cap", cap, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        if not is_int(value) or value < least:
             raise ValueError(f"settle: {name} must be an integer >= {least}, got {value!r}")
     if not tolerance > 0:
         raise ValueError(f"settle: tolerance must be positive, got {tolerance!r}")

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from reasonkv.suggest.integers import check_int
+
 __all__ = ["WindowValidity", "check_layer_kinds"]
 
 SUPPORTED_KINDS = ("full", "sliding", "linear")
@@ -66,8 +68,7 @@ class WindowValidity:
     """
 
     def __init__(self, window: int):
-        if isinstance(window, bool) or not isinstance(window, int) or window < 2:
-            raise ValueError(f"a sliding window must be an integer >= 2, got {window!r}")
+        check_int("a sliding window", window, 2)
         self.window = window
         self.stored: torch.Tensor | None = None  # [batch, <= window - 1], what the layers hold between forwards
         self.current: torch.Tensor | None = None  # [batch, held_before + q]: the announced forward's keys

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from reasonkv.suggest.integers import check_int
+
 __all__ = [
     "BITS",
     "DEFAULT_GROUP_SIZE",
@@ -56,8 +58,7 @@ class QuantFormat:
     def __post_init__(self) -> None:
         if isinstance(self.bits, bool) or self.bits not in BITS:
             raise ValueError(f"bits must be 4 or 8, got {self.bits!r}")
-        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
-            raise ValueError(f"group_size must be a positive integer, got {self.group_size!r}")
+        check_int("group_size", self.group_size, 1)
 
     @property
     def levels(self) -> int:

@@ -21,6 +21,7 @@ from reasonkv.cache.allocation import ALLOCATIONS, budget_table, check_allocatio
 from reasonkv.cache.tiers import check_settings
 from reasonkv.policies import Policy, check_fields, get_policy
 from reasonkv.selection.blocks import blocks_per_step
+from reasonkv.suggest.integers import check_int, is_int
 
 __all__ = [
     "ALLOCATIONS",
@@ -45,10 +46,9 @@ ALLOCATION_SETTINGS: dict[str, tuple[str, tuple[str, ...]]] = {
 
 def check_sizes(budget: int | None, buffer: int) -> None:
     """``budget`` a positive integer or None, ``buffer`` a non-negative integer."""
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
+    if budget is not None and (not is_int(budget) or budget <= 0):
         raise ValueError(f"budget must be a positive integer (or None for no eviction), got {budget!r}")
-    if isinstance(buffer, bool) or not isinstance(buffer, int) or buffer < 0:
-        raise ValueError(f"buffer must be a non-negative integer, got {buffer!r}")
+    check_int("buffer", buffer, 0)
 
 
 def check_allocation_settings(allocation: str, **settings: Any) -> None:
@@ -73,11 +73,11 @@ def check_allocation_settings(allocation: str, **settings: Any) -> None:
 
 def _seed(seed: Any) -> int | tuple[int, ...]:
     """One integer for every row, or one per row."""
-    if isinstance(seed, int) and not isinstance(seed, bool):
+    if is_int(seed):
         return seed
     if isinstance(seed, Iterable) and not isinstance(seed, (str, bytes)):
         seeds = tuple(seed)
-        if seeds and all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
+        if seeds and all(is_int(s) for s in seeds):
             return seeds
     raise ValueError(f"seed must be an integer or a list of integers (one per prompt), got {seed!r}")
 

@@ -29,6 +29,7 @@ import torch
 
 from reasonkv.cache.quantize import QuantFormat
 from reasonkv.policies.select import MUST_KEEP, NEVER_KEEP, check_counts, rank_order
+from reasonkv.suggest.integers import is_int
 
 __all__ = [
     "TierSplit",
@@ -46,7 +47,7 @@ GROUP_ID_BYTES = 2  # int16 key-group ids (int32 only for a tier of 32k groups o
 def check_settings(quantized: int, bits: int | None, group_size: int | None = None) -> None:
     """Refuse a bad quantized tier before anything is built: ``quantized`` a non-negative integer,
     ``bits`` 4 or 8 and ``group_size`` positive (both only with ``quantized > 0``)."""
-    if isinstance(quantized, bool) or not isinstance(quantized, int) or quantized < 0:
+    if not is_int(quantized) or quantized < 0:
         raise ValueError(f"quantized must be a non-negative integer (tokens kept quantized), got {quantized!r}")
     if not quantized:
         for name, value in (("bits", bits), ("group_size", group_size)):

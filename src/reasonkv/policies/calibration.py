@@ -21,6 +21,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from reasonkv.suggest.integers import check_int, is_int
+
 __all__ = [
     "REFERENCE_DEPTH",
     "Calibration",
@@ -56,8 +58,7 @@ class Calibration:
     extra: Mapping[str, object] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) or self.num_layers < 1:
-            raise ValueError(f"num_layers must be a positive integer, got {self.num_layers!r}")
+        check_int("num_layers", self.num_layers, 1)
         object.__setattr__(self, "band_a", tuple(self.band_a))
         object.__setattr__(self, "band_b", tuple(self.band_b))
         for name in ("a", "b", "band_a", "band_b"):
@@ -79,11 +80,11 @@ class Calibration:
 def check_layers(name: str, value: int | Iterable[int], num_layers: int, *, owner: str = "") -> None:
     """Raise a ``ValueError`` naming ``name`` and the model depth unless every index is in ``0..L-1``."""
     prefix = f"{owner}: " if owner else ""
-    indices = (value,) if isinstance(value, int) and not isinstance(value, bool) else tuple(value)
+    indices = (value,) if is_int(value) else tuple(value)
     if not indices:
         raise ValueError(f"{prefix}{name} must name at least one layer")
     for index in indices:
-        if isinstance(index, bool) or not isinstance(index, int):
+        if not is_int(index):
             raise ValueError(f"{prefix}{name} must hold integer layer indices, got {value!r}")
         if not 0 <= index < num_layers:
             raise ValueError(

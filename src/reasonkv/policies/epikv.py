@@ -21,6 +21,7 @@ from reasonkv.policies.epikv_signal import (
 )
 from reasonkv.policies.options import check_at_least, check_choice, check_option
 from reasonkv.policies.registry import register
+from reasonkv.suggest.integers import is_int
 
 __all__ = ["EPIKV", "EPIKVLag", "VARIANTS"]
 
@@ -158,7 +159,7 @@ class EPIKV(Policy):
                 return tuple(int(part) for part in value.split(",") if part.strip())
             except ValueError:
                 raise ValueError(f"{self.name}: {option} must be {_BAND_ALLOWED}, got {value!r}") from None
-        if isinstance(value, int) and not isinstance(value, bool):
+        if is_int(value):
             return (value,)
         return tuple(value) if isinstance(value, (list, range)) else value
 

@@ -15,6 +15,8 @@ import math
 
 import torch
 
+from reasonkv.suggest.integers import is_int
+
 __all__ = ["gumbel", "mix", "normal", "seed_tensor", "uniform"]
 
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # splitmix64 constants as signed 64-bit integers
@@ -44,7 +46,7 @@ def mix(key: torch.Tensor | int, *more: torch.Tensor | int) -> torch.Tensor:
 
 def seed_tensor(seed: int | list[int], batch: int, device: torch.device | str) -> torch.Tensor:
     """Per-row seeds ``[batch]`` (int64) from one seed for all rows or one per row."""
-    seeds = [seed] * batch if isinstance(seed, int) and not isinstance(seed, bool) else list(seed)
+    seeds = [seed] * batch if is_int(seed) else list(seed)
     if len(seeds) != batch:
         raise ValueError(f"got {len(seeds)} seeds for a batch of {batch}")
     return torch.tensor([int(s) for s in seeds], dtype=torch.int64, device=device)

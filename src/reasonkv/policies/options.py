@@ -26,6 +26,8 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+from reasonkv.suggest.integers import is_int
+
 __all__ = [
     "check_at_least",
     "check_choice",
@@ -76,7 +78,7 @@ def _as(arm: Any, value: Any, parse: bool) -> Any:
         if text is not None and text.lower() in _TRUE + _FALSE:
             return text.lower() in _TRUE
     elif arm is int:
-        if isinstance(value, int) and not isinstance(value, bool):
+        if is_int(value):
             return value
         if text is not None:
             return int(text)

@@ -61,6 +61,7 @@ from reasonkv.policies.selective import SelectionPolicy
 from reasonkv.selection.blocks import RULES
 from reasonkv.selection.pooled import PooledKeys
 from reasonkv.selection.torchfile import read_torch_file
+from reasonkv.suggest.integers import check_int
 
 __all__ = [
     "FORMAT",
@@ -114,9 +115,7 @@ class GateShape:
             raise ValueError(f"gate qk_norm must be True or False, got {qk_norm!r}")
         self.qk_norm = qk_norm
         for name in ("layers", "heads", "kv_heads", "head_dim", "gate_dim", "block_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"gate {name} must be a positive integer, got {value!r}")
+            check_int(f"gate {name}", getattr(self, name), 1)
         if heads % kv_heads:
             raise ValueError(f"gate heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
         if gate_dim % 2:

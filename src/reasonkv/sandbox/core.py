@@ -54,6 +54,7 @@ from reasonkv.sandbox.host import Interpreter, SandboxUser, find_interpreter, sa
 from reasonkv.sandbox.limits import Limits, check_memory, check_timeout, launcher_argv
 from reasonkv.sandbox.supervise import Finished, supervise
 from reasonkv.sandbox.usage import RunUsage
+from reasonkv.suggest.integers import is_int
 
 STATUSES = ("ok", "failed", "timeout", "memory", "output-limit", "killed")
 
@@ -470,7 +471,7 @@ class Sandbox:
         unknown = [name for name in allowed if name not in GUARANTEES]
         if unknown:
             raise ValueError(f"unknown sandbox guarantee {', '.join(unknown)}; known: {', '.join(GUARANTEES)}")
-        if isinstance(output_limit, bool) or not isinstance(output_limit, int) or output_limit < 1024:
+        if not is_int(output_limit) or output_limit < 1024:
             raise ValueError(f"output_limit must be an integer >= 1024 bytes, got {output_limit!r}")
         self.allow_missing = allowed
         self.output_limit = output_limit

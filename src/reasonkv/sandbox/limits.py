@@ -14,6 +14,8 @@ import math
 import os
 from dataclasses import dataclass
 
+from reasonkv.suggest.integers import is_int
+
 __all__ = [
     "FILE_SIZE_MB",
     "LAUNCHER",
@@ -62,7 +64,7 @@ def check_timeout(timeout: object, name: str = "timeout") -> float:
 def check_memory(memory_mb: object, name: str = "memory_mb") -> int:
     """``memory_mb`` if it is an integer from :data:`MIN_MEMORY_MB` to this machine's memory, else ValueError."""
     top = machine_memory_mb()
-    if isinstance(memory_mb, bool) or not isinstance(memory_mb, int) or not MIN_MEMORY_MB <= memory_mb <= top:
+    if not is_int(memory_mb) or not MIN_MEMORY_MB <= memory_mb <= top:
         raise ValueError(
             f"{name} must be an integer number of MiB from {MIN_MEMORY_MB} to {top} (this machine's memory), "
             f"got {memory_mb!r}"

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from reasonkv.suggest.integers import check_int, is_int
+
 __all__ = [
     "ALLOCATIONS",
     "PYRAMID_BETA",
@@ -143,12 +145,11 @@ class BudgetFile:
 
     def _count(self, data: dict, key: str) -> int:
         value = data.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{self._where()}: {key!r} must be a positive integer, got {value!r}")
+        check_int(f"{self._where()}: {key!r}", value, 1)
         return value
 
     def _check_value(self, value: object, layer: int, head: int) -> None:
-        integer = isinstance(value, int) and not isinstance(value, bool)
+        integer = is_int(value)
         number = integer or (isinstance(value, float) and math.isfinite(value))
         if self.kind == "budgets" and not integer:
             raise ValueError(f"{self._where()}: budgets[{layer}][{head}] must be an integer, got {value!r}")
