@@ -21,7 +21,7 @@ from reasonkv.cache.allocation import ALLOCATIONS, budget_table, check_allocatio
 from reasonkv.cache.tiers import check_settings
 from reasonkv.policies import Policy, check_fields, get_policy
 from reasonkv.selection.blocks import blocks_per_step
-from reasonkv.suggest.integers import check_int, is_int
+from reasonkv.suggest.integers import check_int, is_int, is_number
 
 __all__ = [
     "ALLOCATIONS",
@@ -58,7 +58,7 @@ def check_allocation_settings(allocation: str, **settings: Any) -> None:
     reaches it through :class:`CacheSpec` (``reasonkv bench`` also checks its settings with it up front)."""
     check_allocation(allocation, settings.get("budgets_file"))
     alpha, ragged = settings.get("adaptive_alpha"), settings.get("ragged")
-    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1):
+    if alpha is not None and (not is_number(alpha) or not 0 <= alpha <= 1):
         raise ValueError(f"adaptive_alpha must be a number in [0, 1], got {alpha!r} (--adaptive-alpha)")
     if ragged is not None and not isinstance(ragged, bool):
         raise ValueError(f"ragged must be True or False, got {ragged!r}")

@@ -26,7 +26,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from reasonkv.suggest.integers import is_int
+from reasonkv.suggest.integers import is_int, is_number
 
 __all__ = [
     "check_at_least",
@@ -83,7 +83,7 @@ def _as(arm: Any, value: Any, parse: bool) -> Any:
         if text is not None:
             return int(text)
     elif arm is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if is_number(value):
             return value  # an int stays an int: some options read a count where a fraction is < 1
         if text is not None:
             number = float(text)

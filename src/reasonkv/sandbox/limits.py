@@ -14,7 +14,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from reasonkv.suggest.integers import is_int
+from reasonkv.suggest.integers import is_int, is_number
 
 __all__ = [
     "FILE_SIZE_MB",
@@ -51,12 +51,7 @@ def machine_memory_mb() -> int:
 
 def check_timeout(timeout: object, name: str = "timeout") -> float:
     """``timeout`` as float seconds, or ValueError naming the value and the allowed range."""
-    if (
-        isinstance(timeout, bool)
-        or not isinstance(timeout, (int, float))
-        or not math.isfinite(timeout)
-        or not 0 < timeout <= MAX_TIMEOUT
-    ):
+    if not is_number(timeout) or not math.isfinite(timeout) or not 0 < timeout <= MAX_TIMEOUT:
         raise ValueError(f"{name} must be a number of seconds in (0, {MAX_TIMEOUT:g}], got {timeout!r}")
     return float(timeout)
 

@@ -1,16 +1,22 @@
 """Whole numbers a user gives (counts, sizes, seeds): an ``int`` and never a ``bool``.
 
-To Python ``True`` is the integer 1; to a user it is never a count, so every integer setting refuses it.
+To Python ``True`` is the integer 1; to a user it is never a count, so every integer setting refuses it, and
+every number setting (:func:`is_number`) too.
 """
 
 from __future__ import annotations
 
-__all__ = ["check_int", "is_int"]
+__all__ = ["check_int", "is_int", "is_number"]
 
 
 def is_int(value: object) -> bool:
     """``value`` is an ``int`` and not a ``bool``."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> bool:
+    """``value`` is an ``int`` or a ``float`` and not a ``bool``."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def check_int(name: str, value: object, minimum: int | None = None) -> None:
