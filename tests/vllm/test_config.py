@@ -14,6 +14,7 @@ from vllm.config import KVTransferConfig  # noqa: E402
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 
 from reasonkv.integrations.vllm import config as rk_config  # noqa: E402
+from reasonkv.policies.registry import list_policies, policy_class  # noqa: E402
 
 GOOD = {"policy": "streaming", "budget": 64, "buffer": 16}
 
@@ -77,10 +78,10 @@ def test_bad_settings_get_reasonkvs_own_errors(reasonkv, expected):
         ({**GOOD, "quantized": 16}, {}, "quantized tier"),
         ({"policy": "knorm", "budget": 64, "allocation": "pyramid"}, {}, "allocation='pyramid'"),
         ({"policy": "quest", "budget": 64}, {}, "selects"),
-        ({"policy": "lagkv", "budget": 64}, {}, "not yet verified"),
         ({"policy": "full"}, {}, "evicts nothing"),
-        ({"policy": "h2o", "budget": 64}, {}, "attention each key received"),
         ({"policy": "snapkv", "budget": 64}, {"enforce_eager": False}, "enforce_eager=True"),
+        ({"policy": "h2o", "budget": 64}, {"enforce_eager": False}, "post-RoPE queries"),
+        ({"policy": "epikv", "budget": 64}, {"enforce_eager": False}, "the residual stream"),
         (GOOD, {"enable_prefix_caching": True}, "prefix caching"),
         (GOOD, {"kv_cache_dtype": "fp8"}, "quantized KV cache"),
         (GOOD, {"kv_transfer_config": KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both")}, "KV"),
@@ -88,6 +89,13 @@ def test_bad_settings_get_reasonkvs_own_errors(reasonkv, expected):
 )
 def test_unsupported_settings_are_refused_in_one_line(reasonkv, options, expected):
     assert expected in _refused(reasonkv, **options)
+
+
+def test_every_evicting_policy_is_verified_and_a_new_one_is_refused_until_it_is(monkeypatch):
+    evicting = [n for n in list_policies() if n != "full" and not policy_class(n).selects]
+    assert sorted(rk_config.VERIFIED) == sorted(evicting)
+    monkeypatch.setattr(rk_config, "VERIFIED", tuple(n for n in rk_config.VERIFIED if n != "lagkv"))
+    assert "policy 'lagkv' is not yet verified" in _refused({"policy": "lagkv", "budget": 64})
 
 
 def test_an_unknown_vllm_release_is_refused(monkeypatch):

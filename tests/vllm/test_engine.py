@@ -29,8 +29,10 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner  # noqa: E402
 
 import reasonkv  # noqa: E402
+from reasonkv.hf import model_info  # noqa: E402
 from reasonkv.integrations.vllm.scheduler import EvictingScheduler  # noqa: E402
 from reasonkv.integrations.vllm.worker import EvictingCPURunner  # noqa: E402
+from reasonkv.policies.registry import parse_options  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -58,28 +60,35 @@ def _close(llm) -> None:
     gc.collect()
 
 
-# CI runs one policy that reads keys only and one that reads queries; the others are in the slow tier (each
-# starts an engine: about a minute on two cores).
+# CI runs one policy of each kind of signal: positions only, recent queries, the attention every key received
+# (recomputed from the paged keys), and the residual stream; the others are in the slow tier (each starts an
+# engine: about a minute on two cores).
 SLOW = pytest.mark.slow
+POLICIES = ["streaming", "tova", "h2o", "epikv"]
+SLOW_POLICIES = [
+    "knorm", "keydiff", "snapkv", "vase-attnv", "vase-dkv", "triattention", "triattention:stats=bundled",
+    "raas:protect_prompt=false",  # its default keeps the prompt whole, and one prompt (120) is above K = 64
+    "thinkv", "rkv", "lagkv", "random", "curdkv", "expected-attention", "epikv-lag",
+]  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "policy",
-    ["streaming", "tova", pytest.param("knorm", marks=SLOW), pytest.param("keydiff", marks=SLOW),
-     pytest.param("snapkv", marks=SLOW)],
-)  # fmt: skip
-def test_same_tokens_as_reasonkv_with_blocks_bounded(reference, policy, tmp_path):
+@pytest.mark.parametrize("named", [*POLICIES, *(pytest.param(p, marks=SLOW) for p in SLOW_POLICIES)])
+def test_same_tokens_as_reasonkv_with_blocks_bounded(reference, reference_model, named, tmp_path):
+    policy, *given = named.split(":")
+    options = parse_options(policy, given)
     stats = tmp_path / "stats.jsonl"
-    llm = engine({"policy": policy, "budget": BUDGET, "buffer": BUFFER, "stats_file": str(stats)})
+    llm = engine({"policy": policy, "budget": BUDGET, "buffer": BUFFER, "stats_file": str(stats), **options})
     try:
-        scheduler = scheduler_of(llm)
-        assert isinstance(scheduler, EvictingScheduler) and isinstance(runner_of(llm), EvictingCPURunner)
+        scheduler, runner = scheduler_of(llm), runner_of(llm)
+        assert isinstance(scheduler, EvictingScheduler) and isinstance(runner, EvictingCPURunner)
         tokens = greedy(llm)
+        # The rotations the policies read are vLLM's own, and equal transformers' (triattention rotates keys back).
+        assert runner.reasonkv_info.rotary == model_info(reference_model).rotary
         pool = scheduler.kv_cache_manager.block_pool
         assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1  # every block back (one is vLLM's null block)
     finally:
         _close(llm)
-    assert tokens == reference(policy, budget=BUDGET, buffer=BUFFER)
+    assert tokens == reference(policy, budget=BUDGET, buffer=BUFFER, **options)
     records = sorted((json.loads(line) for line in stats.read_text().splitlines()), key=lambda r: r["prompt_tokens"])
     assert [r["prompt_tokens"] for r in records] == sorted(len(p) for p in PROMPTS)
     # 26 tokens: due at K + B = 80, then every 16; 70: alike; 120: evicted after its prefill, then every 16.

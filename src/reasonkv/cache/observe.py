@@ -62,11 +62,14 @@ def _hidden_hook(ref: weakref.ReferenceType, index: int):
 class Observer:
     """Records the signals of ``needs`` for one model and one cache while ``active``.
 
+    With ``model`` None no hook is installed: the caller hands over each forward's signals itself
+    (:meth:`record_hidden`, :meth:`on_attention`), as reasonkv's vLLM worker does for each request.
+
     ``defer`` (default True) computes owed attention at flushes; False computes it after every forward
     (the per-step schedule, kept to check the deferred one against).
     """
 
-    def __init__(self, model: torch.nn.Module, cache, needs: Needs, stopwatch: Stopwatch | None = None):
+    def __init__(self, model: torch.nn.Module | None, cache, needs: Needs, stopwatch: Stopwatch | None = None):
         self._cache, self.needs = weakref.ref(cache), needs  # weakly: the cache owns its evictor and observer
         self.stopwatch = stopwatch or Stopwatch()
         self.active = False
@@ -77,13 +80,17 @@ class Observer:
         self._step: Step | None = None
         self._logged = False  # whether this forward's newest query was logged already
         self.attention_layers = frozenset(cache.full_layers)  # only the evicting layers' attention counts
+        self.reads_attention = needs.attention_last or needs.attention_sum
+        self.tap = None
+        if model is None:  # the caller delivers the signals (vLLM's worker: record_hidden and on_attention)
+            return
         layers = decoder_layers(model)
         for index in needs.hidden_layers:
             if not 0 <= index < len(layers):
                 raise ValueError(f"hidden layer {index} out of range: the model has {len(layers)} layers")
             self.handles.append(layers[index].register_forward_hook(_hidden_hook(weakref.ref(self), index)))
-        self.reads_attention = needs.attention_last or needs.attention_sum
-        self.tap = AttentionTap(model, self.on_attention) if needs.taps_attention else None
+        if needs.taps_attention:
+            self.tap = AttentionTap(model, self.on_attention)
 
     @property
     def cache(self):
@@ -131,7 +138,8 @@ class Observer:
             kernel = {"scaling": recorded.scalings.get(layer), "softcap": recorded.softcaps.get(layer)}
             kernel["s_aux"] = recorded.sinks.get(layer)
             with self.stopwatch("record"):
-                self._record(layer, capture.queries[layer].clone(), self.cache.attended(layer)[0], kernel)
+                keys = self.cache.attended(layer)[0]
+                self.record(layer, capture.queries[layer].clone(), keys.shape[2], kernel, keys)
 
     def detach(self) -> None:
         self.active = False
@@ -146,9 +154,11 @@ class Observer:
         if not self.active or layer not in self.attention_layers:
             return
         with self.stopwatch("record"):
-            self._record(layer, query, key, kwargs)
+            self.record(layer, query, key.shape[2], kwargs, key)
 
-    def _record(self, layer: int, query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> None:
+    def record(self, layer: int, query: torch.Tensor, slots: int, kwargs: dict, keys: torch.Tensor | None) -> None:
+        """One layer's queries of the forward in progress, which sees ``slots`` stored keys: ``keys``, needed only
+        for a multi-token forward's column sums (``Needs.attention_sum``); ``kwargs``: the kernel's arguments."""
         step, needs, recorded = self._step, self.needs, self.recorded
         recorded.scalings[layer] = kwargs.get("scaling") or query.shape[-1] ** -0.5
         softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux", kwargs.get("sinks"))
@@ -162,11 +172,10 @@ class Observer:
             self.policy.observe_queries(layer, query, step.input_positions, step.input_valid)
         if not self.reads_attention:
             return
-        q, slots = query.shape[2], key.shape[2]
-        if needs.attention_sum and q > 1:
+        if needs.attention_sum and query.shape[2] > 1:
             sums = attention.column_sums(
                 query,
-                key,
+                keys,
                 self.cache.key_valid(layer),
                 step.input_valid,
                 recorded.scalings[layer],

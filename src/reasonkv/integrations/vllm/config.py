@@ -28,9 +28,12 @@ SUPPORTED_VERSIONS = ("0.32.",)
 SCHEDULER = "reasonkv.integrations.vllm.scheduler.EvictingScheduler"
 WORKER = "reasonkv.integrations.vllm.worker.EvictingCPUWorker"
 _OWN_KEYS = ("stats_file",)
-# The policies whose tokens inside vLLM are tested to equal reasonkv.generate's (tests/vllm/test_engine.py). Another
-# policy that reads nothing the integration lacks is refused until a test holds it to the same standard.
-VERIFIED = ("streaming", "knorm", "keydiff", "tova", "snapkv")
+# The policies whose tokens inside vLLM are tested to equal reasonkv.generate's (tests/vllm/test_engine.py): every
+# evicting policy reasonkv ships. A policy registered later is refused until a test holds it to the same standard.
+VERIFIED = (
+    "streaming", "random", "knorm", "keydiff", "lagkv", "curdkv", "vase-dkv", "tova", "snapkv", "rkv", "vase-attnv",
+    "expected-attention", "h2o", "raas", "thinkv", "triattention", "epikv", "epikv-lag",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -96,11 +99,6 @@ def policy_refusal(spec: CacheSpec, needs: Needs) -> str | None:
             f"allocation={spec.allocation!r} gives heads different token counts, but a vLLM block holds the same "
             "tokens for every head"
         )
-    if needs.attention_last or needs.attention_sum or needs.queries or needs.hidden_layers:
-        return (
-            f"policy {policy.name!r} reads the attention each key received, every query or hidden states, which this "
-            "release of the integration does not capture inside vLLM (it captures a window of recent queries)"
-        )
     if policy.name not in VERIFIED:
         return (
             f"policy {policy.name!r} is not yet verified to decode as reasonkv.generate does inside vLLM "
@@ -123,10 +121,11 @@ def refusals(vllm_config, settings: Settings) -> list[str]:
     why = policy_refusal(settings.spec, needs)
     if why:
         found.append(why)
-    elif needs.query_window and not model_config.enforce_eager:
+    elif (needs.taps_attention or needs.hidden_layers) and not model_config.enforce_eager:
+        what = "post-RoPE queries" if needs.taps_attention else "the residual stream"
         found.append(
-            f"policy {settings.spec.policy.name!r} reads recent post-RoPE queries, captured by a hook on each attention"
-            " layer that a compiled model does not run: pass enforce_eager=True (--enforce-eager)"
+            f"policy {settings.spec.policy.name!r} reads {what}, captured by hooks on the model's layers that a "
+            "compiled model does not run: pass enforce_eager=True (--enforce-eager)"
         )
     if any(kind != "full" for kind in info.layer_kinds):
         found.append("a model with sliding-window or linear-attention layers (more than one kind of KV cache)")

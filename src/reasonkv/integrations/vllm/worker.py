@@ -4,15 +4,22 @@ and, after each forward, lets the policy evict the requests that reached ``K + B
 The runner is vLLM's own ``CPUModelRunner`` (the V1 runner, a subclass of the GPU one) with three methods
 wrapped: ``_prepare_inputs`` (seq_lens and the slot mapping from the physical lengths of :mod:`.physical`),
 ``execute_model`` (the eviction after the forward, before any later step can write a freed block) and
-``_update_states`` (a finished request's state dropped). An eviction reads the request's blocks densely in the
-backend's own layout (:mod:`.paged`), asks the policy which tokens stay (:mod:`.rows`), writes them into the
-first blocks in the order they came, and trims the request's block table to the blocks that hold them, exactly
-as the scheduler trims its own on the request's next step.
+``_update_states`` (a finished request's state dropped).
+
+Each request is a one-row cache (:mod:`.rows`) with reasonkv's own observer and policy: hooks hand the observer
+what the policy reads as the model computes it (post-RoPE queries at each attention layer, the residual stream
+after a decoder layer), and after the forward the policy observes the step, as in ``reasonkv.generate``. An
+eviction hands the policy the attention it is owed, reads the request's blocks densely in the backend's own
+layout (:mod:`.paged`), asks the policy which tokens stay, writes them into the first blocks in the order they
+came, and trims the request's block table to the blocks that hold them, exactly as the scheduler trims its own
+on the request's next step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,12 +29,12 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
+from reasonkv.cache.observe import Observer
 from reasonkv.hf import model_info
 from reasonkv.integrations.vllm.config import Settings, settings_of
 from reasonkv.integrations.vllm.paged import BlockLayout, probe_layout
-from reasonkv.integrations.vllm.rows import RequestRow, kept_indices
+from reasonkv.integrations.vllm.rows import RequestCache, kept_indices, rotary_of
 from reasonkv.policies import noise
-from reasonkv.policies.recorded import Recorded
 
 __all__ = ["EvictingCPURunner", "EvictingCPUWorker"]
 
@@ -47,14 +54,12 @@ class EvictingCPUWorker(CPUWorker):
 
 @dataclass
 class _Request:
-    """What the worker keeps of an evicting request: the logical positions of the tokens its blocks hold (per
-    layer and head, ``[layers, kv_heads, held]``) up to logical length ``logical``, its policy and evictions."""
+    """What the worker keeps of an evicting request: its tokens as a one-row cache, its policy, and the observer
+    that records the signals the policy reads (as reasonkv's own cache does, fed by the worker's hooks)."""
 
+    cache: RequestCache
     policy: object
-    recorded: Recorded
-    positions: torch.Tensor | None = None
-    logical: int = 0
-    evictions: int = 0
+    observer: Observer
 
 
 class EvictingCPURunner(CPUModelRunner):
@@ -63,47 +68,81 @@ class EvictingCPURunner(CPUModelRunner):
     def reasonkv_setup(self, settings: Settings) -> None:
         self.reasonkv = settings
         self.reasonkv_info = model_info(self.model_config.hf_config)
+        self.reasonkv_needs = settings.spec.policy.needs(self.reasonkv_info)
         self.reasonkv_requests: dict[str, _Request] = {}
         # The tokens a request had when it resumed after a preemption: its prompt from then on (see physical.py).
         self.reasonkv_starts: dict[str, int] = {}
         self.reasonkv_forward: list[tuple[str, int, int, int]] = []  # (request, computed, new, prompt)
         self.reasonkv_layout: BlockLayout | None = None
-        self.reasonkv_window = settings.spec.policy.needs(self.reasonkv_info).query_window
-        self.reasonkv_hooks: list | None = None  # on each attention layer, once the model is loaded
+        self.reasonkv_hooks: list | None = None  # on the layers whose signals the policy reads, once loaded
 
     def _request(self, request_id: str) -> _Request:
         state = self.reasonkv_requests.get(request_id)
         if state is None:
-            state = _Request(self.reasonkv.spec.new_policy(), Recorded(self.reasonkv_window))
-            state.policy.reset(self.reasonkv_info, 1, torch.device("cpu"))
-            self.reasonkv_requests[request_id] = state
+            spec, info = self.reasonkv.spec, self.reasonkv_info
+            read = functools.partial(self._read, request_id)
+            cache = RequestCache(read, info, self.model_config.get_num_kv_heads(self.parallel_config), spec.budget)
+            policy = spec.new_policy()
+            policy.reset(info, 1, torch.device("cpu"))
+            observer = Observer(None, cache, self.reasonkv_needs)
+            observer.policy = policy
+            state = self.reasonkv_requests[request_id] = _Request(cache, policy, observer)
         return state
 
-    def _hook_queries(self) -> None:
-        """A policy that reads recent queries gets each attention layer's post-RoPE queries of every request, as
-        the layer receives them (a hook before its forward: eager mode, which the config check requires)."""
-        context = self.compilation_config.static_forward_context
+    # ------------------------------------------------------------------ the signals, as the model computes them
+    def _hook(self) -> None:
+        """Hooks that hand each request's signals to its observer during a forward (eager mode, which the config
+        check requires of a policy that reads any): each attention layer's post-RoPE queries (and keys), and the
+        residual stream after each decoder layer the policy reads. The model's rotations join its info here (the
+        policies that rotate keys back read them), as vLLM's own rotary modules hold them."""
         self.reasonkv_hooks = []
-        for name in self.kv_cache_config.kv_cache_groups[0].layer_names:
-            layer = extract_layer_index(name)
-            module = context[name]
-            hook = functools.partial(self._capture, layer, module.num_heads, module.head_size)
-            self.reasonkv_hooks.append(module.register_forward_pre_hook(hook))
+        needs = self.reasonkv_needs
+        layers = {}  # the decoder layers, by index: the modules named `...layers.<index>`
+        for name, module in self.get_model().named_modules():
+            found = re.fullmatch(r"(?:.*\.)?layers\.(\d+)", name)
+            if found:
+                layers[int(found.group(1))] = module
+        rotary = tuple(rotary_of(layers[index], self.reasonkv_info.head_dim) for index in sorted(layers))
+        self.reasonkv_info = dataclasses.replace(self.reasonkv_info, rotary=rotary)
+        if needs.taps_attention:
+            context = self.compilation_config.static_forward_context
+            for name in self.kv_cache_config.kv_cache_groups[0].layer_names:
+                module = context[name]
+                hook = functools.partial(self._capture_attention, extract_layer_index(name))
+                self.reasonkv_hooks.append(module.register_forward_pre_hook(hook))
+        for index in needs.hidden_layers:
+            hook = functools.partial(self._capture_hidden, index)
+            self.reasonkv_hooks.append(layers[index].register_forward_hook(hook))
 
-    def _capture(self, layer: int, heads: int, head_dim: int, module, args) -> None:
-        query, start = args[0], 0
-        scale, softcap = module.impl.scale, getattr(module.impl, "logits_soft_cap", 0)
-        for request_id, computed, new, _ in self.reasonkv_forward:
-            queries = query[start : start + new].reshape(new, heads, head_dim).transpose(0, 1).unsqueeze(0).clone()
-            positions = torch.arange(computed, computed + new).unsqueeze(0)
-            valid = torch.ones(1, new, dtype=torch.bool)
-            recorded = self._request(request_id).recorded
-            recorded.push_queries(layer, queries, positions, valid)
-            # The kernel's own scaling and soft-cap, so that the policy's recomputed attention is the model's.
-            recorded.scalings[layer] = scale
-            if softcap:
-                recorded.softcaps[layer] = softcap
+    def _per_request(self, *tensors: torch.Tensor):
+        """Each request of the forward in progress, its new token count and its rows of ``[tokens, ...]`` tensors."""
+        start = 0
+        for request_id, _, new, _ in self.reasonkv_forward:
+            yield request_id, new, [t[start : start + new] for t in tensors]
             start += new
+
+    def _capture_attention(self, layer: int, module, args) -> None:
+        heads, kv_heads, head_dim = module.num_heads, module.num_kv_heads, module.head_size
+        # The kernel's own scaling and soft-cap, so that the policy's recomputed attention is the model's.
+        kernel = {"scaling": module.impl.scale, "softcap": getattr(module.impl, "logits_soft_cap", None) or None}
+        for request_id, new, (query, key) in self._per_request(args[0], args[1]):
+            state = self.reasonkv_requests[request_id]
+            held = state.cache.held
+            keys = None
+            if self.reasonkv_needs.attention_sum and new > 1:
+                # A multi-token forward's column sums see the keys held before it and its own (not in the blocks
+                # yet: the layer writes them after this hook), as reasonkv's storage shows them to attention.
+                before, _ = self._read(request_id, layer, held - new)
+                ours = key.reshape(new, kv_heads, head_dim).transpose(0, 1)
+                keys = torch.cat([before, ours], dim=1).unsqueeze(0)
+            queries = query.reshape(new, heads, head_dim).transpose(0, 1).unsqueeze(0).clone()
+            state.observer.record(layer, queries, held, kernel, keys)
+
+    def _capture_hidden(self, layer: int, module, args, output) -> None:
+        hidden, residual = output  # vLLM defers each layer's residual add to the next layer's fused norm
+        stream = hidden if residual is None else hidden + residual
+        for request_id, _, (rows,) in self._per_request(stream):
+            self.reasonkv_requests[request_id].observer.record_hidden(layer, rows.unsqueeze(0))
 
     # ------------------------------------------------------------------ one step
     def _update_states(self, scheduler_output):
@@ -121,8 +160,8 @@ class EvictingCPURunner(CPUModelRunner):
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens: np.ndarray):
         result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
-        if self.reasonkv_window and self.reasonkv_hooks is None:
-            self._hook_queries()
+        if self.reasonkv_hooks is None:
+            self._hook()
         lengths = self.reasonkv.lengths
         batch = self.input_batch
         count = batch.num_reqs
@@ -134,6 +173,12 @@ class EvictingCPURunner(CPUModelRunner):
             (r, int(c), int(n), int(p))
             for r, c, n, p in zip(batch.req_ids, computed, num_scheduled_tokens[:count], prompts, strict=True)
         ]
+        for request_id, c, n, p in self.reasonkv_forward:  # the forward begins: its tokens are held from now on
+            state = self._request(request_id)
+            state.cache.prompt = p
+            state.cache.grow(n)
+            positions = torch.arange(c, c + n).unsqueeze(0)
+            state.observer.begin(torch.ones(1, n, dtype=torch.bool), positions, c + n, claim=False)
         shift = computed - held  # logical minus physical: the tokens evicted so far
         if not shift.any():
             return result
@@ -151,8 +196,12 @@ class EvictingCPURunner(CPUModelRunner):
         output = super().execute_model(scheduler_output, intermediate_tensors)
         lengths = self.reasonkv.lengths
         for request_id, computed, new, prompt in self.reasonkv_forward:
+            state = self.reasonkv_requests[request_id]
+            step = state.observer.end()  # the forward's signals, handed over as reasonkv's own cache does
+            state.policy.observe(step)
+            state.observer.settle()
             if lengths.evicts_after(computed, new, prompt):
-                self._evict(request_id, computed + new, lengths.physical(computed, prompt) + new, prompt)
+                self._evict(request_id, computed + new, lengths.physical(computed, prompt) + new)
         self.reasonkv_forward = []
         return output
 
@@ -178,37 +227,33 @@ class EvictingCPURunner(CPUModelRunner):
             self.reasonkv_layout = probe_layout(write, block_size, width // 2, cache.dtype)
         return self.reasonkv_layout
 
-    def _evict(self, request_id: str, logical: int, held: int, prompt: int) -> None:
+    def _read(self, request_id: str, layer: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``count`` tokens a request holds in one layer: keys, values ``[kv_heads, count, head_dim]``."""
+        caches = self._caches()
+        blocks = torch.tensor(self.requests[request_id].block_ids[0], dtype=torch.long)
+        return self._layout(caches[0]).read(caches[layer], blocks, count)
+
+    def _evict(self, request_id: str, logical: int, held: int) -> None:
         """Evict one request holding ``held`` tokens (``logical`` computed) down to the budget, in place."""
-        spec, info = self.reasonkv.spec, self.reasonkv_info
-        state = self._request(request_id)
+        spec, state = self.reasonkv.spec, self.reasonkv_requests[request_id]
+        cache = state.cache
+        if (cache.held, cache.seen) != (held, logical):
+            raise RuntimeError(
+                f"reasonkv: request {request_id} holds {held} of {logical} tokens but {cache.held} of "
+                f"{cache.seen} are known"
+            )
+        state.observer.flush()  # the attention the policy is owed, before it scores
+        seed = noise.seed_tensor(spec.seed if isinstance(spec.seed, int) else spec.seed[0], 1, "cpu")
+        kept = kept_indices(state.policy, cache, self.reasonkv_info, state.observer.recorded, seed)
         caches = self._caches()
         layout = self._layout(caches[0])
         request = self.requests[request_id]
         blocks = torch.tensor(request.block_ids[0], dtype=torch.long)
-        read = [layout.read(cache, blocks, held) for cache in caches]
-        heads = read[0][0].shape[0]
-        arrived = torch.arange(state.logical, logical).view(1, 1, -1).expand(len(caches), heads, -1)
-        positions = arrived if state.positions is None else torch.cat([state.positions, arrived], dim=-1)
-        if positions.shape[-1] != held:
-            known = positions.shape[-1]
-            raise RuntimeError(f"reasonkv: request {request_id} holds {held} tokens but {known} are known")
-        row = RequestRow(
-            [k for k, _ in read],
-            [v for _, v in read],
-            positions,
-            logical=logical,
-            prompt=prompt,
-            evictions=state.evictions,
-            budget=spec.budget,
-        )
-        seed = noise.seed_tensor(spec.seed if isinstance(spec.seed, int) else spec.seed[0], 1, "cpu")
-        kept = kept_indices(state.policy, row, info, state.recorded, seed)  # [layers, kv_heads, K]
-        for cache, (keys, values), index in zip(caches, read, kept, strict=True):
+        for layer, (cache_tensor, index) in enumerate(zip(caches, kept, strict=True)):
+            keys, values = (t[0] for t in cache.attended(layer))
             spread = index.unsqueeze(-1).expand(-1, -1, keys.shape[-1])
-            layout.write(cache, blocks, keys.gather(1, spread), values.gather(1, spread))
-        state.positions, state.logical = positions.gather(-1, kept), logical
-        state.evictions += 1
+            layout.write(cache_tensor, blocks, keys.gather(1, spread), values.gather(1, spread))
+        cache.keep(kept)
         # The scheduler frees the blocks past the kept tokens when it next sizes this request: trim ours alike.
         keep = self.reasonkv.lengths.blocks(kept.shape[-1], layout.block_size)
         del request.block_ids[0][keep:]
