@@ -82,6 +82,7 @@ def test_bad_settings_get_reasonkvs_own_errors(reasonkv, expected):
         ({"policy": "snapkv", "budget": 64}, {"enforce_eager": False}, "enforce_eager=True"),
         ({"policy": "h2o", "budget": 64}, {"enforce_eager": False}, "post-RoPE queries"),
         ({"policy": "epikv", "budget": 64}, {"enforce_eager": False}, "the residual stream"),
+        ({"policy": "triattention", "budget": 64, "stats": "bundled"}, {}, "stats=PATH"),
         (GOOD, {"enable_prefix_caching": True}, "prefix caching"),
         (GOOD, {"kv_cache_dtype": "fp8"}, "quantized KV cache"),
         (GOOD, {"kv_transfer_config": KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both")}, "KV"),

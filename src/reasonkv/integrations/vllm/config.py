@@ -10,6 +10,7 @@ policy's options: ``stats_file``, a JSONL file the scheduler appends one line to
 from __future__ import annotations
 
 from dataclasses import dataclass
+from importlib import resources
 from typing import Any
 
 import vllm
@@ -19,6 +20,7 @@ from reasonkv.cache.spec import CacheSpec, resolve_spec
 from reasonkv.hf import model_info
 from reasonkv.integrations.vllm.physical import Lengths
 from reasonkv.policies.contract import Needs
+from reasonkv.policies.query_centers import BUNDLED as BUNDLED_CENTERS
 
 __all__ = ["KEY", "SUPPORTED_VERSIONS", "Settings", "configure", "settings_of"]
 
@@ -98,6 +100,13 @@ def policy_refusal(spec: CacheSpec, needs: Needs) -> str | None:
         return (
             f"allocation={spec.allocation!r} gives heads different token counts, but a vLLM block holds the same "
             "tokens for every head"
+        )
+    if getattr(policy, "stats", None) == "bundled":
+        shipped = resources.files(BUNDLED_CENTERS[0]).joinpath(*BUNDLED_CENTERS[1:])
+        return (
+            f"policy {policy.name!r} with stats='bundled' finds the shipped query centers by a fingerprint of the "
+            "model's transformers weights, which vLLM's fused layers do not give: pass the file itself, "
+            f"stats=PATH (the shipped ones are in {shipped}), or stats='prefill'"
         )
     if policy.name not in VERIFIED:
         return (
