@@ -7,9 +7,9 @@ Usage: long_traces.py OUT.jsonl [--model M] [--dtype D] [--problems N] [--min-to
 1. Traces (once, kept in OUT.jsonl and reused by every cell and every rerun): for each of the first N GSM8K
    problems, the model's own answers to the problems after it are packed into a context (each a chat turn
    of prompt and answer, sampled at temperature 0.6 with the full cache) until the context and the
-   problem's prompt hold at least T - max_new_tokens tokens; then the problem's answer is sampled after it
-   (temperature 0.6, full cache, up to max_new_tokens). A trace is that context, prompt and answer: at least
-   T tokens when the answer runs its length (its length is recorded either way).
+   problem's prompt hold at least T tokens; then the problem's answer is sampled after it (temperature 0.6,
+   full cache, up to max_new_tokens). A trace is that context, prompt and answer: more than T tokens, however
+   short the answer.
 2. Replays: each (policy, K) cell teacher-forces every trace (the context and prompt as the prefill, the answer
    one token a step, R rows at once) and records per problem top-1 agreement with the full cache, KL, and the
    K/V bytes held and read per decode step, measured on the cache, with the wall time of the cell.
@@ -58,7 +58,7 @@ def make_traces(model, tokenizer, args) -> list[dict]:
     traces = []
     for index in range(args.problems):
         context, other = [], args.problems
-        while len(context) + len(prompts[index]) < args.min_tokens - args.max_new_tokens:
+        while len(context) + len(prompts[index]) < args.min_tokens:  # the answer, however short, comes on top
             if other not in context_answers:
                 [context_answers[other]] = _sample(model, tokenizer, [prompts[other]], args.max_new_tokens, [other])
             context += prompts[other] + context_answers[other]

@@ -2,8 +2,8 @@
 # Selection against eviction on long traces (issue 48's comparison), SmolLM2-135M on CPU: not run yet.
 #
 # The full cache's traces are sampled at temperature 0.6 (as the papers decode, so that they do not loop) and
-# hold at least 2,048 tokens each: the model's own sampled answers to later GSM8K problems packed as a context
-# before each problem, then its sampled answer (up to 512 tokens). One set of traces (20 problems) is made once
+# hold more than 2,048 tokens each: the model's own sampled answers to later GSM8K problems packed as a context
+# before each problem until context and prompt hold 2,048 tokens, then its sampled answer (up to 512 tokens). One set of traces (20 problems) is made once
 # and teacher-forced through every cell: quest, seer (the authors' settings, the defaults), h2o, vase-attnv,
 # triattention and streaming at K = 128 and 512 (and 256 when time allows), B = 32, bf16, 10 traces a batch.
 # Each cell records, per problem, top-1 agreement with the full cache's argmax, KL(full || cache) and the K/V
