@@ -7,18 +7,19 @@ from pathlib import Path
 
 import pytest
 
-from reasonkv.eval.record_kinds import ErrorRecord, GenerationRecord, ManifestRecord, Record, UnitRecord
+from reasonkv.eval.record_kinds import KINDS, ErrorRecord, GenerationRecord, ManifestRecord, Record, UnitRecord
 
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
 
 
 def _eval_files() -> list[Path]:
-    """The committed eval results files (lm-eval's own sample files are not reasonkv records)."""
+    """The committed eval results files (lm-eval's own sample files, and the records of a study's own script such
+    as selection's long traces, are not eval records)."""
     files = []
     for path in sorted(RESULTS.rglob("*.jsonl")):
         with path.open(encoding="utf-8") as handle:
             first = json.loads(handle.readline())
-        if "kind" in first:
+        if first.get("kind") in KINDS:
             files.append(path)
     return files
 

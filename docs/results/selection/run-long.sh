@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Selection against eviction on long traces (issue 48's comparison), SmolLM2-135M on CPU: not run yet.
+# Selection against eviction on long traces (issue 48's comparison), SmolLM2-135M on CPU: under way (long-traces.jsonl
+# holds the traces and the cells done so far; rerun to continue).
 #
 # The full cache's traces are sampled at temperature 0.6 (as the papers decode, so that they do not loop) and
 # hold more than 2,048 tokens each: the model's own sampled answers to later GSM8K problems packed as a context
