@@ -29,7 +29,7 @@ from reasonkv.calibrate.shared import (
 from reasonkv.calibrate.signals import SIGNALS, SignalSettings
 from reasonkv.calibrate.traces import SOURCES
 from reasonkv.runs.flags import nested, setting
-from reasonkv.suggest.integers import check_int
+from reasonkv.suggest.integers import check_int, is_number
 
 __all__ = ["CalibrateSettings"]
 
@@ -120,7 +120,7 @@ class CalibrateSettings(ModelSettings):
         _check_choice("control", self.control, CONTROLS)
         if not isinstance(self.labels, LabelSettings) or not isinstance(self.signals, SignalSettings):
             raise ValueError("labels and signals must be a LabelSettings and a SignalSettings")
-        if isinstance(self.top_fraction, bool) or not isinstance(self.top_fraction, (int, float)):
+        if not is_number(self.top_fraction):
             raise ValueError(f"top_fraction must be a number in (0, 1), got {self.top_fraction!r}")
         if not 0 < self.top_fraction < 1:
             raise ValueError(f"top_fraction must be in (0, 1), got {self.top_fraction}")

@@ -61,6 +61,7 @@ from reasonkv.policies.knorm import key_norm_scores
 from reasonkv.policies.snapkv import POOLINGS, pooled_window_scores
 from reasonkv.policies.tova import newest_query_scores
 from reasonkv.runs.flags import setting
+from reasonkv.suggest.integers import is_number
 
 __all__ = [
     "BASELINE_SCORES",
@@ -104,7 +105,7 @@ class SignalSettings:
         check_positive(self, "window", "query_window", "kernel")
         if self.kernel % 2 == 0:
             raise ValueError(f"kernel must be odd, got {self.kernel}")
-        if not isinstance(self.eps, (int, float)) or isinstance(self.eps, bool) or not self.eps >= 0:
+        if not is_number(self.eps) or not self.eps >= 0:
             raise ValueError(f"eps must be a non-negative number, got {self.eps!r}")
         if self.pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {self.pooling!r}")

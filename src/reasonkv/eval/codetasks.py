@@ -27,6 +27,7 @@ from typing import Any
 
 from reasonkv.eval.extraction import CODE_KINDS
 from reasonkv.eval.livecodebench import is_livecodebench, livecodebench_fields
+from reasonkv.suggest.integers import is_number
 
 __all__ = ["CODE_KINDS", "code_fields", "is_humaneval"]
 
@@ -120,6 +121,6 @@ def _stdio_test(test: Mapping[str, Any], where: str) -> dict[str, str]:
 def _tolerance(value: Any, where: str) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+    if not is_number(value) or not math.isfinite(value) or value < 0:
         raise ValueError(f"{where}: field 'tolerance' must be a non-negative number, got {value!r}")
     return float(value)

@@ -39,6 +39,7 @@ from reasonkv.eval.record_kinds import KINDS, UNITS, ErrorRecord, ManifestRecord
 from reasonkv.eval.record_match import manifest_mismatch, run_problems
 from reasonkv.runs.outputs import OutputLock, create_exclusive, write_atomic
 from reasonkv.runs.store import JsonlStore, numbered_lines
+from reasonkv.suggest.integers import is_number
 
 __all__ = [
     "ResultsFile",
@@ -130,7 +131,7 @@ def outcome(record: Mapping[str, Any]) -> dict[str, Any]:
 
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, float) or isinstance(b, float):
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (a, b)):
+        if not all(is_number(v) for v in (a, b)):
             return False
         # Batches of another composition round differently: equal up to float rounding is the same.
         return (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-6)

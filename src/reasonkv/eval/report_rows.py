@@ -65,6 +65,7 @@ from reasonkv.eval.grading import counts_as_correct, cut_off_guess
 from reasonkv.eval.record_kinds import KINDS, GenerationRecord, ManifestRecord, Record, UnitRecord
 from reasonkv.eval.records import conflict, read_results
 from reasonkv.eval.shards import shard_files
+from reasonkv.suggest.integers import is_number
 
 __all__ = [
     "MIN_PAIRED",
@@ -124,7 +125,7 @@ def paired_interval(differences: Sequence[float], replicates: int = 2000, seed: 
 
 def mean_interval(values: Sequence[float], z: float = Z95) -> tuple[float, float, float]:
     """``(mean, low, high)``: the mean with a 95% normal interval (``nan`` bounds for fewer than 2 values)."""
-    finite = [float(v) for v in values if _is_number(v) and math.isfinite(v)]
+    finite = [float(v) for v in values if is_number(v) and math.isfinite(v)]
     if not finite:
         return math.nan, math.nan, math.nan
     mean = sum(finite) / len(finite)
@@ -132,10 +133,6 @@ def mean_interval(values: Sequence[float], z: float = Z95) -> tuple[float, float
         return mean, math.nan, math.nan
     half = z * statistics.stdev(finite) / math.sqrt(len(finite))
     return mean, mean - half, mean + half
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _mean(values: Iterable[Any]) -> float:
