@@ -10,7 +10,6 @@ the attention a policy is owed. A request read out of vLLM's blocks is one such 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -19,16 +18,10 @@ from reasonkv.policies.recorded import Recorded
 from reasonkv.policies.rotary import Rotary
 from reasonkv.policies.view import EvictionView
 
-__all__ = ["Layer", "RequestCache", "kept_indices", "rotary_of"]
+__all__ = ["RequestCache", "kept_indices", "rotary_of"]
 
 # layer, held tokens -> (keys, values) [kv_heads, held, head_dim] of the request's first ``held`` tokens
 Reader = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
-
-
-@dataclass
-class Layer:
-    keys: torch.Tensor  # [1, kv_heads, slots, head_dim]
-    values: torch.Tensor
 
 
 class RequestCache:
@@ -88,10 +81,6 @@ class RequestCache:
         return dense
 
     # ---------------------------------------------------------------- what the policy's view reads
-    @property
-    def layers(self) -> list[Layer]:
-        return [Layer(*self.attended(layer)) for layer in range(self.held_positions.shape[0])]
-
     @property
     def next_position(self) -> torch.Tensor:
         return torch.tensor([self.seen])

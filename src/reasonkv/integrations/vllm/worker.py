@@ -74,6 +74,7 @@ class EvictingCPURunner(CPUModelRunner):
         self.reasonkv_starts: dict[str, int] = {}
         self.reasonkv_forward: list[tuple[str, int, int, int]] = []  # (request, computed, new, prompt)
         self.reasonkv_layout: BlockLayout | None = None
+        self.reasonkv_caches: list[torch.Tensor] | None = None  # each layer's KV cache tensor, once allocated
         self.reasonkv_hooks: list | None = None  # on the layers whose signals the policy reads, once loaded
 
     def _request(self, request_id: str) -> _Request:
@@ -207,10 +208,14 @@ class EvictingCPURunner(CPUModelRunner):
 
     # ------------------------------------------------------------------ an eviction
     def _caches(self) -> list[torch.Tensor]:
-        """Each decoder layer's KV cache tensor, by layer index."""
-        context = self.compilation_config.static_forward_context
-        named = [(extract_layer_index(name), name) for name in self.kv_cache_config.kv_cache_groups[0].layer_names]
-        return [context[name].kv_cache for _, name in sorted(named)]
+        """Each decoder layer's KV cache tensor, by layer index (bound once the engine has allocated them, then
+        fixed: looked up once, not at every read)."""
+        if self.reasonkv_caches is None:
+            context = self.compilation_config.static_forward_context
+            groups = self.kv_cache_config.kv_cache_groups[0]
+            named = sorted((extract_layer_index(name), name) for name in groups.layer_names)
+            self.reasonkv_caches = [context[name].kv_cache for _, name in named]
+        return self.reasonkv_caches
 
     def _layout(self, cache: torch.Tensor) -> BlockLayout:
         if self.reasonkv_layout is None:
