@@ -16,12 +16,12 @@ import torch
 from torch._dynamo.utils import counters
 
 from conftest import tiny_llama
-from reasonkv.bench.compiled import StaticReference
 from reasonkv.bench.measure import StepRecorder, measure_sweep
 from reasonkv.bench.plan import build_plan
 from reasonkv.bench.settings import BenchSettings
 from reasonkv.cache import CacheSpec
 from reasonkv.cli import main
+from reasonkv.generation.compiled import StaticStep
 from reasonkv.hf import Forward, native_cache, plain_cache
 from reasonkv.policies import get_policy
 
@@ -109,7 +109,7 @@ def test_the_compiled_transformers_reference_decodes_as_transformers_eager():
     model = tiny_llama(layers=2)
     ids = torch.randint(10, model.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
     forward, cache = Forward(model), native_cache(model)
-    reference = StaticReference(model, 20 + 12, backend="eager")
+    reference = StaticStep(model, 20 + 12, backend="eager")
     with torch.inference_mode():
         eager = forward(ids, cache, last_logits_only=True).logits[:, -1]
         static = reference.prefill(ids)
@@ -119,7 +119,7 @@ def test_the_compiled_transformers_reference_decodes_as_transformers_eager():
             assert torch.equal(a, b)
             tokens.append(a)
             eager = forward(a, cache, last_logits_only=True).logits[:, -1]
-            static = reference.step(b)
+            static = reference(b)
     torch.testing.assert_close(static, eager, rtol=1e-4, atol=1e-4)
 
 

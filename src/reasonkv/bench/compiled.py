@@ -3,23 +3,20 @@
 A compiled variant ``POLICY~compiled`` runs the policy's decode steps as one fixed-shape graph each
 (:class:`~reasonkv.generation.compiled.CompiledDecode`), the evictions between them eager. Its reference
 pair is plain transformers: ``transformers`` (its own dynamic cache, eager) and ``transformers~compiled``
-(a ``StaticCache`` and ``torch.compile`` of the model's forward, as transformers compiles decoding), the
-same prompts, steps and timing. The summary sets, per batch size and length, each policy's compiled
-tokens/s against its eager tokens/s and against ``transformers~compiled``; the time spent compiling is
-reported apart and never inside tokens/s (the steps that traced a graph are left out of every window).
+(:class:`~reasonkv.generation.compiled.StaticStep`: a ``StaticCache`` and ``torch.compile`` of the model's
+forward, as transformers compiles decoding), the same prompts, steps and timing. The summary sets, per batch
+size and length, each policy's compiled tokens/s against its eager tokens/s and against
+``transformers~compiled``; the time spent compiling is reported apart and never inside tokens/s (the steps
+that traced a graph are left out of every window).
 """
 
 from __future__ import annotations
 
-import torch
-
 from reasonkv.bench.markdown import cell, per_batch
 from reasonkv.bench.rounds import same_rounds
 from reasonkv.bench.windows import by_length
-from reasonkv.generation.compiled import GRAPH_LIMITS, compile_mode, compiled_function
-from reasonkv.hf import Forward, static_cache
 
-__all__ = ["COMPILED", "StaticReference", "compiled_label", "compiled_markdown", "compiled_summary"]
+__all__ = ["COMPILED", "compiled_label", "compiled_markdown", "compiled_summary"]
 
 COMPILED = "~compiled"
 
@@ -27,40 +24,6 @@ COMPILED = "~compiled"
 def compiled_label(entry: str) -> str:
     """``snapkv~compiled``: the name a compiled variant is measured and reported under."""
     return entry + COMPILED
-
-
-def _static_logits(model, cache_key: str, input_ids, position_ids, cache) -> torch.Tensor:
-    inputs = {cache_key: cache, "position_ids": position_ids}
-    return model.forward(input_ids=input_ids, use_cache=True, logits_to_keep=1, **inputs).logits[:, -1]
-
-
-class StaticReference:
-    """Plain transformers decoding compiled: a ``StaticCache`` of ``capacity`` slots per row, the prefill eager
-    and each single-token step through ``torch.compile`` of the model's forward (CUDA graphs on a GPU).
-
-    ``prefill(ids)`` and ``step(ids)`` return the newest logits ``[batch, vocab]``; :attr:`cache` is the
-    ``StaticCache``.
-    """
-
-    def __init__(self, model, capacity: int, *, backend: str):
-        self.model = model
-        self.device = next(model.parameters()).device
-        self.cache = static_cache(model, capacity)
-        self.mode = compile_mode(self.device, backend)
-        self._forward = Forward(model)
-        self._graph = compiled_function(_static_logits, backend, self.mode)
-        self._length = 0
-
-    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
-        self._length += ids.shape[1]
-        return self._forward(ids, self.cache, last_logits_only=True).logits[:, -1]
-
-    def step(self, ids: torch.Tensor) -> torch.Tensor:
-        positions = torch.full((ids.shape[0], 1), self._length, dtype=torch.long, device=self.device)
-        with GRAPH_LIMITS:
-            logits = self._graph(self.model, self._forward.cache_key, ids, positions, self.cache)
-        self._length += 1
-        return logits.clone() if self.mode == "reduce-overhead" else logits  # a CUDA graph reuses its output
 
 
 def compiled_summary(records: list[dict]) -> dict:

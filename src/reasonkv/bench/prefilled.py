@@ -16,7 +16,7 @@ so a window's peak leaves out the prefill's.
 
 Decode steps can run compiled (``compile=``, a ``torch.compile`` backend): through
 :class:`~reasonkv.generation.compiled.CompiledDecode`, or for ``spec=None`` through
-:class:`~reasonkv.bench.compiled.StaticReference` (transformers' ``StaticCache``, its forward compiled). A
+:class:`~reasonkv.generation.compiled.StaticStep` (transformers' ``StaticCache``, its forward compiled). A
 step that compiled a graph is left out of the window; its time is reported apart as the warm-up.
 """
 
@@ -28,7 +28,6 @@ from collections.abc import Sequence
 
 import torch
 
-from reasonkv.bench.compiled import StaticReference
 from reasonkv.bench.measure import (
     WARMUP_STEPS,
     StepRecorder,
@@ -40,8 +39,8 @@ from reasonkv.bench.measure import (
 )
 from reasonkv.bench.memory import kv_bytes_per_token, weight_bytes, window_kv_bytes
 from reasonkv.cache import CacheSpec, EvictingCache
-from reasonkv.generation.compiled import CompiledDecode
-from reasonkv.hf import Forward, native_cache, synchronize, vocab_size
+from reasonkv.generation.step import EagerStep, StaticStep, decode, open_step
+from reasonkv.hf import native_cache, synchronize, vocab_size
 from reasonkv.hf.tap import check_untapped
 
 __all__ = [
@@ -162,16 +161,17 @@ class PrefilledSession:
         self.shifts = ragged_shifts(batch, 0 if spec is None else spec.buffer) if ragged else [0] * batch
         self.untimed = WARMUP_STEPS + (max(self.shifts) + spec.buffer + 1 if ragged else 0)
         self._ids = torch.tensor(make_prompts(vocab_size(model), batch, top, seed))
-        self._forward = Forward(model)
         self._weights = weight_bytes(model) if self.device.type == "cuda" else None
-        self.cache = self.reference = None
+        self.cache = self.step = None
         self.position = 0  # tokens per row the cache has seen
 
     def close(self) -> None:
-        """Detach the cache from the model and drop it (and its compiled step), so that its memory is freed."""
+        """Detach the cache from the model and drop it (and its decode step), so that its memory is freed."""
+        if self.step is not None:
+            self.step.close()
         if self.cache is not None and not self.plain:
             self.cache.detach()
-        self.cache = self.reference = None
+        self.cache = self.step = None
         self.position = 0
 
     def _open(self, length: int) -> None:
@@ -180,15 +180,16 @@ class PrefilledSession:
         self.close()
         if had:
             gc.collect()
+        if self.plain and self.compile:
+            _clean_reference(self.model)
+            self.step = StaticStep(self.model, length, backend=self.compile)
+            self.cache = self.step.cache
+            return
         if self.plain:
-            if self.compile:
-                _clean_reference(self.model)
-                self.reference = StaticReference(self.model, length, backend=self.compile)
-                self.cache = self.reference.cache
-            else:
-                self.cache = native_cache(self.model)
+            self.cache = native_cache(self.model)
         else:
             self.cache = EvictingCache(model=self.model, spec=self.spec, sync_timing=self.sync_timing)
+        self.step = EagerStep(self.model, self.cache)
 
     def measure(
         self, length: int, decode_steps: int, *, window: int | None = None, bar=None, peak_from_prefill: bool = False
@@ -206,7 +207,7 @@ class PrefilledSession:
         if target > self._ids.shape[1]:
             raise ValueError(f"length {length} is beyond the session's longest length {self._ids.shape[1]}")
         window = decode_steps if window is None else min(window, decode_steps)
-        fresh = self.cache is None or self.position >= target or self.reference is not None
+        fresh = self.cache is None or self.position >= target or isinstance(self.step, StaticStep)
         if fresh:
             self._open(length)
         evicting = not self.plain
@@ -230,18 +231,24 @@ class PrefilledSession:
             bar=bar,
             peak_from=target if peak_from_prefill else length - window,
         )
-        decode = None
+        step = self.step
+        if self.compile and evicting:  # compiled decode steps over this cache (the prefill stays eager)
+            step = open_step(self.model, self.cache, self.compile)
+        behind = torch.tensor(self.shifts, device=self.device)
+
+        def next_input(index: int, logits: torch.Tensor):
+            if index == decode_steps + self.untimed:
+                return None
+            late = index < max(self.shifts)  # a ragged batch: the rows still behind are fed padding
+            return logits.argmax(-1, keepdim=True), (behind <= index).long().unsqueeze(1) if late else None
+
         try:
             with torch.inference_mode():
                 synchronize(self.device)
                 start = time.perf_counter()
                 offset = self.position
                 for size in chunks:
-                    chunk = self._ids[:, offset : offset + size].to(self.device)
-                    if self.reference is not None:
-                        logits = self.reference.prefill(chunk)
-                    else:
-                        logits = self._forward(chunk, self.cache, last_logits_only=True).logits[:, -1]
+                    logits = step.prefill(self._ids[:, offset : offset + size].to(self.device))
                     offset += size
                 synchronize(self.device)
                 prefill_s = time.perf_counter() - start
@@ -249,24 +256,11 @@ class PrefilledSession:
                 after = self.cache.evictor.timings if evicting else {}
                 phases = {name: seconds - before.get(name, 0.0) for name, seconds in after.items()}
                 prefill_evictions = (self.cache.evictor.eviction_count if evicting else 0) - evictions_before
-                behind = torch.tensor(self.shifts, device=self.device)
-                if self.compile and evicting:  # the layout of the buffers as this length's prefill left them
-                    decode = CompiledDecode(self.model, self.cache, backend=self.compile)
                 recorder(0, self.cache)
-                for step in range(1, decode_steps + self.untimed + 1):
-                    next_ids = logits.argmax(-1, keepdim=True)
-                    if decode is not None:
-                        logits = decode(next_ids)
-                    elif self.reference is not None:
-                        logits = self.reference.step(next_ids)
-                    else:
-                        late = step <= max(self.shifts)
-                        stagger = {"attention_mask": (behind < step).long().unsqueeze(1)} if late else {}
-                        logits = self._forward(next_ids, self.cache, last_logits_only=True, **stagger).logits[:, -1]
-                    recorder(step, self.cache)
-        finally:  # the compiled run is over: its hooks and kernel wrapper go (the next entry may be plain)
-            if decode is not None:
-                decode.close()
+                decode(step, logits, next_input, lambda index: recorder(index, self.cache))
+        finally:  # a compiled run is over: its hooks and kernel wrapper go (the next entry may be plain)
+            if step is not self.step:
+                step.close()
         self.position = length
         result = recorder.window(length)
         peak = result.get("peak_memory_bytes")
@@ -285,17 +279,8 @@ class PrefilledSession:
         )
         if self.ragged:
             result["row_shifts"] = self.shifts
-        if decode is not None:
-            result["compile"] = decode.describe()
-        elif self.reference is not None:
-            result["compile"] = {
-                "compiled": True,
-                "backend": self.compile,
-                "mode": self.reference.mode,
-                "compilations": len(recorder.compiling_steps),
-                "warmup_seconds": recorder.warmup_seconds(),
-                "eager_reason": None,
-            }
+        if self.compile:
+            result["compile"] = step.describe()
         return result
 
 

@@ -21,6 +21,10 @@ Caches without a fixed-shape layout (a quantized tier, a hybrid model's sliding 
 eagerly, and :attr:`CompiledDecode.eager_reason` says why. A selection policy is refused
 (:meth:`CacheSpec.check_compile <reasonkv.cache.spec.CacheSpec.check_compile>`): it chooses what attention
 reads inside the eager kernel, which the graph does not call.
+
+:class:`StaticStep` is the same single-token graph over transformers' own ``StaticCache``: plain
+transformers compiled, the reference a compiled cache is measured against. Both are decode steps of
+:mod:`reasonkv.generation.step`.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from __future__ import annotations
 import gc
 import time
 import weakref
+from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
 
 import torch
@@ -35,9 +40,16 @@ from torch._dynamo.utils import counters
 
 from reasonkv.cache.evicting import EvictingCache
 from reasonkv.cache.static import StaticLayout, static_blocker
-from reasonkv.hf import Forward, StepCapture, synchronize
+from reasonkv.hf import Forward, StepCapture, static_cache, synchronize
 
-__all__ = ["GRAPH_LIMITS", "CompiledDecode", "compile_backend", "compile_mode", "compiled_function"]
+__all__ = [
+    "GRAPH_LIMITS",
+    "CompiledDecode",
+    "StaticStep",
+    "compile_backend",
+    "compile_mode",
+    "compiled_function",
+]
 
 
 def compile_backend(compile: bool | str) -> str | None:
@@ -57,14 +69,6 @@ def compile_mode(device: torch.device, backend: str = "inductor") -> str | None:
     """``torch.compile``'s mode for ``backend`` on ``device``: CUDA graphs on a GPU (``reduce-overhead``), the
     default on a CPU; none for backends other than inductor, whose modes they are."""
     return "reduce-overhead" if device.type == "cuda" and backend == "inductor" else None
-
-
-def _logits(model, cache_key: str, input_ids, position_ids, attention_mask, cache, capture: dict) -> torch.Tensor:
-    """The single-token forward the graph holds: the newest logits ``[batch, vocab]``; the layers write their
-    signals into the buffers of ``capture`` (:meth:`StepCapture.step_inputs`). (``model.forward``, not
-    ``model(...)``: the evictor's hooks on the model run between steps, not inside the graph.)"""
-    inputs = {cache_key: cache, "position_ids": position_ids, "attention_mask": attention_mask, **capture}
-    return model.forward(input_ids=input_ids, use_cache=True, logits_to_keep=1, **inputs).logits[:, -1]
 
 
 # A compiled function holds a graph per (model, batch size, capacity, hooks) over every run: more than
@@ -97,6 +101,32 @@ def compiled_function(function, backend: str, mode: str | None):
     return _compiled[key]
 
 
+def traced_step_logits(model, cache_key: str, input_ids, position_ids, attention_mask, cache, capture: dict):
+    """The single-token forward a compiled step holds (:class:`CompiledDecode` and :class:`StaticStep`): the
+    newest logits ``[batch, vocab]``. ``model.forward``, not ``model(...)``: the evictor's hooks on the model run
+    between steps, not inside the graph; the layers write their signals into the buffers of ``capture``."""
+    inputs = {cache_key: cache, "position_ids": position_ids, "attention_mask": attention_mask, **capture}
+    return model.forward(input_ids=input_ids, use_cache=True, logits_to_keep=1, **inputs).logits[:, -1]
+
+
+class GraphClock:
+    """Counts the graphs a compiled call traced and the seconds those calls took (its warm-up)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.compilations = 0
+        self.warmup_seconds = 0.0
+
+    def run(self, call: Callable[[], torch.Tensor]) -> torch.Tensor:
+        graphs, started = counters["stats"]["unique_graphs"], time.perf_counter()
+        out = call()
+        if counters["stats"]["unique_graphs"] != graphs:  # this call traced and compiled a graph
+            synchronize(self.device)
+            self.compilations += counters["stats"]["unique_graphs"] - graphs
+            self.warmup_seconds += time.perf_counter() - started
+        return out
+
+
 class CompiledDecode:
     """The decode steps of ``model`` with its attached ``cache``, compiled (after an eager prefill).
 
@@ -126,11 +156,10 @@ class CompiledDecode:
         capture = StepCapture.of(model) if self.eager_reason is None else None
         if capture is not None and capture.blocker is not None:
             self.eager_reason, capture = capture.blocker, None
-        self.compilations = 0
-        self.warmup_seconds = 0.0
+        self._clock = GraphClock(self.device)
         self._forward = Forward(model)
         self._layout = None if self.eager_reason is not None else StaticLayout(cache)
-        self._graph = None if self.eager_reason is not None else compiled_function(_logits, self.backend, self.mode)
+        self._graph = None if self.eager_reason else compiled_function(traced_step_logits, backend, self.mode)
         self._capture = capture
         self._running = False  # whether the capture's hooks and kernel wrapper are installed
         self._installed = ExitStack()
@@ -139,6 +168,18 @@ class CompiledDecode:
     @property
     def compiled(self) -> bool:
         return self.eager_reason is None
+
+    @property
+    def compilations(self) -> int:
+        return self._clock.compilations
+
+    @property
+    def warmup_seconds(self) -> float:
+        return self._clock.warmup_seconds
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The prompt's forward, eager (any number of tokens a row): its newest logits."""
+        return self._forward(input_ids, self.cache, attention_mask=attention_mask, last_logits_only=True).logits[:, -1]
 
     def close(self) -> None:
         """Remove the capture's hooks and kernel wrapper (the run is over; calling again is harmless)."""
@@ -166,9 +207,7 @@ class CompiledDecode:
         if input_ids.shape[1] != 1:
             raise ValueError(f"a compiled decode step takes one token per row, got {input_ids.shape[1]}")
         if not self.compiled:
-            return self._forward(input_ids, self.cache, attention_mask=attention_mask, last_logits_only=True).logits[
-                :, -1
-            ]
+            return self.prefill(input_ids, attention_mask)
         evictor, batch = self.cache.evictor, input_ids.shape[0]
         incoming = None if attention_mask is None else attention_mask[:, -1:].to(dtype=torch.bool)
         announced = evictor.announce(batch, 1, incoming, input_ids.device)
@@ -179,18 +218,64 @@ class CompiledDecode:
             self._installed.enter_context(capture.open())
             self._running = True
         cache, mask = self._layout.open_step()
-        graphs, started = counters["stats"]["unique_graphs"], time.perf_counter()
+        inputs = (self.model, self._forward.cache_key, input_ids, announced.positions, mask, cache)
         with GRAPH_LIMITS, _no_collection():
-            logits = self._graph(
-                self.model, self._forward.cache_key, input_ids, announced.positions, mask, cache, capture.step_inputs()
-            )
-        if counters["stats"]["unique_graphs"] != graphs:  # this step traced and compiled a graph
-            synchronize(self.device)
-            self.compilations += counters["stats"]["unique_graphs"] - graphs
-            self.warmup_seconds += time.perf_counter() - started
+            logits = self._clock.run(lambda: self._graph(*inputs, capture.step_inputs()))
         if self.mode == "reduce-overhead":
             logits = logits.clone()  # a CUDA graph's output is overwritten by its next replay
         self._layout.close_step(announced.step_positions)
         evictor.observe(announced, self._capture)
         evictor.finish()
         return logits
+
+
+class StaticStep:
+    """Plain transformers decoding compiled: a ``StaticCache`` of ``capacity`` slots a row, the prefill eager and
+    each single-token step through ``torch.compile`` of the model's forward (CUDA graphs on a GPU). No reasonkv
+    code runs on the model (its :attr:`cache` is transformers' own)."""
+
+    compiled = True
+
+    def __init__(self, model, capacity: int, *, backend: str):
+        self.model, self.backend = model, backend
+        self.device = next(model.parameters()).device
+        self.cache = static_cache(model, capacity)
+        self.mode = compile_mode(self.device, backend)
+        self._forward = Forward(model)
+        self._graph = compiled_function(traced_step_logits, backend, self.mode)
+        self._clock = GraphClock(self.device)
+        self._length = 0
+
+    @property
+    def warmup_seconds(self) -> float:
+        return self._clock.warmup_seconds
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if attention_mask is not None:
+            raise ValueError("transformers' static cache is decoded with rows in step (no padding mask)")
+        self._length += input_ids.shape[1]
+        return self._forward(input_ids, self.cache, last_logits_only=True).logits[:, -1]
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if attention_mask is not None:
+            raise ValueError("transformers' static cache is decoded with rows in step (no padding mask)")
+        positions = torch.full((input_ids.shape[0], 1), self._length, dtype=torch.long, device=self.device)
+        with GRAPH_LIMITS:
+            logits = self._clock.run(
+                lambda: self._graph(self.model, self._forward.cache_key, input_ids, positions, None, self.cache, {})
+            )
+        self._length += 1
+        return logits.clone() if self.mode == "reduce-overhead" else logits  # a CUDA graph reuses its output
+
+    def describe(self) -> dict:
+        return {
+            "compiled": True,
+            "backend": self.backend,
+            "mode": self.mode,
+            "compilations": self._clock.compilations,
+            "warmup_seconds": self._clock.warmup_seconds,
+            "eager_reason": None,
+        }
+
+    def close(self) -> None:
+        pass

@@ -19,13 +19,14 @@ from tqdm.auto import tqdm
 from reasonkv.cache.decisions import DecisionLog
 from reasonkv.cache.evicting import EvictingCache
 from reasonkv.cache.spec import CacheSpec, resolve_spec
-from reasonkv.generation.compiled import CompiledDecode, compile_backend
+from reasonkv.generation.compiled import compile_backend
 from reasonkv.generation.context import context_length, over_context
 from reasonkv.generation.inputs import check_flags, encode_prompts, eos_ids, stop_strings, vocab_size
 from reasonkv.generation.rows import Rows
 from reasonkv.generation.sampling import Sampling
 from reasonkv.generation.stats import GenerationResult, Meter
-from reasonkv.hf import Forward, left_pad
+from reasonkv.generation.step import decode, open_step
+from reasonkv.hf import left_pad
 from reasonkv.policies import noise
 from reasonkv.suggest.integers import is_int
 
@@ -145,42 +146,42 @@ def generate(
     cache = EvictingCache(model=model, spec=spec, sync_timing=sync_timing)
     cache.reserve(ids.shape[1] + max_new_tokens)
     log = DecisionLog(cache) if trace else None
-    forward, meter = Forward(model), Meter(cache, device)
+    step = open_step(model, cache, backend)
+    meter = Meter(cache, device, step)
     eos = set() if ignore_eos else eos_ids(model, tokenizer)
     rows = Rows(len(prompt_ids), device, tokenizer, eos, stop, clock=meter.clock)
     seeds = sampling.seeds(noise.seed_tensor(list(seed or spec.seed), len(prompt_ids), device))
-    decode = None if backend is None else CompiledDecode(model, cache, backend=backend)
+    bar = tqdm(total=max_new_tokens, desc=f"{spec.policy.name} decode", leave=False, disable=not progress)
+
+    def next_input(index: int, logits: torch.Tensor):
+        """Sample step ``index``'s tokens; the next input, or None once every row stopped."""
+        meter.step()
+        bar.update(1)
+        tokens = sampling.draw(logits, seeds, index)
+        rows.take(tokens, cache)
+        if rows.done or index == max_new_tokens - 1:
+            return None
+        return rows.next_input(tokens, pad_id)
+
     try:
         meter.start()
-        logits = forward(ids, cache, attention_mask=mask, last_logits_only=True).logits[:, -1]
+        logits = step.prefill(ids, mask)
         meter.end_prefill()
-        _notify(on_step, 0, cache)
-        for step in tqdm(range(max_new_tokens), desc=f"{spec.policy.name} decode", leave=False, disable=not progress):
-            meter.step()
-            tokens = sampling.draw(logits, seeds, step)
-            rows.take(tokens, cache)
-            if rows.done or step == max_new_tokens - 1:
-                break
-            inputs, mask = rows.next_input(tokens, pad_id)
-            if decode is None:
-                logits = forward(inputs, cache, attention_mask=mask, last_logits_only=True).logits[:, -1]
-            else:
-                warmed = decode.warmup_seconds
-                logits = decode(inputs, mask)
-                meter.exclude(decode.warmup_seconds - warmed)
-            _notify(on_step, step + 1, cache)
+        if on_step is not None:
+            on_step(0, cache)
+        decode(step, logits, next_input, None if on_step is None else lambda index: on_step(index, cache))
         meter.stop()
     finally:
+        bar.close()
         cache.detach()
-        if decode is not None:
-            decode.close()
+        step.close()
     results = meter.results(rows, prompt_ids)
     for result in results:  # what the warning foresaw, as it happened to each row
         if context is not None and result.prompt_tokens + result.num_tokens > context:
             result.stats["past_context"] = {"context": context, "tokens": result.prompt_tokens + result.num_tokens}
-    if decode is not None:
+    if backend is not None:
         for result in results:
-            result.stats["compile"] = decode.describe()
+            result.stats["compile"] = step.describe()
     if log is not None:
         for row, result in enumerate(results):
             result.trace = log.trace(row)
@@ -197,8 +198,3 @@ def row_seeds(seed: int | Sequence[int], batch: int) -> tuple[int, ...]:
     if len(seeds) != batch:
         raise ValueError(f"seed has {len(seeds)} values for {batch} prompts; pass one integer or one per prompt")
     return tuple(seeds)
-
-
-def _notify(on_step, step: int, cache: EvictingCache) -> None:
-    if on_step is not None:
-        on_step(step, cache)

@@ -65,25 +65,20 @@ class GenerationResult:
 class Meter:
     """The clock and the peaks of one ``generate`` call."""
 
-    def __init__(self, cache: EvictingCache, device: torch.device):
-        self.cache, self.device = cache, device
+    def __init__(self, cache: EvictingCache, device: torch.device, step):
+        self.cache, self.device, self.step_run = cache, device, step
         self.peak_kv, self.peak_tiers, self.peak_allocated = 0, {"full": 0, "quantized": 0}, 0
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         self.started = self.prefilled = self.stopped = 0.0
-        self.excluded = 0.0  # seconds left out of every time read since (a compiled step's warm-up)
 
     def clock(self) -> float:
-        """The time, less the seconds excluded so far."""
-        return time.perf_counter() - self.excluded
+        """The time, less the seconds the decode step spent tracing graphs so far (reported apart)."""
+        return time.perf_counter() - self.step_run.warmup_seconds
 
     def now(self) -> float:
         synchronize(self.device)
         return self.clock()
-
-    def exclude(self, seconds: float) -> None:
-        """Leave ``seconds`` just spent out of the decode time (they are reported apart)."""
-        self.excluded += seconds
 
     def start(self) -> None:
         self.started = self.now()

@@ -1,0 +1,77 @@
+"""The decode step and the one loop that runs it.
+
+A step takes a batch's next input ids and padding mask and returns the newest logits ``[batch, vocab]``; the
+cache it writes evicts after it. It is built one of three ways by :func:`open_step`, and everything that
+decodes (:func:`reasonkv.generate`, the bench's prefilled windows) runs it through :func:`decode`:
+
+- eager (:class:`EagerStep`): the model's forward through reasonkv's hooks, any number of tokens a row;
+- compiled (:class:`~reasonkv.generation.compiled.CompiledDecode`): one fixed-shape graph a step, the
+  eviction between steps;
+- static (:class:`~reasonkv.generation.compiled.StaticStep`): plain transformers compiled (its
+  ``StaticCache``), the reference a compiled cache is measured against.
+
+Each also has ``prefill`` (always eager: a prompt is one forward of many tokens), ``warmup_seconds`` (time
+spent tracing graphs, reported apart from decoding), ``describe()`` (what ran, for the stats; None for eager)
+and ``close()`` (removes whatever it installed on the model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from reasonkv.generation.compiled import CompiledDecode, StaticStep
+from reasonkv.hf import Forward
+
+__all__ = ["CompiledDecode", "EagerStep", "StaticStep", "decode", "open_step"]
+
+
+class EagerStep:
+    """The model's eager forward over ``cache``: the newest logits of any number of tokens a row."""
+
+    compiled = False
+    warmup_seconds = 0.0
+
+    def __init__(self, model, cache):
+        self.model, self.cache = model, cache
+        self._forward = Forward(model)
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self._forward(input_ids, self.cache, attention_mask=attention_mask, last_logits_only=True).logits[:, -1]
+
+    prefill = __call__
+
+    def describe(self) -> dict | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_step(model, cache, compile: str | None = None):
+    """The decode step over reasonkv's ``cache``: eager (``compile=None``), or compiled with that
+    ``torch.compile`` backend (:class:`~reasonkv.generation.compiled.CompiledDecode`, eager where the cache has
+    no fixed-shape layout, saying why)."""
+    if compile is None:
+        return EagerStep(model, cache)
+    return CompiledDecode(model, cache, backend=compile)
+
+
+def decode(step, logits: torch.Tensor, next_input: Callable, after_step: Callable | None = None) -> torch.Tensor:
+    """The decode loop: ``next_input(index, logits)`` turns the newest logits into step ``index``'s
+    ``(input_ids, attention_mask)``, or None to stop; ``step`` runs it; ``after_step(index + 1)`` follows every
+    step (the prefill was step 0). Returns the last logits."""
+    index = 0
+    while (inputs := next_input(index, logits)) is not None:
+        logits = step(*inputs)
+        index += 1
+        if after_step is not None:
+            after_step(index)
+    return logits
