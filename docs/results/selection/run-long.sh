@@ -18,5 +18,7 @@ export OMP_NUM_THREADS=2 MKL_NUM_THREADS=2
 PYTHONPATH=src "$PY" "$OUT/long_traces.py" "$OUT/long-traces.jsonl" --model smollm2-135m --dtype bf16 \
   --problems 20 --min-tokens 2048 --max-new-tokens 512 --budgets 128,512 \
   --policies quest,seer,h2o,vase-attnv,triattention,streaming --buffer 32 --batch 10
+# The tables, trace lengths and wall times (long-traces.md, printed too) and the plot (long-traces.png):
+PYTHONPATH=src "$PY" "$OUT/summarise_long.py" "$OUT/long-traces.jsonl"
 # Then K = 256 if time allows (the same traces; the cells above are skipped):
 # PYTHONPATH=src "$PY" "$OUT/long_traces.py" "$OUT/long-traces.jsonl" --budgets 128,256,512 ...

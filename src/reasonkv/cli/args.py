@@ -6,7 +6,7 @@ import argparse
 import math
 import sys
 
-from reasonkv.cache.spec import ALLOCATIONS, DEFAULT_BUFFER
+from reasonkv.cache.spec import ALLOCATIONS, DEFAULT_BUFFER, CacheSpec
 from reasonkv.models import DEFAULT_MODEL, list_shapes, load_model
 from reasonkv.sandbox.limits import check_memory, check_timeout
 
@@ -89,6 +89,32 @@ def allocation_settings(args: argparse.Namespace) -> dict:
         budgets_file=args.budgets_file,
         adaptive_alpha=args.adaptive_alpha,
         ragged=False if args.padded_heads else None,  # None: not given (refused only when given, off its mode)
+    )
+
+
+def add_cache_arguments(parser, *, budget: int, allocation: str = "") -> None:
+    """The evicting cache's flags: ``--budget`` (default ``budget``), ``--buffer``, the quantized tier, the
+    allocation (its help followed by ``allocation``) and ``-o``, read back by :func:`cache_spec_from`."""
+    parser.add_argument(
+        "--budget", type=budget_argument, default=budget, help=f"K: tokens kept per head (default {budget})"
+    )
+    add_buffer_argument(parser)
+    add_tier_arguments(parser)
+    add_allocation_arguments(parser, what=allocation)
+    add_policy_options(parser)
+
+
+def cache_spec_from(args: argparse.Namespace, policy: str, options: dict) -> CacheSpec:
+    """``policy``'s cache under the flags of :func:`add_cache_arguments` and ``--seed``, with its parsed ``options``."""
+    return CacheSpec.build(
+        policy,
+        args.budget,
+        args.buffer,
+        quantized=args.quantized,
+        bits=args.bits,
+        seed=args.seed,
+        **allocation_settings(args),
+        **options,
     )
 
 

@@ -3,21 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
 from reasonkv.cache.spec import CacheSpec
 from reasonkv.cli.args import (
-    add_allocation_arguments,
-    add_buffer_argument,
+    add_cache_arguments,
     add_compile_argument,
     add_decoding_arguments,
     add_model_arguments,
-    add_policy_options,
-    add_tier_arguments,
-    allocation_settings,
-    budget_argument,
+    cache_spec_from,
     load_model_from,
 )
 from reasonkv.generation import generate
@@ -33,11 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     source.add_argument("--prompt-file", type=Path, help="a text file, one prompt per line")
     parser.add_argument("--policy", default="streaming", help="eviction policy (see `reasonkv policies`)")
-    parser.add_argument("--budget", type=budget_argument, default=256, help="K: tokens kept per head (default 256)")
-    add_buffer_argument(parser)
-    add_tier_arguments(parser)
-    add_allocation_arguments(parser)
-    add_policy_options(parser)
+    add_cache_arguments(parser, budget=256)
     add_decoding_arguments(parser, max_new_tokens=256)
     add_compile_argument(parser)
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
@@ -67,17 +60,7 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 
 def spec_from(args: argparse.Namespace) -> CacheSpec:
     """The cache the arguments describe: refused now, not after the model loads, if it cannot be built."""
-    options = parse_options(args.policy, args.option)
-    return CacheSpec.build(
-        args.policy,
-        args.budget,
-        args.buffer,
-        quantized=args.quantized,
-        bits=args.bits,
-        seed=args.seed,
-        **allocation_settings(args),
-        **options,
-    )
+    return cache_spec_from(args, args.policy, parse_options(args.policy, args.option))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -96,10 +79,7 @@ def run(args: argparse.Namespace) -> int:
         tokenizer,
         ids,
         spec,
-        max_new_tokens=sampling.max_new_tokens,
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        top_k=sampling.top_k,
+        **dataclasses.asdict(sampling),
         stop=args.stop,
         progress=sys.stderr.isatty(),
         compile=args.compile,

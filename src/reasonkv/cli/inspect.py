@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
 from reasonkv.cache.spec import CacheSpec
 from reasonkv.cli.args import (
-    add_allocation_arguments,
-    add_buffer_argument,
+    add_cache_arguments,
     add_decoding_arguments,
     add_model_arguments,
-    add_policy_options,
-    add_tier_arguments,
-    allocation_settings,
-    budget_argument,
+    cache_spec_from,
     load_model_from,
 )
 from reasonkv.cli.outputs import check_output_file
@@ -40,11 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--trace", type=Path, help="a trace file written by --save-trace: no decoding")
     parser.add_argument("--problem", help="the problem's id in --dataset")
     parser.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated (default {DEFAULT_POLICIES})")
-    parser.add_argument("--budget", type=budget_argument, default=128, help="K: tokens kept per head (default 128)")
-    add_buffer_argument(parser)
-    add_tier_arguments(parser)
-    add_allocation_arguments(parser, what="; the page then shows each head's budget")
-    add_policy_options(parser)
+    add_cache_arguments(parser, budget=128, allocation="; the page then shows each head's budget")
     add_decoding_arguments(parser, max_new_tokens=512)
     parser.add_argument("--no-chat", action="store_true", help="do not apply the model's chat template")
     parser.add_argument("--out", type=Path, required=True, help="the page to write (*.html)")
@@ -59,20 +52,7 @@ def specs_from(args: argparse.Namespace) -> list[CacheSpec]:
     if not policies:
         raise ValueError(f"--policies names no policy: {args.policies!r}")
     options = options_by_policy(policies, args.option)
-    allocation = allocation_settings(args)
-    specs = [
-        CacheSpec.build(
-            name,
-            args.budget,
-            args.buffer,
-            quantized=args.quantized,
-            bits=args.bits,
-            seed=args.seed,
-            **allocation,
-            **options[name],
-        )
-        for name in policies
-    ]
+    specs = [cache_spec_from(args, name, options[name]) for name in policies]
     check_compared(specs)
     return specs
 
@@ -125,9 +105,6 @@ def _decode(args: argparse.Namespace) -> Inspection:
         ids[0],
         specs,
         model_name=args.model,
-        max_new_tokens=sampling.max_new_tokens,
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        top_k=sampling.top_k,
+        **dataclasses.asdict(sampling),
         progress=True,
     )

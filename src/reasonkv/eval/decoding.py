@@ -20,6 +20,7 @@ a later result for the unit replaces the error in reports and merges.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -152,10 +153,7 @@ def _decode(ctx: Context, cell: Cell, batch: list[tuple[Problem, int]]) -> list[
         ctx.tokenizer,
         [ctx.prompt_ids(p) for p, _ in batch],
         spec=cell.spec.replace(seed=seeds),
-        max_new_tokens=sampling.max_new_tokens,
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        top_k=sampling.top_k,
+        **dataclasses.asdict(sampling),
         trace=any(p.id in ctx.grid.trace_problems for p, _ in batch),
         compile=ctx.grid.compile,
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["WORKSPACE_ELEMENTS", "PositionTable", "group_mean", "pool1d"]
+__all__ = ["WORKSPACE_ELEMENTS", "LayerHeadTable", "PositionTable", "group_mean", "pool1d"]
 
 # The most elements of keys a policy copies (and upcasts) at once at an eviction: R-KV's redundancy and
 # ThinKV's K-means read every layer's keys in pieces of this size, never the whole cache at once.
@@ -106,6 +106,16 @@ class PositionTable:
         data = self.values[(slice(None), *inner)].index_select(0, rows.to(self.data.device))
         outside = (positions < 0) | (positions >= self.capacity)
         return data.gather(-1, positions.clamp(0, self.capacity - 1)).masked_fill(outside, self.fill)
+
+
+class LayerHeadTable(PositionTable):
+    """A :class:`PositionTable` ``[batch, full-attention layers, kv_heads, positions]``: per-token state of each kv
+    head of the evicting layers, ``row[layer]`` the inner index of an evicting layer (``at=(row[layer],)``)."""
+
+    def __init__(self, info, batch: int, *, fill: float = 0.0, device=None):
+        self.row = {layer: i for i, layer in enumerate(info.full_layers)}
+        self.kv_heads = info.num_kv_heads
+        super().__init__(batch, (len(self.row), self.kv_heads), fill=fill, device=device)
 
 
 def group_mean(scores: torch.Tensor, kv_heads: int) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch
 
 from reasonkv.policies import select
 from reasonkv.policies.base import Policy
-from reasonkv.policies.common import PositionTable, group_mean
+from reasonkv.policies.common import LayerHeadTable, group_mean
 from reasonkv.policies.contract import AttentionChunk, Needs
 from reasonkv.policies.options import check_option
 from reasonkv.policies.registry import register
@@ -81,7 +81,7 @@ class H2O(Policy):
     Attributes
     ----------
     accumulated
-        The running scores, a :class:`PositionTable` ``[batch, full-attention layers, kv_heads, positions]``
+        The running scores, a :class:`LayerHeadTable` ``[batch, full-attention layers, kv_heads, positions]``
         (set by :meth:`reset`).
     """
 
@@ -98,28 +98,25 @@ class H2O(Policy):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_option(self, "recent_ratio", 0 <= self.recent_ratio < 1, "a number in [0, 1)")
-        self.accumulated: PositionTable | None = None
-        self._index: dict[int, int] = {}  # evicting layer -> its row in the table
-        self._kv_heads = 0
+        self.accumulated: LayerHeadTable | None = None
 
     def needs(self, info) -> Needs:
         return Needs(attention_sum=True)
 
     def reset(self, info, batch: int, device: torch.device) -> None:
-        self._kv_heads = info.num_kv_heads
-        self._index = {layer: i for i, layer in enumerate(info.full_layers)}  # table row of each evicting layer
-        self.accumulated = PositionTable(batch, (len(self._index), info.num_kv_heads), device=device)
+        self.accumulated = LayerHeadTable(info, batch, device=device)
 
     def observe_attention(self, chunk: AttentionChunk) -> None:
-        mass = received_attention(chunk.column_sums, self._kv_heads)  # [batch, kv_heads, slots]
-        self.accumulated.add(chunk.slot_positions, mass, bound=chunk.position_bound, at=(self._index[chunk.layer],))
+        table = self.accumulated
+        mass = received_attention(chunk.column_sums, table.kv_heads)  # [batch, kv_heads, slots]
+        table.add(chunk.slot_positions, mass, bound=chunk.position_bound, at=(table.row[chunk.layer],))
 
     def recent(self, budget: int) -> int:
         """How many of the most recent tokens are protected under budget ``K``."""
         return max(self.window, int(self.recent_ratio * budget))
 
     def score(self, view) -> torch.Tensor:
-        return self.accumulated.lookup(view.rows, view.positions(), self._index[view.layer])
+        return self.accumulated.lookup(view.rows, view.positions(), self.accumulated.row[view.layer])
 
     def ranking(self, view) -> torch.Tensor:
         protected = select.protected_mask(

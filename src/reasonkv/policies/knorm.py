@@ -40,15 +40,6 @@ class KNorm(Policy):
       ``window = 0``, ``protect_prompt = False``); ``sinks=0`` reproduces the paper's rule exactly.
       Note that the paper itself reports that the first tokens (attention sinks) have low key norms,
       so they tend to be kept anyway.
-
-    Parameters
-    ----------
-    sinks
-        The first ``sinks`` logical positions are never evicted (default 4, the project default).
-    window
-        The ``window`` most recent tokens are never evicted (default 0).
-    protect_prompt
-        Never evict prompt tokens (default off: the budget covers prompt and output).
     """
 
     name = "knorm"

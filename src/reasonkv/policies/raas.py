@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from reasonkv.policies.base import Policy
-from reasonkv.policies.common import PositionTable
+from reasonkv.policies.common import LayerHeadTable
 from reasonkv.policies.contract import Needs, Step
 from reasonkv.policies.options import check_choice, check_option
 from reasonkv.policies.registry import register
@@ -85,7 +85,7 @@ class RaaS(Policy):
     Attributes
     ----------
     timestamps
-        Last-useful step per token, a :class:`PositionTable` ``[batch, full-attention layers, kv_heads, positions]``
+        Last-useful step per token, a :class:`LayerHeadTable` ``[batch, full-attention layers, kv_heads, positions]``
         (-1 for positions not seen yet; set by :meth:`reset`).
     """
 
@@ -105,22 +105,19 @@ class RaaS(Policy):
         super().__post_init__()
         check_option(self, "threshold", 0 <= self.threshold < 1, "a probability in [0, 1)")
         check_choice(self, "group_reduce", _GROUP_REDUCTIONS)
-        self.timestamps: PositionTable | None = None
-        self._index: dict[int, int] = {}  # evicting layer -> its row in the table
-        self._kv_heads = 0
+        self.timestamps: LayerHeadTable | None = None
 
     def needs(self, info) -> Needs:
         return Needs(attention_last=True)
 
     def reset(self, info, batch: int, device: torch.device) -> None:
-        self._kv_heads = info.num_kv_heads
-        self._index = {layer: i for i, layer in enumerate(info.full_layers)}
-        self.timestamps = PositionTable(batch, (len(self._index), info.num_kv_heads), fill=-1.0, device=device)
+        self.timestamps = LayerHeadTable(info, batch, fill=-1.0, device=device)
 
     def _per_kv_head(self, attention: torch.Tensor) -> torch.Tensor:
         """``[batch, query_heads, n, slots] -> [batch, kv_heads, n, slots]``, following ``repeat_kv``'s head order."""
         b, hq = attention.shape[:2]
-        grouped = attention.view(b, self._kv_heads, hq // self._kv_heads, *attention.shape[2:])
+        kv_heads = self.timestamps.kv_heads
+        grouped = attention.view(b, kv_heads, hq // kv_heads, *attention.shape[2:])
         return grouped.amax(2) if self.group_reduce == "max" else grouped.mean(2)
 
     def observe(self, step: Step) -> None:
@@ -135,13 +132,13 @@ class RaaS(Policy):
         # used it, minus 1 (-1: none; a padding query sits at -1, so it refreshes nothing). A product, not a
         # torch.where: this runs over every logged query and key, and the broadcasting where is 3x slower.
         latest = ((attention > self.threshold) * (now.float() + 1.0)).amax(2) - 1.0
-        at, bound = (self._index[chunk.layer],), chunk.position_bound
+        at, bound = (self.timestamps.row[chunk.layer],), chunk.position_bound
         stamps = self.timestamps.get(chunk.slot_positions, bound=bound, at=at)
         self.timestamps.set(chunk.slot_positions, torch.maximum(stamps, latest), bound=bound, at=at)
 
     def score(self, view) -> torch.Tensor:
         positions = view.positions()
-        stamps = self.timestamps.lookup(view.rows, positions, self._index[view.layer])
+        stamps = self.timestamps.lookup(view.rows, positions, self.timestamps.row[view.layer])
         # Lexicographic (timestamp, position) as exact ranks: no ties, so no dependence on slot order.
         key = ((stamps.long() + 1) << 32) + (positions + 1)
         return key.argsort(-1).argsort(-1).float()

@@ -61,13 +61,6 @@ class TOVA(Policy):
     layerwise
         Average over all query heads of the layer and keep the same tokens in every kv head
         (default True, as in the paper); False: average per kv group.
-    sinks
-        The first ``sinks`` logical positions are never evicted (default 4, the project default).
-    window
-        The ``window`` most recent tokens are never evicted (default 0).
-    protect_prompt
-        Never evict prompt tokens (default off: the budget covers prompt and output).
-
     """
 
     layerwise: bool = True

@@ -44,7 +44,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -508,7 +508,7 @@ class Sandbox:
             "uid": setup.user.uid,
             "python": None if setup.interpreter is None else setup.interpreter.version,
             "output_limit": self.output_limit,
-            "limits": {k: v for k, v in Limits.for_run(1, 64).describe().items() if k not in _PER_RUN},
+            "limits": {k: v for k, v in asdict(Limits.for_run(1, 64)).items() if k not in _PER_RUN},
             "tmpfs_mb": TMPFS_MB if setup.mechanism == "bubblewrap" else None,
             "memory_limit": setup.memory_limit,
             "memory_limit_reason": setup.memory_reason or None,

@@ -108,15 +108,6 @@ class Limits:
             self.processes,
         ]
 
-    def describe(self) -> dict[str, int]:
-        return {
-            "cpu_seconds": self.cpu_seconds,
-            "memory_mb": self.memory_mb,
-            "file_size_mb": self.file_size_mb,
-            "open_files": self.open_files,
-            "processes": self.processes,
-        }
-
 
 def launcher_argv(python: str, limits: Limits, program: list[str]) -> list[str]:
     """``python -I -S -c LAUNCHER <limits> <program...>``: set the limits, then exec ``program``."""
