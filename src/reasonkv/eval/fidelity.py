@@ -42,7 +42,8 @@ from reasonkv.cache.spec import CacheSpec, resolve_spec
 from reasonkv.eval.datasets import Problem
 from reasonkv.eval.references import answer_span, clean_solution, token_span
 from reasonkv.eval.step_bytes import StepBytes
-from reasonkv.hf import Forward, left_pad
+from reasonkv.generation.step import EagerStep, decode
+from reasonkv.hf import left_pad
 from reasonkv.policies import Policy
 
 __all__ = [
@@ -152,59 +153,83 @@ def teacher_force(
     if chunked is None:
         chunked = _is_chunk_exact(spec.policy)
     device = next(model.parameters()).device
-    forward = Forward(model)
-    batch = len(prompts)
-    lengths = [len(c) for c in continuations]
     evicting = EvictingCache(model=model, spec=spec)
     full = EvictingCache(model=model, spec=CacheSpec("full")) if reference else None
-    evictions = [0] * batch
-    step_bytes = StepBytes(evicting, batch)
+    replay = _Replay(model, evicting, full, prompts, continuations, chunked, max_chunk, pad_id, consume)
     try:
         ids, mask = left_pad(prompts, pad_id, device)
-        out_e = forward(ids, evicting, attention_mask=mask, last_logits_only=True)
-        out_f = forward(ids, full, attention_mask=mask, last_logits_only=True) if reference else None
-        started = [r for r in range(batch) if lengths[r] > 0]
-        if started:
-            consume(0, out_e.logits[:, -1:], out_f.logits[:, -1:] if reference else None, started)
-        for r in range(batch):
-            if lengths[r] <= 1:
-                evictions[r] = int(evicting.row_evictions[r])
-        fed = 0
-        while True:
-            active = [r for r in range(batch) if fed < lengths[r] - 1]
-            if not active:
-                break
-            span = min(min(lengths[r] - 1 - fed for r in active), max_chunk)
-            if chunked and evicting.budget is not None:
-                span = min(span, max(1, int(evicting.until_due()[active].min())))
-            tokens = torch.full((batch, span), pad_id, dtype=torch.long)
-            for r in active:
-                tokens[r] = torch.tensor(list(continuations[r][fed : fed + span]), dtype=torch.long)
-            tokens = tokens.to(device)
-            if chunked:
-                step_bytes.before()
-                logits_e = forward(tokens, evicting).logits
-                step_bytes.after(span, active)
-            else:
-                steps = []
-                for t in range(span):
-                    step_bytes.before()
-                    steps.append(forward(tokens[:, t : t + 1], evicting).logits)
-                    step_bytes.after(1, active)
-                logits_e = torch.cat(steps, dim=1)
-            logits_f = forward(tokens, full).logits if reference else None
-            consume(fed + 1, logits_e, logits_f, active)
-            fed += span
-            for r in active:
-                if fed >= lengths[r] - 1:
-                    evictions[r] = int(evicting.row_evictions[r])
+        replay.prefill(ids, mask)
+        decode(replay, None, replay.next_input)
         return TeacherForced(
-            evictions, evicting.peak_slots, evicting.kv_bytes(), evicting.steady_kv_bytes(), step_bytes.per_row()
+            replay.evictions,
+            evicting.peak_slots,
+            evicting.kv_bytes(),
+            evicting.steady_kv_bytes(),
+            replay.step_bytes.per_row(),
         )
     finally:
         evicting.detach()
         if full is not None:
             full.detach()
+
+
+class _Replay:
+    """:func:`teacher_force`'s decode step: each step feeds the next span of every unfinished row's known tokens
+    (one chunk up to the next due eviction, or token by token) to the evicting cache and the full one, and hands
+    their logits to ``consume``."""
+
+    def __init__(self, model, evicting, full, prompts, continuations, chunked, max_chunk, pad_id, consume):
+        self.evicting, self.chunked, self.max_chunk, self.pad_id = evicting, chunked, max_chunk, pad_id
+        self.continuations, self.consume = continuations, consume
+        self.lengths = [len(c) for c in continuations]
+        self.steps = EagerStep(model, evicting, every_position=True)
+        self.reference = None if full is None else EagerStep(model, full, every_position=True)
+        self.evictions = [0] * len(prompts)
+        self.step_bytes = StepBytes(evicting, len(prompts))
+        self.fed, self.active = 0, []
+
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> None:
+        """The prompts, one forward each cache; their last logits predict every continuation's first token."""
+        logits_e = self.steps.prefill(ids, mask).unsqueeze(1)
+        logits_f = None if self.reference is None else self.reference.prefill(ids, mask).unsqueeze(1)
+        started = [r for r, n in enumerate(self.lengths) if n > 0]
+        if started:
+            self.consume(0, logits_e, logits_f, started)
+        self._note_finished(range(len(self.lengths)))
+
+    def next_input(self, _index: int, _logits) -> tuple[torch.Tensor, None] | None:
+        """The next span of known tokens (pad for the rows done), or None once every row was fed."""
+        fed = self.fed
+        self.active = [r for r, n in enumerate(self.lengths) if fed < n - 1]
+        if not self.active:
+            return None
+        span = min(min(self.lengths[r] - 1 - fed for r in self.active), self.max_chunk)
+        if self.chunked and self.evicting.spec.stored_budget is not None:
+            span = min(span, max(1, int(self.evicting.until_due()[self.active].min())))
+        tokens = torch.full((len(self.lengths), span), self.pad_id, dtype=torch.long)
+        for r in self.active:
+            tokens[r] = torch.tensor(list(self.continuations[r][fed : fed + span]), dtype=torch.long)
+        return tokens.to(self.steps.device), None
+
+    def __call__(self, tokens: torch.Tensor, _mask: None) -> torch.Tensor:
+        spans = [tokens] if self.chunked else tokens.split(1, dim=1)
+        logits = []
+        for piece in spans:
+            self.step_bytes.before()
+            logits.append(self.steps(piece))
+            self.step_bytes.after(piece.shape[1], self.active)
+        logits_e = torch.cat(logits, dim=1)
+        logits_f = None if self.reference is None else self.reference(tokens)
+        self.consume(self.fed + 1, logits_e, logits_f, self.active)
+        self.fed += tokens.shape[1]
+        self._note_finished(self.active)
+        return logits_e
+
+    def _note_finished(self, rows) -> None:
+        """A row's eviction count, as its last token was fed."""
+        for r in rows:
+            if self.fed >= self.lengths[r] - 1:
+                self.evictions[r] = int(self.evicting.row_evictions[r])
 
 
 def _renamed(cache_keywords: dict) -> dict:

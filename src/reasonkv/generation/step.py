@@ -2,7 +2,8 @@
 
 A step takes a batch's next input ids and padding mask and returns the newest logits ``[batch, vocab]``; the
 cache it writes evicts after it. It is built one of three ways by :func:`open_step`, and everything that
-decodes (:func:`reasonkv.generate`, the bench's prefilled windows) runs it through :func:`decode`:
+decodes (:func:`reasonkv.generate`, the bench's prefilled windows, the fidelity replays) runs it through
+:func:`decode`:
 
 - eager (:class:`EagerStep`): the model's forward through reasonkv's hooks, any number of tokens a row;
 - compiled (:class:`~reasonkv.generation.compiled.CompiledDecode`): one fixed-shape graph a step, the
@@ -28,19 +29,25 @@ __all__ = ["CompiledDecode", "EagerStep", "StaticStep", "decode", "open_step"]
 
 
 class EagerStep:
-    """The model's eager forward over ``cache``: the newest logits of any number of tokens a row."""
+    """The model's eager forward over ``cache``: the newest logits of any number of tokens a row
+    (``every_position``: the logits of every token fed, ``[batch, tokens, vocab]``, as a teacher-forced replay
+    reads them; :meth:`prefill` still returns the newest)."""
 
     compiled = False
     warmup_seconds = 0.0
 
-    def __init__(self, model, cache):
-        self.model, self.cache = model, cache
+    def __init__(self, model, cache, *, every_position: bool = False):
+        self.model, self.cache, self.every_position = model, cache, every_position
+        self.device = next(model.parameters()).device
         self._forward = Forward(model)
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        return self._forward(input_ids, self.cache, attention_mask=attention_mask, last_logits_only=True).logits[:, -1]
+        if self.every_position:
+            return self._forward(input_ids, self.cache, attention_mask=attention_mask).logits
+        return self.prefill(input_ids, attention_mask)
 
-    prefill = __call__
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self._forward(input_ids, self.cache, attention_mask=attention_mask, last_logits_only=True).logits[:, -1]
 
     def describe(self) -> dict | None:
         return None
