@@ -19,7 +19,8 @@ import torch
 from reasonkv.bench.measure import make_prompts, model_device
 from reasonkv.bench.prefilled import prefill_chunks
 from reasonkv.cache import CacheSpec, EvictingCache
-from reasonkv.hf import Forward, synchronize, vocab_size
+from reasonkv.generation.step import EagerStep
+from reasonkv.hf import synchronize, vocab_size
 
 __all__ = ["measure_eviction_cost"]
 
@@ -53,14 +54,14 @@ def measure_eviction_cost(
     ids = torch.tensor(make_prompts(vocab, batch, cached + buffer * repeats, seed), device=device)
     cache = EvictingCache(model=model, spec=spec, sync_timing=device.type == "cuda")
     evictor = cache.evictor
-    forward = Forward(model)
+    step = EagerStep(model, cache)
     score, gather, forward_s = [], [], []
     try:
         with torch.inference_mode():
             offset = 0
             chunks = prefill_chunks(cached, cached, batch, prefill_chunk, prompt_length=prompt_length, grows=False)
             for size in chunks:
-                forward(ids[:, offset : offset + size], cache, last_logits_only=True)
+                step.prefill(ids[:, offset : offset + size])
                 offset += size
             if evictor.eviction_count != 1:
                 raise RuntimeError(f"expected one warm-up eviction after the prefill, got {evictor.eviction_count}")
@@ -68,7 +69,7 @@ def measure_eviction_cost(
                 before, count = evictor.timings, evictor.eviction_count
                 synchronize(device)
                 start = time.perf_counter()
-                forward(ids[:, offset : offset + buffer], cache, last_logits_only=True)
+                step.prefill(ids[:, offset : offset + buffer])
                 synchronize(device)
                 forward_s.append(time.perf_counter() - start)
                 offset += buffer

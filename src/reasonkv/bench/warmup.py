@@ -14,7 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-from reasonkv.hf import Forward, native_cache, synchronize, vocab_size
+from reasonkv.generation.step import EagerStep
+from reasonkv.hf import native_cache, synchronize, vocab_size
 from reasonkv.suggest.integers import is_int
 
 __all__ = ["WARMUP_CAP_STEPS", "settle", "warm_up"]
@@ -54,17 +55,16 @@ def warm_up(model, *, cap: int = WARMUP_CAP_STEPS) -> dict:
     generator = torch.Generator().manual_seed(12345)
     vocab = vocab_size(model)
     ids = torch.randint(min(100, vocab // 2), vocab, (1, 16), generator=generator).to(device)
-    cache, forward = native_cache(model), Forward(model)
+    decode_step = EagerStep(model, native_cache(model))
     state = {"ids": ids}
 
     def step() -> float:
         synchronize(device)
         start = time.perf_counter()
-        logits = forward(state["ids"], cache, last_logits_only=True).logits[:, -1]
-        state["ids"] = logits.argmax(-1, keepdim=True)
+        state["ids"] = decode_step(state["ids"]).argmax(-1, keepdim=True)
         synchronize(device)
         return time.perf_counter() - start
 
     with torch.inference_mode():
-        state["ids"] = forward(ids, cache, last_logits_only=True).logits[:, -1].argmax(-1, keepdim=True)
+        state["ids"] = decode_step.prefill(ids).argmax(-1, keepdim=True)
         return settle(step, cap=cap)
