@@ -27,7 +27,6 @@ from reasonkv.cache.allocation import (
     allocation_class,
     allocation_rule,
     check_allocation_settings,
-    load_budget_file,
 )
 from reasonkv.cache.tiers import check_settings
 from reasonkv.policies import Policy, check_fields, get_policy
@@ -89,7 +88,8 @@ class CacheSpec:
     allocation
         How the budget is shared among (layer, kv-head): ``uniform`` (``K`` each), ``pyramid``, ``adaptive``
         or ``calibrated`` (from ``budgets_file``); every one keeps ``K x layers x kv_heads`` in all. See
-        :mod:`reasonkv.cache.allocation`. The full cache ignores it (stored as ``uniform``).
+        :mod:`reasonkv.cache.allocation`; :attr:`allocation_rule` is its object, with its settings. The full cache
+        ignores it (stored as ``uniform``).
     budgets_file
         ``calibrated`` only (and needed there): the budget file (``reasonkv calibrate --budgets`` writes one).
     adaptive_alpha
@@ -166,25 +166,24 @@ class CacheSpec:
         )
         if budget is None:
             return Uniform()
-        per_head = allocation_class(self.allocation).per_head
-        if per_head and policy.selects:
+        rule = allocation_rule(self.allocation, budgets_file=self.budgets_file, adaptive_alpha=self.adaptive_alpha)
+        if rule.per_head and policy.selects:
             raise ValueError(
                 f"allocation={self.allocation!r} applies to evicting policies, not to {policy.name!r} (it selects: "
                 "every token held, no budget to share among heads)"
             )
-        if per_head and self.quantized:
+        if rule.per_head and self.quantized:
             raise ValueError(
                 f"allocation={self.allocation!r} cannot be combined with a quantized tier "
                 f"(quantized={self.quantized}): use allocation='uniform' or quantized=0"
             )
         shared = policy.layers_share_kept_set()
-        if per_head and shared is not None:
+        if rule.per_head and shared is not None:
             raise ValueError(
                 f"allocation={self.allocation!r} gives each layer its own budget, but {policy.name!r} with {shared}"
             )
-        if self.budgets_file is not None:
-            load_budget_file(self.budgets_file).check_total(budget, policy.sinks + policy.window)
-        return allocation_rule(self.allocation, budgets_file=self.budgets_file, adaptive_alpha=self.adaptive_alpha)
+        rule.check(budget, policy.sinks + policy.window)
+        return rule
 
     @classmethod
     def build(

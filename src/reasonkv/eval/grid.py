@@ -170,7 +170,7 @@ def make_cells(
     options: Mapping[str, Mapping[str, Any]] | Sequence[str] | None = None,
     quantized: int = 0,
     bits: int | None = None,
-    allocations: str | Sequence[str] = ("uniform",),
+    allocations: str | Sequence[str] = (Uniform.name,),
     budgets_file: str | None = None,
 ) -> list[Cell]:
     """The grid's cells: ``full`` once first, then every budget x evicting policy (x allocation: each evicting

@@ -50,6 +50,9 @@ class Allocation:
     per_head: ClassVar[bool] = True  # heads may keep different numbers of tokens
     per_length: ClassVar[bool] = False  # its table depends on the tokens a row has seen and holds (pyramid)
 
+    def check(self, budget: int, protected: int) -> None:
+        """``ValueError`` when it cannot share ``budget`` with ``protected`` tokens in every head (without a model)."""
+
     def table(
         self,
         budget: int,
@@ -100,7 +103,10 @@ class Uniform(Allocation):
     name = "uniform"
     summary = "K each, default"
     per_head = False
-    tag = ""
+
+    @property
+    def tag(self) -> str:
+        return ""
 
     def record(self) -> dict[str, Any]:
         return {}
@@ -163,6 +169,9 @@ class Calibrated(Allocation):
                 "`reasonkv calibrate --budgets` writes one)"
             )
         self.budgets_file = str(budgets_file)
+
+    def check(self, budget, protected):
+        load_budget_file(self.budgets_file).check_total(budget, protected)
 
     def table(self, budget, layers, kv_heads, protected, length=None, held=None):
         return load_budget_file(self.budgets_file).table(budget, layers, kv_heads, protected)
