@@ -135,7 +135,7 @@ def _spec(settings: BenchSettings, mode: str, policy: Policy) -> CacheSpec:
     length sweep under the settings' allocation."""
     budget = settings.cached - settings.buffer if mode == EVICTION else settings.budget
     shared = {}
-    if mode == SWEEP and policy.evicts and settings.allocation != "uniform":
+    if mode == SWEEP and policy.evicts and settings.allocation_rule.per_head:
         shared = dict(
             allocation=settings.allocation,
             budgets_file=settings.budgets_file,
@@ -148,7 +148,7 @@ def _spec(settings: BenchSettings, mode: str, policy: Policy) -> CacheSpec:
 def _unallocated(settings: BenchSettings, requested: list[str], everything: bool) -> list[str]:
     """An allocation shares an evicting policy's budget among heads: a selection policy, which holds every token,
     has none to share. Under ``--policies all`` the selection policies are left out (returned); named, refused."""
-    if settings.allocation == "uniform":
+    if not settings.allocation_rule.per_head:
         return []
     selecting = [name for name in requested if policy_class(name).selects]
     if selecting and not everything:

@@ -37,6 +37,7 @@ from reasonkv.bench.store import ResultStore, claim_output, entry_key, now_iso
 from reasonkv.bench.tiers import equal_measured_bytes, tiered_budget
 from reasonkv.bench.warmup import warm_up
 from reasonkv.cache import EvictingCache
+from reasonkv.cache.allocation import Uniform
 from reasonkv.hf import model_info
 from reasonkv.models import load_model
 from reasonkv.runs.outputs import write_atomic
@@ -126,17 +127,17 @@ def measure_entry(model, plan: Plan, mode: str, policy: str, batch: int | None, 
 def _allocation_of(plan: Plan, mode: str, policy: str) -> dict:
     """``{"allocation": name}`` for an entry of a run under an allocation (``uniform`` for the full cache, which
     evicts nothing to share); nothing otherwise."""
-    if plan.settings.allocation == "uniform":
+    if not plan.settings.allocation_rule.per_head:
         return {}
     spec = plan.specs[mode].get(policy)
-    return {"allocation": "uniform" if spec is None else spec.allocation}
+    return {"allocation": Uniform.name if spec is None else spec.allocation}
 
 
 def check_allocation_fits(model, plan: Plan) -> None:
     """Build (and drop) the cache of one evicting entry under the allocation, so that what the cache refuses on
     this model (a budget file for another number of evicting layers or kv-heads, an attention kernel without
     per-head masks) is one error before anything is measured."""
-    if plan.settings.allocation == "uniform" or SWEEP not in plan.specs:
+    if not plan.settings.allocation_rule.per_head or SWEEP not in plan.specs:
         return
     spec = next((s for s in plan.specs[SWEEP].values() if s is not None and s.allocated), None)
     if spec is None:

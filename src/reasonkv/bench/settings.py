@@ -23,7 +23,7 @@ from reasonkv.bench.measure import WARMUP_STEPS
 from reasonkv.bench.memory import parse_bytes
 from reasonkv.bench.prefilled import ragged_shifts
 from reasonkv.cache import DEFAULT_BUFFER
-from reasonkv.cache.spec import DEFAULT_ADAPTIVE_ALPHA, check_allocation_settings
+from reasonkv.cache.allocation import Allocation, Uniform, allocation_rule, check_allocation_settings
 from reasonkv.cache.tiers import check_settings
 from reasonkv.generation.compiled import compile_backend
 from reasonkv.models import (
@@ -176,7 +176,7 @@ class BenchSettings:
     bits: int | None = setting(
         None, group="policies", type=int, choices=(4, 8), help="code width of the quantized tier (default 8)"
     )
-    allocation: str = setting("uniform", group="policies", shared="allocation", shared_with=_ALLOCATION)
+    allocation: str = setting(Uniform.name, group="policies", shared="allocation", shared_with=_ALLOCATION)
     budgets_file: str | None = setting(None, group="policies", shared="allocation", shared_with=_ALLOCATION)
     adaptive_alpha: float | None = setting(None, group="policies", shared="allocation", shared_with=_ALLOCATION)
     padded_heads: bool = setting(False, group="policies", shared="allocation", shared_with=_ALLOCATION)
@@ -366,9 +366,10 @@ class BenchSettings:
         check_allocation_settings(
             self.allocation, budgets_file=self.budgets_file, adaptive_alpha=self.adaptive_alpha, ragged=ragged
         )
-        if self.allocation == "adaptive" and self.adaptive_alpha is None:
-            object.__setattr__(self, "adaptive_alpha", DEFAULT_ADAPTIVE_ALPHA)
-        if self.allocation == "uniform":
+        rule = self.allocation_rule
+        # the alpha the allocation runs with (its default when not given; None where it does not apply)
+        object.__setattr__(self, "adaptive_alpha", rule.options().get("adaptive_alpha"))
+        if not rule.per_head:
             return
         if self.quantized:
             raise ValueError(
@@ -382,17 +383,18 @@ class BenchSettings:
             )
 
     @property
+    def allocation_rule(self) -> Allocation:
+        """The allocation every evicting entry of the length sweep runs under."""
+        return allocation_rule(self.allocation, budgets_file=self.budgets_file, adaptive_alpha=self.adaptive_alpha)
+
+    @property
     def allocation_config(self) -> dict[str, Any]:
         """What the sweep's records store of the allocation (nothing for ``uniform``, so that folders written
         before allocations existed resume)."""
-        if self.allocation == "uniform":
+        rule = self.allocation_rule
+        if not rule.per_head:
             return {}
-        config: dict[str, Any] = {"allocation": self.allocation, "ragged_heads": not self.padded_heads}
-        if self.allocation == "adaptive":
-            config["adaptive_alpha"] = self.adaptive_alpha
-        if self.budgets_file is not None:
-            config["budgets_file"] = os.fspath(self.budgets_file)
-        return config
+        return {"allocation": rule.name, "ragged_heads": not self.padded_heads, **rule.options()}
 
     def _check_eviction_cost(self) -> None:
         if self.cached is None:

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from reasonkv.cache.allocation import adaptive_floor
 from reasonkv.cache.spec import CacheSpec
 
 __all__ = ["ARRAYS", "Decision", "DecisionLog", "Eviction", "Trace", "by_position", "settings_of"]
@@ -236,12 +235,7 @@ def settings_of(spec: CacheSpec, budgets: torch.Tensor | None) -> dict:
     }
     if spec.allocated:  # uniform traces keep the keys they always had
         settings.update(allocation=spec.allocation, budgets=budgets.tolist(), ragged_heads=spec.ragged)
-        if spec.allocation == "adaptive":
-            settings.update(
-                adaptive_alpha=spec.adaptive_alpha, adaptive_floor=adaptive_floor(spec.adaptive_alpha, spec.budget)
-            )
-        if spec.budgets_file is not None:
-            settings["budgets_file"] = str(spec.budgets_file)
+        settings.update(spec.allocation_rule.trace_settings(spec.budget))
     return settings
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from reasonkv.cache.allocation import adaptive_counts, adaptive_floor, keep_counted, static_counts
+from reasonkv.cache.allocation import keep_counted
 from reasonkv.cache.decisions import Decision, by_position
 from reasonkv.cache.observe import Observer
 from reasonkv.cache.spec import CacheSpec
@@ -208,13 +208,8 @@ class Evictor:
                 f"kernel; this model runs {implementation!r}: load it with attn_implementation='sdpa'"
             )
         self.budgets = spec.budget_table(len(info.full_layers), info.num_kv_heads)
-        heads = info.num_kv_heads
-        if spec.allocation == "adaptive":
-            floor = adaptive_floor(spec.adaptive_alpha, spec.budget)
-            first, widest = spec.budget + spec.buffer, spec.budget * heads - (heads - 1) * floor
-        else:
-            first, widest = int(self.budgets.min()) + spec.buffer, int(self.budgets.max())
-        cache.allocate(first, widest, ragged=spec.ragged)
+        fewest, widest = spec.allocation_rule.extent(self.budgets, spec.budget)
+        cache.allocate(fewest + spec.buffer, widest, ragged=spec.ragged)
         self.head_reader = KernelReader(model, self._head_masked, info.full_layers)
 
     def _head_masked(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
@@ -227,15 +222,11 @@ class Evictor:
         """The slots each head keeps under the allocation, from the policy's ranking: ``[len(rows), kv_heads,
         width]`` per evicting layer, ``-1`` first where a head keeps fewer than the widest (one host read); and
         the rankings they were taken from."""
-        spec = self.spec
+        rule = self.spec.allocation_rule
         held = self._held_positions(rows)
         rankings = self._head_rankings(self._view(rows), rows, held)
-        if spec.allocation == "adaptive":
-            floor = adaptive_floor(spec.adaptive_alpha, spec.budget)
-            counts = [adaptive_counts(r, spec.budget * r.shape[1], floor) for r in rankings]
-        else:
-            tables = self._pyramid_budgets(rows, held) if spec.allocation == "pyramid" else self.budgets
-            counts = [static_counts(r, budgets) for r, budgets in zip(rankings, tables, strict=True)]
+        tables = self._row_budgets(rows, held) if rule.per_length else self.budgets
+        counts = rule.counts(rankings, tables, self.spec.budget)
         width = int(torch.stack([c.max() for c in counts]).max())
         return [keep_counted(r, c, width) for r, c in zip(rankings, counts, strict=True)], rankings
 
@@ -244,10 +235,10 @@ class Evictor:
         cache = self.cache
         return [cache.positions(i).index_select(0, rows.to(cache.valid.device)) for i in cache.full_layers]
 
-    def _pyramid_budgets(self, rows: torch.Tensor, held: list[torch.Tensor]) -> torch.Tensor:
-        """PyramidKV caps its schedule for a row that has seen few tokens: each row's own table, ``[layers,
-        len(rows), kv_heads]``, from the tokens it has seen and what its fullest head holds (``held``: each
-        evicting layer's positions of the rows)."""
+    def _row_budgets(self, rows: torch.Tensor, held: list[torch.Tensor]) -> torch.Tensor:
+        """An allocation whose table depends on the row (PyramidKV caps its schedule for a row that has seen few
+        tokens): each row's own table, ``[layers, len(rows), kv_heads]``, from the tokens it has seen and what its
+        fullest head holds (``held``: each evicting layer's positions of the rows)."""
         cache, spec = self.cache, self.spec
         seen = cache.next_position.index_select(0, rows.to(cache.next_position.device)).tolist()
         fullest = torch.stack([(h >= 0).sum(-1).amax(-1) for h in held]).amax(0).tolist()

@@ -15,17 +15,28 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
-from reasonkv.cache.allocation import ALLOCATIONS, budget_table, check_allocation, load_budget_file
+from reasonkv.cache.allocation import (
+    ALLOCATION_SETTINGS,
+    ALLOCATIONS,
+    DEFAULT_ADAPTIVE_ALPHA,
+    Allocation,
+    Uniform,
+    allocation_class,
+    allocation_rule,
+    check_allocation_settings,
+)
 from reasonkv.cache.tiers import check_settings
 from reasonkv.policies import Policy, check_fields, get_policy
 from reasonkv.selection.blocks import blocks_per_step
-from reasonkv.suggest.integers import check_int, is_int, is_number
+from reasonkv.suggest.integers import check_int, is_int
 
 __all__ = [
     "ALLOCATIONS",
     "ALLOCATION_SETTINGS",
+    "DEFAULT_ADAPTIVE_ALPHA",
     "DEFAULT_BUFFER",
     "CacheSpec",
     "check_allocation_settings",
@@ -34,14 +45,6 @@ __all__ = [
 ]
 
 DEFAULT_BUFFER = 128  # B: new tokens between two evictions
-DEFAULT_ADAPTIVE_ALPHA = 0.2
-
-#: The settings that apply under some allocations only: setting -> (its command-line flag, those allocations).
-ALLOCATION_SETTINGS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "budgets_file": ("--budgets-file", ("calibrated",)),
-    "adaptive_alpha": ("--adaptive-alpha", ("adaptive",)),
-    "ragged": ("--padded-heads", tuple(a for a in ALLOCATIONS if a != "uniform")),
-}
 
 
 def check_sizes(budget: int | None, buffer: int) -> None:
@@ -49,26 +52,6 @@ def check_sizes(budget: int | None, buffer: int) -> None:
     if budget is not None and (not is_int(budget) or budget <= 0):
         raise ValueError(f"budget must be a positive integer (or None for no eviction), got {budget!r}")
     check_int("buffer", buffer, 0)
-
-
-def check_allocation_settings(allocation: str, **settings: Any) -> None:
-    """Refuse a setting of :data:`ALLOCATION_SETTINGS` given (not None) under an allocation it does not apply to,
-    naming the setting, its value, the allocation and those it applies to; check the allocation's name, that
-    ``calibrated`` has its budget file, and the settings' values. The one place this rule lives: every command
-    reaches it through :class:`CacheSpec` (``reasonkv bench`` also checks its settings with it up front)."""
-    check_allocation(allocation, settings.get("budgets_file"))
-    alpha, ragged = settings.get("adaptive_alpha"), settings.get("ragged")
-    if alpha is not None and (not is_number(alpha) or not 0 <= alpha <= 1):
-        raise ValueError(f"adaptive_alpha must be a number in [0, 1], got {alpha!r} (--adaptive-alpha)")
-    if ragged is not None and not isinstance(ragged, bool):
-        raise ValueError(f"ragged must be True or False, got {ragged!r}")
-    for name, value in settings.items():
-        flag, applies = ALLOCATION_SETTINGS[name]
-        if value is not None and allocation not in applies:
-            raise ValueError(
-                f"{name}={value!r} ({flag}) does not apply to allocation {allocation!r}: it applies to "
-                f"allocation{'s' if len(applies) > 1 else ''} {', '.join(applies)} only; drop it"
-            )
 
 
 def _seed(seed: Any) -> int | tuple[int, ...]:
@@ -105,7 +88,8 @@ class CacheSpec:
     allocation
         How the budget is shared among (layer, kv-head): ``uniform`` (``K`` each), ``pyramid``, ``adaptive``
         or ``calibrated`` (from ``budgets_file``); every one keeps ``K x layers x kv_heads`` in all. See
-        :mod:`reasonkv.cache.allocation`. The full cache ignores it (stored as ``uniform``).
+        :mod:`reasonkv.cache.allocation`; :attr:`allocation_rule` is its object, with its settings. The full cache
+        ignores it (stored as ``uniform``).
     budgets_file
         ``calibrated`` only (and needed there): the budget file (``reasonkv calibrate --budgets`` writes one).
     adaptive_alpha
@@ -127,7 +111,7 @@ class CacheSpec:
     bits: int | None = None
     group_size: int | None = None
     seed: int | tuple[int, ...] = 0
-    allocation: str = "uniform"
+    allocation: str = Uniform.name
     budgets_file: str | None = None
     adaptive_alpha: float | None = None
     ragged: bool | None = None
@@ -153,16 +137,15 @@ class CacheSpec:
                 f"policy {policy.name!r} does not rank tokens, so it cannot fill a quantized tier "
                 f"(quantized={self.quantized}): use an evicting policy that scores or ranks them, or quantized=0"
             )
-        allocation = self._allocation(policy, budget)
-        budgets_file = None if self.budgets_file is None or allocation != "calibrated" else str(self.budgets_file)
-        alpha = DEFAULT_ADAPTIVE_ALPHA if self.adaptive_alpha is None else self.adaptive_alpha
-        ragged = True if self.ragged is None else self.ragged
+        rule = self._allocation(policy, budget)
+        # stored only under the allocation they apply to (with their defaults), so that a copy (replace) is valid
+        own = rule.options()
+        ragged = (True if self.ragged is None else self.ragged) if "ragged" in rule.settings else None
         for name, value in (
-            ("allocation", allocation),
-            # stored only under the allocation they apply to, so that a copy (replace) is valid again
-            ("budgets_file", budgets_file),
-            ("adaptive_alpha", alpha if allocation == "adaptive" else None),
-            ("ragged", ragged if allocation != "uniform" else None),
+            ("allocation", rule.name),
+            ("budgets_file", own.get("budgets_file")),
+            ("adaptive_alpha", own.get("adaptive_alpha")),
+            ("ragged", ragged),
             ("policy", policy),
             ("budget", budget),
             ("bits", (8 if self.bits is None else self.bits) if self.quantized else None),
@@ -176,31 +159,31 @@ class CacheSpec:
                 f"exceed {self.describe_room()}"
             )
 
-    def _allocation(self, policy: Policy, budget: int | None) -> str:
+    def _allocation(self, policy: Policy, budget: int | None) -> Allocation:
         """The allocation, checked (a budget file read and checked too); ``uniform`` for the full cache."""
         check_allocation_settings(
             self.allocation, budgets_file=self.budgets_file, adaptive_alpha=self.adaptive_alpha, ragged=self.ragged
         )
         if budget is None:
-            return "uniform"
-        if self.allocation != "uniform" and policy.selects:
+            return Uniform()
+        rule = allocation_rule(self.allocation, budgets_file=self.budgets_file, adaptive_alpha=self.adaptive_alpha)
+        if rule.per_head and policy.selects:
             raise ValueError(
                 f"allocation={self.allocation!r} applies to evicting policies, not to {policy.name!r} (it selects: "
                 "every token held, no budget to share among heads)"
             )
-        if self.allocation != "uniform" and self.quantized:
+        if rule.per_head and self.quantized:
             raise ValueError(
                 f"allocation={self.allocation!r} cannot be combined with a quantized tier "
                 f"(quantized={self.quantized}): use allocation='uniform' or quantized=0"
             )
         shared = policy.layers_share_kept_set()
-        if self.allocation != "uniform" and shared is not None:
+        if rule.per_head and shared is not None:
             raise ValueError(
                 f"allocation={self.allocation!r} gives each layer its own budget, but {policy.name!r} with {shared}"
             )
-        if self.budgets_file is not None:
-            load_budget_file(self.budgets_file).check_total(budget, policy.sinks + policy.window)
-        return self.allocation
+        rule.check(budget, policy.sinks + policy.window)
+        return rule
 
     @classmethod
     def build(
@@ -213,7 +196,7 @@ class CacheSpec:
         bits: int | None = None,
         group_size: int | None = None,
         seed: int | Iterable[int] = 0,
-        allocation: str = "uniform",
+        allocation: str = Uniform.name,
         budgets_file: str | None = None,
         adaptive_alpha: float | None = None,
         ragged: bool | None = None,
@@ -266,10 +249,15 @@ class CacheSpec:
             return None
         return {"quantized": self.quantized, "bits": self.bits, "group_size": self.group_size}
 
+    @cached_property
+    def allocation_rule(self) -> Allocation:
+        """The allocation (:mod:`reasonkv.cache.allocation.rules`) with its settings: what the cache asks of it."""
+        return allocation_rule(self.allocation, budgets_file=self.budgets_file, adaptive_alpha=self.adaptive_alpha)
+
     @property
     def allocated(self) -> bool:
         """Whether heads may keep different numbers of tokens (any allocation but ``uniform``)."""
-        return self.allocation != "uniform"
+        return allocation_class(self.allocation).per_head
 
     def budget_table(self, layers: int, kv_heads: int, length: int | None = None, held: int | None = None):
         """``[layers, kv_heads]`` tokens each evicting layer's heads keep (``adaptive``: the uniform split it
@@ -279,16 +267,7 @@ class CacheSpec:
         if self.budget is None:
             raise ValueError("the full cache has no budget to allocate")
         protected = self.policy.sinks + self.policy.window
-        return budget_table(
-            self.allocation,
-            self.budget,
-            layers,
-            kv_heads,
-            protected=protected,
-            budgets_file=self.budgets_file,
-            length=length,
-            held=held,
-        )
+        return self.allocation_rule.table(self.budget, layers, kv_heads, protected, length, held)
 
     def check_compile(self) -> None:
         """``ValueError`` unless a compiled decode step decodes this cache as an eager one does. (A cache with no
@@ -310,9 +289,9 @@ class CacheSpec:
         """A copy with ``changes`` (validated again). A setting of :data:`ALLOCATION_SETTINGS` this spec holds
         goes over to the copy's allocation only where it applies there (``replace(allocation="uniform")`` of an
         adaptive spec is the uniform cache); given again in ``changes``, it is checked as given."""
-        allocation = changes.get("allocation", self.allocation)
-        for name, (_, applies) in ALLOCATION_SETTINGS.items():
-            if name not in changes and allocation not in applies:
+        rule = allocation_class(changes.get("allocation", self.allocation))
+        for name in ALLOCATION_SETTINGS:
+            if name not in changes and name not in rule.settings:
                 changes[name] = None
         return dataclasses.replace(self, **changes)
 

@@ -6,6 +6,7 @@ import argparse
 import math
 import sys
 
+from reasonkv.cache.allocation import RULES, Uniform
 from reasonkv.cache.spec import ALLOCATIONS, DEFAULT_BUFFER, CacheSpec
 from reasonkv.models import DEFAULT_MODEL, list_shapes, load_model
 from reasonkv.sandbox.limits import check_memory, check_timeout
@@ -62,9 +63,10 @@ def add_allocation_arguments(parser, *, what: str = "") -> None:
     parser.add_argument(
         "--allocation",
         choices=ALLOCATIONS,
-        default="uniform",
-        help="how K x layers x kv-heads is shared: uniform (K each, default), pyramid (PyramidKV), adaptive "
-        f"(AdaKV: per eviction, by the policy's scores), calibrated (--budgets-file){what}",
+        default=Uniform.name,
+        help="how K x layers x kv-heads is shared: "
+        + ", ".join(f"{name} ({rule.summary})" for name, rule in RULES.items())
+        + what,
     )
     parser.add_argument(
         "--budgets-file", default=None, help="--allocation calibrated: the file `reasonkv calibrate --budgets` wrote"

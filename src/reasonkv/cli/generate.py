@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+from reasonkv.cache.allocation import Uniform, allocation_class
 from reasonkv.cache.spec import CacheSpec
 from reasonkv.cli.args import (
     add_cache_arguments,
@@ -113,8 +114,8 @@ def _selection(stats: dict) -> str:
 
 
 def _allocation(stats: dict) -> str:
-    allocation = stats.get("allocation", "uniform")
-    return "" if allocation == "uniform" else f" allocation={allocation}"
+    rule = allocation_class(stats.get("allocation", Uniform.name))
+    return f" allocation={rule.name}" if rule.per_head else ""
 
 
 def _compiled(stats: dict) -> str:

@@ -149,7 +149,7 @@ class Context:
 
     def _base(self, kind: str, dataset: str, problem: Problem, cell: Cell) -> dict[str, Any]:
         # An allocation other than uniform is part of the unit (absent for uniform: older records keep their keys).
-        allocation = {} if cell.allocation == "uniform" else {"allocation": cell.allocation}
+        allocation = cell.spec.allocation_rule.record()
         return {
             "kind": kind,
             "model": self.model_name,

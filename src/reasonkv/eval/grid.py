@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from reasonkv.cache.allocation import check_allocation
+from reasonkv.cache.allocation import Uniform, allocation_class, check_allocation
 from reasonkv.cache.spec import DEFAULT_BUFFER, CacheSpec
 from reasonkv.eval.livecodebench import parse_day
 from reasonkv.generation.sampling import Sampling
@@ -85,7 +85,7 @@ class Cell:
         if self.options:
             label += f"[{','.join(f'{k}={_fmt(v)}' for k, v in sorted(self.options.items()))}]"
         label += f"+int{self.bits}:{self.quantized}" if self.quantized else ""
-        return label + ("" if self.allocation == "uniform" else f"~{self.allocation}")
+        return label + self.spec.allocation_rule.tag
 
     @property
     def name(self) -> str:
@@ -170,7 +170,7 @@ def make_cells(
     options: Mapping[str, Mapping[str, Any]] | Sequence[str] | None = None,
     quantized: int = 0,
     bits: int | None = None,
-    allocations: str | Sequence[str] = ("uniform",),
+    allocations: str | Sequence[str] = (Uniform.name,),
     budgets_file: str | None = None,
 ) -> list[Cell]:
     """The grid's cells: ``full`` once first, then every budget x evicting policy (x allocation: each evicting
@@ -207,17 +207,18 @@ def make_cells(
     allocations = _split_names(allocations)
     if not allocations or len(set(allocations)) != len(allocations):
         raise ValueError(f"allocations must be distinct names, got {allocations!r}")
-    for allocation in allocations:
-        check_allocation(allocation, budgets_file if allocation == "calibrated" else None)
-    # The budget file goes to the calibrated cells; a grid without any hands it to every cell, whose spec refuses it.
-    calibrated = "calibrated" in allocations
+    for allocation in allocations:  # a known name, with the budget file where it takes one
+        check_allocation(allocation, budgets_file)
+    takes_file = {a: "budgets_file" in allocation_class(a).settings for a in allocations}
+    # The budget file goes to the cells that take one; a grid without any hands it to every cell, whose spec refuses it.
+    any_file = any(takes_file.values())
     cells: dict[Cell, None] = {}
     for evicts in (False, True):  # the full cache first: its outputs are the fidelity references
         for budget in budgets or [None]:
             for p in (p for p in policies if (classes[p].evicts or classes[p].selects) == evicts):
                 tier = dict(quantized=quantized, bits=bits) if classes[p].evicts else {}
-                for allocation in allocations if classes[p].evicts else ["uniform"]:
-                    file = budgets_file if allocation == "calibrated" or not calibrated else None
+                for allocation in allocations if classes[p].evicts else [Uniform.name]:
+                    file = budgets_file if takes_file.get(allocation) or not any_file else None
                     spec = CacheSpec.build(
                         p, budget, buffer, **tier, allocation=allocation, budgets_file=file, **chosen[p]
                     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from reasonkv.cache.allocation import ALLOCATIONS, Uniform
 from reasonkv.cache.spec import DEFAULT_BUFFER
 from reasonkv.eval.grid import GridSpec
 from reasonkv.models import DEFAULT_MODEL
@@ -53,10 +54,10 @@ class EvalSettings:
     quantized: int = setting(0, group="grid", shared="tier", shared_with=_TIER)
     bits: int | None = setting(None, group="grid", shared="tier", shared_with=_TIER)
     allocations: str = setting(
-        "uniform",
+        Uniform.name,
         group="grid",
-        help="comma-separated allocations each evicting policy runs under (uniform, pyramid, adaptive, calibrated; "
-        "default uniform): how K x layers x kv-heads is shared, labelled POLICY~ALLOCATION (docs/budgets.md)",
+        help=f"comma-separated allocations each evicting policy runs under ({', '.join(ALLOCATIONS)}; default "
+        f"{Uniform.name}): how K x layers x kv-heads is shared, labelled POLICY~ALLOCATION (docs/budgets.md)",
     )
     budgets_file: str | None = setting(None, group="grid", help="the budget file of the calibrated allocation")
     option: tuple[str, ...] = setting((), group="grid", repeated=True, short="-o", shared="policy options")

@@ -382,7 +382,7 @@ def _annotate(requests: Sequence, stats: Sequence[dict]) -> None:
 
 def _allocation_settings(spec) -> dict[str, Any]:
     """How the spec shares its budget among layers and kv-heads (nothing under uniform, as before allocations)."""
-    if spec.allocation == "uniform":
+    if not spec.allocated:
         return {}
     names = ("allocation", "budgets_file", "adaptive_alpha", "ragged")
     return {name: getattr(spec, name) for name in names if getattr(spec, name) is not None}

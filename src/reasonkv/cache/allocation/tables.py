@@ -1,4 +1,5 @@
-"""How many tokens each (layer, kv-head) keeps: the static allocations' budget tables (torch only).
+"""How many tokens each (layer, kv-head) keeps: the static allocations' budget tables (torch only), which
+the allocations (:mod:`~reasonkv.cache.allocation.rules`) give.
 
 Every table is ``[layers, kv_heads]`` integers that sum to exactly ``K x layers x kv_heads``, the total of
 the uniform cache, so that a comparison between allocations is a comparison at equal tokens held. The
@@ -19,7 +20,7 @@ layers are the model's evicting (full-attention) layers, in order.
 - ``calibrated``: from a budget file (:func:`load_budget_file`): either integer ``budgets`` that already sum
   to the total, or non-negative ``weights`` (what ``reasonkv calibrate --budgets`` writes: the attention
   mass each head received) shared out in proportion, every head first getting its protected tokens.
-- ``adaptive`` has no table: its split is chosen at each eviction (:mod:`reasonkv.cache.allocation.adaptive`);
+- ``adaptive`` has no table: its split is chosen at each eviction (:mod:`reasonkv.cache.allocation.choose`);
   its table is the uniform one, the split it starts from.
 """
 
@@ -34,30 +35,14 @@ import torch
 from reasonkv.suggest.integers import check_int, is_int
 
 __all__ = [
-    "ALLOCATIONS",
     "PYRAMID_BETA",
     "BudgetFile",
     "apportion",
-    "budget_table",
-    "check_allocation",
     "load_budget_file",
     "pyramid_table",
 ]
 
-ALLOCATIONS = ("uniform", "pyramid", "adaptive", "calibrated")
 PYRAMID_BETA = 20  # PyramidKV: the last layer keeps K // beta
-
-
-def check_allocation(allocation: object, budgets_file: object) -> None:
-    """``allocation`` one of :data:`ALLOCATIONS`; ``calibrated`` with its budget file. (A budget file under
-    another allocation is refused with every setting that does not apply to it:
-    :func:`reasonkv.cache.spec.check_allocation_settings`.)"""
-    if allocation not in ALLOCATIONS:
-        raise ValueError(f"allocation must be one of {', '.join(ALLOCATIONS)}, got {allocation!r}")
-    if allocation == "calibrated" and budgets_file is None:
-        raise ValueError(
-            "allocation='calibrated' needs a budget file (budgets_file=...; `reasonkv calibrate --budgets` writes one)"
-        )
 
 
 def apportion(weights: torch.Tensor, total: int, floor: int) -> torch.Tensor:
@@ -194,26 +179,3 @@ class BudgetFile:
 def load_budget_file(path: str | Path) -> BudgetFile:
     """Read and check a budget file (see :class:`BudgetFile`)."""
     return BudgetFile(path)
-
-
-def budget_table(
-    allocation: str,
-    budget: int,
-    layers: int,
-    kv_heads: int,
-    *,
-    protected: int = 0,
-    budgets_file: str | Path | None = None,
-    length: int | None = None,
-    held: int | None = None,
-) -> torch.Tensor:
-    """The ``[layers, kv_heads]`` budgets of a static allocation (``adaptive``: the uniform table it starts
-    from), summing to ``budget x layers x kv_heads``; every entry holds at least ``protected`` tokens.
-    ``length``, ``held``: the tokens a row has seen and the most one of its heads holds (only ``pyramid``
-    depends on them: PyramidKV's short-sequence cap)."""
-    check_allocation(allocation, budgets_file)
-    if allocation in ("uniform", "adaptive"):
-        return torch.full((layers, kv_heads), budget, dtype=torch.long)
-    if allocation == "pyramid":
-        return pyramid_table(budget, layers, kv_heads, protected, length, held)
-    return load_budget_file(budgets_file).table(budget, layers, kv_heads, protected)
