@@ -277,7 +277,7 @@ class Evictor:
                 )
         self.observer.flush()  # the attention the policy is owed, before it scores
         with self.stopwatch("score"), select.checks_at_exit():
-            if cache.quantized:
+            if self.spec.quantized:
                 keep, quantized, rankings = self._tiered_indices(rows)
             else:
                 (keep, rankings), quantized = self._kept_indices(rows), None
@@ -302,6 +302,7 @@ class Evictor:
             rows=rows,
             row_seeds=self.row_seeds.index_select(0, rows.to(self.row_seeds.device)),
             info=self.info,
+            budget=self.spec.budget,
         )
         if self.budgets is not None:  # each layer's policy sees its heads' mean budget
             means = (self.budgets.sum(1) // self.budgets.shape[1]).tolist()
@@ -323,7 +324,7 @@ class Evictor:
         rankings they were split from."""
         cache = self.cache
         held = cache.quantized_mask().index_select(0, rows.to(cache.valid.device))
-        sizes = dict(full=cache.budget, quantized=cache.quantized, width=self._tier_width(rows))
+        sizes = dict(full=self.spec.budget, quantized=self.spec.quantized, width=self._tier_width(rows))
         rankings = self._head_rankings(self._view(rows), rows)
         if self.policy.granularity == "token":  # one split, every head alike
             split = split_tiers(rankings[0][:, 0], held, **sizes)
@@ -373,7 +374,7 @@ class Evictor:
         cache, rows = self.cache, decision.rows
         decision.seen = cache.next_position.index_select(0, rows).tolist()
         decision.after = [cache.positions(i).index_select(0, rows) for i, _ in self.held_layers]
-        if cache.quantized:  # a tier's slots come first in every evicting layer
+        if self.spec.quantized:  # a tier's slots come first in every evicting layer
             held = cache.quantized_mask().index_select(0, rows)[:, None, :]
             evicting = [p for p, (_, kind) in zip(decision.after, self.held_layers, strict=True) if kind == "full"]
             decision.quantized = [torch.where(held, p[..., : held.shape[-1]], -1) for p in evicting]
@@ -385,7 +386,7 @@ class Evictor:
         cache = self.cache
         valid = cache.valid
         counts = valid[:, : cache.low_width].sum(-1)
-        evicted = (valid.index_select(0, rows).sum(-1) - cache.budget).clamp(0, cache.quantized)
+        evicted = (valid.index_select(0, rows).sum(-1) - self.spec.budget).clamp(0, self.spec.quantized)
         return int(counts.index_copy(0, rows, evicted).max())
 
 

@@ -31,14 +31,23 @@ class EvictionView:
     """
 
     def __init__(
-        self, *, cache, recorded: Recorded, policy, rows, row_seeds, info: ModelInfo, layer: int | None = None
+        self,
+        *,
+        cache,
+        recorded: Recorded,
+        policy,
+        rows,
+        row_seeds,
+        info: ModelInfo,
+        layer: int | None = None,
+        budget: int | None = None,
     ):
         self.cache, self.recorded, self.policy = cache, recorded, policy
         self.rows = rows
         self.row_seeds = row_seeds  # [rows] int64: the run's seed of each evicted row
         self.info = info
         self.layer = layer
-        self.budget: int = cache.budget
+        self.budget: int = cache.budget if budget is None else budget  # K: the spec's, as the evictor passes it
         self.layer_budgets: dict[int, int] | None = None  # per layer under an allocation (see at)
         self._attended: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # ``rows`` are distinct and sorted (as ``nonzero`` gives them), so as many as the batch are all of it.
