@@ -55,12 +55,6 @@ class EagerStep:
     def close(self) -> None:
         pass
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
 
 def open_step(model, cache, compile: str | None = None):
     """The decode step over reasonkv's ``cache``: eager (``compile=None``), or compiled with that
