@@ -34,7 +34,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from reasonkv.eval.manifest import manifest_problem
+from reasonkv.eval.manifest import manifest_problem, shown
 from reasonkv.eval.record_kinds import KINDS, UNITS, ErrorRecord, ManifestRecord, Record
 from reasonkv.eval.record_match import manifest_mismatch, run_problems
 from reasonkv.runs.outputs import OutputLock, create_exclusive, write_atomic
@@ -105,7 +105,7 @@ def _run_problem(
     if run is None or not manifests:
         return None  # a file written before run manifests existed
     if run not in manifests:
-        return f"field 'run' is {_shown(run)}, but no manifest before it in this file has that id"
+        return f"field 'run' is {shown(run)}, but no manifest before it in this file has that id"
     return manifest_mismatch(record, *manifests[run])
 
 
@@ -141,11 +141,6 @@ def _same(a: Any, b: Any) -> bool:
 def conflict(first: Mapping[str, Any], second: Mapping[str, Any]) -> list[str]:
     """The outcome fields in which two results of one unit differ (``[]``: the same result)."""
     return [name for name, value in first.items() if not _same(value, second.get(name))]
-
-
-def _shown(value: Any) -> str:
-    text = json.dumps(value, default=str)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _not_ours(path: Path, why: str) -> ValueError:
@@ -328,11 +323,6 @@ class ResultsFile:
         if record.get("kind") not in KINDS:
             raise ValueError(f"record kind must be one of {tuple(KINDS)}, got {record.get('kind')!r}")
         self._store.append(record)
-
-    @property
-    def appended(self) -> int:
-        """Records this process wrote to the file (its manifest included)."""
-        return self._store.appended
 
     def close(self, *, check: bool = True) -> None:
         """Force the records to disk, check the file is still where it was, and release its lock.
