@@ -152,18 +152,6 @@ def _read_holder(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def _describe(holder: dict[str, Any] | None) -> str:
-    if not holder:
-        return "another process"
-    what = f"pid {holder.get('pid', '?')}"
-    if holder.get("host") and holder.get("host") != socket.gethostname():
-        what += f" on {holder['host']}"
-    if holder.get("purpose"):
-        what += f" (reasonkv {holder['purpose']}"
-        what += f", since {holder['since']})" if holder.get("since") else ")"
-    return what
-
-
 class OutputLock:
     """An exclusive ``flock`` on one lock file, held until :meth:`release`.
 
@@ -231,7 +219,7 @@ class OutputLock:
             if time.monotonic() >= deadline:
                 waited = f" (waited {self.wait:.0f} s)" if self.wait else ""
                 raise OutputLocked(
-                    f"{self.target} is in use by {_describe(self._holder_now())}{waited}: wait for it to finish, "
+                    f"{self.target} is in use by {self.describe(self._holder_now())}{waited}: wait for it to finish, "
                     f"or write to another --out (the lock is {self.path})"
                 )
             time.sleep(0.1)
@@ -322,7 +310,15 @@ class OutputLock:
     @staticmethod
     def describe(holder: dict[str, Any] | None) -> str:
         """``pid 123 (reasonkv eval, since ...)``: a holder as :meth:`holder` returns it, for messages."""
-        return _describe(holder)
+        if not holder:
+            return "another process"
+        what = f"pid {holder.get('pid', '?')}"
+        if holder.get("host") and holder.get("host") != socket.gethostname():
+            what += f" on {holder['host']}"
+        if holder.get("purpose"):
+            what += f" (reasonkv {holder['purpose']}"
+            what += f", since {holder['since']})" if holder.get("since") else ")"
+        return what
 
 
 def where_now(fd: int) -> str | None:
@@ -426,9 +422,8 @@ def refuse_inputs(outputs: Iterable[str | os.PathLike[str]], inputs: Iterable[st
 class ClaimedFolder:
     """An output folder this process owns and has locked; release with :meth:`release` (or ``with``)."""
 
-    def __init__(self, path: Path, command: str, lock: OutputLock):
+    def __init__(self, path: Path, lock: OutputLock):
         self.path = path
-        self.command = command
         self._lock = lock
 
     def release(self) -> None:
@@ -527,4 +522,4 @@ def claim_folder(
     except BaseException:
         lock.release()
         raise
-    return ClaimedFolder(folder, command, lock)
+    return ClaimedFolder(folder, lock)
