@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import math
 import os
-import runpy
-import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -200,9 +198,3 @@ def write_tables(results: Sequence[str | os.PathLike], out: str | os.PathLike) -
     out.mkdir(parents=True, exist_ok=True)
     (out / "equal-bytes.md").write_text(markdown(table), encoding="utf-8")
     return [*plot(table, out), out / "equal-bytes.md"]
-
-
-if __name__ == "__main__":  # the old entry point: the command moved to reasonkv.cli.equal_bytes
-    message = "python -m reasonkv.eval.equal_bytes is now python -m reasonkv.cli.equal_bytes"
-    warnings.warn(message, FutureWarning, stacklevel=1)
-    runpy.run_module("reasonkv.cli.equal_bytes", run_name="__main__")

@@ -236,10 +236,6 @@ class Section:
     seed: int | None = None
     weights: str | None = None  # the first 12 hex digits of the weights' SHA-256 (from the run manifest)
 
-    @property
-    def title(self) -> str:
-        return self.describe()
-
     def settings(self) -> dict[str, Any]:
         """The setup without model and dataset."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("model", "dataset")}
