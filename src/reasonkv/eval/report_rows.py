@@ -290,31 +290,12 @@ def _setup_section(record: dict[str, Any], manifests: dict[Any, dict[str, Any]])
     setup = (manifests.get(record.get("run")) or {}).get("setup")
     if isinstance(setup, dict):
         weights = setup.get("weights_sha256")
-        return Section(
-            model,
-            dataset,
-            setup.get("max_new_tokens"),
-            setup.get("temperature"),
-            setup.get("top_p"),
-            setup.get("top_k"),
-            setup.get("dtype"),
-            setup.get("prompt_format"),
-            setup.get("seed"),
-            str(weights)[:12] if weights else None,
-        )
+        settings = {name: setup.get(name) for name in (*_SAMPLING, "dtype", "prompt_format", "seed")}
+        return Section(model, dataset, **settings, weights=str(weights)[:12] if weights else None)
     if Record.read(record).unit != GenerationRecord.kind:
         return None
-    return Section(
-        model,
-        dataset,
-        record.get("max_new_tokens"),
-        record.get("temperature"),
-        record.get("top_p"),
-        record.get("top_k"),
-        record.get("dtype"),
-        record.get("prompt_format"),
-        record.get("base_seed"),
-    )
+    settings = {name: record.get(name) for name in (*_SAMPLING, "dtype", "prompt_format")}
+    return Section(model, dataset, **settings, seed=record.get("base_seed"))
 
 
 def _sections_of(records: Sequence[dict[str, Any]], manifests: dict[Any, dict[str, Any]]) -> list[list[Section]]:
