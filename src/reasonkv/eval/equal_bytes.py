@@ -70,24 +70,12 @@ def cells(records: Iterable[dict]) -> list[Cell]:
     a row never evicted or a run before it was measured, are skipped)."""
     out = []
     for (dataset, policy, variant, budget, quantized), group in _measured_records(records).items():
-        top1 = [r["top1_agreement"] for r in group if _finite(r.get("top1_agreement"))]
-        kl = [r["kl_mean"] for r in group if _finite(r.get("kl_mean"))]
+        top1 = _mean([r["top1_agreement"] for r in group if _finite(r.get("top1_agreement"))])
+        kl = _mean([r["kl_mean"] for r in group if _finite(r.get("kl_mean"))])
         measured = _mean([r["steady_kv_tokens"] for r in group])
         nominal = _mean([r["equivalent_budget"] for r in group if _finite(r.get("equivalent_budget"))])
         out.append(
-            Cell(
-                dataset,
-                policy,
-                round(measured),
-                variant,
-                budget,
-                quantized,
-                _mean(top1),
-                _mean(kl),
-                len(group),
-                measured=measured,
-                nominal=nominal,
-            )  # fmt: skip
+            Cell(dataset, policy, round(measured), variant, budget, quantized, top1, kl, len(group), measured, nominal)
         )
     order = {PLAIN: 0, "int8": 1, "int4": 2}
     return sorted(out, key=lambda c: (c.dataset, c.policy, c.bytes_budget, order.get(c.variant, 3)))
