@@ -460,12 +460,8 @@ def _owned_names(
         owned = [str(n) for n in data["files"]]
     elif folder.is_dir():
         present = [n for n in names if (folder / n).exists()]
-        if present and (recognise is None or not recognise(folder)):
-            raise ValueError(
-                f"{folder / present[0]} exists and was not written by `reasonkv {command}`: "
-                "nothing was changed; move it away or use another --out"
-            )
-        owned = present  # the command's own output from before markers existed
+        if present and recognise is not None and recognise(folder):
+            owned = present  # the command's own output from before markers existed
     for name in names:
         if (folder / name).exists() and name not in owned:
             raise ValueError(
