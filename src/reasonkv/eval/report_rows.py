@@ -54,6 +54,7 @@ import math
 import os
 import re
 import statistics
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -425,9 +426,7 @@ def _errors(row: Row, group: _Group) -> None:
         r for r in group.fidelity_errors if r.get("problem_id") not in failed_generation
     ]
     row.errors = len(counted)
-    reasons: dict[str, int] = {}
-    for r in counted:
-        reasons[str(r.get("error"))] = reasons.get(str(r.get("error")), 0) + 1
+    reasons = Counter(str(r.get("error")) for r in counted)  # in the order first seen
     row.error_reasons = tuple(f"{n} unit{'' if n == 1 else 's'}: {reason}" for reason, n in reasons.items())
 
 
