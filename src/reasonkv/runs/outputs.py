@@ -356,26 +356,19 @@ def _complete_copy(path: Path, data: bytes) -> Iterator[str]:
             os.unlink(tmp)
 
 
-def remove_stale_temps(path: str | os.PathLike[str]) -> list[Path]:
-    """Remove the temporary files of ``path`` that a killed writer left (call it holding ``path``'s lock).
-
-    Returns the files removed; one that cannot be removed is a warning.
-    """
+def remove_stale_temps(path: str | os.PathLike[str]) -> None:
+    """Remove the temporary files of ``path`` that a killed writer left (call it holding ``path``'s lock); one
+    that cannot be removed is a warning."""
     path = Path(path)
-    removed = []
     try:
         stale = [p for p in path.parent.iterdir() if p.name.startswith(f".{path.name}{TEMP_TAG}")]
     except OSError:
-        return []
+        return
     for tmp in stale:
         try:
-            tmp.unlink()
-            removed.append(tmp)
-        except FileNotFoundError:
-            pass
+            tmp.unlink(missing_ok=True)
         except OSError as error:
             warn(f"could not remove {tmp}, a temporary file a killed run left ({reason(error)}); it is harmless")
-    return removed
 
 
 def create_exclusive(path: Path, data: bytes) -> None:
