@@ -284,8 +284,6 @@ class ResultsFile(JsonlStore):
     lock
         The lock the caller holds that covers the file (checked with it: a folder moved meanwhile is an
         error); ``None`` (default) takes the file's own lock.
-    fsync
-        Also force each record to disk (survives a machine crash, not only a killed process).
     """
 
     def __init__(
@@ -296,12 +294,11 @@ class ResultsFile(JsonlStore):
         visit: Callable[[dict[str, Any]], None] | None = None,
         check: Callable[[list[dict[str, Any]]], None] | None = None,
         lock: OutputLock | None = None,
-        fsync: bool = False,
     ):
         if manifest.get("kind") != ManifestRecord.kind or not manifest.get("id"):
             raise ValueError("a results file starts with a manifest record (kind 'manifest', with an id)")
         scan_results(path, first_only=True)  # refuse a foreign file before creating its lock file
-        super().__init__(path, lock="eval" if lock is None else lock, encode=_line, fsync=fsync, counts=_is_result)
+        super().__init__(path, lock="eval" if lock is None else lock, encode=_line, counts=_is_result)
         try:
             manifests = scan_results(self.path, visit)
             if check is not None and manifests:
