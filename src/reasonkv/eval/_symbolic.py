@@ -109,7 +109,6 @@ def _ask(pred: str, gold: str, timeout_s: float) -> bool:
                 logger.warning("math-verify gave no answer within %.1f s; counted as not equivalent", timeout_s)
                 return False
             return verdict
-    return False
 
 
 @lru_cache(maxsize=16384)

@@ -115,10 +115,6 @@ def load_dataset(name_or_path: str | os.PathLike[str], limit: int | None = None)
     limit : int, optional
         Keep only the first ``limit`` problems, in file order.
 
-    Returns
-    -------
-    list of Problem
-
     Raises
     ------
     ValueError

@@ -133,16 +133,8 @@ def _grade_code(ctx: Context, results: list) -> dict[int, CodeGrade | Exception]
     }
     if not items:
         return {}
-    try:
-        return dict(zip(items, ctx.grader.grade_all(list(items.values())), strict=True))
-    except Exception:  # noqa: BLE001 - one failing answer must not cost the others their grades
-        graded: dict[int, CodeGrade | Exception] = {}
-        for i, (text, problem) in items.items():
-            try:
-                graded[i] = ctx.grader.grade(text, problem)
-            except Exception as error:  # noqa: BLE001 - recorded as this unit's error
-                graded[i] = error
-        return graded
+    graded = attempt(lambda batch: ctx.grader.grade_all([item for _, item in batch]), list(items.items()))
+    return {i: verdict for (i, _), verdict in graded}
 
 
 def _decode(ctx: Context, cell: Cell, batch: list[tuple[Problem, int]]) -> list[GenerationResult]:

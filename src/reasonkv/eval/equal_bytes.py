@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import math
 import os
-import runpy
-import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -72,24 +70,12 @@ def cells(records: Iterable[dict]) -> list[Cell]:
     a row never evicted or a run before it was measured, are skipped)."""
     out = []
     for (dataset, policy, variant, budget, quantized), group in _measured_records(records).items():
-        top1 = [r["top1_agreement"] for r in group if _finite(r.get("top1_agreement"))]
-        kl = [r["kl_mean"] for r in group if _finite(r.get("kl_mean"))]
+        top1 = _mean([r["top1_agreement"] for r in group if _finite(r.get("top1_agreement"))])
+        kl = _mean([r["kl_mean"] for r in group if _finite(r.get("kl_mean"))])
         measured = _mean([r["steady_kv_tokens"] for r in group])
         nominal = _mean([r["equivalent_budget"] for r in group if _finite(r.get("equivalent_budget"))])
         out.append(
-            Cell(
-                dataset,
-                policy,
-                round(measured),
-                variant,
-                budget,
-                quantized,
-                _mean(top1),
-                _mean(kl),
-                len(group),
-                measured=measured,
-                nominal=nominal,
-            )  # fmt: skip
+            Cell(dataset, policy, round(measured), variant, budget, quantized, top1, kl, len(group), measured, nominal)
         )
     order = {PLAIN: 0, "int8": 1, "int4": 2}
     return sorted(out, key=lambda c: (c.dataset, c.policy, c.bytes_budget, order.get(c.variant, 3)))
@@ -200,9 +186,3 @@ def write_tables(results: Sequence[str | os.PathLike], out: str | os.PathLike) -
     out.mkdir(parents=True, exist_ok=True)
     (out / "equal-bytes.md").write_text(markdown(table), encoding="utf-8")
     return [*plot(table, out), out / "equal-bytes.md"]
-
-
-if __name__ == "__main__":  # the old entry point: the command moved to reasonkv.cli.equal_bytes
-    message = "python -m reasonkv.eval.equal_bytes is now python -m reasonkv.cli.equal_bytes"
-    warnings.warn(message, FutureWarning, stacklevel=1)
-    runpy.run_module("reasonkv.cli.equal_bytes", run_name="__main__")

@@ -48,12 +48,8 @@ _PYTHON_TAGS = ("", "python", "python3", "py", "py3")
 
 def find_boxed(text: str) -> list[str]:
     r"""All non-empty boxed contents in order of appearance (``\boxed``, ``\fbox``, ``\framebox``)."""
-    found = []
-    for match in _BOX_RE.finditer(text):
-        content = _box_content(text, match.end())
-        if content:
-            found.append(content)
-    return found
+    contents = (_box_content(text, match.end()) for match in _BOX_RE.finditer(text))
+    return [content for content in contents if content]
 
 
 def _box_content(text: str, pos: int) -> str | None:

@@ -54,6 +54,7 @@ __all__ = [
     "grid_sha256",
     "manifest_id",
     "manifest_problem",
+    "shown",
     "tokenizer_sha256",
 ]
 
@@ -172,9 +173,10 @@ def grid_differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str
     return found
 
 
-def _shown(value: Any) -> str:
-    text = json.dumps(value, default=str)
-    return text if len(text) <= 40 else text[:37] + "..."
+def shown(value: Any, most: int = 40, *, sort_keys: bool = False) -> str:
+    """``value`` as JSON for a message, cut to ``most`` characters."""
+    text = json.dumps(value, default=str, sort_keys=sort_keys)
+    return text if len(text) <= most else text[: most - 3] + "..."
 
 
 _SETUP_TYPES: dict[str, tuple[type, ...]] = {
@@ -197,29 +199,27 @@ def manifest_problem(manifest: Mapping[str, Any]) -> str | None:
     the records after it were computed with.
     """
     if not isinstance(manifest.get("id"), str) or not manifest.get("id"):
-        return f"the manifest's field 'id' must be a non-empty string, got {_shown(manifest.get('id'))}"
+        return f"the manifest's field 'id' must be a non-empty string, got {shown(manifest.get('id'))}"
     for name in ("setup", "environment", "grid"):
         if not isinstance(manifest.get(name), dict):
-            return f"the manifest's field '{name}' must be an object, got {_shown(manifest.get(name))}"
+            return f"the manifest's field '{name}' must be an object, got {shown(manifest.get(name))}"
     for name, types in _SETUP_TYPES.items():
         value = manifest["setup"].get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
-            return f"the manifest's field 'setup.{name}' has the wrong type: {_shown(value)}"
+            return f"the manifest's field 'setup.{name}' has the wrong type: {shown(value)}"
     grid = manifest["grid"]
     for name, needed in (("datasets", "name"), ("policies", "label")):
         items = grid.get(name, [])
         if not isinstance(items, list) or not all(
             isinstance(i, dict) and isinstance(i.get(needed), str) for i in items
         ):
-            return (
-                f"the manifest's field 'grid.{name}' must be a list of objects with a '{needed}', got {_shown(items)}"
-            )
+            return f"the manifest's field 'grid.{name}' must be a list of objects with a '{needed}', got {shown(items)}"
     launch = manifest.get("launch", {})
     if not isinstance(launch, dict) or not isinstance(launch.get("world_size", 1), int):
-        return f"the manifest's field 'launch' must be an object with an integer 'world_size', got {_shown(launch)}"
+        return f"the manifest's field 'launch' must be an object with an integer 'world_size', got {shown(launch)}"
     command = manifest.get("command")
     if command is not None and not (isinstance(command, list) and all(isinstance(c, str) for c in command)):
-        return f"the manifest's field 'command' must be a list of strings or null, got {_shown(command)}"
+        return f"the manifest's field 'command' must be a list of strings or null, got {shown(command)}"
     if manifest_id(manifest) != manifest["id"]:
         return (
             f"the manifest's id {manifest['id']} does not match its content (its setup, environment or grid was "

@@ -84,21 +84,10 @@ def paired_fidelity(records: Iterable[dict], against: str) -> list[PairedRow]:
             low, high = (math.nan, math.nan)
             if len(shared) >= MIN_PAIRED and policy != against:
                 low, high = paired_interval(differences)
-            mine.append(
-                PairedRow(
-                    model,
-                    dataset,
-                    budget,
-                    buffer,
-                    policy,
-                    len(shared),
-                    top1=sum(scores[p][0] for p in shared) / len(shared),
-                    kl=sum(kls) / len(kls) if kls else math.nan,
-                    delta=sum(differences) / len(differences),
-                    low=low,
-                    high=high,
-                )
-            )
+            top1 = sum(scores[p][0] for p in shared) / len(shared)
+            kl = sum(kls) / len(kls) if kls else math.nan
+            delta = sum(differences) / len(differences)
+            mine.append(PairedRow(model, dataset, budget, buffer, policy, len(shared), top1, kl, delta, low, high))
         rows += sorted(mine, key=lambda row: (-row.top1, row.policy))
     if not rows:
         labels = sorted({label for policies in cells.values() for label in policies})

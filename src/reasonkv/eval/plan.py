@@ -46,9 +46,6 @@ class GridPlan:
     def cells(self) -> tuple[Cell, ...]:
         return self.grid.cells
 
-    def samples_for(self, dataset: str, index: int) -> int:
-        return self.grid.samples_for(dataset, self.cells[index])
-
     def mine(self) -> set[Unit]:
         return {u for u in self.units if self.owner[u] == self.shard.index}
 

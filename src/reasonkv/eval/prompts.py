@@ -95,9 +95,7 @@ def build_prompt(tokenizer: Any, problem: Problem | str, *, thinking: bool | Non
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": message}], add_generation_prompt=True, tokenize=False, **kwargs
     )
-    if not isinstance(text, str):  # some tokenizers return a one-element batch
-        text = text[0]
-    return text
+    return text if isinstance(text, str) else text[0]  # some tokenizers return a one-element batch
 
 
 def strip_thinking(text: str) -> str:

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from reasonkv.eval.manifest import manifest_problem
+from reasonkv.eval.manifest import manifest_problem, shown
 
 __all__ = [
     "KINDS",
@@ -55,11 +55,6 @@ _NUMBER = Check((int, float), "a number")
 _FLAG = Check((bool,), "true or false")
 _POSITIVE = Check((int,), "a positive integer", 1)
 _COUNT = Check((int,), "a non-negative integer", 0)
-
-
-def _shown(value: Any) -> str:
-    text = json.dumps(value, default=str)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _canonical(value: Any) -> Any:
@@ -103,7 +98,7 @@ class Record:
         """The record of ``data``'s kind; ``ValueError`` saying what is wrong with a line that is not a sound one."""
         cls = KINDS.get(data.get("kind")) if isinstance(data.get("kind"), str) else None
         if cls is None:
-            raise ValueError(f"field 'kind' must be one of {', '.join(KINDS)}, got {_shown(data.get('kind'))}")
+            raise ValueError(f"field 'kind' must be one of {', '.join(KINDS)}, got {shown(data.get('kind'))}")
         record = cls(dict(data))
         problem = record.problem()
         if problem is not None:
@@ -130,7 +125,7 @@ class Record:
         for name, check in self.TYPES.items():
             value = self.data.get(name)
             if value is not None and check.fails(value):
-                return f"field '{name}' must be {check.what} (or null), got {_shown(value)}"
+                return f"field '{name}' must be {check.what} (or null), got {shown(value)}"
         return None
 
 
@@ -227,7 +222,7 @@ class GenerationRecord(UnitRecord):
 
     def problem(self) -> str | None:
         if not isinstance(self.data.get("correct"), bool):
-            return f"field 'correct' must be true or false, got {_shown(self.data.get('correct'))}"
+            return f"field 'correct' must be true or false, got {shown(self.data.get('correct'))}"
         return super().problem()
 
 
@@ -281,9 +276,9 @@ class ErrorRecord(UnitRecord):
 
     def problem(self) -> str | None:
         if self.unit not in UNITS:
-            return f"field 'unit' must be one of {', '.join(UNITS)}, got {_shown(self.unit)}"
+            return f"field 'unit' must be one of {', '.join(UNITS)}, got {shown(self.unit)}"
         if not isinstance(self.error, str):
-            return f"field 'error' must be the reason, a string, got {_shown(self.error)}"
+            return f"field 'error' must be the reason, a string, got {shown(self.error)}"
         return Record.problem(self.about())  # the types of the fields of the unit it names
 
 

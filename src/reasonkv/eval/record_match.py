@@ -13,13 +13,12 @@ line, as it refuses any other damaged one.
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from reasonkv.eval.datasets import dataset_path, grid_problems
-from reasonkv.eval.manifest import file_sha256
+from reasonkv.eval.manifest import file_sha256, shown
 from reasonkv.eval.record_kinds import KINDS, FidelityRecord, GenerationRecord, Record
 
 __all__ = ["manifest_mismatch", "run_problems"]
@@ -37,8 +36,7 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _shown(value: Any) -> str:
-    text = json.dumps(value, default=str, sort_keys=True)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return shown(value, 60, sort_keys=True)
 
 
 def _config_difference(here: Any, there: Any) -> str:

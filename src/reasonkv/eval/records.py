@@ -34,7 +34,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from reasonkv.eval.manifest import manifest_problem
+from reasonkv.eval.manifest import manifest_problem, shown
 from reasonkv.eval.record_kinds import KINDS, UNITS, ErrorRecord, ManifestRecord, Record
 from reasonkv.eval.record_match import manifest_mismatch, run_problems
 from reasonkv.runs.outputs import OutputLock, create_exclusive, write_atomic
@@ -105,7 +105,7 @@ def _run_problem(
     if run is None or not manifests:
         return None  # a file written before run manifests existed
     if run not in manifests:
-        return f"field 'run' is {_shown(run)}, but no manifest before it in this file has that id"
+        return f"field 'run' is {shown(run)}, but no manifest before it in this file has that id"
     return manifest_mismatch(record, *manifests[run])
 
 
@@ -141,11 +141,6 @@ def _same(a: Any, b: Any) -> bool:
 def conflict(first: Mapping[str, Any], second: Mapping[str, Any]) -> list[str]:
     """The outcome fields in which two results of one unit differ (``[]``: the same result)."""
     return [name for name, value in first.items() if not _same(value, second.get(name))]
-
-
-def _shown(value: Any) -> str:
-    text = json.dumps(value, default=str)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _not_ours(path: Path, why: str) -> ValueError:
@@ -265,8 +260,9 @@ def _line(record: Mapping[str, Any]) -> str:
     return json.dumps(dict(record), ensure_ascii=False, default=str)
 
 
-class ResultsFile:
-    """The results file one process appends to: owned, locked, its manifest first.
+class ResultsFile(JsonlStore):
+    """The results file one process appends to (a :class:`~reasonkv.runs.store.JsonlStore`): owned, locked, its
+    manifest first.
 
     Opening it takes the lock (see :mod:`reasonkv.runs.outputs`), checks that an existing file is a
     results file (:func:`scan_results`; ``visit`` sees its records), hands its manifests to ``check``
@@ -288,8 +284,6 @@ class ResultsFile:
     lock
         The lock the caller holds that covers the file (checked with it: a folder moved meanwhile is an
         error); ``None`` (default) takes the file's own lock.
-    fsync
-        Also force each record to disk (survives a machine crash, not only a killed process).
     """
 
     def __init__(
@@ -300,49 +294,27 @@ class ResultsFile:
         visit: Callable[[dict[str, Any]], None] | None = None,
         check: Callable[[list[dict[str, Any]]], None] | None = None,
         lock: OutputLock | None = None,
-        fsync: bool = False,
     ):
-        self.path = Path(path)
         if manifest.get("kind") != ManifestRecord.kind or not manifest.get("id"):
             raise ValueError("a results file starts with a manifest record (kind 'manifest', with an id)")
-        scan_results(self.path, first_only=True)  # refuse a foreign file before creating its lock file
-        self._store = JsonlStore(
-            self.path, lock="eval" if lock is None else lock, encode=_line, fsync=fsync, counts=_is_result
-        )
+        scan_results(path, first_only=True)  # refuse a foreign file before creating its lock file
+        super().__init__(path, lock="eval" if lock is None else lock, encode=_line, counts=_is_result)
         try:
             manifests = scan_results(self.path, visit)
             if check is not None and manifests:
                 check(manifests)
             self.manifests = list(manifests) or [json.loads(json.dumps(dict(manifest), default=str))]
-            created = self._store.start(header=manifest)
+            created = self.start(header=manifest)
             if not created and manifest["id"] not in {m.get("id") for m in manifests}:
-                self.manifests.append(self._store.append(manifest))
+                self.manifests.append(self.append(manifest))
         except BaseException:
-            self._store.close(check=False)
+            self.close(check=False)
             raise
 
-    def append(self, record: Record | Mapping[str, Any]) -> None:
-        """Write one record as a line and flush it."""
+    def append(self, record: Record | Mapping[str, Any]) -> dict[str, Any]:
+        """Write one record as a line and flush it; returns the record as it reads back."""
         if isinstance(record, Record):
             record = record.to_json()
         if record.get("kind") not in KINDS:
             raise ValueError(f"record kind must be one of {tuple(KINDS)}, got {record.get('kind')!r}")
-        self._store.append(record)
-
-    @property
-    def appended(self) -> int:
-        """Records this process wrote to the file (its manifest included)."""
-        return self._store.appended
-
-    def close(self, *, check: bool = True) -> None:
-        """Force the records to disk, check the file is still where it was, and release its lock.
-
-        ``check=False`` (closing after another error): just let go of the file and the lock.
-        """
-        self._store.close(check=check)
-
-    def __enter__(self) -> ResultsFile:
-        return self
-
-    def __exit__(self, kind, *exc) -> None:
-        self.close(check=kind is None)
+        return super().append(record)

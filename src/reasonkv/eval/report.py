@@ -37,6 +37,7 @@ from reasonkv.eval.report_rows import (
 )
 from reasonkv.runs.outputs import claim_folder
 from reasonkv.runs.paths import portable_path
+from reasonkv.runs.store import json_safe
 
 __all__ = [
     "Row",
@@ -237,13 +238,6 @@ def markdown(
 # ---------------------------------------------------------------------------------- all of it
 
 
-def _finite(value: Any) -> Any:
-    """NaN (nothing to average) as null, so the summary is strict JSON."""
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    return None if isinstance(value, float) and not math.isfinite(value) else value
-
-
 def _is_old_report(folder: Path) -> bool:
     """A report folder from before output markers: its report.md or summary.json is a report's."""
     try:
@@ -292,7 +286,7 @@ def write_report(
         )
         md_path.write_text(text, encoding="utf-8")
         summary_path = out_dir / "summary.json"
-        summary = [_finite({**asdict(r), "section": asdict(r.section)}) for r in rows]
+        summary = [json_safe({**asdict(r), "section": asdict(r.section)}) for r in rows]  # NaN as null
         summary_path.write_text(json.dumps(summary, indent=1, default=str, allow_nan=False), encoding="utf-8")
     return {
         "markdown": md_path,

@@ -89,10 +89,9 @@ def _full_reference(ax, rows: Sequence[Row], attr: str, band: tuple[str, str] | 
 def _error(rows: Sequence[Row], ys: list[float], band: tuple[str, str] | None, floor: float | None):
     if band is None:
         return None
-    low = [y - _value(r, band[0]) if not math.isnan(_value(r, band[0])) else 0.0 for r, y in zip(rows, ys, strict=True)]
-    high = [
-        _value(r, band[1]) - y if not math.isnan(_value(r, band[1])) else 0.0 for r, y in zip(rows, ys, strict=True)
-    ]
+    pairs = list(zip(rows, ys, strict=True))
+    low = [0.0 if math.isnan(_value(r, band[0])) else y - _value(r, band[0]) for r, y in pairs]
+    high = [0.0 if math.isnan(_value(r, band[1])) else _value(r, band[1]) - y for r, y in pairs]
     if floor is not None:  # a log axis: an interval reaching below zero is cut at the floor
         low = [min(lo, y - floor) for lo, y in zip(low, ys, strict=True)]
     return [low, high]

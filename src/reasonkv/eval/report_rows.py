@@ -54,6 +54,7 @@ import math
 import os
 import re
 import statistics
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -236,10 +237,6 @@ class Section:
     seed: int | None = None
     weights: str | None = None  # the first 12 hex digits of the weights' SHA-256 (from the run manifest)
 
-    @property
-    def title(self) -> str:
-        return self.describe()
-
     def settings(self) -> dict[str, Any]:
         """The setup without model and dataset."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("model", "dataset")}
@@ -294,31 +291,12 @@ def _setup_section(record: dict[str, Any], manifests: dict[Any, dict[str, Any]])
     setup = (manifests.get(record.get("run")) or {}).get("setup")
     if isinstance(setup, dict):
         weights = setup.get("weights_sha256")
-        return Section(
-            model,
-            dataset,
-            setup.get("max_new_tokens"),
-            setup.get("temperature"),
-            setup.get("top_p"),
-            setup.get("top_k"),
-            setup.get("dtype"),
-            setup.get("prompt_format"),
-            setup.get("seed"),
-            str(weights)[:12] if weights else None,
-        )
+        settings = {name: setup.get(name) for name in (*_SAMPLING, "dtype", "prompt_format", "seed")}
+        return Section(model, dataset, **settings, weights=str(weights)[:12] if weights else None)
     if Record.read(record).unit != GenerationRecord.kind:
         return None
-    return Section(
-        model,
-        dataset,
-        record.get("max_new_tokens"),
-        record.get("temperature"),
-        record.get("top_p"),
-        record.get("top_k"),
-        record.get("dtype"),
-        record.get("prompt_format"),
-        record.get("base_seed"),
-    )
+    settings = {name: record.get(name) for name in (*_SAMPLING, "dtype", "prompt_format")}
+    return Section(model, dataset, **settings, seed=record.get("base_seed"))
 
 
 def _sections_of(records: Sequence[dict[str, Any]], manifests: dict[Any, dict[str, Any]]) -> list[list[Section]]:
@@ -448,9 +426,7 @@ def _errors(row: Row, group: _Group) -> None:
         r for r in group.fidelity_errors if r.get("problem_id") not in failed_generation
     ]
     row.errors = len(counted)
-    reasons: dict[str, int] = {}
-    for r in counted:
-        reasons[str(r.get("error"))] = reasons.get(str(r.get("error")), 0) + 1
+    reasons = Counter(str(r.get("error")) for r in counted)  # in the order first seen
     row.error_reasons = tuple(f"{n} unit{'' if n == 1 else 's'}: {reason}" for reason, n in reasons.items())
 
 

@@ -309,10 +309,6 @@ def run_grid(
         ``<file>.rejected-<date>``, and resume from the rest (see :func:`reasonkv.eval.records.repair_results`).
     command
         The command line, for the manifest.
-
-    Returns
-    -------
-    GridResult
     """
     plan = plan_grid(grid, shard=shard, **settings)  # everything that needs no model, checked before it loads
     out = Path(out)

@@ -141,16 +141,10 @@ class Shard:
         return f"cuda:{self.local_rank}"
 
 
-def _split(out: Path) -> tuple[str, str]:
-    suffix = out.suffix
-    return (out.name[: -len(suffix)] if suffix else out.name), suffix
-
-
 def shard_path(out: str | os.PathLike[str], shard: Shard) -> Path:
     """``results.jsonl`` -> ``results.shard-I-of-N.jsonl`` (in the same folder)."""
     out = Path(out)
-    stem, suffix = _split(out)
-    return out.with_name(f"{stem}.shard-{shard.index}-of-{shard.count}{suffix}")
+    return out.with_name(f"{out.stem}.shard-{shard.index}-of-{shard.count}{out.suffix}")
 
 
 def writer_path(out: str | os.PathLike[str], shard: Shard) -> Path:
@@ -159,8 +153,7 @@ def writer_path(out: str | os.PathLike[str], shard: Shard) -> Path:
 
 
 def _shard_pattern(out: Path, tail: str = "") -> re.Pattern:
-    stem, suffix = _split(out)
-    return re.compile(re.escape(stem) + r"\.shard-(\d+)-of-(\d+)" + re.escape(suffix + tail))
+    return re.compile(re.escape(out.stem) + r"\.shard-(\d+)-of-(\d+)" + re.escape(out.suffix + tail))
 
 
 def shard_files(out: str | os.PathLike[str], *, locks: bool = False) -> list[tuple[Path, Shard]]:
@@ -186,7 +179,7 @@ def steps_lock_path(out: str | os.PathLike[str]) -> Path:
 def plan_path(out: str | os.PathLike[str]) -> Path:
     """``results.plan.json``: what every process of a sharded run must agree on."""
     out = Path(out)
-    return out.with_name(f"{_split(out)[0]}.plan.json")
+    return out.with_name(f"{out.stem}.plan.json")
 
 
 def _plan_of(path: Path) -> dict:

@@ -152,18 +152,6 @@ def _read_holder(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def _describe(holder: dict[str, Any] | None) -> str:
-    if not holder:
-        return "another process"
-    what = f"pid {holder.get('pid', '?')}"
-    if holder.get("host") and holder.get("host") != socket.gethostname():
-        what += f" on {holder['host']}"
-    if holder.get("purpose"):
-        what += f" (reasonkv {holder['purpose']}"
-        what += f", since {holder['since']})" if holder.get("since") else ")"
-    return what
-
-
 class OutputLock:
     """An exclusive ``flock`` on one lock file, held until :meth:`release`.
 
@@ -231,7 +219,7 @@ class OutputLock:
             if time.monotonic() >= deadline:
                 waited = f" (waited {self.wait:.0f} s)" if self.wait else ""
                 raise OutputLocked(
-                    f"{self.target} is in use by {_describe(self._holder_now())}{waited}: wait for it to finish, "
+                    f"{self.target} is in use by {self.describe(self._holder_now())}{waited}: wait for it to finish, "
                     f"or write to another --out (the lock is {self.path})"
                 )
             time.sleep(0.1)
@@ -322,7 +310,15 @@ class OutputLock:
     @staticmethod
     def describe(holder: dict[str, Any] | None) -> str:
         """``pid 123 (reasonkv eval, since ...)``: a holder as :meth:`holder` returns it, for messages."""
-        return _describe(holder)
+        if not holder:
+            return "another process"
+        what = f"pid {holder.get('pid', '?')}"
+        if holder.get("host") and holder.get("host") != socket.gethostname():
+            what += f" on {holder['host']}"
+        if holder.get("purpose"):
+            what += f" (reasonkv {holder['purpose']}"
+            what += f", since {holder['since']})" if holder.get("since") else ")"
+        return what
 
 
 def where_now(fd: int) -> str | None:
@@ -360,26 +356,19 @@ def _complete_copy(path: Path, data: bytes) -> Iterator[str]:
             os.unlink(tmp)
 
 
-def remove_stale_temps(path: str | os.PathLike[str]) -> list[Path]:
-    """Remove the temporary files of ``path`` that a killed writer left (call it holding ``path``'s lock).
-
-    Returns the files removed; one that cannot be removed is a warning.
-    """
+def remove_stale_temps(path: str | os.PathLike[str]) -> None:
+    """Remove the temporary files of ``path`` that a killed writer left (call it holding ``path``'s lock); one
+    that cannot be removed is a warning."""
     path = Path(path)
-    removed = []
     try:
         stale = [p for p in path.parent.iterdir() if p.name.startswith(f".{path.name}{TEMP_TAG}")]
     except OSError:
-        return []
+        return
     for tmp in stale:
         try:
-            tmp.unlink()
-            removed.append(tmp)
-        except FileNotFoundError:
-            pass
+            tmp.unlink(missing_ok=True)
         except OSError as error:
             warn(f"could not remove {tmp}, a temporary file a killed run left ({reason(error)}); it is harmless")
-    return removed
 
 
 def create_exclusive(path: Path, data: bytes) -> None:
@@ -426,9 +415,8 @@ def refuse_inputs(outputs: Iterable[str | os.PathLike[str]], inputs: Iterable[st
 class ClaimedFolder:
     """An output folder this process owns and has locked; release with :meth:`release` (or ``with``)."""
 
-    def __init__(self, path: Path, command: str, lock: OutputLock):
+    def __init__(self, path: Path, lock: OutputLock):
         self.path = path
-        self.command = command
         self._lock = lock
 
     def release(self) -> None:
@@ -465,12 +453,8 @@ def _owned_names(
         owned = [str(n) for n in data["files"]]
     elif folder.is_dir():
         present = [n for n in names if (folder / n).exists()]
-        if present and (recognise is None or not recognise(folder)):
-            raise ValueError(
-                f"{folder / present[0]} exists and was not written by `reasonkv {command}`: "
-                "nothing was changed; move it away or use another --out"
-            )
-        owned = present  # the command's own output from before markers existed
+        if present and recognise is not None and recognise(folder):
+            owned = present  # the command's own output from before markers existed
     for name in names:
         if (folder / name).exists() and name not in owned:
             raise ValueError(
@@ -527,4 +511,4 @@ def claim_folder(
     except BaseException:
         lock.release()
         raise
-    return ClaimedFolder(folder, command, lock)
+    return ClaimedFolder(folder, lock)
