@@ -6,7 +6,7 @@
 # hold more than 2,048 tokens each: the model's own sampled answers to later GSM8K problems packed as a context
 # before each problem until context and prompt hold 2,048 tokens, then its sampled answer (up to 512 tokens). One set of traces (20 problems) is made once
 # and teacher-forced through every cell: quest, seer (the authors' settings, the defaults), h2o, vase-attnv,
-# triattention and streaming at K = 128 and 512 (and 256 when time allows), B = 32, bf16, 10 traces a batch.
+# triattention and streaming at K = 128, 256 and 512, B = 32, bf16, 10 traces a batch.
 # Each cell records, per problem, top-1 agreement with the full cache's argmax, KL(full || cache) and the K/V
 # bytes held and read per decode step (measured on the cache), with its wall time. Sized to finish in about four
 # hours on this machine's two cores. Resumable: rerun to continue.
@@ -16,9 +16,7 @@ PY="${PYTHON:-.venv/bin/python}"
 OUT=docs/results/selection
 export OMP_NUM_THREADS=2 MKL_NUM_THREADS=2
 PYTHONPATH=src "$PY" "$OUT/long_traces.py" "$OUT/long-traces.jsonl" --model smollm2-135m --dtype bf16 \
-  --problems 20 --min-tokens 2048 --max-new-tokens 512 --budgets 128,512 \
+  --problems 20 --min-tokens 2048 --max-new-tokens 512 --budgets 128,256,512 \
   --policies quest,seer,h2o,vase-attnv,triattention,streaming --buffer 32 --batch 10
 # The tables, trace lengths and wall times (long-traces.md, printed too) and the plot (long-traces.png):
 PYTHONPATH=src "$PY" "$OUT/summarise_long.py" "$OUT/long-traces.jsonl"
-# Then K = 256 if time allows (the same traces; the cells above are skipped):
-# PYTHONPATH=src "$PY" "$OUT/long_traces.py" "$OUT/long-traces.jsonl" --budgets 128,256,512 ...
