@@ -166,6 +166,7 @@ def generate(
     try:
         meter.start()
         logits = step.prefill(ids, mask)
+        del ids, mask  # the prompt's tensors: the decode's live memory stays flat in the context
         meter.end_prefill()
         if on_step is not None:
             on_step(0, cache)
