@@ -155,7 +155,7 @@ def teacher_force(
     device = next(model.parameters()).device
     evicting = EvictingCache(model=model, spec=spec)
     full = EvictingCache(model=model, spec=CacheSpec("full")) if reference else None
-    replay = _Replay(model, evicting, full, prompts, continuations, chunked, max_chunk, pad_id, consume)
+    replay = _Replay(model, evicting, full, continuations, chunked, max_chunk, pad_id, consume)
     try:
         ids, mask = left_pad(prompts, pad_id, device)
         replay.prefill(ids, mask)
@@ -178,14 +178,14 @@ class _Replay:
     (one chunk up to the next due eviction, or token by token) to the evicting cache and the full one, and hands
     their logits to ``consume``."""
 
-    def __init__(self, model, evicting, full, prompts, continuations, chunked, max_chunk, pad_id, consume):
+    def __init__(self, model, evicting, full, continuations, chunked, max_chunk, pad_id, consume):
         self.evicting, self.chunked, self.max_chunk, self.pad_id = evicting, chunked, max_chunk, pad_id
         self.continuations, self.consume = continuations, consume
         self.lengths = [len(c) for c in continuations]
         self.steps = EagerStep(model, evicting, every_position=True)
         self.reference = None if full is None else EagerStep(model, full, every_position=True)
-        self.evictions = [0] * len(prompts)
-        self.step_bytes = StepBytes(evicting, len(prompts))
+        self.evictions = [0] * len(continuations)
+        self.step_bytes = StepBytes(evicting, len(continuations))
         self.fed, self.active = 0, []
 
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> None:

@@ -179,7 +179,7 @@ class CompiledDecode:
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The prompt's forward, eager (any number of tokens a row): its newest logits."""
-        return self._forward(input_ids, self.cache, attention_mask=attention_mask, last_logits_only=True).logits[:, -1]
+        return self._forward.newest_logits(input_ids, self.cache, attention_mask)
 
     def close(self) -> None:
         """Remove the capture's hooks and kernel wrapper (the run is over; calling again is harmless)."""
@@ -254,7 +254,7 @@ class StaticStep:
         if attention_mask is not None:
             raise ValueError("transformers' static cache is decoded with rows in step (no padding mask)")
         self._length += input_ids.shape[1]
-        return self._forward(input_ids, self.cache, last_logits_only=True).logits[:, -1]
+        return self._forward.newest_logits(input_ids, self.cache)
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         if attention_mask is not None:

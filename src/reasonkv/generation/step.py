@@ -47,7 +47,7 @@ class EagerStep:
         return self.prefill(input_ids, attention_mask)
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        return self._forward(input_ids, self.cache, attention_mask=attention_mask, last_logits_only=True).logits[:, -1]
+        return self._forward.newest_logits(input_ids, self.cache, attention_mask)
 
     def describe(self) -> dict | None:
         return None

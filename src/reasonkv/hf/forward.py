@@ -63,6 +63,11 @@ class Forward:
             kwargs["logits_to_keep"] = 1
         return self.model(input_ids=input_ids, **kwargs)
 
+    def newest_logits(self, input_ids: torch.Tensor, cache: Any, attention_mask: Any = None) -> torch.Tensor:
+        """The forward pass's logits at its last position alone, ``[batch, vocab]`` (what a decode step samples
+        from)."""
+        return self(input_ids, cache, attention_mask=attention_mask, last_logits_only=True).logits[:, -1]
+
 
 def left_pad(rows: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-id rows as one left-padded batch: ``(ids, mask)``, both ``[len(rows), longest]``."""
