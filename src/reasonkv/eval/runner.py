@@ -1,93 +1,13 @@
 """The evaluation grid: datasets x policies x budgets x samples, written record by record, resumable.
 
-:func:`run_grid` decodes every (problem, policy, budget, sample) with :func:`reasonkv.generate`,
-grades it and appends one ``"kind": "generation"`` record to a JSONL file as soon as its batch
-finishes; then, with ``fidelity`` on, one ``"kind": "fidelity"`` record per (problem, evicting
-policy, budget) (see :mod:`reasonkv.eval.fidelity`). Rerunning the same command skips every
-record already in the file (:func:`reasonkv.eval.records.record_key` says which fields identify
-one), so a killed run resumes where it stopped and loses nothing.
-
-Work order: round by round, one batch of ``batch_size`` (problem, sample) units of every cell
-(policy, budget) in turn, so a partial run covers every cell on its first problems; batching is
-safe because ``reasonkv.generate`` gives each prompt the same tokens in a batch as alone. A unit
-that cannot run gets an error record instead, and the rest of the grid runs (see
-:mod:`reasonkv.eval.phases`).
-
-Many processes: the grid's units are split deterministically across ``N`` shards, balanced by
-expected cost (:mod:`reasonkv.eval.units`); each process writes its own shard file next to ``out``
-and the last to finish merges them into ``out`` (:mod:`reasonkv.eval.shards`). Launch them with
-``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``; ``cuda`` becomes ``cuda:LOCAL_RANK``) or give
-each its ``shard="I/N"``. Every run reads ``out`` and all its shard files, so it resumes with any
-number of processes; each unit ends up exactly once in ``out``. In fp32 the records do not depend on
-the number of processes; in bf16 and fp16 a prompt's tokens can depend on the batch it is decoded in
-(rounding differs with the batch), and the split changes batches: there, only ``batch_size=1`` makes
-the records independent of the number of processes.
-
-Before the model loads: everything that needs no model is checked (the grid, the datasets, the output
-path and its folder, the free space there, every line of the run's files), and this process joins the
-run (:func:`reasonkv.eval.shards.join_run`: it takes the lock of the file it writes, refuses another
-launch, a shard file of another grid, or a process of the same run with other settings).
-
-The first record of a results file is the run manifest (:mod:`reasonkv.eval.manifest`): a run
-with another setup (model, weights, dtype, sampling, ...) is refused, and an existing file that is
-not a results file is never written to (:mod:`reasonkv.runs.outputs`). The file is written through
-one open file whose place and content are checked at every record and at the end: a results file
-removed, moved, replaced or overwritten in place while the run writes it is an error naming it, never a
-success.
-
-Seeds: sample ``s`` of problem ``p`` uses ``sample_seed(seed, p.id, s)`` (the first 31 bits of
-``sha256(f"{seed}/{p.id}/{s}")``) for both its sampling and its eviction randomness, whatever the
-policy, budget, batch or order: every policy sees the same random stream for a given sample (paired
-comparisons), and a resumed run draws exactly what the uninterrupted one would have.
-At temperature 0 a deterministic policy gives the same output for every seed, so it runs one
-sample per problem; stochastic policies (``policy.stochastic``) still run ``samples``.
-
-``full`` runs once per problem regardless of the budgets (its records have budget and buffer null).
-
-A quantized tier (``quantized``, ``bits``) applies to every evicting cell (``full`` runs without
-one): ``budget`` stays the full-precision ``K``, and the cell's label says the tier
-(``snapkv+int8:112``: 112 tokens per head kept as int8 beside ``K``).
-
-Generation records (``"kind": "generation"``)
-    Identity: ``model``, ``dtype``, ``device``, ``dataset``, ``problem_id``, ``policy`` (name),
-    ``policy_label`` (name plus the options set by the user, e.g. ``epikv[variant=lag]``),
-    ``policy_config`` (``policy.config()``: every hyper-parameter), ``budget``, ``buffer``, ``tier``
-    (``null``, or the quantized tier: ``quantized``, ``bits``, ``group_size``), ``sample``,
-    ``seed`` (this sample's), ``base_seed``, ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``,
-    ``prompt_format``; ``equivalent_budget`` (the full-precision budget holding the same nominal
-    K/V bytes as the cell: ``budget`` without a tier). Output: ``prompt_tokens``, ``output_tokens``
-    (EOS included), ``output_text``,
-    ``output_ids``, ``finish_reason`` (``eos``/``length``). Grade: ``reference_answer``,
-    ``extracted_answer``, ``correct``, ``grading_method`` (extraction path), ``answer_from_thinking``.
-    Collapse: ``collapse`` (the flags of :func:`reasonkv.eval.collapse_flags`) and ``collapsed``.
-    Cost: ``seconds`` (wall time of the batch this record was decoded in: prefill + decode),
-    ``prefill_seconds``, ``decode_seconds``, ``tokens_per_second`` (this row's tokens over the batch's
-    decode time), ``batch_size``, ``compiled`` (whether its decode steps ran as a compiled graph, with
-    ``--compile``; the compilation's time is not in ``decode_seconds``), ``evictions`` (this row),
-    ``peak_cache_slots`` (the batch's cache),
-    ``peak_row_tokens`` (most tokens this row held), ``peak_kv_bytes`` (the batch's most K/V bytes held,
-    and ``peak_kv_bytes_by_tier``: ``full``, ``quantized``), ``peak_kv_bytes_allocated`` (the most allocated,
-    spare capacity included), ``peak_memory_bytes`` (CUDA max
-    allocated, or the process's peak RSS on CPU), ``policy_seconds`` (the batch's time in the
-    policy: ``observe``, ``score``, ``gather``), ``reasonkv_version``, ``run`` (the id of the
-    manifest of the run that wrote it), ``time``.
-
-Fidelity records (``"kind": "fidelity"``), one per (problem, evicting policy, budget)
-    The identity fields above (no sampling settings; ``fidelity_tokens`` instead), then
-    ``trace_tokens``, ``trace_source`` (``generation``: the greedy full-cache record of this file was
-    reused; ``regenerated``), ``top1_agreement``, ``top1_full_replay``, ``kl_mean``, ``kl_max``,
-    ``evictions``, ``chunked``, ``steady_kv_bytes_by_tier`` and ``steady_kv_tokens`` (as generation records),
-    ``kv_bytes_held_per_step`` and ``kv_bytes_read_per_step`` (the evicting layers' K/V held and read at each
-    decode step of the replay, measured, mean over its steps: equal for an eviction cache, the blocks read for
-    a selection one; :mod:`reasonkv.eval.step_bytes`), and for problems with a reference solution ``reference_tokens``,
-    ``answer_tokens``, ``answer_logprob_full``, ``answer_logprob_evicting``, ``answer_logprob_delta``
-    (evicting minus full, summed over the answer tokens), ``answer_logprob_delta_mean`` (per token),
-    ``answer_evictions`` (all ``null`` without a reference); ``seconds`` (per record), ``run``, ``time``.
-    The eviction seed is that of sample 0. ``full`` gets no fidelity records (it is the reference).
-
-Error records (``"kind": "error"``), one per unit that could not be computed
-    The identity fields of the unit, ``unit`` (``generation`` or ``fidelity``), ``seed``, ``stage``,
-    ``error`` (the reason), ``run``, ``time``.
+:func:`run_grid` decodes, grades and appends one generation record per (problem, policy, budget, sample),
+then with ``fidelity`` one fidelity record per (problem, evicting policy, budget) (:mod:`reasonkv.eval.fidelity`).
+A rerun skips the records already in the run's files, so a killed run loses nothing. The grid is split across
+processes by expected cost (:mod:`reasonkv.eval.units`, :mod:`reasonkv.eval.shards`); the first record of a
+results file is the run manifest (:mod:`reasonkv.eval.manifest`), and only this tool's own results files are
+written to (:mod:`reasonkv.runs.outputs`). Everything that needs no model is checked before the model loads.
+The work order, the seeds and every record's fields: docs/records.md; sharding, locks and resuming:
+docs/eval-at-scale.md.
 """
 
 from __future__ import annotations
