@@ -1,46 +1,14 @@
 """What the commands write: only their own outputs, one writer at a time, failures said in full.
 
-Two rules hold for every ``--out`` (``eval``, ``report``, ``bench``, ``calibrate``):
-
-**Ownership.** Nothing is written before the output is recognised as this tool's own, and anything else
-is refused with an error and left exactly as it was.
-
-- A results file (``eval --out``) is recognised by its first line, the run manifest (see
-  :mod:`reasonkv.eval.records`).
-- A folder (``report``, ``bench``, ``calibrate``) is recognised by its marker file ``.reasonkv.json``,
-  which names the command that writes there and every file name the command owns in it. A folder
-  without a marker is claimed when none of the files the command writes is there yet (a new or
-  unrelated folder), or when it holds that command's own output from before markers existed (each
-  command says how it recognises it). Other files may share the folder: they are never overwritten
-  or deleted; a command that would write to the name of one refuses instead.
-- An input is never an output: a command refuses an ``--out`` that would write over one of its inputs.
-
-**One writer.** A writer holds an exclusive advisory lock (``flock``) on ``<file>.lock`` (a results
-file) or ``<folder>/.reasonkv.lock`` for its whole run. A second writer fails at once with a message
-naming the output and the holder. Each lock file serves one purpose, and whether to wait for its
-holder is decided by that purpose, never by reading the file: a writer's lock is never waited for;
-the lock of a run's short steps (``<file>.steps.lock``: a process joining a sharded run, a merge) is
-waited for (:class:`OutputLock` ``wait``). The holder record in the file (pid, host, purpose, since)
-is written after the lock is taken and forced to disk, for messages only. Lock files are never
-deleted (deleting a lock file while others may hold it open is what breaks locks on network
-filesystems): a reasonkv lock file nobody holds is free, whatever holder it names, and the kernel drops
-the lock of a killed process, so a lock a killed run left never blocks a resume. A file at a lock's path
-that is not a reasonkv lock file (other content: maybe someone's own file) is never written over: the
-writer refuses, naming it, until it is moved away. Because they stay, a lock whose path no
-longer names the file it holds (:meth:`OutputLock.check_in_place`) means the folder was moved or removed
-meanwhile: the writer stops rather than write at the old path. The output must live on a filesystem
-with working ``flock`` (local disks; across machines NFSv4 or a cluster filesystem mounted with
-``flock`` support).
-
-**Whole files.** A file written in one go is complete or absent, never half-written:
-:func:`create_exclusive` makes a new one, :func:`write_atomic` replaces one of the command's own,
-both through a temporary file (``.<name>.reasonkv-tmp-*``) that a killed process may leave behind
-and the next writer of the file removes (:func:`remove_stale_temps`).
-
-**Failures said in full.** A write that fails (a full disk, a folder that vanished or became
-read-only) raises :class:`OutputError`, whose message names the file, the step, what is safe and
-how to go on; a clean-up that fails after the work is done is a warning (:func:`warn`), never a
-failure of the run.
+The rules every ``--out`` follows (``eval``, ``report``, ``bench``, ``calibrate``) are in docs/eval-at-scale.md.
+In short: nothing is written before the output is recognised as this tool's own (a results file by its first
+line, the run manifest; a folder by its marker file :data:`MARKER`, :func:`claim_folder`), and an input is never
+an output. A writer holds an exclusive ``flock`` (:class:`OutputLock`) for its whole run; whether to wait for a
+lock is decided by its purpose, never by reading the file. Lock files are never deleted (that is what breaks
+locks on network filesystems), so a lock whose path no longer names the file held means the folder was moved
+(:meth:`OutputLock.check_in_place`). A file written in one go goes through a temporary file
+(:func:`create_exclusive`, :func:`write_atomic`); a failed write raises :class:`OutputError` naming the file,
+the step, what is safe and how to go on; a failed clean-up after the work is a warning (:func:`warn`).
 """
 
 from __future__ import annotations

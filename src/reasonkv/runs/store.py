@@ -2,36 +2,13 @@
 
 Eval results (:mod:`reasonkv.eval.records`), bench results (:mod:`reasonkv.bench.store`) and calibrate's
 labels and signals (:mod:`reasonkv.analysis.store`) are such files; each package keeps only what its
-records mean (which record completes which work, which settings must match).
-
-Format
-    One JSON object per line (UTF-8). The first may be a header the caller gives (an eval's run manifest).
-Resume
-    :func:`iter_records` reads the records back. A run killed while writing leaves at worst one torn last
-    line (no newline, not JSON): it is skipped, and cut off before the next append. Any other line that
-    is not a JSON object is an error naming the file and the line (the file was edited, or two writers
-    collided), never skipped silently.
-Writing
-    :meth:`JsonlStore.append` writes one record as one line and flushes it to the operating system at
-    once: another process reads it right away, and a process killed afterwards keeps it (``fsync``
-    also forces it to disk, which survives a machine crash). A new file with a header is created holding
-    it, complete or not at all. Lines are never changed in place: only a torn last line is cut off, and
-    the owner may replace the whole file (:meth:`~JsonlStore.rewrite`, :meth:`~JsonlStore.discard`).
-The file stays where it was, as this store left it
-    The store writes through one open file and checks, before every record and when it closes, that
-    its path still names that file: if the file (or its folder) was removed, renamed or replaced
-    meanwhile, it fails naming the path and where the file is now, rather than writing records
-    nobody will find or reporting a success for them. A file overwritten in place (``cp other.jsonl
-    file.jsonl`` keeps the inode) is caught by its content: its size must be the one this store left,
-    and its first line (an eval's run manifest) and its last bytes the ones it read or wrote (two short
-    reads per record).
-A failed write
-    A record that cannot be written whole (a full disk) is cut off again, so the file keeps only
-    complete records, and the error (:class:`~reasonkv.runs.outputs.OutputError`) names the file, the
-    step, how many records in it are safe, and that rerunning the same command resumes.
-Lock
-    One writer at a time: the store holds the lock of its file (:class:`reasonkv.runs.outputs.OutputLock`)
-    until :meth:`~JsonlStore.close`, or the caller holds a lock that covers it (a claimed folder, a merge).
+records mean. One JSON object per line; the first may be a header the caller gives (an eval's manifest).
+A killed run leaves at worst one torn last line: it is skipped when read and cut off before the next
+append; any other line that is not a JSON object is an error naming the file and the line. Each record is
+written as one line and flushed at once; lines are never changed in place. Before every record and when it
+closes, the store checks that its path still names the file it writes and that the file's size, first line
+and last bytes are as it left them (a file moved, replaced or overwritten in place is an error naming it,
+never a success), and a record that cannot be written whole is cut off again.
 """
 
 from __future__ import annotations

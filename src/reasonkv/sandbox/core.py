@@ -1,36 +1,12 @@
 """The sandbox: run one Python program in a fresh, isolated, limited process and say how it ended.
 
-Two mechanisms, chosen once per process by a probe (:func:`probe`):
-
-``bubblewrap``
-    The program runs inside ``bwrap`` (see :mod:`reasonkv.sandbox.bubblewrap`): its own user, PID,
-    network, mount, IPC, UTS and cgroup namespaces. Every guarantee holds.
-``process``
-    Without bubblewrap (not installed, or the kernel refuses unprivileged user namespaces), a plain
-    child process in a session of its own, in a fresh temporary directory. Three guarantees are then
-    missing (:data:`GUARANTEES`), and the sandbox refuses to run until each is allowed explicitly.
-
-Either way the program runs under an unprivileged uid (``nobody`` when the caller is root), with an
-empty environment (``PATH`` only), its limits set (:mod:`reasonkv.sandbox.limits`), standard input
-holding only what the caller passes, each output stream capped, and a wall-clock deadline at which its
-process group is killed. A result's ``status`` is one of :data:`STATUSES`:
-
-``ok`` (exit 0), ``failed`` (another exit status), ``timeout`` (the wall-clock deadline, or its CPU
-time limit), ``memory`` (it ran out of memory: a process's address space, Python's ``MemoryError`` or an
-allocation failure, or the run's memory as a whole), ``output-limit`` (it wrote more than the cap),
-``killed`` (ended by another signal; through bubblewrap an exit status ``128 + N`` reads as signal ``N``).
-
-The memory limit holds for the run as a whole, all its processes together, through one of (the probe
-picks the first that works here; :attr:`Setup.memory_limit` and every result's ``isolation`` name it):
-
-``cgroup``
-    A cgroup (v2) of the run's own: the kernel counts every page of the run, its tmpfs and kernel
-    buffers included, and kills the run when it passes the limit (:mod:`reasonkv.sandbox.cgroup`).
-``supervisor``
-    The supervisor sums the run's memory from the host every few milliseconds and kills the run when
-    it passes the limit (:mod:`reasonkv.sandbox.usage` says what is counted).
-
-Without bubblewrap (``process``) the limit is per process only (``memory-per-process``).
+A probe (:func:`probe`) picks the mechanism once per process: ``bubblewrap`` (:mod:`reasonkv.sandbox.bubblewrap`:
+namespaces of its own, every guarantee holds), or without it a plain ``process`` in a session of its own, which
+lacks :data:`GUARANTEES` and refuses to run until each is allowed explicitly. Either way the program runs under
+an unprivileged uid with an empty environment, limits (:mod:`reasonkv.sandbox.limits`), capped output streams
+and a wall-clock kill; a result's ``status`` is one of :data:`STATUSES`. Through bubblewrap the memory limit
+holds for the run as a whole, by a ``cgroup`` of its own (:mod:`reasonkv.sandbox.cgroup`) or the ``supervisor``'s
+account (:mod:`reasonkv.sandbox.usage`); without it, per process. What each guarantee means: docs/sandbox.md.
 """
 
 from __future__ import annotations
@@ -44,7 +20,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +51,7 @@ GUARANTEES: dict[str, tuple[str, str]] = {
 OUTPUT_LIMIT = 16 * 2**20
 
 _COMMON = ("unprivileged-uid", "rlimits", "empty-environment", "output-cap", "wall-clock-kill")
+_PROCESS_ISOLATION = ("new-session", "fresh-temporary-cwd", *_COMMON, "memory-per-process")
 _MEMORY = re.compile(r"^(?:MemoryError\b|Fatal Python error: .*memory)|Cannot allocate memory", re.M | re.I)
 _PER_RUN = ("cpu_seconds", "memory_mb")  # set from each run's timeout and memory
 _PATH_ONLY = {"PATH": "/usr/local/bin:/usr/bin:/bin"}
@@ -138,23 +115,23 @@ def _memfd(name: str, data: bytes) -> int:
     return fd
 
 
-def _read_all(fd: int) -> str:
-    os.set_blocking(fd, False)
-    chunks = []
-    while True:
-        try:
-            chunk = os.read(fd, 65536)
-        except BlockingIOError:
-            break
-        if not chunk:
-            break
-        chunks.append(chunk)
-    return b"".join(chunks).decode("utf-8", "replace")
-
-
 def _exit_code(returncode: int | None) -> int | None:
     """The shell's convention: ``128 + N`` for a process ended by signal ``N`` (as bubblewrap reports it)."""
     return 128 - returncode if returncode is not None and returncode < 0 else returncode
+
+
+def _result(finished: Finished, isolation: tuple[str, ...], oom: bool = False) -> RunResult:
+    code = _exit_code(finished.returncode)
+    signalled = code - 128 if code is not None and code > 128 else None
+    stderr = finished.stderr.decode("utf-8", "replace")
+    return RunResult(
+        status=_status(finished, signalled, stderr, oom),
+        returncode=code,
+        stdout=finished.stdout.decode("utf-8", "replace"),
+        stderr=stderr,
+        isolation=isolation,
+        seconds=finished.seconds,
+    )
 
 
 def _status(finished: Finished, signalled: int | None, stderr: str, oom: bool = False) -> str:
@@ -306,19 +283,10 @@ def _run_bubblewrap(setup: Setup, source: str, stdin: str, limits: Limits, timeo
     stderr = finished.stderr.decode("utf-8", "replace")
     if not started_ and not finished.timed_out:
         raise SandboxUnavailable(f"bubblewrap could not start the program: {stderr.strip()[-500:] or 'no message'}")
-    code = _exit_code(finished.returncode)
-    signalled = code - 128 if code is not None and code > 128 else None
     isolation = ("bubblewrap", "user-namespace", *spaces, *(["no-nested-user-namespaces"] * setup.disable_userns))
     isolation += ("read-only-system", f"fresh-tmpfs-cwd:{TMPFS_MB}MiB", "capped-dev-shm", *_COMMON)
     isolation += (f"memory-per-run:{'cgroup' if group is not None else 'supervisor'}",)
-    return RunResult(
-        status=_status(finished, signalled, stderr, oom),
-        returncode=code,
-        stdout=finished.stdout.decode("utf-8", "replace"),
-        stderr=stderr,
-        isolation=isolation,
-        seconds=finished.seconds,
-    )
+    return _result(finished, isolation, oom)
 
 
 def _run_process(setup: Setup, source: str, stdin: str, limits: Limits, timeout: float, cap: int) -> RunResult:
@@ -348,17 +316,7 @@ def _run_process(setup: Setup, source: str, stdin: str, limits: Limits, timeout:
             )
     finally:
         _remove_tree(root)
-    code = _exit_code(finished.returncode)
-    signalled = code - 128 if code is not None and code > 128 else None
-    stderr = finished.stderr.decode("utf-8", "replace")
-    return RunResult(
-        status=_status(finished, signalled, stderr),
-        returncode=code,
-        stdout=finished.stdout.decode("utf-8", "replace"),
-        stderr=stderr,
-        isolation=("new-session", "fresh-temporary-cwd", *_COMMON, "memory-per-process"),
-        seconds=finished.seconds,
-    )
+    return _result(finished, _PROCESS_ISOLATION)
 
 
 def _remove_tree(root: Path) -> None:
@@ -396,22 +354,21 @@ def _probe(bwrap: str | None, python: str | None) -> Setup:
     interpreter, why = find_interpreter(user, python)
     if interpreter is None:
         return Setup("none", (), tuple(GUARANTEES), why, user, None)
-    isolation = ("new-session", "fresh-temporary-cwd", *_COMMON, "memory-per-process")
-    process = Setup("process", isolation, tuple(GUARANTEES), "", user, interpreter)
+    process = Setup("process", _PROCESS_ISOLATION, tuple(GUARANTEES), "", user, interpreter)
     if bwrap is None:
-        return _replace(process, reason="bubblewrap was not asked for")
+        return replace(process, reason="bubblewrap was not asked for")
     path = shutil.which(bwrap)
     if path is None:
-        return _replace(process, reason=f"bubblewrap ({bwrap}) is not installed (apt-get install bubblewrap)")
+        return replace(process, reason=f"bubblewrap ({bwrap}) is not installed (apt-get install bubblewrap)")
     candidate = Setup("bubblewrap", (), (), "", user, interpreter, bwrap=path, memory_limit="supervisor")
     for disable in (True, False):  # bubblewrap before 0.8 has no --disable-userns
-        candidate = _replace(candidate, disable_userns=disable)
+        candidate = replace(candidate, disable_userns=disable)
         result, failure = _probe_run(candidate)
         if result is None:
             continue
         missing = tuple(name for name, (needs, _) in GUARANTEES.items() if needs not in result.isolation)
-        return _with_cgroup(_replace(candidate, isolation=result.isolation, missing=missing))
-    return _replace(process, reason=f"bubblewrap cannot isolate programs here ({failure})")
+        return _with_cgroup(replace(candidate, isolation=result.isolation, missing=missing))
+    return replace(process, reason=f"bubblewrap cannot isolate programs here ({failure})")
 
 
 def _probe_run(candidate: Setup) -> tuple[RunResult | None, str]:
@@ -432,16 +389,12 @@ def _with_cgroup(setup: Setup) -> Setup:
     except OSError as error:
         parent, why = None, f"the cgroups of this process cannot be read ({error})"
     if parent is None:
-        return _replace(setup, memory_reason=why)
-    trial = _replace(setup, memory_limit="cgroup", cgroup=str(parent))
+        return replace(setup, memory_reason=why)
+    trial = replace(setup, memory_limit="cgroup", cgroup=str(parent))
     result, failure = _probe_run(trial)
     if result is None:
-        return _replace(setup, memory_reason=f"a run in a cgroup under {parent} failed ({failure})")
-    return _replace(trial, isolation=result.isolation)
-
-
-def _replace(setup: Setup, **changes: Any) -> Setup:
-    return Setup(**{**setup.__dict__, **changes})
+        return replace(setup, memory_reason=f"a run in a cgroup under {parent} failed ({failure})")
+    return replace(trial, isolation=result.isolation)
 
 
 class Sandbox:
