@@ -1,33 +1,10 @@
 """The run manifest: what the records of a results file were computed with, to reproduce and compare them.
 
-A manifest is a record (``"kind": "manifest"``), the first line of every results file and shard file;
-a later run into the same file appends its own when it differs. Its fields:
-
-``setup``
-    What every record in the file shares. A run whose setup differs is refused, naming what differs:
-    ``model`` (as given), ``model_revision`` (the hub commit, when known), ``weights_sha256`` (SHA-256
-    of every parameter's name, dtype, shape and bytes, as loaded), ``tokenizer_sha256`` (its class,
-    vocabulary, special tokens and chat template), ``dtype``, ``attn_implementation``,
-    ``prompt_format``, ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k`` and ``seed`` (the base seed).
-``environment``
-    ``reasonkv`` version, ``git_commit`` and ``git_dirty`` of the reasonkv sources when they are a git
-    checkout, ``python``, ``torch``, ``transformers``, ``cuda``, ``device`` (``cpu``/``cuda``) and
-    ``device_name``. A run in another environment is accepted (with a warning) and appends its manifest.
-``grid``
-    ``datasets`` (name, ``file``, ``sha256`` of the file, ``limit``, ``problems``, ``samples``),
-    ``policies`` (label, budget, buffer, config of every cell), ``fidelity``, ``fidelity_tokens``,
-    ``generation``, ``batch_size``, ``compile``, and ``sha256``: the grid's identity (:func:`grid_identity`: what
-    decides its units and their split across processes, known before any model loads); with code
-    problems ``code``: how their programs run (the test limits, the contest-date window, and the
-    sandbox: its mechanism, the isolation in force, the guarantees missing and those the user allowed
-    to be missing). A dataset name whose file hash differs from an earlier manifest is refused; the
-    shard files of one run all hold one grid (see :mod:`reasonkv.eval.shards`).
-``id``
-    16 hex digits of a SHA-256 over setup, environment and grid: the ranks of one launch and a rerun of
-    the same command share one manifest. Records name theirs in ``run``. A manifest whose id does not
-    match its content was edited after it was written, and is refused (:func:`manifest_problem`).
-``command``, ``launch``, ``created``
-    The command line (when run from it), the launch (``world_size``), the date: context, not identity.
+A manifest (``"kind": "manifest"``) is the first line of every results file and shard file; a later run
+into the same file appends its own when it differs. Its ``setup`` must match (else the run is refused, naming
+what differs), its ``environment`` may differ (a warning), its ``grid`` holds the grid's identity
+(:func:`grid_identity`), and its ``id`` must match its content (:func:`manifest_problem`). Every field:
+docs/records.md.
 """
 
 from __future__ import annotations
@@ -47,6 +24,7 @@ __all__ = [
     "build_manifest",
     "check_compatible",
     "describe",
+    "differences",
     "file_sha256",
     "git_commit",
     "grid_differences",
@@ -97,7 +75,7 @@ def tokenizer_sha256(tokenizer) -> str:
         },
         "chat_template": getattr(tokenizer, "chat_template", None),
     }
-    return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()
+    return _sha256(facts)
 
 
 def git_commit() -> tuple[str | None, bool | None]:
@@ -119,9 +97,12 @@ def git_commit() -> tuple[str | None, bool | None]:
     return commit, dirty
 
 
+def _sha256(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
+
+
 def manifest_id(manifest: Mapping[str, Any]) -> str:
-    identity = {k: manifest.get(k) for k in ("setup", "environment", "grid")}
-    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return _sha256({k: manifest.get(k) for k in ("setup", "environment", "grid")})[:16]
 
 
 def grid_identity(grid: Mapping[str, Any], setup: Mapping[str, Any]) -> dict[str, Any]:
@@ -146,7 +127,7 @@ def grid_identity(grid: Mapping[str, Any], setup: Mapping[str, Any]) -> dict[str
 
 def grid_sha256(identity: Mapping[str, Any]) -> str:
     """SHA-256 of a :func:`grid_identity`."""
-    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
+    return _sha256(identity)
 
 
 def _cell(policy: Mapping[str, Any]) -> str:
@@ -169,7 +150,7 @@ def grid_differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str
             there, now = (", ".join(map(show, grid.get(key) or [])) for grid in (old, new))
             found.append(f"{key}: [{there}] there, [{now}] now" if there != now else f"{key}: their options differ")
         else:
-            found.append(f"{key}: {old.get(key)!r} there, {new.get(key)!r} now")
+            found += differences(old, new, [key])
     return found
 
 
@@ -259,7 +240,8 @@ def build_manifest(
     return manifest
 
 
-def _differences(old: Mapping[str, Any], new: Mapping[str, Any], fields: Sequence[str]) -> list[str]:
+def differences(old: Mapping[str, Any], new: Mapping[str, Any], fields: Sequence[str]) -> list[str]:
+    """``key: old there, new now`` for each of ``fields`` whose values differ."""
     return [f"{k}: {old.get(k)!r} there, {new.get(k)!r} now" for k in fields if old.get(k) != new.get(k)]
 
 
@@ -271,7 +253,7 @@ def check_compatible(
     Returns the environment differences from the file's latest manifest (for a warning).
     """
     first = manifests[0]
-    problems = _differences(first["setup"], new["setup"], SETUP_FIELDS)
+    problems = differences(first["setup"], new["setup"], SETUP_FIELDS)
     hashes = {d.get("name"): d.get("sha256") for m in manifests for d in m["grid"].get("datasets", [])}
     for dataset in new["grid"]["datasets"]:
         old = hashes.get(dataset["name"])
@@ -283,7 +265,7 @@ def check_compatible(
             "a file; use another --out, or the same settings to resume"
         )
     latest = manifests[-1]["environment"]
-    return _differences(latest, new["environment"], sorted(set(latest) | set(new["environment"])))
+    return differences(latest, new["environment"], sorted(set(latest) | set(new["environment"])))
 
 
 def describe(manifest: Mapping[str, Any]) -> list[str]:

@@ -1,33 +1,14 @@
 """One evaluation across processes: which shard this process is, its file, its locks, its plan, and the merge.
 
-A run with ``--out results.jsonl`` split into ``N`` shards (``torchrun --nproc_per_node N -m reasonkv
-eval ...``, or ``--shard I/N`` for schedulers that start independent jobs) writes shard ``I`` to
-``results.shard-I-of-N.jsonl`` next to ``--out``; one process (``N = 1``) writes ``--out`` itself.
-Every run reads the records of ``--out`` and of all its shard files, whatever their ``N``, so a
-run resumes with any number of processes and skips exactly the units already on disk.
-
-Joining a run (:func:`join_run`), before any model loads, under ``results.jsonl.steps.lock`` (the
-lock of the run's short steps: waited for):
-
-- the process takes the lock of the file it writes (``results.jsonl.lock``, or its shard file's);
-  one index twice is refused there;
-- it refuses while another launch writes to the same run: a single process (which holds the lock of
-  ``--out`` for its whole run) or shards of another ``N``; shards of the same ``N`` are one launch;
-- it refuses a shard file of another grid (:func:`~reasonkv.eval.manifest.grid_identity`): such a
-  file is never merged into ``--out`` and never deleted;
-- a sharded process compares the run's plan file ``results.plan.json`` (the grid's identity, the
-  model and dtype, written by the first process that joins) with its own and refuses at once,
-  naming what differs, when another process of the run has other settings: ranks with different
-  grids would compute different splits, and some units would never run.
-
-Merge: a process that has written its last record reads the run's files under the steps lock
-(:func:`read_run`: no merge moves records meanwhile); the one that finds the whole grid done merges,
-under the steps lock and the lock of ``--out``: every record of every shard file of its grid that
-``--out`` lacks is appended (a unit already there, or an error record for a unit already there,
-is skipped: each unit appears once), the file is synced, and then the shard files are deleted (each
-only once its writer has finished and nothing was appended since it was read), and the plan file
-with the last of them. A merge that is interrupted is simply done again; a clean-up that fails after
-it (a read-only folder) is a warning.
+Shard ``I`` of ``N`` writes ``results.shard-I-of-N.jsonl`` next to ``--out results.jsonl``; one process writes
+``--out`` itself. Every run reads ``--out`` and all its shard files, whatever their ``N``, so it resumes with any
+number of processes. A process joins the run (:func:`join_run`) before its model loads, under the run's steps
+lock (``results.jsonl.steps.lock``, waited for): it takes the lock of the file it writes and refuses another
+launch, a shard file of another grid (never merged, never deleted) and a process of the run with other
+settings (the plan file ``results.plan.json``: ranks with different grids would compute different splits). The
+process that finds the whole grid done merges (:func:`merge_shards`): every record of the shard files that
+``--out`` lacks is appended once, then each shard file whose writer has finished is deleted, and the plan file
+with the last. An interrupted merge is simply done again. The rules for users: docs/eval-at-scale.md.
 """
 
 from __future__ import annotations
@@ -40,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from reasonkv.eval.manifest import check_compatible, grid_differences, grid_identity, grid_sha256
+from reasonkv.eval.manifest import check_compatible, differences, grid_differences, grid_identity, grid_sha256
 from reasonkv.eval.record_kinds import ManifestRecord, Record
 from reasonkv.eval.records import ResultsFile, repair_results, scan_results
 from reasonkv.runs.outputs import (
@@ -267,7 +248,7 @@ def _read_plan(path: Path) -> dict | None:
 
 
 def _plan_differences(old: dict, new: dict) -> list[str]:
-    found = [f"{k}: {old.get(k)!r} there, {new.get(k)!r} now" for k in ("model", "dtype") if old.get(k) != new.get(k)]
+    found = differences(old, new, ("model", "dtype"))
     if old.get("sha256") != new["sha256"]:
         found += grid_differences(old.get("grid") if isinstance(old.get("grid"), dict) else {}, new["grid"])
     return found
@@ -292,14 +273,20 @@ def _check_plan(out: Path, shard: Shard, plan: dict) -> None:
         write_atomic(path, json.dumps(plan, indent=1) + "\n")
 
 
+def _unless_written(path: Path, purpose: str) -> OutputLock | None:
+    """The lock of ``path`` (held), or None while another process holds it."""
+    try:
+        return OutputLock(path, purpose).acquire()
+    except OutputLocked:
+        return None
+
+
 def _repair(out: Path) -> list[str]:
     """Move the lines that are not records out of the run's files nobody writes now."""
     done = []
     for path in run_files(out):
-        lock = OutputLock(path, "repair")
-        try:
-            lock.acquire()
-        except OutputLocked:
+        lock = _unless_written(path, "repair")
+        if lock is None:
             continue  # its writer repaired it when it joined
         try:
             note = repair_results(path)
@@ -348,9 +335,8 @@ def merge_shards(out: str | os.PathLike[str], grid: str) -> int | None:
     """
     out = Path(out)
     with OutputLock(out, "merge", path=steps_lock_path(out), wait=STEPS_WAIT):
-        try:
-            lock = OutputLock(out, "merge").acquire()
-        except OutputLocked:
+        lock = _unless_written(out, "merge")
+        if lock is None:
             return None
         try:
             shards = []
@@ -416,13 +402,12 @@ def _merge(lock: OutputLock, shards: list[Path]) -> tuple[int, dict[Path, int]]:
 
 def _delete_if_finished(path: Path, size: int, out: Path) -> None:
     """Delete a merged shard file unless its writer still runs or it grew after it was read."""
-    lock = OutputLock(path, "merge")
     try:
-        lock.acquire()
-    except OutputLocked:
-        return
+        lock = _unless_written(path, "merge")
     except OSError as error:
         warn(f"could not check whether {path} is still written ({error}); its records are in {out}: delete it yourself")
+        return
+    if lock is None:
         return
     try:
         if path.stat().st_size == size:
