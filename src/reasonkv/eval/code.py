@@ -1,30 +1,14 @@
 """Grading code answers by running them, every test in the sandbox (:mod:`reasonkv.sandbox`).
 
-The program
-    The last complete fenced Python block after the reasoning (``</think>``), else in the whole text
-    (``from_thinking``). For a function prompt (HumanEval) the prompt comes first, so the block may be
-    the whole function or only its body; an output without any fence is read as the body itself, up to
-    the first line that leaves the function (HumanEval's own way to cut a completion). The program is
-    stored in the record (``extracted_answer``).
-The tests
-    - a HumanEval-style problem: one run calling ``check(entry_point)`` in the program's namespace;
-    - a function problem: one run per test, calling the function (or the ``Solution`` method) with the
-      test's JSON arguments and comparing the result with ``==`` (a tuple counts as a list);
-    - a standard-input problem: one run per test with its input as standard input, the output compared
-      as LiveCodeBench compares (surrounding white space and blank lines ignored, line by line, each
-      line equal as text or token by token as exact decimals; with a ``tolerance``, numbers within it).
-    LiveCodeBench problems run after the imports its harness gives every solution. A run passes only
-    when the harness wrote its line (a random marker and the verdict) last: a program that exits before
-    the tests ran, or closes its output, fails.
-The verdict
-    ``correct`` when every test passes. ``code_outcome``: ``passed``, ``wrong-answer``, ``runtime-error``
-    (a non-zero exit, out of memory, too much output, killed), ``timeout``, or ``no-code`` (nothing to
-    run). Tests stop at the first one that does not pass, as LiveCodeBench's do: ``tests_passed`` counts
-    the tests before it.
-
-Tests run in parallel on ``workers`` sandboxes (default: one per core). Parallelism changes no result:
-every test is run alone in its own sandbox, and the verdict is that of the first test, in test order,
-that does not pass; a test running after it is ignored (only its time is spent).
+The program is the last complete fenced Python block after the reasoning (``</think>``), else in the whole text
+(``from_thinking``); for a function prompt (HumanEval) the prompt comes first, and an output without any fence is
+the function's body up to the first line that leaves the function (HumanEval's own cut). A HumanEval problem is
+one run of ``check(entry_point)``; a function problem one run per test, its result compared with ``==`` (a
+tuple counts as a list); a standard-input problem one run per test, compared as LiveCodeBench compares
+(:func:`stdio_equal`). A run passes only when the harness wrote its line (a random marker and the verdict) last:
+a program that exits before the tests ran, or closes its output, fails. The verdict is that of the first test, in
+test order, that does not pass (``tests_passed`` counts those before it), so running the tests in parallel on
+``workers`` sandboxes changes no result. The outcomes and the record fields: docs/sandbox.md.
 """
 
 from __future__ import annotations
