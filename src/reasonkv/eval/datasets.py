@@ -59,33 +59,15 @@ _KINDS = ("math", "choice")
 
 @dataclass(frozen=True)
 class Problem:
-    """One benchmark problem.
+    """One benchmark problem."""
 
-    Attributes
-    ----------
-    id : str
-        Unique within its dataset.
-    problem : str
-        The question text (LaTeX as in the source; GPQA rows include the lettered options).
-    answer : str
-        Reference answer: an integer string, a LaTeX expression, or a letter A-D for ``"choice"``.
-    source : str
-        Benchmark and provenance.
-    kind : {"math", "choice"}
-        How the answer is graded.
-    solution : str or None
-        Reference solution text where the source has one.
-    extra : dict
-        Every other field of the row (e.g. ``level``, ``choices``, ``answer_raw``).
-    """
-
-    id: str
-    problem: str
-    answer: str
-    source: str
-    kind: Kind = "math"
-    solution: str | None = None
-    # Excluded from eq/hash so a Problem stays hashable despite holding a dict.
+    id: str  # unique within its dataset
+    problem: str  # the question text (LaTeX as in the source; GPQA rows include the lettered options)
+    answer: str  # the reference: an integer string, a LaTeX expression, or a letter A-D for "choice"
+    source: str  # benchmark and provenance
+    kind: Kind = "math"  # how the answer is graded
+    solution: str | None = None  # the reference solution, where the source has one
+    # Every other field of the row (``level``, ``choices``, ...); out of eq/hash, so a Problem stays hashable.
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
 
@@ -102,25 +84,11 @@ def _did_you_mean(name: str) -> str:
 
 
 def load_dataset(name_or_path: str | os.PathLike[str], limit: int | None = None) -> list[Problem]:
-    """Load a bundled benchmark by name, or a JSONL file of problems.
+    """The problems of a bundled benchmark (one of :data:`DATASETS`) or of a JSONL file (see the module docstring;
+    a row's ``kind`` defaults to ``"choice"`` when it has ``choices``), the first ``limit`` in file order.
 
-    Parameters
-    ----------
-    name_or_path : str or path
-        One of :data:`DATASETS` (``math500``, ``gsm8k``, ``aime24``, ``aime25``, ``hmmt25``, ``gpqa``)
-        or a path to a UTF-8 JSONL file whose rows have ``id``, ``problem`` (or ``question``) and
-        ``answer`` (required) and optionally ``source``, ``kind`` (``"math"``/``"choice"``; default
-        ``"choice"`` when the row has ``choices``, else ``"math"``), ``solution`` and any other fields
-        (kept in ``extra``).
-    limit : int, optional
-        Keep only the first ``limit`` problems, in file order.
-
-    Raises
-    ------
-    ValueError
-        Unknown dataset name, or a malformed row (the message names file, line and field).
-    FileNotFoundError
-        A path that does not exist.
+    Raises ``ValueError`` for an unknown name or a malformed row (naming the file, line and field), and
+    ``FileNotFoundError`` for a path that does not exist.
     """
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")

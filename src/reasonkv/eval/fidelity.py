@@ -1,32 +1,22 @@
 r"""Fidelity to the full cache: how far an evicting cache moves the model's next-token distributions.
 
-Accuracy needs a model strong enough to solve the problems; fidelity works even for a small one.
-Two measurements, both teacher-forced (known tokens are fed, nothing is sampled):
+Both measurements are teacher-forced (known tokens are fed, nothing is sampled), so they work even for a model
+too small to solve the problems:
 
-1. **Trace fidelity** (:func:`trace_fidelity`). Take the full cache's greedy trace of a problem and
-   feed it, after the prompt, through the model twice: with the full cache and with the evicting
-   cache. At every step compare the two next-token distributions: *top-1 agreement* is the fraction
-   of steps where the evicting cache's argmax is the trace's next token (the full cache's greedy
-   choice), and the mean *KL(full || evicting)*. ``top1_full_replay`` is the same agreement for the
-   replayed full cache itself: the numerical floor (1.0 in fp32; slightly less in bf16, where a
-   chunked forward and a one-token step round differently).
-2. **Reference-answer log-probability** (:func:`answer_logprob`). Feed a reference solution (the
-   dataset's ``solution`` field) after the prompt and sum the log-probabilities of its final-answer
-   tokens (the ``#### N`` number of GSM8K, the last ``\boxed{}`` content of MATH, else the last
-   occurrence of the reference answer) with each cache. The deltas (evicting minus full; summed,
-   and per token) say how much eviction made the right answer less likely.
+1. **Trace fidelity** (:func:`trace_fidelity`): the full cache's greedy trace, fed after the prompt through the
+   full and the evicting cache. *Top-1 agreement* is the fraction of steps where the evicting cache's argmax is
+   the trace's next token, with the mean *KL(full || evicting)*; ``top1_full_replay`` is the same agreement for
+   the replayed full cache itself, the numerical floor (1.0 in fp32; slightly less in bf16).
+2. **Reference-answer log-probability** (:func:`answer_logprob`): a reference solution fed after the prompt,
+   the log-probabilities of its final-answer tokens summed with each cache; the deltas (evicting minus full)
+   say how much eviction made the right answer less likely.
 
-Replaying through the evicting cache
-------------------------------------
-The evicting cache evicts after the forward pass in which a row reaches ``budget + buffer``
-tokens; between two evictions it only grows. For a policy whose ``observe`` is invariant to
-chunking (``type(policy).chunk_exact``), feeding the tokens up to the next eviction point in one
-forward pass is therefore exactly equivalent to that many decode steps: each chunk ends where the
-next eviction is due, so evictions happen at the same points and see the same state. Other
-policies are stepped one token at a time (their per-step signals, e.g. the attention of every
-new query, depend on it). The prompt is always one forward pass, as in generation. The full cache
-side is always chunked. Rows of a batch each evict on their own schedule; a chunk stops at the
-earliest due row, so every row's evictions happen where they would alone.
+The evicting cache evicts after the forward pass in which a row reaches ``budget + buffer`` tokens, and between
+two evictions only grows. For a policy whose ``observe`` is invariant to chunking (``chunk_exact``), feeding the
+tokens up to the next due eviction in one forward pass is therefore exactly that many decode steps; other
+policies are stepped one token at a time (their per-step signals depend on it). The prompt is one forward pass,
+the full cache side is always chunked, and a chunk stops at the earliest due row of the batch, so every row
+evicts where it would alone.
 """
 
 from __future__ import annotations

@@ -199,36 +199,17 @@ def run_grid(
     command: Sequence[str] | None = None,
     **settings,
 ) -> GridResult:
-    """Run (or resume) an evaluation grid, or this process's shard of it, and append its records.
+    """Run (or resume) an evaluation grid, or this process's shard of it, and append its records to ``out``.
 
-    Parameters
-    ----------
-    model, tokenizer
-        A loaded model and its tokenizer, or a model name for :func:`reasonkv.load_model` (then
-        ``tokenizer`` is ignored and ``dtype``/``device``/``attn_implementation`` are used).
-    grid, settings
-        The grid: a :class:`~reasonkv.eval.grid.GridSpec`, or its settings as keywords (``dataset``,
-        ``policies``, ``budgets``, ``buffer``, ``samples``, ``max_new_tokens``, ...; see
-        :meth:`GridSpec.build <reasonkv.eval.grid.GridSpec.build>`).
-    out
-        The JSONL results file of the run (a shard writes ``<out stem>.shard-I-of-N<suffix>`` next to it;
-        see :mod:`reasonkv.eval.shards`). Records already in the run's files are skipped.
-    model_name
-        Recorded model name (default: the name given, or the model's ``name_or_path``).
-    progress
-        Show progress bars with ETA and the running accuracy of the current cell.
-    on_record
-        Called with each record right after it is written.
-    shard
-        This process's share: ``"I/N"`` or ``(I, N)``; default: from a ``torch.distributed`` launcher
-        (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``), else the whole grid.
-    retry_errors
-        Run again the units whose record is an error.
-    repair
-        Move the lines of the run's files that are not records (a hand edit) aside, to
-        ``<file>.rejected-<date>``, and resume from the rest (see :func:`reasonkv.eval.records.repair_results`).
-    command
-        The command line, for the manifest.
+    ``model`` is a loaded model (with its ``tokenizer``) or a name for :func:`reasonkv.load_model` (then
+    ``dtype``, ``device`` and ``attn_implementation`` are used). The grid is a
+    :class:`~reasonkv.eval.grid.GridSpec` or its settings as keywords (:meth:`GridSpec.build
+    <reasonkv.eval.grid.GridSpec.build>`). ``model_name``: the recorded name (default: the name given, or the
+    model's ``name_or_path``). ``on_record`` is called with each record once written. ``shard``: ``"I/N"`` or
+    ``(I, N)``; default: from a ``torch.distributed`` launcher, else the whole grid. ``retry_errors``: run the
+    units whose record is an error again. ``repair``: move the lines of the run's files that are not records
+    aside (:func:`reasonkv.eval.records.repair_results`) and resume from the rest. ``command``: the command line,
+    for the manifest.
     """
     plan = plan_grid(grid, shard=shard, **settings)  # everything that needs no model, checked before it loads
     out = Path(out)

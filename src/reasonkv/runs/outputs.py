@@ -121,19 +121,9 @@ def _read_holder(path: Path) -> dict[str, Any] | None:
 
 
 class OutputLock:
-    """An exclusive ``flock`` on one lock file, held until :meth:`release`.
-
-    Parameters
-    ----------
-    target
-        The output the lock guards (named in messages).
-    purpose
-        What the holder does (``eval``, ``merge``, ``bench``, ...): written to the holder record.
-    path
-        The lock file (default: :func:`lock_path` of ``target``). One file per purpose.
-    wait
-        Seconds to wait while another process holds it: 0 (refuse at once, for a writer's lock), or
-        the longest a short step (joining a run, a merge) may take.
+    """An exclusive ``flock`` on one lock file (default: :func:`lock_path` of ``target``, the output it guards),
+    held until :meth:`release`. ``purpose`` (``eval``, ``merge``, ...) goes to the holder record; ``wait``: the
+    seconds to wait while another process holds it (0 for a writer's lock; a short step's longest otherwise).
     """
 
     def __init__(
@@ -216,11 +206,8 @@ class OutputLock:
             os.fsync(fd)
 
     def check_in_place(self) -> None:
-        """Raise :class:`OutputError` when the lock file's path no longer names the file this lock holds.
-
-        Lock files are never deleted, so the folder holding it (and the output) was removed, renamed or
-        replaced: whatever is written to the output's path now would be written where no lock guards it.
-        """
+        """Raise :class:`OutputError` when the lock file's path no longer names the file this lock holds: lock
+        files are never deleted, so the output's folder was moved, and writing there now would be unguarded."""
         if self._fd is None:
             return
         try:
@@ -340,11 +327,8 @@ def remove_stale_temps(path: str | os.PathLike[str]) -> None:
 
 
 def create_exclusive(path: Path, data: bytes) -> None:
-    """Create ``path`` holding ``data``, complete or not at all; ``FileExistsError`` if it exists.
-
-    The data goes to a temporary file first, which is then linked to ``path`` (a link never replaces a
-    file): a run killed meanwhile leaves no half-written output that would later look foreign.
-    """
+    """Create ``path`` holding ``data``, complete or not at all; ``FileExistsError`` if it exists (a temporary
+    file linked to ``path``: a link never replaces a file, and a killed run leaves no half-written output)."""
     with _complete_copy(path, data) as tmp:
         try:
             os.link(tmp, path)
@@ -440,29 +424,14 @@ def claim_folder(
     recognise: Callable[[Path], bool] | None = None,
     inputs: Iterable[str | os.PathLike[str]] = (),
 ) -> ClaimedFolder:
-    """Make sure ``folder`` is this command's own, lock it, and record that it owns ``names`` there.
+    """Make sure the ``--out`` ``folder`` (created when missing) is ``command``'s own, lock it, and record that
+    the command owns ``names`` (every file name it may write there this run).
 
-    Parameters
-    ----------
-    folder
-        The ``--out`` folder; created when missing.
-    command
-        ``report``, ``bench`` or ``calibrate``: a folder belongs to one command.
-    names
-        Every file name (in the folder itself) the command may write during this run.
-    recognise
-        For a folder without a marker that already holds some of ``names``: whether it is the command's
-        own output from before markers existed (then those files are adopted).
-    inputs
-        The command's input files: none of them may be one of the files written.
-
-    Raises
-    ------
-    ValueError
-        The folder, a file in it or the lock is not the tool's (nothing is changed), or an input would
-        be overwritten.
-    OutputLocked
-        Another process writes to the folder.
+    ``recognise``: for a folder without a marker that already holds some of ``names``, whether it is the
+    command's own output from before markers existed (then those files are adopted). ``inputs``: the command's
+    input files, none of which may be written. Raises ``ValueError`` when the folder, a file in it or the lock is
+    not the tool's, or an input would be overwritten (nothing is changed), :class:`OutputLocked` when another
+    process writes to the folder.
     """
     folder = Path(folder)
     names = list(names)

@@ -49,12 +49,9 @@ __all__ = [
 
 
 def json_safe(value: Any) -> Any:
-    """A copy of ``value`` that strict JSON holds as it is.
-
-    A float that is not finite becomes ``None`` (JSON has no NaN; ``numpy.asarray(values, dtype=float)``
-    reads it back as ``nan``), other numbers (numpy's too) plain ints and floats, mappings dicts with
-    string keys, tuples lists, and any other object its ``str``.
-    """
+    """A copy of ``value`` that strict JSON holds as it is: a float that is not finite becomes ``None`` (read
+    back as ``nan`` by ``numpy.asarray(values, dtype=float)``), numbers plain ints and floats, mappings dicts
+    with string keys, tuples lists, any other object its ``str``."""
     if value is None or isinstance(value, (str, bool)):
         return value
     if isinstance(value, numbers.Integral):
@@ -75,12 +72,9 @@ def compact_line(record: Mapping[str, Any]) -> str:
 
 
 def numbered_lines(path: str | os.PathLike[str]) -> Iterator[tuple[int, bytes, dict[str, Any] | None, str | None]]:
-    """``(line number, line, record, problem)`` for every line of ``path`` but blank ones and a torn tail.
-
-    ``record`` is the line's JSON object, or None with ``problem`` saying why the line is not one. The
-    last line is skipped when it lacks its newline and is not JSON (the tail of an interrupted write).
-    Nothing when ``path`` does not exist.
-    """
+    """``(line number, line, record, problem)`` for every line of ``path`` (if it exists) but blank ones and a
+    torn tail (a last line without its newline that is not JSON); ``record`` is None for a line that is not a
+    JSON object, with ``problem`` saying why."""
     path = Path(path)
     if not path.exists():
         return
@@ -109,12 +103,8 @@ def _not_json(error: ValueError) -> str:
 
 
 def numbered_records(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str, Any]]]:
-    """``(line number, record)`` for every complete record of ``path``; nothing when it does not exist.
-
-    Blank lines are skipped, and so is a last line without a newline that is not JSON (the tail of an
-    interrupted write). Any other line that is not a JSON object raises ``ValueError`` naming the file
-    and the line.
-    """
+    """``(line number, record)`` for every complete record of ``path`` (:func:`numbered_lines`); any other line
+    that is not a JSON object raises ``ValueError`` naming the file and the line."""
     for number, _, record, problem in numbered_lines(path):
         if record is None:
             raise ValueError(f"{path}, line {number}: {problem}")
@@ -133,27 +123,13 @@ def read_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 
 class JsonlStore:
-    """The JSON Lines file one process appends to, its lock held until :meth:`close`.
+    """The JSON Lines file one process appends to (its folder created if needed), its lock held until
+    :meth:`close`: read the records already there with :meth:`records`, then :meth:`start` and :meth:`append`.
 
-    Read the records already there with :meth:`records` (to resume, and to check them), then
-    :meth:`start` (creates a new file with its header, or cuts off a torn last line) and :meth:`append`.
-
-    Parameters
-    ----------
-    path
-        The file; its folder is created if needed.
-    lock
-        What this writer does (``eval``, ``merge``, ...): the store takes the file's lock
-        (:class:`~reasonkv.runs.outputs.OutputLock`) for it, and another holder is refused with an
-        error naming it. Or the lock the caller holds that covers the file (it stays held), or
-        ``None`` (a claimed folder's lock covers it). A lock the store knows is checked with the
-        file: a folder moved while its lock was held is an error, never a new folder at the old path.
-    encode
-        Turns a record into its line (without the newline); :func:`compact_line` by default.
-    fsync
-        Also force each record to disk (survives a machine crash, not only a killed process).
-    counts
-        Which lines are records in messages (an eval's manifest is not); every line by default.
+    ``lock``: what this writer does (``eval``, ``merge``, ...), for which the store takes the file's lock; or the
+    lock the caller holds that covers the file; or ``None`` (a claimed folder's lock covers it). A lock the store
+    knows is checked with the file. ``encode``: a record's line (:func:`compact_line`); ``fsync``: also force
+    each record to disk; ``counts``: which lines are records in messages (an eval's manifest is not).
     """
 
     def __init__(
@@ -190,13 +166,9 @@ class JsonlStore:
         return iter_records(self.path)
 
     def start(self, header: Mapping[str, Any] | None = None) -> bool:
-        """Make the file ready for appending; returns whether this created it.
-
-        A missing file is created holding ``header`` when one is given, complete or not at all (without
-        one, the first :meth:`append` creates it). An existing file loses a torn last line; a complete
-        last record that only lacks its newline gets it. Temporary files a killed writer of this file
-        left are removed. :meth:`append` starts a store not started yet.
-        """
+        """Make the file ready for appending; returns whether this created it (holding ``header``, complete or
+        not at all; without one the first :meth:`append` creates it). An existing file loses a torn last line,
+        and a complete last record that only lacks its newline gets it."""
         self._check_open()
         if self._started:
             return False

@@ -100,13 +100,7 @@ class Limits:
         return cls(cpu_seconds=max(1, math.ceil(timeout)), memory_mb=memory_mb)
 
     def values(self) -> list[int]:
-        return [
-            self.cpu_seconds,
-            self.memory_mb * 2**20,
-            self.file_size_mb * 2**20,
-            self.open_files,
-            self.processes,
-        ]
+        return [self.cpu_seconds, self.memory_mb * 2**20, self.file_size_mb * 2**20, self.open_files, self.processes]
 
 
 def launcher_argv(python: str, limits: Limits, program: list[str]) -> list[str]:
