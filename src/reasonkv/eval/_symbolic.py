@@ -113,20 +113,8 @@ def _ask(pred: str, gold: str, timeout_s: float) -> bool:
 
 @lru_cache(maxsize=16384)
 def symbolic_equal(pred: str, gold: str, timeout_s: float = 10.0) -> bool:
-    """Whether math-verify finds ``pred`` equivalent to ``gold`` (both LaTeX or plain expressions).
-
-    Parameters
-    ----------
-    pred, gold : str
-        Answer strings, wrapped in ``$...$`` before parsing.
-    timeout_s : float
-        Wall-clock bound for the whole check (excluding the one-off worker start).
-
-    Returns
-    -------
-    bool
-        ``False`` also when parsing fails or the time runs out.
-    """
+    """Whether math-verify finds ``pred`` equivalent to ``gold`` (LaTeX or plain expressions, wrapped in
+    ``$...$``) within ``timeout_s`` seconds (the worker's one-off start aside); False also when parsing fails."""
     return _ask(f"${pred}$", f"${gold}$", timeout_s)
 
 

@@ -245,17 +245,9 @@ def tests_for(program: str, problem: Problem) -> list[tuple[str, str, Judge]]:
 
 
 class CodeGrader:
-    """Grades code answers, running up to ``workers`` tests at once.
-
-    Parameters
-    ----------
-    sandbox
-        Where the tests run (its missing guarantees are checked at once: :class:`SandboxUnavailable`).
-    timeout, memory_mb
-        Per test run: wall-clock seconds (and CPU seconds), and the memory (MiB) of the run as a whole.
-    workers
-        Test runs at once (default: the CPUs this process may use).
-    """
+    """Grades code answers in ``sandbox`` (its missing guarantees checked at once), running up to ``workers``
+    tests at once (default: the CPUs this process may use), each with ``timeout`` wall-clock (and CPU) seconds
+    and ``memory_mb`` MiB for the run as a whole."""
 
     def __init__(self, sandbox: Sandbox, *, timeout: float = 6.0, memory_mb: int = 1024, workers: int | None = None):
         if workers is not None:

@@ -61,24 +61,12 @@ _PLAIN_NUMBER_RE = re.compile(r"\s*[-+]?\d[\d,]*(?:\.\d+)?\s*")
 
 @dataclass(frozen=True)
 class Grade:
-    """Verdict for one output.
+    """Verdict for one output."""
 
-    Attributes
-    ----------
-    extracted : str or None
-        The answer found, as written by the model.
-    correct : bool
-    method : str
-        Extraction path (see :mod:`reasonkv.eval.extraction`): ``boxed``, ``answer_is``,
-        ``answer_colon``, ``last_number`` or ``none``.
-    from_thinking : bool
-        True when the text after ``</think>`` had no answer and it was taken from the thinking.
-    """
-
-    extracted: str | None
+    extracted: str | None  # the answer found, as written by the model
     correct: bool
-    method: str
-    from_thinking: bool = False
+    method: str  # the extraction path (:data:`reasonkv.eval.extraction.METHODS`)
+    from_thinking: bool = False  # the text after </think> had no answer: it was taken from the thinking
 
 
 def grade(output_text: str, problem: Problem, *, complete: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S) -> Grade:
@@ -122,19 +110,9 @@ def counts_as_correct(record: Mapping[str, Any]) -> bool:
 
 
 def is_equivalent(pred: str | None, gold: str, kind: str = "math", *, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
-    """Whether an extracted answer matches the reference.
-
-    Parameters
-    ----------
-    pred : str or None
-        Extracted answer (``None`` is never correct).
-    gold : str
-        Reference answer.
-    kind : {"math", "choice"}
-        ``"choice"`` compares option letters; ``"math"`` compares values.
-    timeout_s : float
-        Wall-clock bound on each symbolic check (a ``k``-valued answer makes at most ``k**2``).
-    """
+    """Whether an extracted answer (``None`` is never correct) matches the reference ``gold``: option letters
+    for ``kind="choice"``, values for ``"math"``. ``timeout_s`` bounds each symbolic check (a ``k``-valued answer
+    makes at most ``k**2``)."""
     if pred is None or not pred.strip():
         return False
     if kind == "choice":

@@ -1,17 +1,10 @@
 """Run untrusted Python programs (model-written code) behind a real boundary.
 
-``run(source, stdin="", timeout=10.0, memory_mb=1024)`` runs one program in a fresh process, in a fresh
-empty working directory, and returns a :class:`RunResult`: ``status`` (one of :data:`STATUSES`),
-``returncode``, ``stdout``, ``stderr`` (capped) and ``isolation``, the mechanisms that were in force.
-
-The boundary is bubblewrap (``bwrap``, the sandbox Flatpak uses): new user, PID, network and mount
-namespaces, an unprivileged uid, a read-only system and private, size-capped tmpfs; resource limits,
-the memory limit of the run as a whole (a cgroup of its own where the machine allows one, else the
-supervisor's account: ``isolation`` names which), the output cap and the wall-clock kill of the whole
-process tree are this package's own. Where bubblewrap is
-missing or the kernel refuses unprivileged user namespaces, the sandbox names the guarantees that do
-not hold (:data:`GUARANTEES`) and refuses to run until they are allowed explicitly:
-``Sandbox(allow_missing=("network", ...)).run(...)``. Linux only.
+``run(source, stdin="", timeout=10.0, memory_mb=1024)`` runs one program in a fresh process and empty working
+directory and returns a :class:`RunResult`. The boundary is bubblewrap's namespaces; the limits, the memory of
+the run as a whole, the output cap and the wall-clock kill are this package's own. Where bubblewrap cannot run,
+the sandbox names the guarantees that do not hold (:data:`GUARANTEES`) and refuses until each is allowed
+explicitly (``Sandbox(allow_missing=...)``). Linux only; what each mechanism guarantees: docs/sandbox.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """The bubblewrap command line of one run, and what a finished run's status says was isolated.
 
-Every run gets new user, PID, network, mount, IPC, UTS and cgroup namespaces (``--unshare-all``, with
-the user namespace required, not tried), no nested user namespaces, a root filesystem of its own in
-which ``/usr`` and the interpreter's folder are read-only, a fresh ``/proc``, a fresh ``/dev`` made
-read-only (its device nodes still work), three size-capped tmpfs (the working directory ``/work``,
-``/tmp`` and ``/dev/shm``), the program read-only at ``/prog/main.py``, an empty environment but
-``PATH``, a new terminal session, and death with its parent. bubblewrap writes the namespaces it
-created to a status pipe; :func:`namespaces` reads them back, so every result names what was really in
-force, not what was asked for. It then waits on a gate (``--block-fd``) before it starts the program, so
-the caller can put the sandbox under its memory limit before the program's first instruction.
+Every run gets new namespaces (``--unshare-all``, the user namespace required), a read-only root of its own,
+fresh ``/proc`` and read-only ``/dev``, size-capped tmpfs, the program read-only at :data:`PROGRAM`, an empty
+environment but ``PATH``, a new session, and death with its parent (docs/sandbox.md). bubblewrap writes the
+namespaces it made to a status pipe, read back by :func:`namespaces` so that every result names what was really
+in force; it then waits on a gate (``--block-fd``), so the caller can put the sandbox under its memory limit
+before the program's first instruction.
 """
 
 from __future__ import annotations

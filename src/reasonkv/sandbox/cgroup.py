@@ -1,16 +1,11 @@
 """A cgroup (v2) for each run, where this machine lets one be made: the kernel then limits the run's memory
 as a whole (every process, its tmpfs pages, its pipes and sockets) and its number of processes.
 
-A group is made under a parent that already hands the ``memory`` and ``pids`` controllers down to its
-children (``cgroup.subtree_control``): this process's own cgroup, else the root of the cgroup2 mount.
-Nothing is enabled on a parent: a cgroup that holds processes may not enable controllers for children
-(cgroup v2's "no internal processes" rule), and a machine's layout is not this package's to change. The
-group's ``memory.oom.group`` is set, so the kernel's out-of-memory kill ends every process of the run at
-once, and ``memory.events`` tells afterwards whether it happened.
-
-Where no such parent exists (no cgroup2 mount, controllers bound to a cgroup v1 hierarchy, a read-only
-cgroup file system, no permission), :func:`find_parent` says why and the supervisor accounts the run's
-memory instead (:mod:`reasonkv.sandbox.usage`).
+A group is made under a parent that already hands the ``memory`` and ``pids`` controllers down (this process's
+own cgroup, else the cgroup2 root); nothing is enabled on a parent (cgroup v2's "no internal processes" rule, and
+a machine's layout is not ours to change). ``memory.oom.group`` makes an out-of-memory kill end the whole run,
+and ``memory.events`` tells afterwards. Where no parent fits, :func:`find_parent` says why and the supervisor
+accounts the memory instead (:mod:`reasonkv.sandbox.usage`).
 """
 
 from __future__ import annotations

@@ -64,28 +64,14 @@ class SandboxUnavailable(OSError):
 
 @dataclass(frozen=True)
 class RunResult:
-    """How one program run ended.
+    """How one program run ended."""
 
-    Attributes
-    ----------
-    status : str
-        One of :data:`STATUSES`.
-    returncode : int or None
-        The exit status (through bubblewrap, ``128 + N`` for signal ``N``); None if never reaped.
-    stdout, stderr : str
-        What the program wrote, at most :data:`OUTPUT_LIMIT` bytes of each (decoded as UTF-8).
-    isolation : tuple of str
-        The mechanisms that were in force for this run.
-    seconds : float
-        Wall time of the run, sandbox set-up included.
-    """
-
-    status: str
-    returncode: int | None
-    stdout: str
+    status: str  # one of STATUSES
+    returncode: int | None  # the exit status (through bubblewrap, 128 + N for signal N); None if never reaped
+    stdout: str  # what the program wrote, at most the output limit (decoded as UTF-8)
     stderr: str
-    isolation: tuple[str, ...]
-    seconds: float
+    isolation: tuple[str, ...]  # the mechanisms that were in force for this run
+    seconds: float  # wall time of the run, sandbox set-up included
 
 
 @dataclass(frozen=True)
@@ -398,19 +384,9 @@ def _with_cgroup(setup: Setup) -> Setup:
 
 
 class Sandbox:
-    """Runs programs with the isolation :func:`probe` found; refuses while a guarantee is missing and not
-    allowed.
-
-    Parameters
-    ----------
-    allow_missing
-        Names of :data:`GUARANTEES` the caller accepts to lose (``"network"``, ``"process-tree"``,
-        ``"filesystem"``); the default, none, refuses to run without them.
-    output_limit
-        Bytes kept of each output stream.
-    bwrap, python
-        See :func:`probe`.
-    """
+    """Runs programs with the isolation :func:`probe` (``bwrap``, ``python``) found; refuses while a guarantee is
+    missing and not among ``allow_missing`` (names of :data:`GUARANTEES`). ``output_limit``: the bytes kept of each
+    output stream."""
 
     def __init__(
         self,

@@ -1,19 +1,11 @@
 """The memory of one run as the supervisor accounts it from the host, where no cgroup can limit it.
 
-A run's memory is the sum over every process of its PID namespace of the proportional share of its
-anonymous and shared-memory pages (``Pss_Anon + Pss_Shmem`` of ``smaps_rollup``: pages a fork shares
-are split between the processes that share them, not counted once per process), plus the bytes held
-in its tmpfs (``/work``, ``/tmp``, ``/dev/shm``), plus the memfds its processes hold open. A tmpfs file
-or memfd that is also mapped counts twice: the limit errs towards ending the run.
-
-What the supervisor does not see: memory the kernel holds for the run (pipe and socket buffers, System
-V shared memory no process maps). A cgroup counts those (:mod:`reasonkv.sandbox.cgroup`). Between two
-looks a run can overshoot by what it allocates meanwhile; each process's address space stays limited
-to the run's limit too (:mod:`reasonkv.sandbox.limits`).
-
-Everything is read through the sandbox's own ``/proc`` (``/proc/<init>/root/proc``: only the run's
-processes are listed), opened once as a folder descriptor, so a pid reused after the run cannot make
-another process count.
+The sum over the processes of its PID namespace of their proportional share of anonymous and shared-memory
+pages (``Pss_Anon + Pss_Shmem``: a page a fork shares is split, not counted per process), plus what its tmpfs
+and open memfds hold (a mapped one counts twice: the limit errs towards ending the run). Kernel-held memory
+(pipe buffers, unmapped System V shared memory) is not seen; a cgroup counts it (:mod:`reasonkv.sandbox.cgroup`).
+Everything is read through the sandbox's own ``/proc``, opened once as a folder descriptor, so a pid reused
+after the run cannot make another process count.
 """
 
 from __future__ import annotations
