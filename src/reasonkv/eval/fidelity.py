@@ -63,11 +63,7 @@ class Replay:
 
 @dataclass
 class TraceFidelity:
-    """Trace fidelity of one row (see the module docstring). ``steady_kv_bytes`` is the K/V the row held
-    right after its evictions, averaged over them (:meth:`~reasonkv.cache.KVStorage.steady_kv_bytes`), None if
-    it was never evicted. ``step_bytes`` (``held``, ``read``): the K/V bytes of the evicting layers held and read
-    per decode step, mean over the replay's steps (:class:`~reasonkv.eval.step_bytes.StepBytes`; equal for an
-    eviction cache, which reads all it holds), None for a trace of one token."""
+    """Trace fidelity of one row (see the module docstring)."""
 
     steps: int
     top1_agreement: float
@@ -76,8 +72,8 @@ class TraceFidelity:
     kl_max: float
     evictions: int
     chunked: bool
-    steady_kv_bytes: dict | None = None
-    step_bytes: dict | None = None
+    steady_kv_bytes: dict | None = None  # as TeacherForced's; None if the row was never evicted
+    step_bytes: dict | None = None  # as TeacherForced's (equal held and read for an eviction cache); None: 1 token
 
 
 @dataclass
@@ -250,22 +246,10 @@ def replay_logits(
 ) -> Replay:
     """Teacher-force one ``prompt + continuation`` through the evicting and the full cache.
 
-    Parameters
-    ----------
-    spec, cache_keywords
-        The evicting cache: a :class:`~reasonkv.cache.CacheSpec`, or its keywords (``policy``, ``budget``,
-        ``buffer``, ``seed``, ``quantized``, ``bits``, ``group_size`` and the policy's options).
-    chunked
-        ``None`` (default): chunk between evictions when the policy class has ``chunk_exact``,
-        else step token by token. ``True``/``False`` force one or the other (forcing chunks on a
-        policy that is not chunk-exact gives a different, cheaper approximation).
-    max_chunk
-        Most tokens per forward pass.
-
-    Returns
-    -------
-    Replay
-        ``evicting[i]`` and ``full[i]`` (float32 logits) predict ``continuation_ids[i]``.
+    The evicting cache is a :class:`~reasonkv.cache.CacheSpec` or its keywords (``policy``, ``budget``, ``seed``,
+    ...). ``chunked``: ``None`` chunks between evictions when the policy class has ``chunk_exact``, else steps
+    token by token; ``True``/``False`` force one or the other (chunks on a policy that is not chunk-exact give a
+    cheaper approximation). ``max_chunk``: the most tokens per forward pass.
     """
     n = len(continuation_ids)
     pieces_e: list[torch.Tensor] = []
@@ -312,21 +296,9 @@ def trace_fidelity(
     pad_id: int = 0,
     **cache_keywords,
 ) -> list[TraceFidelity]:
-    """Top-1 agreement and KL of the evicting cache against the full cache along greedy traces.
-
-    Parameters
-    ----------
-    prompts, traces
-        Token ids, one row each: the prompt and the full cache's greedy output for it (EOS
-        included if it stopped there). Rows are replayed as one batch.
-    spec, cache_keywords
-        The evicting cache (see :func:`replay_logits`); its ``seed`` is one per row or one for all.
-
-    Returns
-    -------
-    list of TraceFidelity, one per row (``steps`` = trace length; a row with an empty trace gets
-    ``nan`` metrics).
-    """
+    """Top-1 agreement and KL of the evicting cache (see :func:`replay_logits`; its ``seed`` one per row or one for
+    all) against the full cache along greedy ``traces`` (the full cache's output for each prompt, EOS included),
+    replayed as one batch: one :class:`TraceFidelity` per row (``nan`` metrics for an empty trace)."""
     batch = len(prompts)
     agree = [0] * batch
     agree_full = [0] * batch
@@ -374,11 +346,8 @@ def trace_fidelity(
 
 
 def reference_continuation(tokenizer, problem: Problem) -> tuple[list[int], int, int] | None:
-    """Token ids of ``problem``'s reference solution, cut after its answer, and the answer's range.
-
-    Returns ``(ids, a, b)`` with the answer at ``ids[a:b]`` (``b == len(ids)``), or ``None`` when the
-    problem has no solution or no answer can be located in it.
-    """
+    """``(ids, a, b)``: the token ids of ``problem``'s reference solution cut after its answer, at ``ids[a:b]``;
+    ``None`` when the problem has no solution or no answer can be located in it."""
     if not problem.solution or not problem.solution.strip():
         return None
     text = clean_solution(problem.solution)
@@ -400,16 +369,9 @@ def answer_logprob(
     pad_id: int = 0,
     **cache_keywords,
 ) -> list[AnswerFidelity]:
-    """Log-probability of each reference answer, teacher-forced after its prompt, with both caches.
-
-    Parameters
-    ----------
-    references
-        ``(ids, a, b)`` per row as returned by :func:`reference_continuation`: the solution tokens
-        and the answer's token range ``[a, b)``.
-    spec, cache_keywords
-        The evicting cache (see :func:`replay_logits`); its ``seed`` is one per row or one for all.
-    """
+    """Log-probability of each reference answer, teacher-forced after its prompt, with both caches (the evicting
+    one as in :func:`trace_fidelity`). ``references``: ``(ids, a, b)`` per row from :func:`reference_continuation`,
+    the solution tokens and the answer's token range ``[a, b)``."""
     batch = len(prompts)
     logp_e = [0.0] * batch
     logp_f = [0.0] * batch

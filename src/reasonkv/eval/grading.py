@@ -1,16 +1,11 @@
 r"""Answer grading: extraction, equivalence and the per-problem verdict.
 
-``grade`` looks for the final answer (:mod:`reasonkv.eval.extraction`). The last-number fallback (the
-last number of the text, for a reference that is a plain number, GSM8K style) applies only to an output
-that ended by itself: the last number of an output cut off at the token limit is wherever the model
-stopped, not an answer (:func:`cut_off_guess`; :func:`counts_as_correct` applies the same rule to
-records graded before it).
-
-``is_equivalent`` first tries cheap exact rules on normalised strings (plain and decimal numbers,
-fractions, thousands separators, ``\dfrac``/``\tfrac``, units in ``\text{}``, degrees, percent,
-dollar signs, ``x = `` prefixes, letter and word answers) and only then asks math-verify for a
-symbolic comparison (bounded in time, thread-safe; see :mod:`reasonkv.eval._symbolic`).
-Answers with several values (``a, b`` or ``a \pm b``) must match value for value, in any order.
+``grade`` looks for the final answer (:mod:`reasonkv.eval.extraction`); the last-number fallback applies only
+to an output that ended by itself, since the last number of an output cut off at the token limit is not an
+answer (:func:`cut_off_guess`; :func:`counts_as_correct` applies the rule to records graded before it).
+``is_equivalent`` tries cheap exact rules on normalised strings first (:func:`normalize_answer`), then asks
+math-verify (bounded in time, thread-safe: :mod:`reasonkv.eval._symbolic`). Answers with several values
+(``a, b`` or ``a \pm b``) must match value for value, in any order.
 """
 
 from __future__ import annotations

@@ -1,21 +1,13 @@
 """Units of work of an evaluation grid, their expected cost, and their split across processes.
 
-A *unit* is one record's worth of work: a generation (dataset, problem, cell, sample) or a fidelity
-replay (dataset, problem, evicting cell). :func:`assign` gives each unit to one of ``count`` shards,
-deterministically (every process computes the same split from the grid alone, without talking to the
-others), balanced by expected cost:
-
-- Units are grouped in *strata* of equal settings: the generations of one (dataset, cell). Every
-  stratum is dealt evenly across shards (their counts differ by at most one), so each shard gets its
-  share of every dataset and budget whatever their true lengths turn out to be: long-answer datasets
-  and big budgets are spread, not only counted.
-- The remainders of each stratum go to the shards with the least expected cost so far, taking the
-  costliest strata first. A unit's expected cost (:func:`decode_cost`) is that of decoding its token
-  limit with a cache capped at ``K + B`` (the full cache is uncapped): each step costs as much as
-  :data:`STEP_COST` cached tokens (the weights) plus the tokens it attends to.
-- The fidelity replays of a problem follow its greedy full-cache generation (sample 0 of ``full``)
-  when the grid has one, so they reuse its trace exactly as a single process would; otherwise they
-  travel together as one item (one trace to regenerate per problem).
+A *unit* is one record's worth of work: a generation (dataset, problem, cell, sample) or a fidelity replay
+(dataset, problem, evicting cell). :func:`assign` splits them across ``count`` shards deterministically (every
+process computes the same split from the grid alone), balanced by expected cost: each *stratum* (the units of
+one dataset, kind and cell) is dealt evenly across shards, so long-answer datasets and big budgets are spread
+whatever the answers' true lengths; the remainders go to the shards with the least expected cost
+(:func:`decode_cost`: decoding the token limit with a cache capped at ``K + B``), costliest strata first. The
+fidelity replays of a problem follow its greedy full-cache generation when the grid has one (to reuse its
+trace exactly as a single process would), else travel together (one trace to regenerate).
 """
 
 from __future__ import annotations

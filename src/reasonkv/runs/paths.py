@@ -1,18 +1,10 @@
 """Paths as results and reports record them: never the machine's own layout.
 
-A results file or a report is read on other machines (committed, shared, attached to a paper), so the paths
-it names say where a file is *relative to something the reader has*, not where it was on the machine that
-wrote it (``/home/alice/...``, ``/work/...``, a temporary folder):
-
-- a file of the reasonkv package (the bundled datasets) as ``<reasonkv>/data/gsm8k.jsonl``;
-- any other file relative to the folder of the run or report that names it (``problems.jsonl``,
-  ``../data/problems.jsonl``), so the two keep working when moved together;
-- except that a file under the home directory that the folder is not also under is ``~/...``
-  (a relative path from ``/work/runs`` to ``/home/alice/data`` would still spell out the home directory).
-
-A relative path is already the user's own spelling and is kept as given. A recorded command line is
-``reasonkv <arguments>`` with its paths so (:func:`command_line`, :func:`portable_command`), never the launcher
-or script the process was started by.
+Results and reports are read on other machines, so a path they name is relative to something the reader has:
+a file of the reasonkv package as ``<reasonkv>/data/gsm8k.jsonl``; any other file relative to the folder of the
+run or report that names it (the two keep working when moved together), except a file under the home directory
+that the folder is not also under, as ``~/...``. A relative path is the user's own spelling and is kept. A
+recorded command line is ``reasonkv <arguments>`` with its paths so, never the launcher or script.
 """
 
 from __future__ import annotations
