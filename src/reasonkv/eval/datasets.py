@@ -108,9 +108,13 @@ def load_dataset(name_or_path: str | os.PathLike[str], limit: int | None = None)
                 f"unknown dataset {text!r}; {_did_you_mean(text)}known names: {names}; or pass a path to a .jsonl file"
             )
     if path.name.endswith(".gz"):  # HumanEval as published: decompressed in memory
-        return _parse_rows(gzip.decompress(path.read_bytes()).decode("utf-8").splitlines(), path, default_kind, limit)
-    zipped = path.name.endswith(".zip")
-    lines = _read_zip_lines(path) if zipped else _read_lines(path)
+        lines = gzip.decompress(path.read_bytes()).decode("utf-8").splitlines()
+    elif path.name.endswith(".zip"):  # GPQA: decompressed in memory only, as its authors ask
+        with zipfile.ZipFile(path) as zf:
+            member = _GPQA_MEMBER if _GPQA_MEMBER in zf.namelist() else zf.namelist()[0]
+            lines = zf.read(member, pwd=_GPQA_PASSWORD).decode("utf-8").splitlines()
+    else:
+        lines = _read_lines(path)
     return _parse_rows(lines, path, default_kind, limit)
 
 
@@ -143,13 +147,6 @@ def _read_lines(path: Path) -> list[str]:
                 "save the file as UTF-8"
             ) from None
     return lines
-
-
-def _read_zip_lines(path: Path) -> list[str]:
-    # Decompressed in memory only: the GPQA authors ask that the plain text never be published.
-    with zipfile.ZipFile(path) as zf:
-        member = _GPQA_MEMBER if _GPQA_MEMBER in zf.namelist() else zf.namelist()[0]
-        return zf.read(member, pwd=_GPQA_PASSWORD).decode("utf-8").splitlines()
 
 
 def _parse_rows(lines: Iterable[str], path: Path, default_kind: Kind, limit: int | None) -> list[Problem]:

@@ -131,12 +131,10 @@ def _manifest(ctx: Context, plan: GridPlan, command: Sequence[str] | None, folde
         grid=grid,
         command=None if command is None else portable_argv(command, folder),
         world_size=plan.shard.count,
-        code=None if ctx.grader is None else _code_manifest(plan.grid, ctx.grader),
+        code=None
+        if ctx.grader is None
+        else {**ctx.grader.describe(), "after": plan.grid.code.after, "before": plan.grid.code.before},
     )
-
-
-def _code_manifest(grid: GridSpec, grader: CodeGrader) -> dict[str, Any]:
-    return {**grader.describe(), "after": grid.code.after, "before": grid.code.before}
 
 
 def _grader(plan: GridPlan) -> CodeGrader | None:

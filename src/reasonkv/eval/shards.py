@@ -133,16 +133,13 @@ def writer_path(out: str | os.PathLike[str], shard: Shard) -> Path:
     return Path(out) if shard.count == 1 else shard_path(out, shard)
 
 
-def _shard_pattern(out: Path, tail: str = "") -> re.Pattern:
-    return re.compile(re.escape(out.stem) + r"\.shard-(\d+)-of-(\d+)" + re.escape(out.suffix + tail))
-
-
 def shard_files(out: str | os.PathLike[str], *, locks: bool = False) -> list[tuple[Path, Shard]]:
     """The shard files next to ``out`` (of any shard count), or their lock files, in (N, I) order."""
     out = Path(out)
     if not out.parent.is_dir():
         return []
-    pattern = _shard_pattern(out, ".lock" if locks else "")
+    tail = out.suffix + (".lock" if locks else "")
+    pattern = re.compile(re.escape(out.stem) + r"\.shard-(\d+)-of-(\d+)" + re.escape(tail))
     found = []
     for entry in out.parent.iterdir():
         match = pattern.fullmatch(entry.name)
@@ -187,12 +184,8 @@ def read_run(
     *,
     exclude: Path | None = None,
 ) -> dict[Path, list[dict[str, Any]]]:
-    """Pass every record of ``out`` and its shard files of ``grid`` (but ``exclude``) to ``visit``, read while
-    no merge runs; returns each file's manifests.
-
-    A merge by another process of the run moves records from the shard files into ``out`` and deletes
-    them: read meanwhile, a unit could be missed or a file vanish between its listing and its reading.
-    """
+    """Pass every record of ``out`` and its shard files of ``grid`` (but ``exclude``) to ``visit``; returns each
+    file's manifests. Read under the steps lock: a merge meanwhile could move a unit or delete a file."""
     with OutputLock(out, "read", path=steps_lock_path(out), wait=STEPS_WAIT):
         return {path: scan_results(path, visit) for path in run_files(out, grid) if path != exclude}
 
@@ -300,18 +293,11 @@ def _repair(out: Path) -> list[str]:
 def join_run(
     out: str | os.PathLike[str], shard: Shard, plan: dict, *, repair: bool = False
 ) -> tuple[OutputLock, list[str]]:
-    """Take this process's place in the run writing ``out``, before any model loads.
+    """Take this process's place in the run writing ``out``, before any model loads (see the module docstring).
 
-    ``plan`` is this process's plan record (``tool``, ``kind``: ``plan``, ``sha256`` and ``grid``: the
-    grid's identity, ``model``, ``dtype``). Returns the lock of the file this process writes (held; the
-    caller releases it) and, with ``repair``, what :func:`~reasonkv.eval.records.repair_results` did.
-
-    Raises
-    ------
-    OutputLocked
-        The file is written by another process, or another launch writes to the run.
-    ValueError
-        A shard file of another grid, or another process of the run has other settings.
+    ``plan`` is this process's plan record (``sha256`` and ``grid``: the grid's identity, ``model``, ``dtype``).
+    Returns the lock of the file this process writes (held; the caller releases it) and, with ``repair``, what
+    :func:`~reasonkv.eval.records.repair_results` did. Raises :class:`OutputLocked` or ``ValueError``.
     """
     out = Path(out)
     with OutputLock(out, "join", path=steps_lock_path(out), wait=STEPS_WAIT):

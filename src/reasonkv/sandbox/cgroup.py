@@ -30,13 +30,6 @@ def _cgroup2_mount(mountinfo: str) -> Path | None:
     return None
 
 
-def _own_path(cgroups: str) -> str | None:
-    for line in cgroups.splitlines():
-        if line.startswith("0::"):
-            return line[3:]
-    return None
-
-
 def find_parent(mountinfo: str | None = None, cgroups: str | None = None) -> tuple[Path | None, str]:
     """``(parent, "")``: a folder where a run's group can be made and limited; else ``(None, why not)``.
 
@@ -46,7 +39,8 @@ def find_parent(mountinfo: str | None = None, cgroups: str | None = None) -> tup
     mount = _cgroup2_mount(Path("/proc/self/mountinfo").read_text() if mountinfo is None else mountinfo)
     if mount is None:
         return None, "no cgroup2 file system is mounted"
-    own = _own_path(Path("/proc/self/cgroup").read_text() if cgroups is None else cgroups)
+    cgroups = Path("/proc/self/cgroup").read_text() if cgroups is None else cgroups
+    own = next((line[3:] for line in cgroups.splitlines() if line.startswith("0::")), None)
     candidates = [mount / own.lstrip("/")] if own and own != "/" else []
     reasons = []
     for parent in dict.fromkeys([*candidates, mount]):

@@ -138,15 +138,6 @@ def _status(finished: Finished, signalled: int | None, stderr: str, oom: bool = 
     return "ok"
 
 
-def _check_run(source: str, stdin: str, timeout: float, memory_mb: int) -> None:
-    if not isinstance(source, str):
-        raise TypeError(f"source must be a str, got {type(source).__name__}")
-    if not isinstance(stdin, str):
-        raise TypeError(f"stdin must be a str, got {type(stdin).__name__}")
-    check_timeout(timeout)
-    check_memory(memory_mb)
-
-
 def _kill_init(pid: int, namespace: int) -> None:
     """SIGKILL ``pid`` if it still is the init of the PID namespace ``namespace`` (a pid can be reused once
     its process is gone: the pidfd pins the process whose namespace was checked)."""
@@ -445,7 +436,11 @@ class Sandbox:
 
     def run(self, source: str, stdin: str = "", timeout: float = 10.0, memory_mb: int = 1024) -> RunResult:
         """Run ``source`` as a Python program with ``stdin`` as its standard input (see the module docstring)."""
-        _check_run(source, stdin, timeout, memory_mb)
+        for name, value in (("source", source), ("stdin", stdin)):
+            if not isinstance(value, str):
+                raise TypeError(f"{name} must be a str, got {type(value).__name__}")
+        check_timeout(timeout)
+        check_memory(memory_mb)
         setup = self.check()
         limits = Limits.for_run(timeout, memory_mb)
         if setup.mechanism == "bubblewrap":
