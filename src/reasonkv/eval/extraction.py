@@ -83,37 +83,26 @@ def _box_content(text: str, pos: int) -> str | None:
 
 
 def find_answer(text: str, kind: str = "math", *, last_number: bool = True) -> tuple[str | None, str]:
-    """Extract the final answer and name the extraction path used.
-
-    Parameters
-    ----------
-    text : str
-        Model output (strip the thinking block first if the answer must follow it).
-    kind : {"math", "choice"}
-    last_number : bool
-        Allow the last-number fallback (``kind="math"`` only).
-
-    Returns
-    -------
-    (answer, method)
-        ``answer`` is ``None`` and ``method`` is ``"none"`` when nothing was found.
-    """
-    if kind == "choice":
-        return _find_choice(text)
+    """``(answer, method)``: the final answer of ``text`` (strip the thinking first if the answer must follow it)
+    and the extraction path (module docstring), or ``(None, "none")``. ``last_number``: allow the last-number
+    fallback (``kind="math"`` only)."""
     if kind in CODE_KINDS:
         code = find_code(text)
         return (code, "code_block") if code is not None else (None, "none")
-    if kind != "math":
+    if kind == "choice":
+        boxed, stated = choice_letter, lambda rest: choice_letter(rest[:40].lstrip(" *_:"))
+    elif kind == "math":
+        boxed, stated = str, _clean_span
+    else:
         raise ValueError(f"kind must be 'math' or 'choice', got {kind!r}")
-    boxed = find_boxed(text)
-    if boxed:
-        return boxed[-1], "boxed"
+    for content in reversed(find_boxed(text)):
+        if answer := boxed(content):
+            return answer, "boxed"
     for method, pattern in (("answer_is", _ANSWER_IS_RE), ("answer_colon", _ANSWER_COLON_RE)):
         for match in reversed(list(pattern.finditer(text))):
-            span = _clean_span(text[match.end() :])
-            if span:
-                return span, method
-    if last_number:
+            if answer := stated(text[match.end() :]):
+                return answer, method
+    if last_number and kind == "math":
         numbers = _NUMBER_RE.findall(text)
         if numbers:
             return numbers[-1].replace(",", ""), "last_number"
@@ -141,19 +130,6 @@ def choice_letter(text: str) -> str | None:
     letter = match.group(1)
     # A lone lower-case letter is more likely a variable than an option.
     return letter if letter.isupper() or cleaned.lower().startswith(("option", "choice")) else None
-
-
-def _find_choice(text: str) -> tuple[str | None, str]:
-    for content in reversed(find_boxed(text)):
-        letter = choice_letter(content)
-        if letter:
-            return letter, "boxed"
-    for method, pattern in (("answer_is", _ANSWER_IS_RE), ("answer_colon", _ANSWER_COLON_RE)):
-        for match in reversed(list(pattern.finditer(text))):
-            letter = choice_letter(text[match.end() : match.end() + 40].lstrip(" *_:"))
-            if letter:
-                return letter, method
-    return None, "none"
 
 
 def _clean_span(rest: str) -> str | None:

@@ -19,35 +19,25 @@ __all__ = ["Flag", "dest", "flag_values", "flags", "nested", "option", "setting"
 
 @dataclass(frozen=True)
 class Flag:
-    """How one setting appears on the command line.
+    """How one setting appears on the command line (``help`` to ``required`` as argparse takes them)."""
 
-    ``group``: the argument group's title. ``help``, ``type``, ``choices``, ``metavar``, ``required``: as
-    argparse takes them (``type`` may also name one of the command line's own argument types, such as
-    ``"non-negative"``). ``short``: an extra short form (``-o``). ``negated``: a switch that defaults to on,
-    spelled ``--no-NAME``. ``repeated``: the flag may be given several times (a tuple of the values given).
-    ``optional_value``: the flag alone means ``True``, or takes one value (``--compile [BACKEND]``). ``always``:
-    spelled out even at its default (what a reader of the command needs to see). ``in_command``: False for how
-    the run shows itself (progress bars), which the command that reproduces it leaves out. ``shared``: the name of a set
-    of flags several commands share (``model``, ``policy options``, ``buffer``, ``allocation``), added by the
-    command line's own helper (with ``shared_with``'s keywords), once for all the fields that name it. ``name``:
-    the flag as spelled when it is not the field's name (``--gate-steps`` for a field ``steps``).
-    """
-
-    group: str
+    group: str  # the argument group's title
     help: str | None = None
-    type: Callable[[str], Any] | str | None = None
+    type: Callable[[str], Any] | str | None = None  # or the name of one of the command line's types ("non-negative")
     choices: Sequence[Any] | None = None
     metavar: str | None = None
     required: bool = False
-    short: str | None = None
-    negated: bool = False
-    repeated: bool = False
-    optional_value: bool = False
-    always: bool = False
-    in_command: bool = True
+    short: str | None = None  # an extra short form (-o)
+    negated: bool = False  # a switch that defaults to on, spelled --no-NAME
+    repeated: bool = False  # may be given several times (a tuple of the values given)
+    optional_value: bool = False  # alone means True, or takes one value (--compile [BACKEND])
+    always: bool = False  # spelled out even at its default (what a reader of the command needs to see)
+    in_command: bool = True  # False for how the run shows itself (progress bars): the reproducing command omits it
+    # The name of a set of flags several commands share (model, policy options, buffer, allocation), added by the
+    # command line's own helper (with shared_with's keywords), once for all the fields that name it.
     shared: str | None = None
     shared_with: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    name: str | None = None
+    name: str | None = None  # the flag when it is not the field's name (--gate-steps for a field steps)
 
 
 def setting(default: Any = dataclasses.MISSING, **flag: Any) -> Any:
