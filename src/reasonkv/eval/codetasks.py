@@ -1,21 +1,9 @@
 """Code problems in a dataset file: which rows are code, and the fields of their :class:`Problem`.
 
-Three row formats are read (each into the same fields, graded by :mod:`reasonkv.eval.code`):
-
-HumanEval (``task_id``, ``prompt``, ``canonical_solution``, ``test``, ``entry_point``)
-    ``code-function``: the prompt is code (a signature and docstring) to complete; ``test`` defines
-    ``check(candidate)``, called with the function (one run per answer).
-LiveCodeBench (``question_content``, ``public_test_cases``, ...)
-    See :mod:`reasonkv.eval.livecodebench`.
-reasonkv's own (``"kind": "code-function"`` or ``"code-stdio"``, with ``id`` and ``problem``)
-    - ``code-function`` with ``test`` and ``entry_point``: as HumanEval, ``problem`` being the code
-      to complete;
-    - ``code-function`` with ``function`` (a function or ``Solution`` method name), optional
-      ``starter_code`` and ``tests``: ``[{"input": [arg, ...], "output": value}, ...]``, compared
-      with ``==`` (a tuple counts as a list);
-    - ``code-stdio`` with ``tests``: ``[{"input": "stdin text", "output": "expected stdout"}, ...]``,
-      compared line by line as LiveCodeBench does; ``tolerance`` (optional) accepts numbers within
-      that absolute or relative error.
+Three row formats are read into the same fields (graded by :mod:`reasonkv.eval.code`): HumanEval's (``task_id``,
+``prompt``, ``test`` defining ``check(candidate)``, ``entry_point``), LiveCodeBench's
+(:mod:`reasonkv.eval.livecodebench`), and reasonkv's own ``code-function`` and ``code-stdio`` rows
+(docs/sandbox.md).
 """
 
 from __future__ import annotations

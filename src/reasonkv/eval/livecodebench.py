@@ -1,20 +1,13 @@
 """LiveCodeBench's release files, read as they are published (the ``code_generation_lite`` schema).
 
-A release file (``test.jsonl`` ... ``test6.jsonl``, one per release, each holding the problems that
-release added) has one problem per line with the fields ``question_title``, ``question_content``,
-``platform`` (``leetcode``, ``codeforces``, ``atcoder``), ``question_id``, ``contest_id``,
-``contest_date`` (ISO date-time), ``starter_code``, ``difficulty``, ``public_test_cases`` (a JSON list of
-``{"input", "output", "testtype"}``), ``private_test_cases`` (the same list, as JSON or compressed:
-base64 of zlib of a pickle of the JSON string) and ``metadata`` (JSON; ``func_name`` for a function
-problem). A problem with a ``func_name`` is ``code-function`` (LeetCode style: each input line is one
-JSON argument, the output one JSON value); the others are ``code-stdio``.
-
-The compressed tests are never given to :func:`pickle.loads`: :class:`_TestsUnpickler` resolves no
-global name at all, so a pickle can only build strings, numbers, lists, tuples and dicts; one that
-names a class or a function (how a pickle runs code) is refused with an error naming the problem.
-
-LiveCodeBench's leaderboard selects problems by contest date; :func:`in_window` does the same with
-``after``/``before`` (both days included, as its ``start_date``/``end_date``).
+A release file (``test.jsonl`` ... ``test6.jsonl``) has one problem per line: ``question_title``,
+``question_id``, ``question_content``, ``platform``, ``contest_id``, ``contest_date``, ``starter_code``,
+``difficulty``, ``public_test_cases`` and ``private_test_cases`` (lists of ``{"input", "output", "testtype"}``,
+as JSON or compressed: base64 of zlib of a pickle of the JSON string) and ``metadata`` (JSON; a ``func_name``
+makes a ``code-function`` problem, one JSON argument per input line; else ``code-stdio``). The
+compressed tests are never given to :func:`pickle.loads`: :class:`_TestsUnpickler` resolves no global name, so
+a pickle that names a class or a function (how a pickle runs code) is refused. :func:`in_window` selects
+problems by contest date as LiveCodeBench's leaderboard does (both days included).
 """
 
 from __future__ import annotations
