@@ -1,26 +1,16 @@
 r"""Pull the final answer out of a model's output text.
 
-Extraction order (the first path that finds something wins; within a path the *last* match
-in the text is used, since models restate and correct themselves):
+The first path that finds something wins, and within a path the *last* match in the text is used (models
+restate and correct themselves); the path is reported as the method name, ``"none"`` if none found anything.
 
-``kind="math"``
-    1. ``boxed``: the last non-empty ``\boxed{...}`` / ``\fbox{...}`` / ``\framebox{...}`` with
-       balanced braces, or ``\boxed X`` written without braces.
-    2. ``answer_is``: "final answer is X", "final answer: X", "the answer is X".
-    3. ``answer_colon``: "Answer: X".
-    4. ``last_number``: the last number in the text (``1,450,000`` -> ``1450000``). Only meant for
-       integer-answer benchmarks such as GSM8K; pass ``last_number=False`` to skip it.
-
-``kind="choice"`` (a letter A-D)
-    1. ``boxed``: the last boxed content that reads as a letter (``B``, ``(B)``, ``\text{B}``).
-    2. ``answer_is``: "the answer is (C)".
-    3. ``answer_colon``: "Answer: C".
-
-``kind="code-function"`` / ``"code-stdio"`` (a program)
-    1. ``code_block``: the last complete fenced code block (```` ``` ```` or ```` ```python ````; a
-       block in another language, or one cut off before its closing fence, does not count).
-
-The path that produced the answer is reported as the method name; ``"none"`` if none did.
+- ``kind="math"``: ``boxed`` (the last non-empty ``\boxed{...}`` / ``\fbox{...}`` / ``\framebox{...}`` with
+  balanced braces, or ``\boxed X`` without braces), ``answer_is`` ("final answer is X", "final answer: X", "the
+  answer is X"), ``answer_colon`` ("Answer: X"), ``last_number`` (the last number in the text, ``1,450,000`` ->
+  ``1450000``; meant for integer-answer benchmarks such as GSM8K, skipped with ``last_number=False``).
+- ``kind="choice"`` (a letter A-D): ``boxed`` (the last boxed content that reads as a letter: ``B``, ``(B)``,
+  ``\text{B}``), ``answer_is`` ("the answer is (C)"), ``answer_colon`` ("Answer: C").
+- ``kind="code-function"`` / ``"code-stdio"``: ``code_block``, the last complete fenced code block (```` ``` ````
+  or ```` ```python ````; one in another language, or cut off before its closing fence, does not count).
 """
 
 from __future__ import annotations
