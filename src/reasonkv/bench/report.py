@@ -26,6 +26,7 @@ from collections import defaultdict
 from reasonkv.bench.compiled import COMPILED, compiled_label
 from reasonkv.bench.layers import layer_markdown, layer_summary
 from reasonkv.bench.markdown import cell, section, table
+from reasonkv.bench.measure import PHASES
 from reasonkv.bench.memory import format_bytes, held_bytes
 from reasonkv.bench.reads import reads_markdown, reads_summary, window_read
 from reasonkv.bench.rounds import same_rounds
@@ -61,14 +62,10 @@ def _sweep_summary(records: list[dict]) -> dict:
     config = records[0]["config"]
     budget, buffer = config["budget"], config["buffer"]
     by_policy = {r["policy"]: r for r in records}
-    full = by_policy.get("full")
-    streaming = by_policy.get("streaming")
-    full_windows = by_length(full) if full else {}
-    streaming_windows = by_length(streaming) if streaming else {}
-    plain = by_policy.get(TRANSFORMERS)
-    plain_windows = by_length(plain) if plain else {}
+    full, streaming = by_policy.get("full"), by_policy.get("streaming")
+    plain, static = by_policy.get(TRANSFORMERS), by_policy.get(compiled_label(TRANSFORMERS))
     reference_length = budget + buffer // 2
-    reference = _nearest(full_windows, reference_length)
+    reference = _nearest(by_length(full) if full else {}, reference_length)
     full_step = reference[1]["step_median_s"] if reference else None
     lengths = list(config["lengths"])
     out: dict = {
@@ -80,24 +77,17 @@ def _sweep_summary(records: list[dict]) -> dict:
         else {"length": reference[0], "wanted_length": reference_length, "step_median_s": full_step},
         "policies": {},
     }
-    static = by_policy.get(compiled_label(TRANSFORMERS))
-    static_windows = by_length(static) if static else {}
     for name, record in by_policy.items():
         windows = by_length(record)
-        versus = static_windows if name.endswith(COMPILED) else plain_windows  # compiled against compiled
-        versus = versus if same_rounds(record, (static if name.endswith(COMPILED) else plain) or {}) else {}
-        if not same_rounds(record, full or {}):
-            full_windows, full_step = {}, None
-        else:
-            full_windows = by_length(full) if full else {}
-            full_step = reference[1]["step_median_s"] if reference else None
-        streaming_windows = by_length(streaming) if streaming and same_rounds(record, streaming) else {}
+        versus = _beside(record, static if name.endswith(COMPILED) else plain)  # compiled against compiled
+        full_windows, streaming_windows = _beside(record, full), _beside(record, streaming)
+        step = full_step if same_rounds(record, full or {}) else None
         per_token = record.get("kv_bytes_per_token")
         batch = record["batch"]
         summary: dict = {"evicts": record.get("evicts", name not in ("full", TRANSFORMERS))}
         summary["reads_attention"] = record.get("reads_attention")
         summary["overhead_pct"] = {
-            tokens: _pct(windows[tokens]["eviction_overhead_s"], full_step) for tokens in lengths if tokens in windows
+            tokens: _pct(windows[tokens]["eviction_overhead_s"], step) for tokens in lengths if tokens in windows
         }
         # Lengths whose window starts after the first eviction: the cache holds K to K + B slots.
         evicted = [
@@ -111,22 +101,10 @@ def _sweep_summary(records: list[dict]) -> dict:
         ]
         summary["overhead_pct_steady"] = max(values) if values else None
         summary["steady_lengths"] = steady
-        summary["step_vs_streaming"] = {
-            tokens: _ratio(windows[tokens]["step_mean_s"], streaming_windows[tokens]["step_mean_s"])
-            for tokens in lengths
-            if tokens in windows and tokens in streaming_windows
-        }
+        summary["step_vs_streaming"] = _versus(windows, streaming_windows, lengths, "step_mean_s")
         summary["tokens_per_s"] = {tokens: windows[tokens]["tokens_per_s"] for tokens in lengths if tokens in windows}
-        summary["tokens_per_s_vs_full"] = {
-            tokens: _ratio(windows[tokens]["tokens_per_s"], full_windows[tokens]["tokens_per_s"])
-            for tokens in lengths
-            if tokens in windows and tokens in full_windows
-        }
-        summary["tokens_per_s_vs_transformers"] = {
-            tokens: _ratio(windows[tokens]["tokens_per_s"], versus[tokens]["tokens_per_s"])
-            for tokens in lengths
-            if tokens in windows and tokens in versus
-        }
+        summary["tokens_per_s_vs_full"] = _versus(windows, full_windows, lengths, "tokens_per_s")
+        summary["tokens_per_s_vs_transformers"] = _versus(windows, versus, lengths, "tokens_per_s")
         summary["cumulative_tokens_per_s_vs_full"] = {
             tokens: _ratio(
                 windows[tokens].get("cumulative_tokens_per_s"), full_windows[tokens].get("cumulative_tokens_per_s")
@@ -136,16 +114,13 @@ def _sweep_summary(records: list[dict]) -> dict:
             and tokens in full_windows
             and windows[tokens].get("cumulative_tokens_per_s") is not None
         }
-        summary["prefill_eviction_s"] = {
-            tokens: _phase_sum(windows[tokens], "score", "gather")
-            for tokens in lengths
-            if _evicted_prefill(windows, tokens)
-        }
-        summary["prefill_bookkeeping_s"] = {
-            tokens: _phase_sum(windows[tokens], "record", "observe")
-            for tokens in lengths
-            if _evicted_prefill(windows, tokens)
-        }
+        for key, phases in (
+            ("prefill_eviction_s", ("score", "gather")),
+            ("prefill_bookkeeping_s", ("record", "observe")),
+        ):
+            summary[key] = {
+                tokens: _phase_sum(windows[tokens], *phases) for tokens in lengths if _evicted(windows, tokens)
+            }
         if summary["evicts"]:
             short = windows.get(budget)
             long_pick = _nearest({tokens: w for tokens, w in windows.items() if tokens <= 8 * budget}, 8 * budget)
@@ -190,7 +165,18 @@ def _sweep_summary(records: list[dict]) -> dict:
     return out
 
 
-def _evicted_prefill(windows: dict, tokens: int) -> bool:
+def _beside(record: dict, other: dict | None) -> dict[int, dict]:
+    """``other``'s windows by length, if it may be set against ``record`` (measured in the same rounds)."""
+    return by_length(other) if other is not None and same_rounds(record, other) else {}
+
+
+def _versus(windows: dict, other: dict, lengths: list[int], key: str) -> dict:
+    """``key`` of ``windows`` over ``other``'s, at each of ``lengths`` both reached."""
+    return {t: _ratio(windows[t][key], other[t][key]) for t in lengths if t in windows and t in other}
+
+
+def _evicted(windows: dict, tokens: int) -> bool:
+    """Whether the prefill to ``tokens`` evicted."""
     return tokens in windows and windows[tokens].get("prefill_evictions", 0) > 0
 
 
@@ -311,7 +297,7 @@ def _sweep_markdown(records: list[dict], summary: dict, meta: dict) -> list[str]
                         _ms(w["step_mean_s"]),
                         _rounds_cell(w),
                         cell(w.get("gpu_clock_mhz"), "{}"),
-                        *(_ms(split[p]) for p in ("forward", "record", "observe", "score", "gather")),
+                        *(_ms(split[p]) for p in ("forward", *PHASES)),
                         str(w["evictions"]),
                         str(w["slots"]),
                         format_bytes(held_bytes(w)),
@@ -321,9 +307,8 @@ def _sweep_markdown(records: list[dict], summary: dict, meta: dict) -> list[str]
                         format_bytes(w.get("peak_memory_bytes")),
                     ]
                 )
-        header = ["policy", "length", "tok/s", "step ms (median)", "step ms (mean)", "rounds", "SM MHz"]
-        header += ["forward", "record"]
-        header += ["observe", "score", "gather", "evictions", "slots", "KV held"]
+        header = ["policy", "length", "tok/s", "step ms (median)", "step ms (mean)", "rounds", "SM MHz", "forward"]
+        header += [*PHASES, "evictions", "slots", "KV held"]
         header += ["KV read per step", "KV allocated"] if selecting else ["KV allocated"]
         header += ["KV full-attention layers", "KV sliding layers"] if hybrid else []
         header += [f"peak ({peak_kind})"]
@@ -370,10 +355,7 @@ def _summary_markdown(batch: int, summary: dict) -> list[str]:
     lines += table(["policy", *(f"@{tokens}" for tokens in lengths), "steady"], rows)
     if "streaming" in policies:
         lines += ["(b) Step time relative to streaming (same eviction schedule, trivial scoring):", ""]
-        rows = [
-            [n, *(cell(policies[n]["step_vs_streaming"].get(tokens), "{:.3f}") for tokens in lengths)] for n in order
-        ]
-        lines += table(["policy", *(f"@{tokens}" for tokens in lengths)], rows)
+        lines += _length_table(policies, order, lengths, "step_vs_streaming")
     lines += [
         "(c) Flatness: step time at 8 K over step time at K (a window that ends at K: the cache holds fewer "
         "slots than K + B and never evicts), and over the first length measured in its steady state (both "
@@ -430,11 +412,7 @@ def _summary_markdown(batch: int, summary: dict) -> list[str]:
             "same loop, prompts and lengths; a compiled entry relative to transformers~compiled):",
             "",
         ]
-        rows = [
-            [n, *(cell(policies[n]["tokens_per_s_vs_transformers"].get(tokens), "{:.3f}") for tokens in lengths)]
-            for n in order
-        ]
-        lines += table(["policy", *(f"@{tokens}" for tokens in lengths)], rows)
+        lines += _length_table(policies, order, lengths, "tokens_per_s_vs_transformers")
     evicted = [n for n in order if policies[n].get("prefill_eviction_s")]
     if evicted:
         lines += [
@@ -456,6 +434,12 @@ def _summary_markdown(batch: int, summary: dict) -> list[str]:
         lines += table(header, rows)
     lines += targets_markdown(summary["targets"])
     return lines
+
+
+def _length_table(policies: dict, order: list[str], lengths: list[int], key: str) -> list[str]:
+    """A table of each policy's ratio ``key`` at every length."""
+    rows = [[n, *(cell(policies[n][key].get(tokens), "{:.3f}") for tokens in lengths)] for n in order]
+    return table(["policy", *(f"@{tokens}" for tokens in lengths)], rows)
 
 
 def _eviction_markdown(records: list[dict], summary: dict | None) -> list[str]:
