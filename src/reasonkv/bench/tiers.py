@@ -17,8 +17,7 @@ from reasonkv.bench.markdown import cell, per_batch
 from reasonkv.bench.measure import WARMUP_STEPS, model_dtype
 from reasonkv.bench.memory import format_bytes, kv_bytes_per_token
 from reasonkv.bench.prefilled import measure_prefilled
-from reasonkv.bench.rounds import same_rounds
-from reasonkv.bench.windows import by_length
+from reasonkv.bench.windows import beside_plain
 from reasonkv.cache import CacheSpec
 from reasonkv.cache.quantize import QuantFormat, default_group_size
 from reasonkv.cache.tiers import budget_for_bytes
@@ -84,17 +83,8 @@ def equal_measured_bytes(
 def tier_summary(records: list[dict]) -> dict:
     """Per batch (as a string) and tiered variant: its step time and K/V bytes over the plain policy's."""
     out: dict = {}
-    sweeps = [r for r in records if r.get("mode") == "sweep"]
-    for record in sweeps:
-        tier = record.get("tier")
-        if not tier:
-            continue
-        same = [r for r in sweeps if r["batch"] == record["batch"] and same_rounds(r, record)]  # ratios: same rounds
-        plain = next((r for r in same if r["policy"] == tier["policy"]), None)
-        if plain is None:
-            continue
-        mine, theirs = by_length(record), by_length(plain)
-        common = sorted(set(mine) & set(theirs))
+    for record, plain, mine, theirs, common in beside_plain(records, lambda r: (r.get("tier") or {}).get("policy")):
+        tier = record["tier"]
         out.setdefault(str(record["batch"]), {})[record["policy"]] = {
             "policy": tier["policy"],
             "budget": tier["budget"],
