@@ -1,22 +1,8 @@
 """From records to the overhead summary and the markdown report.
 
-The summary compares policies measured side by side in one run (ratios, never absolute claims):
-
-(a) eviction overhead: ``record + observe + score + gather`` per decode step, as a percentage of a
-    full-cache step at ``K + B/2`` tokens (the cache size an evicting policy averages);
-(b) step time relative to ``streaming`` at each length (the same eviction schedule with trivial
-    scoring, so the ratio is the price of the policy's scoring and recording);
-(c) flatness: step time at ``8 K`` over step time at ``K`` (or at the largest length if ``8 K`` was
-    not reached);
-(d) tokens/s relative to the full cache at each length;
-(e) with ``--transformers-cache``: tokens/s relative to transformers' own cache (no reasonkv hook) at
-    each length, so ``full`` shows what reasonkv's bookkeeping costs and every policy what it gains (a
-    compiled entry, ``--compile``: relative to transformers compiled, ``transformers~compiled``);
-(f) with ``--prefill-to-length``: the prefill's evictions (a long prompt evicted to ``K``) and the
-    policy's bookkeeping during the prefill, at each length.
-
-Every ratio sets two entries measured in the same interleaved rounds (:func:`~reasonkv.bench.rounds.same_rounds`):
-an entry measured in other rounds (another run resumed into the folder, say) gets no ratio against them.
+The summary compares policies measured side by side in one run (ratios, never absolute claims); its sections
+(a) to (f) say in the report what each compares. Every ratio sets two entries measured in the same
+interleaved rounds (:func:`~reasonkv.bench.rounds.same_rounds`); an entry of other rounds gets none.
 """
 
 from __future__ import annotations
