@@ -23,6 +23,7 @@ from reasonkv.bench.targets import (
     cheapest_text,
     epikv_cheapest,
     failures,
+    mark,
     sweep_targets,
     targets_markdown,
 )
@@ -215,10 +216,6 @@ def _ms(seconds) -> str:
     return "-" if seconds is None else f"{1000 * seconds:.2f}"
 
 
-def _mark(ok) -> str:
-    return "-" if ok is None else ("yes" if ok else "NO")
-
-
 def _policy_order(names) -> list[str]:
     names = list(dict.fromkeys(names))
     first = [n for n in ("full", TRANSFORMERS, "streaming") if n in names]
@@ -366,7 +363,7 @@ def _summary_markdown(batch: int, summary: dict) -> list[str]:
                 *flat_texts,
                 format_bytes(s.get("kv_bytes_max")),
                 format_bytes(s.get("kv_bytes_bound")),
-                _mark(s.get("kv_within_bound")),
+                mark(s.get("kv_within_bound")),
                 *([format_bytes(s.get(key)) for key in _BY_KIND] if hybrid else []),
             ]
         )

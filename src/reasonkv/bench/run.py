@@ -1,13 +1,10 @@
 """One bench run: plan, claim the folder, load the model once, measure every pending entry, report.
 
-:func:`run_bench` is the whole of ``reasonkv bench`` once its arguments are a
-:class:`~reasonkv.bench.settings.BenchSettings`. Entries already in the folder are skipped (unless
-``force``). After a warm-up until the step time is stable, the length sweep's entries of one batch size
-are measured in ``rounds`` interleaved rounds (:mod:`reasonkv.bench.rounds`: A B C A B C ..., each record
-the median round, with the rounds' spread and a ``rounds_group`` naming the rounds it shares with the
-others); the other measurements run once each. Each finished entry is appended to ``results.jsonl`` at
-once and the reports are rewritten; a killed run keeps every finished entry, and those with some rounds
-measured (``rounds_complete: false``). One failing entry is recorded as an error and the others still run.
+Entries already in the folder are skipped (unless ``force``). After a warm-up, the length sweep's entries of
+one batch size are measured in interleaved rounds (:mod:`reasonkv.bench.rounds`); the other measurements run
+once each. Each finished entry is appended to ``results.jsonl`` at once and the reports are rewritten; a killed
+run keeps every finished entry, and those with some rounds measured (``rounds_complete: false``). A failing
+entry is recorded as an error and the others still run.
 """
 
 from __future__ import annotations

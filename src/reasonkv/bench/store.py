@@ -1,14 +1,8 @@
 """Where results go: one JSON line per finished (mode, policy, batch) entry, appended as measured.
 
-A killed run keeps every entry it finished; a rerun with the same output folder skips them. The
-configuration of a mode (model, budget, lengths, ...) is stored in every record: resuming with a
-different one is refused, so one folder never mixes numbers from two set-ups.
-
-The folder is claimed first (:func:`claim_output`): it must be a bench folder of this tool (its
-marker, or a ``results.jsonl`` of bench records from before markers existed), a new folder, or one
-without any of the files a bench writes; it stays locked while the bench runs (see
-:mod:`reasonkv.runs.outputs`). ``results.jsonl`` is a :class:`reasonkv.runs.store.JsonlStore` under
-that lock.
+A rerun with the same output folder skips the finished entries. A mode's configuration is stored in every
+record: resuming with a different one is refused, so one folder never mixes two set-ups. The folder is
+claimed first (:func:`claim_output`) and stays locked while the bench runs.
 """
 
 from __future__ import annotations
