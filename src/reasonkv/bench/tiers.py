@@ -1,12 +1,8 @@
 """The quantized tier in the bench: each requested policy again, with a tier, at the plain K/V bytes.
 
-``reasonkv bench --quantized Q --bits b`` adds a variant ``POLICY+intb:Q`` of every requested
-evicting policy: the same policy with ``Q`` tokens per head in the tier and its full-precision budget
-lowered from ``K`` to the ``K'`` at which its cache holds, *measured*, the K/V bytes of ``K`` plain
-tokens (:func:`equal_measured_bytes`: the tier's nominal bytes, :func:`reasonkv.cache.tiers.budget_for_bytes`,
-leave out its pending tokens at full precision and its key groups' partial fill). Plain and tiered
-run side by side in one run, so the summary compares their step time at equal measured bytes, and
-the K/V bytes they really held.
+``--quantized Q --bits b`` adds a variant ``POLICY+intb:Q`` of every requested evicting policy: ``Q`` tokens per
+head in the tier, its full-precision budget lowered from ``K`` to the ``K'`` at which its cache holds, measured,
+the K/V bytes of ``K`` plain tokens (:func:`equal_measured_bytes`).
 """
 
 from __future__ import annotations

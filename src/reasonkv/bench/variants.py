@@ -1,11 +1,8 @@
-"""The length sweep's variants against their plain entries: tiered (``--quantized``, :mod:`reasonkv.bench.tiers`),
-compiled (``--compile``, :mod:`reasonkv.bench.compiled`) and ragged (``--ragged``).
+"""The length sweep's variants against their plain entries: tiered (:mod:`reasonkv.bench.tiers`), compiled
+(:mod:`reasonkv.bench.compiled`) and ragged (``--ragged``).
 
-A ragged variant ``POLICY~ragged`` runs the policy with its rows prefilled to lengths ``B / batch`` apart
-(:func:`reasonkv.bench.measure.ragged_shifts`), so that they evict at different steps, as prompts of
-different lengths do; the plain entry's rows evict together. Side by side in one run, the summary
-compares their step time and the share of it spent compacting the cache (``gather``): with rows
-evicting on their own schedules there are more evictions, each compacting fewer rows.
+A ragged variant ``POLICY~ragged`` runs the policy with its rows prefilled to lengths ``B / batch`` apart, so that
+they evict at different steps, as prompts of different lengths do; the plain entry's rows evict together.
 """
 
 from __future__ import annotations
