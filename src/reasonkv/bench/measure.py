@@ -287,16 +287,10 @@ def measure_sweep(
     compile: str | None = None,
 ) -> dict:
     """Decode ``batch`` seeded random prompts with :func:`reasonkv.generate` and the cache ``spec`` from
-    ``prompt_length`` tokens to ``max(lengths)`` (``seed`` seeds the prompts; the spec, the policy).
-
-    Returns ``{"windows": [...], "trace": {...}, "totals": {...}}``: one window of (up to)
-    ``window`` steps ending at every length, the time of every step (``trace["step_s"]``, the
-    first at length ``trace["first_length"]``), and the run's totals. Every window also carries
-    ``cumulative_tokens_per_s``: tokens over time from the first decode step to its length.
-    ``sync_timing`` (CUDA only) synchronises around every timed phase for an exact split; it
-    costs policies that record inside the forward a little speed. ``compile`` (a ``torch.compile``
-    backend) decodes through ``generate(..., compile=compile)``; the result's ``compile`` is its
-    ``stats["compile"]``, and the steps that compiled are left out of every window.
+    ``prompt_length`` tokens to ``max(lengths)``: one window of (up to) ``window`` steps ending at every length
+    (with ``cumulative_tokens_per_s`` from the first decode step), every step's time (``trace``) and the run's
+    totals. ``sync_timing`` (CUDA) synchronises around every timed phase for an exact split, at a little speed
+    for policies that record inside the forward; ``compile``: a ``torch.compile`` backend for the decode steps.
     """
     device = model_device(model)
     lengths = sorted(set(lengths))

@@ -55,13 +55,8 @@ TRANSFORMERS = "transformers"  # the sweep's reference entry: transformers' own 
 def parse_int_list(value: str | Sequence[int], what: str, *, increasing: bool = False) -> tuple[int, ...]:
     """``"1024,2048"`` (or ``[1024, 2048]``) -> ``(1024, 2048)``: positive integers, strictly increasing if
     asked, else without repeats."""
-    if isinstance(value, str):
-        parts = [p.strip() for p in value.split(",") if p.strip()]
-    elif isinstance(value, Sequence):
-        parts = list(value)
-    else:
-        raise ValueError(f"{what}: expected comma-separated positive integers, got {value!r}")
-    if not parts:
+    parts = [p.strip() for p in value.split(",") if p.strip()] if isinstance(value, str) else value
+    if not isinstance(parts, Sequence) or not parts:
         raise ValueError(f"{what}: expected comma-separated positive integers, got {value!r}")
     values = []
     for part in parts:
