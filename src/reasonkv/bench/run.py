@@ -89,15 +89,8 @@ def measure_entry(model, plan: Plan, mode: str, policy: str, batch: int | None, 
             compile=config["compile"] if policy in plan.compiled else None,
         )
         if config["prefill_to_length"]:
-            ragged = policy in plan.ragged
-            data = measure_prefilled_sweep(
-                model,
-                spec,
-                decode_steps=config["decode_steps"],
-                prefill_chunk=config["prefill_chunk"],
-                ragged=ragged,
-                **common,
-            )
+            prefill = {key: config[key] for key in ("decode_steps", "prefill_chunk")}
+            data = measure_prefilled_sweep(model, spec, ragged=policy in plan.ragged, **prefill, **common)
         else:
             data = measure_sweep(model, spec, **common)
         if variant is not None:
@@ -107,16 +100,13 @@ def measure_entry(model, plan: Plan, mode: str, policy: str, batch: int | None, 
         return measure_eviction_cost(
             model, spec, repeats=config["repeats"], batch=batch, prefill_chunk=config["prefill_chunk"], **common
         )
+    sizes = ("length", "decode_steps", "probe_steps", "max_measured_batch", "prefill_chunk")
     return measure_max_batch(
         model,
         spec,
-        length=config["length"],
         memory_limit=config["memory_limit_bytes"],
-        decode_steps=config["decode_steps"],
         probe_batches=tuple(config["probe_batches"]),
-        probe_steps=config["probe_steps"],
-        max_measured_batch=config["max_measured_batch"],
-        prefill_chunk=config["prefill_chunk"],
+        **{key: config[key] for key in sizes},
         **common,
     )
 
