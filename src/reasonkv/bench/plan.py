@@ -1,11 +1,9 @@
 """What one bench run measures, decided from its settings before any model is loaded.
 
-:func:`build_plan` turns a :class:`~reasonkv.bench.settings.BenchSettings` into a :class:`Plan`: the
-requested policies and the references, their options (a bad one is a ``ValueError``), the
-:class:`~reasonkv.cache.CacheSpec` of every entry (one whose protected tokens exceed its budget is
-refused, or skipped with a warning under ``--policies all``), the quantized-tier variants, and per
-mode the configuration every record stores (a rerun with another one is refused). Doubtful but legal
-choices become warnings.
+:func:`build_plan` gives the entries (the requested policies, the references and the variants), their options
+and caches (a bad option, or protected tokens beyond the budget, is a ``ValueError``, or a warning and a skip
+under ``--policies all``) and per mode the configuration every record stores; doubtful but legal choices
+become warnings.
 """
 
 from __future__ import annotations

@@ -92,15 +92,7 @@ def _sweep_summary(records: list[dict]) -> dict:
         summary["tokens_per_s"] = {tokens: windows[tokens]["tokens_per_s"] for tokens in lengths if tokens in windows}
         summary["tokens_per_s_vs_full"] = _versus(windows, full_windows, lengths, "tokens_per_s")
         summary["tokens_per_s_vs_transformers"] = _versus(windows, versus, lengths, "tokens_per_s")
-        summary["cumulative_tokens_per_s_vs_full"] = {
-            tokens: _ratio(
-                windows[tokens].get("cumulative_tokens_per_s"), full_windows[tokens].get("cumulative_tokens_per_s")
-            )
-            for tokens in lengths
-            if tokens in windows
-            and tokens in full_windows
-            and windows[tokens].get("cumulative_tokens_per_s") is not None
-        }
+        summary["cumulative_tokens_per_s_vs_full"] = _versus(windows, full_windows, lengths, "cumulative_tokens_per_s")
         for key, phases in (
             ("prefill_eviction_s", ("score", "gather")),
             ("prefill_bookkeeping_s", ("record", "observe")),
@@ -111,22 +103,13 @@ def _sweep_summary(records: list[dict]) -> dict:
         if summary["evicts"]:
             short = windows.get(budget)
             long_pick = _nearest({tokens: w for tokens, w in windows.items() if tokens <= 8 * budget}, 8 * budget)
-            if short is not None and long_pick is not None and long_pick[0] > budget:
-                summary["flatness"] = {
-                    "ratio": _ratio(long_pick[1]["step_mean_s"], short["step_mean_s"]),
-                    "long_length": long_pick[0],
-                    "short_length": budget,
-                }
-            else:
-                summary["flatness"] = None
+            fits = short is not None and long_pick is not None and long_pick[0] > budget
+            summary["flatness"] = _flatness(long_pick, budget, short) if fits else None
             # The step at K holds fewer slots than a steady cache (K to K + B) and never evicts, so the model's
             # own attention makes it cheaper whatever the policy; between two steady lengths only what grows
             # with the sequence (a policy's per-position state, say) changes the step.
             first = min((t for t in evicted if long_pick and t < long_pick[0]), default=None)
-            summary["flatness_steady"] = None
-            if first is not None:
-                ratio = _ratio(long_pick[1]["step_mean_s"], windows[first]["step_mean_s"])
-                summary["flatness_steady"] = {"ratio": ratio, "long_length": long_pick[0], "short_length": first}
+            summary["flatness_steady"] = None if first is None else _flatness(long_pick, first, windows[first])
             if per_token:
                 # Full-attention layers: K + B tokens (K + 2B when rows evict apart); sliding layers: their window.
                 bound = (budget + buffer * (2 if name.endswith(RAGGED) else 1)) * per_token * batch
@@ -158,8 +141,15 @@ def _beside(record: dict, other: dict | None) -> dict[int, dict]:
 
 
 def _versus(windows: dict, other: dict, lengths: list[int], key: str) -> dict:
-    """``key`` of ``windows`` over ``other``'s, at each of ``lengths`` both reached."""
-    return {t: _ratio(windows[t][key], other[t][key]) for t in lengths if t in windows and t in other}
+    """``key`` of ``windows`` over ``other``'s, at each of ``lengths`` both reached (and ``windows`` has it)."""
+    both = [t for t in lengths if t in windows and t in other and windows[t].get(key) is not None]
+    return {t: _ratio(windows[t][key], other[t].get(key)) for t in both}
+
+
+def _flatness(long_pick: tuple[int, dict], short_length: int, short: dict) -> dict:
+    """The step time at the long length over the step at the short one."""
+    ratio = _ratio(long_pick[1]["step_mean_s"], short["step_mean_s"])
+    return {"ratio": ratio, "long_length": long_pick[0], "short_length": short_length}
 
 
 def _evicted(windows: dict, tokens: int) -> bool:
