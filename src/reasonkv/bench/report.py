@@ -188,13 +188,10 @@ def summarise(records: list[dict]) -> dict:
 
     batches = [r for r in records if r.get("mode") == "max-batch"]
     if batches:
-        full = next((r for r in batches if r["policy"] == "full"), None)
-        full_tps = full.get("tokens_per_s") if full else None
+        full = next((r for r in batches if r["policy"] == "full"), {})
         out["max_batch"] = {
-            "tokens_per_s_vs_full": {r["policy"]: _ratio(r.get("tokens_per_s"), full_tps) for r in batches},
-            "max_batch_vs_full": {
-                r["policy"]: _ratio(r.get("max_batch"), full.get("max_batch") if full else None) for r in batches
-            },
+            f"{key}_vs_full": {r["policy"]: _ratio(r.get(key), full.get(key)) for r in batches}
+            for key in ("tokens_per_s", "max_batch")
         }
     return out
 
