@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 
 from reasonkv.bench.rounds import same_rounds
 
-__all__ = ["by_length", "beside_plain"]
+__all__ = ["beside_plain", "by_length"]
 
 
 def by_length(record: dict) -> dict[int, dict]:
