@@ -7,7 +7,7 @@ K/V bytes its decode steps read and what reading all it held would have read, co
 
 from __future__ import annotations
 
-from reasonkv.bench.markdown import cell, row
+from reasonkv.bench.markdown import cell, table
 from reasonkv.bench.memory import format_small_bytes, held_bytes
 
 __all__ = ["read_entry", "reads_markdown", "reads_summary", "window_read"]
@@ -70,23 +70,23 @@ def reads_markdown(summary: dict[str, dict], order: list[str]) -> list[str]:
         "evicting policy reads all it holds; a selection policy holds every token and reads a part (*full read*: "
         "what reading all it held would have cost; *side caches*: its block summaries at the end of the run):",
         "",
-        "| policy | kind | KV held (max) | KV read per step (mean) | full read per step (mean) | read / full | "
-        "side caches |",
-        "|---|---|---|---|---|---|---|",
     ]
+    rows = []
     for name in order:
         entry = summary.get(name)
         if entry is None:
             continue
-        fraction = entry["read_fraction"]
-        cells = [
-            name,
-            "selects" if entry["selects"] else "holds what it reads",
-            format_small_bytes(entry["kv_bytes_held_max"]),
-            format_small_bytes(entry["kv_bytes_read_per_step"]),
-            format_small_bytes(entry["kv_bytes_full_read_per_step"]),
-            cell(fraction, "{:.3f}"),
-            format_small_bytes(entry["side_cache_bytes"]) if entry["selects"] else "-",
-        ]
-        lines.append(row(cells))
-    return lines + [""]
+        rows.append(
+            [
+                name,
+                "selects" if entry["selects"] else "holds what it reads",
+                format_small_bytes(entry["kv_bytes_held_max"]),
+                format_small_bytes(entry["kv_bytes_read_per_step"]),
+                format_small_bytes(entry["kv_bytes_full_read_per_step"]),
+                cell(entry["read_fraction"], "{:.3f}"),
+                format_small_bytes(entry["side_cache_bytes"]) if entry["selects"] else "-",
+            ]
+        )
+    header = ["policy", "kind", "KV held (max)", "KV read per step (mean)", "full read per step (mean)"]
+    header += ["read / full", "side caches"]
+    return lines + table(header, rows)
