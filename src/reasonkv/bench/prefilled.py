@@ -27,6 +27,7 @@ from reasonkv.bench.measure import (
     progress_bar,
 )
 from reasonkv.bench.memory import kv_bytes_per_token, weight_bytes, window_kv_bytes
+from reasonkv.bench.rounds import summed_compile
 from reasonkv.cache import CacheSpec, EvictingCache
 from reasonkv.generation.step import EagerStep, StaticStep, decode, open_step
 from reasonkv.hf import native_cache, synchronize, vocab_size
@@ -312,9 +313,5 @@ def measure_prefilled_sweep(
         },
     }
     if session.compile:  # a graph per cache capacity at most: a full cache grows with the length, the others do not
-        result["compile"] = {
-            **windows[0]["compile"],
-            "compilations": sum(w["compile"]["compilations"] for w in windows),
-            "warmup_seconds": sum(w["compile"]["warmup_seconds"] for w in windows),
-        }
+        result["compile"] = summed_compile([w["compile"] for w in windows])
     return result

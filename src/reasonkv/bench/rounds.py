@@ -13,7 +13,7 @@ from typing import TypeVar
 
 from reasonkv.suggest.integers import check_int
 
-__all__ = ["combine_rounds", "interleaved", "run_rounds", "same_rounds", "spread"]
+__all__ = ["combine_rounds", "interleaved", "run_rounds", "same_rounds", "spread", "summed_compile"]
 
 Entry = TypeVar("Entry", bound=Hashable)
 
@@ -116,12 +116,17 @@ def combine_rounds(datas: list[dict]) -> dict:
     out = {**base, "windows": windows}
     compiles = [d["compile"] for d in datas if d.get("compile")]
     if compiles:
-        out["compile"] = {
-            **compiles[0],
-            "compilations": sum(c.get("compilations") or 0 for c in compiles),
-            "warmup_seconds": sum(c.get("warmup_seconds") or 0.0 for c in compiles),
-        }
+        out["compile"] = summed_compile(compiles)
     return out
+
+
+def summed_compile(compiles: list[dict]) -> dict:
+    """The first of several runs' ``compile`` records, with every run's compilations and warm-up added up."""
+    return {
+        **compiles[0],
+        "compilations": sum(c.get("compilations") or 0 for c in compiles),
+        "warmup_seconds": sum(c.get("warmup_seconds") or 0.0 for c in compiles),
+    }
 
 
 def _reaches(data: dict, length: int) -> bool:
