@@ -1,13 +1,9 @@
 """The length sweep's compiled variants (``--compile``): each policy decoded eagerly and compiled, side by side.
 
-A compiled variant ``POLICY~compiled`` runs the policy's decode steps as one fixed-shape graph each
-(:class:`~reasonkv.generation.compiled.CompiledDecode`), the evictions between them eager. Its reference
-pair is plain transformers: ``transformers`` (its own dynamic cache, eager) and ``transformers~compiled``
-(:class:`~reasonkv.generation.compiled.StaticStep`: a ``StaticCache`` and ``torch.compile`` of the model's
-forward, as transformers compiles decoding), the same prompts, steps and timing. The summary sets, per batch
-size and length, each policy's compiled tokens/s against its eager tokens/s and against
-``transformers~compiled``; the time spent compiling is reported apart and never inside tokens/s (the steps
-that traced a graph are left out of every window).
+A compiled variant ``POLICY~compiled`` runs the policy's decode steps as one fixed-shape graph each, the
+evictions between them eager; its reference is ``transformers~compiled`` (a ``StaticCache`` and
+``torch.compile`` of the model's forward, as transformers compiles decoding). The time spent compiling is
+reported apart, never inside tokens/s.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """The cost of one eviction when the cache holds ``N = K + B`` tokens.
 
-A prefill of ``N`` tokens (a short prompt, then the rest as if generated)
-makes the cache due exactly once (a warm-up eviction, not counted); each repetition then feeds
-``B`` new tokens in one forward, which brings the cache back to ``N`` and triggers one eviction.
-The evictor's stopwatch times that eviction:
-``score`` (the policy's scoring and the selection of the kept indices) and ``gather``
-(compacting the cache). The per-token work a policy does in ``record``/``observe`` is not part of
-an eviction; the sweep's overhead figure amortises it.
+A prefill of ``N`` tokens makes the cache due once (a warm-up eviction, not counted); each repetition then
+feeds ``B`` new tokens in one forward, which triggers one eviction, timed by the evictor's stopwatch as
+``score`` and ``gather``. A policy's per-token ``record``/``observe`` work is not part of an eviction.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """K/V bytes per layer of the length sweep's entries run under an allocation (``reasonkv bench --allocation``).
 
-Under an allocation (:mod:`reasonkv.cache.allocation`) the layers' kv-heads keep different numbers of tokens, so
-a window's reading carries, per evicting layer, ``kv_bytes_by_layer`` (the K/V storage the layer holds: its
-heads' regions in ragged storage, with room for ``B`` more; padded, its slots in use, every head as wide as the
-widest) and
-``kv_bytes_used_by_layer`` (its heads' own tokens). :func:`layer_summary` keeps them at each entry's longest
-length; :func:`layer_markdown` is the report's table, one row per layer, beside what the uniform allocation
-would hold there (``K + B`` tokens in every head).
+Under an allocation the layers' kv-heads keep different numbers of tokens, so a window's reading carries, per
+evicting layer, the K/V storage the layer holds (``kv_bytes_by_layer``) and its heads' own tokens
+(``kv_bytes_used_by_layer``); the report sets them beside what the uniform allocation would hold.
 """
 
 from __future__ import annotations

@@ -1,23 +1,14 @@
 """Timing decode steps: per-step timestamps, windows around a length, the split of a step into phases.
 
-Two ways to reach a length ``L``:
+:func:`measure_sweep` decodes with :func:`reasonkv.generate` from a short prompt up to the largest length; a
+*window* of steps ending at each requested length gives the numbers there (:mod:`reasonkv.bench.prefilled`
+reaches a length by a prefill instead). Both time steps with :class:`StepRecorder`; a step that compiled a
+graph is left out of the windows, its time reported apart as the warm-up.
 
-- :func:`measure_sweep` (here) decodes with :func:`reasonkv.generate` from a short prompt up to the
-  largest length, timing every step through ``on_step``; a *window* of steps ending at each
-  requested length gives the numbers at that length.
-- :mod:`reasonkv.bench.prefilled` reaches ``L`` by a prefill and times ``n`` decode steps ending at ``L``,
-  one cache extended from the shortest length to the longest.
-
-Both time steps with :class:`StepRecorder`. A decode sweep can run its steps compiled (``compile=``, a
-``torch.compile`` backend): a step that compiled a graph is left out of the windows, and its time is
-reported apart as the warm-up.
-
-A step's time runs from the end of the previous step's callback to the end of its own forward
-(on CUDA the callback synchronises first), so it covers sampling, the forward with its recording
-hooks, the policy update and any eviction. The evictor's stopwatch splits it: ``record`` (signal
-recording inside the forward), ``observe`` (policy state update), ``score`` (scoring and
-selection), ``gather`` (compacting the cache); ``forward`` is the rest (model forward plus loop
-overhead), so the five parts sum to the window's mean step time.
+A step runs from the end of the previous step's callback to the end of its own forward (on CUDA the callback
+synchronises first): sampling, the forward with its recording hooks, the policy update and any eviction. The
+evictor's stopwatch splits it into ``record``, ``observe``, ``score`` and ``gather``; ``forward`` is the rest,
+so the five parts sum to the window's mean step time.
 """
 
 from __future__ import annotations
@@ -150,26 +141,10 @@ def _allocated_reading(cache: EvictingCache) -> dict:
 class StepRecorder:
     """The ``on_step(step, cache)`` callback: step times, phase snapshots and memory at window edges.
 
-    Parameters
-    ----------
-    device
-        The model's device (CUDA is synchronised before every timestamp).
-    prompt_length
-        Tokens per row before the first decode step; after decode step ``s`` a row has seen
-        ``prompt_length + s`` tokens (its *length*).
-    windows
-        Window end length -> window start length: the window covers the steps whose length is in
-        ``(start, end]``.
-    batch
-        Rows decoded together.
-    bar
-        Optional progress bar, advanced once per decode step.
-    peak_from
-        The length at which the peak-memory counter is reset (None: at the end of the prefill), so that a
-        window's peak leaves out what came before it (a prefill's peak above all).
-
-    A step that traced and compiled a ``torch.compile`` graph (``--compile``) is timed but left out of
-    every window and total: its time is the compilation's (:attr:`compiling_steps`, :meth:`warmup_seconds`).
+    After decode step ``s`` a row has seen ``prompt_length + s`` tokens (its length). ``windows`` maps a window's
+    end length to its start: it covers the steps whose length is in ``(start, end]``. The peak-memory counter is
+    reset at length ``peak_from`` (None: the end of the prefill), so that a window's peak leaves out the
+    prefill's. A step that compiled a graph is timed but left out of every window (:attr:`compiling_steps`).
     """
 
     def __init__(
@@ -192,7 +167,6 @@ class StepRecorder:
         self.reads: dict[int, tuple[int, int, int]] = {}  # length -> a selector's (steps, read, held) tokens
         self.readings: dict[int, dict] = {}
         self.tracker = PeakTracker(device)
-        self.prefill_done: float | None = None
         self.peak_from = prompt_length if peak_from is None else peak_from
         self._snap_at = set(self.windows) | set(self.windows.values())
         self._resume = 0.0
@@ -203,9 +177,7 @@ class StepRecorder:
     def __call__(self, step: int, cache) -> None:
         synchronize(self.device)
         now = time.perf_counter()
-        if step == 0:
-            self.prefill_done = now
-        else:
+        if step != 0:  # step 0: the prefill's end
             self.step_seconds.append(now - self._resume)
             if counters["stats"]["unique_graphs"] != self._graphs:
                 self.compiling_steps.add(len(self.step_seconds) - 1)
@@ -315,16 +287,10 @@ def measure_sweep(
     compile: str | None = None,
 ) -> dict:
     """Decode ``batch`` seeded random prompts with :func:`reasonkv.generate` and the cache ``spec`` from
-    ``prompt_length`` tokens to ``max(lengths)`` (``seed`` seeds the prompts; the spec, the policy).
-
-    Returns ``{"windows": [...], "trace": {...}, "totals": {...}}``: one window of (up to)
-    ``window`` steps ending at every length, the time of every step (``trace["step_s"]``, the
-    first at length ``trace["first_length"]``), and the run's totals. Every window also carries
-    ``cumulative_tokens_per_s``: tokens over time from the first decode step to its length.
-    ``sync_timing`` (CUDA only) synchronises around every timed phase for an exact split; it
-    costs policies that record inside the forward a little speed. ``compile`` (a ``torch.compile``
-    backend) decodes through ``generate(..., compile=compile)``; the result's ``compile`` is its
-    ``stats["compile"]``, and the steps that compiled are left out of every window.
+    ``prompt_length`` tokens to ``max(lengths)``: one window of (up to) ``window`` steps ending at every length
+    (with ``cumulative_tokens_per_s`` from the first decode step), every step's time (``trace``) and the run's
+    totals. ``sync_timing`` (CUDA) synchronises around every timed phase for an exact split, at a little speed
+    for policies that record inside the forward; ``compile``: a ``torch.compile`` backend for the decode steps.
     """
     device = model_device(model)
     lengths = sorted(set(lengths))

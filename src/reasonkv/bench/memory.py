@@ -1,17 +1,10 @@
 """Memory accounting for the benchmark: exact KV bytes, weights, peak readers, the max-batch model.
 
-What is computed and what is measured:
-
-- KV bytes per token are exact: ``layers x 2 (K and V) x kv_heads x head_dim x dtype size``, over
-  the full-attention layers. A row of the full cache at length ``L`` needs ``L`` of them; a row of
-  an evicting policy never more than ``K + B``. On a hybrid model the sliding-window layers add a
-  constant per row, their window (:func:`window_kv_bytes`), and linear-attention layers none.
-- Peak memory is measured: on CUDA the allocator's ``max_memory_allocated``; on CPU the kernel's
-  peak resident set (``VmHWM``, reset through ``/proc/self/clear_refs``), an approximation that
-  also counts memory the C allocator keeps after a free.
-- :class:`MemoryModel` turns two measured batch sizes into ``fixed + batch x per_row`` and answers
-  "how many rows fit in this limit"; the KV part of ``per_row`` comes from the formula, the rest
-  (activations, recorded signals, per-row policy state) from the measurement.
+KV bytes are computed (exact formulas), peak memory is measured: on CUDA the allocator's
+``max_memory_allocated``, on CPU the kernel's peak resident set (``VmHWM``, reset through
+``/proc/self/clear_refs``), an approximation that also counts memory the C allocator keeps after a free.
+:class:`MemoryModel` turns two measured batch sizes into ``fixed + batch x per_row`` and answers how many rows
+fit in a limit.
 """
 
 from __future__ import annotations
@@ -39,21 +32,10 @@ __all__ = [
     "window_kv_bytes",
 ]
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
+_UNITS = {"": 1, "b": 1} | {  # k, kb: 1000; kib: 1024; and so on up to t
+    prefix + suffix: base**power
+    for power, prefix in enumerate("kmgt", 1)
+    for suffix, base in (("", 1000), ("b", 1000), ("ib", 1024))
 }
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
@@ -210,17 +192,9 @@ def machine_memory_bytes(device: torch.device) -> int:
 
 @dataclass(frozen=True)
 class MemoryModel:
-    """Memory needed by ``batch`` rows: ``fixed + batch x (kv_row + other_row)``.
-
-    Attributes
-    ----------
-    fixed
-        Bytes independent of the batch (weights and per-step buffers that do not grow with rows).
-    kv_row
-        K/V bytes one row holds (exact formula).
-    other_row
-        Everything else that grows with the batch, per row (activations, recorded signals, policy state).
-    """
+    """Memory needed by ``batch`` rows: ``fixed`` (weights, buffers that do not grow with rows) ``+ batch x
+    (kv_row + other_row)``: the K/V bytes of a row (exact formula) and the rest that grows with the batch
+    (activations, recorded signals, policy state)."""
 
     fixed: float
     kv_row: float

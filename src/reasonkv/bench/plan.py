@@ -1,11 +1,9 @@
 """What one bench run measures, decided from its settings before any model is loaded.
 
-:func:`build_plan` turns a :class:`~reasonkv.bench.settings.BenchSettings` into a :class:`Plan`: the
-requested policies and the references, their options (a bad one is a ``ValueError``), the
-:class:`~reasonkv.cache.CacheSpec` of every entry (one whose protected tokens exceed its budget is
-refused, or skipped with a warning under ``--policies all``), the quantized-tier variants, and per
-mode the configuration every record stores (a rerun with another one is refused). Doubtful but legal
-choices become warnings.
+:func:`build_plan` gives the entries (the requested policies, the references and the variants), their options
+and caches (a bad option, or protected tokens beyond the budget, is a ``ValueError``, or a warning and a skip
+under ``--policies all``) and per mode the configuration every record stores; doubtful but legal choices
+become warnings.
 """
 
 from __future__ import annotations
@@ -46,15 +44,9 @@ def reference_lengths(*, evicts: bool, budget: int, buffer: int, lengths: list[i
 class Plan:
     """What to measure: the entries (policies with their options and caches) and one configuration per mode.
 
-    ``policies`` holds the requested ones plus the references: ``full`` and ``streaming`` for the
-    sweep (and ``transformers``, transformers' own cache, with ``--transformers-cache``), ``streaming``
-    for the eviction cost, ``full`` for the max batch; then the quantized-tier variants.
-    ``specs[mode][entry]`` is the entry's cache in that mode (``None``: transformers' own cache; a
+    ``policies``: the requested ones, the references (``full``, ``streaming``, ``transformers``) and the
+    variants. ``specs[mode][entry]`` is the entry's cache in that mode (``None``: transformers' own cache; a
     tiered variant holds its plain policy's, tiered once the model gives the bytes of a token).
-    ``ragged`` maps each ragged variant (``--ragged``) to its policy; it is measured at batch sizes above 1.
-    ``compiled`` maps each compiled variant (``--compile``) to its entry: every plain policy whose cache a
-    compiled step runs (a selection policy is refused, or left eager under ``--policies all``), and with
-    ``--prefill-to-length`` ``transformers`` (measured then even without ``--transformers-cache``).
     """
 
     settings: BenchSettings

@@ -53,6 +53,15 @@ def _save(plt, fig, path: Path) -> None:
     plt.close(fig)
 
 
+def _finish(ax, xlabel: str, ylabel: str, **legend) -> None:
+    """A curve panel's labels, its y axis from zero, its grid and legend."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2, **legend)
+
+
 def _step_time(plt, sweeps: dict[int, dict[str, dict]], path: Path) -> None:
     fig, axes = plt.subplots(1, len(sweeps), figsize=(6.5 * len(sweeps), 4.5), squeeze=False)
     for ax, (batch, group) in zip(axes[0], sweeps.items(), strict=True):
@@ -81,15 +90,12 @@ def _step_time(plt, sweeps: dict[int, dict[str, dict]], path: Path) -> None:
             )
         ax.axvline(config["budget"] + config["buffer"], color="grey", linestyle=":", linewidth=1)
         ax.set_title(f"time per decode step, batch {batch} (K + B dotted)")
-        ax.set_xlabel("tokens in the sequence")
         if config.get("prefill_to_length"):
             ax.set_xscale("log", base=2)
-            ax.set_ylabel(f"ms per step (mean of {config['window']} steps)")
+            ylabel = f"ms per step (mean of {config['window']} steps)"
         else:
-            ax.set_ylabel(f"ms per step (rolling median of {config['window']}; dots: window mean)")
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, ncol=2)
+            ylabel = f"ms per step (rolling median of {config['window']}; dots: window mean)"
+        _finish(ax, "tokens in the sequence", ylabel)
     _save(plt, fig, path)
 
 
@@ -111,11 +117,7 @@ def _memory(plt, sweeps: dict[int, dict[str, dict]], path: Path, peak_label: str
     axes[1].set_title(f"peak memory during decode ({peak_label}), batch {batch}")
     # From zero: K/V grows from the lower left, a process's peak memory sits high: the legends go where they do not.
     for ax, corner in zip(axes, ("upper left", "lower right"), strict=True):
-        ax.set_xlabel("tokens in the sequence")
-        ax.set_ylabel("MiB")
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, ncol=2, loc=corner)
+        _finish(ax, "tokens in the sequence", "MiB", loc=corner)
     _save(plt, fig, path)
 
 
@@ -137,11 +139,7 @@ def _throughput(plt, sweeps: dict[int, dict[str, dict]], max_batch: list[dict], 
             points = sorted(curves[name])
             ax.plot([b for b, _ in points], [t for _, t in points], "o-", label=name, markersize=4)
         ax.set_title(f"throughput at {length} tokens")
-        ax.set_xlabel("batch size")
-        ax.set_ylabel("tokens/s")
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, ncol=2)
+        _finish(ax, "batch size", "tokens/s")
     if max_batch:
         ax = axes[0][column]
         records = [r for r in max_batch if r.get("tokens_per_s")]

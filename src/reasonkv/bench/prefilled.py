@@ -1,23 +1,12 @@
 """Steady-state decode at long lengths without decoding every token: prefill, then time a window of steps.
 
-:class:`PrefilledSession` holds one entry's cache (a :class:`~reasonkv.cache.CacheSpec`, or ``None`` for
-transformers' own cache, the one ``model.generate`` builds, with no reasonkv hook). Measuring it at a
-length ``L`` prefills up to ``L - n - u`` tokens (a short prompt, then the rest as if generated, in
-chunks), decodes ``u`` untimed steps (one-time costs of a fresh cache; a ragged batch's stagger) and times
-``n`` decode steps ending at ``L``. An evicting policy is evicted to ``K`` by the prefill (after each chunk
-once due), so the window measures its steady state at ``L``.
-
-Lengths are measured shortest first on the same cache: the next length extends it by a prefill of the
-tokens in between instead of prefilling from nothing (one cache from 8k to 64k, not 8k + 16k + 32k +
-64k tokens of prefill). Where it cannot be extended (a length too close to the last one for its untimed
-and timed steps, or transformers' static cache, whose capacity is the length itself), the old cache is
-dropped first and a fresh one prefilled. The peak-memory counter is reset right before each timed window,
-so a window's peak leaves out the prefill's.
-
-Decode steps can run compiled (``compile=``, a ``torch.compile`` backend): through
-:class:`~reasonkv.generation.compiled.CompiledDecode`, or for ``spec=None`` through
-:class:`~reasonkv.generation.compiled.StaticStep` (transformers' ``StaticCache``, its forward compiled). A
-step that compiled a graph is left out of the window; its time is reported apart as the warm-up.
+Measuring an entry at a length ``L`` prefills up to ``L - n - u`` tokens (a short prompt, then the rest as if
+generated, in chunks), decodes ``u`` untimed steps (a fresh cache's one-time costs; a ragged batch's stagger)
+and times ``n`` decode steps ending at ``L``: an evicting policy, evicted to ``K`` by the prefill, is measured
+in its steady state. Lengths are measured shortest first on one cache, each extended to the next by a prefill
+of the tokens in between (one cache from 8k to 64k, not 8k + 16k + 32k + 64k tokens of prefill); where it
+cannot be (too close a length, transformers' static cache), a fresh one is prefilled, the old one dropped
+first. The peak-memory counter is reset right before each timed window, leaving the prefill's peak out.
 """
 
 from __future__ import annotations
@@ -38,6 +27,7 @@ from reasonkv.bench.measure import (
     progress_bar,
 )
 from reasonkv.bench.memory import kv_bytes_per_token, weight_bytes, window_kv_bytes
+from reasonkv.bench.rounds import summed_compile
 from reasonkv.cache import CacheSpec, EvictingCache
 from reasonkv.generation.step import EagerStep, StaticStep, decode, open_step
 from reasonkv.hf import native_cache, synchronize, vocab_size
@@ -106,34 +96,14 @@ def extension_chunks(total: int, batch: int, tokens_per_forward: int) -> list[in
     return [per_row] * (total // per_row) + ([total % per_row] if total % per_row else [])
 
 
-def _clean_reference(model) -> None:
-    """The plain-transformers reference must run no reasonkv code: no wrapped attention kernel, no claimed
-    module (a RuntimeError from :func:`reasonkv.hf.tap.check_untapped` otherwise)."""
-    check_untapped(model)
-
-
 class PrefilledSession:
-    """One entry's cache, measured at increasing lengths (see the module's text).
+    """One entry's cache (``spec``; None: transformers' own, no reasonkv hook), measured at increasing lengths
+    up to ``top`` (see the module's text).
 
-    Parameters
-    ----------
-    model, spec
-        The model and the cache (``None``: transformers' own).
-    batch, top
-        Rows, and the longest length the session will be measured at (its prompts are drawn once, that long).
-    prefill_chunk
-        Most tokens per prefill forward, summed over the batch (0: one forward).
-    prompt_length, seed
-        The first forward of a fresh cache (what the policies treat as the prompt); the random ids' seed.
-    sync_timing
-        (CUDA) synchronise around every timed phase for an exact split.
-    ragged
-        The untimed steps first stagger the rows, row ``r`` fed padding for its first
-        ``ragged_shifts(batch, B)[r]`` steps, then run ``B + 1`` steps more, so that every row has evicted once
-        before the timed steps (``row_shifts`` in a window).
-    compile
-        A ``torch.compile`` backend for the decode steps (a window's ``compile`` says what compiled and how long
-        it took).
+    ``prefill_chunk``: most tokens per prefill forward, summed over the batch (0: one forward). ``ragged``: the
+    untimed steps first stagger the rows (row ``r`` fed padding for its first ``ragged_shifts(batch, B)[r]``
+    steps), then run ``B + 1`` more, so that every row has evicted once before the timed ones. ``compile``: a
+    ``torch.compile`` backend for the decode steps (through ``StaticStep`` for transformers' own cache).
     """
 
     def __init__(
@@ -181,7 +151,7 @@ class PrefilledSession:
         if had:
             gc.collect()
         if self.plain and self.compile:
-            _clean_reference(self.model)
+            check_untapped(self.model)  # the plain reference runs no reasonkv code
             self.step = StaticStep(self.model, length, backend=self.compile)
             self.cache = self.step.cache
             return
@@ -296,15 +266,10 @@ def measure_prefilled(
     peak_from_prefill: bool = False,
     **options,
 ) -> dict:
-    """Prefill a fresh cache ``spec`` with ``batch`` seeded random rows, then time ``decode_steps`` decode steps
-    that end at ``length`` (:class:`PrefilledSession`, measured at one length).
-
-    Mirrors :func:`reasonkv.generate` (same cache and hooks, greedy, EOS ignored). Returns the window's
-    statistics plus ``prefill_s``, ``prefill_phases_s`` (the prefill's record / observe / score / gather
-    seconds), ``prefill_evictions``, ``prefill_chunks``, ``prefilled_tokens`` and the timed steps' ``step_s``.
-    ``options``: :class:`PrefilledSession`'s (``prefill_chunk``, ``prompt_length``, ``seed``, ``sync_timing``,
-    ``ragged``, ``compile``). ``peak_from_prefill``: the peak counts every decode step, not only the window's.
-    """
+    """:class:`PrefilledSession` measured at one length: a fresh cache prefilled, then ``decode_steps`` timed
+    decode steps ending at ``length``, as :func:`reasonkv.generate` decodes (greedy, EOS ignored). The window's
+    statistics, with the prefill's time, phases, evictions and chunks. ``peak_from_prefill``: the peak counts
+    every decode step, not only the window's."""
     session = PrefilledSession(model, spec, batch=batch, top=length, **options)
     try:
         return session.measure(length, decode_steps, window=window, bar=bar, peak_from_prefill=peak_from_prefill)
@@ -348,9 +313,5 @@ def measure_prefilled_sweep(
         },
     }
     if session.compile:  # a graph per cache capacity at most: a full cache grows with the length, the others do not
-        result["compile"] = {
-            **windows[0]["compile"],
-            "compilations": sum(w["compile"]["compilations"] for w in windows),
-            "warmup_seconds": sum(w["compile"]["warmup_seconds"] for w in windows),
-        }
+        result["compile"] = summed_compile([w["compile"] for w in windows])
     return result

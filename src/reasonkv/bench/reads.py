@@ -1,18 +1,13 @@
 """K/V bytes held and read per decode step, side by side for evicting and selection policies.
 
-An evicting policy (and the full cache) reads at every decode step all the K/V it holds: its bytes read per
-step are its bytes held. A selection policy (``quest``, ``seer``) holds every token and reads a part of them
-each step: each window of its sweep (decoded or prefilled) carries the mean K/V bytes its decode steps read
-(``kv_bytes_read_per_step``) and what reading all it held would have read (``kv_bytes_full_read_per_step``),
-counted by its selector (:class:`reasonkv.bench.measure.StepRecorder`); the run's ``totals.selection`` adds the
-bytes of its side caches (block summaries).
-
-:func:`reads_summary` gives one entry per policy; :func:`reads_markdown` the report's table.
+An evicting policy (and the full cache) reads at every decode step all the K/V it holds. A selection policy
+(``quest``, ``seer``) holds every token and reads a part each step: each window of its sweep carries the mean
+K/V bytes its decode steps read and what reading all it held would have read, counted by its selector.
 """
 
 from __future__ import annotations
 
-from reasonkv.bench.markdown import cell, row
+from reasonkv.bench.markdown import cell, table
 from reasonkv.bench.memory import format_small_bytes, held_bytes
 
 __all__ = ["read_entry", "reads_markdown", "reads_summary", "window_read"]
@@ -31,15 +26,9 @@ def window_read(window: dict, selects: bool) -> float | None:
 
 
 def read_entry(record: dict) -> dict:
-    """``{"selects", "kv_bytes_held_max", "kv_bytes_read_per_step", "kv_bytes_full_read_per_step",
-    "read_fraction", "side_cache_bytes"}`` of one sweep record, every row together.
-
-    Held: the most K/V bytes in use at the end of a window. Read per step: the mean over the measured windows of
-    each window's mean per decode step: a selection policy's counted reads, and beside them what reading all it
-    held would have cost (``None`` when its windows carry no counts); an evicting policy's held bytes, which
-    every step reads whole (its ratio is 1). Side caches: a selection policy's block summaries at the end of
-    the run (``totals.selection``).
-    """
+    """What one sweep record held (the most K/V bytes in use at the end of a window) and read per decode step
+    (the mean over its windows: a selection policy's counted reads, with what reading all it held would have
+    cost; an evicting policy's held bytes), and a selection policy's side caches (its block summaries)."""
     windows = record.get("windows") or []
     held = [held_bytes(w) for w in windows]
     selects = bool(record.get("selects")) or "selection" in (record.get("totals") or {})
@@ -81,23 +70,23 @@ def reads_markdown(summary: dict[str, dict], order: list[str]) -> list[str]:
         "evicting policy reads all it holds; a selection policy holds every token and reads a part (*full read*: "
         "what reading all it held would have cost; *side caches*: its block summaries at the end of the run):",
         "",
-        "| policy | kind | KV held (max) | KV read per step (mean) | full read per step (mean) | read / full | "
-        "side caches |",
-        "|---|---|---|---|---|---|---|",
     ]
+    rows = []
     for name in order:
         entry = summary.get(name)
         if entry is None:
             continue
-        fraction = entry["read_fraction"]
-        cells = [
-            name,
-            "selects" if entry["selects"] else "holds what it reads",
-            format_small_bytes(entry["kv_bytes_held_max"]),
-            format_small_bytes(entry["kv_bytes_read_per_step"]),
-            format_small_bytes(entry["kv_bytes_full_read_per_step"]),
-            cell(fraction, "{:.3f}"),
-            format_small_bytes(entry["side_cache_bytes"]) if entry["selects"] else "-",
-        ]
-        lines.append(row(cells))
-    return lines + [""]
+        rows.append(
+            [
+                name,
+                "selects" if entry["selects"] else "holds what it reads",
+                format_small_bytes(entry["kv_bytes_held_max"]),
+                format_small_bytes(entry["kv_bytes_read_per_step"]),
+                format_small_bytes(entry["kv_bytes_full_read_per_step"]),
+                cell(entry["read_fraction"], "{:.3f}"),
+                format_small_bytes(entry["side_cache_bytes"]) if entry["selects"] else "-",
+            ]
+        )
+    header = ["policy", "kind", "KV held (max)", "KV read per step (mean)", "full read per step (mean)"]
+    header += ["read / full", "side caches"]
+    return lines + table(header, rows)

@@ -1,22 +1,8 @@
 """From records to the overhead summary and the markdown report.
 
-The summary compares policies measured side by side in one run (ratios, never absolute claims):
-
-(a) eviction overhead: ``record + observe + score + gather`` per decode step, as a percentage of a
-    full-cache step at ``K + B/2`` tokens (the cache size an evicting policy averages);
-(b) step time relative to ``streaming`` at each length (the same eviction schedule with trivial
-    scoring, so the ratio is the price of the policy's scoring and recording);
-(c) flatness: step time at ``8 K`` over step time at ``K`` (or at the largest length if ``8 K`` was
-    not reached);
-(d) tokens/s relative to the full cache at each length;
-(e) with ``--transformers-cache``: tokens/s relative to transformers' own cache (no reasonkv hook) at
-    each length, so ``full`` shows what reasonkv's bookkeeping costs and every policy what it gains (a
-    compiled entry, ``--compile``: relative to transformers compiled, ``transformers~compiled``);
-(f) with ``--prefill-to-length``: the prefill's evictions (a long prompt evicted to ``K``) and the
-    policy's bookkeeping during the prefill, at each length.
-
-Every ratio sets two entries measured in the same interleaved rounds (:func:`~reasonkv.bench.rounds.same_rounds`):
-an entry measured in other rounds (another run resumed into the folder, say) gets no ratio against them.
+The summary compares policies measured side by side in one run (ratios, never absolute claims); its sections
+(a) to (f) say in the report what each compares. Every ratio sets two entries measured in the same
+interleaved rounds (:func:`~reasonkv.bench.rounds.same_rounds`); an entry of other rounds gets none.
 """
 
 from __future__ import annotations
@@ -26,6 +12,7 @@ from collections import defaultdict
 from reasonkv.bench.compiled import COMPILED, compiled_label
 from reasonkv.bench.layers import layer_markdown, layer_summary
 from reasonkv.bench.markdown import cell, section, table
+from reasonkv.bench.measure import PHASES
 from reasonkv.bench.memory import format_bytes, held_bytes
 from reasonkv.bench.reads import reads_markdown, reads_summary, window_read
 from reasonkv.bench.rounds import same_rounds
@@ -36,6 +23,7 @@ from reasonkv.bench.targets import (
     cheapest_text,
     epikv_cheapest,
     failures,
+    mark,
     sweep_targets,
     targets_markdown,
 )
@@ -61,14 +49,10 @@ def _sweep_summary(records: list[dict]) -> dict:
     config = records[0]["config"]
     budget, buffer = config["budget"], config["buffer"]
     by_policy = {r["policy"]: r for r in records}
-    full = by_policy.get("full")
-    streaming = by_policy.get("streaming")
-    full_windows = by_length(full) if full else {}
-    streaming_windows = by_length(streaming) if streaming else {}
-    plain = by_policy.get(TRANSFORMERS)
-    plain_windows = by_length(plain) if plain else {}
+    full, streaming = by_policy.get("full"), by_policy.get("streaming")
+    plain, static = by_policy.get(TRANSFORMERS), by_policy.get(compiled_label(TRANSFORMERS))
     reference_length = budget + buffer // 2
-    reference = _nearest(full_windows, reference_length)
+    reference = _nearest(by_length(full) if full else {}, reference_length)
     full_step = reference[1]["step_median_s"] if reference else None
     lengths = list(config["lengths"])
     out: dict = {
@@ -80,24 +64,17 @@ def _sweep_summary(records: list[dict]) -> dict:
         else {"length": reference[0], "wanted_length": reference_length, "step_median_s": full_step},
         "policies": {},
     }
-    static = by_policy.get(compiled_label(TRANSFORMERS))
-    static_windows = by_length(static) if static else {}
     for name, record in by_policy.items():
         windows = by_length(record)
-        versus = static_windows if name.endswith(COMPILED) else plain_windows  # compiled against compiled
-        versus = versus if same_rounds(record, (static if name.endswith(COMPILED) else plain) or {}) else {}
-        if not same_rounds(record, full or {}):
-            full_windows, full_step = {}, None
-        else:
-            full_windows = by_length(full) if full else {}
-            full_step = reference[1]["step_median_s"] if reference else None
-        streaming_windows = by_length(streaming) if streaming and same_rounds(record, streaming) else {}
+        versus = _beside(record, static if name.endswith(COMPILED) else plain)  # compiled against compiled
+        full_windows, streaming_windows = _beside(record, full), _beside(record, streaming)
+        step = full_step if same_rounds(record, full or {}) else None
         per_token = record.get("kv_bytes_per_token")
         batch = record["batch"]
         summary: dict = {"evicts": record.get("evicts", name not in ("full", TRANSFORMERS))}
         summary["reads_attention"] = record.get("reads_attention")
         summary["overhead_pct"] = {
-            tokens: _pct(windows[tokens]["eviction_overhead_s"], full_step) for tokens in lengths if tokens in windows
+            tokens: _pct(windows[tokens]["eviction_overhead_s"], step) for tokens in lengths if tokens in windows
         }
         # Lengths whose window starts after the first eviction: the cache holds K to K + B slots.
         evicted = [
@@ -111,60 +88,28 @@ def _sweep_summary(records: list[dict]) -> dict:
         ]
         summary["overhead_pct_steady"] = max(values) if values else None
         summary["steady_lengths"] = steady
-        summary["step_vs_streaming"] = {
-            tokens: _ratio(windows[tokens]["step_mean_s"], streaming_windows[tokens]["step_mean_s"])
-            for tokens in lengths
-            if tokens in windows and tokens in streaming_windows
-        }
+        summary["step_vs_streaming"] = _versus(windows, streaming_windows, lengths, "step_mean_s")
         summary["tokens_per_s"] = {tokens: windows[tokens]["tokens_per_s"] for tokens in lengths if tokens in windows}
-        summary["tokens_per_s_vs_full"] = {
-            tokens: _ratio(windows[tokens]["tokens_per_s"], full_windows[tokens]["tokens_per_s"])
-            for tokens in lengths
-            if tokens in windows and tokens in full_windows
-        }
-        summary["tokens_per_s_vs_transformers"] = {
-            tokens: _ratio(windows[tokens]["tokens_per_s"], versus[tokens]["tokens_per_s"])
-            for tokens in lengths
-            if tokens in windows and tokens in versus
-        }
-        summary["cumulative_tokens_per_s_vs_full"] = {
-            tokens: _ratio(
-                windows[tokens].get("cumulative_tokens_per_s"), full_windows[tokens].get("cumulative_tokens_per_s")
-            )
-            for tokens in lengths
-            if tokens in windows
-            and tokens in full_windows
-            and windows[tokens].get("cumulative_tokens_per_s") is not None
-        }
-        summary["prefill_eviction_s"] = {
-            tokens: _phase_sum(windows[tokens], "score", "gather")
-            for tokens in lengths
-            if _evicted_prefill(windows, tokens)
-        }
-        summary["prefill_bookkeeping_s"] = {
-            tokens: _phase_sum(windows[tokens], "record", "observe")
-            for tokens in lengths
-            if _evicted_prefill(windows, tokens)
-        }
+        summary["tokens_per_s_vs_full"] = _versus(windows, full_windows, lengths, "tokens_per_s")
+        summary["tokens_per_s_vs_transformers"] = _versus(windows, versus, lengths, "tokens_per_s")
+        summary["cumulative_tokens_per_s_vs_full"] = _versus(windows, full_windows, lengths, "cumulative_tokens_per_s")
+        for key, phases in (
+            ("prefill_eviction_s", ("score", "gather")),
+            ("prefill_bookkeeping_s", ("record", "observe")),
+        ):
+            summary[key] = {
+                tokens: _phase_sum(windows[tokens], *phases) for tokens in lengths if _evicted(windows, tokens)
+            }
         if summary["evicts"]:
             short = windows.get(budget)
             long_pick = _nearest({tokens: w for tokens, w in windows.items() if tokens <= 8 * budget}, 8 * budget)
-            if short is not None and long_pick is not None and long_pick[0] > budget:
-                summary["flatness"] = {
-                    "ratio": _ratio(long_pick[1]["step_mean_s"], short["step_mean_s"]),
-                    "long_length": long_pick[0],
-                    "short_length": budget,
-                }
-            else:
-                summary["flatness"] = None
+            fits = short is not None and long_pick is not None and long_pick[0] > budget
+            summary["flatness"] = _flatness(long_pick, budget, short) if fits else None
             # The step at K holds fewer slots than a steady cache (K to K + B) and never evicts, so the model's
             # own attention makes it cheaper whatever the policy; between two steady lengths only what grows
             # with the sequence (a policy's per-position state, say) changes the step.
             first = min((t for t in evicted if long_pick and t < long_pick[0]), default=None)
-            summary["flatness_steady"] = None
-            if first is not None:
-                ratio = _ratio(long_pick[1]["step_mean_s"], windows[first]["step_mean_s"])
-                summary["flatness_steady"] = {"ratio": ratio, "long_length": long_pick[0], "short_length": first}
+            summary["flatness_steady"] = None if first is None else _flatness(long_pick, first, windows[first])
             if per_token:
                 # Full-attention layers: K + B tokens (K + 2B when rows evict apart); sliding layers: their window.
                 bound = (budget + buffer * (2 if name.endswith(RAGGED) else 1)) * per_token * batch
@@ -190,7 +135,25 @@ def _sweep_summary(records: list[dict]) -> dict:
     return out
 
 
-def _evicted_prefill(windows: dict, tokens: int) -> bool:
+def _beside(record: dict, other: dict | None) -> dict[int, dict]:
+    """``other``'s windows by length, if it may be set against ``record`` (measured in the same rounds)."""
+    return by_length(other) if other is not None and same_rounds(record, other) else {}
+
+
+def _versus(windows: dict, other: dict, lengths: list[int], key: str) -> dict:
+    """``key`` of ``windows`` over ``other``'s, at each of ``lengths`` both reached (and ``windows`` has it)."""
+    both = [t for t in lengths if t in windows and t in other and windows[t].get(key) is not None]
+    return {t: _ratio(windows[t][key], other[t].get(key)) for t in both}
+
+
+def _flatness(long_pick: tuple[int, dict], short_length: int, short: dict) -> dict:
+    """The step time at the long length over the step at the short one."""
+    ratio = _ratio(long_pick[1]["step_mean_s"], short["step_mean_s"])
+    return {"ratio": ratio, "long_length": long_pick[0], "short_length": short_length}
+
+
+def _evicted(windows: dict, tokens: int) -> bool:
+    """Whether the prefill to ``tokens`` evicted."""
     return tokens in windows and windows[tokens].get("prefill_evictions", 0) > 0
 
 
@@ -225,13 +188,10 @@ def summarise(records: list[dict]) -> dict:
 
     batches = [r for r in records if r.get("mode") == "max-batch"]
     if batches:
-        full = next((r for r in batches if r["policy"] == "full"), None)
-        full_tps = full.get("tokens_per_s") if full else None
+        full = next((r for r in batches if r["policy"] == "full"), {})
         out["max_batch"] = {
-            "tokens_per_s_vs_full": {r["policy"]: _ratio(r.get("tokens_per_s"), full_tps) for r in batches},
-            "max_batch_vs_full": {
-                r["policy"]: _ratio(r.get("max_batch"), full.get("max_batch") if full else None) for r in batches
-            },
+            f"{key}_vs_full": {r["policy"]: _ratio(r.get(key), full.get(key)) for r in batches}
+            for key in ("tokens_per_s", "max_batch")
         }
     return out
 
@@ -241,10 +201,6 @@ def summarise(records: list[dict]) -> dict:
 
 def _ms(seconds) -> str:
     return "-" if seconds is None else f"{1000 * seconds:.2f}"
-
-
-def _mark(ok) -> str:
-    return "-" if ok is None else ("yes" if ok else "NO")
 
 
 def _policy_order(names) -> list[str]:
@@ -311,7 +267,7 @@ def _sweep_markdown(records: list[dict], summary: dict, meta: dict) -> list[str]
                         _ms(w["step_mean_s"]),
                         _rounds_cell(w),
                         cell(w.get("gpu_clock_mhz"), "{}"),
-                        *(_ms(split[p]) for p in ("forward", "record", "observe", "score", "gather")),
+                        *(_ms(split[p]) for p in ("forward", *PHASES)),
                         str(w["evictions"]),
                         str(w["slots"]),
                         format_bytes(held_bytes(w)),
@@ -321,9 +277,8 @@ def _sweep_markdown(records: list[dict], summary: dict, meta: dict) -> list[str]
                         format_bytes(w.get("peak_memory_bytes")),
                     ]
                 )
-        header = ["policy", "length", "tok/s", "step ms (median)", "step ms (mean)", "rounds", "SM MHz"]
-        header += ["forward", "record"]
-        header += ["observe", "score", "gather", "evictions", "slots", "KV held"]
+        header = ["policy", "length", "tok/s", "step ms (median)", "step ms (mean)", "rounds", "SM MHz", "forward"]
+        header += [*PHASES, "evictions", "slots", "KV held"]
         header += ["KV read per step", "KV allocated"] if selecting else ["KV allocated"]
         header += ["KV full-attention layers", "KV sliding layers"] if hybrid else []
         header += [f"peak ({peak_kind})"]
@@ -370,10 +325,7 @@ def _summary_markdown(batch: int, summary: dict) -> list[str]:
     lines += table(["policy", *(f"@{tokens}" for tokens in lengths), "steady"], rows)
     if "streaming" in policies:
         lines += ["(b) Step time relative to streaming (same eviction schedule, trivial scoring):", ""]
-        rows = [
-            [n, *(cell(policies[n]["step_vs_streaming"].get(tokens), "{:.3f}") for tokens in lengths)] for n in order
-        ]
-        lines += table(["policy", *(f"@{tokens}" for tokens in lengths)], rows)
+        lines += _length_table(policies, order, lengths, "step_vs_streaming")
     lines += [
         "(c) Flatness: step time at 8 K over step time at K (a window that ends at K: the cache holds fewer "
         "slots than K + B and never evicts), and over the first length measured in its steady state (both "
@@ -398,7 +350,7 @@ def _summary_markdown(batch: int, summary: dict) -> list[str]:
                 *flat_texts,
                 format_bytes(s.get("kv_bytes_max")),
                 format_bytes(s.get("kv_bytes_bound")),
-                _mark(s.get("kv_within_bound")),
+                mark(s.get("kv_within_bound")),
                 *([format_bytes(s.get(key)) for key in _BY_KIND] if hybrid else []),
             ]
         )
@@ -430,11 +382,7 @@ def _summary_markdown(batch: int, summary: dict) -> list[str]:
             "same loop, prompts and lengths; a compiled entry relative to transformers~compiled):",
             "",
         ]
-        rows = [
-            [n, *(cell(policies[n]["tokens_per_s_vs_transformers"].get(tokens), "{:.3f}") for tokens in lengths)]
-            for n in order
-        ]
-        lines += table(["policy", *(f"@{tokens}" for tokens in lengths)], rows)
+        lines += _length_table(policies, order, lengths, "tokens_per_s_vs_transformers")
     evicted = [n for n in order if policies[n].get("prefill_eviction_s")]
     if evicted:
         lines += [
@@ -456,6 +404,12 @@ def _summary_markdown(batch: int, summary: dict) -> list[str]:
         lines += table(header, rows)
     lines += targets_markdown(summary["targets"])
     return lines
+
+
+def _length_table(policies: dict, order: list[str], lengths: list[int], key: str) -> list[str]:
+    """A table of each policy's ratio ``key`` at every length."""
+    rows = [[n, *(cell(policies[n][key].get(tokens), "{:.3f}") for tokens in lengths)] for n in order]
+    return table(["policy", *(f"@{tokens}" for tokens in lengths)], rows)
 
 
 def _eviction_markdown(records: list[dict], summary: dict | None) -> list[str]:

@@ -1,14 +1,8 @@
 """Interleaved rounds: every entry of a group measured once per round, A B C A B C ..., the median round kept.
 
-A GPU's clock and a shared host's load drift over minutes, so entries measured one after another compare
-the machine's state as much as the entries. Measuring each entry once per round, the entries in the same
-order in every round, spreads that drift over all of them; the median of an entry's rounds is its figure
-and the rounds' minimum, maximum and quartiles its spread. Two entries' figures are compared (a ratio)
-only when both come from the same rounds (:func:`same_rounds`).
-
-:func:`run_rounds` is the one place that schedules rounds; what one entry's round measures (a length
-sweep, windows at several lengths) is the caller's, and :func:`combine_rounds` turns an entry's rounds into
-one record of the same layout.
+A GPU's clock and a shared host's load drift over minutes, so entries measured one after another compare the
+machine's state as much as the entries; measuring each entry once per round spreads that drift over all of
+them. Two entries' figures are compared only when both come from the same rounds (:func:`same_rounds`).
 """
 
 from __future__ import annotations
@@ -19,7 +13,7 @@ from typing import TypeVar
 
 from reasonkv.suggest.integers import check_int
 
-__all__ = ["combine_rounds", "interleaved", "run_rounds", "same_rounds", "spread"]
+__all__ = ["combine_rounds", "interleaved", "run_rounds", "same_rounds", "spread", "summed_compile"]
 
 Entry = TypeVar("Entry", bound=Hashable)
 
@@ -104,12 +98,10 @@ def _combine_window(windows: list[dict]) -> dict:
 def combine_rounds(datas: list[dict]) -> dict:
     """One length sweep's rounds (each ``{"windows": [...], ...}``) as one record of the same layout.
 
-    At each length the window of the median round is kept whole (its mean step time is the figure), with
-    ``rounds`` (every round's mean step time, tokens/s, GPU clock and peak memory, and which round is the
-    median) and ``step_mean_spread_s`` (minimum, quartiles, median and maximum of the rounds' mean step
-    times). Lengths not reached by every round keep the rounds that reached them. The rest of the record
-    is the round that is the median at the longest length; ``compile`` adds up every round's compilations
-    and warm-up (the first round compiles, the others reuse its graphs).
+    At each length the median round's window is kept whole, with ``rounds`` (every round's figures) and
+    ``step_mean_spread_s``; lengths not reached by every round keep the rounds that reached them. The rest is
+    the round that is the median at the longest length; ``compile`` adds up every round's compilations and
+    warm-up (the first round compiles, the others reuse its graphs).
     """
     if not datas:
         raise ValueError("no rounds to combine")
@@ -124,12 +116,17 @@ def combine_rounds(datas: list[dict]) -> dict:
     out = {**base, "windows": windows}
     compiles = [d["compile"] for d in datas if d.get("compile")]
     if compiles:
-        out["compile"] = {
-            **compiles[0],
-            "compilations": sum(c.get("compilations") or 0 for c in compiles),
-            "warmup_seconds": sum(c.get("warmup_seconds") or 0.0 for c in compiles),
-        }
+        out["compile"] = summed_compile(compiles)
     return out
+
+
+def summed_compile(compiles: list[dict]) -> dict:
+    """The first of several runs' ``compile`` records, with every run's compilations and warm-up added up."""
+    return {
+        **compiles[0],
+        "compilations": sum(c.get("compilations") or 0 for c in compiles),
+        "warmup_seconds": sum(c.get("warmup_seconds") or 0.0 for c in compiles),
+    }
 
 
 def _reaches(data: dict, length: int) -> bool:

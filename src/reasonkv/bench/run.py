@@ -1,13 +1,10 @@
 """One bench run: plan, claim the folder, load the model once, measure every pending entry, report.
 
-:func:`run_bench` is the whole of ``reasonkv bench`` once its arguments are a
-:class:`~reasonkv.bench.settings.BenchSettings`. Entries already in the folder are skipped (unless
-``force``). After a warm-up until the step time is stable, the length sweep's entries of one batch size
-are measured in ``rounds`` interleaved rounds (:mod:`reasonkv.bench.rounds`: A B C A B C ..., each record
-the median round, with the rounds' spread and a ``rounds_group`` naming the rounds it shares with the
-others); the other measurements run once each. Each finished entry is appended to ``results.jsonl`` at
-once and the reports are rewritten; a killed run keeps every finished entry, and those with some rounds
-measured (``rounds_complete: false``). One failing entry is recorded as an error and the others still run.
+Entries already in the folder are skipped (unless ``force``). After a warm-up, the length sweep's entries of
+one batch size are measured in interleaved rounds (:mod:`reasonkv.bench.rounds`); the other measurements run
+once each. Each finished entry is appended to ``results.jsonl`` at once and the reports are rewritten; a killed
+run keeps every finished entry, and those with some rounds measured (``rounds_complete: false``). A failing
+entry is recorded as an error and the others still run.
 """
 
 from __future__ import annotations
@@ -92,15 +89,8 @@ def measure_entry(model, plan: Plan, mode: str, policy: str, batch: int | None, 
             compile=config["compile"] if policy in plan.compiled else None,
         )
         if config["prefill_to_length"]:
-            ragged = policy in plan.ragged
-            data = measure_prefilled_sweep(
-                model,
-                spec,
-                decode_steps=config["decode_steps"],
-                prefill_chunk=config["prefill_chunk"],
-                ragged=ragged,
-                **common,
-            )
+            prefill = {key: config[key] for key in ("decode_steps", "prefill_chunk")}
+            data = measure_prefilled_sweep(model, spec, ragged=policy in plan.ragged, **prefill, **common)
         else:
             data = measure_sweep(model, spec, **common)
         if variant is not None:
@@ -110,16 +100,13 @@ def measure_entry(model, plan: Plan, mode: str, policy: str, batch: int | None, 
         return measure_eviction_cost(
             model, spec, repeats=config["repeats"], batch=batch, prefill_chunk=config["prefill_chunk"], **common
         )
+    sizes = ("length", "decode_steps", "probe_steps", "max_measured_batch", "prefill_chunk")
     return measure_max_batch(
         model,
         spec,
-        length=config["length"],
         memory_limit=config["memory_limit_bytes"],
-        decode_steps=config["decode_steps"],
         probe_batches=tuple(config["probe_batches"]),
-        probe_steps=config["probe_steps"],
-        max_measured_batch=config["max_measured_batch"],
-        prefill_chunk=config["prefill_chunk"],
+        **{key: config[key] for key in sizes},
         **common,
     )
 

@@ -1,11 +1,8 @@
 """``reasonkv bench``'s settings: one frozen object, every flag a typed field, checked once.
 
-:class:`BenchSettings` is what the command line builds from its arguments (:mod:`reasonkv.cli.bench`)
-and what a Python caller builds directly; the plan (:func:`reasonkv.bench.plan.build_plan`) and the run
-(:func:`reasonkv.bench.run.run_bench`) read nothing else. Building one checks every value and every
-combination that needs no model and no policy: a mistake is a ``ValueError`` naming the flag, the bad
-value and what is allowed, raised before any folder is touched. The lists the command line takes as
-comma-separated text (``--lengths 1024,2048``) may be given as that text or as sequences.
+What the command line builds from its arguments and a Python caller builds directly; the plan and the run
+read nothing else. Building one checks every value and every combination that needs no model and no policy
+(a ``ValueError`` naming the flag, the bad value and what is allowed), before any folder is touched.
 """
 
 from __future__ import annotations
@@ -58,13 +55,8 @@ TRANSFORMERS = "transformers"  # the sweep's reference entry: transformers' own 
 def parse_int_list(value: str | Sequence[int], what: str, *, increasing: bool = False) -> tuple[int, ...]:
     """``"1024,2048"`` (or ``[1024, 2048]``) -> ``(1024, 2048)``: positive integers, strictly increasing if
     asked, else without repeats."""
-    if isinstance(value, str):
-        parts = [p.strip() for p in value.split(",") if p.strip()]
-    elif isinstance(value, Sequence):
-        parts = list(value)
-    else:
-        raise ValueError(f"{what}: expected comma-separated positive integers, got {value!r}")
-    if not parts:
+    parts = [p.strip() for p in value.split(",") if p.strip()] if isinstance(value, str) else value
+    if not isinstance(parts, Sequence) or not parts:
         raise ValueError(f"{what}: expected comma-separated positive integers, got {value!r}")
     values = []
     for part in parts:
@@ -117,30 +109,8 @@ def _joined(values: Sequence[int]) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class BenchSettings:
-    """Everything one ``reasonkv bench`` run is told (the fields are its flags, in their order).
-
-    Model: ``model``, ``dtype``, ``device``, ``attn``, ``threads`` (CPU threads for torch; None: torch's
-    choice). Policies: ``policies`` (names, or ``("all",)``), ``option`` (``KEY=VALUE`` or
-    ``POLICY.KEY=VALUE`` strings), ``budget`` ``K``, ``buffer`` ``B``, ``seed`` (prompts and policies),
-    ``quantized``/``bits`` (a quantized-tier variant of each requested evicting policy), ``allocation``,
-    ``budgets_file``, ``adaptive_alpha``, ``padded_heads`` (how ``K x layers x kv-heads`` is shared among the
-    layers' kv-heads, :mod:`reasonkv.cache.allocation`: every evicting entry of the length sweep runs under it,
-    its heads in ragged storage unless ``padded_heads``). Length sweep:
-    ``lengths`` (None: :data:`DEFAULT_LENGTHS`, and the sweep runs only when no other measurement is
-    asked for), ``reference_lengths`` (also the lengths the summary's overhead and flatness compare with:
-    ``K``, ``K + B/2``, ``8 K``), ``rounds`` (the sweep's entries of a batch size measured in that many
-    interleaved rounds, the median kept: :mod:`reasonkv.bench.rounds`), ``batch_sizes``, ``prompt_length``,
-    ``window`` (None: see :attr:`sweep_window`),
-    ``prefill_to_length``, ``transformers_cache``, ``decode_steps``, ``sync_timing``, ``prefill_chunk``,
-    ``ragged`` (a variant of each requested evicting policy whose rows are prefilled to lengths ``B /
-    batch`` apart, so that they evict at different steps, beside the one whose rows evict together), ``compile``
-    (each plain entry again as ``ENTRY~compiled``, its decode steps compiled: ``True`` for inductor, or a
-    ``torch.compile`` backend's name; with ``prefill_to_length`` also the pair ``transformers`` /
-    ``transformers~compiled``).
-    Eviction cost: ``eviction_cost``, ``cached`` ``N``, ``repeats``. Max batch: ``max_batch``,
-    ``memory_limit`` (as written: ``"24GiB"``), ``length``, ``probe_batches``, ``probe_steps``,
-    ``max_measured_batch``. Output: ``out``, ``force``, ``progress``, ``plots``.
-    """
+    """Everything one ``reasonkv bench`` run is told: the fields are its flags, in their order, each with its
+    help; the lists the command line takes as text (``--lengths 1024,2048``) may be given as sequences."""
 
     model: str = setting(DEFAULT_MODEL, group="model", shared="model", shared_with=_MODEL, always=True)
     dtype: str = setting(DEFAULT_DTYPE, group="model", shared="model", shared_with=_MODEL, always=True)

@@ -1,14 +1,8 @@
 """Where results go: one JSON line per finished (mode, policy, batch) entry, appended as measured.
 
-A killed run keeps every entry it finished; a rerun with the same output folder skips them. The
-configuration of a mode (model, budget, lengths, ...) is stored in every record: resuming with a
-different one is refused, so one folder never mixes numbers from two set-ups.
-
-The folder is claimed first (:func:`claim_output`): it must be a bench folder of this tool (its
-marker, or a ``results.jsonl`` of bench records from before markers existed), a new folder, or one
-without any of the files a bench writes; it stays locked while the bench runs (see
-:mod:`reasonkv.runs.outputs`). ``results.jsonl`` is a :class:`reasonkv.runs.store.JsonlStore` under
-that lock.
+A rerun with the same output folder skips the finished entries. A mode's configuration is stored in every
+record: resuming with a different one is refused, so one folder never mixes two set-ups. The folder is
+claimed first (:func:`claim_output`) and stays locked while the bench runs.
 """
 
 from __future__ import annotations
@@ -52,6 +46,10 @@ def entry_key(mode: str, policy: str, batch: int | None, options: dict) -> tuple
     return (mode, policy, batch, json.dumps(options, sort_keys=True, default=str))
 
 
+def _key(record: dict) -> tuple:
+    return entry_key(record["mode"], record["policy"], record.get("batch"), record.get("options", {}))
+
+
 class ResultStore:
     """The records of one output folder (``results.jsonl``)."""
 
@@ -69,16 +67,12 @@ class ResultStore:
         latest: dict[tuple, dict] = {}
         for record in self.records:
             if record.get("status") == "ok" and (mode is None or record.get("mode") == mode):
-                latest[entry_key(record["mode"], record["policy"], record.get("batch"), record.get("options", {}))] = (
-                    record
-                )
+                latest[_key(record)] = record
         return list(latest.values())
 
     def done(self, mode: str, policy: str, batch: int | None, options: dict) -> bool:
         key = entry_key(mode, policy, batch, options)
-        return any(
-            entry_key(r["mode"], r["policy"], r.get("batch"), r.get("options", {})) == key for r in self.ok(mode)
-        )
+        return any(_key(r) == key for r in self.ok(mode))
 
     def check_config(self, mode: str, config: dict, *, force: bool, rerun: list[tuple] = ()) -> int:
         """Refuse to mix configurations of ``mode``.
@@ -104,15 +98,10 @@ class ResultStore:
         if not force:
             return 0
         rerun = set(rerun)
-
-        def dropped(record: dict) -> bool:
-            if record.get("mode") != mode:
-                return False
-            key = entry_key(mode, record["policy"], record.get("batch"), record.get("options", {}))
-            return record.get("config", {}) != config or key in rerun
-
         before = len(self.records)
-        self.records = [r for r in self.records if not dropped(r)]
+        self.records = [
+            r for r in self.records if r.get("mode") != mode or (r.get("config", {}) == config and _key(r) not in rerun)
+        ]
         if len(self.records) != before:
             self._file.rewrite(self.records)
         return before - len(self.records)

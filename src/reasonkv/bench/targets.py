@@ -19,6 +19,7 @@ __all__ = [
     "cheapest_text",
     "epikv_cheapest",
     "failures",
+    "mark",
     "sweep_targets",
     "targets_markdown",
 ]
@@ -98,7 +99,7 @@ def failures(flags: dict, missing: str = "not measured") -> str:
     return "all met" if not bad else "missed by " + ", ".join(bad)
 
 
-def _mark(ok) -> str:
+def mark(ok: bool | None) -> str:
     return "-" if ok is None else ("yes" if ok else "NO")
 
 
@@ -120,7 +121,7 @@ def targets_markdown(targets: dict) -> list[str]:
         lines.append("- " + cheapest_text(targets["cheapest_nontrivial"], targets.get("epikv_cheapest")))
     full = targets.get("full_vs_transformers")
     if full is not None:
-        ok = _mark(targets["full_within_2pct_of_transformers"])
+        ok = mark(targets["full_within_2pct_of_transformers"])
         lines += [
             f"- full through an EvictingCache within 2% of transformers' own cache: {ok} ({full:.3f}x at the "
             "slowest length)",

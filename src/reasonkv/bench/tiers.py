@@ -1,12 +1,8 @@
 """The quantized tier in the bench: each requested policy again, with a tier, at the plain K/V bytes.
 
-``reasonkv bench --quantized Q --bits b`` adds a variant ``POLICY+intb:Q`` of every requested
-evicting policy: the same policy with ``Q`` tokens per head in the tier and its full-precision budget
-lowered from ``K`` to the ``K'`` at which its cache holds, *measured*, the K/V bytes of ``K`` plain
-tokens (:func:`equal_measured_bytes`: the tier's nominal bytes, :func:`reasonkv.cache.tiers.budget_for_bytes`,
-leave out its pending tokens at full precision and its key groups' partial fill). Plain and tiered
-run side by side in one run, so the summary compares their step time at equal measured bytes, and
-the K/V bytes they really held.
+``--quantized Q --bits b`` adds a variant ``POLICY+intb:Q`` of every requested evicting policy: ``Q`` tokens per
+head in the tier, its full-precision budget lowered from ``K`` to the ``K'`` at which its cache holds, measured,
+the K/V bytes of ``K`` plain tokens (:func:`equal_measured_bytes`).
 """
 
 from __future__ import annotations
@@ -17,8 +13,7 @@ from reasonkv.bench.markdown import cell, per_batch
 from reasonkv.bench.measure import WARMUP_STEPS, model_dtype
 from reasonkv.bench.memory import format_bytes, kv_bytes_per_token
 from reasonkv.bench.prefilled import measure_prefilled
-from reasonkv.bench.rounds import same_rounds
-from reasonkv.bench.windows import by_length
+from reasonkv.bench.windows import beside_plain
 from reasonkv.cache import CacheSpec
 from reasonkv.cache.quantize import QuantFormat, default_group_size
 from reasonkv.cache.tiers import budget_for_bytes
@@ -84,17 +79,8 @@ def equal_measured_bytes(
 def tier_summary(records: list[dict]) -> dict:
     """Per batch (as a string) and tiered variant: its step time and K/V bytes over the plain policy's."""
     out: dict = {}
-    sweeps = [r for r in records if r.get("mode") == "sweep"]
-    for record in sweeps:
-        tier = record.get("tier")
-        if not tier:
-            continue
-        same = [r for r in sweeps if r["batch"] == record["batch"] and same_rounds(r, record)]  # ratios: same rounds
-        plain = next((r for r in same if r["policy"] == tier["policy"]), None)
-        if plain is None:
-            continue
-        mine, theirs = by_length(record), by_length(plain)
-        common = sorted(set(mine) & set(theirs))
+    for record, plain, mine, theirs, common in beside_plain(records, lambda r: (r.get("tier") or {}).get("policy")):
+        tier = record["tier"]
         out.setdefault(str(record["batch"]), {})[record["policy"]] = {
             "policy": tier["policy"],
             "budget": tier["budget"],

@@ -1,20 +1,16 @@
-"""The length sweep's variants against their plain entries: tiered (``--quantized``, :mod:`reasonkv.bench.tiers`),
-compiled (``--compile``, :mod:`reasonkv.bench.compiled`) and ragged (``--ragged``).
+"""The length sweep's variants against their plain entries: tiered (:mod:`reasonkv.bench.tiers`), compiled
+(:mod:`reasonkv.bench.compiled`) and ragged (``--ragged``).
 
-A ragged variant ``POLICY~ragged`` runs the policy with its rows prefilled to lengths ``B / batch`` apart
-(:func:`reasonkv.bench.measure.ragged_shifts`), so that they evict at different steps, as prompts of
-different lengths do; the plain entry's rows evict together. Side by side in one run, the summary
-compares their step time and the share of it spent compacting the cache (``gather``): with rows
-evicting on their own schedules there are more evictions, each compacting fewer rows.
+A ragged variant ``POLICY~ragged`` runs the policy with its rows prefilled to lengths ``B / batch`` apart, so that
+they evict at different steps, as prompts of different lengths do; the plain entry's rows evict together.
 """
 
 from __future__ import annotations
 
 from reasonkv.bench.compiled import compiled_markdown, compiled_summary
 from reasonkv.bench.markdown import per_batch
-from reasonkv.bench.rounds import same_rounds
 from reasonkv.bench.tiers import tier_markdown, tier_summary
-from reasonkv.bench.windows import by_length
+from reasonkv.bench.windows import beside_plain
 
 __all__ = ["RAGGED", "ragged_label", "ragged_markdown", "ragged_summary", "variant_markdown", "variant_summaries"]
 
@@ -26,6 +22,10 @@ def ragged_label(policy: str) -> str:
     return policy + RAGGED
 
 
+def _ragged_of(record: dict) -> str | None:
+    return record["policy"][: -len(RAGGED)] if record["policy"].endswith(RAGGED) else None
+
+
 def _gather_share(window: dict) -> float:
     step = window["step_mean_s"]
     return window["split_s"].get("gather", 0.0) / step if step > 0 else float("nan")
@@ -35,19 +35,9 @@ def ragged_summary(records: list[dict]) -> dict:
     """Per batch (as a string) and ragged variant: step time over the plain entry's, evictions in the window
     and the share of a step spent compacting, for both, at each length they share."""
     out: dict = {}
-    sweeps = [r for r in records if r.get("mode") == "sweep"]
-    for record in sweeps:
-        if not record["policy"].endswith(RAGGED):
-            continue
-        policy = record["policy"][: -len(RAGGED)]
-        same = [r for r in sweeps if r["batch"] == record["batch"] and same_rounds(r, record)]  # ratios: same rounds
-        plain = next((r for r in same if r["policy"] == policy), None)
-        if plain is None:
-            continue
-        mine, theirs = by_length(record), by_length(plain)
-        common = sorted(set(mine) & set(theirs))
+    for record, plain, mine, theirs, common in beside_plain(records, _ragged_of):
         out.setdefault(str(record["batch"]), {})[record["policy"]] = {
-            "policy": policy,
+            "policy": plain["policy"],
             "step_vs_lockstep": {n: mine[n]["step_mean_s"] / theirs[n]["step_mean_s"] for n in common},
             "evictions": {n: mine[n]["evictions"] for n in common},
             "lockstep_evictions": {n: theirs[n]["evictions"] for n in common},

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from reasonkv.bench.measure import make_prompts, model_device
 from reasonkv.generation.step import EagerStep
 from reasonkv.hf import native_cache, synchronize, vocab_size
 from reasonkv.suggest.integers import is_int
@@ -51,10 +52,8 @@ def settle(
 def warm_up(model, *, cap: int = WARMUP_CAP_STEPS) -> dict:
     """Decode from a short fixed prompt with transformers' own cache until the step time is stable
     (:func:`settle`, at most ``cap`` steps); returns what :func:`settle` returns."""
-    device = next(model.parameters()).device
-    generator = torch.Generator().manual_seed(12345)
-    vocab = vocab_size(model)
-    ids = torch.randint(min(100, vocab // 2), vocab, (1, 16), generator=generator).to(device)
+    device = model_device(model)
+    ids = torch.tensor(make_prompts(vocab_size(model), 1, 16, seed=12345), device=device)
     decode_step = EagerStep(model, native_cache(model))
     state = {"ids": ids}
 

@@ -1,23 +1,10 @@
-"""``reasonkv calibrate``: find a model's EPIKV layer bands from counterfactual importance labels, or, with
-``--centers``, write the query centers file TriAttention loads (``--out`` is then that file; the traces
-come from ``--dataset`` / ``--traces`` / ``--max-trace-tokens``, or from a plain-text file, ``--text``;
-:func:`reasonkv.calibrate.centers.run_centers`), or, with ``--gates``, train SeerAttention-R's gate on the
-model's own answers to ``--gate-traces`` problems of ``--dataset`` and write ``gates.pt`` and ``gates.json``
-into ``--out`` (:func:`reasonkv.calibrate.gates.run_gates`), or, with ``--budgets``, write the budget file of
-``allocation="calibrated"`` (``--out`` is that file): each (layer, kv-head) weighted by the attention mass its
-queries pay beyond ``--budget-sinks`` and the ``--budget-window`` most recent keys
-(:func:`reasonkv.calibrate.budgets.run_budgets`).
+"""``reasonkv calibrate``: a model's EPIKV layer bands, or one of the files other commands load (``--centers``:
+TriAttention's query centers; ``--gates``: SeerAttention-R's gate; ``--budgets``: the budget file of
+``allocation="calibrated"``); its outputs are listed in docs/cli.md.
 
-Writes into ``--out``: ``labels.jsonl`` and ``signals.jsonl`` (one record per trace, appended as
-they are computed: rerunning the same command resumes, and a larger ``--traces`` adds traces),
-``calibration.json`` (the file EPIKV loads), ``correlation.png``, ``results.json`` (every number)
-and ``summary.md``. The folder must be calibrate's own (or new, or free of these files); it is locked
-while the command runs (:func:`reasonkv.calibrate.store.claim_output`).
-
-Every flag is declared once, as a field of the settings it sets (:mod:`reasonkv.runs.flags`), or, for the
-switches that pick the calibration, of :class:`CalibrationKind`; this module adds them to the parser, reads them
-back into the settings the switches pick, and refuses combinations no calibration takes.
-:func:`reasonkv.calibrate.run.run_calibration` (or the picked calibration's own run) does the rest.
+Every flag is a field of the settings it sets, or, for the switches that pick the calibration, of
+:class:`CalibrationKind`: this module adds them to the parser, reads them back into the settings the switches
+pick, and refuses combinations no calibration takes.
 """
 
 from __future__ import annotations
@@ -85,10 +72,9 @@ def settings_from(
     return cls(**read_flags(cls, args))
 
 
+_RUNS = {BudgetsSettings: run_budgets, GatesSettings: run_gates, CentersSettings: run_centers}
+
+
 def run(args: argparse.Namespace) -> int:
     settings = settings_from(args)
-    if isinstance(settings, BudgetsSettings):
-        return run_budgets(settings)
-    if isinstance(settings, GatesSettings):
-        return run_gates(settings)
-    return run_centers(settings) if isinstance(settings, CentersSettings) else run_calibration(settings)
+    return _RUNS.get(type(settings), run_calibration)(settings)

@@ -1,17 +1,8 @@
 """``reasonkv eval``: run (or resume) a benchmark grid, appending one JSON record per result.
 
-Example::
-
-    reasonkv eval --dataset gsm8k:40,math500:20 --policies full,streaming,epikv \\
-        --budgets 128,256 --buffer 128 --max-new-tokens 512 --out results.jsonl
-
-Rerun the same command after an interruption: records already in ``--out`` (and its shard files)
-are skipped. Across processes, one launcher command::
-
-    torchrun --nproc_per_node 8 -m reasonkv eval --device cuda ... --out results.jsonl
-
-or one job per shard (``--shard I/N``, e.g. a Slurm array): each process writes
-``results.shard-I-of-N.jsonl``, and the last to finish merges them into ``--out``.
+Rerunning the same command after an interruption skips the records already in ``--out``; under torchrun, or
+with ``--shard I/N``, each process writes its own shard file and the last to finish merges them
+(docs/eval-at-scale.md).
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """``reasonkv lm-eval ARGS``: lm-evaluation-harness's own command line, with reasonkv's model and local tasks.
 
-Every argument is lm-eval's (``reasonkv lm-eval --help`` prints lm-eval's help). lm-eval 0.4 does not look
-for models in other installed packages, so this command registers the ``reasonkv`` model
-(:mod:`reasonkv.integrations.lm_eval`) and then runs lm-eval's command line, adding to a run what the user
-did not give: ``--model reasonkv``, ``--include_path`` to reasonkv's local tasks (``reasonkv_gsm8k``,
-``reasonkv_math500``, ``reasonkv_gsm8k_reference``: bundled data, no network), and ``--device cpu`` on a
+Every argument is lm-eval's. lm-eval 0.4 does not look for models in other installed packages, so this command
+registers the ``reasonkv`` model and then runs lm-eval's command line, adding what the user did not give
+(docs/lm-eval.md): ``--model reasonkv``, ``--include_path`` to reasonkv's local tasks, and ``--device cpu`` on a
 machine without CUDA (lm-eval's default is ``cuda:0``).
 """
 
