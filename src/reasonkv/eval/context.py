@@ -8,6 +8,7 @@ what a rerun compares to skip work already done.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -191,16 +192,9 @@ class Context:
 
     def generation_key(self, dataset: str, problem: Problem, cell: Cell, sample: int) -> GenerationRecord:
         """The identity of a generation unit: the record its result starts from."""
-        sampling = self.grid.sampling
+        sampling = dataclasses.asdict(self.grid.sampling)  # the record's SAMPLING fields
         return GenerationRecord(
-            {
-                **self._base(GenerationRecord.kind, dataset, problem, cell),
-                "sample": sample,
-                "max_new_tokens": sampling.max_new_tokens,
-                "temperature": sampling.temperature,
-                "top_p": sampling.top_p,
-                "top_k": sampling.top_k,
-            }
+            {**self._base(GenerationRecord.kind, dataset, problem, cell), "sample": sample, **sampling}
         )
 
     def fidelity_key(self, dataset: str, problem: Problem, cell: Cell) -> FidelityRecord:

@@ -1,18 +1,14 @@
 """Fidelity at equal K/V bytes: full-precision tokens only, against fewer of them plus a quantized tier.
 
-Reads the fidelity records of ``reasonkv eval`` runs and measures every cell's *byte budget*: the
-K/V bytes its rows held in steady state, measured right after each eviction (``steady_kv_tokens``:
-those bytes in full-precision tokens per layer and kv-head; a plain cell's own budget), averaged over
-its problems. Per dataset it tabulates each cell's top-1 agreement and mean KL, a policy's cells in the
-order of their measured bytes, with the nominal bytes the tier's formula gives beside them, and plots
-them against those bytes, a line per variant (full precision only, int8 tier, int4 tier)::
+Every cell's *byte budget* is measured: the K/V bytes its rows held right after each eviction
+(``steady_kv_tokens``, in full-precision tokens per layer and kv-head), averaged over its problems. Per
+dataset, a table of each cell's top-1 agreement and KL with its measured and nominal bytes, and plots
+against those bytes, a line per variant (full precision, int8, int4)::
 
     python -m reasonkv.cli.equal_bytes docs/results/equal-bytes/results.jsonl --out docs/results/equal-bytes
 
-A tier's measured bytes are not its nominal ones (its pending tokens wait at full precision, key
-groups that lost members cost more per member), so the ``Q`` that fills a byte budget is measured too:
-:func:`tier_sizes` fits, per policy and format, the measured bytes of a few ``Q`` on a calibration run
-and solves for the ``Q`` that holds a target.
+A tier's measured bytes are not its nominal ones (pending tokens wait at full precision), so
+:func:`tier_sizes` fits the ``Q`` that holds a byte budget from a calibration run's measured points.
 """
 
 from __future__ import annotations
@@ -82,11 +78,9 @@ def cells(records: Iterable[dict]) -> list[Cell]:
 
 
 def tier_sizes(records: Iterable[dict], target: float) -> list[dict]:
-    """Per (policy, bits, K) of the tiered fidelity records measured at two or more ``Q``: the ``Q`` whose
-    measured bytes (``steady_kv_tokens``, the mean over every dataset's problems) would hold ``target``
-    full-precision tokens, from the least-squares line through the measured points (rounded down, so the
-    tier stays within the target). Each entry: ``policy``, ``bits``, ``budget``, ``quantized``, the
-    ``points`` ``(Q, tokens)`` it was fitted on."""
+    """Per (policy, bits, K) measured at two or more ``Q``: the ``Q`` (rounded down) whose measured bytes
+    would hold ``target`` full-precision tokens, on the least-squares line through the ``points`` ``(Q, tokens)``;
+    each entry a dict of ``policy``, ``bits``, ``budget``, ``quantized`` and ``points``."""
     points: dict[tuple, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
     for (_, policy, variant, budget, quantized), group in _measured_records(records).items():
         if variant != PLAIN:
@@ -114,8 +108,7 @@ def _mean(values: Sequence[float]) -> float:
 
 
 def markdown(table: Sequence[Cell]) -> str:
-    """One table per dataset: a row per cell, each policy's cells in the order of their measured bytes, so a
-    tier reads beside the plain cells of about its bytes."""
+    """One table per dataset, each policy's cells in the order of their measured bytes."""
     lines = []
     for dataset in sorted({c.dataset for c in table}):
         lines += [f"### {dataset}", ""]
@@ -138,8 +131,7 @@ def markdown(table: Sequence[Cell]) -> str:
 
 
 def plot(table: Sequence[Cell], out_dir: str | os.PathLike[str]) -> list[Path]:
-    """Per dataset: a column of panels per policy, top-1 agreement and mean KL against the measured bytes, a
-    line per variant, so a tier's point sits above or below the plain line at its own bytes."""
+    """Per dataset: top-1 agreement and mean KL against the measured bytes, a column per policy, a line per variant."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -1,13 +1,8 @@
-"""The evaluation grid's settings: one frozen object, built once (by the command line or in Python).
+"""The evaluation grid's settings: one frozen :class:`GridSpec`, built once (by the command line or in Python)
+and read by planning, running, the run manifest and ``--plan``.
 
-A :class:`GridSpec` says which datasets (and how many problems of each), which policies with which
-options at which budgets (one :class:`~reasonkv.cache.CacheSpec` per :class:`Cell`), how many samples
-per problem, how to decode, and what to measure. Planning (:mod:`reasonkv.eval.plan`), running
-(:func:`reasonkv.eval.runner.run_grid`), the run manifest and ``--plan`` all read the same object.
-
-``full`` evicts nothing, so its cache ignores the budget (:class:`~reasonkv.cache.CacheSpec` stores
-none): the grid's cells are the distinct cache specs, so ``full`` is one cell whatever the budgets.
-A quantized tier applies to the evicting cells only.
+The grid's cells are its distinct cache specs: ``full`` evicts nothing, so it is one cell whatever the
+budgets, and a quantized tier applies to the evicting cells only.
 """
 
 from __future__ import annotations
@@ -90,9 +85,6 @@ class Cell:
     @property
     def name(self) -> str:
         return self.label if self.budget is None else f"{self.label}@{self.budget}"
-
-
-GUARANTEE_NAMES = tuple(GUARANTEES)
 
 
 def _fmt(value: Any) -> str:
@@ -228,23 +220,9 @@ def make_cells(
 
 @dataclass(frozen=True)
 class CodeSettings:
-    """How a grid runs code answers (see :mod:`reasonkv.eval.code` and :mod:`reasonkv.sandbox`).
-
-    Parameters
-    ----------
-    allow_execution
-        The explicit opt-in: a grid with code problems is refused without it.
-    timeout, memory_mb
-        Per test run: wall-clock and CPU seconds (at most :data:`reasonkv.sandbox.limits.MAX_TIMEOUT`), and
-        the memory (MiB) of the run as a whole (see :mod:`reasonkv.sandbox`).
-    workers
-        Test runs at once (None: one per CPU this process may use).
-    allow_missing
-        Sandbox guarantees (:data:`reasonkv.sandbox.GUARANTEES`) the user accepts to lose where this
-        machine cannot give them (no bubblewrap, no user namespaces).
-    after, before
-        Keep only problems whose contest date lies in this window (``YYYY-MM-DD``, both days included).
-    """
+    """How a grid runs code answers (:mod:`reasonkv.sandbox`): the opt-in, each test run's seconds and MiB,
+    test runs at once (None: one per CPU), the sandbox guarantees accepted as missing here, and the contest
+    date window of the problems (``YYYY-MM-DD``, both days included)."""
 
     allow_execution: bool = False
     timeout: float = 6.0
@@ -274,9 +252,9 @@ class CodeSettings:
         if workers is not None:
             check_int("code workers", workers, 1)
         missing = tuple(sorted(set(_split_names(allow_missing))))
-        unknown = [name for name in missing if name not in GUARANTEE_NAMES]
+        unknown = [name for name in missing if name not in GUARANTEES]
         if unknown:
-            raise ValueError(f"unknown sandbox guarantee {', '.join(unknown)}; known: {', '.join(GUARANTEE_NAMES)}")
+            raise ValueError(f"unknown sandbox guarantee {', '.join(unknown)}; known: {', '.join(GUARANTEES)}")
         first = parse_day(after, "--after") if after else None
         last = parse_day(before, "--before") if before else None
         if first and last and first > last:
@@ -294,44 +272,15 @@ class CodeSettings:
 
 @dataclass(frozen=True)
 class GridSpec:
-    """An evaluation grid: datasets x cells x samples, how to decode and what to measure.
+    """An evaluation grid: datasets (``(name or path, limit)``) x cells (:func:`make_cells`) x samples per
+    problem (per dataset), how to decode and what to measure; build one with :meth:`build`.
 
-    Build one with :meth:`build` (it parses and checks everything that needs no model).
-
-    Parameters
-    ----------
-    datasets
-        ``(name or path, limit)`` pairs (limit None: every problem).
-    cells
-        The cells (see :func:`make_cells`).
-    samples
-        Samples per problem, per dataset (at temperature 0 only stochastic policies run more than one).
-    sampling
-        Decoding settings.
-    seed
-        Base seed: sample ``s`` of problem ``p`` uses ``sample_seed(seed, p, s)``.
-    batch_size
-        Prompts decoded together (one cell per batch).
-    fidelity
-        Also replay the full cache's greedy traces through each evicting cache (None: on when a
-        dataset has reference solutions; decided when the datasets are loaded).
-    fidelity_tokens
-        Length of the replayed traces (default ``max_new_tokens``).
-    generation
-        False: fidelity records only for the evicting cells (``full`` still generates its traces).
-    thinking
-        ``enable_thinking`` of Qwen3-style chat templates (None: the template's default).
-    max_chunk
-        Most tokens per forward pass in fidelity replays (None: the default).
-    code
-        How code answers are run (:class:`CodeSettings`): the explicit opt-in, the sandbox's limits and
-        the guarantees it may lack; and the contest-date window of LiveCodeBench problems.
-    trace_problems
-        Problem ids whose generations keep their eviction trace (``reasonkv inspect --trace`` opens them).
-    compile
-        Decode each step as one compiled graph (``generate(..., compile=True)``): speed, not results
-        (fidelity replays stay eager). Like the batch size it is not part of the grid's identity. A cell whose
-        cache cannot be compiled (a selection policy) is refused when the grid is built.
+    ``fidelity`` None: on when a dataset has reference solutions (decided when the datasets load);
+    ``generation`` False: fidelity records only for the evicting cells (``full`` still generates its traces);
+    ``thinking``: ``enable_thinking`` of Qwen3-style chat templates (None: the template's default);
+    ``max_chunk``: most tokens per forward pass of a fidelity replay; ``trace_problems``: problem ids whose
+    generations keep their eviction trace. ``compile`` and ``batch_size`` change speed, not results, and
+    are not part of the grid's identity; a cell that cannot be compiled is refused when the grid is built.
     """
 
     datasets: tuple[tuple[str, int | None], ...]

@@ -21,6 +21,7 @@ from reasonkv.eval.manifest import manifest_problem, shown
 
 __all__ = [
     "KINDS",
+    "SAMPLING",
     "UNITS",
     "Check",
     "ErrorRecord",
@@ -158,6 +159,8 @@ _UNIT_TYPES = {
     "seed": _INTEGER,
     "run": _TEXT,
 }
+#: The decoding settings a generation record holds, as its run manifest's setup names them.
+SAMPLING = ("max_new_tokens", "temperature", "top_p", "top_k")
 _CELL = ("model", "dtype", "dataset", "problem_id", "policy_config", "budget", "buffer", "tier", "allocation")
 
 
@@ -192,7 +195,7 @@ class GenerationRecord(UnitRecord):
     """One decoded and graded sample (:mod:`reasonkv.eval.decoding`)."""
 
     kind = unit = "generation"
-    KEY = (*_CELL, "sample", "base_seed", "max_new_tokens", "temperature", "top_p", "top_k", "prompt_format")
+    KEY = (*_CELL, "sample", "base_seed", *SAMPLING, "prompt_format")
     # The tokens are compared too: a record copied from another unit and relabelled may grade alike.
     OUTCOME = ("correct", "extracted_answer", "grading_method", "finish_reason", "output_ids")
     TYPES = {

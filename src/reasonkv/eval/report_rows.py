@@ -1,51 +1,17 @@
 """The numbers of ``reasonkv report``: results files read into one record per unit, then sections and rows.
 
-Reading (:func:`read_report_input`)
-    Every record of every file (and of its shard files: ``results.shard-I-of-N.jsonl`` next to
-    ``results.jsonl``) through :func:`reasonkv.eval.records.read_results`, the reader ``eval`` resumes
-    with: a record with a bad field is an error naming the file and the line. One record per unit
-    (:func:`reasonkv.eval.records.unit_key`): a result replaces an error record, the latest error
-    record of a unit wins, and the same result twice counts once (concatenated files, a shard file
-    left beside its merged run; the later record stands for it). Two results of one unit that differ
-    (:func:`reasonkv.eval.records.conflict`) are a *conflict*: the unit is left out of every number and
-    listed, never resolved silently.
+Reading (:func:`read_report_input`): every record of every file and its shard files, checked as ``eval``
+checks them (:func:`reasonkv.eval.records.read_results`). One record per unit: a result replaces an error
+record, the latest error record wins, the same result twice counts once (the later record stands for it),
+and two results that differ are a *conflict*: the unit is left out of every number and listed.
 
-Sections (:class:`Section`)
-    One model, one dataset and one setup: the run manifest's (``run`` names it) dtype, prompt format,
-    decoding settings (max new tokens, temperature, top-p, top-k), seed and weights. Every record joins
-    the section of the run that wrote it, so a fidelity or error record never lands beside the records of
-    another setup. Records of files written before manifests existed carry their generation settings;
-    their fidelity records join every section of their model, dataset and dtype.
-
-Rows (:class:`Row`), one per (policy, budget) of a section
-    - ``accuracy``: correct / generation records, with a 95% Wilson score interval. With several
-      samples per problem the records are counted as independent trials, so the interval is
-      somewhat narrower than one over problems would be. An answer taken by the last-number fallback
-      from an output cut off at the token limit is not correct (:func:`reasonkv.eval.grading.counts_as_correct`,
-      which also reads records graded before that rule); ``last_number`` counts the correct answers that
-      came from the fallback, ``cut_off`` the ones the rule turned down.
-    - ``pass@1`` (the share of correct samples of a problem, averaged over problems) and ``pass@k``
-      for ``k`` = 2, 4, 8, ... up to the fewest samples any problem of the row has (the unbiased
-      estimator ``1 - C(n - c, k) / C(n, k)`` of a problem with ``c`` correct of ``n``, averaged).
-    - ``Δ vs full``: the accuracy difference to the full cache, *paired*: each answer is compared with
-      the full cache's on the same problem and sample seed (at temperature 0 the full cache is
-      deterministic, so its one answer pairs with every sample). Differences are averaged per problem,
-      then over problems; the 95% interval is a bootstrap over problems (2000 resamples, seed 0), given
-      only from :data:`MIN_PAIRED` problems on (fewer are too few for one).
-    - ``errors``: units recorded as errors (a cell that could not run shows as errors, not as zeros;
-      its accuracy counts only the units that ran). A problem whose generation and fidelity units both
-      failed counts once. ``conflicts``: units left out for conflicting records.
-    - ``mean_output_tokens``, ``tokens_per_second`` (mean over records), ``collapse_rate`` (share of
-      records flagged ``collapsed``), ``early_stop_rate`` (share of records that ended by themselves
-      before the token limit without an answer and did not collapse:
-      :func:`reasonkv.eval.collapse.stopped_early`; a policy that makes the model stop early shows here,
-      not as a low collapse rate alone).
-    - fidelity (``"kind": "fidelity"`` records of the section): mean ``top1_agreement``, mean ``kl_mean``
-      (KL(full || evicting) per step), and the mean answer log-probability deltas (evicting minus full;
-      summed over the answer, and per answer token), each with a 95% interval of the mean over problems
-      (normal approximation).
-    - ``code`` (code problems): outcome counts, per row and per problem, and the sandbox's cost per test
-      run (:mod:`reasonkv.eval.code_report`), tabulated below the section's table.
+Sections (:class:`Section`): one model, dataset and setup, the manifest's of the run that wrote a record
+(records written before manifests carry their generation settings; their fidelity records join every
+section of their model, dataset and dtype). Rows (:class:`Row`): one per (policy, budget) of a section.
+Samples count as independent trials for the Wilson interval; ``Δ vs full`` pairs each answer with the full
+cache's on the same problem and sample seed (its one answer at temperature 0), averaged per problem, then
+over problems, with a bootstrap interval from :data:`MIN_PAIRED` problems on. What each column means is
+the report's legend (:data:`reasonkv.eval.report.LEGEND`).
 """
 
 from __future__ import annotations
