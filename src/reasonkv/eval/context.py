@@ -1,9 +1,7 @@
 """What the phases of a grid share: the model, the grid, where records go and what is already done.
 
-:class:`Ledger` knows what a run's files hold (finished units with their grade, failed units, the greedy
-full-cache traces fidelity reuses); :class:`Context` builds each record's identity from the grid and
-writes records. A unit's identity (:meth:`Context.generation_key`, :meth:`Context.fidelity_key`) is
-what a rerun compares to skip work already done.
+:class:`Ledger` knows what a run's files hold; :class:`Context` builds each unit's identity (the record its
+result starts from, whose key a rerun compares to skip work done) and writes records.
 """
 
 from __future__ import annotations

@@ -165,12 +165,8 @@ def make_cells(
     allocations: str | Sequence[str] = (Uniform.name,),
     budgets_file: str | None = None,
 ) -> list[Cell]:
-    """The grid's cells: ``full`` once first, then every budget x evicting policy (x allocation: each evicting
-    policy once per allocation, :mod:`reasonkv.cache.allocation`; ``budgets_file`` for ``calibrated``).
-
-    Validates names, budgets and options; each cell's :class:`~reasonkv.cache.CacheSpec` checks that the
-    policy's protected tokens fit its budget (plus the quantized tier) and that it can fill a tier.
-    """
+    """The grid's cells: ``full`` once first, then every budget x evicting policy (x allocation, ``budgets_file``
+    for ``calibrated``). Each cell's :class:`~reasonkv.cache.CacheSpec` checks that it fits its budget."""
     policies = _split_names(policies)
     if not policies:
         raise ValueError("no policy given")
@@ -321,14 +317,9 @@ class GridSpec:
         compile: bool = False,
         **cells: Any,
     ) -> GridSpec:
-        """A grid from loose settings (strings as the command line gives them, or Python values).
-
-        ``dataset`` is a bundled benchmark or a JSONL path, several comma-separated, each optionally
-        ``NAME:LIMIT``; ``samples`` a count or per dataset (``"aime25=64,math500=8"``); ``code`` a
-        :class:`CodeSettings` or its keywords; ``cells`` the keywords of :func:`make_cells`: ``policies``
-        (comma-separated names), ``budgets``, ``buffer``, ``options`` (``["key=value", "policy.key=value"]``
-        or ``{policy: {key: value}}``), ``quantized``, ``bits``, ``allocations`` and ``budgets_file``.
-        """
+        """A grid from loose settings, as the command line gives them or as Python values: ``dataset``
+        comma-separated, each optionally ``NAME:LIMIT``; ``samples`` a count or ``"aime25=64,math500=8"``;
+        ``code`` a :class:`CodeSettings` or its keywords; ``cells`` the keywords of :func:`make_cells`."""
         datasets = tuple(parse_dataset_spec(dataset, limit))
         per_dataset = parse_samples(samples, [name for name, _ in datasets])
         check_int("batch_size", batch_size, 1)

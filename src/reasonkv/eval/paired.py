@@ -1,17 +1,13 @@
 """Paired fidelity: each policy's top-1 agreement minus a reference policy's, problem by problem.
 
-Means over problems hide how far apart two policies are on the same traces: a problem whose trace is
-hard for one policy is often hard for the other. This pairs the fidelity records of each (model,
-dataset, K, B) cell by problem and gives, per policy, its mean top-1 agreement and KL(full ||
-evicting) over the problems it shares with the reference, its mean top-1 difference to the reference
-and the 95% bootstrap interval of that difference (resampling problems, as the report's Δ vs full;
-none below :data:`~reasonkv.eval.report_rows.MIN_PAIRED` problems)::
+Means over problems hide how far apart two policies are on the same traces (a trace hard for one is often
+hard for the other). Per (model, dataset, K, B) cell and policy: mean top-1 agreement and KL over the
+problems it shares with the reference, the mean paired difference and its 95% bootstrap interval (as the
+report's Δ vs full, from :data:`~reasonkv.eval.report_rows.MIN_PAIRED` problems on)::
 
     python -m reasonkv.cli.paired docs/results/results.jsonl docs/results/frontier/smollm2-135m.jsonl
 
-A policy is named by its label (``policy_label``: ``triattention[stats=bundled]``), a tiered one with
-its tier (``h2o + int4 x 116``). The files should hold one setup per model (dtype, token limit), as
-a grid's results file does; ``reasonkv report`` says when they do not.
+A policy is named by its label, a tiered one with its tier (``h2o + int4 x 116``).
 """
 
 from __future__ import annotations

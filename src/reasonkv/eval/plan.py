@@ -1,8 +1,5 @@
-"""A grid made concrete, before any model loads: its problems, its units and their split across shards.
-
-``--plan`` prints :meth:`GridPlan.summary`; a run does the units :meth:`GridPlan.mine` gives it, and
-records :meth:`GridPlan.description` (with the grid's identity, :meth:`GridPlan.identity`) in its
-manifest.
+"""A grid made concrete before any model loads: its problems, its units and their split across shards
+(``--plan`` prints :meth:`GridPlan.summary`; a run's manifest records :meth:`GridPlan.description`).
 """
 
 from __future__ import annotations
@@ -128,11 +125,8 @@ def has_code(problems: list[Problem]) -> bool:
 def plan_grid(
     grid: GridSpec | None = None, *, shard: Shard | str | tuple[int, int] | None = None, **settings
 ) -> GridPlan:
-    """Load the grid's problems and split its units across shards.
-
-    ``grid`` is a :class:`GridSpec`; or give its settings as keywords (see :meth:`GridSpec.build`).
-    ``shard``: this process's share (``"I/N"``), default from a ``torch.distributed`` launcher, else all.
-    """
+    """Load the grid's problems and split its units across shards (``shard``: ``"I/N"``; default from a
+    ``torch.distributed`` launcher, else all). ``grid``, or its settings as keywords (:meth:`GridSpec.build`)."""
     if grid is None:
         grid = GridSpec.build(**settings)
     elif settings:

@@ -1,11 +1,9 @@
 """The kinds of record a results file holds, one class each, and the one place a line's ``kind`` is read.
 
-A record keeps its JSON object as written (:meth:`Record.to_json`: the fields in their order, the fields
-its class does not name too), so a record read and written again is the same line. Its class says what
-the record is: the fields that identify its unit of work (``KEY``: two records with the same key are the
-same work, a rerun skips it), what its result says (``OUTCOME``: two results of one unit that differ here
-conflict) and the types of the fields reasonkv reads back (``TYPES``; each is also an attribute, ``None``
-when the record lacks it). :func:`Record.from_json` checks a line and returns the record of its kind.
+A record keeps its JSON object as written (a record read and written again is the same line). Its class
+says which fields identify its unit of work (``KEY``: a rerun skips a key on disk), what its result says
+(``OUTCOME``: two results of one unit that differ here conflict) and the types of the fields read back
+(``TYPES``, each also an attribute). :meth:`Record.from_json` checks a line and returns its record.
 """
 
 from __future__ import annotations

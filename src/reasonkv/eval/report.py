@@ -1,11 +1,8 @@
 """``reasonkv report``: ``report.md``, ``summary.json`` and PNG plots from eval results files.
 
-The numbers (sections: one model, dataset and setup each; rows: one policy and budget each) are
-:mod:`reasonkv.eval.report_rows`'s, the plots :mod:`reasonkv.eval.report_plots`'s; this module writes
-them. ``report.md`` starts with what a reader must know before the numbers: results of several setups
-in one report, units left out for conflicting records, the run manifests; then one table per section,
-its errors, its answers graded by the last-number fallback, and its plots. Needs matplotlib only for the
-plots.
+The numbers are :mod:`reasonkv.eval.report_rows`'s, the plots :mod:`reasonkv.eval.report_plots`'s.
+``report.md`` first says what a reader must know (several setups, conflicting units, the run manifests),
+then gives one table per section with its errors, its last-number answers and its plots.
 """
 
 from __future__ import annotations
@@ -257,11 +254,9 @@ def write_report(
 ) -> dict[str, Any]:
     """Write ``report.md``, ``summary.json`` and the PNG plots of ``results`` (and their shards) to ``out_dir``.
 
-    ``out_dir`` must be a report folder of this tool, or new, or free of the files a report writes (see
-    :mod:`reasonkv.runs.outputs`); it is locked while the report is written. A plot from an earlier report
-    that this one does not draw is removed (its file belongs to the folder's reports).
-    Returns ``{"markdown": path, "summary": path, "plots": [paths], "rows": [Row], "manifests": [dict],
-    "conflicts": [Conflict]}``.
+    ``out_dir`` is claimed and locked as :mod:`reasonkv.runs.outputs` says; a plot of an earlier report that
+    this one does not draw is removed. Returns the paths written (``markdown``, ``summary``, ``plots``) and
+    the ``rows``, ``manifests`` and ``conflicts``.
     """
     paths = [results] if isinstance(results, (str, os.PathLike)) else list(results)
     read = read_report_input(paths, drop=("output_ids", "output_text"))
