@@ -22,6 +22,7 @@ from pathlib import Path
 
 from reasonkv.eval.record_kinds import FidelityRecord
 from reasonkv.eval.report import load_results
+from reasonkv.eval.report_rows import average, finite
 
 __all__ = ["Cell", "cells", "markdown", "plot", "tier_sizes", "write_tables"]
 
@@ -54,7 +55,7 @@ def _measured_records(records: Iterable[dict]) -> dict[tuple, list[dict]]:
     """Fidelity records with measured steady bytes, by (dataset, policy, variant, K, Q)."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in records:
-        if r.get("kind") != FidelityRecord.kind or not _finite(r.get("steady_kv_tokens")):
+        if r.get("kind") != FidelityRecord.kind or not finite(r.get("steady_kv_tokens")):
             continue
         variant, quantized = _variant(r)
         groups[(r["dataset"], r["policy"], variant, r["budget"], quantized)].append(r)
@@ -66,10 +67,10 @@ def cells(records: Iterable[dict]) -> list[Cell]:
     a row never evicted or a run before it was measured, are skipped)."""
     out = []
     for (dataset, policy, variant, budget, quantized), group in _measured_records(records).items():
-        top1 = _mean([r["top1_agreement"] for r in group if _finite(r.get("top1_agreement"))])
-        kl = _mean([r["kl_mean"] for r in group if _finite(r.get("kl_mean"))])
-        measured = _mean([r["steady_kv_tokens"] for r in group])
-        nominal = _mean([r["equivalent_budget"] for r in group if _finite(r.get("equivalent_budget"))])
+        top1 = average([r["top1_agreement"] for r in group if finite(r.get("top1_agreement"))])
+        kl = average([r["kl_mean"] for r in group if finite(r.get("kl_mean"))])
+        measured = average([r["steady_kv_tokens"] for r in group])
+        nominal = average([r["equivalent_budget"] for r in group if finite(r.get("equivalent_budget"))])
         out.append(
             Cell(dataset, policy, round(measured), variant, budget, quantized, top1, kl, len(group), measured, nominal)
         )
@@ -90,21 +91,13 @@ def tier_sizes(records: Iterable[dict], target: float) -> list[dict]:
         xs = sorted(measured)
         if len(xs) < 2:
             continue
-        ys = [_mean(measured[q]) for q in xs]
-        mx, my = _mean(xs), _mean(ys)
+        ys = [average(measured[q]) for q in xs]
+        mx, my = average(xs), average(ys)
         slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
         quantized = math.floor(xs[0] + (target - (my + slope * (xs[0] - mx))) / slope)
         fitted = list(zip(xs, ys, strict=True))
         sizes.append({"policy": policy, "bits": bits, "budget": budget, "quantized": quantized, "points": fitted})
     return sizes
-
-
-def _finite(value) -> bool:
-    return isinstance(value, (int, float)) and math.isfinite(value)
-
-
-def _mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values) if values else float("nan")
 
 
 def markdown(table: Sequence[Cell]) -> str:

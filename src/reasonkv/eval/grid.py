@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from reasonkv.cache.allocation import Uniform, allocation_class, check_allocation
@@ -61,11 +61,6 @@ class Cell:
     @property
     def bits(self) -> int | None:
         return self.spec.bits
-
-    @property
-    def allocation(self) -> str:
-        """How the cell shares its budget among layers and kv-heads (``uniform``: ``K`` each)."""
-        return self.spec.allocation
 
     @property
     def config(self) -> dict[str, Any]:
@@ -229,41 +224,25 @@ class CodeSettings:
     before: str | None = None
 
     @classmethod
-    def build(
-        cls,
-        *,
-        allow_execution: bool = False,
-        timeout: float = 6.0,
-        memory_mb: int = 1024,
-        workers: int | None = None,
-        allow_missing: str | Sequence[str] = (),
-        after: str | None = None,
-        before: str | None = None,
-    ) -> CodeSettings:
+    def build(cls, *, allow_missing: str | Sequence[str] = (), **settings: Any) -> CodeSettings:
         """Checked settings (``allow_missing`` may be comma-separated)."""
-        if not isinstance(allow_execution, bool):
-            raise ValueError(f"allow_execution must be True or False, got {allow_execution!r}")
-        timeout = check_timeout(timeout, "code timeout")
-        check_memory(memory_mb, "code memory_mb")
-        if workers is not None:
-            check_int("code workers", workers, 1)
+        code = cls(**settings)
+        if not isinstance(code.allow_execution, bool):
+            raise ValueError(f"allow_execution must be True or False, got {code.allow_execution!r}")
+        timeout = check_timeout(code.timeout, "code timeout")
+        check_memory(code.memory_mb, "code memory_mb")
+        if code.workers is not None:
+            check_int("code workers", code.workers, 1)
         missing = tuple(sorted(set(_split_names(allow_missing))))
         unknown = [name for name in missing if name not in GUARANTEES]
         if unknown:
             raise ValueError(f"unknown sandbox guarantee {', '.join(unknown)}; known: {', '.join(GUARANTEES)}")
-        first = parse_day(after, "--after") if after else None
-        last = parse_day(before, "--before") if before else None
+        first = parse_day(code.after, "--after") if code.after else None
+        last = parse_day(code.before, "--before") if code.before else None
         if first and last and first > last:
-            raise ValueError(f"--after {after} is later than --before {before}: the window holds no day")
-        return cls(
-            allow_execution=allow_execution,
-            timeout=float(timeout),
-            memory_mb=memory_mb,
-            workers=workers,
-            allow_missing=missing,
-            after=first.isoformat() if first else None,
-            before=last.isoformat() if last else None,
-        )
+            raise ValueError(f"--after {code.after} is later than --before {code.before}: the window holds no day")
+        days = {"after": first.isoformat() if first else None, "before": last.isoformat() if last else None}
+        return replace(code, timeout=float(timeout), allow_missing=missing, **days)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from reasonkv.eval.record_kinds import FidelityRecord
-from reasonkv.eval.report_rows import MIN_PAIRED, paired_interval
+from reasonkv.eval.report_rows import MIN_PAIRED, average, finite, paired_interval
 
 __all__ = ["PairedRow", "markdown", "paired_fidelity"]
 
@@ -46,10 +46,6 @@ def _label(record: dict) -> str:
     return f"{label} + int{tier['bits']} x {tier['quantized']}" if tier else label
 
 
-def _finite(value) -> bool:
-    return isinstance(value, (int, float)) and math.isfinite(value)
-
-
 def _order(cell: tuple) -> tuple:  # model, dataset, then K and B as numbers
     model, dataset, budget, buffer = cell
     return (str(model), str(dataset), budget, -1 if buffer is None else buffer)
@@ -61,7 +57,7 @@ def paired_fidelity(records: Iterable[dict], against: str) -> list[PairedRow]:
     Raises ``ValueError`` naming the policies there are when no cell holds ``against``."""
     cells: dict[tuple, dict[str, dict[tuple, tuple[float, float]]]] = defaultdict(lambda: defaultdict(dict))
     for r in records:
-        if r.get("kind") != FidelityRecord.kind or not _finite(r.get("top1_agreement")):
+        if r.get("kind") != FidelityRecord.kind or not finite(r.get("top1_agreement")):
             continue
         cell = (r.get("model", "?"), r["dataset"], r["budget"], r.get("buffer"))
         cells[cell][_label(r)][(r["problem_id"], r.get("sample", 0))] = (r["top1_agreement"], r.get("kl_mean"))
@@ -76,14 +72,14 @@ def paired_fidelity(records: Iterable[dict], against: str) -> list[PairedRow]:
             if not shared:
                 continue
             differences = [scores[p][0] - base[p][0] for p in shared]
-            kls = [scores[p][1] for p in shared if _finite(scores[p][1])]
+            kls = [scores[p][1] for p in shared if finite(scores[p][1])]
             low, high = (math.nan, math.nan)
             if len(shared) >= MIN_PAIRED and policy != against:
                 low, high = paired_interval(differences)
             top1 = sum(scores[p][0] for p in shared) / len(shared)
-            kl = sum(kls) / len(kls) if kls else math.nan
             delta = sum(differences) / len(differences)
-            mine.append(PairedRow(model, dataset, budget, buffer, policy, len(shared), top1, kl, delta, low, high))
+            row = (model, dataset, budget, buffer, policy, len(shared), top1, average(kls), delta)
+            mine.append(PairedRow(*row, low, high))
         rows += sorted(mine, key=lambda row: (-row.top1, row.policy))
     if not rows:
         labels = sorted({label for policies in cells.values() for label in policies})

@@ -13,7 +13,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from reasonkv.eval.report_rows import Row, Section, section_names
+from reasonkv.eval.report_rows import Row, Section, finite, section_names
 
 __all__ = ["PLOTS", "plot", "plot_names"]
 
@@ -39,7 +39,7 @@ PANELS: dict[str, list[tuple[str, tuple[str, str] | None, str]]] = {
 
 def _value(row: Row, attr: str) -> float:
     value = getattr(row, attr)
-    return value if isinstance(value, (int, float)) and math.isfinite(value) else math.nan
+    return value if finite(value) else math.nan
 
 
 def _series(rows: Sequence[Row]) -> dict[str, list[Row]]:

@@ -106,6 +106,16 @@ def _mean(values: Iterable[Any]) -> float:
     return mean_interval(list(values))[0]
 
 
+def finite(value: Any) -> bool:
+    """Whether ``value`` is a finite number (a record's field may be missing, null or NaN)."""
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def average(values: Sequence[float]) -> float:
+    """The mean of ``values``, NaN for none."""
+    return sum(values) / len(values) if values else math.nan
+
+
 # ---------------------------------------------------------------------------------- reading
 
 
