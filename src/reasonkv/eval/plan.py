@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -51,12 +51,10 @@ class GridPlan:
 
     def sampling(self) -> dict[str, Any]:
         """The decoding settings as the manifest's setup records them."""
-        sampling = self.grid.sampling
+        sampling = asdict(self.grid.sampling)
         return {
-            "max_new_tokens": sampling.max_new_tokens,
-            "temperature": float(sampling.temperature),
-            "top_p": float(sampling.top_p),
-            "top_k": sampling.top_k,
+            **sampling,
+            **{name: float(sampling[name]) for name in ("temperature", "top_p")},
             "seed": self.grid.seed,
         }
 

@@ -29,7 +29,7 @@ from typing import Any
 from reasonkv.eval.code_report import code_summary
 from reasonkv.eval.collapse import stopped_early
 from reasonkv.eval.grading import counts_as_correct, cut_off_guess
-from reasonkv.eval.record_kinds import KINDS, GenerationRecord, ManifestRecord, Record, UnitRecord
+from reasonkv.eval.record_kinds import KINDS, SAMPLING, GenerationRecord, ManifestRecord, Record, UnitRecord
 from reasonkv.eval.records import conflict, read_results
 from reasonkv.eval.shards import shard_files
 from reasonkv.suggest.integers import is_number
@@ -153,37 +153,34 @@ def read_report_input(
     of every record (a report needs neither ``output_ids`` nor ``output_text``)."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
-    by_unit: dict[tuple, dict[str, Any]] = {}
-    said: dict[tuple, dict[str, Any]] = {}  # unit -> what its record says (taken before ``drop``)
-    where: dict[tuple, str] = {}
+    kept: dict[tuple, tuple[UnitRecord, str, dict[str, Any]]] = {}  # unit -> record, "file, line N", what it says
     conflicts: dict[tuple, Conflict] = {}
     manifests: dict[Any, dict[str, Any]] = {}
     for path in paths:
         for file in run_files(path):
             for number, record in read_results(file):
                 place = f"{file}, line {number}"
-                data = record.to_json()
                 if isinstance(record, ManifestRecord):
-                    manifests.setdefault(data.get("id"), data)
+                    manifests.setdefault(record.get("id"), record.to_json())
                     continue
-                says = record.outcome()
+                key, says = record.key(), record.outcome()
                 for name in drop:
-                    data.pop(name, None)
-                key = record.key()
-                held = by_unit.get(key)
+                    record.data.pop(name, None)
+                held = kept.get(key)
                 if key in conflicts:
                     if record.result:
                         conflicts[key].places.append(place)
-                elif held is None or not Record.read(held).result:
-                    by_unit[key], where[key], said[key] = data, place, says
+                elif held is None or not held[0].result:
+                    kept[key] = (record, place, says)
                 elif record.result:
-                    differs = conflict(said[key], says)
+                    differs = conflict(held[2], says)
                     if differs:
-                        conflicts[key] = Conflict(held, [where[key], place], differs)
-                        del by_unit[key]
+                        conflicts[key] = Conflict(held[0].to_json(), [held[1], place], differs)
+                        del kept[key]
                     else:  # the same result: the later record (its timings) stands for it
-                        by_unit[key], where[key], said[key] = data, place, says
-    return ReportInput(list(by_unit.values()), list(manifests.values()), list(conflicts.values()))
+                        kept[key] = (record, place, says)
+    records = [record.to_json() for record, _, _ in kept.values()]
+    return ReportInput(records, list(manifests.values()), list(conflicts.values()))
 
 
 def load_results(
@@ -233,7 +230,6 @@ class Section:
         return f"{self.dataset} · {self.model}" + (f" ({'; '.join(settings)})" if settings else "")
 
 
-_SAMPLING = ("max_new_tokens", "temperature", "top_p", "top_k")
 _EXTRA = ("dtype", "prompt_format", "seed", "weights")
 _SLUG = {"max_new_tokens": "max", "temperature": "t", "top_p": "p", "top_k": "k", "seed": "seed", "weights": "w"}
 
@@ -245,7 +241,7 @@ def section_names(sections: Sequence[Section]) -> dict[Section, tuple[str, str]]
         groups.setdefault((section.model, section.dataset), []).append(section)
     names: dict[Section, tuple[str, str]] = {}
     for (model, dataset), members in groups.items():
-        differing = [name for name in (*_SAMPLING, *_EXTRA) if len({getattr(s, name) for s in members}) > 1]
+        differing = [name for name in (*SAMPLING, *_EXTRA) if len({getattr(s, name) for s in members}) > 1]
         base = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{Path(dataset).stem}-{Path(model).name}").strip("_")
         for section in members:
             extra = [name for name in differing if name in _EXTRA]
@@ -267,11 +263,11 @@ def _setup_section(record: dict[str, Any], manifests: dict[Any, dict[str, Any]])
     setup = (manifests.get(record.get("run")) or {}).get("setup")
     if isinstance(setup, dict):
         weights = setup.get("weights_sha256")
-        settings = {name: setup.get(name) for name in (*_SAMPLING, "dtype", "prompt_format", "seed")}
+        settings = {name: setup.get(name) for name in (*SAMPLING, "dtype", "prompt_format", "seed")}
         return Section(model, dataset, **settings, weights=str(weights)[:12] if weights else None)
     if Record.read(record).unit != GenerationRecord.kind:
         return None
-    settings = {name: record.get(name) for name in (*_SAMPLING, "dtype", "prompt_format")}
+    settings = {name: record.get(name) for name in (*SAMPLING, "dtype", "prompt_format")}
     return Section(model, dataset, **settings, seed=record.get("base_seed"))
 
 
