@@ -20,7 +20,7 @@ import math
 import os
 import re
 import statistics
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -29,7 +29,7 @@ from typing import Any
 from reasonkv.eval.code_report import code_summary
 from reasonkv.eval.collapse import stopped_early
 from reasonkv.eval.grading import counts_as_correct, cut_off_guess
-from reasonkv.eval.record_kinds import KINDS, SAMPLING, GenerationRecord, ManifestRecord, Record, UnitRecord
+from reasonkv.eval.record_kinds import KINDS, SAMPLING, FidelityRecord, GenerationRecord, ManifestRecord, Record
 from reasonkv.eval.records import conflict, read_results
 from reasonkv.eval.shards import shard_files
 from reasonkv.suggest.integers import is_number
@@ -153,7 +153,7 @@ def read_report_input(
     of every record (a report needs neither ``output_ids`` nor ``output_text``)."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
-    kept: dict[tuple, tuple[UnitRecord, str, dict[str, Any]]] = {}  # unit -> record, "file, line N", what it says
+    kept: dict[tuple, tuple[Record, str, dict[str, Any]]] = {}  # unit -> record, "file, line N", what it says
     conflicts: dict[tuple, Conflict] = {}
     manifests: dict[Any, dict[str, Any]] = {}
     for path in paths:
@@ -340,10 +340,9 @@ class Row:
 
 @dataclass
 class _Group:
-    generations: list[dict] = field(default_factory=list)
-    generation_errors: list[dict] = field(default_factory=list)
-    fidelities: list[dict] = field(default_factory=list)
-    fidelity_errors: list[dict] = field(default_factory=list)
+    """A row's records by (the kind of their unit, whether they hold its result), and its conflicting units."""
+
+    records: dict[tuple[str, bool], list[dict]] = field(default_factory=lambda: defaultdict(list))
     conflicts: int = 0
 
 
@@ -393,9 +392,10 @@ def _pair_with_full(row: Row, recs: Sequence[dict[str, Any]], full: Sequence[dic
 
 def _errors(row: Row, group: _Group) -> None:
     """Failed units, a problem's generation and fidelity failures once, with their reasons."""
-    failed_generation = {r.get("problem_id") for r in group.generation_errors}
-    counted = group.generation_errors + [
-        r for r in group.fidelity_errors if r.get("problem_id") not in failed_generation
+    failed = group.records[GenerationRecord.kind, False]
+    failed_generation = {r.get("problem_id") for r in failed}
+    counted = failed + [
+        r for r in group.records[FidelityRecord.kind, False] if r.get("problem_id") not in failed_generation
     ]
     row.errors = len(counted)
     reasons = Counter(str(r.get("error")) for r in counted)  # in the order first seen
@@ -403,7 +403,7 @@ def _errors(row: Row, group: _Group) -> None:
 
 
 def _fill(row: Row, group: _Group) -> None:
-    recs = group.generations
+    recs = group.records[GenerationRecord.kind, True]
     row.n = len(recs)
     row.correct = sum(counts_as_correct(r) for r in recs)
     row.last_number = sum(counts_as_correct(r) and r.get("grading_method") == "last_number" for r in recs)
@@ -418,7 +418,7 @@ def _fill(row: Row, group: _Group) -> None:
     row.collapse_rate = _mean(float(bool(r.get("collapsed"))) for r in recs if "collapsed" in r)
     row.early_stop_rate = _mean(float(stopped_early(r.get("collapse"))) for r in recs if "collapse" in r)
     row.code = code_summary(recs)
-    fid = group.fidelities
+    fid = group.records[FidelityRecord.kind, True]
     row.fidelity_n = len(fid)
     row.top1_agreement, row.top1_low, row.top1_high = mean_interval([r.get("top1_agreement") for r in fid])
     row.kl_mean, row.kl_low, row.kl_high = mean_interval([r.get("kl_mean") for r in fid])
@@ -439,7 +439,7 @@ def summarize(records: Sequence[dict[str, Any]], conflicts: Sequence[Conflict] =
     """
     typed = [Record.read(r) for r in records if r.get("kind") in KINDS]
     manifests = {r.get("id"): r.to_json() for r in typed if isinstance(r, ManifestRecord)}
-    units = [r.to_json() for r in typed if isinstance(r, UnitRecord)]
+    units = [r.to_json() for r in typed if not isinstance(r, ManifestRecord)]
     left_out = [c.record for c in conflicts]
     placed = _sections_of(units + left_out, manifests)
     groups: dict[tuple, _Group] = {}
@@ -452,20 +452,17 @@ def summarize(records: Sequence[dict[str, Any]], conflicts: Sequence[Conflict] =
                 group.conflicts += 1
                 continue
             unit = Record.read(record)
-            generation = unit.unit == GenerationRecord.kind
-            if not unit.result:
-                (group.generation_errors if generation else group.fidelity_errors).append(record)
-            else:
-                (group.generations if generation else group.fidelities).append(record)
+            group.records[unit.unit, unit.result].append(record)
 
     rows = []
     full_of: dict[Section, list[dict]] = {}
     for (section, label, budget, buffer), group in groups.items():
         row = Row(section=section, policy=label, budget=budget, buffer=buffer)
         _fill(row, group)
-        if budget is None and group.generations and group.generations[0].get("policy") == "full":
-            full_of[section] = group.generations
-        rows.append((row, group.generations))
+        generations = group.records[GenerationRecord.kind, True]
+        if budget is None and generations and generations[0].get("policy") == "full":
+            full_of[section] = generations
+        rows.append((row, generations))
     for row, recs in rows:
         if row.budget is not None and row.section in full_of:
             _pair_with_full(row, recs, full_of[row.section])
