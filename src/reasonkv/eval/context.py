@@ -61,9 +61,6 @@ def attempt(run: Callable[[list], list], batch: list) -> list[tuple[Any, Any]]:
         return [pair for item in batch for pair in attempt(run, [item])]
 
 
-# ---------------------------------------------------------------------------------- what is done
-
-
 @dataclass
 class Ledger:
     """What a run's files hold: finished units (with their grade), failed units, greedy full-cache traces."""
@@ -108,9 +105,6 @@ class Ledger:
 
     def failed(self, key: tuple) -> bool:
         return key in self.errors and key not in self.results
-
-
-# ---------------------------------------------------------------------------------- the context
 
 
 @dataclass

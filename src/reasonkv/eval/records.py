@@ -1,15 +1,9 @@
 """Results files: one JSON object per line, a run manifest first, appended and flushed record by record.
 
-Each line is a record of a :mod:`reasonkv.eval.record_kinds` class (manifest, generation, fidelity,
-error). ``eval`` and ``report`` check lines alike (:func:`scan_results`, :func:`read_results`): a line
-that is not a sound record, or that disagrees with the manifest its ``run`` names
-(:func:`reasonkv.eval.record_match.manifest_mismatch`), is an error naming the file, the line and the
-field, never skipped silently; :func:`repair_results` moves such lines aside. Nothing but this tool's
-results files (a sound manifest first) is ever written to (:mod:`reasonkv.runs.outputs`).
-
-:func:`unit_key` names the unit of work a record completes (or failed), so a rerun skips the work on
-disk; two results of one unit whose :func:`outcome` differs *conflict* (:func:`conflict`), and neither
-command picks one silently.
+``eval`` and ``report`` check lines alike (:func:`scan_results`, :func:`read_results`): a line that is not
+a sound record (:mod:`reasonkv.eval.record_kinds`) or disagrees with its run's manifest
+(:mod:`reasonkv.eval.record_match`) is an error naming the file, the line and the field, never skipped;
+:func:`repair_results` moves such lines aside. Only this tool's results files are ever written to.
 """
 
 from __future__ import annotations

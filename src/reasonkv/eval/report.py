@@ -65,9 +65,8 @@ LEGEND = (
     "Errors: units that could not run (a problem whose generation and fidelity both failed counts once; reasons "
     "below the table). Collapse: empty output, a repetition loop, or running out of tokens without an answer. "
     "Early stop: the output ended by itself before the token limit without an answer (not a collapse, counted "
-    "apart). "
-    "Fidelity (evicting vs full cache, teacher-forced): top-1 agreement and mean KL along the full cache's greedy "
-    "trace; Δ answer log-prob: log-probability of the reference answer with the evicting cache minus with the "
+    "apart). Fidelity (evicting vs full cache, teacher-forced): top-1 agreement and mean KL along the full cache's "
+    "greedy trace; Δ answer log-prob: log-probability of the reference answer with the evicting cache minus with the "
     "full cache (0 is perfect, negative is worse); the plots show 95% intervals of these means over problems."
 )
 
@@ -230,9 +229,6 @@ def markdown(
             lines += ["", *[f"![{name}]({file})" for name, file in files.items()]]
         lines.append("")
     return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------------- all of it
 
 
 def _is_old_report(folder: Path) -> bool:

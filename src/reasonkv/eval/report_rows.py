@@ -1,17 +1,11 @@
 """The numbers of ``reasonkv report``: results files read into one record per unit, then sections and rows.
 
-Reading (:func:`read_report_input`): every record of every file and its shard files, checked as ``eval``
-checks them (:func:`reasonkv.eval.records.read_results`). One record per unit: a result replaces an error
-record, the latest error record wins, the same result twice counts once (the later record stands for it),
-and two results that differ are a *conflict*: the unit is left out of every number and listed.
-
-Sections (:class:`Section`): one model, dataset and setup, the manifest's of the run that wrote a record
-(records written before manifests carry their generation settings; their fidelity records join every
-section of their model, dataset and dtype). Rows (:class:`Row`): one per (policy, budget) of a section.
-Samples count as independent trials for the Wilson interval; ``Δ vs full`` pairs each answer with the full
-cache's on the same problem and sample seed (its one answer at temperature 0), averaged per problem, then
-over problems, with a bootstrap interval from :data:`MIN_PAIRED` problems on. What each column means is
-the report's legend (:data:`reasonkv.eval.report.LEGEND`).
+Reading (:func:`read_report_input`) checks every line as ``eval`` does. One record per unit: a result
+replaces an error record, the latest error record wins, the same result twice counts once, and two results
+that differ are a *conflict*: the unit is left out of every number and listed. A :class:`Section` is one
+model, dataset and setup (the manifest's of the run that wrote a record); a :class:`Row` one (policy,
+budget) of a section. ``Δ vs full`` pairs each answer with the full cache's on the same problem and sample
+seed, averaged per problem, then over problems. The columns are explained by :data:`reasonkv.eval.report.LEGEND`.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""``reasonkv eval``'s settings: every flag a field that carries its flag, group and help (:mod:`reasonkv.runs.flags`).
-
-:class:`EvalSettings` is what the command line reads (:mod:`reasonkv.cli.eval` adds and reads its fields with
-:mod:`reasonkv.cli.flags`); :meth:`EvalSettings.grid` hands the grid's settings to
-:meth:`~reasonkv.eval.grid.GridSpec.build`, which checks them (the Python API builds a grid the same way).
+"""``reasonkv eval``'s settings, each flag a field (:mod:`reasonkv.runs.flags`); :meth:`EvalSettings.grid` hands
+them to :meth:`~reasonkv.eval.grid.GridSpec.build`, which checks them as it does for the Python API.
 """
 
 from __future__ import annotations
