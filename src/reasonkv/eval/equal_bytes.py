@@ -27,6 +27,7 @@ from reasonkv.eval.report_rows import average, finite
 __all__ = ["Cell", "cells", "markdown", "plot", "tier_sizes", "write_tables"]
 
 PLAIN = "full precision"
+_ORDER = {PLAIN: 0, "int8": 1, "int4": 2}  # the variants' order in tables and legends; others after them
 
 
 @dataclass(frozen=True)
@@ -74,8 +75,7 @@ def cells(records: Iterable[dict]) -> list[Cell]:
         out.append(
             Cell(dataset, policy, round(measured), variant, budget, quantized, top1, kl, len(group), measured, nominal)
         )
-    order = {PLAIN: 0, "int8": 1, "int4": 2}
-    return sorted(out, key=lambda c: (c.dataset, c.policy, c.bytes_budget, order.get(c.variant, 3)))
+    return sorted(out, key=lambda c: (c.dataset, c.policy, c.bytes_budget, _ORDER.get(c.variant, 3)))
 
 
 def tier_sizes(records: Iterable[dict], target: float) -> list[dict]:
@@ -136,8 +136,7 @@ def plot(table: Sequence[Cell], out_dir: str | os.PathLike[str]) -> list[Path]:
     for dataset in sorted({c.dataset for c in table}):
         mine = [c for c in table if c.dataset == dataset]
         policies = sorted({c.policy for c in mine})
-        variants = [v for v in (PLAIN, "int8", "int4") if any(c.variant == v for c in mine)]
-        variants += sorted({c.variant for c in mine} - set(variants))
+        variants = sorted({c.variant for c in mine}, key=lambda v: (_ORDER.get(v, 3), v))
         fig, axes = plt.subplots(2, len(policies), figsize=(3.6 * len(policies), 6.5), squeeze=False)
         for col, policy in enumerate(policies):
             for row, (attr, label) in enumerate((("top1", "top-1 agreement"), ("kl", "mean KL(full || cache)"))):

@@ -100,18 +100,13 @@ def policy_options(policies: Sequence[str], pairs: Sequence[str]) -> dict[str, d
 
 def parse_dataset_spec(spec: str | Sequence[str], limit: int | None = None) -> list[tuple[str, int | None]]:
     """``"gsm8k:40,math500:20"`` -> ``[("gsm8k", 40), ("math500", 20)]``; no ``:N`` means ``limit``."""
-    parts = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
     out: list[tuple[str, int | None]] = []
-    for part in parts:
-        for item in str(part).split(","):
-            item = item.strip()
-            if not item:
-                continue
-            match = re.fullmatch(r"(.+?):(-?\d+)", item)
-            name, item_limit = (match.group(1), int(match.group(2))) if match else (item, limit)
-            if item_limit is not None and item_limit <= 0:
-                raise ValueError(f"dataset limit must be a positive integer, got {item_limit} for {name!r}")
-            out.append((name, item_limit))
+    for item in _split_names(str(spec) if isinstance(spec, os.PathLike) else spec):
+        match = re.fullmatch(r"(.+?):(-?\d+)", item)
+        name, item_limit = (match.group(1), int(match.group(2))) if match else (item, limit)
+        if item_limit is not None and item_limit <= 0:
+            raise ValueError(f"dataset limit must be a positive integer, got {item_limit} for {name!r}")
+        out.append((name, item_limit))
     if not out:
         raise ValueError("no dataset given")
     names = [name for name, _ in out]
@@ -127,9 +122,7 @@ def parse_samples(samples: int | str | Mapping[str, int], datasets: Sequence[str
     if isinstance(samples, Mapping):
         named = dict(samples)
     elif isinstance(samples, str):
-        for item in (part.strip() for part in samples.split(",")):
-            if not item:
-                continue
+        for item in _split_names(samples):
             name, sep, value = item.rpartition("=")
             try:
                 count = int(value)
