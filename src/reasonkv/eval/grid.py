@@ -63,6 +63,11 @@ class Cell:
         return self.spec.bits
 
     @property
+    def allocation(self) -> str:
+        """How the cell shares its budget among layers and kv-heads (``uniform``: ``K`` each)."""
+        return self.spec.allocation
+
+    @property
     def config(self) -> dict[str, Any]:
         """Every hyper-parameter of the policy."""
         return self.spec.policy.config()
