@@ -50,9 +50,6 @@ Z95 = 1.959963984540054
 MIN_PAIRED = 10
 
 
-# ---------------------------------------------------------------------------------- statistics
-
-
 def wilson_interval(correct: int, total: int, z: float = Z95) -> tuple[float, float]:
     """Wilson score interval for a binomial proportion (``(nan, nan)`` when ``total == 0``)."""
     if total <= 0:
@@ -108,9 +105,6 @@ def finite(value: Any) -> bool:
 def average(values: Sequence[float]) -> float:
     """The mean of ``values``, NaN for none."""
     return sum(values) / len(values) if values else math.nan
-
-
-# ---------------------------------------------------------------------------------- reading
 
 
 @dataclass
@@ -184,9 +178,6 @@ def load_results(
     (:func:`read_report_input` without the conflicts)."""
     read = read_report_input(paths, drop=drop)
     return read.records + read.manifests
-
-
-# ---------------------------------------------------------------------------------- sections
 
 
 @dataclass(frozen=True)
@@ -282,9 +273,6 @@ def _sections_of(records: Sequence[dict[str, Any]], manifests: dict[Any, dict[st
             known += matching
         out.append(matching)
     return out
-
-
-# ---------------------------------------------------------------------------------- rows
 
 
 @dataclass
