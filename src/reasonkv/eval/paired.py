@@ -77,9 +77,9 @@ def paired_fidelity(records: Iterable[dict], against: str) -> list[PairedRow]:
             if len(shared) >= MIN_PAIRED and policy != against:
                 low, high = paired_interval(differences)
             top1 = sum(scores[p][0] for p in shared) / len(shared)
+            kl = average(kls)
             delta = sum(differences) / len(differences)
-            row = (model, dataset, budget, buffer, policy, len(shared), top1, average(kls), delta)
-            mine.append(PairedRow(*row, low, high))
+            mine.append(PairedRow(model, dataset, budget, buffer, policy, len(shared), top1, kl, delta, low, high))
         rows += sorted(mine, key=lambda row: (-row.top1, row.policy))
     if not rows:
         labels = sorted({label for policies in cells.values() for label in policies})
