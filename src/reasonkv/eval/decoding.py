@@ -33,10 +33,8 @@ __all__ = ["refused_prompt", "run_generation", "steady_bytes_fields"]
 
 
 def refused_prompt(cell: Cell, prompt_tokens: int, new_tokens: int, context: int | None = None) -> str | None:
-    """Why ``cell`` cannot run a prompt of ``prompt_tokens`` for ``new_tokens`` tokens, if it cannot.
-
-    ``context``: the model's context length (positions it was trained for), when known.
-    """
+    """Why ``cell`` cannot run a prompt of ``prompt_tokens`` for ``new_tokens`` tokens, None when it can
+    (``context``: the model's context length, when known)."""
     too_long = over_context(prompt_tokens, new_tokens, context, "shorten the problem or lower the token limit")
     if too_long is not None:
         return f"checked before decoding: {too_long}"

@@ -199,10 +199,8 @@ def markdown(
     conflicts: Sequence[Conflict] = (),
     plots: dict[Section, dict[str, str]] | None = None,
 ) -> str:
-    """The report as markdown: what to know first, the runs' manifests, then one table (and its plots) per section.
-
-    ``plots``: the plot files of each section (:func:`~reasonkv.eval.report_plots.plot_names`), embedded.
-    """
+    """The report as markdown: what to know first, the runs' manifests, then one table per section, with the
+    plot files ``plots`` gives it (:func:`~reasonkv.eval.report_plots.plot_names`)."""
     sections = list(dict.fromkeys(r.section for r in rows))
     lines = ["# Evaluation report", ""]
     if source:
