@@ -1,9 +1,5 @@
-"""The code part of a report: how each (policy, budget)'s programs ended, and what running them cost.
-
-Generation records of code problems carry ``code_outcome`` (see :mod:`reasonkv.eval.code`). A report
-row's ``code`` (in ``summary.json`` too) holds ``outcomes`` (counted over the row's records),
-``problems`` (the same counts per problem), ``runs`` (sandbox runs) and ``seconds_per_run`` (their
-mean wall time, the sandbox's set-up included: what one test costs); it is empty without code records.
+"""The code part of a report: how each (policy, budget)'s programs ended (``code_outcome``, see
+:mod:`reasonkv.eval.code`), per row and per problem, and the sandbox's mean wall time per test run.
 """
 
 from __future__ import annotations

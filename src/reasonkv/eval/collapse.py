@@ -1,19 +1,15 @@
-"""Detect degenerate generations: empty output, a token loop at the end, or running out of tokens; and an
-output that stopped by itself without an answer.
+"""Detect degenerate generations (empty output, a token loop at the end, running out of tokens) and outputs
+that stopped by themselves without an answer.
 
-A *tail loop* has period ``n`` when every one of the last ``L + n`` tokens equals the token ``n``
-positions before it for the last ``L`` of them, i.e. the final ``n``-token block repeats
-``(L + n) / n`` times (a cut-off partial block counts fractionally). The generation is flagged
-as repeating when, for some ``n <= max_period``, the loop repeats at least ``min_repeats`` times
-and spans at least ``min_span`` tokens. The span floor keeps short legitimate runs (``0 & 0 & 0``,
-a row of ``=``) from counting; the repeat floor keeps a long phrase said twice from counting.
-With the defaults (64, 4) a 7-token phrase must occur about 10 times, a single token 64 times,
-and a 64-token paragraph 4 times.
+A *tail loop* of period ``n`` covers the last ``L + n`` tokens when each of the last ``L`` equals the token
+``n`` before it: the final ``n``-token block repeats ``(L + n) / n`` times (a cut-off block fractionally).
+It counts as repetition when it repeats at least ``min_repeats`` times and spans at least ``min_span``
+tokens: the span floor spares short legitimate runs (``0 & 0 & 0``), the repeat floor a phrase said twice.
+With the defaults (64, 4) a single token must repeat 64 times, a 64-token paragraph 4 times.
 
-An output that ends by itself (an end of sequence, not the token limit) before giving an answer is not a
-collapse, but it is no success either: a policy that makes the model stop early would otherwise look
-better on the collapse rate than the full cache whose long outputs run out of tokens. It is flagged
-``early_stop`` and counted apart (the report's early-stop rate).
+An output that ends by itself before any answer is no collapse but no success either (``early_stop``,
+counted apart): otherwise a policy that makes the model stop early would beat the full cache's collapse
+rate, whose long outputs run out of tokens.
 """
 
 from __future__ import annotations
@@ -43,21 +39,8 @@ def _tail_spans(ids: np.ndarray, max_period: int) -> list[tuple[int, int]]:
 
 
 def tail_loop(token_ids: Sequence[int] | np.ndarray, *, max_period: int = 64) -> tuple[int, float]:
-    """Find the loop that covers the most tokens at the end of a sequence.
-
-    Parameters
-    ----------
-    token_ids : sequence of int
-        Generated token ids (without the prompt or a trailing EOS).
-    max_period : int
-        Longest loop period considered.
-
-    Returns
-    -------
-    (period, repeats)
-        The shortest period among those covering the longest tail, and how many times its block
-        repeats (fractional for a cut-off block); ``(0, 0.0)`` when the end is not a loop.
-    """
+    """``(period, repeats)`` of the loop covering the most tokens at the end of ``token_ids`` (no prompt, no EOS),
+    the shortest such period with ``max_period`` at most; ``(0, 0.0)`` when the end is not a loop."""
     spans = _tail_spans(np.asarray(token_ids, dtype=np.int64).ravel(), max_period)
     if not spans:
         return 0, 0.0
@@ -76,31 +59,12 @@ def collapse_flags(
     min_repeats: float = 4.0,
     min_span: int = 64,
 ) -> dict[str, bool]:
-    """Flag a degenerate generation.
+    """Flag a degenerate generation of ``text`` / ``token_ids`` (no prompt); ``kind`` is the answer kind.
 
-    Parameters
-    ----------
-    text : str
-        Decoded generated text.
-    token_ids : sequence of int
-        Generated token ids (without the prompt).
-    max_new_tokens : int
-        The generation budget.
-    eos_hit : bool
-        Whether generation ended on an end-of-sequence token.
-    kind : {"math", "choice"}
-        Answer kind, for ``no_answer``.
-    max_period, min_repeats, min_span
-        Loop thresholds (see the module docstring).
-
-    Returns
-    -------
-    dict of str to bool
-        ``empty``: no non-whitespace text. ``no_answer``: no boxed answer or "answer is/:" phrase
-        (the last-number fallback is not used here). ``repetition``: a tail loop as defined above.
-        ``max_tokens``: stopped at ``max_new_tokens`` without EOS. ``collapsed``: ``empty`` or
-        ``repetition`` or (``max_tokens`` and ``no_answer``). ``early_stop``: ended before the limit with
-        ``no_answer`` and not ``collapsed`` (see :func:`stopped_early`).
+    ``empty``: no non-whitespace text. ``no_answer``: no boxed answer or "answer is/:" phrase (no last-number
+    fallback). ``repetition``: a tail loop (see the module docstring). ``max_tokens``: stopped at
+    ``max_new_tokens`` without EOS. ``collapsed``: ``empty`` or ``repetition`` or (``max_tokens`` and
+    ``no_answer``). ``early_stop``: :func:`stopped_early`.
     """
     ids = np.asarray(token_ids, dtype=np.int64).ravel()
     empty = not text.strip()
@@ -118,11 +82,8 @@ def collapse_flags(
 
 
 def stopped_early(flags: Mapping[str, Any] | None) -> bool:
-    """Whether collapse flags say the output ended by itself without an answer and did not collapse.
-
-    Reads the flags of records written before ``early_stop`` existed too (from ``no_answer``,
-    ``max_tokens`` and ``collapsed``); ``False`` when there are none.
-    """
+    """Whether collapse flags say the output ended by itself without an answer and did not collapse (flags
+    written before ``early_stop`` existed are read from ``no_answer``, ``max_tokens`` and ``collapsed``)."""
     if not isinstance(flags, Mapping):
         return False
     if "early_stop" in flags:

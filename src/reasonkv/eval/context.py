@@ -1,13 +1,12 @@
 """What the phases of a grid share: the model, the grid, where records go and what is already done.
 
-:class:`Ledger` knows what a run's files hold (finished units with their grade, failed units, the greedy
-full-cache traces fidelity reuses); :class:`Context` builds each record's identity from the grid and
-writes records. A unit's identity (:meth:`Context.generation_key`, :meth:`Context.fidelity_key`) is
-what a rerun compares to skip work already done.
+:class:`Ledger` knows what a run's files hold; :class:`Context` builds each unit's identity (the record its
+result starts from, whose key a rerun compares to skip work done) and writes records.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -62,9 +61,6 @@ def attempt(run: Callable[[list], list], batch: list) -> list[tuple[Any, Any]]:
         return [pair for item in batch for pair in attempt(run, [item])]
 
 
-# ---------------------------------------------------------------------------------- what is done
-
-
 @dataclass
 class Ledger:
     """What a run's files hold: finished units (with their grade), failed units, greedy full-cache traces."""
@@ -109,9 +105,6 @@ class Ledger:
 
     def failed(self, key: tuple) -> bool:
         return key in self.errors and key not in self.results
-
-
-# ---------------------------------------------------------------------------------- the context
 
 
 @dataclass
@@ -191,16 +184,9 @@ class Context:
 
     def generation_key(self, dataset: str, problem: Problem, cell: Cell, sample: int) -> GenerationRecord:
         """The identity of a generation unit: the record its result starts from."""
-        sampling = self.grid.sampling
+        sampling = dataclasses.asdict(self.grid.sampling)  # the record's SAMPLING fields
         return GenerationRecord(
-            {
-                **self._base(GenerationRecord.kind, dataset, problem, cell),
-                "sample": sample,
-                "max_new_tokens": sampling.max_new_tokens,
-                "temperature": sampling.temperature,
-                "top_p": sampling.top_p,
-                "top_k": sampling.top_k,
-            }
+            {**self._base(GenerationRecord.kind, dataset, problem, cell), "sample": sample, **sampling}
         )
 
     def fidelity_key(self, dataset: str, problem: Problem, cell: Cell) -> FidelityRecord:

@@ -1,21 +1,10 @@
 """The generation phase of a grid: decode each (problem, cell, sample) unit, grade it, write its record.
 
-Batches group units of one cell; ``reasonkv.generate`` gives each prompt the same tokens in a batch as
-alone, so the split across processes and the batching never change a result.
-
-One bad cell does not sink a grid:
-
-- Checked up front, before any decoding: a prompt and the tokens it may generate must fit the
-  model's context (``max_position_embeddings``), and a policy that protects the whole prompt
-  (``protect_prompt``) cannot evict a prompt longer than its budget once an eviction is due (prompt +
-  token limit - 1 reaches ``K + B``). Such units get an error record at once, with the numbers, and
-  the rest of the grid runs.
-- Anything that fails while decoding a batch: the batch is run again one unit at a time, and only a
-  unit that fails alone gets an error record (``"kind": "error"``: the unit's identity fields,
-  ``unit``, ``stage`` and ``error``, the reason).
-
-An error record settles its unit: a rerun skips it (it would fail again) unless ``retry_errors``;
-a later result for the unit replaces the error in reports and merges.
+Batches group units of one cell, and a prompt gets the same tokens in a batch as alone, so neither the
+batching nor the split across processes changes a result. One bad cell does not sink a grid: a prompt that
+cannot fit the model's context or its cell's budget (:func:`refused_prompt`) gets an error record before
+any decoding, and a batch that fails is run again one unit at a time, so only a unit that fails alone gets
+one. An error record settles its unit unless ``retry_errors``; a later result replaces it.
 """
 
 from __future__ import annotations
@@ -44,10 +33,8 @@ __all__ = ["refused_prompt", "run_generation", "steady_bytes_fields"]
 
 
 def refused_prompt(cell: Cell, prompt_tokens: int, new_tokens: int, context: int | None = None) -> str | None:
-    """Why ``cell`` cannot run a prompt of ``prompt_tokens`` for ``new_tokens`` tokens, if it cannot.
-
-    ``context``: the model's context length (positions it was trained for), when known.
-    """
+    """Why ``cell`` cannot run a prompt of ``prompt_tokens`` for ``new_tokens`` tokens, None when it can
+    (``context``: the model's context length, when known)."""
     too_long = over_context(prompt_tokens, new_tokens, context, "shorten the problem or lower the token limit")
     if too_long is not None:
         return f"checked before decoding: {too_long}"

@@ -1,18 +1,14 @@
 """Fidelity at equal K/V bytes: full-precision tokens only, against fewer of them plus a quantized tier.
 
-Reads the fidelity records of ``reasonkv eval`` runs and measures every cell's *byte budget*: the
-K/V bytes its rows held in steady state, measured right after each eviction (``steady_kv_tokens``:
-those bytes in full-precision tokens per layer and kv-head; a plain cell's own budget), averaged over
-its problems. Per dataset it tabulates each cell's top-1 agreement and mean KL, a policy's cells in the
-order of their measured bytes, with the nominal bytes the tier's formula gives beside them, and plots
-them against those bytes, a line per variant (full precision only, int8 tier, int4 tier)::
+Every cell's *byte budget* is measured: the K/V bytes its rows held right after each eviction
+(``steady_kv_tokens``, in full-precision tokens per layer and kv-head), averaged over its problems. Per
+dataset, a table of each cell's top-1 agreement and KL with its measured and nominal bytes, and plots
+against those bytes, a line per variant (full precision, int8, int4)::
 
     python -m reasonkv.cli.equal_bytes docs/results/equal-bytes/results.jsonl --out docs/results/equal-bytes
 
-A tier's measured bytes are not its nominal ones (its pending tokens wait at full precision, key
-groups that lost members cost more per member), so the ``Q`` that fills a byte budget is measured too:
-:func:`tier_sizes` fits, per policy and format, the measured bytes of a few ``Q`` on a calibration run
-and solves for the ``Q`` that holds a target.
+A tier's measured bytes are not its nominal ones (pending tokens wait at full precision), so
+:func:`tier_sizes` fits the ``Q`` that holds a byte budget from a calibration run's measured points.
 """
 
 from __future__ import annotations
@@ -26,10 +22,12 @@ from pathlib import Path
 
 from reasonkv.eval.record_kinds import FidelityRecord
 from reasonkv.eval.report import load_results
+from reasonkv.eval.report_rows import average, finite
 
 __all__ = ["Cell", "cells", "markdown", "plot", "tier_sizes", "write_tables"]
 
 PLAIN = "full precision"
+_ORDER = {PLAIN: 0, "int8": 1, "int4": 2}  # the variants' order in tables and legends; others after them
 
 
 @dataclass(frozen=True)
@@ -58,7 +56,7 @@ def _measured_records(records: Iterable[dict]) -> dict[tuple, list[dict]]:
     """Fidelity records with measured steady bytes, by (dataset, policy, variant, K, Q)."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in records:
-        if r.get("kind") != FidelityRecord.kind or not _finite(r.get("steady_kv_tokens")):
+        if r.get("kind") != FidelityRecord.kind or not finite(r.get("steady_kv_tokens")):
             continue
         variant, quantized = _variant(r)
         groups[(r["dataset"], r["policy"], variant, r["budget"], quantized)].append(r)
@@ -70,23 +68,20 @@ def cells(records: Iterable[dict]) -> list[Cell]:
     a row never evicted or a run before it was measured, are skipped)."""
     out = []
     for (dataset, policy, variant, budget, quantized), group in _measured_records(records).items():
-        top1 = _mean([r["top1_agreement"] for r in group if _finite(r.get("top1_agreement"))])
-        kl = _mean([r["kl_mean"] for r in group if _finite(r.get("kl_mean"))])
-        measured = _mean([r["steady_kv_tokens"] for r in group])
-        nominal = _mean([r["equivalent_budget"] for r in group if _finite(r.get("equivalent_budget"))])
+        top1 = average([r["top1_agreement"] for r in group if finite(r.get("top1_agreement"))])
+        kl = average([r["kl_mean"] for r in group if finite(r.get("kl_mean"))])
+        measured = average([r["steady_kv_tokens"] for r in group])
+        nominal = average([r["equivalent_budget"] for r in group if finite(r.get("equivalent_budget"))])
         out.append(
             Cell(dataset, policy, round(measured), variant, budget, quantized, top1, kl, len(group), measured, nominal)
         )
-    order = {PLAIN: 0, "int8": 1, "int4": 2}
-    return sorted(out, key=lambda c: (c.dataset, c.policy, c.bytes_budget, order.get(c.variant, 3)))
+    return sorted(out, key=lambda c: (c.dataset, c.policy, c.bytes_budget, _ORDER.get(c.variant, 3)))
 
 
 def tier_sizes(records: Iterable[dict], target: float) -> list[dict]:
-    """Per (policy, bits, K) of the tiered fidelity records measured at two or more ``Q``: the ``Q`` whose
-    measured bytes (``steady_kv_tokens``, the mean over every dataset's problems) would hold ``target``
-    full-precision tokens, from the least-squares line through the measured points (rounded down, so the
-    tier stays within the target). Each entry: ``policy``, ``bits``, ``budget``, ``quantized``, the
-    ``points`` ``(Q, tokens)`` it was fitted on."""
+    """Per (policy, bits, K) measured at two or more ``Q``: the ``Q`` (rounded down) whose measured bytes
+    would hold ``target`` full-precision tokens, on the least-squares line through the ``points`` ``(Q, tokens)``;
+    each entry a dict of ``policy``, ``bits``, ``budget``, ``quantized`` and ``points``."""
     points: dict[tuple, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
     for (_, policy, variant, budget, quantized), group in _measured_records(records).items():
         if variant != PLAIN:
@@ -96,8 +91,8 @@ def tier_sizes(records: Iterable[dict], target: float) -> list[dict]:
         xs = sorted(measured)
         if len(xs) < 2:
             continue
-        ys = [_mean(measured[q]) for q in xs]
-        mx, my = _mean(xs), _mean(ys)
+        ys = [average(measured[q]) for q in xs]
+        mx, my = average(xs), average(ys)
         slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
         quantized = math.floor(xs[0] + (target - (my + slope * (xs[0] - mx))) / slope)
         fitted = list(zip(xs, ys, strict=True))
@@ -105,17 +100,8 @@ def tier_sizes(records: Iterable[dict], target: float) -> list[dict]:
     return sizes
 
 
-def _finite(value) -> bool:
-    return isinstance(value, (int, float)) and math.isfinite(value)
-
-
-def _mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values) if values else float("nan")
-
-
 def markdown(table: Sequence[Cell]) -> str:
-    """One table per dataset: a row per cell, each policy's cells in the order of their measured bytes, so a
-    tier reads beside the plain cells of about its bytes."""
+    """One table per dataset, each policy's cells in the order of their measured bytes."""
     lines = []
     for dataset in sorted({c.dataset for c in table}):
         lines += [f"### {dataset}", ""]
@@ -138,8 +124,7 @@ def markdown(table: Sequence[Cell]) -> str:
 
 
 def plot(table: Sequence[Cell], out_dir: str | os.PathLike[str]) -> list[Path]:
-    """Per dataset: a column of panels per policy, top-1 agreement and mean KL against the measured bytes, a
-    line per variant, so a tier's point sits above or below the plain line at its own bytes."""
+    """Per dataset: top-1 agreement and mean KL against the measured bytes, a column per policy, a line per variant."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -151,8 +136,7 @@ def plot(table: Sequence[Cell], out_dir: str | os.PathLike[str]) -> list[Path]:
     for dataset in sorted({c.dataset for c in table}):
         mine = [c for c in table if c.dataset == dataset]
         policies = sorted({c.policy for c in mine})
-        variants = [v for v in (PLAIN, "int8", "int4") if any(c.variant == v for c in mine)]
-        variants += sorted({c.variant for c in mine} - set(variants))
+        variants = sorted({c.variant for c in mine}, key=lambda v: (_ORDER.get(v, 3), v))
         fig, axes = plt.subplots(2, len(policies), figsize=(3.6 * len(policies), 6.5), squeeze=False)
         for col, policy in enumerate(policies):
             for row, (attr, label) in enumerate((("top1", "top-1 agreement"), ("kl", "mean KL(full || cache)"))):

@@ -1,13 +1,8 @@
-"""The evaluation grid's settings: one frozen object, built once (by the command line or in Python).
+"""The evaluation grid's settings: one frozen :class:`GridSpec`, built once (by the command line or in Python)
+and read by planning, running, the run manifest and ``--plan``.
 
-A :class:`GridSpec` says which datasets (and how many problems of each), which policies with which
-options at which budgets (one :class:`~reasonkv.cache.CacheSpec` per :class:`Cell`), how many samples
-per problem, how to decode, and what to measure. Planning (:mod:`reasonkv.eval.plan`), running
-(:func:`reasonkv.eval.runner.run_grid`), the run manifest and ``--plan`` all read the same object.
-
-``full`` evicts nothing, so its cache ignores the budget (:class:`~reasonkv.cache.CacheSpec` stores
-none): the grid's cells are the distinct cache specs, so ``full`` is one cell whatever the budgets.
-A quantized tier applies to the evicting cells only.
+The grid's cells are its distinct cache specs: ``full`` evicts nothing, so it is one cell whatever the
+budgets, and a quantized tier applies to the evicting cells only.
 """
 
 from __future__ import annotations
@@ -15,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from reasonkv.cache.allocation import Uniform, allocation_class, check_allocation
@@ -92,9 +87,6 @@ class Cell:
         return self.label if self.budget is None else f"{self.label}@{self.budget}"
 
 
-GUARANTEE_NAMES = tuple(GUARANTEES)
-
-
 def _fmt(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return "/".join(map(str, value))
@@ -113,18 +105,13 @@ def policy_options(policies: Sequence[str], pairs: Sequence[str]) -> dict[str, d
 
 def parse_dataset_spec(spec: str | Sequence[str], limit: int | None = None) -> list[tuple[str, int | None]]:
     """``"gsm8k:40,math500:20"`` -> ``[("gsm8k", 40), ("math500", 20)]``; no ``:N`` means ``limit``."""
-    parts = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
     out: list[tuple[str, int | None]] = []
-    for part in parts:
-        for item in str(part).split(","):
-            item = item.strip()
-            if not item:
-                continue
-            match = re.fullmatch(r"(.+?):(-?\d+)", item)
-            name, item_limit = (match.group(1), int(match.group(2))) if match else (item, limit)
-            if item_limit is not None and item_limit <= 0:
-                raise ValueError(f"dataset limit must be a positive integer, got {item_limit} for {name!r}")
-            out.append((name, item_limit))
+    for item in _split_names(str(spec) if isinstance(spec, os.PathLike) else spec):
+        match = re.fullmatch(r"(.+?):(-?\d+)", item)
+        name, item_limit = (match.group(1), int(match.group(2))) if match else (item, limit)
+        if item_limit is not None and item_limit <= 0:
+            raise ValueError(f"dataset limit must be a positive integer, got {item_limit} for {name!r}")
+        out.append((name, item_limit))
     if not out:
         raise ValueError("no dataset given")
     names = [name for name, _ in out]
@@ -140,9 +127,7 @@ def parse_samples(samples: int | str | Mapping[str, int], datasets: Sequence[str
     if isinstance(samples, Mapping):
         named = dict(samples)
     elif isinstance(samples, str):
-        for item in (part.strip() for part in samples.split(",")):
-            if not item:
-                continue
+        for item in _split_names(samples):
             name, sep, value = item.rpartition("=")
             try:
                 count = int(value)
@@ -173,12 +158,8 @@ def make_cells(
     allocations: str | Sequence[str] = (Uniform.name,),
     budgets_file: str | None = None,
 ) -> list[Cell]:
-    """The grid's cells: ``full`` once first, then every budget x evicting policy (x allocation: each evicting
-    policy once per allocation, :mod:`reasonkv.cache.allocation`; ``budgets_file`` for ``calibrated``).
-
-    Validates names, budgets and options; each cell's :class:`~reasonkv.cache.CacheSpec` checks that the
-    policy's protected tokens fit its budget (plus the quantized tier) and that it can fill a tier.
-    """
+    """The grid's cells: ``full`` once first, then every budget x evicting policy (x allocation, ``budgets_file``
+    for ``calibrated``). Each cell's :class:`~reasonkv.cache.CacheSpec` checks that it fits its budget."""
     policies = _split_names(policies)
     if not policies:
         raise ValueError("no policy given")
@@ -228,23 +209,9 @@ def make_cells(
 
 @dataclass(frozen=True)
 class CodeSettings:
-    """How a grid runs code answers (see :mod:`reasonkv.eval.code` and :mod:`reasonkv.sandbox`).
-
-    Parameters
-    ----------
-    allow_execution
-        The explicit opt-in: a grid with code problems is refused without it.
-    timeout, memory_mb
-        Per test run: wall-clock and CPU seconds (at most :data:`reasonkv.sandbox.limits.MAX_TIMEOUT`), and
-        the memory (MiB) of the run as a whole (see :mod:`reasonkv.sandbox`).
-    workers
-        Test runs at once (None: one per CPU this process may use).
-    allow_missing
-        Sandbox guarantees (:data:`reasonkv.sandbox.GUARANTEES`) the user accepts to lose where this
-        machine cannot give them (no bubblewrap, no user namespaces).
-    after, before
-        Keep only problems whose contest date lies in this window (``YYYY-MM-DD``, both days included).
-    """
+    """How a grid runs code answers (:mod:`reasonkv.sandbox`): the opt-in, each test run's seconds and MiB,
+    test runs at once (None: one per CPU), the sandbox guarantees accepted as missing here, and the contest
+    date window of the problems (``YYYY-MM-DD``, both days included)."""
 
     allow_execution: bool = False
     timeout: float = 6.0
@@ -255,83 +222,38 @@ class CodeSettings:
     before: str | None = None
 
     @classmethod
-    def build(
-        cls,
-        *,
-        allow_execution: bool = False,
-        timeout: float = 6.0,
-        memory_mb: int = 1024,
-        workers: int | None = None,
-        allow_missing: str | Sequence[str] = (),
-        after: str | None = None,
-        before: str | None = None,
-    ) -> CodeSettings:
+    def build(cls, *, allow_missing: str | Sequence[str] = (), **settings: Any) -> CodeSettings:
         """Checked settings (``allow_missing`` may be comma-separated)."""
-        if not isinstance(allow_execution, bool):
-            raise ValueError(f"allow_execution must be True or False, got {allow_execution!r}")
-        timeout = check_timeout(timeout, "code timeout")
-        check_memory(memory_mb, "code memory_mb")
-        if workers is not None:
-            check_int("code workers", workers, 1)
+        code = cls(**settings)
+        if not isinstance(code.allow_execution, bool):
+            raise ValueError(f"allow_execution must be True or False, got {code.allow_execution!r}")
+        timeout = check_timeout(code.timeout, "code timeout")
+        check_memory(code.memory_mb, "code memory_mb")
+        if code.workers is not None:
+            check_int("code workers", code.workers, 1)
         missing = tuple(sorted(set(_split_names(allow_missing))))
-        unknown = [name for name in missing if name not in GUARANTEE_NAMES]
+        unknown = [name for name in missing if name not in GUARANTEES]
         if unknown:
-            raise ValueError(f"unknown sandbox guarantee {', '.join(unknown)}; known: {', '.join(GUARANTEE_NAMES)}")
-        first = parse_day(after, "--after") if after else None
-        last = parse_day(before, "--before") if before else None
+            raise ValueError(f"unknown sandbox guarantee {', '.join(unknown)}; known: {', '.join(GUARANTEES)}")
+        first = parse_day(code.after, "--after") if code.after else None
+        last = parse_day(code.before, "--before") if code.before else None
         if first and last and first > last:
-            raise ValueError(f"--after {after} is later than --before {before}: the window holds no day")
-        return cls(
-            allow_execution=allow_execution,
-            timeout=float(timeout),
-            memory_mb=memory_mb,
-            workers=workers,
-            allow_missing=missing,
-            after=first.isoformat() if first else None,
-            before=last.isoformat() if last else None,
-        )
+            raise ValueError(f"--after {code.after} is later than --before {code.before}: the window holds no day")
+        days = {"after": first.isoformat() if first else None, "before": last.isoformat() if last else None}
+        return replace(code, timeout=float(timeout), allow_missing=missing, **days)
 
 
 @dataclass(frozen=True)
 class GridSpec:
-    """An evaluation grid: datasets x cells x samples, how to decode and what to measure.
+    """An evaluation grid: datasets (``(name or path, limit)``) x cells (:func:`make_cells`) x samples per
+    problem (per dataset), how to decode and what to measure; build one with :meth:`build`.
 
-    Build one with :meth:`build` (it parses and checks everything that needs no model).
-
-    Parameters
-    ----------
-    datasets
-        ``(name or path, limit)`` pairs (limit None: every problem).
-    cells
-        The cells (see :func:`make_cells`).
-    samples
-        Samples per problem, per dataset (at temperature 0 only stochastic policies run more than one).
-    sampling
-        Decoding settings.
-    seed
-        Base seed: sample ``s`` of problem ``p`` uses ``sample_seed(seed, p, s)``.
-    batch_size
-        Prompts decoded together (one cell per batch).
-    fidelity
-        Also replay the full cache's greedy traces through each evicting cache (None: on when a
-        dataset has reference solutions; decided when the datasets are loaded).
-    fidelity_tokens
-        Length of the replayed traces (default ``max_new_tokens``).
-    generation
-        False: fidelity records only for the evicting cells (``full`` still generates its traces).
-    thinking
-        ``enable_thinking`` of Qwen3-style chat templates (None: the template's default).
-    max_chunk
-        Most tokens per forward pass in fidelity replays (None: the default).
-    code
-        How code answers are run (:class:`CodeSettings`): the explicit opt-in, the sandbox's limits and
-        the guarantees it may lack; and the contest-date window of LiveCodeBench problems.
-    trace_problems
-        Problem ids whose generations keep their eviction trace (``reasonkv inspect --trace`` opens them).
-    compile
-        Decode each step as one compiled graph (``generate(..., compile=True)``): speed, not results
-        (fidelity replays stay eager). Like the batch size it is not part of the grid's identity. A cell whose
-        cache cannot be compiled (a selection policy) is refused when the grid is built.
+    ``fidelity`` None: on when a dataset has reference solutions (decided when the datasets load);
+    ``generation`` False: fidelity records only for the evicting cells (``full`` still generates its traces);
+    ``thinking``: ``enable_thinking`` of Qwen3-style chat templates (None: the template's default);
+    ``max_chunk``: most tokens per forward pass of a fidelity replay; ``trace_problems``: problem ids whose
+    generations keep their eviction trace. ``compile`` and ``batch_size`` change speed, not results, and
+    are not part of the grid's identity; a cell that cannot be compiled is refused when the grid is built.
     """
 
     datasets: tuple[tuple[str, int | None], ...]
@@ -372,14 +294,9 @@ class GridSpec:
         compile: bool = False,
         **cells: Any,
     ) -> GridSpec:
-        """A grid from loose settings (strings as the command line gives them, or Python values).
-
-        ``dataset`` is a bundled benchmark or a JSONL path, several comma-separated, each optionally
-        ``NAME:LIMIT``; ``samples`` a count or per dataset (``"aime25=64,math500=8"``); ``code`` a
-        :class:`CodeSettings` or its keywords; ``cells`` the keywords of :func:`make_cells`: ``policies``
-        (comma-separated names), ``budgets``, ``buffer``, ``options`` (``["key=value", "policy.key=value"]``
-        or ``{policy: {key: value}}``), ``quantized``, ``bits``, ``allocations`` and ``budgets_file``.
-        """
+        """A grid from loose settings, as the command line gives them or as Python values: ``dataset``
+        comma-separated, each optionally ``NAME:LIMIT``; ``samples`` a count or ``"aime25=64,math500=8"``;
+        ``code`` a :class:`CodeSettings` or its keywords; ``cells`` the keywords of :func:`make_cells`."""
         datasets = tuple(parse_dataset_spec(dataset, limit))
         per_dataset = parse_samples(samples, [name for name, _ in datasets])
         check_int("batch_size", batch_size, 1)

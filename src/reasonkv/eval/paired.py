@@ -1,17 +1,13 @@
 """Paired fidelity: each policy's top-1 agreement minus a reference policy's, problem by problem.
 
-Means over problems hide how far apart two policies are on the same traces: a problem whose trace is
-hard for one policy is often hard for the other. This pairs the fidelity records of each (model,
-dataset, K, B) cell by problem and gives, per policy, its mean top-1 agreement and KL(full ||
-evicting) over the problems it shares with the reference, its mean top-1 difference to the reference
-and the 95% bootstrap interval of that difference (resampling problems, as the report's Δ vs full;
-none below :data:`~reasonkv.eval.report_rows.MIN_PAIRED` problems)::
+Means over problems hide how far apart two policies are on the same traces (a trace hard for one is often
+hard for the other). Per (model, dataset, K, B) cell and policy: mean top-1 agreement and KL over the
+problems it shares with the reference, the mean paired difference and its 95% bootstrap interval (as the
+report's Δ vs full, from :data:`~reasonkv.eval.report_rows.MIN_PAIRED` problems on)::
 
     python -m reasonkv.cli.paired docs/results/results.jsonl docs/results/frontier/smollm2-135m.jsonl
 
-A policy is named by its label (``policy_label``: ``triattention[stats=bundled]``), a tiered one with
-its tier (``h2o + int4 x 116``). The files should hold one setup per model (dtype, token limit), as
-a grid's results file does; ``reasonkv report`` says when they do not.
+A policy is named by its label, a tiered one with its tier (``h2o + int4 x 116``).
 """
 
 from __future__ import annotations
@@ -22,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from reasonkv.eval.record_kinds import FidelityRecord
-from reasonkv.eval.report_rows import MIN_PAIRED, paired_interval
+from reasonkv.eval.report_rows import MIN_PAIRED, average, finite, paired_interval
 
 __all__ = ["PairedRow", "markdown", "paired_fidelity"]
 
@@ -50,10 +46,6 @@ def _label(record: dict) -> str:
     return f"{label} + int{tier['bits']} x {tier['quantized']}" if tier else label
 
 
-def _finite(value) -> bool:
-    return isinstance(value, (int, float)) and math.isfinite(value)
-
-
 def _order(cell: tuple) -> tuple:  # model, dataset, then K and B as numbers
     model, dataset, budget, buffer = cell
     return (str(model), str(dataset), budget, -1 if buffer is None else buffer)
@@ -65,7 +57,7 @@ def paired_fidelity(records: Iterable[dict], against: str) -> list[PairedRow]:
     Raises ``ValueError`` naming the policies there are when no cell holds ``against``."""
     cells: dict[tuple, dict[str, dict[tuple, tuple[float, float]]]] = defaultdict(lambda: defaultdict(dict))
     for r in records:
-        if r.get("kind") != FidelityRecord.kind or not _finite(r.get("top1_agreement")):
+        if r.get("kind") != FidelityRecord.kind or not finite(r.get("top1_agreement")):
             continue
         cell = (r.get("model", "?"), r["dataset"], r["budget"], r.get("buffer"))
         cells[cell][_label(r)][(r["problem_id"], r.get("sample", 0))] = (r["top1_agreement"], r.get("kl_mean"))
@@ -80,12 +72,12 @@ def paired_fidelity(records: Iterable[dict], against: str) -> list[PairedRow]:
             if not shared:
                 continue
             differences = [scores[p][0] - base[p][0] for p in shared]
-            kls = [scores[p][1] for p in shared if _finite(scores[p][1])]
+            kls = [scores[p][1] for p in shared if finite(scores[p][1])]
             low, high = (math.nan, math.nan)
             if len(shared) >= MIN_PAIRED and policy != against:
                 low, high = paired_interval(differences)
             top1 = sum(scores[p][0] for p in shared) / len(shared)
-            kl = sum(kls) / len(kls) if kls else math.nan
+            kl = average(kls)
             delta = sum(differences) / len(differences)
             mine.append(PairedRow(model, dataset, budget, buffer, policy, len(shared), top1, kl, delta, low, high))
         rows += sorted(mine, key=lambda row: (-row.top1, row.policy))

@@ -1,14 +1,11 @@
-"""A grid made concrete, before any model loads: its problems, its units and their split across shards.
-
-``--plan`` prints :meth:`GridPlan.summary`; a run does the units :meth:`GridPlan.mine` gives it, and
-records :meth:`GridPlan.description` (with the grid's identity, :meth:`GridPlan.identity`) in its
-manifest.
+"""A grid made concrete before any model loads: its problems, its units and their split across shards
+(``--plan`` prints :meth:`GridPlan.summary`; a run's manifest records :meth:`GridPlan.description`).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -54,12 +51,10 @@ class GridPlan:
 
     def sampling(self) -> dict[str, Any]:
         """The decoding settings as the manifest's setup records them."""
-        sampling = self.grid.sampling
+        sampling = asdict(self.grid.sampling)
         return {
-            "max_new_tokens": sampling.max_new_tokens,
-            "temperature": float(sampling.temperature),
-            "top_p": float(sampling.top_p),
-            "top_k": sampling.top_k,
+            **sampling,
+            **{name: float(sampling[name]) for name in ("temperature", "top_p")},
             "seed": self.grid.seed,
         }
 
@@ -128,11 +123,8 @@ def has_code(problems: list[Problem]) -> bool:
 def plan_grid(
     grid: GridSpec | None = None, *, shard: Shard | str | tuple[int, int] | None = None, **settings
 ) -> GridPlan:
-    """Load the grid's problems and split its units across shards.
-
-    ``grid`` is a :class:`GridSpec`; or give its settings as keywords (see :meth:`GridSpec.build`).
-    ``shard``: this process's share (``"I/N"``), default from a ``torch.distributed`` launcher, else all.
-    """
+    """Load the grid's problems and split its units across shards (``shard``: ``"I/N"``; default from a
+    ``torch.distributed`` launcher, else all). ``grid``, or its settings as keywords (:meth:`GridSpec.build`)."""
     if grid is None:
         grid = GridSpec.build(**settings)
     elif settings:

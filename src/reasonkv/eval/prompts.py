@@ -63,25 +63,11 @@ def user_message(problem: Problem | str) -> str:
 
 
 def build_prompt(tokenizer: Any, problem: Problem | str, *, thinking: bool | None = None) -> str:
-    """Render the prompt text for one problem.
+    """The prompt text of one problem (a string is a math problem), to tokenize as it is.
 
-    Parameters
-    ----------
-    tokenizer : transformers tokenizer
-        Its chat template is applied with ``add_generation_prompt=True``. Without a template the
-        plain ``"Problem: ...\\nSolution:"`` format is used.
-    problem : Problem or str
-        A string is treated as a math problem.
-    thinking : bool, optional
-        ``None`` keeps the template's default. ``True``/``False`` is passed as ``enable_thinking``
-        when the template reads that variable (Qwen3 style); other templates are unaffected.
-        R1-distill style templates need nothing: the model opens (or the template pre-fills)
-        ``<think>`` on its own.
-
-    Returns
-    -------
-    str
-        Text to tokenize; the chat template's special tokens are already in it.
+    The tokenizer's chat template is applied with the generation prompt; without one, the plain
+    ``"Problem: ...\\nSolution:"`` format. ``thinking`` (None: the template's default) is passed as
+    ``enable_thinking`` to templates that read it (Qwen3 style); R1-distill templates open ``<think>`` themselves.
     """
     message = user_message(problem)
     template = _template_source(tokenizer)
@@ -99,11 +85,8 @@ def build_prompt(tokenizer: Any, problem: Problem | str, *, thinking: bool | Non
 
 
 def strip_thinking(text: str) -> str:
-    """Return the text after the last ``</think>``, or ``text`` unchanged when there is none.
-
-    Graders apply this first so that a ``\\boxed{}`` tried out while thinking does not count
-    when the model states a final answer afterwards.
-    """
+    """The text after the last ``</think>`` (all of it without one): a ``\\boxed{}`` tried out while thinking
+    does not count once the model states a final answer."""
     _, sep, tail = text.rpartition(THINK_CLOSE)
     return tail if sep else text
 

@@ -1,11 +1,9 @@
 """The kinds of record a results file holds, one class each, and the one place a line's ``kind`` is read.
 
-A record keeps its JSON object as written (:meth:`Record.to_json`: the fields in their order, the fields
-its class does not name too), so a record read and written again is the same line. Its class says what
-the record is: the fields that identify its unit of work (``KEY``: two records with the same key are the
-same work, a rerun skips it), what its result says (``OUTCOME``: two results of one unit that differ here
-conflict) and the types of the fields reasonkv reads back (``TYPES``; each is also an attribute, ``None``
-when the record lacks it). :func:`Record.from_json` checks a line and returns the record of its kind.
+A record keeps its JSON object as written (a record read and written again is the same line). Its class
+says which fields identify its unit of work (``KEY``: a rerun skips a key on disk), what its result says
+(``OUTCOME``: two results of one unit that differ here conflict) and the types of the fields read back
+(``TYPES``, each also an attribute). :meth:`Record.from_json` checks a line and returns its record.
 """
 
 from __future__ import annotations
@@ -21,6 +19,7 @@ from reasonkv.eval.manifest import manifest_problem, shown
 
 __all__ = [
     "KINDS",
+    "SAMPLING",
     "UNITS",
     "Check",
     "ErrorRecord",
@@ -158,6 +157,8 @@ _UNIT_TYPES = {
     "seed": _INTEGER,
     "run": _TEXT,
 }
+#: The decoding settings a generation record holds, as its run manifest's setup names them.
+SAMPLING = ("max_new_tokens", "temperature", "top_p", "top_k")
 _CELL = ("model", "dtype", "dataset", "problem_id", "policy_config", "budget", "buffer", "tier", "allocation")
 
 
@@ -192,7 +193,7 @@ class GenerationRecord(UnitRecord):
     """One decoded and graded sample (:mod:`reasonkv.eval.decoding`)."""
 
     kind = unit = "generation"
-    KEY = (*_CELL, "sample", "base_seed", "max_new_tokens", "temperature", "top_p", "top_k", "prompt_format")
+    KEY = (*_CELL, "sample", "base_seed", *SAMPLING, "prompt_format")
     # The tokens are compared too: a record copied from another unit and relabelled may grade alike.
     OUTCOME = ("correct", "extracted_answer", "grading_method", "finish_reason", "output_ids")
     TYPES = {

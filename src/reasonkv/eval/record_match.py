@@ -1,13 +1,9 @@
 """Whether a record agrees with the manifest of the run that wrote it (the one its ``run`` names).
 
-A record's cell (``policy_label``, ``budget``, ``buffer``, ``policy_config``), its dataset, its problem and
-its setup (model, dtype, prompt format, seed, decoding settings, replay length) are copies of what its run's
-manifest says (the problems are those of the dataset's file the run read, its limit and contest-date window:
-:func:`run_problems`). A record that differs was edited after it was written, or belongs to another run:
-counted as it is, it would make a report row no grid had (a budget outside the grid, a problem the run never
-had) or mix two configurations in one row.
-:func:`manifest_mismatch` names the first field that differs; :mod:`reasonkv.eval.records` refuses such a
-line, as it refuses any other damaged one.
+A record's cell, dataset, problem and setup are copies of its run's manifest (its problems: those of the
+dataset file the run read, :func:`run_problems`). One that differs was edited, or belongs to another run:
+counted, it would make a report row no grid had. :func:`manifest_mismatch` names the first field that
+differs; :mod:`reasonkv.eval.records` refuses such a line like any other damaged one.
 """
 
 from __future__ import annotations
@@ -19,14 +15,12 @@ from typing import Any
 
 from reasonkv.eval.datasets import dataset_path, grid_problems
 from reasonkv.eval.manifest import file_sha256, shown
-from reasonkv.eval.record_kinds import KINDS, FidelityRecord, GenerationRecord, Record
+from reasonkv.eval.record_kinds import KINDS, SAMPLING, FidelityRecord, GenerationRecord, Record
 
 __all__ = ["manifest_mismatch", "run_problems"]
 
-# record field -> the manifest setup's field it copies (every kind of record)
+# record field -> the manifest setup's field it copies (every kind of record; generations: SAMPLING too)
 _SETUP = {"model": "model", "dtype": "dtype", "prompt_format": "prompt_format", "base_seed": "seed"}
-# the same, generation units only
-_SAMPLING = ("max_new_tokens", "temperature", "top_p", "top_k")
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -62,12 +56,10 @@ def _dataset_file(entry: Mapping[str, Any]) -> Path | None:
 
 
 def run_problems(manifest: Mapping[str, Any]) -> dict[str, frozenset[str]]:
-    """The ids of the problems each dataset of a run gave it: dataset name -> ids.
+    """dataset name -> the ids of the problems it gave the run (its file read with the run's limit and date window).
 
-    Read from the dataset's file with the run's limit and contest-date window, as the run chose them
-    (:func:`reasonkv.eval.datasets.grid_problems`). A dataset whose file is no longer at hand, or no longer
-    holds what the run read (its SHA-256 differs from the manifest's), is left out: its problems are unknown
-    (a run resuming reads the same files, so this happens only to a report of results moved away from them).
+    A dataset whose file is gone or changed (its SHA-256 is not the manifest's) is left out: its problems are
+    unknown (this happens only to a report of results moved away from their files).
     """
     grid = manifest.get("grid") if isinstance(manifest.get("grid"), Mapping) else {}
     code = grid.get("code") if isinstance(grid.get("code"), Mapping) else {}
@@ -94,9 +86,8 @@ def run_problems(manifest: Mapping[str, Any]) -> dict[str, frozenset[str]]:
 def _problem_ids(
     path: Path, stamp: tuple[int, int, int], sha256: str, limit: int | None, after: str | None, before: str | None
 ) -> frozenset[str] | None:
-    """The ids :func:`run_problems` reads, None when ``path`` is not the file the run read. Kept while the file's
-    ``stamp`` (size, modification and status-change times) stays: a resume scans its files several times, and
-    a dataset (LiveCodeBench's) may be large."""
+    """The ids :func:`run_problems` reads, None when ``path`` is not the file the run read; cached while its
+    ``stamp`` (size, times) stays, as a resume scans its files several times and a dataset may be large."""
     if file_sha256(path) != sha256:
         return None
     try:
@@ -110,9 +101,8 @@ def manifest_mismatch(
 ) -> str | None:
     """The first field in which ``record`` differs from its run's ``manifest``, in words; None when it agrees.
 
-    Only the fields the record holds are compared (a setting its kind does not record is not asked for);
-    the cell's budget and buffer always (a missing budget is the full cache's). ``problems`` is
-    :func:`run_problems` of ``manifest`` (computed when not given; a reader of many records passes it).
+    Only the fields the record holds are compared, and the cell's budget and buffer always (a missing budget
+    is the full cache's). ``problems``: :func:`run_problems` of ``manifest`` (computed when not given).
     """
     setup = manifest.get("setup") if isinstance(manifest.get("setup"), Mapping) else {}
     grid = manifest.get("grid") if isinstance(manifest.get("grid"), Mapping) else {}
@@ -131,7 +121,7 @@ def manifest_mismatch(
     unit = Record.read(record).unit if record.get("kind") in KINDS else None
     compared = dict(_SETUP)
     if unit == GenerationRecord.kind:
-        compared.update({name: name for name in _SAMPLING})
+        compared.update({name: name for name in SAMPLING})
     for name, there in compared.items():
         if name in record and there in setup and not _same(record[name], setup[there]):
             return f"field '{name}' is {_shown(record[name])}, but its {run} has {_shown(setup[there])}"

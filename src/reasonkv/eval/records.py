@@ -1,27 +1,9 @@
 """Results files: one JSON object per line, a run manifest first, appended and flushed record by record.
 
-Record kinds
-    ``manifest`` (what the records after it were computed with; the first line of every results
-    file, see :mod:`reasonkv.eval.manifest`), ``generation`` and ``fidelity`` (the results of one unit
-    of work each, see :mod:`reasonkv.eval.runner`), and ``error``: a unit that could not be computed.
-    Each is a class of :mod:`reasonkv.eval.record_kinds`, which says its fields, key and outcome.
-
-A results file is a :class:`reasonkv.runs.store.JsonlStore` (a torn last line is skipped, then cut
-off); ``eval`` and ``report`` check its lines alike (:func:`scan_results`, :func:`read_results`). It is
-this tool's own when its first line is a sound manifest of this tool (:func:`scan_results`); nothing
-else is ever written to (see :mod:`reasonkv.runs.outputs`). Every other line must be a record
-of one of these kinds whose fields have their types (:func:`record_problem`); a line that is
-not (a hand edit, a collision) is an error naming the file, the line and the field, never skipped
-silently, and :func:`repair_results` moves such lines aside, keeping every other record. A record
-must also agree with the manifest its ``run`` names (:func:`reasonkv.eval.record_match.manifest_mismatch`:
-its cell, dataset, problem and setup are the grid's; a manifest comes before the records of its run), or it is such
-a line. A manifest that was edited (its ``id`` no longer matches its content) is refused: it no longer says
-what the records after it were computed with.
-
-:func:`unit_key` names the unit of work a record completes (or failed), so a rerun skips exactly the
-work already on disk. Two results of one unit are the same result when :func:`outcome` finds them
-equal (what a report counts: the grade, the fidelity figures); otherwise they *conflict*, and neither
-command picks one silently (:func:`conflict`).
+``eval`` and ``report`` check lines alike (:func:`scan_results`, :func:`read_results`): a line that is not
+a sound record (:mod:`reasonkv.eval.record_kinds`) or disagrees with its run's manifest
+(:mod:`reasonkv.eval.record_match`) is an error naming the file, the line and the field, never skipped;
+:func:`repair_results` moves such lines aside. Only this tool's results files are ever written to.
 """
 
 from __future__ import annotations
@@ -56,10 +38,7 @@ __all__ = [
 
 
 def record_key(record: Mapping[str, Any]) -> tuple:
-    """The unit of work a generation or fidelity record completes (:meth:`UnitRecord.key`).
-
-    Raises ``ValueError`` for a kind without a key (manifest, error, unknown).
-    """
+    """The unit of work a generation or fidelity record completes; ``ValueError`` for any other kind."""
     kind = record.get("kind")
     if kind not in UNITS:
         raise ValueError(f"record kind must be one of {sorted(UNITS)}, got {kind!r}")
@@ -74,8 +53,7 @@ def unit_key(record: Mapping[str, Any]) -> tuple:
 
 
 def record_problem(record: Mapping[str, Any]) -> str | None:
-    """What is wrong with a record read from a results file (a hand edit), in words; None when it is sound
-    (:meth:`Record.from_json`: ``"budget": {}``, ``"budget": 0`` or ``"top1_agreement": 1.5`` are refused)."""
+    """What is wrong with a record read from a results file, in words; None when it is sound."""
     try:
         Record.from_json(record)
     except ValueError as error:
@@ -84,9 +62,8 @@ def record_problem(record: Mapping[str, Any]) -> str | None:
 
 
 def checked_lines(path: str | os.PathLike[str]) -> Iterator[tuple[int, bytes, dict[str, Any] | None, str | None]]:
-    """:func:`~reasonkv.runs.store.numbered_lines` of a results file, each record checked: ``problem`` says
-    what is wrong with a line (:func:`record_problem`, or how it differs from the manifest its ``run``
-    names: :func:`~reasonkv.eval.record_match.manifest_mismatch`), None for a sound record."""
+    """:func:`~reasonkv.runs.store.numbered_lines` of a results file, ``problem`` saying what is wrong with a
+    line (:func:`record_problem`, or how it differs from its run's manifest), None for a sound record."""
     manifests: dict[str, tuple[dict[str, Any], dict[str, frozenset[str]]]] = {}
     for number, line, record, problem in numbered_lines(path):
         problem = problem or record_problem(record)
@@ -110,13 +87,8 @@ def _run_problem(
 
 
 def read_results(path: str | os.PathLike[str]) -> Iterator[tuple[int, Record]]:
-    """``(line number, record)`` for every complete record of a results file, each checked (:func:`checked_lines`)
-    and of its kind's class (:mod:`reasonkv.eval.record_kinds`).
-
-    The one reader of results records for ``report`` (``eval`` resumes through :func:`scan_results`, which
-    applies the same checks). Nothing when the file does not exist; a torn last line is skipped; any other
-    bad line raises ``ValueError`` naming the file, the line and the field.
-    """
+    """``(line number, record)`` for every complete record of a results file (none when it does not exist);
+    a bad line other than a torn last one raises ``ValueError`` naming the file, the line and the field."""
     for number, _, record, problem in checked_lines(path):
         if problem is not None:
             raise ValueError(f"{path}, line {number}: {problem}")
@@ -167,14 +139,11 @@ def scan_results(
     first_only: bool = False,
     include_manifests: bool = False,
 ) -> list[dict[str, Any]]:
-    """Check that ``path`` is this tool's results file and read it; returns its manifests.
+    """Check that ``path`` is this tool's results file (a missing one is empty) and read it; returns its manifests.
 
-    ``visit`` is called with every other record in file order. Raises ``ValueError`` for a file that
-    is not a results file (its first record is not a sound manifest of this tool), naming the reason (a
-    file written before run manifests existed is named as such), and for a line that is not a sound
-    record (:func:`record_problem`), naming the file, the line and the field. A missing file is an
-    empty run (``[]``). ``first_only`` checks the first record only (quick); ``include_manifests``
-    passes the manifests to ``visit`` too.
+    ``visit`` is called with every other record in file order (the manifests too with ``include_manifests``);
+    ``first_only`` checks the first record only. ``ValueError`` names why a file is not a results file, or
+    the line and field of a record that is not sound.
     """
     path = Path(path)
     if path.is_dir():
@@ -221,12 +190,11 @@ def _check_first(path: Path, number: int, record: dict[str, Any] | None, problem
 
 
 def repair_results(path: str | os.PathLike[str]) -> str | None:
-    """Move the lines of ``path`` that are not sound records aside, keeping every other line as it was.
+    """Move the lines of ``path`` that are not sound records, as they were, to a new ``<name>.rejected-<UTC date>``
+    beside it, and replace ``path`` by the rest; what was done in words, None when nothing was wrong.
 
-    The lines go, as they were, to a new file ``<name>.rejected-<UTC date>`` next to it, and ``path`` is
-    replaced (whole) by the rest. A file that is not this tool's, or whose manifests are unsound, is
-    refused (:func:`scan_results`), as a manifest is never set aside. The caller holds the file's lock.
-    Returns what was done, in words, or None when nothing was wrong.
+    A file that is not this tool's, or has an unsound manifest (never set aside), is refused. The caller holds
+    the file's lock.
     """
     path = Path(path)
     scan_results(path, first_only=True)
@@ -261,29 +229,12 @@ def _line(record: Mapping[str, Any]) -> str:
 
 
 class ResultsFile(JsonlStore):
-    """The results file one process appends to (a :class:`~reasonkv.runs.store.JsonlStore`): owned, locked, its
-    manifest first.
+    """The results file one process appends to (a :class:`~reasonkv.runs.store.JsonlStore`), locked.
 
-    Opening it takes the lock (see :mod:`reasonkv.runs.outputs`), checks that an existing file is a
-    results file (:func:`scan_results`; ``visit`` sees its records), hands its manifests to ``check``
-    (which raises to refuse them), cuts off a torn last line, and writes ``manifest`` (a new file is
-    created holding it; an existing one gets it appended unless a manifest with its ``id`` is there).
-    :meth:`append` writes one record, flushed to the operating system, so a process killed at any point
-    afterwards keeps it.
-
-    Parameters
-    ----------
-    path
-        The results file; its folder is created if needed.
-    manifest
-        The manifest record of this run (``kind`` ``"manifest"``, with an ``id``).
-    visit
-        Called with every record already in the file.
-    check
-        Called with the file's manifests (oldest first) before anything is written.
-    lock
-        The lock the caller holds that covers the file (checked with it: a folder moved meanwhile is an
-        error); ``None`` (default) takes the file's own lock.
+    Opening it checks an existing file (:func:`scan_results`; ``visit`` sees its records, ``check`` its
+    manifests, oldest first, and raises to refuse them), cuts off a torn last line and writes ``manifest``
+    unless a manifest with its ``id`` is there. ``lock``: the caller's lock that covers the file (None: the
+    file's own). :meth:`append` writes one record, flushed, so a process killed afterwards keeps it.
     """
 
     def __init__(

@@ -51,12 +51,9 @@ def _last_boxed_span(text: str) -> tuple[int, int] | None:
 
 
 def answer_span(text: str, answer: str | None = None) -> tuple[int, int] | None:
-    r"""Character span ``[start, end)`` of the final answer inside a solution.
-
-    In order: the text after the last ``####``; the content of the last ``\boxed{}``/``\fbox{}``;
-    the last occurrence of ``answer`` when given (as a whole number when it is one), otherwise the
-    last number. ``None`` if none is found.
-    """
+    r"""Character span ``[start, end)`` of the final answer of a solution, None if none is found: the text after
+    the last ``####``, else the last ``\boxed{}``/``\fbox{}``'s content, else the last ``answer`` (a whole number
+    when it is one) or, without one, the last number."""
     hashes = list(_HASH_ANSWER.finditer(text))
     if hashes:
         return hashes[-1].span(1)
@@ -79,12 +76,8 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
 
 
 def token_span(tokenizer: Any, text: str, span: tuple[int, int] | None) -> tuple[list[int], tuple[int, int] | None]:
-    """Tokenize ``text`` (no special tokens) and map a character span to ``[start, end)`` token indices.
-
-    Uses the tokenizer's offset mapping when it has one; otherwise the span begins where the tokens of
-    ``text[:start]`` stop being a prefix of the tokens of ``text`` (a token that straddles the end of
-    the span belongs to it).
-    """
+    """Tokenize ``text`` (no special tokens) and map a character span to ``[start, end)`` token indices: by the
+    offset mapping, else where the tokens of the text before each end stop being a prefix of the text's."""
     try:
         encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         offsets = encoded.get("offset_mapping")

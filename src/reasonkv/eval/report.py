@@ -1,11 +1,8 @@
 """``reasonkv report``: ``report.md``, ``summary.json`` and PNG plots from eval results files.
 
-The numbers (sections: one model, dataset and setup each; rows: one policy and budget each) are
-:mod:`reasonkv.eval.report_rows`'s, the plots :mod:`reasonkv.eval.report_plots`'s; this module writes
-them. ``report.md`` starts with what a reader must know before the numbers: results of several setups
-in one report, units left out for conflicting records, the run manifests; then one table per section,
-its errors, its answers graded by the last-number fallback, and its plots. Needs matplotlib only for the
-plots.
+The numbers are :mod:`reasonkv.eval.report_rows`'s, the plots :mod:`reasonkv.eval.report_plots`'s.
+``report.md`` first says what a reader must know (several setups, conflicting units, the run manifests),
+then gives one table per section with its errors, its last-number answers and its plots.
 """
 
 from __future__ import annotations
@@ -68,9 +65,8 @@ LEGEND = (
     "Errors: units that could not run (a problem whose generation and fidelity both failed counts once; reasons "
     "below the table). Collapse: empty output, a repetition loop, or running out of tokens without an answer. "
     "Early stop: the output ended by itself before the token limit without an answer (not a collapse, counted "
-    "apart). "
-    "Fidelity (evicting vs full cache, teacher-forced): top-1 agreement and mean KL along the full cache's greedy "
-    "trace; Δ answer log-prob: log-probability of the reference answer with the evicting cache minus with the "
+    "apart). Fidelity (evicting vs full cache, teacher-forced): top-1 agreement and mean KL along the full cache's "
+    "greedy trace; Δ answer log-prob: log-probability of the reference answer with the evicting cache minus with the "
     "full cache (0 is perfect, negative is worse); the plots show 95% intervals of these means over problems."
 )
 
@@ -203,10 +199,8 @@ def markdown(
     conflicts: Sequence[Conflict] = (),
     plots: dict[Section, dict[str, str]] | None = None,
 ) -> str:
-    """The report as markdown: what to know first, the runs' manifests, then one table (and its plots) per section.
-
-    ``plots``: the plot files of each section (:func:`~reasonkv.eval.report_plots.plot_names`), embedded.
-    """
+    """The report as markdown: what to know first, the runs' manifests, then one table per section, with the
+    plot files ``plots`` gives it (:func:`~reasonkv.eval.report_plots.plot_names`)."""
     sections = list(dict.fromkeys(r.section for r in rows))
     lines = ["# Evaluation report", ""]
     if source:
@@ -235,9 +229,6 @@ def markdown(
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------------------------- all of it
-
-
 def _is_old_report(folder: Path) -> bool:
     """A report folder from before output markers: its report.md or summary.json is a report's."""
     try:
@@ -257,11 +248,9 @@ def write_report(
 ) -> dict[str, Any]:
     """Write ``report.md``, ``summary.json`` and the PNG plots of ``results`` (and their shards) to ``out_dir``.
 
-    ``out_dir`` must be a report folder of this tool, or new, or free of the files a report writes (see
-    :mod:`reasonkv.runs.outputs`); it is locked while the report is written. A plot from an earlier report
-    that this one does not draw is removed (its file belongs to the folder's reports).
-    Returns ``{"markdown": path, "summary": path, "plots": [paths], "rows": [Row], "manifests": [dict],
-    "conflicts": [Conflict]}``.
+    ``out_dir`` is claimed and locked as :mod:`reasonkv.runs.outputs` says; a plot of an earlier report that
+    this one does not draw is removed. Returns the paths written (``markdown``, ``summary``, ``plots``) and
+    the ``rows``, ``manifests`` and ``conflicts``.
     """
     paths = [results] if isinstance(results, (str, os.PathLike)) else list(results)
     read = read_report_input(paths, drop=("output_ids", "output_text"))

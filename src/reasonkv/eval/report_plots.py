@@ -1,16 +1,9 @@
-"""The PNG plots of ``reasonkv report`` (matplotlib, Agg backend), one set per section.
+"""The PNG plots of ``reasonkv report`` (matplotlib, Agg backend), one set per section (:data:`PANELS`).
 
-``accuracy`` (95% Wilson intervals), ``collapse`` (collapse rate), ``throughput`` (decode tokens/s, the
-axis from zero) and ``fidelity`` (top-1 agreement, KL(full || evicting) and the reference answer's
-log-probability change, each with a 95% interval of the mean over problems). The full cache is a dashed
-line (with its interval as a band); the evicting policies are points per budget:
-
-- several budgets: budget on the x axis (log scale when they span a factor 4 or more), one line per
-  policy, each with its own marker and line style and set a little apart, so equal values stay visible;
-- one budget: the policies side by side on the x axis.
-
-A figure is drawn only when an evicting policy has a value to show: a section whose cells all failed, or
-a fidelity-only run's throughput, has no figure (the full cache's line alone says nothing).
+The full cache is a dashed line (its interval a band); the evicting policies are points per budget: with
+several budgets, the budget on the x axis (log scale when they span a factor 4), a line per policy set a
+little apart so equal values stay visible; with one, the policies side by side. A figure is drawn only
+when an evicting policy has a value to show.
 """
 
 from __future__ import annotations
@@ -20,7 +13,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from reasonkv.eval.report_rows import Row, Section, section_names
+from reasonkv.eval.report_rows import Row, Section, finite, section_names
 
 __all__ = ["PLOTS", "plot", "plot_names"]
 
@@ -46,7 +39,7 @@ PANELS: dict[str, list[tuple[str, tuple[str, str] | None, str]]] = {
 
 def _value(row: Row, attr: str) -> float:
     value = getattr(row, attr)
-    return value if isinstance(value, (int, float)) and math.isfinite(value) else math.nan
+    return value if finite(value) else math.nan
 
 
 def _series(rows: Sequence[Row]) -> dict[str, list[Row]]:

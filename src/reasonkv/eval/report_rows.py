@@ -1,51 +1,11 @@
 """The numbers of ``reasonkv report``: results files read into one record per unit, then sections and rows.
 
-Reading (:func:`read_report_input`)
-    Every record of every file (and of its shard files: ``results.shard-I-of-N.jsonl`` next to
-    ``results.jsonl``) through :func:`reasonkv.eval.records.read_results`, the reader ``eval`` resumes
-    with: a record with a bad field is an error naming the file and the line. One record per unit
-    (:func:`reasonkv.eval.records.unit_key`): a result replaces an error record, the latest error
-    record of a unit wins, and the same result twice counts once (concatenated files, a shard file
-    left beside its merged run; the later record stands for it). Two results of one unit that differ
-    (:func:`reasonkv.eval.records.conflict`) are a *conflict*: the unit is left out of every number and
-    listed, never resolved silently.
-
-Sections (:class:`Section`)
-    One model, one dataset and one setup: the run manifest's (``run`` names it) dtype, prompt format,
-    decoding settings (max new tokens, temperature, top-p, top-k), seed and weights. Every record joins
-    the section of the run that wrote it, so a fidelity or error record never lands beside the records of
-    another setup. Records of files written before manifests existed carry their generation settings;
-    their fidelity records join every section of their model, dataset and dtype.
-
-Rows (:class:`Row`), one per (policy, budget) of a section
-    - ``accuracy``: correct / generation records, with a 95% Wilson score interval. With several
-      samples per problem the records are counted as independent trials, so the interval is
-      somewhat narrower than one over problems would be. An answer taken by the last-number fallback
-      from an output cut off at the token limit is not correct (:func:`reasonkv.eval.grading.counts_as_correct`,
-      which also reads records graded before that rule); ``last_number`` counts the correct answers that
-      came from the fallback, ``cut_off`` the ones the rule turned down.
-    - ``pass@1`` (the share of correct samples of a problem, averaged over problems) and ``pass@k``
-      for ``k`` = 2, 4, 8, ... up to the fewest samples any problem of the row has (the unbiased
-      estimator ``1 - C(n - c, k) / C(n, k)`` of a problem with ``c`` correct of ``n``, averaged).
-    - ``Δ vs full``: the accuracy difference to the full cache, *paired*: each answer is compared with
-      the full cache's on the same problem and sample seed (at temperature 0 the full cache is
-      deterministic, so its one answer pairs with every sample). Differences are averaged per problem,
-      then over problems; the 95% interval is a bootstrap over problems (2000 resamples, seed 0), given
-      only from :data:`MIN_PAIRED` problems on (fewer are too few for one).
-    - ``errors``: units recorded as errors (a cell that could not run shows as errors, not as zeros;
-      its accuracy counts only the units that ran). A problem whose generation and fidelity units both
-      failed counts once. ``conflicts``: units left out for conflicting records.
-    - ``mean_output_tokens``, ``tokens_per_second`` (mean over records), ``collapse_rate`` (share of
-      records flagged ``collapsed``), ``early_stop_rate`` (share of records that ended by themselves
-      before the token limit without an answer and did not collapse:
-      :func:`reasonkv.eval.collapse.stopped_early`; a policy that makes the model stop early shows here,
-      not as a low collapse rate alone).
-    - fidelity (``"kind": "fidelity"`` records of the section): mean ``top1_agreement``, mean ``kl_mean``
-      (KL(full || evicting) per step), and the mean answer log-probability deltas (evicting minus full;
-      summed over the answer, and per answer token), each with a 95% interval of the mean over problems
-      (normal approximation).
-    - ``code`` (code problems): outcome counts, per row and per problem, and the sandbox's cost per test
-      run (:mod:`reasonkv.eval.code_report`), tabulated below the section's table.
+Reading (:func:`read_report_input`) checks every line as ``eval`` does. One record per unit: a result
+replaces an error record, the latest error record wins, the same result twice counts once, and two results
+that differ are a *conflict*: the unit is left out of every number and listed. A :class:`Section` is one
+model, dataset and setup (the manifest's of the run that wrote a record); a :class:`Row` one (policy,
+budget) of a section. ``Δ vs full`` pairs each answer with the full cache's on the same problem and sample
+seed, averaged per problem, then over problems. The columns are explained by :data:`reasonkv.eval.report.LEGEND`.
 """
 
 from __future__ import annotations
@@ -54,7 +14,7 @@ import math
 import os
 import re
 import statistics
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -63,7 +23,7 @@ from typing import Any
 from reasonkv.eval.code_report import code_summary
 from reasonkv.eval.collapse import stopped_early
 from reasonkv.eval.grading import counts_as_correct, cut_off_guess
-from reasonkv.eval.record_kinds import KINDS, GenerationRecord, ManifestRecord, Record, UnitRecord
+from reasonkv.eval.record_kinds import KINDS, SAMPLING, FidelityRecord, GenerationRecord, ManifestRecord, Record
 from reasonkv.eval.records import conflict, read_results
 from reasonkv.eval.shards import shard_files
 from reasonkv.suggest.integers import is_number
@@ -88,9 +48,6 @@ __all__ = [
 Z95 = 1.959963984540054
 #: Fewest paired problems a bootstrap interval of ``Δ vs full`` is given for.
 MIN_PAIRED = 10
-
-
-# ---------------------------------------------------------------------------------- statistics
 
 
 def wilson_interval(correct: int, total: int, z: float = Z95) -> tuple[float, float]:
@@ -140,7 +97,14 @@ def _mean(values: Iterable[Any]) -> float:
     return mean_interval(list(values))[0]
 
 
-# ---------------------------------------------------------------------------------- reading
+def finite(value: Any) -> bool:
+    """Whether ``value`` is a finite number (a record's field may be missing, null or NaN)."""
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def average(values: Sequence[float]) -> float:
+    """The mean of ``values``, NaN for none."""
+    return sum(values) / len(values) if values else math.nan
 
 
 @dataclass
@@ -177,37 +141,34 @@ def read_report_input(
     of every record (a report needs neither ``output_ids`` nor ``output_text``)."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
-    by_unit: dict[tuple, dict[str, Any]] = {}
-    said: dict[tuple, dict[str, Any]] = {}  # unit -> what its record says (taken before ``drop``)
-    where: dict[tuple, str] = {}
+    kept: dict[tuple, tuple[Record, str, dict[str, Any]]] = {}  # unit -> record, "file, line N", what it says
     conflicts: dict[tuple, Conflict] = {}
     manifests: dict[Any, dict[str, Any]] = {}
     for path in paths:
         for file in run_files(path):
             for number, record in read_results(file):
                 place = f"{file}, line {number}"
-                data = record.to_json()
                 if isinstance(record, ManifestRecord):
-                    manifests.setdefault(data.get("id"), data)
+                    manifests.setdefault(record.get("id"), record.to_json())
                     continue
-                says = record.outcome()
+                key, says = record.key(), record.outcome()
                 for name in drop:
-                    data.pop(name, None)
-                key = record.key()
-                held = by_unit.get(key)
+                    record.data.pop(name, None)
+                held = kept.get(key)
                 if key in conflicts:
                     if record.result:
                         conflicts[key].places.append(place)
-                elif held is None or not Record.read(held).result:
-                    by_unit[key], where[key], said[key] = data, place, says
+                elif held is None or not held[0].result:
+                    kept[key] = (record, place, says)
                 elif record.result:
-                    differs = conflict(said[key], says)
+                    differs = conflict(held[2], says)
                     if differs:
-                        conflicts[key] = Conflict(held, [where[key], place], differs)
-                        del by_unit[key]
+                        conflicts[key] = Conflict(held[0].to_json(), [held[1], place], differs)
+                        del kept[key]
                     else:  # the same result: the later record (its timings) stands for it
-                        by_unit[key], where[key], said[key] = data, place, says
-    return ReportInput(list(by_unit.values()), list(manifests.values()), list(conflicts.values()))
+                        kept[key] = (record, place, says)
+    records = [record.to_json() for record, _, _ in kept.values()]
+    return ReportInput(records, list(manifests.values()), list(conflicts.values()))
 
 
 def load_results(
@@ -217,9 +178,6 @@ def load_results(
     (:func:`read_report_input` without the conflicts)."""
     read = read_report_input(paths, drop=drop)
     return read.records + read.manifests
-
-
-# ---------------------------------------------------------------------------------- sections
 
 
 @dataclass(frozen=True)
@@ -257,7 +215,6 @@ class Section:
         return f"{self.dataset} · {self.model}" + (f" ({'; '.join(settings)})" if settings else "")
 
 
-_SAMPLING = ("max_new_tokens", "temperature", "top_p", "top_k")
 _EXTRA = ("dtype", "prompt_format", "seed", "weights")
 _SLUG = {"max_new_tokens": "max", "temperature": "t", "top_p": "p", "top_k": "k", "seed": "seed", "weights": "w"}
 
@@ -269,7 +226,7 @@ def section_names(sections: Sequence[Section]) -> dict[Section, tuple[str, str]]
         groups.setdefault((section.model, section.dataset), []).append(section)
     names: dict[Section, tuple[str, str]] = {}
     for (model, dataset), members in groups.items():
-        differing = [name for name in (*_SAMPLING, *_EXTRA) if len({getattr(s, name) for s in members}) > 1]
+        differing = [name for name in (*SAMPLING, *_EXTRA) if len({getattr(s, name) for s in members}) > 1]
         base = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{Path(dataset).stem}-{Path(model).name}").strip("_")
         for section in members:
             extra = [name for name in differing if name in _EXTRA]
@@ -291,11 +248,11 @@ def _setup_section(record: dict[str, Any], manifests: dict[Any, dict[str, Any]])
     setup = (manifests.get(record.get("run")) or {}).get("setup")
     if isinstance(setup, dict):
         weights = setup.get("weights_sha256")
-        settings = {name: setup.get(name) for name in (*_SAMPLING, "dtype", "prompt_format", "seed")}
+        settings = {name: setup.get(name) for name in (*SAMPLING, "dtype", "prompt_format", "seed")}
         return Section(model, dataset, **settings, weights=str(weights)[:12] if weights else None)
     if Record.read(record).unit != GenerationRecord.kind:
         return None
-    settings = {name: record.get(name) for name in (*_SAMPLING, "dtype", "prompt_format")}
+    settings = {name: record.get(name) for name in (*SAMPLING, "dtype", "prompt_format")}
     return Section(model, dataset, **settings, seed=record.get("base_seed"))
 
 
@@ -316,9 +273,6 @@ def _sections_of(records: Sequence[dict[str, Any]], manifests: dict[Any, dict[st
             known += matching
         out.append(matching)
     return out
-
-
-# ---------------------------------------------------------------------------------- rows
 
 
 @dataclass
@@ -368,10 +322,9 @@ class Row:
 
 @dataclass
 class _Group:
-    generations: list[dict] = field(default_factory=list)
-    generation_errors: list[dict] = field(default_factory=list)
-    fidelities: list[dict] = field(default_factory=list)
-    fidelity_errors: list[dict] = field(default_factory=list)
+    """A row's records by (the kind of their unit, whether they hold its result), and its conflicting units."""
+
+    records: dict[tuple[str, bool], list[dict]] = field(default_factory=lambda: defaultdict(list))
     conflicts: int = 0
 
 
@@ -421,9 +374,10 @@ def _pair_with_full(row: Row, recs: Sequence[dict[str, Any]], full: Sequence[dic
 
 def _errors(row: Row, group: _Group) -> None:
     """Failed units, a problem's generation and fidelity failures once, with their reasons."""
-    failed_generation = {r.get("problem_id") for r in group.generation_errors}
-    counted = group.generation_errors + [
-        r for r in group.fidelity_errors if r.get("problem_id") not in failed_generation
+    failed = group.records[GenerationRecord.kind, False]
+    failed_generation = {r.get("problem_id") for r in failed}
+    counted = failed + [
+        r for r in group.records[FidelityRecord.kind, False] if r.get("problem_id") not in failed_generation
     ]
     row.errors = len(counted)
     reasons = Counter(str(r.get("error")) for r in counted)  # in the order first seen
@@ -431,7 +385,7 @@ def _errors(row: Row, group: _Group) -> None:
 
 
 def _fill(row: Row, group: _Group) -> None:
-    recs = group.generations
+    recs = group.records[GenerationRecord.kind, True]
     row.n = len(recs)
     row.correct = sum(counts_as_correct(r) for r in recs)
     row.last_number = sum(counts_as_correct(r) and r.get("grading_method") == "last_number" for r in recs)
@@ -446,7 +400,7 @@ def _fill(row: Row, group: _Group) -> None:
     row.collapse_rate = _mean(float(bool(r.get("collapsed"))) for r in recs if "collapsed" in r)
     row.early_stop_rate = _mean(float(stopped_early(r.get("collapse"))) for r in recs if "collapse" in r)
     row.code = code_summary(recs)
-    fid = group.fidelities
+    fid = group.records[FidelityRecord.kind, True]
     row.fidelity_n = len(fid)
     row.top1_agreement, row.top1_low, row.top1_high = mean_interval([r.get("top1_agreement") for r in fid])
     row.kl_mean, row.kl_low, row.kl_high = mean_interval([r.get("kl_mean") for r in fid])
@@ -467,7 +421,7 @@ def summarize(records: Sequence[dict[str, Any]], conflicts: Sequence[Conflict] =
     """
     typed = [Record.read(r) for r in records if r.get("kind") in KINDS]
     manifests = {r.get("id"): r.to_json() for r in typed if isinstance(r, ManifestRecord)}
-    units = [r.to_json() for r in typed if isinstance(r, UnitRecord)]
+    units = [r.to_json() for r in typed if not isinstance(r, ManifestRecord)]
     left_out = [c.record for c in conflicts]
     placed = _sections_of(units + left_out, manifests)
     groups: dict[tuple, _Group] = {}
@@ -480,20 +434,17 @@ def summarize(records: Sequence[dict[str, Any]], conflicts: Sequence[Conflict] =
                 group.conflicts += 1
                 continue
             unit = Record.read(record)
-            generation = unit.unit == GenerationRecord.kind
-            if not unit.result:
-                (group.generation_errors if generation else group.fidelity_errors).append(record)
-            else:
-                (group.generations if generation else group.fidelities).append(record)
+            group.records[unit.unit, unit.result].append(record)
 
     rows = []
     full_of: dict[Section, list[dict]] = {}
     for (section, label, budget, buffer), group in groups.items():
         row = Row(section=section, policy=label, budget=budget, buffer=buffer)
         _fill(row, group)
-        if budget is None and group.generations and group.generations[0].get("policy") == "full":
-            full_of[section] = group.generations
-        rows.append((row, group.generations))
+        generations = group.records[GenerationRecord.kind, True]
+        if budget is None and generations and generations[0].get("policy") == "full":
+            full_of[section] = generations
+        rows.append((row, generations))
     for row, recs in rows:
         if row.budget is not None and row.section in full_of:
             _pair_with_full(row, recs, full_of[row.section])

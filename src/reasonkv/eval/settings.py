@@ -1,8 +1,5 @@
-"""``reasonkv eval``'s settings: every flag a field that carries its flag, group and help (:mod:`reasonkv.runs.flags`).
-
-:class:`EvalSettings` is what the command line reads (:mod:`reasonkv.cli.eval` adds and reads its fields with
-:mod:`reasonkv.cli.flags`); :meth:`EvalSettings.grid` hands the grid's settings to
-:meth:`~reasonkv.eval.grid.GridSpec.build`, which checks them (the Python API builds a grid the same way).
+"""``reasonkv eval``'s settings, each flag a field (:mod:`reasonkv.runs.flags`); :meth:`EvalSettings.grid` hands
+them to :meth:`~reasonkv.eval.grid.GridSpec.build`, which checks them as it does for the Python API.
 """
 
 from __future__ import annotations
@@ -29,6 +26,10 @@ _CODE = CODE_GROUP[0]
 _TIER = {"what": "; applies to every evicting policy, full runs without one"}
 _COMPILE = {"what": "generation's decode step (fidelity replays stay eager)"}
 _THINKING = {"auto": None, "on": True, "off": False}
+# The settings GridSpec.build takes under their own name.
+_CELLS = ("policies", "budgets", "buffer", "quantized", "bits", "allocations", "budgets_file")
+_DECODING = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "batch_size")
+_GRID = (*_CELLS, *_DECODING, "dataset", "limit", "samples", "fidelity", "fidelity_tokens", "trace_problems", "compile")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -178,25 +179,8 @@ class EvalSettings:
     def grid(self) -> GridSpec:
         """The grid these settings describe (everything checked that needs no model)."""
         return GridSpec.build(
-            dataset=self.dataset,
-            policies=self.policies,
-            budgets=self.budgets,
-            buffer=self.buffer,
+            **{name: getattr(self, name) for name in _GRID},
             options=self.option,
-            quantized=self.quantized,
-            bits=self.bits,
-            allocations=self.allocations,
-            budgets_file=self.budgets_file,
-            limit=self.limit,
-            samples=self.samples,
-            max_new_tokens=self.max_new_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            seed=self.seed,
-            batch_size=self.batch_size,
-            fidelity=self.fidelity,
-            fidelity_tokens=self.fidelity_tokens,
             generation=not self.fidelity_only,
             thinking=_THINKING[self.thinking],
             code=dict(
@@ -208,6 +192,4 @@ class EvalSettings:
                 after=self.after,
                 before=self.before,
             ),
-            trace_problems=self.trace_problems,
-            compile=self.compile,
         )

@@ -1,13 +1,8 @@
 """What a replay's decode steps held and read: the K/V bytes of the evicting layers, per row, mean over its steps.
 
-An eviction cache's attention reads every token it holds, so its bytes read equal its bytes held. A
-selection cache (``policy.selects``) holds every token and reads the blocks its policy chose: its
-selector counts the tokens each decode step read, and the difference across a forward pass is that
-step's read. Both are measured on the cache as it runs, not computed from the budget.
-
-A chunked replay feeds ``span`` tokens in one forward pass, with no eviction inside it (it ends where the
-next is due): step ``t`` of the chunk holds what the row held before it plus ``t + 1`` new tokens, which
-is exact. Everything stays on the device until :meth:`StepBytes.per_row` reads it once.
+Measured on the cache as it runs: an eviction cache reads all it holds; a selection cache holds every token
+and its selector counts what each step read. A chunked replay feeds ``span`` tokens with no eviction inside
+(it ends where the next is due), so step ``t`` holds the row's tokens before it plus ``t + 1``, exactly.
 """
 
 from __future__ import annotations
