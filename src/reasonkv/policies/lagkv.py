@@ -127,20 +127,7 @@ class LagKV(Policy):
         out of the chunks, as the paper's sink. ``window`` defaults to 0: the unscored newest
         chunks already play the role of the recent window.
 
-    Choices where the paper leaves room
-    -----------------------------------
-    - Chunks run over each head's *stored* tokens in order, after the sinks, re-cut at every
-      eviction (kvpress's decoding use of LagKV). The paper compresses each chunk once, when its
-      successor is complete, and freezes the result; a fixed budget forces re-scoring the
-      compressed part instead. With the default ``quota`` every eviction thins all chunks evenly.
-    - The newest tokens: the last complete chunk has no reference and the remainder is
-      unfinished; together (``L`` to ``2L - 1`` tokens) they are not scored and rank above every
-      scored token, newest first, as the paper keeps them in its sliding window. They are not
-      hard-protected, so a budget smaller than them still works (then only the newest survive).
-      A row with fewer than ``sinks + 2L`` tokens has nothing to score and keeps its newest tokens.
-    - Normalisation: ``(x - min) / (max - min)`` per channel with the next chunk's min and max, as
-      the paper; a channel whose reference range is zero contributes 0 instead of dividing by zero.
-      Standard deviation over channels is the unbiased one (as the authors' code); float32.
+    Where the paper leaves room: ``docs/policy-choices.md``.
     """
 
     name = "lagkv"

@@ -1,14 +1,5 @@
-"""R-KV: redundancy-aware KV cache compression for reasoning models (Cai et al., 2025).
-
-Per (layer, kv-head), every stored token gets
-
-    score = mix_lambda * importance - (1 - mix_lambda) * redundancy
-
-``importance`` is the attention the last ``query_window`` queries pay to the token (softmax over the
-tokens outside the recent window, averaged over the window, max-pooled along the cache);
-``redundancy`` is how similar the token's key is to every other stored key (cosine similarity,
-column mean, softmax over the cache), after discounting one near-duplicate per token so that the
-most recent copy of a repeated passage survives.
+"""R-KV: redundancy-aware KV cache compression for reasoning models (Cai et al., 2025): window-attention
+importance minus key redundancy, per (layer, kv-head).
 """
 
 from __future__ import annotations
@@ -103,8 +94,7 @@ def key_redundancy(
     ``u_j . sum_i u_i`` of the unit keys (``O(slots)``), and each row's discounted duplicate is
     searched block by block of keys, most recent first (oldest first for ``"first"``), blocks
     doubling from ``block``, for only the rows still without one, in tiles of one head's waiting rows
-    (SmolLM2's keys on random tokens: 85% of the rows find one in the newest 128 keys, 1% search past
-    2048; keys with no near-duplicate at all make this the full ``O(slots^2)`` search). Memory stays
+    (keys with no near-duplicate at all make this the full ``O(slots^2)`` search). Memory stays
     ``O(chunk_elements)``; the host reads one count per block.
 
     ``duplicate_window`` (default ``None``: exact) searches only that many of the most recent keys:
@@ -287,28 +277,7 @@ class RKV(Policy):
         As for every policy. ``sinks`` defaults to 4, as for every policy; R-KV itself has no sinks, set
         ``sinks=0`` to reproduce it exactly.
 
-    Choices where paper and code leave room
-    ---------------------------------------
-    - Importance follows the code exactly: attention logits of the window queries, merged over the
-      query heads of a kv group by ``pooling``, softmax over the stored keys *outside* the recent
-      window (sinks included), mean over the window queries, max-pooled with ``kernel``. It is
-      recomputed from the recorded queries (``Needs(query_window=...)``), never from the model's
-      attention weights, so any attention kernel works. The excluded keys are the protected
-      ``window``; if ``window < query_window`` the in-window-but-unprotected keys are scored with a
-      causal mask (a query sees keys at or before its own position).
-    - Redundancy follows the code: cosine similarity of all stored keys (window included),
-      diagonal 0, one discounted near-duplicate per row, column mean, softmax over the cache; the
-      similarities below the threshold still count towards the mean, as in the code. One deviation:
-      when a token has no near-duplicate the code discounts slot 0 (an artefact of its index
-      arithmetic); here nothing is discounted, so padding or slot order cannot change a score.
-    - Computed in float32 whatever the cache dtype, exactly, without building the similarity matrix
-      (see :func:`key_redundancy`): column sums in ``O(slots)``, each row's near-duplicate searched
-      in blocks of the most recent keys, for all layers at once (memory ``O(chunk)``).
-    - Budget: every head keeps exactly ``K`` tokens (the code keeps ``budget - window`` scored
-      tokens plus the window, the same thing).
-    - Hybrid models: only full-attention layers are evicted, so only they record queries and are
-      scored; learned attention sinks and logit soft-capping enter the importance softmax as in
-      the model's kernel (sink logits merged over a kv group by ``pooling``).
+    Where paper and code leave room, and the one deviation: ``docs/policy-choices.md``.
     """
 
     name = "rkv"
@@ -369,14 +338,12 @@ class RKV(Policy):
         # pooled values of the last candidates from spilling into the window.
         return pool1d(raw, self.kernel, "max") * candidates
 
-    def redundancy(self, view) -> torch.Tensor:
-        """Key redundancy, ``[rows, kv_heads, slots]`` (a distribution over each head's real tokens)."""
+    def redundancy(self, view, keys: torch.Tensor | None = None) -> torch.Tensor:
+        """Key redundancy, ``[rows, kv_heads, slots]`` (a distribution over each head's real tokens), of the
+        view's keys or of ``keys`` (several layers' heads at once)."""
+        keys = view.keys() if keys is None else keys
         return key_redundancy(
-            view.keys(),
-            view.valid,
-            threshold=self.threshold,
-            retain=self.retain,
-            duplicate_window=self.duplicate_window,
+            keys, view.valid, threshold=self.threshold, retain=self.retain, duplicate_window=self.duplicate_window
         )
 
     def score(self, view) -> torch.Tensor:
@@ -394,9 +361,7 @@ class RKV(Policy):
         redundancy: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
         for piece in _pieces(view, layers):
             keys = torch.cat([view.keys(layer)[:, heads] for layer, heads in piece], dim=1)
-            found = key_redundancy(
-                keys, view.valid, threshold=self.threshold, retain=self.retain, duplicate_window=self.duplicate_window
-            )
+            found = self.redundancy(view, keys)
             sizes = [heads.stop - heads.start for _, heads in piece]
             for (layer, _), part in zip(piece, found.split(sizes, 1), strict=True):
                 redundancy[layer].append(part)
