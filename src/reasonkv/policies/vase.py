@@ -200,9 +200,6 @@ class VaseDKV(ValueAware, CurDKV):
     name = "vase-dkv"
     summary = "VASE: value-range reservation + sampling by CUR leverage (sketch redrawn per eviction)"
 
-    def projection(self, view) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """A fresh ``(G_k, G_v)`` for every eviction and layer, keyed by each row's seed, eviction and layer."""
-        if self.rank == 0:
-            return None
-        keys, values = view.keys(), view.values()
-        return self._draw(view.seeds, keys.shape[1], keys.shape[-1], values.shape[-1])
+    def sketch_seeds(self, view) -> torch.Tensor:
+        """A fresh sketch for every eviction and layer, keyed by each row's seed, eviction and layer."""
+        return view.seeds
