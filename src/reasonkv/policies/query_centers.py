@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from importlib import resources
-from pathlib import Path
 
 import torch
 
+from reasonkv.policies.common import bundled_file
 from reasonkv.policies.contract import ModelInfo
 from reasonkv.policies.rotary import RotaryTables
 from reasonkv.selection.torchfile import read_torch_file
@@ -163,15 +162,5 @@ class QueryCenters:
 
 def bundled_centers(info: ModelInfo, who: str) -> tuple[QueryCenters, str]:
     """The query centers the package ships for this model (matched by fingerprint), and their file name."""
-    folder = resources.files(BUNDLED[0]).joinpath(*BUNDLED[1:])
-    names = sorted(entry.name for entry in folder.iterdir() if entry.name.endswith(".pt"))
-    for name in names:
-        with resources.as_file(folder.joinpath(name)) as path:
-            centers = QueryCenters.load(Path(path))
-        if centers.fingerprint == info.fingerprint:
-            return centers, name
-    shipped = ", ".join(name.removesuffix(".pt") for name in names) or "none"
-    raise ValueError(
-        f"{who}: the package ships no query centers for this model (fingerprint {info.fingerprint or 'unknown'}; "
-        f"shipped: {shipped}); make them with reasonkv calibrate --centers and pass -o stats=PATH"
-    )
+    remedy = "make them with reasonkv calibrate --centers and pass -o stats=PATH"
+    return bundled_file(BUNDLED, QueryCenters.load, info, who, "query centers", remedy)

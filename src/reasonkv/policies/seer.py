@@ -14,12 +14,12 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from reasonkv.policies.common import bundled_file
 from reasonkv.policies.contract import ModelInfo
 from reasonkv.policies.options import check_at_least, check_choice
 from reasonkv.policies.registry import register
@@ -264,18 +264,8 @@ def check_gate(gate_file: GateFile, info: ModelInfo, who: str, path: str = "") -
 
 def bundled_gate(info: ModelInfo, who: str) -> tuple[GateFile, str]:
     """The gate the package ships for this model (matched by weights fingerprint), and its file name."""
-    folder = resources.files(BUNDLED[0]).joinpath(*BUNDLED[1:])
-    names = sorted(entry.name for entry in folder.iterdir() if entry.name.endswith(".pt")) if folder.is_dir() else []
-    for name in names:
-        with resources.as_file(folder.joinpath(name)) as path:
-            gate_file = load_gate(Path(path))
-        if gate_file.fingerprint and gate_file.fingerprint == info.fingerprint:
-            return gate_file, name
-    shipped = ", ".join(name.removesuffix(".pt") for name in names) or "none"
-    raise ValueError(
-        f"{who}: the package ships no gate for this model (fingerprint {info.fingerprint or 'unknown'}; shipped: "
-        f"{shipped}); train one with reasonkv calibrate --gates and pass -o gates=PATH"
-    )
+    remedy = "train one with reasonkv calibrate --gates and pass -o gates=PATH"
+    return bundled_file(BUNDLED, load_gate, info, who, "gate", remedy)
 
 
 # ---------------------------------------------------------------------------------------------------- its training
