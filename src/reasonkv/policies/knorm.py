@@ -22,10 +22,9 @@ def key_norm_scores(keys: torch.Tensor) -> torch.Tensor:
 class KNorm(Policy):
     """Keep, per (layer, kv-head), the tokens with the lowest key L2 norm.
 
-    Devoto et al. ("A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression",
-    2024) observe that a low key norm goes with high attention, so the keys with the *largest*
-    norm are the ones to drop. The score is ``-||k||_2`` (higher = keep), exactly what kvpress's
-    knorm press computes; it reads nothing but the stored keys: no attention, no recorded signal.
+    Devoto et al. ("A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression", 2024) observe
+    that a low key norm goes with high attention. The score is ``-||k||_2`` (higher = keep), as kvpress's
+    knorm press computes it, from the stored keys alone.
 
     Where the paper leaves room: ``docs/policy-choices.md``.
     """

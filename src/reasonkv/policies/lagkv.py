@@ -1,11 +1,7 @@
 """LagKV: lag-relative information of the KV cache tells which tokens matter (Liang et al., 2025).
 
-Attention-free: only the stored keys and values are read. Per (layer, kv-head), the stored tokens
-after the sinks are cut into chunks of ``lag`` tokens. Each chunk is compared with the chunk after
-it: keys (and values) are min-max normalised per channel by the *next* chunk's range, the standard
-deviation over channels is taken per token, and a softmax within the chunk turns it into a score.
-A token's score is its key score plus its value score. The last full chunk (no successor) and the
-unfinished remainder are the newest tokens and are kept first.
+Attention-free: per (layer, kv-head), the stored tokens after the sinks are cut into chunks of ``lag``
+tokens, each scored against the range of the chunk after it.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Leverage scores of keys and values through a Gaussian sketch (CurDKV, VASE-DKV): pure tensor maths.
 
-The statistical leverage of row ``i`` of a tall matrix ``X`` (``n x c``) is the squared norm of row
-``i`` of an orthonormal basis of the column space of ``X`` (``Q`` of a QR decomposition, ``U`` of an
-SVD): how much of the space spanned by all rows that one row alone accounts for. CUR decompositions
-keep the rows of highest leverage. CurDKV (Sengupta et al., 2025) scores each cached token by the
-leverage of its key row and of its value row, computed on a sketch ``X G`` with a Gaussian
-``G in R^{d x r}`` (entries ``N(0, 1/r)``) so the cost is ``O(n d r)`` per head.
-
-Everything here works on ``[rows, heads, slots, dim]`` tensors plus a ``[rows, slots]`` validity mask
-(padding slots contribute nothing and score 0). Nothing imports transformers.
+The leverage of row ``i`` of a tall matrix ``X`` is the squared norm of row ``i`` of an orthonormal basis
+of its column space; CurDKV (Sengupta et al., 2025) scores each token by the leverage of its key and value
+rows on a sketch ``X G`` (``G`` Gaussian, ``d x r``), at ``O(n d r)`` per head. Tensors are
+``[rows, heads, slots, dim]`` with a ``[rows, slots]`` validity mask (padding scores 0).
 """
 
 from __future__ import annotations

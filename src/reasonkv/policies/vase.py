@@ -131,13 +131,9 @@ class VaseAttnV(ValueAware, SnapKV):
     __doc__ = (
         """VASE-AttnV: value-aware stochastic eviction with SnapKV-style attention scores, per (layer, kv-head).
 
-    At each eviction, for every layer and kv head: keep the protected tokens (sinks, recent
-    window); reserve the ``N_v`` tokens with the largest value range; fill the rest by sampling
-    without replacement, weighted by the SnapKV base score: attention of the last ``query_window``
-    recorded queries over the stored keys (softmax per query, causal), summed over the window,
-    averaged over the query heads of the kv group, max-pooled along the slots (kernel 7). Queries
-    are recorded from the model's attention inputs; no attention matrix is requested, so the model
-    runs under SDPA / FlashAttention. Ablations: ``sample=False`` (top-k), ``reserve=0``.
+    At each eviction, for every layer and kv head: keep the protected tokens (sinks, recent window); reserve
+    the ``N_v`` tokens with the largest value range; fill the rest by sampling without replacement, weighted
+    by SnapKV's score (``snapkv``). Ablations: ``sample=False`` (top-k), ``reserve=0``.
 
     Parameters
     ----------
@@ -168,14 +164,9 @@ class VaseDKV(ValueAware, CurDKV):
     __doc__ = (
         """VASE-DKV: value-aware stochastic eviction with CurDKV leverage scores, per (layer, kv-head).
 
-    At each eviction, for every layer and kv head: keep the protected tokens; reserve the ``N_v``
-    tokens with the largest value range; fill the rest by sampling without replacement, weighted by
-    CurDKV's score (key leverage x value leverage of the Gaussian sketches ``K G``, ``V G``, each
-    normalised within local windows; see ``curdkv`` for the exact definition and the choices made).
-    Unlike ``curdkv``, ``G`` is drawn anew at every eviction (keyed by the row's seed, the eviction
-    and the layer, so a run is reproducible from its seed), so no token is scored low by the same
-    projection every time.
-    Reads only the cached K/V. Ablations: ``sample=False`` (top-k), ``reserve=0``.
+    As ``vase-attnv``, weighted by CurDKV's score (``curdkv``), with ``G`` drawn anew at every eviction
+    (keyed by the row's seed, the eviction and the layer), so no token is scored low by the same projection
+    every time. Ablations: ``sample=False`` (top-k), ``reserve=0``.
 
     Parameters
     ----------
