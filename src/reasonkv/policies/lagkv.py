@@ -36,32 +36,13 @@ def lag_relative_scores(
     lag: int,
     value_weight: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """LagKV scores of the stored tokens.
+    """LagKV scores of the stored tokens ``keys``/``values`` ``[rows, kv_heads, slots, dim]``.
 
-    Parameters
-    ----------
-    keys, values
-        ``[rows, kv_heads, slots, dim]``.
-    valid
-        ``[rows, slots]``: real tokens (False: padding). A row's real tokens, in slot order, are
-        the sequence that is chunked, so padding never shifts a chunk boundary.
-    skip
-        Leading real tokens left out of the chunks (the attention sinks).
-    lag
-        Chunk length.
-    value_weight
-        Weight of the value score (the reference code's ``score_v_ratio``).
-
-    Returns
-    -------
-    scores
-        ``[rows, kv_heads, slots]`` float32: ``key score + value_weight * value score`` for scored
-        tokens, 0 elsewhere.
-    scored
-        ``[rows, slots]`` bool: tokens of a chunk that has a complete successor chunk.
-    rank
-        ``[rows, kv_heads, slots]`` float32: each scored token's rank within its chunk (0 = lowest
-        score, ``lag - 1`` = highest), 0 elsewhere.
+    A row's real tokens (``valid`` ``[rows, slots]``), in slot order, are chunked after the first ``skip``
+    (the sinks), so padding never shifts a chunk boundary; ``value_weight`` is the reference code's
+    ``score_v_ratio``. Returns ``(scores, scored, rank)``: ``key score + value_weight * value score``
+    ``[rows, kv_heads, slots]`` float32 (0 where not scored), the tokens of a chunk with a complete successor
+    ``[rows, slots]``, and each scored token's rank within its chunk (0 = lowest, ``lag - 1`` = highest).
     """
     r, h, s, _ = keys.shape
     scores = keys.new_zeros((r, h, s), dtype=torch.float32)

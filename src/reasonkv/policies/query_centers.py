@@ -26,6 +26,8 @@ __all__ = ["FORMAT", "CenterSums", "QueryCenters", "bundled_centers"]
 FORMAT = "reasonkv-query-centers"
 VERSION = 1
 BUNDLED = ("reasonkv", "data", "centers")  # package folder of the bundled models' files
+# What the file holds after the tensors and the layers, with its type.
+_FIELDS = dict(num_layers=int, num_heads=int, head_dim=int, model=str, fingerprint=str, tokens=int, source=str)
 
 
 class CenterSums:
@@ -100,13 +102,7 @@ class QueryCenters:
                 "mean_imag": self.mean.imag.contiguous().cpu(),
                 "modulus": self.modulus.contiguous().cpu(),
                 "layers": list(self.layers),
-                "num_layers": self.num_layers,
-                "num_heads": self.num_heads,
-                "head_dim": self.head_dim,
-                "model": self.model,
-                "fingerprint": self.fingerprint,
-                "tokens": self.tokens,
-                "source": self.source,
+                **{name: getattr(self, name) for name in _FIELDS},
             },
             os.fspath(path),
         )
@@ -124,13 +120,7 @@ class QueryCenters:
             mean=torch.complex(payload["mean_real"].float(), payload["mean_imag"].float()),
             modulus=payload["modulus"].float(),
             layers=tuple(int(layer) for layer in payload["layers"]),
-            num_layers=int(payload["num_layers"]),
-            num_heads=int(payload["num_heads"]),
-            head_dim=int(payload["head_dim"]),
-            model=str(payload["model"]),
-            fingerprint=str(payload["fingerprint"]),
-            tokens=int(payload["tokens"]),
-            source=str(payload["source"]),
+            **{name: kind(payload[name]) for name, kind in _FIELDS.items()},
         )
 
     def check(self, info: ModelInfo, who: str, path: str = "") -> None:

@@ -36,27 +36,11 @@ def window_importance(
 ) -> torch.Tensor:
     """R-KV importance before smoothing: ``[rows, kv_heads, slots]``.
 
-    Parameters
-    ----------
-    queries, query_positions, query_valid
-        The recorded recent queries ``[rows, query_heads, w, head_dim]`` with their logical positions
-        and validity ``[rows, w]``.
-    keys, key_positions
-        Stored keys ``[rows, kv_heads, slots, head_dim]`` and their positions ``[rows, kv_heads, slots]``.
-    candidates
-        ``[rows, kv_heads, slots]``: the keys the softmax runs over (R-KV: every stored key except
-        the observation window itself). Other slots score 0.
-    scaling
-        The model's attention scaling (``1 / sqrt(head_dim)`` for standard models).
-    pooling
-        How the query heads of one kv group are merged: ``"max"`` or ``"mean"`` of the attention
-        *logits*, before the softmax (R-KV's ``compute_attention_scores``).
-    softcap, sinks
-        The model kernel's logit soft-cap and learned sink logits (``[query_heads]``), if it has
-        them. Sink logits are merged over each kv group like the other logits.
-
-    A query sees the candidate keys at or before its own position. The result is the mean over the
-    valid queries of each query's softmax distribution over the candidates.
+    The recorded recent ``queries`` ``[rows, query_heads, w, head_dim]`` (positions and validity
+    ``[rows, w]``) against the stored ``keys`` ``[rows, kv_heads, slots, head_dim]`` at ``key_positions``:
+    logits merged over each kv group by ``pooling`` (``"max"`` or ``"mean"``, before the softmax, as R-KV's
+    ``compute_attention_scores``; sink logits alike), softmax over the ``candidates`` ``[rows, kv_heads,
+    slots]`` a query sees (at or before its position; others score 0), mean over the valid queries.
     """
     b, w = query_positions.shape
     logits = grouped_logits(queries, keys, scaling, softcap)  # [rows, kv_heads, group, w, slots]

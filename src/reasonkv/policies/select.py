@@ -59,21 +59,9 @@ def protected_mask(
     newest: torch.Tensor,
     prompt_lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Slots that no policy may evict.
-
-    Parameters
-    ----------
-    positions
-        Logical positions of the stored slots, ``[rows, ..., S]`` (negative for padding).
-    sinks
-        The first ``sinks`` logical positions are kept (attention sinks).
-    window
-        The ``window`` most recent tokens are kept: positions ``> newest - window``.
-    newest
-        Logical position of the newest token of each row, ``[rows]``.
-    prompt_lengths
-        When given, every prompt position (``< prompt_lengths``) is kept, ``[rows]``.
-    """
+    """Slots that no policy may evict: of ``positions`` ``[rows, ..., S]`` (negative for padding), the first
+    ``sinks``, the ``window`` most recent (``> newest - window``, ``newest`` ``[rows]``), and with
+    ``prompt_lengths`` ``[rows]`` every prompt position."""
     shape = (-1,) + (1,) * (positions.dim() - 1)
     keep = positions < sinks
     if window > 0:
