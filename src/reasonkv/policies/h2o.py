@@ -89,11 +89,5 @@ class H2O(Policy):
         return self.accumulated.lookup(view.rows, view.positions(), self.accumulated.row[view.layer])
 
     def ranking(self, view) -> torch.Tensor:
-        protected = select.protected_mask(
-            view.positions(),
-            sinks=self.sinks,
-            window=self.recent(view.budget),
-            newest=view.newest,
-            prompt_lengths=view.prompt_lengths if self.protect_prompt else None,
-        )
+        protected = view.protected(window=self.recent(view.budget))
         return select.rank_top(self.score(view), valid=view.valid_mask(), protected=protected)

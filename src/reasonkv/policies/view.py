@@ -146,14 +146,15 @@ class EvictionView:
         held = self._take(mask()) if mask is not None else torch.zeros_like(self.valid)
         return held if self.layer is None else held.unsqueeze(1)
 
-    def protected(self) -> torch.Tensor:
-        """Slots the policy's sinks / window / prompt protection keep, shaped like the scores."""
+    def protected(self, window: int | None = None) -> torch.Tensor:
+        """Slots the policy's sinks / window / prompt protection keep, shaped like the scores (``window``: a
+        recent window other than the policy's own)."""
         positions = self.slot_positions()
         p = self.policy
         return select.protected_mask(
             positions,
             sinks=p.sinks,
-            window=p.window,
+            window=p.window if window is None else window,
             newest=self.newest,
             prompt_lengths=self.prompt_lengths if p.protect_prompt else None,
         )
