@@ -64,15 +64,11 @@ class ExpectedAttention(Policy):
         Added to the probabilities before the value norm (default 0).
     query_span
         The queries the statistics come from: "since-eviction" (default, kvpress's decoding buffer) or
-        "window" (the last ``query_window`` across evictions). ``"since-eviction"`` follows kvpress's
-        ``DecodingPress``, which clears its buffer of hidden states at every compression: the queries of
-        the tokens decoded since this row's previous eviction (``B`` of them between two decode
-        evictions), the last ``query_window`` at most, less the oldest ``sinks`` of them (kvpress drops
-        the first ``n_sink`` buffered states): ``min(B, 256) - 4`` queries, 124 at ``B = 128``. The first
-        eviction reads the queries since decoding began; an eviction that has none left (right after
-        prefill, or ``B <= sinks``) reads the recorded ones as ``"window"`` does. ``"window"``: the last
-        ``query_window`` queries across earlier evictions, those at positions ``>= sinks`` (the rule of the
-        fidelity runs in ``docs/results/frontier``).
+        "window" (the last ``query_window`` across evictions). ``"since-eviction"``: the queries decoded since
+        the row's previous eviction, the last ``query_window`` at most, less the oldest ``sinks``
+        (``min(B, 256) - 4``, 124 at ``B = 128``; after prefill, the recorded ones as ``"window"``).
+        ``"window"``: the last ``query_window``, those at positions ``>= sinks`` (the rule of the fidelity
+        runs in ``docs/results/frontier``).
     query_window
         The most recent queries recorded (default 256, kvpress's buffer of hidden states).
     sinks, window, protect_prompt

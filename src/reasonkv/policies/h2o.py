@@ -47,12 +47,6 @@ class H2O(Policy):
         ``max(window, floor(recent_ratio * K))`` (default 0: the ratio decides).
     protect_prompt
         Never evict prompt tokens (default off: the budget covers prompt and output).
-
-    Attributes
-    ----------
-    accumulated
-        The running scores, a :class:`LayerHeadTable` ``[batch, full-attention layers, kv_heads, positions]``
-        (set by :meth:`reset`).
     """
 
     recent_ratio: float = 0.5
@@ -68,6 +62,7 @@ class H2O(Policy):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_option(self, "recent_ratio", 0 <= self.recent_ratio < 1, "a number in [0, 1)")
+        # The running scores, [batch, full-attention layers, kv_heads, positions] (set by reset).
         self.accumulated: LayerHeadTable | None = None
 
     def needs(self, info) -> Needs:

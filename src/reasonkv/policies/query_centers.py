@@ -64,23 +64,8 @@ class CenterSums:
 
 @dataclass(frozen=True)
 class QueryCenters:
-    """Query centers of one model.
-
-    Attributes
-    ----------
-    mean, modulus
-        ``q̄`` (complex64) and ``E|q|`` (float32), ``[len(layers), num_heads, head_dim / 2]``.
-    layers
-        The decoder layers they belong to (the model's full-attention layers).
-    num_layers, num_heads, head_dim
-        The model's shape.
-    model, fingerprint
-        The model's name as given at calibration and its weights fingerprint (``ModelInfo.fingerprint``).
-    tokens
-        Queries averaged per (layer, head).
-    source
-        What they were computed on (a dataset and trace count, or a text file).
-    """
+    """Query centers of one model: ``q̄`` (``mean``, complex64) and ``E|q|`` (``modulus``, float32), each
+    ``[len(layers), num_heads, head_dim / 2]``, for the model's full-attention ``layers``."""
 
     mean: torch.Tensor
     modulus: torch.Tensor
@@ -88,10 +73,10 @@ class QueryCenters:
     num_layers: int
     num_heads: int
     head_dim: int
-    model: str = ""
-    fingerprint: str = ""
-    tokens: int = 0
-    source: str = ""
+    model: str = ""  # the model's name as given at calibration
+    fingerprint: str = ""  # its weights fingerprint (ModelInfo.fingerprint)
+    tokens: int = 0  # queries averaged per (layer, head)
+    source: str = ""  # what they were computed on (a dataset and trace count, or a text file)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         torch.save(

@@ -46,12 +46,6 @@ class RaaS(Policy):
         redundant while the prompt is protected).
     window
         The ``window`` most recent tokens are never evicted (default 0).
-
-    Attributes
-    ----------
-    timestamps
-        Last-useful step per token, a :class:`LayerHeadTable` ``[batch, full-attention layers, kv_heads, positions]``
-        (-1 for positions not seen yet; set by :meth:`reset`).
     """
 
     protect_prompt: bool = True
@@ -70,6 +64,7 @@ class RaaS(Policy):
         super().__post_init__()
         check_option(self, "threshold", 0 <= self.threshold < 1, "a probability in [0, 1)")
         check_choice(self, "group_reduce", _GROUP_REDUCTIONS)
+        # Last-useful step per token, [batch, full-attention layers, kv_heads, positions] (-1: not seen; set by reset).
         self.timestamps: LayerHeadTable | None = None
 
     def needs(self, info) -> Needs:

@@ -33,30 +33,14 @@ PAIRINGS = ("half", "interleaved")
 
 @dataclass(frozen=True)
 class Rotary:
-    """How one layer's queries and keys were rotated.
+    """How one layer's queries and keys were rotated."""
 
-    Attributes
-    ----------
-    kind
-        The model's name for its rotary type (``"default"``, ``"llama3"``, ``"yarn"``, ...).
-    inv_freq
-        ``ω_f`` of each rotary pair, as the model holds them (float32 values); empty when refused.
-    scaling
-        The attention scaling ``s`` multiplied into the cos/sin tables (1 for most types).
-    pairing
-        ``"half"`` or ``"interleaved"``.
-    head_dim
-        Channels per head (rotary and passed through).
-    refused
-        Why this rotation cannot be undone (empty: it can).
-    """
-
-    kind: str
-    inv_freq: tuple[float, ...] = ()
-    scaling: float = 1.0
-    pairing: str = "half"
-    head_dim: int = 0
-    refused: str = ""
+    kind: str  # the model's name for its rotary type ("default", "llama3", "yarn", ...)
+    inv_freq: tuple[float, ...] = ()  # ω_f of each rotary pair, as the model holds them (float32); empty when refused
+    scaling: float = 1.0  # the attention scaling s multiplied into the cos/sin tables (1 for most types)
+    pairing: str = "half"  # or "interleaved"
+    head_dim: int = 0  # channels per head (rotary and passed through)
+    refused: str = ""  # why this rotation cannot be undone (empty: it can)
 
     @property
     def rotary_dim(self) -> int:
