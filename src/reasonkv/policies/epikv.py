@@ -208,28 +208,14 @@ class EPIKV(Policy):
         missing = [layer for layer in state.layers if layer not in step.hidden]
         if missing:
             raise RuntimeError(f"{self.name}: the step carries no hidden states of layers {missing}")
-        g = self._distances_one(step) if step.input_valid.shape[1] == 1 else self._distances_many(step)
+        g = self._distances(step)
         unscored = g.new_full((g.shape[0], 1, g.shape[2]), float("nan"))
         # Every position seen is below the step's bound, a host-side fact (0: not given, read it instead).
         state.bound = step.position_bound or None
         state.table.set(step.input_positions, torch.cat([g, unscored], dim=1), bound=state.bound)
 
-    def _distances_one(self, step: Step) -> torch.Tensor:
-        """A decode step: one norm per used layer. Returns ``g`` ``[batch, used, 1]``."""
-        state = self._state
-        valid = step.input_valid[:, 0]
-        current = torch.stack([step.hidden[layer][:, -1] for layer in state.layers], dim=1).float()
-        if state.previous is None:
-            state.previous = torch.zeros_like(current)
-        g = torch.linalg.vector_norm(current - state.previous, dim=-1)  # [batch, used]
-        g = g.masked_fill(~(valid & state.has_previous).unsqueeze(1), float("nan"))
-        state.previous = torch.where(valid.view(-1, 1, 1), current, state.previous)
-        state.has_previous |= valid
-        state.seen = state.seen + valid
-        return g.unsqueeze(-1)
-
-    def _distances_many(self, step: Step) -> torch.Tensor:
-        """A prefill (or any multi-token forward), vectorised over its tokens: ``g`` ``[batch, used, q]``."""
+    def _distances(self, step: Step) -> torch.Tensor:
+        """``g`` ``[batch, used, q]`` of this forward's tokens (:func:`step_distances` of each used layer)."""
         state = self._state
         valid = step.input_valid
         signals, lasts = [], []
