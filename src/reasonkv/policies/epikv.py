@@ -86,8 +86,6 @@ class EPIKV(Policy):
         Path of a calibration JSON (see :mod:`reasonkv.policies.calibration`) providing ``a``, ``b``,
         ``band_a``, ``band_b``; its ``num_layers`` must match the model. Explicit ``a``/``b``/band
         options override the file, which overrides the depth-scaled defaults.
-    sinks, window, protect_prompt
-        Protection (base class): 4 sinks, no recent window, prompt not protected.
 
     Where the paper is silent, and hybrid models: ``docs/policy-choices.md``.
     """

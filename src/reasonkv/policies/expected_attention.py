@@ -71,8 +71,6 @@ class ExpectedAttention(Policy):
         runs in ``docs/results/frontier``).
     query_window
         The most recent queries recorded (default 256, kvpress's buffer of hidden states).
-    sinks, window, protect_prompt
-        Protection (base class): 4 sinks (kvpress's ``n_sink``), no window, prompt not protected.
 
     Where this follows kvpress 0.5.5 and where it deviates: ``docs/policy-choices.md``.
     """

@@ -36,12 +36,6 @@ class KeyDiff(Policy):
     Distinctive keys are the ones attention picks (the paper). At every eviction the ``K + B`` held
     keys, post-RoPE as cached, form the anchor (padding excluded, protected tokens included) and the ``K``
     most distinctive stay. Where this follows the paper and kvpress: ``docs/policy-choices.md``.
-
-    Parameters
-    ----------
-    sinks, window, protect_prompt
-        Protection (base class): 4 sinks, no window, prompt not protected (the paper protects nothing:
-        ``sinks=0`` reproduces its rule exactly).
     """
 
     name: ClassVar[str] = "keydiff"

@@ -99,10 +99,6 @@ class LagKV(Policy):
         best ones: the paper's per-partition top-k, carried to a global budget as kvpress does
         (scores become ranks within the chunk). ``False``: one global top-k over the raw scores
         (kvpress's ``cross_scoring``).
-    sinks, window, protect_prompt
-        As for every policy. ``sinks`` (default 4, as kvpress; the authors use 16) are also left
-        out of the chunks, as the paper's sink. ``window`` defaults to 0: the unscored newest
-        chunks already play the role of the recent window.
 
     Where the paper leaves room: ``docs/policy-choices.md``.
     """

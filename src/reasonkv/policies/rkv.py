@@ -257,9 +257,6 @@ class RKV(Policy):
         search stops at each row's most recent near-duplicate, so it is ``O(slots^2)`` per head only
         for keys that have none; with 256 it stays ``O(256 slots)``. Rows whose only duplicates are
         older get no discount.
-    sinks, protect_prompt
-        As for every policy. ``sinks`` defaults to 4, as for every policy; R-KV itself has no sinks, set
-        ``sinks=0`` to reproduce it exactly.
 
     Where paper and code leave room, and the one deviation: ``docs/policy-choices.md``.
     """

@@ -260,9 +260,6 @@ class ThinKV(Policy):
     kmeans_iters
         Lloyd iterations per clustering (default 10; the paper does not say; 0 keeps evenly
         spaced tokens).
-    sinks, window, protect_prompt
-        As for every policy (defaults 4, 0, False): sinks are kept, ``window`` is 0 because the
-        current segment already ranks above every earlier one.
     """
 
     name = "thinkv"

@@ -79,8 +79,6 @@ class TriAttention(Policy):
         ``"per-head"`` (default): one kept set per kv head, shared by every layer (the mean over
         layers of the max over the group's query heads; the authors' ``per_head_pruning``).
         ``"per-layer-head"``: one per (layer, kv head) (``per_layer_perhead_pruning``).
-    sinks, window, protect_prompt
-        Protection (base class): 4 sinks, no window, prompt not protected.
 
     Where this follows the authors' code and where it deviates: ``docs/policy-choices.md``.
     """
