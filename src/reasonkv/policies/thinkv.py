@@ -58,13 +58,8 @@ def kde_thresholds(samples: torch.Tensor, points: int = KDE_POINTS) -> torch.Ten
     modes. Pool the samples of several calibration prompts (or average their thresholds, as the
     paper does over prompts and layers) to get a ``thresholds`` option.
 
-    Details (the paper does not give them): samples are binned onto ``points`` grid points on
-    ``[0, 1]``; the bandwidth is Silverman's rule ``0.9 * min(std, IQR / 1.34) * n ** -0.2``
-    (``std`` alone when the IQR is 0), at least one grid step; a mode is a grid point higher than
-    its left neighbour and at least as high as its right one (the ends count, with nothing beyond
-    them) and at least ``MODE_FLOOR`` of the highest density; of more than three modes the three
-    highest are used; a threshold is the first grid point of lowest density strictly between two
-    modes.
+    The details the paper does not give (binning, bandwidth, what counts as a mode) are in
+    ``docs/policy-choices.md``.
     """
     x = samples.double()
     present = ~torch.isnan(x)
@@ -131,17 +126,14 @@ def _kmeans_representatives(gram: torch.Tensor, present: torch.Tensor, k: int, i
 
     ``gram`` ``[groups, members, members]`` holds the members' feature dot products, ``present``
     ``[groups, members]`` which members take part (a group with ``k`` or fewer present members
-    gets a meaningless answer, which the caller ignores). Centroids start at ``k`` present members
-    evenly spaced in order (member of present-rank ``floor((i + 0.5) * m / k)``), then ``iters``
-    Lloyd steps (nearest centroid by squared Euclidean distance; an empty cluster keeps its
-    centroid). Returns the mask of the representatives: the member nearest to each non-empty
-    cluster's centroid. Ties (within ``TIE_TOLERANCE`` times the group's mean squared distance to
-    its mean) go to the first centroid, and to the first (oldest) member: a two-member cluster is an
-    exact tie.
+    gets a meaningless answer, which the caller ignores). Centroids start at ``k`` present members evenly
+    spaced in order, then ``iters`` Lloyd steps (an empty cluster keeps its centroid). Returns the mask of
+    the member nearest each non-empty cluster's centroid; ties (within ``TIE_TOLERANCE`` times the group's
+    mean squared distance to its mean) go to the first centroid and the first (oldest) member.
 
-    A centroid is a mean of members, so it is kept as member weights ``W`` (``[groups, k, members]``)
-    and every distance comes from the Gram matrix: ``|x_i - c_j|^2 = G_ii - 2 (G W^T)_ij + (W G W^T)_jj``.
-    This is Lloyd's algorithm exactly, at ``O(members^2 k)`` per step instead of ``O(members k features)``.
+    A centroid is kept as member weights ``W`` (``[groups, k, members]``), so every distance comes from the
+    Gram matrix, ``|x_i - c_j|^2 = G_ii - 2 (G W^T)_ij + (W G W^T)_jj``: Lloyd's algorithm exactly, at
+    ``O(members^2 k)`` per step.
     """
     groups, members, _ = gram.shape
     weight = present.float()
