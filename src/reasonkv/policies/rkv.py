@@ -67,22 +67,15 @@ def key_redundancy(
 ) -> torch.Tensor:
     """R-KV redundancy of every stored key: ``[rows, heads, slots]`` (a distribution over valid slots).
 
-    For each head: ``S = cos(k_i, k_j)`` with the diagonal set to 0. For each token ``i``, among the
-    tokens ``j`` with ``S_ij > threshold``, the most recent (``retain="last"``; ``"first"``: the
-    oldest; ``"none"``: no discount) has ``S_ij`` set to 0, so that of several near-duplicates the
-    retained copy collects less redundancy. Redundancy is ``softmax_j(mean_i S_ij)`` over the real
-    tokens. Padding slots (``valid == False``, ``valid`` is ``[rows, slots]``) take no part and get 0.
-    Slots are assumed to be in position order (the cache keeps them so).
+    ``S = cos(k_i, k_j)``, diagonal 0; for each token ``i`` the most recent ``j`` with ``S_ij > threshold``
+    (``retain="last"``; ``"first"``: the oldest; ``"none"``: none) has ``S_ij`` set to 0, so of several
+    near-duplicates the retained copy collects less redundancy. Redundancy is ``softmax_j(mean_i S_ij)`` over
+    the real tokens (``valid`` ``[rows, slots]``; padding gets 0); slots are in position order.
 
-    Computed without the ``slots x slots`` matrix: the column sums ``sum_i S_ij`` are
-    ``u_j . sum_i u_i`` of the unit keys (``O(slots)``), and each row's discounted duplicate is
-    searched block by block of keys, most recent first (oldest first for ``"first"``), blocks
-    doubling from ``block``, for only the rows still without one, in tiles of one head's waiting rows
-    (keys with no near-duplicate at all make this the full ``O(slots^2)`` search). Memory stays
-    ``O(chunk_elements)``; the host reads one count per block.
-
-    ``duplicate_window`` (default ``None``: exact) searches only that many of the most recent keys:
-    a row whose duplicate is older gets no discount. An approximation, for a bounded cost.
+    No ``slots x slots`` matrix: the column sums are ``u_j . sum_i u_i`` of the unit keys, and each row's
+    duplicate is searched in blocks of keys (most recent first), doubling from ``block``, by the rows still
+    without one (:func:`_duplicate_discount`), in ``O(chunk_elements)`` memory. ``duplicate_window`` searches
+    only that many of the most recent keys (an approximation, for a bounded cost).
     """
     b, h, s, _ = keys.shape
     # In place on one float32 copy: a fresh buffer of this size costs the CPU more in page faults than the arithmetic.
@@ -102,13 +95,9 @@ def _duplicate_discount(
     unit: torch.Tensor, valid: torch.Tensor, threshold: float, last: bool, reach: int, block: int, chunk_elements: int
 ) -> torch.Tensor:
     """``[rows, heads, slots]``: per column ``j``, the sum of ``S_ij`` over the rows ``i`` whose discounted
-    near-duplicate is ``j`` (the most recent ``j != i`` with ``S_ij > threshold``, or the oldest), searched
-    among the ``reach`` most recent (or oldest) keys.
-
-    Blocks of keys are searched in the order of preference, each block only by the rows still without a
-    match. The first block is searched by every row; later ones by tiles of ``_TILE`` waiting rows of one
-    head, so a head with many waiting rows costs no other head anything (heads differ a lot: after the
-    first 128 keys some have thousands of rows waiting, most a few dozen)."""
+    near-duplicate is ``j``, searched among the ``reach`` most recent (or oldest) keys. The first block is
+    searched by every row; later ones by tiles of ``_TILE`` waiting rows of one head, so a head with many
+    waiting rows (after 128 keys some have thousands, most a few dozen) costs no other head anything."""
     b, h, s, d = unit.shape
     heads = b * h
     flat = unit.reshape(heads, s, d)
