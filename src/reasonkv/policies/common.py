@@ -19,13 +19,10 @@ WORKSPACE_ELEMENTS = 1 << 24
 class PositionTable:
     """Per-token state indexed by logical position: ``[batch, *inner, positions]`` floats.
 
-    Policies keep their per-token state (a score computed when the token arrived, an accumulated
-    attention mass, a timestamp) here rather than aligned to cache slots: eviction reorders slots
-    but never changes a token's logical position, so nothing has to follow the cache's gathers.
-    Memory is O(tokens) scalars per inner index. Capacity grows by doubling.
-
-    Writers pass ``bound``, a host-side number above every position written (``Step.position_bound``),
-    so that sizing the table never reads a device value; without it the largest position is read.
+    Eviction reorders slots but never changes a token's logical position, so state kept here (a score, an
+    accumulated attention mass, a timestamp) never follows the cache's gathers. Capacity grows by doubling;
+    writers pass ``bound``, a host-side number above every position written (``Step.position_bound``), so
+    sizing the table never reads a device value (without it the largest position is read).
     """
 
     def __init__(self, batch: int, inner: tuple[int, ...] = (), *, fill: float = 0.0, device=None):

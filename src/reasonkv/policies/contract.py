@@ -69,13 +69,11 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class Needs:
-    """What a policy reads. Nothing else is recorded.
+    """What a policy reads; nothing else is recorded.
 
-    ``attention_last`` and ``attention_sum`` are delivered to ``Policy.observe_attention`` as
-    :class:`AttentionChunk` s. They are computed when they are needed, not at every step: the queries
-    are recorded as they come and their attention over the keys they could see is recomputed in one
-    batched pass before the next eviction (a multi-token forward's column sums are computed at once).
-    Between two evictions keys are only appended, so this is exactly the attention each query had.
+    ``attention_last`` and ``attention_sum`` reach ``Policy.observe_attention`` as :class:`AttentionChunk` s,
+    recomputed from the recorded queries in one batched pass before the next eviction: keys are only
+    appended in between, so this is exactly the attention each query had.
     """
 
     hidden_layers: tuple[int, ...] = ()  # residual-stream outputs of these decoder layers
