@@ -224,12 +224,10 @@ class ThinKV(Policy):
         A weight below this fraction of its row's maximum counts as near zero. Default 0.01 (§4.1).
     thresholds
         ``(low, high)`` sparsity thresholds calibrated offline for the model (execution below
-        ``low``, transition at or above ``high``). Default ``None``: online KDE on the row's own
-        history, see above. The paper's values are per model and not published.
+        ``low``, transition at or above ``high``). Default ``None``: online, see above.
     layers
         Layers whose attention rows give the sparsity (default ``None``: all full-attention
-        layers). The paper uses the 4 layers selected at calibration (``|L*| = 4``); pass them here
-        when known. They must be full-attention layers on a hybrid model.
+        layers). The paper's are the 4 its calibration selects; full-attention layers only.
     refresh
         Segment length and type-refresh interval τ in tokens. Default 128 (§4.1; the paper's
         ablation, Figure 10c, finds it the best trade-off).
