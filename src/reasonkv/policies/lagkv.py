@@ -86,6 +86,10 @@ def lag_relative_scores(
 class LagKV(Policy):
     """LagKV (Liang et al., 2025): score tokens by their lag-relative key/value spread, per (layer, kv-head).
 
+    Each chunk's keys (and values) are min-max normalised per channel by the *next* chunk's range; the std over
+    channels, softmaxed within the chunk, is a token's key (value) score. The last full chunk and the
+    unfinished remainder have no successor: they are the newest tokens and rank first.
+
     Parameters
     ----------
     lag
