@@ -54,14 +54,6 @@ def pooled_window_scores(
     return pool_valid(grouped, valid.unsqueeze(1), kernel, pooling)
 
 
-def check_window_options(policy) -> None:
-    """Check the ranges of ``query_window``, ``kernel`` and ``pooling`` (shared with VASE-AttnV)."""
-    check_at_least(policy, "query_window", 1)
-    kernel = policy.kernel
-    check_option(policy, "kernel", kernel > 0 and kernel % 2 == 1, "a positive odd integer (1 = no pooling)")
-    check_choice(policy, "pooling", POOLINGS)
-
-
 @register
 @dataclass
 class SnapKV(Policy):
@@ -104,8 +96,11 @@ class SnapKV(Policy):
     pooling: str = "max"
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        check_window_options(self)
+        super().__post_init__()  # VASE-AttnV checks these options here too
+        check_at_least(self, "query_window", 1)
+        kernel = self.kernel
+        check_option(self, "kernel", kernel > 0 and kernel % 2 == 1, "a positive odd integer (1 = no pooling)")
+        check_choice(self, "pooling", POOLINGS)
 
     def needs(self, info) -> Needs:
         return Needs(query_window=self.query_window)

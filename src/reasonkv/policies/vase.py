@@ -29,18 +29,6 @@ def reserve_count(reserve: float, budget: int) -> int:
     return int(reserve)
 
 
-def check_vase_options(policy) -> None:
-    """Check the ranges of ``reserve`` and ``temperature``."""
-    reserve, temperature = policy.reserve, policy.temperature
-    check_option(
-        policy,
-        "reserve",
-        math.isfinite(reserve) and reserve >= 0 and (reserve < 1 or reserve == int(reserve)),
-        "a token count (an integer >= 1), a fraction of the budget in [0, 1), or 0 for no reservation",
-    )
-    check_option(policy, "temperature", math.isfinite(temperature) and temperature > 0, "a positive number")
-
-
 def value_reserve(policy, view, ranges: torch.Tensor) -> torch.Tensor:
     """VASE's value-range reserve for one layer, ``[rows, kv_heads, slots]`` bool: the ``N_v`` valid,
     unprotected slots of each head still held at full precision with the largest ``ranges`` (fewer if the
@@ -116,7 +104,14 @@ class ValueAware:
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_vase_options(self)
+        reserve, temperature = self.reserve, self.temperature
+        check_option(
+            self,
+            "reserve",
+            math.isfinite(reserve) and reserve >= 0 and (reserve < 1 or reserve == int(reserve)),
+            "a token count (an integer >= 1), a fraction of the budget in [0, 1), or 0 for no reservation",
+        )
+        check_option(self, "temperature", math.isfinite(temperature) and temperature > 0, "a positive number")
 
     def ranking(self, view) -> torch.Tensor:
         return value_aware_rank(self, view, self.score(view))
