@@ -1,14 +1,9 @@
 """Eviction policies and the engine-free API they are written against (torch only, no engine import).
 
-- ``contract`` (what a policy needs, what a forward hands it, the model facts), ``view`` (what it reads
-  at eviction), ``recorded`` (the recorded queries), ``attention`` (attention recomputed for a few
-  queries), ``select`` (scores to rankings to kept indices), ``noise`` (keyed random draws),
-  ``options`` (options typed by the dataclass fields), ``registry`` (names to classes);
-- one file per method, each a dataclass registered under its name (every module here is imported, so the
-  file is all a new policy needs).
-
-A policy instance is configuration (its fields); generation state lives in the copy each cache makes
-(:func:`get_policy` always returns a fresh instance).
+The shared modules: ``contract`` (needs, steps, model facts), ``view`` (what a policy reads at eviction),
+``recorded``, ``attention``, ``select``, ``noise``, ``options`` and ``registry``; then one file per method, a
+dataclass registered under its name. A policy instance is configuration; generation state lives in the
+fresh copy each cache makes (:func:`get_policy`).
 """
 
 from __future__ import annotations

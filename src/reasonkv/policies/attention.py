@@ -1,16 +1,9 @@
-"""Attention recomputed for a few recorded queries: ``softmax(q · Kᵀ · scaling)`` over stored keys.
+"""Attention recomputed for a few recorded queries: ``softmax(q · Kᵀ · scaling)`` over stored keys, in
+``O(queries x slots)`` memory, while the model's own kernel does the real attention. Torch only.
 
-Policies that read attention never ask the model for an attention matrix; they recompute the rows
-they need from recorded post-RoPE queries and the cached keys, in ``O(queries x slots)`` memory,
-while the model's own kernel (SDPA, FlashAttention) does the real attention. Torch only.
-
-Shapes: queries ``[B, Hq, w, D]``, keys ``[B, Hkv, S, D]``. Query head ``h`` reads kv head
-``h // (Hq // Hkv)``, the head order of transformers' ``repeat_kv``.
-
-Two kernel details some models add are reproduced when given: logit soft-capping
-(``softcap * tanh(logits / softcap)``, Gemma 2 style) and learned attention sinks (one extra logit
-per query head that takes part in the softmax and is then dropped, GPT-OSS's ``s_aux``), so the
-recomputed probabilities are the ones the model's kernel uses.
+Shapes: queries ``[B, Hq, w, D]``, keys ``[B, Hkv, S, D]``; query head ``h`` reads kv head ``h // (Hq // Hkv)``
+(transformers' ``repeat_kv``). Logit soft-capping (Gemma 2) and learned attention sinks (GPT-OSS's
+``s_aux``: one extra logit per query head in the softmax, then dropped) are applied when given.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """The policy protocol: a dataclass of hyper-parameters, the signals it needs, and a score.
 
-A policy is told what it may read through an :class:`EvictionView` and returns, for the rows being
-evicted, either scores (higher = keep; the default :meth:`Policy.ranking` turns them into a ranking with
-``select.rank_top`` and :meth:`Policy.keep` keeps its top ``budget``), a ranking of its own
-(overriding :meth:`Policy.ranking`: protection variants, sampling), or, by overriding
-:meth:`Policy.keep`, the kept indices themselves. A cache with a quantized tier needs the ranking
-(:mod:`reasonkv.cache.tiers` splits it into full precision, quantized and dropped), so a policy that only
-overrides ``keep`` cannot fill one (:meth:`Policy.can_rank`).
-Granularity ``"token"`` scores ``[rows, slots]`` once and the same tokens survive in every layer
-and head; ``"head"`` scores ``[rows, kv_heads, slots]`` for one layer at a time.
-
-On a hybrid model only the full-attention layers are evicted (``ModelInfo.full_layers``): a
-``"head"`` policy scores those layers only, a ``"token"`` kept set applies to each of them, and
-attention signals are recorded in those layers only. Sliding-window and linear-attention layers
-keep their model's own rules.
+A policy reads an :class:`EvictionView` and returns scores (higher = keep; ranked by :meth:`Policy.ranking`,
+the top ``budget`` kept by :meth:`Policy.keep`), or overrides ``ranking`` (protection variants, sampling) or
+``keep`` itself; a quantized tier splits the ranking, so a policy that only overrides ``keep`` cannot fill
+one (:meth:`Policy.can_rank`). Granularity ``"token"`` scores ``[rows, slots]`` once for every layer and
+head; ``"head"`` scores ``[rows, kv_heads, slots]`` one layer at a time. Only the full-attention layers of a
+hybrid model are evicted (``ModelInfo.full_layers``).
 """
 
 from __future__ import annotations

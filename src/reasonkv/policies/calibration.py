@@ -66,15 +66,9 @@ class Calibration:
 
     def as_dict(self) -> dict[str, object]:
         """The JSON form (schema of the module docstring, extra keys last)."""
-        return {
-            "model": self.model,
-            "num_layers": self.num_layers,
-            "a": self.a,
-            "b": self.b,
-            "band_a": list(self.band_a),
-            "band_b": list(self.band_b),
-            **{k: v for k, v in self.extra.items() if k not in _REQUIRED},
-        }
+        fields = {key: getattr(self, key) for key in _REQUIRED}
+        fields.update(band_a=list(self.band_a), band_b=list(self.band_b))
+        return {**fields, **{k: v for k, v in self.extra.items() if k not in _REQUIRED}}
 
 
 def check_layers(name: str, value: int | Iterable[int], num_layers: int, *, owner: str = "") -> None:
@@ -141,15 +135,8 @@ def load_calibration(path: str | os.PathLike) -> Calibration:
         if not isinstance(value, kind) or isinstance(value, bool):
             raise ValueError(f"calibration file {str(path)!r}: {key} must be a JSON {_json_kind(kind)}, got {value!r}")
     try:
-        return Calibration(
-            num_layers=data["num_layers"],
-            a=data["a"],
-            b=data["b"],
-            band_a=tuple(data["band_a"]),
-            band_b=tuple(data["band_b"]),
-            model=data["model"],
-            extra={k: v for k, v in data.items() if k not in _REQUIRED},
-        )
+        fields = {key: tuple(data[key]) if kind is list else data[key] for key, kind in _REQUIRED.items()}
+        return Calibration(**fields, extra={k: v for k, v in data.items() if k not in _REQUIRED})
     except ValueError as error:
         raise ValueError(f"calibration file {str(path)!r}: {error}") from None
 

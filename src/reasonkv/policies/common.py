@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from importlib import resources
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 
-__all__ = ["WORKSPACE_ELEMENTS", "LayerHeadTable", "PositionTable", "group_mean", "pool1d"]
+__all__ = ["WORKSPACE_ELEMENTS", "LayerHeadTable", "PositionTable", "bundled_file", "group_mean", "pool1d"]
 
 # The most elements of keys a policy copies (and upcasts) at once at an eviction: R-KV's redundancy and
 # ThinKV's K-means read every layer's keys in pieces of this size, never the whole cache at once.
@@ -15,13 +19,10 @@ WORKSPACE_ELEMENTS = 1 << 24
 class PositionTable:
     """Per-token state indexed by logical position: ``[batch, *inner, positions]`` floats.
 
-    Policies keep their per-token state (a score computed when the token arrived, an accumulated
-    attention mass, a timestamp) here rather than aligned to cache slots: eviction reorders slots
-    but never changes a token's logical position, so nothing has to follow the cache's gathers.
-    Memory is O(tokens) scalars per inner index. Capacity grows by doubling.
-
-    Writers pass ``bound``, a host-side number above every position written (``Step.position_bound``),
-    so that sizing the table never reads a device value; without it the largest position is read.
+    Eviction reorders slots but never changes a token's logical position, so state kept here (a score, an
+    accumulated attention mass, a timestamp) never follows the cache's gathers. Capacity grows by doubling;
+    writers pass ``bound``, a host-side number above every position written (``Step.position_bound``), so
+    sizing the table never reads a device value (without it the largest position is read).
     """
 
     def __init__(self, batch: int, inner: tuple[int, ...] = (), *, fill: float = 0.0, device=None):
@@ -140,3 +141,21 @@ def pool1d(scores: torch.Tensor, kernel: int, mode: str = "max") -> torch.Tensor
     else:
         pooled = F.avg_pool1d(flat, kernel, stride=1, padding=kernel // 2, count_include_pad=False)
     return pooled[..., : shape[-1]].reshape(shape)
+
+
+def bundled_file(folder: tuple[str, ...], load: Callable, info, who: str, what: str, remedy: str) -> tuple:
+    """The file the package ships in ``folder`` (package, then subfolders) for this model, matched by its weights
+    fingerprint, as ``(load(path), file name)``; ``ValueError`` naming ``who``, the files shipped and ``remedy``
+    when there is none."""
+    root = resources.files(folder[0]).joinpath(*folder[1:])
+    names = sorted(entry.name for entry in root.iterdir() if entry.name.endswith(".pt")) if root.is_dir() else []
+    for name in names:
+        with resources.as_file(root.joinpath(name)) as path:
+            loaded = load(Path(path))
+        if loaded.fingerprint and loaded.fingerprint == info.fingerprint:
+            return loaded, name
+    shipped = ", ".join(name.removesuffix(".pt") for name in names) or "none"
+    raise ValueError(
+        f"{who}: the package ships no {what} for this model (fingerprint {info.fingerprint or 'unknown'}; "
+        f"shipped: {shipped}); {remedy}"
+    )

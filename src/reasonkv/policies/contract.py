@@ -24,22 +24,18 @@ LAYER_KINDS = ("full", "sliding", "chunked", "linear")
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """The attention shape of a model.
-
-    ``layer_kinds`` names each decoder layer's kind (see ``LAYER_KINDS``); empty means every layer
-    is full attention. ``rotary`` holds each layer's rotary embedding (:class:`~reasonkv.policies.rotary.Rotary`,
-    ``None`` for a layer without one; empty when unknown, e.g. built from a config alone), what a policy
-    needs to rotate keys or queries back to pre-RoPE space. ``fingerprint`` identifies the weights (a
-    hash of a sample of every parameter, the same in every dtype; empty when unknown), so that a file
-    computed on one model is not used with another.
-    """
+    """The attention shape of a model."""
 
     num_layers: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    layer_kinds: tuple[str, ...] = ()
+    layer_kinds: tuple[str, ...] = ()  # each decoder layer's kind (LAYER_KINDS); empty: every layer is full
+    # Each layer's rotary embedding, what a policy needs to rotate keys or queries back to pre-RoPE space
+    # (None for a layer without one; empty when unknown, e.g. built from a config alone).
     rotary: tuple[Rotary | None, ...] = ()
+    # The weights' identity: a hash of a sample of every parameter, the same in every dtype (empty when
+    # unknown), so that a file computed on one model is not used with another.
     fingerprint: str = ""
 
     @property
@@ -73,13 +69,11 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class Needs:
-    """What a policy reads. Nothing else is recorded.
+    """What a policy reads; nothing else is recorded.
 
-    ``attention_last`` and ``attention_sum`` are delivered to ``Policy.observe_attention`` as
-    :class:`AttentionChunk` s. They are computed when they are needed, not at every step: the queries
-    are recorded as they come and their attention over the keys they could see is recomputed in one
-    batched pass before the next eviction (a multi-token forward's column sums are computed at once).
-    Between two evictions keys are only appended, so this is exactly the attention each query had.
+    ``attention_last`` and ``attention_sum`` reach ``Policy.observe_attention`` as :class:`AttentionChunk` s,
+    recomputed from the recorded queries in one batched pass before the next eviction: keys are only
+    appended in between, so this is exactly the attention each query had.
     """
 
     hidden_layers: tuple[int, ...] = ()  # residual-stream outputs of these decoder layers

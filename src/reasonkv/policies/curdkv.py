@@ -29,36 +29,15 @@ class CurDKV(Policy):
     """CurDKV (Sengupta et al., 2025): per (layer, kv-head), keep the top-``K`` tokens by the product of
     the leverage of their key and of their value, with one Gaussian sketch per run.
 
-    At each eviction, for every layer and kv head, the stored keys ``K`` and values ``V``
-    (``slots x d``) are sketched as ``K G`` and ``V G`` with a Gaussian ``G in R^{d x r}``, entries
-    ``N(0, 1/r)``. Each token's key leverage and value leverage (see ``leverage``) are normalised
-    within local windows of ``local_window`` tokens, multiplied, and the top-scoring tokens fill what
-    the protected ones leave of the budget. The policy reads only the cached K/V: no queries, no
-    attention. ``G`` is fixed for the run: one ``G`` per (row, layer, kv head), keyed by the row's
-    seed and the layer (:mod:`reasonkv.policies.noise`), the same at every eviction (VASE's
-    "CUR fixed"; ``vase-dkv`` redraws it at every eviction). The kept set therefore depends on the
-    seed unless ``rank=0``.
-
-    Choices where the paper leaves room (all documented options):
-
-    - "Normalised within local windows" follows the authors' released scorer: the slots are cut
-      into consecutive, non-overlapping windows of ``local_window`` tokens and each score is divided
-      by its window's sum, separately for keys and values, before the product. Windows are counted
-      back from the newest real token (as in the authors' code, which pads at the front), so padding
-      never shifts them; the oldest window may be shorter. At decode time a head's slots hold the
-      tokens that head kept, in order, so a window is ``local_window`` consecutive kept tokens.
-    - Leverage: here, the squared row norms of the projected, column-normalised
-      matrices; the default ``"columns"`` does exactly that (each column of ``X G`` scaled to unit
-      norm over the head's real tokens, then squared row norms; scores sum to ``r``). It equals the
-      true leverage of the sketch when the sketch's columns are orthogonal. ``"orthonormal"``
-      orthonormalises the columns instead, giving the exact leverage of ``X G`` (what a QR or SVD
-      gives); note that it no longer depends on ``G`` once ``r >= head_dim`` (the sketch then spans
-      the same space as ``X``). ``"norm"`` is what the authors' released scorer computes: squared row
-      norms of the raw sketch, i.e. approximately ``||k||^2`` and ``||v||^2``.
-    - One ``G`` per (row, kv head), shared by keys and values (the released scorer shares one
-      ``G`` across heads); drawn per row so a prompt scores the same in a batch as alone.
-    - ``rank=0`` scores the raw keys and values without a sketch (the default of the kvpress port,
-      whose random projection is opt-in); the sketch is what CurDKV scores, so ``r = 20`` is the default.
+    At each eviction, for every layer and kv head, the stored keys ``K`` and values ``V`` (``slots x d``)
+    are sketched as ``K G`` and ``V G`` with a Gaussian ``G in R^{d x r}``, entries ``N(0, 1/r)``, fixed for
+    the run (one per row, layer and kv head, keyed by the row's seed and the layer; ``vase-dkv`` redraws it
+    at every eviction). Each token's key and value leverage are normalised within local windows of
+    ``local_window`` tokens and multiplied. The leverage of a sketch: ``"columns"`` (default) takes squared
+    row norms after scaling each column to unit norm over the head's real tokens (the true leverage when
+    the columns are orthogonal), ``"orthonormal"`` the exact leverage of ``X G`` (what a QR or SVD gives),
+    ``"norm"`` the squared row norms of the raw sketch, as the authors' released scorer. Where the paper
+    leaves room: ``docs/policy-choices.md``.
 
     Parameters
     ----------
@@ -113,13 +92,16 @@ class CurDKV(Policy):
             return key_projection, key_projection
         return key_projection, gaussian_projection(seeds, heads, d_value, self.rank, stream=1)
 
+    def sketch_seeds(self, view) -> torch.Tensor:
+        """The sketch's seed of each evicted row: the same at every eviction (keyed by the row's seed and layer)."""
+        return noise.mix(view.row_seeds, view.layer)
+
     def projection(self, view) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(G_k, G_v)`` for this eviction's rows: the same at every eviction (keyed by the row's seed and layer)."""
+        """``(G_k, G_v)`` for this eviction's rows, keyed by :meth:`sketch_seeds`."""
         if self.rank == 0:
             return None
         keys, values = view.keys(), view.values()
-        seeds = noise.mix(view.row_seeds, view.layer)
-        return self._draw(seeds, keys.shape[1], keys.shape[-1], values.shape[-1])
+        return self._draw(self.sketch_seeds(view), keys.shape[1], keys.shape[-1], values.shape[-1])
 
     # -- scoring ---------------------------------------------------------------------------------
     def score(self, view) -> torch.Tensor:

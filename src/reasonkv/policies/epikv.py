@@ -37,15 +37,11 @@ class EPIKV(Policy):
     """Score each token by how much it moved the residual stream, in an "important" layer against a
     "filler" layer; keep the highest scores (EPIKV). One kept set for every layer and head.
 
-    The signal of layer ``l`` at logical position ``t`` is ``g_l(t) = ||h_l(t) - h_l(t-1)||_2``, ``h_l``
-    the output of decoder layer ``l``. It is computed in :meth:`observe` from the hidden states of the
-    layers in use only (one vector norm per token and used layer). State per row: the previous hidden
-    vector of each used layer, and one float per token and used layer plus the token's score (a
-    :class:`~reasonkv.policies.common.PositionTable`). Never all hidden states, never attention: it
-    runs unchanged with SDPA and FlashAttention. Every score is causal, so it depends only on tokens
-    up to its own (``lag``: up to the end of the chunk after it); scores are computed in one
-    vectorised pass when they are first needed, at eviction, which gives the same values as
-    computing each when its token arrives while a decode step pays only for its norms.
+    The signal of layer ``l`` at logical position ``t`` is ``g_l(t) = ||h_l(t) - h_l(t-1)||_2``, ``h_l`` the
+    output of decoder layer ``l``, computed in :meth:`observe` for the used layers only: one float per token
+    and used layer (a :class:`~reasonkv.policies.common.PositionTable`), never attention. Every score is
+    causal (``lag``: up to the end of the chunk after it), so scoring lazily at eviction, in one vectorised
+    pass, gives what scoring each token as it arrived would.
 
     Parameters
     ----------
@@ -90,21 +86,8 @@ class EPIKV(Policy):
         Path of a calibration JSON (see :mod:`reasonkv.policies.calibration`) providing ``a``, ``b``,
         ``band_a``, ``band_b``; its ``num_layers`` must match the model. Explicit ``a``/``b``/band
         options override the file, which overrides the depth-scaled defaults.
-    sinks, window, protect_prompt
-        Protection (base class): 4 sinks, no recent window, prompt not protected.
 
-    Notes
-    -----
-    Choices where the paper is silent: the first token of a row (logical position 0, or the first
-    real token after left padding) has no predecessor, so its ``g`` is missing and its score is the
-    neutral 0 in every variant (``raw`` included); missing ``g`` never enters a mean or std. Prompt
-    tokens get their signal from the prefill pass, exactly as if they had been fed one at a time
-    (``chunk_exact``). ``a == b`` (possible on models of 1-2 layers) is allowed and scores 0.
-
-    Hybrid models (sliding-window or linear-attention layers between full-attention ones): ``L``,
-    ``a``, ``b`` and the bands count *every* decoder layer. The signal is the residual stream, which
-    every layer writes whatever its attention kind, and the paper's anatomy is a depth profile of
-    that stream; the kept set then applies to the full-attention layers, the only ones evicted.
+    Where the paper is silent, and hybrid models: ``docs/policy-choices.md``.
     """
 
     name: ClassVar[str] = "epikv"
@@ -223,28 +206,14 @@ class EPIKV(Policy):
         missing = [layer for layer in state.layers if layer not in step.hidden]
         if missing:
             raise RuntimeError(f"{self.name}: the step carries no hidden states of layers {missing}")
-        g = self._distances_one(step) if step.input_valid.shape[1] == 1 else self._distances_many(step)
+        g = self._distances(step)
         unscored = g.new_full((g.shape[0], 1, g.shape[2]), float("nan"))
         # Every position seen is below the step's bound, a host-side fact (0: not given, read it instead).
         state.bound = step.position_bound or None
         state.table.set(step.input_positions, torch.cat([g, unscored], dim=1), bound=state.bound)
 
-    def _distances_one(self, step: Step) -> torch.Tensor:
-        """A decode step: one norm per used layer. Returns ``g`` ``[batch, used, 1]``."""
-        state = self._state
-        valid = step.input_valid[:, 0]
-        current = torch.stack([step.hidden[layer][:, -1] for layer in state.layers], dim=1).float()
-        if state.previous is None:
-            state.previous = torch.zeros_like(current)
-        g = torch.linalg.vector_norm(current - state.previous, dim=-1)  # [batch, used]
-        g = g.masked_fill(~(valid & state.has_previous).unsqueeze(1), float("nan"))
-        state.previous = torch.where(valid.view(-1, 1, 1), current, state.previous)
-        state.has_previous |= valid
-        state.seen = state.seen + valid
-        return g.unsqueeze(-1)
-
-    def _distances_many(self, step: Step) -> torch.Tensor:
-        """A prefill (or any multi-token forward), vectorised over its tokens: ``g`` ``[batch, used, q]``."""
+    def _distances(self, step: Step) -> torch.Tensor:
+        """``g`` ``[batch, used, q]`` of this forward's tokens (:func:`step_distances` of each used layer)."""
         state = self._state
         valid = step.input_valid
         signals, lasts = [], []

@@ -18,22 +18,11 @@ def step_distances(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``g(t) = ||h(t) - h(t-1)||_2`` for the tokens of one forward pass.
 
-    Parameters
-    ----------
-    hidden
-        ``[batch, q, dim]``: one layer's output for this forward's tokens (padding rows arbitrary).
-    valid
-        ``[batch, q]``: real tokens. A token's predecessor is the row's previous real token, either
-        earlier in this forward or (for the first one) ``previous``.
-    previous
-        ``[batch, dim]`` float32: the row's last real hidden vector before this forward.
-    has_previous
-        ``[batch]`` bool: whether ``previous`` holds one (False at the start of a sequence).
-
-    Returns
-    -------
-    ``(g, last)``: ``g`` ``[batch, q]`` float32 with ``NaN`` for padding and for a row's first token;
-    ``last`` ``[batch, dim]`` the row's newest real hidden vector (``previous`` if none arrived).
+    ``hidden`` ``[batch, q, dim]`` is one layer's output for them, ``valid`` ``[batch, q]`` the real ones; a
+    token's predecessor is the row's previous real token, in this forward or else ``previous`` ``[batch, dim]``
+    (float32; ``has_previous`` ``[batch]`` says whether there is one). Returns ``(g, last)``: ``g``
+    ``[batch, q]`` float32, ``NaN`` for padding and a row's first token, and the row's newest real hidden
+    vector ``[batch, dim]`` (``previous`` if none arrived).
     """
     batch, q, dim = hidden.shape
     if q == 1:  # decode: one subtraction and one norm

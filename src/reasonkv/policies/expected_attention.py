@@ -64,37 +64,15 @@ class ExpectedAttention(Policy):
         Added to the probabilities before the value norm (default 0).
     query_span
         The queries the statistics come from: "since-eviction" (default, kvpress's decoding buffer) or
-        "window" (the last ``query_window`` across evictions). ``"since-eviction"`` follows kvpress's
-        ``DecodingPress``, which clears its buffer of hidden states at every compression: the queries of
-        the tokens decoded since this row's previous eviction (``B`` of them between two decode
-        evictions), the last ``query_window`` at most, less the oldest ``sinks`` of them (kvpress drops
-        the first ``n_sink`` buffered states): ``min(B, 256) - 4`` queries, 124 at ``B = 128``. The first
-        eviction reads the queries since decoding began; an eviction that has none left (right after
-        prefill, or ``B <= sinks``) reads the recorded ones as ``"window"`` does. ``"window"``: the last
-        ``query_window`` queries across earlier evictions, those at positions ``>= sinks`` (the rule of the
-        fidelity runs in ``docs/results/frontier``).
+        "window" (the last ``query_window`` across evictions). ``"since-eviction"``: the queries decoded since
+        the row's previous eviction, the last ``query_window`` at most, less the oldest ``sinks``
+        (``min(B, 256) - 4``, 124 at ``B = 128``; after prefill, the recorded ones as ``"window"``).
+        ``"window"``: the last ``query_window``, those at positions ``>= sinks`` (the rule of the fidelity
+        runs in ``docs/results/frontier``).
     query_window
         The most recent queries recorded (default 256, kvpress's buffer of hidden states).
-    sinks, window, protect_prompt
-        Protection (base class): 4 sinks (kvpress's ``n_sink``), no window, prompt not protected.
 
-    Where this follows kvpress 0.5.5 and where it deviates
-    ------------------------------------------------------
-    - The statistics, the averaged rotation, the logit, the softmax, the group mean and the value
-      norm follow ``expected_attention_press.py``; ``√d`` is the head dimension's, as there (not the
-      model's own attention scaling). The softmax runs over the unprotected real keys: kvpress's
-      over every key but the ``n_sink`` sinks, the same with this project's defaults.
-    - Future positions: kvpress's decoding press averages the rotation over positions counted from
-      the number of buffered hidden states (``q_len``), which after the prefill is not where the
-      next token goes; here they start at the next token's position, as kvpress's prefill does.
-    - Queries: kvpress recomputes pre-RoPE queries from buffered hidden states through ``q_proj``
-      (and ``q_norm``); here the queries the attention kernel received are recorded and rotated back,
-      the same vectors without touching the model's weights. ``query_span="since-eviction"`` takes the
-      ones kvpress's decoding buffer holds; ``"window"`` drops queries at positions ``< sinks`` instead
-      of the oldest ``n_sink`` (in decoding those are not the sinks).
-    - Schedule: kvpress's ``DecodingPress`` compresses to ``target_size`` every
-      ``compression_interval`` steps; reasonkv's ``K + B`` is that with ``target_size = K`` and
-      ``compression_interval = B``, plus one eviction of a long prompt right after prefill.
+    Where this follows kvpress 0.5.5 and where it deviates: ``docs/policy-choices.md``.
     """
 
     name: ClassVar[str] = "expected-attention"

@@ -33,25 +33,9 @@ class KeyDiff(Policy):
     """KeyDiff (Park et al., 2025): keep, per (layer, kv-head), the keys that differ most in direction
     from the head's other keys: the score is ``-cos(k, a)``, ``a`` the mean of the L2-normalised keys.
 
-    The paper finds that distinctive keys (low cosine similarity to the mean key direction) are the
-    ones attention picks, with no attention score needed. It processes a long input block by block
-    under a fixed cache size: append a block, score every cached key against the anchor of all of
-    them, drop the lowest. reasonkv's ``K + B`` schedule is that iteration at decode time with
-    blocks of ``B`` new tokens: at every eviction the ``K + B`` held keys form the anchor and the
-    ``K`` most distinctive stay (and a prompt longer than ``K + B`` is one block, evicted once after
-    prefill, rather than cut into blocks). kvpress's ``KeyDiffPress`` scores one such step, with
-    ``BlockPress`` for the iteration; the score here equals its ``-cosine_similarity(keys, anchor)``.
-
-    The keys are the cached post-RoPE keys, as in the paper's and kvpress's implementations (the
-    anchor is a mean over tokens at different positions, so their rotations are part of what is
-    compared). Padding slots enter neither the anchor nor the ranking; protected tokens (sinks,
-    window) enter the anchor, as every held key does in the paper.
-
-    Parameters
-    ----------
-    sinks, window, protect_prompt
-        Protection (base class): 4 sinks, no window, prompt not protected (the paper protects nothing:
-        ``sinks=0`` reproduces its rule exactly).
+    Distinctive keys are the ones attention picks (the paper). At every eviction the ``K + B`` held
+    keys, post-RoPE as cached, form the anchor (padding excluded, protected tokens included) and the ``K``
+    most distinctive stay. Where this follows the paper and kvpress: ``docs/policy-choices.md``.
     """
 
     name: ClassVar[str] = "keydiff"

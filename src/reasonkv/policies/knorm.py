@@ -22,24 +22,11 @@ def key_norm_scores(keys: torch.Tensor) -> torch.Tensor:
 class KNorm(Policy):
     """Keep, per (layer, kv-head), the tokens with the lowest key L2 norm.
 
-    Devoto et al. ("A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression",
-    2024) observe that a low key norm goes with high attention, so the keys with the *largest*
-    norm are the ones to drop. The score is ``-||k||_2`` (higher = keep), exactly what kvpress's
-    knorm press computes; it reads nothing but the stored keys: no attention, no recorded signal.
+    Devoto et al. ("A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression", 2024) observe
+    that a low key norm goes with high attention. The score is ``-||k||_2`` (higher = keep), as kvpress's
+    knorm press computes it, from the stored keys alone.
 
-    Choices where the paper leaves room
-    -----------------------------------
-    - **Per (layer, kv-head)** (granularity ``"head"``): each kv head keeps its own lowest-norm
-      tokens, as in the paper and kvpress (the norm is a property of one head's key vector).
-    - **Post-RoPE keys**: the cache stores keys after RoPE. RoPE rotates pairs of channels, which
-      preserves the L2 norm, so the score equals the pre-RoPE norm the paper describes (up to
-      rounding).
-    - **When**: the paper (and kvpress) compress the prompt once; here the same rule runs at every
-      eviction of the periodic ``K + B`` schedule, over prompt and generated tokens alike.
-    - **Protection**: the paper protects nothing. This project's defaults apply (``sinks = 4``,
-      ``window = 0``, ``protect_prompt = False``); ``sinks=0`` reproduces the paper's rule exactly.
-      Note that the paper itself reports that the first tokens (attention sinks) have low key norms,
-      so they tend to be kept anyway.
+    Where the paper leaves room: ``docs/policy-choices.md``.
     """
 
     name = "knorm"

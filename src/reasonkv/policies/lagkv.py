@@ -1,11 +1,7 @@
 """LagKV: lag-relative information of the KV cache tells which tokens matter (Liang et al., 2025).
 
-Attention-free: only the stored keys and values are read. Per (layer, kv-head), the stored tokens
-after the sinks are cut into chunks of ``lag`` tokens. Each chunk is compared with the chunk after
-it: keys (and values) are min-max normalised per channel by the *next* chunk's range, the standard
-deviation over channels is taken per token, and a softmax within the chunk turns it into a score.
-A token's score is its key score plus its value score. The last full chunk (no successor) and the
-unfinished remainder are the newest tokens and are kept first.
+Attention-free: per (layer, kv-head), the stored tokens after the sinks are cut into chunks of ``lag``
+tokens, each scored against the range of the chunk after it.
 """
 
 from __future__ import annotations
@@ -40,32 +36,13 @@ def lag_relative_scores(
     lag: int,
     value_weight: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """LagKV scores of the stored tokens.
+    """LagKV scores of the stored tokens ``keys``/``values`` ``[rows, kv_heads, slots, dim]``.
 
-    Parameters
-    ----------
-    keys, values
-        ``[rows, kv_heads, slots, dim]``.
-    valid
-        ``[rows, slots]``: real tokens (False: padding). A row's real tokens, in slot order, are
-        the sequence that is chunked, so padding never shifts a chunk boundary.
-    skip
-        Leading real tokens left out of the chunks (the attention sinks).
-    lag
-        Chunk length.
-    value_weight
-        Weight of the value score (the reference code's ``score_v_ratio``).
-
-    Returns
-    -------
-    scores
-        ``[rows, kv_heads, slots]`` float32: ``key score + value_weight * value score`` for scored
-        tokens, 0 elsewhere.
-    scored
-        ``[rows, slots]`` bool: tokens of a chunk that has a complete successor chunk.
-    rank
-        ``[rows, kv_heads, slots]`` float32: each scored token's rank within its chunk (0 = lowest
-        score, ``lag - 1`` = highest), 0 elsewhere.
+    A row's real tokens (``valid`` ``[rows, slots]``), in slot order, are chunked after the first ``skip``
+    (the sinks), so padding never shifts a chunk boundary; ``value_weight`` is the reference code's
+    ``score_v_ratio``. Returns ``(scores, scored, rank)``: ``key score + value_weight * value score``
+    ``[rows, kv_heads, slots]`` float32 (0 where not scored), the tokens of a chunk with a complete successor
+    ``[rows, slots]``, and each scored token's rank within its chunk (0 = lowest, ``lag - 1`` = highest).
     """
     r, h, s, _ = keys.shape
     scores = keys.new_zeros((r, h, s), dtype=torch.float32)
@@ -109,6 +86,10 @@ def lag_relative_scores(
 class LagKV(Policy):
     """LagKV (Liang et al., 2025): score tokens by their lag-relative key/value spread, per (layer, kv-head).
 
+    Each chunk's keys (and values) are min-max normalised per channel by the *next* chunk's range; the std over
+    channels, softmaxed within the chunk, is a token's key (value) score. The last full chunk and the
+    unfinished remainder have no successor: they are the newest tokens and rank first.
+
     Parameters
     ----------
     lag
@@ -122,25 +103,8 @@ class LagKV(Policy):
         best ones: the paper's per-partition top-k, carried to a global budget as kvpress does
         (scores become ranks within the chunk). ``False``: one global top-k over the raw scores
         (kvpress's ``cross_scoring``).
-    sinks, window, protect_prompt
-        As for every policy. ``sinks`` (default 4, as kvpress; the authors use 16) are also left
-        out of the chunks, as the paper's sink. ``window`` defaults to 0: the unscored newest
-        chunks already play the role of the recent window.
 
-    Choices where the paper leaves room
-    -----------------------------------
-    - Chunks run over each head's *stored* tokens in order, after the sinks, re-cut at every
-      eviction (kvpress's decoding use of LagKV). The paper compresses each chunk once, when its
-      successor is complete, and freezes the result; a fixed budget forces re-scoring the
-      compressed part instead. With the default ``quota`` every eviction thins all chunks evenly.
-    - The newest tokens: the last complete chunk has no reference and the remainder is
-      unfinished; together (``L`` to ``2L - 1`` tokens) they are not scored and rank above every
-      scored token, newest first, as the paper keeps them in its sliding window. They are not
-      hard-protected, so a budget smaller than them still works (then only the newest survive).
-      A row with fewer than ``sinks + 2L`` tokens has nothing to score and keeps its newest tokens.
-    - Normalisation: ``(x - min) / (max - min)`` per channel with the next chunk's min and max, as
-      the paper; a channel whose reference range is zero contributes 0 instead of dividing by zero.
-      Standard deviation over channels is the unbiased one (as the authors' code); float32.
+    Where the paper leaves room: ``docs/policy-choices.md``.
     """
 
     name = "lagkv"

@@ -1,14 +1,9 @@
 """Leverage scores of keys and values through a Gaussian sketch (CurDKV, VASE-DKV): pure tensor maths.
 
-The statistical leverage of row ``i`` of a tall matrix ``X`` (``n x c``) is the squared norm of row
-``i`` of an orthonormal basis of the column space of ``X`` (``Q`` of a QR decomposition, ``U`` of an
-SVD): how much of the space spanned by all rows that one row alone accounts for. CUR decompositions
-keep the rows of highest leverage. CurDKV (Sengupta et al., 2025) scores each cached token by the
-leverage of its key row and of its value row, computed on a sketch ``X G`` with a Gaussian
-``G in R^{d x r}`` (entries ``N(0, 1/r)``) so the cost is ``O(n d r)`` per head.
-
-Everything here works on ``[rows, heads, slots, dim]`` tensors plus a ``[rows, slots]`` validity mask
-(padding slots contribute nothing and score 0). Nothing imports transformers.
+The leverage of row ``i`` of a tall matrix ``X`` is the squared norm of row ``i`` of an orthonormal basis
+of its column space; CurDKV (Sengupta et al., 2025) scores each token by the leverage of its key and value
+rows on a sketch ``X G`` (``G`` Gaussian, ``d x r``), at ``O(n d r)`` per head. Tensors are
+``[rows, heads, slots, dim]`` with a ``[rows, slots]`` validity mask (padding scores 0).
 """
 
 from __future__ import annotations
@@ -58,26 +53,14 @@ def _row_mask(valid: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def leverage_scores(
     x: torch.Tensor, valid: torch.Tensor, *, method: str = "columns", rtol: float = 1e-5
 ) -> torch.Tensor:
-    """Per-row scores of ``x`` ``[..., slots, c]`` over its valid rows: ``[..., slots]`` (padding: 0).
+    """Per-row scores of ``x`` ``[..., slots, c]`` (sketched keys or values) over the rows ``valid``
+    ``[rows, slots]`` marks: ``[..., slots]`` (padding: 0).
 
-    Parameters
-    ----------
-    x
-        The (sketched) keys or values of each head.
-    valid
-        ``[rows, slots]`` real tokens; padding rows are zeroed before anything is computed.
-    method
-        ``"columns"`` (default): squared row norms after scaling each column of ``x`` to unit norm over
-        the valid rows (scores sum to the number of non-zero columns). Equals the leverage when the
-        columns of ``x`` are orthogonal.
-        ``"orthonormal"``: exact leverage of ``x``, ``diag(x (x^T x)^+ x^T)``, the squared row norms of
-        an orthonormal basis of its columns (what a QR or SVD gives). Computed from the ``c x c`` Gram
-        matrix in float64 (``O(slots c^2)``); directions with singular value below ``rtol`` times the
-        largest count as absent, so rank-deficient inputs (head_dim < r, fewer tokens than r) get the
-        leverage of their numerical rank. Scores sum to that rank.
-        ``"norm"``: squared row norms of ``x`` itself, as CurDKV's released code scores the sketch.
-    rtol
-        Relative singular-value cut-off of ``"orthonormal"``.
+    ``method``: ``"columns"`` (default), squared row norms after scaling each column to unit norm over the
+    valid rows (the leverage when the columns are orthogonal); ``"orthonormal"``, the exact leverage
+    ``diag(x (x^T x)^+ x^T)``, from the ``c x c`` Gram matrix in float64, directions with singular value below
+    ``rtol`` times the largest counting as absent (rank-deficient inputs get the leverage of their numerical
+    rank); ``"norm"``, squared row norms of ``x`` itself, as CurDKV's released code scores the sketch.
     """
     if method not in LEVERAGE_METHODS:
         raise ValueError(f"leverage method must be one of {LEVERAGE_METHODS}, got {method!r}")

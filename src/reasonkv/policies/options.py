@@ -1,17 +1,11 @@
 """Policy options, typed by the policy dataclass's own field annotations.
 
-Text from a command line (``-o KEY=VALUE`` on any command) is parsed by the field's type:
-``"false"`` is ``False``, ``"8"`` is ``8``, ``"1,2"`` is ``(1, 2)``, ``"none"`` is ``None`` where
-allowed; text that does not parse is refused with an error naming the option and the type it expects.
-In Python, values must already have their field's type: ``get_policy(..., protect_prompt="False")``
-is refused, never taken as true. :func:`check_fields` decides types, once, from the annotations:
-``Policy.__post_init__`` runs it before anything else, so every way of making a policy (the class,
-``get_policy``, ``dataclasses.replace``) is checked, and a policy's own ``__post_init__`` checks only
-ranges and choices, with :func:`check_option`, :func:`check_at_least` and :func:`check_choice`.
-
-Command-line spelling, the same for ``generate``, ``demo``, ``eval`` and ``bench``:
-``-o KEY=VALUE`` sets ``KEY`` for every selected policy that has it; ``-o POLICY.KEY=VALUE`` for
-``POLICY`` alone. The older ``POLICY:KEY=VALUE`` still works, with a deprecation warning.
+Command-line text (``-o KEY=VALUE`` for every selected policy that has the option, ``-o POLICY.KEY=VALUE`` for
+one; the older ``POLICY:KEY=VALUE`` with a deprecation warning) is parsed by the field's type: ``"false"`` is
+``False``, ``"1,2"`` is ``(1, 2)``, ``"none"`` is ``None`` where allowed. Python values must already have
+their field's type (``protect_prompt="False"`` is refused). :func:`check_fields` types every option when a
+policy is made (``Policy.__post_init__``); a policy's own ``__post_init__`` then checks ranges and choices
+with :func:`check_option`, :func:`check_at_least` and :func:`check_choice`.
 """
 
 from __future__ import annotations

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from importlib import resources
-from pathlib import Path
 
 import torch
 
+from reasonkv.policies.common import bundled_file
 from reasonkv.policies.contract import ModelInfo
 from reasonkv.policies.rotary import RotaryTables
 from reasonkv.selection.torchfile import read_torch_file
@@ -27,6 +26,8 @@ __all__ = ["FORMAT", "CenterSums", "QueryCenters", "bundled_centers"]
 FORMAT = "reasonkv-query-centers"
 VERSION = 1
 BUNDLED = ("reasonkv", "data", "centers")  # package folder of the bundled models' files
+# What the file holds after the tensors and the layers, with its type.
+_FIELDS = dict(num_layers=int, num_heads=int, head_dim=int, model=str, fingerprint=str, tokens=int, source=str)
 
 
 class CenterSums:
@@ -63,23 +64,8 @@ class CenterSums:
 
 @dataclass(frozen=True)
 class QueryCenters:
-    """Query centers of one model.
-
-    Attributes
-    ----------
-    mean, modulus
-        ``q̄`` (complex64) and ``E|q|`` (float32), ``[len(layers), num_heads, head_dim / 2]``.
-    layers
-        The decoder layers they belong to (the model's full-attention layers).
-    num_layers, num_heads, head_dim
-        The model's shape.
-    model, fingerprint
-        The model's name as given at calibration and its weights fingerprint (``ModelInfo.fingerprint``).
-    tokens
-        Queries averaged per (layer, head).
-    source
-        What they were computed on (a dataset and trace count, or a text file).
-    """
+    """Query centers of one model: ``q̄`` (``mean``, complex64) and ``E|q|`` (``modulus``, float32), each
+    ``[len(layers), num_heads, head_dim / 2]``, for the model's full-attention ``layers``."""
 
     mean: torch.Tensor
     modulus: torch.Tensor
@@ -87,10 +73,10 @@ class QueryCenters:
     num_layers: int
     num_heads: int
     head_dim: int
-    model: str = ""
-    fingerprint: str = ""
-    tokens: int = 0
-    source: str = ""
+    model: str = ""  # the model's name as given at calibration
+    fingerprint: str = ""  # its weights fingerprint (ModelInfo.fingerprint)
+    tokens: int = 0  # queries averaged per (layer, head)
+    source: str = ""  # what they were computed on (a dataset and trace count, or a text file)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         torch.save(
@@ -101,13 +87,7 @@ class QueryCenters:
                 "mean_imag": self.mean.imag.contiguous().cpu(),
                 "modulus": self.modulus.contiguous().cpu(),
                 "layers": list(self.layers),
-                "num_layers": self.num_layers,
-                "num_heads": self.num_heads,
-                "head_dim": self.head_dim,
-                "model": self.model,
-                "fingerprint": self.fingerprint,
-                "tokens": self.tokens,
-                "source": self.source,
+                **{name: getattr(self, name) for name in _FIELDS},
             },
             os.fspath(path),
         )
@@ -125,13 +105,7 @@ class QueryCenters:
             mean=torch.complex(payload["mean_real"].float(), payload["mean_imag"].float()),
             modulus=payload["modulus"].float(),
             layers=tuple(int(layer) for layer in payload["layers"]),
-            num_layers=int(payload["num_layers"]),
-            num_heads=int(payload["num_heads"]),
-            head_dim=int(payload["head_dim"]),
-            model=str(payload["model"]),
-            fingerprint=str(payload["fingerprint"]),
-            tokens=int(payload["tokens"]),
-            source=str(payload["source"]),
+            **{name: kind(payload[name]) for name, kind in _FIELDS.items()},
         )
 
     def check(self, info: ModelInfo, who: str, path: str = "") -> None:
@@ -163,15 +137,5 @@ class QueryCenters:
 
 def bundled_centers(info: ModelInfo, who: str) -> tuple[QueryCenters, str]:
     """The query centers the package ships for this model (matched by fingerprint), and their file name."""
-    folder = resources.files(BUNDLED[0]).joinpath(*BUNDLED[1:])
-    names = sorted(entry.name for entry in folder.iterdir() if entry.name.endswith(".pt"))
-    for name in names:
-        with resources.as_file(folder.joinpath(name)) as path:
-            centers = QueryCenters.load(Path(path))
-        if centers.fingerprint == info.fingerprint:
-            return centers, name
-    shipped = ", ".join(name.removesuffix(".pt") for name in names) or "none"
-    raise ValueError(
-        f"{who}: the package ships no query centers for this model (fingerprint {info.fingerprint or 'unknown'}; "
-        f"shipped: {shipped}); make them with reasonkv calibrate --centers and pass -o stats=PATH"
-    )
+    remedy = "make them with reasonkv calibrate --centers and pass -o stats=PATH"
+    return bundled_file(BUNDLED, QueryCenters.load, info, who, "query centers", remedy)

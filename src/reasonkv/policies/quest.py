@@ -1,12 +1,6 @@
 """Quest (Tang et al., "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference", ICML 2024):
 training-free block selection by an upper bound of the attention logit. A selection policy: the cache
 holds every token.
-
-For a query ``q`` and a block whose keys lie in ``[min_d, max_d]`` in every channel ``d``,
-``q · k <= sum_d max(q_d * min_d, q_d * max_d)``. Quest takes this bound per query head and reads the
-top pages of each head (``head``). The query heads of a GQA kv-head share its K/V, so by default one set
-of blocks is read per kv-head: the bound of each of the group's query heads is taken and the group
-combines them by ``max`` (a block is read if any head of the group may attend to it strongly) or ``sum``.
 """
 
 from __future__ import annotations

@@ -26,45 +26,10 @@ class RaaS(Policy):
     the token's attention from the current query exceeds a threshold ``alpha``, and when the cache
     is full evicts the tokens with the oldest timestamps (least recently useful: LRU). Prefill
     tokens are all kept, because the question keeps being consulted throughout the reasoning.
+    The signal is each forward's newest-query row (``Needs.attention_last``), applied in the order the
+    queries came; the timestamps live in a table indexed by logical position, per (layer, kv-head).
 
-    How the signal is computed here: the attention row of every forward's newest query over the
-    keys it saw (``Needs.attention_last``), recomputed from the recorded queries and the cached keys
-    in one batched pass before the next eviction (the refreshes are applied in the order the
-    queries came, which leaves the same timestamps as refreshing at every step); the model runs
-    SDPA / FlashAttention and is never asked for attention weights. The timestamps live in a table
-    indexed by logical position, per (layer, kv-head), so eviction never has to move them.
-
-    Choices where the paper leaves room
-    -----------------------------------
-    - **Clock**: the "step" of a timestamp is the logical position of the newest query of that
-      forward pass (a decode step's clock advances by one per token, like the paper's step count).
-    - **Arrival**: a token's timestamp starts at its own position (being produced counts as a
-      use, as when a page enters an LRU list); then every forward pass refreshes to the current
-      step the timestamps of the stored tokens whose attention exceeds ``threshold``. At prefill
-      the last prompt query's row does the refreshing (only the newest query of a forward counts).
-    - **Threshold** ``threshold = 1e-4``: RaaS uses a fixed, small absolute attention probability
-      ``alpha``. The exact value of the paper's experiments could not be re-checked when this was
-      written; ``1e-4`` is the working default and should be confirmed against the paper before
-      RaaS numbers are quoted. It is an option; a larger value makes refreshes rarer (closer to
-      FIFO), a smaller one refreshes nearly every held token.
-    - **Grouped-query attention** (``group_reduce = "max"``): a kv head is read by several query
-      heads; a token counts as used if *any* of them attends to it above the threshold (evicting it
-      would hurt that head). ``"mean"`` thresholds the group's mean attention instead.
-    - **Granularity**: the paper's system version groups tokens into pages (16 tokens, Quest-style
-      page scores) so that paged kernels can skip whole pages; the algorithm itself is per token,
-      which is what this policy implements, per (layer, kv-head).
-    - **Ties**: many tokens share a timestamp; among equal timestamps the more recently produced
-      token is kept, so the kept set never depends on slot layout (batch padding).
-    - **The prompt and the budget** (``protect_prompt = True``): as in the paper, no prompt token is
-      ever evicted. The paper's budget ``L`` counts only decoded tokens, on top of the full prompt;
-      here the budget ``K`` covers everything held, prompt included, so ``K = L + prompt length``
-      reproduces a paper budget ``L`` and a prompt longer than ``K`` is an error. Set
-      ``protect_prompt=False`` to let the prompt compete on timestamps like any other token.
-    - **Hybrid models**: RaaS stamps a token when a layer's newest query attends to it in that
-      layer's cache. Only full-attention layers are evicted, so the attention is recomputed and read
-      in those layers only (their cache is what the scores rank); sliding-window and linear-
-      attention layers keep their model's own rules. Learned attention sinks and logit soft-capping
-      enter the recomputed softmax as in the model's kernel.
+    Where the paper leaves room: ``docs/policy-choices.md``.
 
     Parameters
     ----------
@@ -81,12 +46,6 @@ class RaaS(Policy):
         redundant while the prompt is protected).
     window
         The ``window`` most recent tokens are never evicted (default 0).
-
-    Attributes
-    ----------
-    timestamps
-        Last-useful step per token, a :class:`LayerHeadTable` ``[batch, full-attention layers, kv_heads, positions]``
-        (-1 for positions not seen yet; set by :meth:`reset`).
     """
 
     protect_prompt: bool = True
@@ -105,6 +64,7 @@ class RaaS(Policy):
         super().__post_init__()
         check_option(self, "threshold", 0 <= self.threshold < 1, "a probability in [0, 1)")
         check_choice(self, "group_reduce", _GROUP_REDUCTIONS)
+        # Last-useful step per token, [batch, full-attention layers, kv_heads, positions] (-1: not seen; set by reset).
         self.timestamps: LayerHeadTable | None = None
 
     def needs(self, info) -> Needs:

@@ -1,14 +1,5 @@
-"""R-KV: redundancy-aware KV cache compression for reasoning models (Cai et al., 2025).
-
-Per (layer, kv-head), every stored token gets
-
-    score = mix_lambda * importance - (1 - mix_lambda) * redundancy
-
-``importance`` is the attention the last ``query_window`` queries pay to the token (softmax over the
-tokens outside the recent window, averaged over the window, max-pooled along the cache);
-``redundancy`` is how similar the token's key is to every other stored key (cosine similarity,
-column mean, softmax over the cache), after discounting one near-duplicate per token so that the
-most recent copy of a repeated passage survives.
+"""R-KV: redundancy-aware KV cache compression for reasoning models (Cai et al., 2025): window-attention
+importance minus key redundancy, per (layer, kv-head).
 """
 
 from __future__ import annotations
@@ -45,27 +36,11 @@ def window_importance(
 ) -> torch.Tensor:
     """R-KV importance before smoothing: ``[rows, kv_heads, slots]``.
 
-    Parameters
-    ----------
-    queries, query_positions, query_valid
-        The recorded recent queries ``[rows, query_heads, w, head_dim]`` with their logical positions
-        and validity ``[rows, w]``.
-    keys, key_positions
-        Stored keys ``[rows, kv_heads, slots, head_dim]`` and their positions ``[rows, kv_heads, slots]``.
-    candidates
-        ``[rows, kv_heads, slots]``: the keys the softmax runs over (R-KV: every stored key except
-        the observation window itself). Other slots score 0.
-    scaling
-        The model's attention scaling (``1 / sqrt(head_dim)`` for standard models).
-    pooling
-        How the query heads of one kv group are merged: ``"max"`` or ``"mean"`` of the attention
-        *logits*, before the softmax (R-KV's ``compute_attention_scores``).
-    softcap, sinks
-        The model kernel's logit soft-cap and learned sink logits (``[query_heads]``), if it has
-        them. Sink logits are merged over each kv group like the other logits.
-
-    A query sees the candidate keys at or before its own position. The result is the mean over the
-    valid queries of each query's softmax distribution over the candidates.
+    The recorded recent ``queries`` ``[rows, query_heads, w, head_dim]`` (positions and validity
+    ``[rows, w]``) against the stored ``keys`` ``[rows, kv_heads, slots, head_dim]`` at ``key_positions``:
+    logits merged over each kv group by ``pooling`` (``"max"`` or ``"mean"``, before the softmax, as R-KV's
+    ``compute_attention_scores``; sink logits alike), softmax over the ``candidates`` ``[rows, kv_heads,
+    slots]`` a query sees (at or before its position; others score 0), mean over the valid queries.
     """
     b, w = query_positions.shape
     logits = grouped_logits(queries, keys, scaling, softcap)  # [rows, kv_heads, group, w, slots]
@@ -92,23 +67,15 @@ def key_redundancy(
 ) -> torch.Tensor:
     """R-KV redundancy of every stored key: ``[rows, heads, slots]`` (a distribution over valid slots).
 
-    For each head: ``S = cos(k_i, k_j)`` with the diagonal set to 0. For each token ``i``, among the
-    tokens ``j`` with ``S_ij > threshold``, the most recent (``retain="last"``; ``"first"``: the
-    oldest; ``"none"``: no discount) has ``S_ij`` set to 0, so that of several near-duplicates the
-    retained copy collects less redundancy. Redundancy is ``softmax_j(mean_i S_ij)`` over the real
-    tokens. Padding slots (``valid == False``, ``valid`` is ``[rows, slots]``) take no part and get 0.
-    Slots are assumed to be in position order (the cache keeps them so).
+    ``S = cos(k_i, k_j)``, diagonal 0; for each token ``i`` the most recent ``j`` with ``S_ij > threshold``
+    (``retain="last"``; ``"first"``: the oldest; ``"none"``: none) has ``S_ij`` set to 0, so of several
+    near-duplicates the retained copy collects less redundancy. Redundancy is ``softmax_j(mean_i S_ij)`` over
+    the real tokens (``valid`` ``[rows, slots]``; padding gets 0); slots are in position order.
 
-    Computed without the ``slots x slots`` matrix: the column sums ``sum_i S_ij`` are
-    ``u_j . sum_i u_i`` of the unit keys (``O(slots)``), and each row's discounted duplicate is
-    searched block by block of keys, most recent first (oldest first for ``"first"``), blocks
-    doubling from ``block``, for only the rows still without one, in tiles of one head's waiting rows
-    (SmolLM2's keys on random tokens: 85% of the rows find one in the newest 128 keys, 1% search past
-    2048; keys with no near-duplicate at all make this the full ``O(slots^2)`` search). Memory stays
-    ``O(chunk_elements)``; the host reads one count per block.
-
-    ``duplicate_window`` (default ``None``: exact) searches only that many of the most recent keys:
-    a row whose duplicate is older gets no discount. An approximation, for a bounded cost.
+    No ``slots x slots`` matrix: the column sums are ``u_j . sum_i u_i`` of the unit keys, and each row's
+    duplicate is searched in blocks of keys (most recent first), doubling from ``block``, by the rows still
+    without one (:func:`_duplicate_discount`), in ``O(chunk_elements)`` memory. ``duplicate_window`` searches
+    only that many of the most recent keys (an approximation, for a bounded cost).
     """
     b, h, s, _ = keys.shape
     # In place on one float32 copy: a fresh buffer of this size costs the CPU more in page faults than the arithmetic.
@@ -128,13 +95,9 @@ def _duplicate_discount(
     unit: torch.Tensor, valid: torch.Tensor, threshold: float, last: bool, reach: int, block: int, chunk_elements: int
 ) -> torch.Tensor:
     """``[rows, heads, slots]``: per column ``j``, the sum of ``S_ij`` over the rows ``i`` whose discounted
-    near-duplicate is ``j`` (the most recent ``j != i`` with ``S_ij > threshold``, or the oldest), searched
-    among the ``reach`` most recent (or oldest) keys.
-
-    Blocks of keys are searched in the order of preference, each block only by the rows still without a
-    match. The first block is searched by every row; later ones by tiles of ``_TILE`` waiting rows of one
-    head, so a head with many waiting rows costs no other head anything (heads differ a lot: after the
-    first 128 keys some have thousands of rows waiting, most a few dozen)."""
+    near-duplicate is ``j``, searched among the ``reach`` most recent (or oldest) keys. The first block is
+    searched by every row; later ones by tiles of ``_TILE`` waiting rows of one head, so a head with many
+    waiting rows (after 128 keys some have thousands, most a few dozen) costs no other head anything."""
     b, h, s, d = unit.shape
     heads = b * h
     flat = unit.reshape(heads, s, d)
@@ -283,32 +246,8 @@ class RKV(Policy):
         search stops at each row's most recent near-duplicate, so it is ``O(slots^2)`` per head only
         for keys that have none; with 256 it stays ``O(256 slots)``. Rows whose only duplicates are
         older get no discount.
-    sinks, protect_prompt
-        As for every policy. ``sinks`` defaults to 4, as for every policy; R-KV itself has no sinks, set
-        ``sinks=0`` to reproduce it exactly.
 
-    Choices where paper and code leave room
-    ---------------------------------------
-    - Importance follows the code exactly: attention logits of the window queries, merged over the
-      query heads of a kv group by ``pooling``, softmax over the stored keys *outside* the recent
-      window (sinks included), mean over the window queries, max-pooled with ``kernel``. It is
-      recomputed from the recorded queries (``Needs(query_window=...)``), never from the model's
-      attention weights, so any attention kernel works. The excluded keys are the protected
-      ``window``; if ``window < query_window`` the in-window-but-unprotected keys are scored with a
-      causal mask (a query sees keys at or before its own position).
-    - Redundancy follows the code: cosine similarity of all stored keys (window included),
-      diagonal 0, one discounted near-duplicate per row, column mean, softmax over the cache; the
-      similarities below the threshold still count towards the mean, as in the code. One deviation:
-      when a token has no near-duplicate the code discounts slot 0 (an artefact of its index
-      arithmetic); here nothing is discounted, so padding or slot order cannot change a score.
-    - Computed in float32 whatever the cache dtype, exactly, without building the similarity matrix
-      (see :func:`key_redundancy`): column sums in ``O(slots)``, each row's near-duplicate searched
-      in blocks of the most recent keys, for all layers at once (memory ``O(chunk)``).
-    - Budget: every head keeps exactly ``K`` tokens (the code keeps ``budget - window`` scored
-      tokens plus the window, the same thing).
-    - Hybrid models: only full-attention layers are evicted, so only they record queries and are
-      scored; learned attention sinks and logit soft-capping enter the importance softmax as in
-      the model's kernel (sink logits merged over a kv group by ``pooling``).
+    Where paper and code leave room, and the one deviation: ``docs/policy-choices.md``.
     """
 
     name = "rkv"
@@ -369,14 +308,12 @@ class RKV(Policy):
         # pooled values of the last candidates from spilling into the window.
         return pool1d(raw, self.kernel, "max") * candidates
 
-    def redundancy(self, view) -> torch.Tensor:
-        """Key redundancy, ``[rows, kv_heads, slots]`` (a distribution over each head's real tokens)."""
+    def redundancy(self, view, keys: torch.Tensor | None = None) -> torch.Tensor:
+        """Key redundancy, ``[rows, kv_heads, slots]`` (a distribution over each head's real tokens), of the
+        view's keys or of ``keys`` (several layers' heads at once)."""
+        keys = view.keys() if keys is None else keys
         return key_redundancy(
-            view.keys(),
-            view.valid,
-            threshold=self.threshold,
-            retain=self.retain,
-            duplicate_window=self.duplicate_window,
+            keys, view.valid, threshold=self.threshold, retain=self.retain, duplicate_window=self.duplicate_window
         )
 
     def score(self, view) -> torch.Tensor:
@@ -394,9 +331,7 @@ class RKV(Policy):
         redundancy: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
         for piece in _pieces(view, layers):
             keys = torch.cat([view.keys(layer)[:, heads] for layer, heads in piece], dim=1)
-            found = key_redundancy(
-                keys, view.valid, threshold=self.threshold, retain=self.retain, duplicate_window=self.duplicate_window
-            )
+            found = self.redundancy(view, keys)
             sizes = [heads.stop - heads.start for _, heads in piece]
             for (layer, _), part in zip(piece, found.split(sizes, 1), strict=True):
                 redundancy[layer].append(part)

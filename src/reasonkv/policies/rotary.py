@@ -1,23 +1,13 @@
 """A layer's rotary position embedding as data, to rotate cached keys and recorded queries back to their
 pre-RoPE values (torch only: the transformers binding fills it in, :mod:`reasonkv.hf.rotary`).
 
-RoPE rotates channel pairs: for pair ``f`` with angular frequency ``ω_f`` a vector at logical position
-``p`` becomes ``s · e^{i ω_f p} · x_f`` (``x_f`` the pair as one complex number, ``s`` the attention
-scaling that YaRN-style types fold into their cos/sin tables). Scaled types (linear, Llama 3, YaRN)
-change only the frequencies and ``s``, both fixed once the model is built, so the rotation is
-undone exactly by ``e^{-i ω_f p} / s`` at the same position. Types whose frequencies depend on the
-sequence length (``dynamic``, ``longrope``) cannot be undone from a position alone and are refused
-(:attr:`Rotary.refused`).
-
-Pairs are formed the model's way: ``"half"`` (channel ``j`` with ``j + r/2``, transformers'
-``rotate_half``) or ``"interleaved"`` (``2j`` with ``2j + 1``). Channels beyond the rotary dimension
-``r`` (partial rotary) pass through unrotated; :meth:`Rotary.pairs` pairs them half-style after the
-rotary pairs, as frequency-0 pairs with scaling 1.
-
-Angles ``ω_f p`` are formed in float32, as transformers forms them, so that undoing a cached key's
-rotation uses the very angle that made it. At large positions float32 angles are coarse (``2^-7`` rad
-apart at 65,536 for ``ω = 1``); a policy that wants finer phases of its own (TriAttention's future
-offsets) forms those in float64 itself.
+RoPE turns channel pair ``f`` of a vector at position ``p`` into ``s · e^{i ω_f p} · x_f`` (``s`` the scaling
+YaRN-style types fold into their tables). Scaled types (linear, Llama 3, YaRN) fix ``ω`` and ``s`` once the
+model is built, so ``e^{-i ω_f p} / s`` undoes it exactly; ``dynamic`` and ``longrope`` depend on the
+sequence length and are refused (:attr:`Rotary.refused`). Pairs are formed the model's way (``"half"``:
+``j`` with ``j + r/2``, transformers' ``rotate_half``; ``"interleaved"``: ``2j`` with ``2j + 1``); channels
+beyond the rotary dimension pass through, paired half-style as frequency-0 pairs with scaling 1. Angles are
+formed in float32, as transformers forms them, so undoing a rotation uses the angle that made it.
 """
 
 from __future__ import annotations
@@ -33,30 +23,14 @@ PAIRINGS = ("half", "interleaved")
 
 @dataclass(frozen=True)
 class Rotary:
-    """How one layer's queries and keys were rotated.
+    """How one layer's queries and keys were rotated."""
 
-    Attributes
-    ----------
-    kind
-        The model's name for its rotary type (``"default"``, ``"llama3"``, ``"yarn"``, ...).
-    inv_freq
-        ``ω_f`` of each rotary pair, as the model holds them (float32 values); empty when refused.
-    scaling
-        The attention scaling ``s`` multiplied into the cos/sin tables (1 for most types).
-    pairing
-        ``"half"`` or ``"interleaved"``.
-    head_dim
-        Channels per head (rotary and passed through).
-    refused
-        Why this rotation cannot be undone (empty: it can).
-    """
-
-    kind: str
-    inv_freq: tuple[float, ...] = ()
-    scaling: float = 1.0
-    pairing: str = "half"
-    head_dim: int = 0
-    refused: str = ""
+    kind: str  # the model's name for its rotary type ("default", "llama3", "yarn", ...)
+    inv_freq: tuple[float, ...] = ()  # ω_f of each rotary pair, as the model holds them (float32); empty when refused
+    scaling: float = 1.0  # the attention scaling s multiplied into the cos/sin tables (1 for most types)
+    pairing: str = "half"  # or "interleaved"
+    head_dim: int = 0  # channels per head (rotary and passed through)
+    refused: str = ""  # why this rotation cannot be undone (empty: it can)
 
     @property
     def rotary_dim(self) -> int:

@@ -1,44 +1,10 @@
 """SeerAttention-R (Gao et al., "SeerAttention-R: Sparse Attention Adaptation for Long Reasoning", 2025): a
 small trained gate chooses, per kv-head group and decode step, the blocks of the K/V cache to read. A
-selection policy: the cache holds every token. This module holds the gate, its file, its training by
-self-distillation and the policy.
-
-**The gate** (:class:`SeerGate`) is the authors' (``seer_attn/decode_sparse/attn_gate_inf.py``: "Qproj" query
-pooling, keys pooled by max, min and mean, RMSNorm on the gate's q and k as their training script turns on),
-per layer and kv-head ``k`` with query heads ``g`` of its group:
-
-- the gate query: the group's pre-RoPE queries (after any q-norm), each projected by its own matrix and
-  summed, ``q_k = sum_g W^q_{k,g} q_g`` (``gate_dim`` channels), RMS-normalised (a learned weight of
-  ``gate_dim`` per layer, eps 1e-6; ``qk_norm``), then rotated by RoPE at the token's position (a RoPE of
-  ``gate_dim`` channels with the model's base);
-- the gate key of block ``j``: the block's pre-RoPE keys pooled by max, min and mean, concatenated
-  (``3 * head_dim``), projected ``W^k_k`` (``gate_dim``), RMS-normalised likewise, rotated at the block's
-  first position ``j * block_size`` (the authors rotate a block completed during decode at the position
-  it was completed at; see ``docs/selection.md``);
-- the block logits: ``q_k · K_{k,j} / sqrt(gate_dim)``, softmaxed over blocks by the policy.
-
-The authors' width is 128 (from {64, 128, 256}) and their initialisation N(0, 0.02); ``init="xavier"``
-is the Xavier-uniform their inference module's own constructor uses, kept as an option. The pooled keys
-are kept incrementally as blocks fill (:class:`~reasonkv.selection.pooled.PooledKeys`); the projection of
-a block is cheap enough to redo each step on the pooled side cache.
-
-**The gate file** (:func:`save_gate`, :func:`load_gate`): a ``.pt`` file of plain tensors and numbers (read
-with ``weights_only=True``): the gate's shape, the model's name and weights fingerprint, what it was
-trained on, and each layer's query and key projections and RMSNorm weights. Version 1 files (gates without
-RMSNorm) load as gates with ``qk_norm`` off. Loading checks the format; :func:`check_gate` checks it against
-the model it is used with: a gate for another shape is refused with the counts that differ, one from other
-weights by the fingerprint.
-
-**Training** by self-distillation, the frozen model's own block attention the target (the authors' recipe,
-``attn_gate_training.py`` and the Qwen3 training model), for one sequence and one layer: every query's
-attention over the keys (softmax of ``q · k * scaling``, causal) is max-pooled over each block of
-``block_size`` keys, then over the query heads of each kv-head group; the blocks a decode step could
-choose (wholly before the query's own block) are kept and renormalised to sum to 1. The gate's logits over
-the same blocks go through a log-softmax, and the loss is the KL divergence from the target to the gate,
-averaged over queries and kv-heads. Queries in the first block have no block to choose and are left out.
-:func:`layer_example` turns the model's queries and keys of one sequence into what the loss needs,
-:func:`gate_loss` is that loss, :func:`train_gate` runs Adam over examples; the model is run elsewhere
-(:mod:`reasonkv.calibrate.gates`).
+selection policy: the cache holds every token. This module holds the gate (:class:`SeerGate`, the authors'
+``attn_gate_inf.py``), its file (:func:`save_gate`, :func:`load_gate`, :func:`check_gate`), its training by
+self-distillation (:func:`layer_example`, :func:`gate_loss`, :func:`train_gate`; the model is run by
+:mod:`reasonkv.calibrate.gates`) and the policy. The gate, its deviations from the authors' and its training
+are described in ``docs/selection.md``.
 """
 
 from __future__ import annotations
@@ -48,12 +14,12 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from reasonkv.policies.common import bundled_file
 from reasonkv.policies.contract import ModelInfo
 from reasonkv.policies.options import check_at_least, check_choice
 from reasonkv.policies.registry import register
@@ -298,18 +264,8 @@ def check_gate(gate_file: GateFile, info: ModelInfo, who: str, path: str = "") -
 
 def bundled_gate(info: ModelInfo, who: str) -> tuple[GateFile, str]:
     """The gate the package ships for this model (matched by weights fingerprint), and its file name."""
-    folder = resources.files(BUNDLED[0]).joinpath(*BUNDLED[1:])
-    names = sorted(entry.name for entry in folder.iterdir() if entry.name.endswith(".pt")) if folder.is_dir() else []
-    for name in names:
-        with resources.as_file(folder.joinpath(name)) as path:
-            gate_file = load_gate(Path(path))
-        if gate_file.fingerprint and gate_file.fingerprint == info.fingerprint:
-            return gate_file, name
-    shipped = ", ".join(name.removesuffix(".pt") for name in names) or "none"
-    raise ValueError(
-        f"{who}: the package ships no gate for this model (fingerprint {info.fingerprint or 'unknown'}; shipped: "
-        f"{shipped}); train one with reasonkv calibrate --gates and pass -o gates=PATH"
-    )
+    remedy = "train one with reasonkv calibrate --gates and pass -o gates=PATH"
+    return bundled_file(BUNDLED, load_gate, info, who, "gate", remedy)
 
 
 # ---------------------------------------------------------------------------------------------------- its training

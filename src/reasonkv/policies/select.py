@@ -1,20 +1,11 @@
-"""Pure tensor functions that turn scores into the indices of the tokens to keep.
+"""Pure tensor functions that turn scores into the indices of the tokens to keep (no model, cache or
+transformers import: a serving engine can reuse them).
 
-Shared by every policy. Nothing here imports transformers or knows about models or caches, so a
-serving engine can reuse this file (and ``policies/``) unchanged.
-
-Conventions: the last dimension of every tensor is the stored-slot axis ``S``; leading dimensions
-are free (``[rows, S]`` for per-token selection, ``[rows, heads, S]`` for per-head selection).
-``valid`` marks slots that hold a real token (not padding); ``protected`` marks tokens that must
-survive. Returned indices are sorted ascending, so kept tokens stay in their original order.
-
-Ties are broken by position, the same way on every device: among equal scores the more recent token
-(the higher slot; slots are in logical-position order) is kept. Random draws are keyed by logical
-position (:mod:`reasonkv.policies.noise`), so they do not depend on padding, batch or device.
-
-Budget checks (protected tokens within ``k``, rows holding at least ``k``) need the host to read a
-device value; inside :func:`checks_at_exit` they are collected and read once when the block ends, so
-an eviction of every layer and head costs one synchronisation, not one per call.
+The last dimension is the stored-slot axis ``S`` (``[rows, S]`` per token, ``[rows, heads, S]`` per head);
+``valid`` marks real tokens, ``protected`` tokens that must survive; returned indices are sorted. Among
+equal scores the more recent token (the higher slot) is kept, on every device, and random draws are keyed
+by logical position (:mod:`reasonkv.policies.noise`). Budget checks read a device value: inside
+:func:`checks_at_exit` they are read once when the block ends, one synchronisation per eviction.
 """
 
 from __future__ import annotations
@@ -59,21 +50,9 @@ def protected_mask(
     newest: torch.Tensor,
     prompt_lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Slots that no policy may evict.
-
-    Parameters
-    ----------
-    positions
-        Logical positions of the stored slots, ``[rows, ..., S]`` (negative for padding).
-    sinks
-        The first ``sinks`` logical positions are kept (attention sinks).
-    window
-        The ``window`` most recent tokens are kept: positions ``> newest - window``.
-    newest
-        Logical position of the newest token of each row, ``[rows]``.
-    prompt_lengths
-        When given, every prompt position (``< prompt_lengths``) is kept, ``[rows]``.
-    """
+    """Slots that no policy may evict: of ``positions`` ``[rows, ..., S]`` (negative for padding), the first
+    ``sinks``, the ``window`` most recent (``> newest - window``, ``newest`` ``[rows]``), and with
+    ``prompt_lengths`` ``[rows]`` every prompt position."""
     shape = (-1,) + (1,) * (positions.dim() - 1)
     keep = positions < sinks
     if window > 0:

@@ -1,14 +1,10 @@
 """The base of the selection policies: the cache holds every token, each decode step reads a few blocks.
 
-A selection policy evicts nothing (``evicts = False``, ``selects = True``). Its budget ``K`` is what one
-decode step may read per (row, layer, kv-head), counted in blocks by the policy's ``block_rule``
-(:mod:`reasonkv.selection.blocks`). The prefill attends fully, and so do the first ``dense_layers`` layers
-at every step. What it offers the
-:class:`~reasonkv.selection.reader.Selector`: which keys its pooled side cache summarises
-(:meth:`SelectionPolicy.pool_input`) and the block scores of a decode step's query
-(:meth:`SelectionPolicy.block_scores`). ``sinks``, ``window`` and ``protect_prompt`` protect tokens from
-eviction, which selection never does: a selection policy has no such options (the registry refuses them,
-naming the option), and its records state them as none.
+A selection policy evicts nothing. Its budget ``K`` is what one decode step may read per (row, layer,
+kv-head), counted in blocks by its ``block_rule`` (:mod:`reasonkv.selection.blocks`); it offers the
+:class:`~reasonkv.selection.reader.Selector` the keys its side cache pools (:meth:`SelectionPolicy.pool_input`)
+and the block scores of a step's query (:meth:`SelectionPolicy.block_scores`). It has no ``sinks``, ``window``
+or ``protect_prompt`` (the registry refuses them, naming the option); its records state them as none.
 """
 
 from __future__ import annotations

@@ -37,15 +37,8 @@ def pool_valid(scores: torch.Tensor, valid: torch.Tensor, kernel: int, mode: str
 
 
 def window_scores(view, *, kernel: int = 7, pooling: str = "max") -> torch.Tensor:
-    """SnapKV / VASE-AttnV base scores of one layer, ``[rows, kv_heads, slots]``.
-
-    The attention of each recorded recent query over the stored keys (softmax per query, causal,
-    recomputed from the recorded post-RoPE queries: no attention matrix from the model), summed
-    over the query window, averaged over the query heads of each kv group, then smoothed along the
-    slots with a ``kernel``-wide max or average pooling. Learned attention sinks and logit
-    soft-capping enter the softmax as in the model's kernel; on a hybrid model only full-attention
-    layers are scored (they alone are evicted and record queries).
-    """
+    """SnapKV / VASE-AttnV base scores of one layer, ``[rows, kv_heads, slots]``: the recorded window's
+    attention (:meth:`EvictionView.window_attention`) through :func:`pooled_window_scores`."""
     return pooled_window_scores(
         view.window_attention(), view.valid, view.info.num_kv_heads, kernel=kernel, pooling=pooling
     )
@@ -61,27 +54,15 @@ def pooled_window_scores(
     return pool_valid(grouped, valid.unsqueeze(1), kernel, pooling)
 
 
-def check_window_options(policy) -> None:
-    """Check the ranges of ``query_window``, ``kernel`` and ``pooling`` (shared with VASE-AttnV)."""
-    check_at_least(policy, "query_window", 1)
-    kernel = policy.kernel
-    check_option(policy, "kernel", kernel > 0 and kernel % 2 == 1, "a positive odd integer (1 = no pooling)")
-    check_choice(policy, "pooling", POOLINGS)
-
-
 @register
 @dataclass
 class SnapKV(Policy):
     """SnapKV (Li et al., 2024) at decode time: per (layer, kv-head), keep the top-``K`` keys by the
     pooled attention they receive from the ``query_window`` most recent queries.
 
-    At each eviction, for every layer: the recorded last ``w`` queries (post-RoPE, as the model's
-    attention kernel received them) attend over the stored keys (softmax per query, causal, so a
-    query never sees a later token); the probabilities are summed over the ``w`` queries, averaged
-    over the query heads of each kv group (GQA: a kv head keeps one set for its whole group) and
-    smoothed along the slots by 1-D pooling. The top-scoring tokens fill what the protected ones
-    leave of the budget. Only the last ``w`` queries per layer are recorded (``O(w * slots)``
-    memory at eviction); the model's own SDPA / FlashAttention kernel does the real attention.
+    The window's attention is summed over its ``w`` queries, averaged over the query heads of each kv group
+    and smoothed along the slots (:func:`window_scores`); the top-scoring tokens fill what the protected
+    ones leave of the budget.
 
     Parameters
     ----------
@@ -115,8 +96,11 @@ class SnapKV(Policy):
     pooling: str = "max"
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        check_window_options(self)
+        super().__post_init__()  # VASE-AttnV checks these options here too
+        check_at_least(self, "query_window", 1)
+        kernel = self.kernel
+        check_option(self, "kernel", kernel > 0 and kernel % 2 == 1, "a positive odd integer (1 = no pooling)")
+        check_choice(self, "pooling", POOLINGS)
 
     def needs(self, info) -> Needs:
         return Needs(query_window=self.query_window)

@@ -1,17 +1,5 @@
-"""ThinKV: thought-adaptive KV cache eviction for reasoning models (Ramachandran et al., ICLR 2026).
-
-One concept in one file (the method: segmentation, thought types, the retention schedule, K-means).
-
-The decoding trace is cut into fixed-length *thought segments*; each segment is typed as
-reasoning, execution or transition by the attention sparsity of the newest query when it starts
-(the paper's thought decomposition, §4.1), and eviction follows the paper's "Think Before you
-Evict" (TBE, §4.3): every new transition segment demotes all earlier segments one step down a
-retention schedule, the oldest segments of the least important type are demoted further while the
-cache is over budget, and within a segment the kept tokens are K-means representatives of its
-post-RoPE keys. Everything the policy reads is the recorded newest-query attention row
-(``Needs(attention_last=True)``) and, at eviction, the stored keys; the model is never asked for
-attention weights. ThinKV's quantisation half (TBQ, §4.2) and its paged-memory kernel (§5) are
-not part of an eviction policy and are not reproduced.
+"""ThinKV: thought-adaptive KV cache eviction for reasoning models (Ramachandran et al., ICLR 2026): the
+segmentation into typed thoughts, the retention schedule and the K-means that picks a segment's tokens.
 """
 
 from __future__ import annotations
@@ -70,13 +58,8 @@ def kde_thresholds(samples: torch.Tensor, points: int = KDE_POINTS) -> torch.Ten
     modes. Pool the samples of several calibration prompts (or average their thresholds, as the
     paper does over prompts and layers) to get a ``thresholds`` option.
 
-    Details (the paper does not give them): samples are binned onto ``points`` grid points on
-    ``[0, 1]``; the bandwidth is Silverman's rule ``0.9 * min(std, IQR / 1.34) * n ** -0.2``
-    (``std`` alone when the IQR is 0), at least one grid step; a mode is a grid point higher than
-    its left neighbour and at least as high as its right one (the ends count, with nothing beyond
-    them) and at least ``MODE_FLOOR`` of the highest density; of more than three modes the three
-    highest are used; a threshold is the first grid point of lowest density strictly between two
-    modes.
+    The details the paper does not give (binning, bandwidth, what counts as a mode) are in
+    ``docs/policy-choices.md``.
     """
     x = samples.double()
     present = ~torch.isnan(x)
@@ -143,17 +126,14 @@ def _kmeans_representatives(gram: torch.Tensor, present: torch.Tensor, k: int, i
 
     ``gram`` ``[groups, members, members]`` holds the members' feature dot products, ``present``
     ``[groups, members]`` which members take part (a group with ``k`` or fewer present members
-    gets a meaningless answer, which the caller ignores). Centroids start at ``k`` present members
-    evenly spaced in order (member of present-rank ``floor((i + 0.5) * m / k)``), then ``iters``
-    Lloyd steps (nearest centroid by squared Euclidean distance; an empty cluster keeps its
-    centroid). Returns the mask of the representatives: the member nearest to each non-empty
-    cluster's centroid. Ties (within ``TIE_TOLERANCE`` times the group's mean squared distance to
-    its mean) go to the first centroid, and to the first (oldest) member: a two-member cluster is an
-    exact tie.
+    gets a meaningless answer, which the caller ignores). Centroids start at ``k`` present members evenly
+    spaced in order, then ``iters`` Lloyd steps (an empty cluster keeps its centroid). Returns the mask of
+    the member nearest each non-empty cluster's centroid; ties (within ``TIE_TOLERANCE`` times the group's
+    mean squared distance to its mean) go to the first centroid and the first (oldest) member.
 
-    A centroid is a mean of members, so it is kept as member weights ``W`` (``[groups, k, members]``)
-    and every distance comes from the Gram matrix: ``|x_i - c_j|^2 = G_ii - 2 (G W^T)_ij + (W G W^T)_jj``.
-    This is Lloyd's algorithm exactly, at ``O(members^2 k)`` per step instead of ``O(members k features)``.
+    A centroid is kept as member weights ``W`` (``[groups, k, members]``), so every distance comes from the
+    Gram matrix, ``|x_i - c_j|^2 = G_ii - 2 (G W^T)_ij + (W G W^T)_jj``: Lloyd's algorithm exactly, at
+    ``O(members^2 k)`` per step.
     """
     groups, members, _ = gram.shape
     weight = present.float()
@@ -215,55 +195,28 @@ def _key_features(view, layers, rows: torch.Tensor, slots: torch.Tensor) -> Feat
 class ThinKV(Policy):
     """ThinKV (Ramachandran et al., ICLR 2026): thought-typed segments, evicted by "Think Before you Evict".
 
-    **Thought decomposition (paper §4.1).** The generated tokens are cut into segments of
-    ``refresh`` tokens (the paper's refresh interval τ = 128: the thought type is re-detected once
-    every τ decode steps, and TBE's retention schedule is per 128-token segment). When a segment's
-    first token is decoded, the attention row of that step's (newest) query gives the *sparsity*:
-    per layer and query head, the fraction of stored keys whose weight is below
-    ``sparsity_threshold`` (1%) of the row maximum; averaged over query heads and ``layers``. It
-    is compared with two thresholds: below the first the segment is an *execution* thought
-    (densest attention), between them *reasoning*, at or above the second *transition* (sparsest;
-    the paper's sparsity order is T > R > E). Prompt tokens are not a thought (the paper leaves the
-    prompt uncompressed, Mem ∝ I + b·L_gen). The per-step sparsity is recorded for every decoded
-    token (one float per token) for the adaptive thresholds and for calibration.
+    **Thought decomposition (§4.1).** The generated tokens are cut into segments of ``refresh`` tokens (τ).
+    When a segment's first token is decoded, the attention row of that step's newest query gives the
+    *sparsity*: the fraction of stored keys whose weight is below ``sparsity_threshold`` of the row maximum,
+    averaged over query heads and ``layers``. Below the first threshold the segment is *execution*, between
+    them *reasoning*, at or above the second *transition* (sparsity T > R > E). The prompt is not a thought.
+    The per-step sparsity of every decoded token is kept, for the adaptive thresholds and for calibration.
 
-    **Thresholds.** The paper calibrates them offline per model: a kernel density estimate of the
-    per-step sparsity on 100 s1K prompts, the local minima between its three modes, averaged over
-    prompts and over the four layers (``L*``) whose density shows exactly three modes. Pass such
-    values as ``thresholds`` (:func:`kde_thresholds` implements the estimator; collect samples with
-    :meth:`sparsity_history`). Without them (default) the same estimator runs online on the row's
-    own sparsity history at every refresh; while that density has fewer than three modes the
-    tertiles of the history are used, and with fewer than three samples the segment is reasoning.
+    **Thresholds.** The paper calibrates them offline per model (the minima between the three modes of a KDE
+    of the sparsity, :func:`kde_thresholds`; samples from :meth:`sparsity_history`); pass them as
+    ``thresholds``. Without them the same estimator runs online on the row's own history at every refresh,
+    falling back to the history's tertiles while the density has fewer than three modes, and to reasoning
+    with fewer than three samples.
 
-    **TBE (paper §4.3).** Importance is R > E > T (the paper's counterfactual importance, Figure 4);
-    each transition weakens the influence of every earlier thought (Figure 5). Eviction, whenever a
-    row reaches ``K + B`` and must shrink to ``K``:
-
-    1. *Trajectory change (scenario 1).* Every segment typed ``trigger`` (transition) demotes all
-       earlier segments one step down ``retention`` (64, 32, 16, 8, 4): a segment followed by
-       ``n`` transition segments may keep ``retention[min(n, len) - 1]`` tokens
-       (``|S*| = min(|S|, R_n)``). Tokens above these caps go first.
-    2. *Over budget (scenario 2).* Then the oldest segment of the least important type is demoted
-       step by step to the floor ``retention[-1]``, then the next one, until the budget holds.
-    3. Beyond the paper (which never has to go further): the prompt, in ``refresh``-token chunks
-       oldest first, then the current (unfinished) segment are demoted to the floor the same way;
-       last, floor tokens go in the same group order (completed segments, prompt, current).
-
-    Which tokens a segment keeps at ``c`` tokens: K-means on the post-RoPE keys with ``c``
-    clusters, keeping the real token nearest each centroid (§4.3). The paper clusters the
-    survivors again at each demotion (``K = min(|S|, R_n)``), so the kept sets are nested; here the
-    levels are recomputed at each eviction by clustering each group's present tokens to
-    ``retention[0]``, those representatives to ``retention[1]``, and so on. Inside a level the
-    older token goes first; this only decides how many extra tokens the last demoted group keeps,
-    because the kept set must fill ``K`` exactly. Granularity ``token``: one kept set for every
-    layer and head, clustered on the keys of ``cluster_layers`` concatenated (the paper's segments
-    carry a layer index, ``S^l``, and cluster each layer's keys on its own).
-
-    **Not reproduced.** TBQ ("Think Before you Quantize", §4.2: R4E4T2, i.e. NVFP4 keys/values for
-    reasoning and execution tokens and 2-bit ternary for transition tokens, group size 16 with FP8
-    scales) changes precision, not which tokens are kept: this policy keeps full-precision KV. The
-    Continuous Thinking kernel (§5: in-place reuse of evicted PagedAttention slots) is a memory
-    layout, not an eviction decision.
+    **TBE (§4.3).** Importance is R > E > T. When a row reaches ``K + B`` and must shrink to ``K``: (1) every
+    ``trigger`` segment demotes each earlier segment one step down ``retention``, and tokens above these
+    caps go first; (2) then the oldest segment of the least important type is demoted step by step to the
+    floor ``retention[-1]``, then the next, until the budget holds; (3) beyond the paper, the prompt in
+    ``refresh``-token chunks, then the current segment, are demoted the same way, and last the floor tokens
+    go in the same group order. A segment kept at ``c`` tokens keeps the real tokens nearest the ``c``
+    K-means centroids of its post-RoPE keys (``cluster_layers`` concatenated), nested level by level. The
+    paper's quantisation (TBQ) and its kernel are not reproduced; ``docs/policy-choices.md`` lists where
+    this follows the paper and where it chooses.
 
     Parameters
     ----------
@@ -271,12 +224,10 @@ class ThinKV(Policy):
         A weight below this fraction of its row's maximum counts as near zero. Default 0.01 (§4.1).
     thresholds
         ``(low, high)`` sparsity thresholds calibrated offline for the model (execution below
-        ``low``, transition at or above ``high``). Default ``None``: online KDE on the row's own
-        history, see above. The paper's values are per model and not published.
+        ``low``, transition at or above ``high``). Default ``None``: online, see above.
     layers
         Layers whose attention rows give the sparsity (default ``None``: all full-attention
-        layers). The paper uses the 4 layers selected at calibration (``|L*| = 4``); pass them here
-        when known. They must be full-attention layers on a hybrid model.
+        layers). The paper's are the 4 its calibration selects; full-attention layers only.
     refresh
         Segment length and type-refresh interval τ in tokens. Default 128 (§4.1; the paper's
         ablation, Figure 10c, finds it the best trade-off).
@@ -299,31 +250,6 @@ class ThinKV(Policy):
     kmeans_iters
         Lloyd iterations per clustering (default 10; the paper does not say; 0 keeps evenly
         spaced tokens).
-    sinks, window, protect_prompt
-        As for every policy (defaults 4, 0, False): sinks are kept, ``window`` is 0 because the
-        current segment already ranks above every earlier one.
-
-    Choices where the paper leaves room
-    -----------------------------------
-    - **Schedule.** The paper evicts proactively, at the refresh that detects a transition, even
-      below the budget; here eviction runs when a row reaches ``K + B`` and keeps exactly ``K``
-      tokens, so scenario 1's demotions take effect at the next eviction, and spare budget (caps
-      summing to less than ``K``) goes back to tokens that scenario 1 would have dropped, in the
-      reverse of the eviction order above (most important type, newest segment first).
-    - **Segments.** Fixed ``refresh``-token chunks of the generation, typed when their first token
-      is decoded (the type is needed as tokens arrive, for TBQ's per-type precision). Every
-      transition segment is a trigger, consecutive ones included. A forward of several tokens has
-      one newest query, so all segments starting in it share its type (``chunk_exact`` is False).
-    - **Scenario 2 order.** "Oldest and least important": least important type first, oldest
-      first within a type.
-    - **One token set.** See ``cluster_layers``; sparsity is averaged over query heads.
-    - **Sparsity** is recorded at every decoded token (the paper computes it only at refreshes)
-      because the online thresholds need the history; with fixed thresholds only refresh steps
-      matter.
-    - **Hybrid models.** Only full-attention layers are evicted, and only they see the whole
-      trace: a sliding-window layer's attention is sparse or dense by its window, not by the thought.
-      Sparsity and clustering therefore read full-attention layers only (the paper's models have no
-      other kind). Learned attention sinks and logit soft-capping enter the recomputed softmax.
     """
 
     name = "thinkv"

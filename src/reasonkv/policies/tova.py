@@ -30,31 +30,10 @@ class TOVA(Policy):
     TOVA ("Transformers are Multi-State RNNs", Oren et al., 2024) treats a bounded cache as a
     multi-state RNN: whenever the cache is over its limit, it drops the token that the current
     query attends to least, with the attention *averaged over the heads of the layer*. It keeps
-    no history: only the newest query's attention counts.
+    no history: only the newest query's attention counts (recorded as a window of one, so nothing is
+    computed between evictions).
 
-    How the score is computed here: at eviction, the attention row of the newest query over the
-    stored keys, recomputed from that query (recorded as a window of one, ``Needs.query_window``)
-    and the cached keys; the model runs SDPA / FlashAttention and is never asked for attention
-    weights, and nothing is computed at the steps between evictions.
-
-    Choices where the paper leaves room
-    -----------------------------------
-    - **Layer-wise token set** (``layerwise=True``, the default): the paper averages over all
-      heads of a layer and keeps one token set per layer, reporting that this beats a per-head
-      policy. The cache here holds a set per (layer, kv-head), so the layer's mean score is
-      broadcast to every kv head, which then keep identical positions. ``layerwise=False`` is the
-      per-kv-group alternative (the mean over the query heads sharing each kv head).
-    - **Schedule**: TOVA drops one token per step; here a row is shrunk from ``K + B`` to ``K``
-      using the attention of the newest query at that moment. ``buffer=0`` gives TOVA's
-      one-token-per-step rule exactly (the newest token competes too, as in the paper).
-    - **Protection**: the paper protects nothing (it observes that the first token is kept on its
-      own). This project's defaults apply (``sinks = 4``, ``window = 0``); ``sinks=0``
-      reproduces the paper.
-    - **Hybrid models**: TOVA reads each layer's newest-query attention over that layer's cache.
-      Only full-attention layers are evicted, so the attention is recomputed and read in those
-      layers only (their cache is what the scores rank); sliding-window and linear-attention layers
-      keep their model's own rules. Learned attention sinks and logit soft-capping enter the
-      recomputed softmax as in the model's kernel.
+    Where the paper leaves room: ``docs/policy-choices.md``.
 
     Parameters
     ----------

@@ -54,23 +54,15 @@ class TriAttention(Policy):
     a kv group by their max, and (``selection="per-head"``, the authors' runs) averaged over the
     layers, so that each kv head keeps one token set in every layer.
 
-    The statistics: a file written by ``reasonkv calibrate --centers`` (``stats=PATH``; refused when
-    made for another model: shape or weights fingerprint), the one the package ships for a bundled
-    model (``stats="bundled"``), or, by default (``stats="prefill"``), each row's own prompt: the
-    queries of a generation's first forward, rotated back to pre-RoPE space and averaged per
-    (layer, head). The authors calibrate once, offline, on up to 32k tokens of any text; a prompt of
-    a few hundred tokens gives noisier centers, from the same distribution only if the prompt is
-    typical text, and they are never updated while the answer is written. A warning says when
-    prefill statistics are used, and the policy's config (what a results file records) says
-    ``stats="prefill"``.
+    The statistics: a file written by ``reasonkv calibrate --centers`` (``stats=PATH``; refused when made
+    for another model), the one the package ships for a bundled model (``stats="bundled"``), or, by default
+    (``stats="prefill"``, with a warning), each row's own prompt: the queries of its first forward, rotated
+    back to pre-RoPE space and averaged per (layer, head), noisier than the authors' offline calibration.
 
-    Pre-RoPE keys. The cache holds post-RoPE keys at known logical positions, and a rotation is exact
-    to undo (:mod:`reasonkv.policies.rotary`; scaled types such as linear, Llama 3 and YaRN included,
-    ``dynamic`` and ``longrope`` refused by name). Undoing it and re-rotating by ``t - p + o``
-    equals rotating the center forward by ``t + o`` against the post-RoPE key
-    (``q̄ conj(k_pre) s² e^{iω(t-p)} = s q̄ e^{iωt} conj(k_post)``), which is what is computed: no
-    per-key trigonometry. The mean over offsets then collapses to one complex factor per pair
-    (``mean_o e^{iω o}``), so the ``"mean"`` score costs one complex dot product per key and head.
+    The rotation is exact to undo (:mod:`reasonkv.policies.rotary`), and undoing it and re-rotating by
+    ``t - p + o`` equals rotating the center forward by ``t + o`` against the post-RoPE key, which is what is
+    computed; the mean over offsets collapses to one complex factor per pair (``mean_o e^{iω o}``), so the
+    ``"mean"`` score costs one complex dot product per key and head.
 
     Parameters
     ----------
@@ -87,36 +79,8 @@ class TriAttention(Policy):
         ``"per-head"`` (default): one kept set per kv head, shared by every layer (the mean over
         layers of the max over the group's query heads; the authors' ``per_head_pruning``).
         ``"per-layer-head"``: one per (layer, kv head) (``per_layer_perhead_pruning``).
-    sinks, window, protect_prompt
-        Protection (base class): 4 sinks, no window, prompt not protected.
 
-    Where this follows the authors' code and where it deviates
-    ----------------------------------------------------------
-    - Scoring formula, offsets (``1 .. 2^k <= offset_max``), ``t`` (the position the next token takes),
-      pairing (``rotate_half`` halves, as transformers' Llama/Qwen apply RoPE), the scaling ``s`` and
-      the per-head aggregation follow ``triattention/methods/pruning_utils.py`` and ``triattention.py``
-      (the defaults of their experiment runner: per-head pruning, normalised scores, mean over offsets).
-    - Schedule: the authors prune to the budget once it holds ``budget + divide_length`` tokens
-      (``slack_budget_trigger``, 128): reasonkv's ``K + B`` with ``B = 128``.
-    - Prompt: the authors' code pins prefill tokens by default (the budget counts them; only decode
-      tokens compete) and evicts them too with ``allow_prefill_compression: true``, which their Qwen3
-      budget-512 script sets. Here the budget covers prompt and output unless ``protect_prompt=True``,
-      which reproduces the pinned rule; ``sinks`` (4) are kept in either case, where the authors keep
-      none beyond the prompt.
-    - Candidates for the normalisation: the unprotected real tokens (the authors' with the prompt
-      pinned: the decode tokens).
-    - Precision: the offsets' phases ``ω o`` are formed in float64, the rotation to ``t`` (``ω t``) in
-      float32, as the model's rotary embedding forms it (:mod:`reasonkv.policies.rotary`); the authors
-      form ``ω (t - p + o)`` in float32. At 65,536 float32 numbers are ``2^-7`` rad apart, so their
-      phases round by up to ``2^-8`` there, and this policy's ``ω t`` does too at such positions: its
-      float64 advantage is the offsets only.
-    - Ties: the authors add ``1e-6`` uniform noise; here ties go to the more recent token
-      (:mod:`reasonkv.policies.select`), so the policy is deterministic.
-    - Partial rotary (channels that pass through unrotated) is scored as frequency-0 pairs with
-      ``s = 1``, which reproduces their exact contribution to the logit; the authors' code assumes
-      every channel rotates.
-    - Hybrid models: only full-attention layers are scored and averaged; their statistics are the
-      full-attention layers' own.
+    Where this follows the authors' code and where it deviates: ``docs/policy-choices.md``.
     """
 
     name: ClassVar[str] = "triattention"

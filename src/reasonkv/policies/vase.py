@@ -29,18 +29,6 @@ def reserve_count(reserve: float, budget: int) -> int:
     return int(reserve)
 
 
-def check_vase_options(policy) -> None:
-    """Check the ranges of ``reserve`` and ``temperature``."""
-    reserve, temperature = policy.reserve, policy.temperature
-    check_option(
-        policy,
-        "reserve",
-        math.isfinite(reserve) and reserve >= 0 and (reserve < 1 or reserve == int(reserve)),
-        "a token count (an integer >= 1), a fraction of the budget in [0, 1), or 0 for no reservation",
-    )
-    check_option(policy, "temperature", math.isfinite(temperature) and temperature > 0, "a positive number")
-
-
 def value_reserve(policy, view, ranges: torch.Tensor) -> torch.Tensor:
     """VASE's value-range reserve for one layer, ``[rows, kv_heads, slots]`` bool: the ``N_v`` valid,
     unprotected slots of each head still held at full precision with the largest ``ranges`` (fewer if the
@@ -116,7 +104,14 @@ class ValueAware:
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_vase_options(self)
+        reserve, temperature = self.reserve, self.temperature
+        check_option(
+            self,
+            "reserve",
+            math.isfinite(reserve) and reserve >= 0 and (reserve < 1 or reserve == int(reserve)),
+            "a token count (an integer >= 1), a fraction of the budget in [0, 1), or 0 for no reservation",
+        )
+        check_option(self, "temperature", math.isfinite(temperature) and temperature > 0, "a positive number")
 
     def ranking(self, view) -> torch.Tensor:
         return value_aware_rank(self, view, self.score(view))
@@ -131,13 +126,9 @@ class VaseAttnV(ValueAware, SnapKV):
     __doc__ = (
         """VASE-AttnV: value-aware stochastic eviction with SnapKV-style attention scores, per (layer, kv-head).
 
-    At each eviction, for every layer and kv head: keep the protected tokens (sinks, recent
-    window); reserve the ``N_v`` tokens with the largest value range; fill the rest by sampling
-    without replacement, weighted by the SnapKV base score: attention of the last ``query_window``
-    recorded queries over the stored keys (softmax per query, causal), summed over the window,
-    averaged over the query heads of the kv group, max-pooled along the slots (kernel 7). Queries
-    are recorded from the model's attention inputs; no attention matrix is requested, so the model
-    runs under SDPA / FlashAttention. Ablations: ``sample=False`` (top-k), ``reserve=0``.
+    At each eviction, for every layer and kv head: keep the protected tokens (sinks, recent window); reserve
+    the ``N_v`` tokens with the largest value range; fill the rest by sampling without replacement, weighted
+    by SnapKV's score (``snapkv``). Ablations: ``sample=False`` (top-k), ``reserve=0``.
 
     Parameters
     ----------
@@ -168,14 +159,9 @@ class VaseDKV(ValueAware, CurDKV):
     __doc__ = (
         """VASE-DKV: value-aware stochastic eviction with CurDKV leverage scores, per (layer, kv-head).
 
-    At each eviction, for every layer and kv head: keep the protected tokens; reserve the ``N_v``
-    tokens with the largest value range; fill the rest by sampling without replacement, weighted by
-    CurDKV's score (key leverage x value leverage of the Gaussian sketches ``K G``, ``V G``, each
-    normalised within local windows; see ``curdkv`` for the exact definition and the choices made).
-    Unlike ``curdkv``, ``G`` is drawn anew at every eviction (keyed by the row's seed, the eviction
-    and the layer, so a run is reproducible from its seed), so no token is scored low by the same
-    projection every time.
-    Reads only the cached K/V. Ablations: ``sample=False`` (top-k), ``reserve=0``.
+    As ``vase-attnv``, weighted by CurDKV's score (``curdkv``), with ``G`` drawn anew at every eviction
+    (keyed by the row's seed, the eviction and the layer), so no token is scored low by the same projection
+    every time. Ablations: ``sample=False`` (top-k), ``reserve=0``.
 
     Parameters
     ----------
@@ -200,9 +186,6 @@ class VaseDKV(ValueAware, CurDKV):
     name = "vase-dkv"
     summary = "VASE: value-range reservation + sampling by CUR leverage (sketch redrawn per eviction)"
 
-    def projection(self, view) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """A fresh ``(G_k, G_v)`` for every eviction and layer, keyed by each row's seed, eviction and layer."""
-        if self.rank == 0:
-            return None
-        keys, values = view.keys(), view.values()
-        return self._draw(view.seeds, keys.shape[1], keys.shape[-1], values.shape[-1])
+    def sketch_seeds(self, view) -> torch.Tensor:
+        """A fresh sketch for every eviction and layer, keyed by each row's seed, eviction and layer."""
+        return view.seeds

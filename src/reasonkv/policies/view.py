@@ -1,12 +1,9 @@
-"""What a policy may read at eviction time: the rows being evicted, their stored K/V, positions and
-the recorded signals. Torch only: a serving engine that reuses ``policies/`` builds this same view over
-its own storage (anything with ``layers[i].keys/values``, ``positions(i)``, ``valid``, ``next_position``,
-``prompt_lengths``, ``row_evictions`` and ``budget``) and a :class:`~reasonkv.policies.recorded.Recorded`,
-in the layout the policies assume: dense ``[batch, kv_heads, slots, head_dim]`` per layer, each row's
-tokens right-aligned in the order they came, the same number kept in every head of a row (paged
-storage gathers a row's blocks into it first).
-Storage with a quantized tier also has ``attended(i)`` (its K/V as attention sees them, quantized
-tokens dequantized) and ``quantized_mask()`` (which slots are quantized).
+"""What a policy may read at eviction time: the rows being evicted, their stored K/V, positions and the
+recorded signals. Torch only: a serving engine builds this view over its own storage (``layers[i].keys/values``,
+``positions(i)``, ``valid``, ``next_position``, ``prompt_lengths``, ``row_evictions``, ``budget``; with a
+quantized tier ``attended(i)`` and ``quantized_mask()``), dense ``[batch, kv_heads, slots, head_dim]`` per
+layer, each row's tokens right-aligned in the order they came, as many in every head of a row (paged
+storage gathers a row's blocks first).
 """
 
 from __future__ import annotations
@@ -146,14 +143,15 @@ class EvictionView:
         held = self._take(mask()) if mask is not None else torch.zeros_like(self.valid)
         return held if self.layer is None else held.unsqueeze(1)
 
-    def protected(self) -> torch.Tensor:
-        """Slots the policy's sinks / window / prompt protection keep, shaped like the scores."""
+    def protected(self, window: int | None = None) -> torch.Tensor:
+        """Slots the policy's sinks / window / prompt protection keep, shaped like the scores (``window``: a
+        recent window other than the policy's own)."""
         positions = self.slot_positions()
         p = self.policy
         return select.protected_mask(
             positions,
             sinks=p.sinks,
-            window=p.window,
+            window=p.window if window is None else window,
             newest=self.newest,
             prompt_lengths=self.prompt_lengths if p.protect_prompt else None,
         )
