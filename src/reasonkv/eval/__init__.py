@@ -8,8 +8,7 @@ them, load on first use.
 
 from __future__ import annotations
 
-import importlib
-
+from reasonkv import lazy_exports
 from reasonkv.eval.collapse import collapse_flags, tail_loop
 from reasonkv.eval.datasets import DATASETS, Problem, load_dataset
 from reasonkv.eval.extraction import extract_answer, find_answer
@@ -42,10 +41,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    module = _HEAVY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'reasonkv.eval' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(globals(), _HEAVY)

@@ -1,10 +1,8 @@
 """The generation phase of a grid: decode each (problem, cell, sample) unit, grade it, write its record.
 
-Batches group units of one cell, and a prompt gets the same tokens in a batch as alone, so neither the
-batching nor the split across processes changes a result. One bad cell does not sink a grid: a prompt that
-cannot fit the model's context or its cell's budget (:func:`refused_prompt`) gets an error record before
-any decoding, and a batch that fails is run again one unit at a time, so only a unit that fails alone gets
-one. An error record settles its unit unless ``retry_errors``; a later result replaces it.
+Batches group units of one cell (a prompt gets the same tokens in a batch as alone). A prompt its cell
+cannot run (:func:`refused_prompt`) gets an error record before any decoding; a batch that fails runs again
+one unit at a time, so only a unit that fails alone gets one.
 """
 
 from __future__ import annotations

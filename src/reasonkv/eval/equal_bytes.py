@@ -1,14 +1,9 @@
-"""Fidelity at equal K/V bytes: full-precision tokens only, against fewer of them plus a quantized tier.
+"""Fidelity at equal K/V bytes: full-precision tokens only, against fewer of them plus a quantized tier
+(``python -m reasonkv.cli.equal_bytes``; docs/quantized-tier.md).
 
-Every cell's *byte budget* is measured: the K/V bytes its rows held right after each eviction
-(``steady_kv_tokens``, in full-precision tokens per layer and kv-head), averaged over its problems. Per
-dataset, a table of each cell's top-1 agreement and KL with its measured and nominal bytes, and plots
-against those bytes, a line per variant (full precision, int8, int4)::
-
-    python -m reasonkv.cli.equal_bytes docs/results/equal-bytes/results.jsonl --out docs/results/equal-bytes
-
-A tier's measured bytes are not its nominal ones (pending tokens wait at full precision), so
-:func:`tier_sizes` fits the ``Q`` that holds a byte budget from a calibration run's measured points.
+A cell's byte budget is measured (``steady_kv_tokens``, averaged over its problems). A tier's measured bytes
+are not its nominal ones (pending tokens wait at full precision), so :func:`tier_sizes` fits the ``Q`` that
+holds a byte budget from a calibration run's measured points.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from reasonkv.cache.spec import DEFAULT_BUFFER, CacheSpec
 from reasonkv.eval.livecodebench import parse_day
 from reasonkv.generation.sampling import Sampling
 from reasonkv.policies import options_by_policy, policy_class
-from reasonkv.sandbox import GUARANTEES
+from reasonkv.sandbox import Sandbox
 from reasonkv.sandbox.limits import check_memory, check_timeout
 from reasonkv.suggest.integers import check_int, is_int
 
@@ -231,10 +231,7 @@ class CodeSettings:
         check_memory(code.memory_mb, "code memory_mb")
         if code.workers is not None:
             check_int("code workers", code.workers, 1)
-        missing = tuple(sorted(set(_split_names(allow_missing))))
-        unknown = [name for name in missing if name not in GUARANTEES]
-        if unknown:
-            raise ValueError(f"unknown sandbox guarantee {', '.join(unknown)}; known: {', '.join(GUARANTEES)}")
+        missing = Sandbox(allow_missing=_split_names(allow_missing)).allow_missing  # known names, sorted
         first = parse_day(code.after, "--after") if code.after else None
         last = parse_day(code.before, "--before") if code.before else None
         if first and last and first > last:
@@ -301,10 +298,9 @@ class GridSpec:
         per_dataset = parse_samples(samples, [name for name, _ in datasets])
         check_int("batch_size", batch_size, 1)
         check_int("seed", seed, 0)
-        if fidelity_tokens is not None:
-            check_int("fidelity_tokens", fidelity_tokens, 1)
-        if max_chunk is not None:
-            check_int("max_chunk", max_chunk, 1)
+        for name, value in (("fidelity_tokens", fidelity_tokens), ("max_chunk", max_chunk)):
+            if value is not None:
+                check_int(name, value, 1)
         for name, value in (("generation", generation), ("fidelity", fidelity), ("compile", compile)):
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"{name} must be True or False, got {value!r}")

@@ -1,13 +1,9 @@
-"""Paired fidelity: each policy's top-1 agreement minus a reference policy's, problem by problem.
+"""Paired fidelity: each policy's top-1 agreement minus a reference policy's, problem by problem (a trace
+hard for one policy is often hard for the other, which means over problems hide).
 
-Means over problems hide how far apart two policies are on the same traces (a trace hard for one is often
-hard for the other). Per (model, dataset, K, B) cell and policy: mean top-1 agreement and KL over the
-problems it shares with the reference, the mean paired difference and its 95% bootstrap interval (as the
-report's Δ vs full, from :data:`~reasonkv.eval.report_rows.MIN_PAIRED` problems on)::
-
-    python -m reasonkv.cli.paired docs/results/results.jsonl docs/results/frontier/smollm2-135m.jsonl
-
-A policy is named by its label, a tiered one with its tier (``h2o + int4 x 116``).
+Per (model, dataset, K, B) cell and policy: mean top-1 and KL over the problems shared with the reference,
+the mean paired difference and its 95% bootstrap interval (``python -m reasonkv.cli.paired``). A policy is
+named by its label, a tiered one with its tier (``h2o + int4 x 116``).
 """
 
 from __future__ import annotations

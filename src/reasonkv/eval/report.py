@@ -1,8 +1,5 @@
-"""``reasonkv report``: ``report.md``, ``summary.json`` and PNG plots from eval results files.
-
-The numbers are :mod:`reasonkv.eval.report_rows`'s, the plots :mod:`reasonkv.eval.report_plots`'s.
-``report.md`` first says what a reader must know (several setups, conflicting units, the run manifests),
-then gives one table per section with its errors, its last-number answers and its plots.
+"""``reasonkv report``: ``report.md``, ``summary.json`` and PNG plots from eval results files (the numbers
+are :mod:`reasonkv.eval.report_rows`'s, the plots :mod:`reasonkv.eval.report_plots`'s).
 """
 
 from __future__ import annotations
@@ -246,12 +243,9 @@ def _is_old_report(folder: Path) -> bool:
 def write_report(
     results: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], out_dir: str | os.PathLike[str]
 ) -> dict[str, Any]:
-    """Write ``report.md``, ``summary.json`` and the PNG plots of ``results`` (and their shards) to ``out_dir``.
-
-    ``out_dir`` is claimed and locked as :mod:`reasonkv.runs.outputs` says; a plot of an earlier report that
-    this one does not draw is removed. Returns the paths written (``markdown``, ``summary``, ``plots``) and
-    the ``rows``, ``manifests`` and ``conflicts``.
-    """
+    """Write ``report.md``, ``summary.json`` and the PNG plots of ``results`` (and their shards) to ``out_dir``
+    (claimed as :mod:`reasonkv.runs.outputs` says; stale plots removed); returns the paths written
+    (``markdown``, ``summary``, ``plots``) and the ``rows``, ``manifests`` and ``conflicts``."""
     paths = [results] if isinstance(results, (str, os.PathLike)) else list(results)
     read = read_report_input(paths, drop=("output_ids", "output_text"))
     if not read.records and not read.conflicts:

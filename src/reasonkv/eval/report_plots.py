@@ -1,9 +1,8 @@
 """The PNG plots of ``reasonkv report`` (matplotlib, Agg backend), one set per section (:data:`PANELS`).
 
-The full cache is a dashed line (its interval a band); the evicting policies are points per budget: with
-several budgets, the budget on the x axis (log scale when they span a factor 4), a line per policy set a
-little apart so equal values stay visible; with one, the policies side by side. A figure is drawn only
-when an evicting policy has a value to show.
+The full cache is a dashed line (its interval a band); the evicting policies are points per budget, the
+budget on the x axis (log scale when they span a factor 4, series set a little apart), or side by side
+with one budget. A figure is drawn only when an evicting policy has a value to show.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """The numbers of ``reasonkv report``: results files read into one record per unit, then sections and rows.
 
-Reading (:func:`read_report_input`) checks every line as ``eval`` does. One record per unit: a result
-replaces an error record, the latest error record wins, the same result twice counts once, and two results
-that differ are a *conflict*: the unit is left out of every number and listed. A :class:`Section` is one
-model, dataset and setup (the manifest's of the run that wrote a record); a :class:`Row` one (policy,
-budget) of a section. ``Δ vs full`` pairs each answer with the full cache's on the same problem and sample
-seed, averaged per problem, then over problems. The columns are explained by :data:`reasonkv.eval.report.LEGEND`.
+One record per unit: a result replaces an error record, the latest error record wins, the same result twice
+counts once, and two results that differ are a *conflict*, left out of every number and listed. A
+:class:`Section` is one model, dataset and setup (its run manifest's); a :class:`Row` one (policy, budget)
+of a section. The columns: :data:`reasonkv.eval.report.LEGEND`.
 """
 
 from __future__ import annotations
@@ -414,11 +412,8 @@ def _fill(row: Row, group: _Group) -> None:
 
 
 def summarize(records: Sequence[dict[str, Any]], conflicts: Sequence[Conflict] = ()) -> list[Row]:
-    """One :class:`Row` per (section, policy, budget, buffer), full cache first within a section.
-
-    ``records`` are what :func:`load_results` returns (manifests included: they say each record's setup);
-    ``conflicts`` the units left out (:func:`read_report_input`), counted in their rows.
-    """
+    """One :class:`Row` per (section, policy, budget, buffer), full cache first within a section, from
+    :func:`load_results` (manifests included) and the conflicting units left out (counted in their rows)."""
     typed = [Record.read(r) for r in records if r.get("kind") in KINDS]
     manifests = {r.get("id"): r.to_json() for r in typed if isinstance(r, ManifestRecord)}
     units = [r.to_json() for r in typed if not isinstance(r, ManifestRecord)]

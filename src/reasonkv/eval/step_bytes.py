@@ -1,8 +1,7 @@
 """What a replay's decode steps held and read: the K/V bytes of the evicting layers, per row, mean over its steps.
 
-Measured on the cache as it runs: an eviction cache reads all it holds; a selection cache holds every token
-and its selector counts what each step read. A chunked replay feeds ``span`` tokens with no eviction inside
-(it ends where the next is due), so step ``t`` holds the row's tokens before it plus ``t + 1``, exactly.
+An eviction cache reads all it holds; a selection cache's selector counts what each step read. A chunked
+replay has no eviction inside a chunk, so its step ``t`` holds the tokens before the chunk plus ``t + 1``.
 """
 
 from __future__ import annotations

@@ -87,18 +87,9 @@ def inspect_prompt(
 ) -> Inspection:
     """Decode ``prompt`` with the full cache, then with each spec, keeping traces.
 
-    Parameters
-    ----------
-    prompt, chat
-        Text, put in the tokenizer's chat template unless ``chat`` is false (as :func:`reasonkv.generate`
-        does: text that holds the template already is left as it is), or token ids, taken as they are.
-    specs
-        The evicting caches to compare (each :class:`~reasonkv.cache.spec.CacheSpec`'s policy is named in
-        the page by its policy name, so two specs of one policy need distinct policies).
-    model_name
-        The name shown in the page (default: the model's class).
-    progress
-        A line on standard error as each run starts and ends (and a bar over its steps on a terminal).
+    ``prompt`` is text, put in the chat template unless ``chat`` is false (as :func:`reasonkv.generate` does),
+    or token ids, taken as they are. Each spec is named in the page by its policy, so the policies must be
+    distinct. ``model_name`` defaults to the model's class; ``progress`` says on stderr as each run starts and ends.
     """
     check_compared(specs)
     check_allocations(model, specs)
