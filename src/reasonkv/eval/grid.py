@@ -1,8 +1,5 @@
-"""The evaluation grid's settings: one frozen :class:`GridSpec`, built once (by the command line or in Python)
-and read by planning, running, the run manifest and ``--plan``.
-
-The grid's cells are its distinct cache specs: ``full`` evicts nothing, so it is one cell whatever the
-budgets, and a quantized tier applies to the evicting cells only.
+"""The evaluation grid's settings: one frozen :class:`GridSpec`, built once (by the command line or in Python).
+Its cells are its distinct cache specs: ``full`` is one cell whatever the budgets.
 """
 
 from __future__ import annotations

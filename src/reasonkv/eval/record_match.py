@@ -1,9 +1,7 @@
 """Whether a record agrees with the manifest of the run that wrote it (the one its ``run`` names).
 
-A record's cell, dataset, problem and setup are copies of its run's manifest (its problems: those of the
-dataset file the run read, :func:`run_problems`). One that differs was edited, or belongs to another run:
-counted, it would make a report row no grid had. :func:`manifest_mismatch` names the first field that
-differs; :mod:`reasonkv.eval.records` refuses such a line like any other damaged one.
+A record's cell, dataset, problem and setup are copies of its run's manifest; one that differs was edited,
+or belongs to another run, and counted it would make a report row no grid had.
 """
 
 from __future__ import annotations
@@ -56,11 +54,8 @@ def _dataset_file(entry: Mapping[str, Any]) -> Path | None:
 
 
 def run_problems(manifest: Mapping[str, Any]) -> dict[str, frozenset[str]]:
-    """dataset name -> the ids of the problems it gave the run (its file read with the run's limit and date window).
-
-    A dataset whose file is gone or changed (its SHA-256 is not the manifest's) is left out: its problems are
-    unknown (this happens only to a report of results moved away from their files).
-    """
+    """dataset name -> the ids of the problems it gave the run (its file read with the run's limit and date
+    window); a dataset whose file is gone or changed (not the manifest's SHA-256) is left out."""
     grid = manifest.get("grid") if isinstance(manifest.get("grid"), Mapping) else {}
     code = grid.get("code") if isinstance(grid.get("code"), Mapping) else {}
     known: dict[str, frozenset[str]] = {}
@@ -100,10 +95,8 @@ def manifest_mismatch(
     record: Mapping[str, Any], manifest: Mapping[str, Any], problems: Mapping[str, frozenset[str]] | None = None
 ) -> str | None:
     """The first field in which ``record`` differs from its run's ``manifest``, in words; None when it agrees.
-
-    Only the fields the record holds are compared, and the cell's budget and buffer always (a missing budget
-    is the full cache's). ``problems``: :func:`run_problems` of ``manifest`` (computed when not given).
-    """
+    Only the fields the record holds are compared, and the cell's budget and buffer always (``problems``:
+    :func:`run_problems` of ``manifest``, computed when not given)."""
     setup = manifest.get("setup") if isinstance(manifest.get("setup"), Mapping) else {}
     grid = manifest.get("grid") if isinstance(manifest.get("grid"), Mapping) else {}
     run = f"run {manifest.get('id')}"

@@ -1,7 +1,5 @@
-"""The eviction trace's file: the traces of a :class:`~reasonkv.cache.decisions.DecisionLog` (what the evictor
-decided at each eviction, per row) saved to one ``.npz`` file and read back. The records themselves,
-:class:`~reasonkv.cache.decisions.Trace` and :class:`~reasonkv.cache.decisions.Eviction`, live with the
-decisions they are kept from.
+"""The eviction trace's file: :class:`~reasonkv.cache.decisions.Trace` records (what the evictor decided at
+each eviction, per row) saved to one ``.npz`` file and read back.
 """
 
 from __future__ import annotations
@@ -19,7 +17,6 @@ FORMAT = "reasonkv-trace/1"
 SIGNAL = "signal."  # the file's key of a signal: "{run}.{eviction}.signal.{name}"
 
 
-# -- files ------------------------------------------------------------------------------------------
 def save_trace(path: Path | str, traces: dict[str, dict]) -> None:
     """Write traces (name -> ``{"trace": Trace, **json-able extras}``) to one ``.npz`` file."""
     arrays: dict[str, np.ndarray] = {}

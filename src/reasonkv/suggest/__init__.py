@@ -1,8 +1,5 @@
-"""Did-you-mean for names a user types: policies, policy options, datasets, models.
-
-Every "unknown name" error keeps naming the bad value and the allowed ones; :func:`did_you_mean` puts the
-likely intended name first, so a typo is answered by its fix rather than by the whole list.
-"""
+"""Did-you-mean for names a user types (policies, policy options, datasets, models): an "unknown name" error
+names the likely intended name first, then the allowed ones."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Whole numbers a user gives (counts, sizes, seeds): an ``int`` and never a ``bool``.
-
-To Python ``True`` is the integer 1; to a user it is never a count, so every integer setting refuses it, and
-every number setting (:func:`is_number`) too.
-"""
+"""Whole numbers a user gives (counts, sizes, seeds): an ``int`` and never a ``bool`` (``True`` is 1 to
+Python, never a count to a user)."""
 
 from __future__ import annotations
 
