@@ -1,9 +1,6 @@
-"""Evaluation on reasoning benchmarks: datasets, prompts, answer grading, collapse detection, the
-evaluation grid (:class:`GridSpec`, :func:`run_grid`), fidelity to the full cache
-(:mod:`reasonkv.eval.fidelity`) and reports (:func:`write_report`).
-
-Importing this package does not import torch or transformers: the grid and the runner, which need
-them, load on first use.
+"""Evaluation on reasoning benchmarks: datasets, prompts, answer grading, collapse detection, the grid
+(:class:`GridSpec`, :func:`run_grid`), fidelity to the full cache and reports (:func:`write_report`).
+The grid and the runner, which need torch, load on first use.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""What the phases of a grid share: the model, the grid, where records go and what is already done.
-
-:class:`Ledger` knows what a run's files hold; :class:`Context` builds each unit's identity (the record its
-result starts from, whose key a rerun compares to skip work done) and writes records.
+"""What the phases of a grid share: what a run's files hold (:class:`Ledger`), each unit's identity (the record
+its result starts from) and where records go (:class:`Context`).
 """
 
 from __future__ import annotations

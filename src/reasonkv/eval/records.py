@@ -1,9 +1,8 @@
 """Results files: one JSON object per line, a run manifest first, appended and flushed record by record.
 
-``eval`` and ``report`` check lines alike (:func:`scan_results`, :func:`read_results`): a line that is not
-a sound record (:mod:`reasonkv.eval.record_kinds`) or disagrees with its run's manifest
-(:mod:`reasonkv.eval.record_match`) is an error naming the file, the line and the field, never skipped;
-:func:`repair_results` moves such lines aside. Only this tool's results files are ever written to.
+``eval`` and ``report`` check lines alike: a line that is not a sound record or disagrees with its run's
+manifest is an error naming the file, the line and the field, never skipped (:func:`repair_results` moves
+such lines aside). Only this tool's results files are ever written to.
 """
 
 from __future__ import annotations
@@ -140,11 +139,8 @@ def scan_results(
     include_manifests: bool = False,
 ) -> list[dict[str, Any]]:
     """Check that ``path`` is this tool's results file (a missing one is empty) and read it; returns its manifests.
-
     ``visit`` is called with every other record in file order (the manifests too with ``include_manifests``);
-    ``first_only`` checks the first record only. ``ValueError`` names why a file is not a results file, or
-    the line and field of a record that is not sound.
-    """
+    ``first_only`` checks the first record only."""
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"--out {path} is a folder: name a results file (e.g. {path / 'results.jsonl'})")
@@ -191,10 +187,8 @@ def _check_first(path: Path, number: int, record: dict[str, Any] | None, problem
 
 def repair_results(path: str | os.PathLike[str]) -> str | None:
     """Move the lines of ``path`` that are not sound records, as they were, to a new ``<name>.rejected-<UTC date>``
-    beside it, and replace ``path`` by the rest; what was done in words, None when nothing was wrong.
-
-    A file that is not this tool's, or has an unsound manifest (never set aside), is refused. The caller holds
-    the file's lock.
+    beside it, and replace ``path`` by the rest; what was done in words, None when nothing was wrong. A file
+    that is not this tool's, or has an unsound manifest (never set aside), is refused; the caller holds its lock.
     """
     path = Path(path)
     scan_results(path, first_only=True)
