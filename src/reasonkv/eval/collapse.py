@@ -2,14 +2,12 @@
 that stopped by themselves without an answer.
 
 A *tail loop* of period ``n`` covers the last ``L + n`` tokens when each of the last ``L`` equals the token
-``n`` before it: the final ``n``-token block repeats ``(L + n) / n`` times (a cut-off block fractionally).
-It counts as repetition when it repeats at least ``min_repeats`` times and spans at least ``min_span``
-tokens: the span floor spares short legitimate runs (``0 & 0 & 0``), the repeat floor a phrase said twice.
-With the defaults (64, 4) a single token must repeat 64 times, a 64-token paragraph 4 times.
+``n`` before it. It counts as repetition when it repeats at least ``min_repeats`` times and spans at least
+``min_span`` tokens: the span floor spares short legitimate runs (``0 & 0 & 0``), the repeat floor a phrase
+said twice (defaults 64 and 4: one token 64 times, a 64-token paragraph 4 times).
 
 An output that ends by itself before any answer is no collapse but no success either (``early_stop``,
-counted apart): otherwise a policy that makes the model stop early would beat the full cache's collapse
-rate, whose long outputs run out of tokens.
+counted apart), or a policy that makes the model stop early would beat the full cache's collapse rate.
 """
 
 from __future__ import annotations

@@ -225,10 +225,9 @@ def _line(record: Mapping[str, Any]) -> str:
 class ResultsFile(JsonlStore):
     """The results file one process appends to (a :class:`~reasonkv.runs.store.JsonlStore`), locked.
 
-    Opening it checks an existing file (:func:`scan_results`; ``visit`` sees its records, ``check`` its
-    manifests, oldest first, and raises to refuse them), cuts off a torn last line and writes ``manifest``
-    unless a manifest with its ``id`` is there. ``lock``: the caller's lock that covers the file (None: the
-    file's own). :meth:`append` writes one record, flushed, so a process killed afterwards keeps it.
+    Opening it checks an existing file (``visit`` sees its records, ``check`` its manifests and raises to
+    refuse them), cuts off a torn last line and writes ``manifest`` unless a manifest with its ``id`` is
+    there. ``lock``: the caller's lock that covers the file (None: the file's own).
     """
 
     def __init__(

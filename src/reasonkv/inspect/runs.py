@@ -1,8 +1,5 @@
 """Decode one prompt with ``full`` and each policy, keeping every eviction: what ``reasonkv inspect`` shows.
-
-An :class:`Inspection` is the runs of one prompt (``full`` first), each with its tokens, the text of
-each token and its :class:`~reasonkv.inspect.trace.Trace`; it saves to one trace file and loads back, so
-a page can be built again (or another way) without decoding.
+An :class:`Inspection` saves to one trace file and loads back, so a page can be built again without decoding.
 """
 
 from __future__ import annotations

@@ -24,11 +24,8 @@ def close_matches(name: object, choices: Iterable[str], *, limit: int = 3, cutof
 
 
 def did_you_mean(name: object, choices: Iterable[str], *, cutoff: float = CUTOFF) -> str:
-    """``"did you mean 'h2o'? "`` (or ``'a' or 'b'``), or ``""`` when no choice is close to ``name``.
-
-    The text ends with a space so that it reads in front of the allowed list: ``f"unknown policy {name!r};
-    {did_you_mean(name, names)}valid policies: ..."``.
-    """
+    """``"did you mean 'h2o'? "`` (or ``'a' or 'b'``), or ``""`` when no choice is close to ``name``; it ends
+    with a space, to read in front of the allowed list."""
     found = close_matches(name, choices, cutoff=cutoff)
     if not found:
         return ""
