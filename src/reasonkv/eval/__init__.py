@@ -5,7 +5,8 @@ The grid and the runner, which need torch, load on first use.
 
 from __future__ import annotations
 
-from reasonkv import lazy_exports
+import importlib
+
 from reasonkv.eval.collapse import collapse_flags, tail_loop
 from reasonkv.eval.datasets import DATASETS, Problem, load_dataset
 from reasonkv.eval.extraction import extract_answer, find_answer
@@ -38,4 +39,11 @@ __all__ = [
 ]
 
 
-__getattr__ = lazy_exports(globals(), _HEAVY)
+# Not reasonkv.lazy_exports: the light imports (grading without torch) load this package without reasonkv's.
+def __getattr__(name: str):
+    module = _HEAVY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'reasonkv.eval' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
