@@ -63,12 +63,10 @@ def user_message(problem: Problem | str) -> str:
 
 
 def build_prompt(tokenizer: Any, problem: Problem | str, *, thinking: bool | None = None) -> str:
-    """The prompt text of one problem (a string is a math problem), to tokenize as it is.
-
-    The tokenizer's chat template is applied with the generation prompt; without one, the plain
-    ``"Problem: ...\\nSolution:"`` format. ``thinking`` (None: the template's default) is passed as
-    ``enable_thinking`` to templates that read it (Qwen3 style); R1-distill templates open ``<think>`` themselves.
-    """
+    """The prompt text of one problem (a string is a math problem), to tokenize as it is: the tokenizer's chat
+    template with the generation prompt, else ``"Problem: ...\\nSolution:"``. ``thinking`` (None: the
+    template's default) is passed as ``enable_thinking`` to templates that read it (Qwen3 style; R1-distill
+    templates open ``<think>`` themselves)."""
     message = user_message(problem)
     template = _template_source(tokenizer)
     if template is None and isinstance(problem, Problem) and problem.extra.get("entry_point"):

@@ -1,9 +1,8 @@
 """The kinds of record a results file holds, one class each, and the one place a line's ``kind`` is read.
 
-A record keeps its JSON object as written (a record read and written again is the same line). Its class
-says which fields identify its unit of work (``KEY``: a rerun skips a key on disk), what its result says
-(``OUTCOME``: two results of one unit that differ here conflict) and the types of the fields read back
-(``TYPES``, each also an attribute). :meth:`Record.from_json` checks a line and returns its record.
+A record keeps its JSON object as written. Its class says which fields identify its unit of work (``KEY``:
+a rerun skips a key on disk), what its result says (``OUTCOME``: two results of one unit that differ here
+conflict) and the types of the fields read back (``TYPES``, each also an attribute).
 """
 
 from __future__ import annotations

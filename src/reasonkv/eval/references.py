@@ -1,7 +1,5 @@
-r"""Reference solutions as token sequences: clean them, find their final answer, map it to tokens.
-
-Shared by fidelity (log-probability of the reference answer) and layer anatomy (reference traces).
-"""
+r"""Reference solutions as token sequences (for fidelity and layer anatomy): clean them, find their final
+answer, map it to tokens."""
 
 from __future__ import annotations
 
