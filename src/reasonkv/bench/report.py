@@ -28,7 +28,7 @@ from reasonkv.bench.targets import (
     targets_markdown,
 )
 from reasonkv.bench.variants import RAGGED, variant_markdown, variant_summaries
-from reasonkv.bench.windows import by_length
+from reasonkv.bench.windows import beside, by_length
 from reasonkv.models import bundled_model
 
 __all__ = ["markdown", "summarise", "summary_text"]
@@ -66,8 +66,8 @@ def _sweep_summary(records: list[dict]) -> dict:
     }
     for name, record in by_policy.items():
         windows = by_length(record)
-        versus = _beside(record, static if name.endswith(COMPILED) else plain)  # compiled against compiled
-        full_windows, streaming_windows = _beside(record, full), _beside(record, streaming)
+        versus = beside(record, static if name.endswith(COMPILED) else plain)  # compiled against compiled
+        full_windows, streaming_windows = beside(record, full), beside(record, streaming)
         step = full_step if same_rounds(record, full or {}) else None
         per_token = record.get("kv_bytes_per_token")
         batch = record["batch"]
@@ -133,11 +133,6 @@ def _sweep_summary(records: list[dict]) -> dict:
         out["layers"] = {"allocation": config.get("allocation"), "entries": layers, "uniform_layer_bytes": uniform}
     out["targets"] = sweep_targets(out)
     return out
-
-
-def _beside(record: dict, other: dict | None) -> dict[int, dict]:
-    """``other``'s windows by length, if it may be set against ``record`` (measured in the same rounds)."""
-    return by_length(other) if other is not None and same_rounds(record, other) else {}
 
 
 def _versus(windows: dict, other: dict, lengths: list[int], key: str) -> dict:
