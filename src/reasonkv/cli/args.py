@@ -220,15 +220,10 @@ def _sandbox_limit(text: str, number, check, flag: str):
 
 def int_list_argument(text: str) -> list[int]:
     """Comma-separated integers (``--budgets 128,256``)."""
-    values = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        try:
-            values.append(int(part))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not values:
         raise argparse.ArgumentTypeError("expected at least one integer")
     return values
@@ -239,7 +234,7 @@ def positive_rate_argument(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number of tokens per second, got {text!r}") from None
+        value = math.nan
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive number of tokens per second, got {text!r}")
     return value
