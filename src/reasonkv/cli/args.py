@@ -84,16 +84,6 @@ def add_allocation_arguments(parser, *, what: str = "") -> None:
     )
 
 
-def allocation_settings(args: argparse.Namespace) -> dict:
-    """The :class:`~reasonkv.cache.spec.CacheSpec` keywords of :func:`add_allocation_arguments`."""
-    return dict(
-        allocation=args.allocation,
-        budgets_file=args.budgets_file,
-        adaptive_alpha=args.adaptive_alpha,
-        ragged=False if args.padded_heads else None,  # None: not given (refused only when given, off its mode)
-    )
-
-
 def add_cache_arguments(parser, *, budget: int, allocation: str = "") -> None:
     """The evicting cache's flags: ``--budget`` (default ``budget``), ``--buffer``, the quantized tier, the
     allocation (its help followed by ``allocation``) and ``-o``, read back by :func:`cache_spec_from`."""
@@ -115,7 +105,10 @@ def cache_spec_from(args: argparse.Namespace, policy: str, options: dict) -> Cac
         quantized=args.quantized,
         bits=args.bits,
         seed=args.seed,
-        **allocation_settings(args),
+        allocation=args.allocation,
+        budgets_file=args.budgets_file,
+        adaptive_alpha=args.adaptive_alpha,
+        ragged=False if args.padded_heads else None,  # None: not given (refused only when given, off its mode)
         **options,
     )
 

@@ -34,7 +34,6 @@ from reasonkv.eval.references import answer_span, clean_solution, token_span
 from reasonkv.eval.step_bytes import StepBytes
 from reasonkv.generation.step import EagerStep, decode
 from reasonkv.hf import left_pad
-from reasonkv.policies import Policy
 
 __all__ = [
     "AnswerFidelity",
@@ -92,10 +91,6 @@ class AnswerFidelity:
 # ---------------------------------------------------------------------------------- replay core
 
 
-def _is_chunk_exact(policy: Policy) -> bool:
-    return bool(getattr(type(policy), "chunk_exact", False))
-
-
 # consume(start, evicting_logits [B, s, V], full_logits [B, s, V] or None, active rows): column t of
 # row r predicts continuation[r][start + t].
 Consumer = Callable[[int, torch.Tensor, torch.Tensor | None, list[int]], None]
@@ -137,7 +132,7 @@ def teacher_force(
     if max_chunk < 1:
         raise ValueError(f"max_chunk must be >= 1, got {max_chunk}")
     if chunked is None:
-        chunked = _is_chunk_exact(spec.policy)
+        chunked = bool(getattr(type(spec.policy), "chunk_exact", False))
     device = next(model.parameters()).device
     evicting = EvictingCache(model=model, spec=spec)
     full = EvictingCache(model=model, spec=CacheSpec("full")) if reference else None
@@ -312,7 +307,7 @@ def trace_fidelity(
 
     replay = dict(chunked=chunked, max_chunk=max_chunk, pad_id=pad_id)
     forced, spec = _replay(model, prompts, traces, spec, cache_keywords, consume, **replay)
-    chunk_flag = _is_chunk_exact(spec.policy) if chunked is None else chunked
+    chunk_flag = bool(getattr(type(spec.policy), "chunk_exact", False)) if chunked is None else chunked
     nan = float("nan")
     return [
         TraceFidelity(
