@@ -146,18 +146,6 @@ def _grader(plan: GridPlan) -> CodeGrader | None:
     )
 
 
-def _plan_record(plan: GridPlan, model_name: str, dtype: str) -> dict[str, Any]:
-    """What every process of a sharded run must agree on (see :func:`reasonkv.eval.shards.join_run`)."""
-    return {
-        "tool": "reasonkv",
-        "kind": "plan",
-        "sha256": plan.description["sha256"],
-        "grid": plan.identity(),
-        "model": model_name,
-        "dtype": dtype,
-    }
-
-
 def _check_space(out: Path) -> None:
     """Refuse before the model loads when the filesystem of ``out`` is (nearly) full."""
     try:
@@ -214,7 +202,9 @@ def run_grid(
     else:
         model_name = model_name or _model_name(model)
         dtype_name = _dtype_label(next(model.parameters()).dtype)
-    lock = _join(out, plan, _plan_record(plan, model_name, dtype_name), repair)
+    # What every process of a sharded run must agree on (see reasonkv.eval.shards.join_run).
+    agreed = {"tool": "reasonkv", "kind": "plan", "sha256": plan.description["sha256"], "grid": plan.identity()}
+    lock = _join(out, plan, {**agreed, "model": model_name, "dtype": dtype_name}, repair)
     try:
         if isinstance(model, (str, os.PathLike)):
             device = plan.shard.device(device)
