@@ -225,11 +225,6 @@ def _replay(model, prompts, continuations, spec, cache_keywords: dict, consume: 
     return teacher_force(model, prompts, continuations, spec, consume=consume, **replay), spec
 
 
-def pad_id_of(tokenizer) -> int:
-    pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
-    return 0 if pad is None else int(pad)
-
-
 def replay_logits(
     model,
     prompt_ids: Sequence[int],
