@@ -14,13 +14,9 @@ def row(cells: list[str]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def _header(names: list[str]) -> list[str]:
-    return [row(names), "|" + "|".join("---" for _ in names) + "|"]
-
-
 def table(header: list[str], rows: list[list[str]]) -> list[str]:
     """A whole table and the blank line after it."""
-    return [*_header(header), *(row(cells) for cells in rows), ""]
+    return [row(header), "|" + "|".join("---" for _ in header) + "|", *(row(cells) for cells in rows), ""]
 
 
 def section(title: str, text: str, level: str = "##") -> list[str]:
@@ -33,7 +29,7 @@ def per_batch(summary: dict, title: str, text: str, header: list[str], rows, not
     ``title`` with the batch, ``text``, the table of ``rows(variants)`` and the sentences ``notes(variants)``."""
     lines: list[str] = []
     for batch, variants in summary.items():
-        lines += [*section(f"{title} (batch {batch})", text, "###"), *_header(header), *map(row, rows(variants))]
+        lines += [*section(f"{title} (batch {batch})", text, "###"), *table(header, rows(variants))]
         sentences = notes(variants) if notes else []
-        lines += ["", *sentences, ""] if sentences else [""]
+        lines += [*sentences, ""] if sentences else []
     return lines

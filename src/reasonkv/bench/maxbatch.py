@@ -40,10 +40,6 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _is_oom(error: BaseException) -> bool:
-    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
-
-
 def measure_max_batch(
     model,
     spec: CacheSpec,
@@ -109,7 +105,7 @@ def measure_max_batch(
         try:
             measured = measure_prefilled(model, spec, batch=batch, decode_steps=decode_steps, seed=seed, **common)
         except (torch.OutOfMemoryError, RuntimeError) as error:
-            if not _is_oom(error):
+            if not isinstance(error, torch.OutOfMemoryError) and "out of memory" not in str(error).lower():
                 raise
             attempts.append({"batch": batch, "error": "out of memory"})
             notes.append(f"batch {batch} ran out of memory; halved")

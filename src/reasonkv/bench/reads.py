@@ -36,23 +36,18 @@ def read_entry(record: dict) -> dict:
         counted = [w for w in windows if w.get("kv_bytes_read_per_step") is not None]
         read = _mean([w["kv_bytes_read_per_step"] for w in counted])
         full = _mean([w["kv_bytes_full_read_per_step"] for w in counted])
-        selection = (record.get("totals") or {}).get("selection") or {}
-        return {
-            "selects": True,
-            "kv_bytes_held_max": max(held, default=None),
-            "kv_bytes_read_per_step": read,
-            "kv_bytes_full_read_per_step": full,
-            "read_fraction": read / full if read is not None and full else None,
-            "side_cache_bytes": selection.get("side_cache_bytes"),
-        }
-    mean = _mean(held)
+        fraction = read / full if read is not None and full else None
+        side = ((record.get("totals") or {}).get("selection") or {}).get("side_cache_bytes")
+    else:
+        read = full = _mean(held)
+        fraction, side = (1.0 if read else None), 0
     return {
-        "selects": False,
+        "selects": selects,
         "kv_bytes_held_max": max(held, default=None),
-        "kv_bytes_read_per_step": mean,
-        "kv_bytes_full_read_per_step": mean,
-        "read_fraction": 1.0 if mean else None,
-        "side_cache_bytes": 0,
+        "kv_bytes_read_per_step": read,
+        "kv_bytes_full_read_per_step": full,
+        "read_fraction": fraction,
+        "side_cache_bytes": side,
     }
 
 

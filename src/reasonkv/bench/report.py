@@ -28,7 +28,7 @@ from reasonkv.bench.targets import (
     targets_markdown,
 )
 from reasonkv.bench.variants import RAGGED, variant_markdown, variant_summaries
-from reasonkv.bench.windows import by_length
+from reasonkv.bench.windows import beside, by_length
 from reasonkv.models import bundled_model
 
 __all__ = ["markdown", "summarise", "summary_text"]
@@ -66,8 +66,8 @@ def _sweep_summary(records: list[dict]) -> dict:
     }
     for name, record in by_policy.items():
         windows = by_length(record)
-        versus = _beside(record, static if name.endswith(COMPILED) else plain)  # compiled against compiled
-        full_windows, streaming_windows = _beside(record, full), _beside(record, streaming)
+        versus = beside(record, static if name.endswith(COMPILED) else plain)  # compiled against compiled
+        full_windows, streaming_windows = beside(record, full), beside(record, streaming)
         step = full_step if same_rounds(record, full or {}) else None
         per_token = record.get("kv_bytes_per_token")
         batch = record["batch"]
@@ -93,13 +93,12 @@ def _sweep_summary(records: list[dict]) -> dict:
         summary["tokens_per_s_vs_full"] = _versus(windows, full_windows, lengths, "tokens_per_s")
         summary["tokens_per_s_vs_transformers"] = _versus(windows, versus, lengths, "tokens_per_s")
         summary["cumulative_tokens_per_s_vs_full"] = _versus(windows, full_windows, lengths, "cumulative_tokens_per_s")
+        prefill_evicted = [t for t in lengths if t in windows and windows[t].get("prefill_evictions", 0) > 0]
         for key, phases in (
             ("prefill_eviction_s", ("score", "gather")),
             ("prefill_bookkeeping_s", ("record", "observe")),
         ):
-            summary[key] = {
-                tokens: _phase_sum(windows[tokens], *phases) for tokens in lengths if _evicted(windows, tokens)
-            }
+            summary[key] = {t: sum(windows[t]["prefill_phases_s"].get(p, 0.0) for p in phases) for t in prefill_evicted}
         if summary["evicts"]:
             short = windows.get(budget)
             long_pick = _nearest({tokens: w for tokens, w in windows.items() if tokens <= 8 * budget}, 8 * budget)
@@ -135,11 +134,6 @@ def _sweep_summary(records: list[dict]) -> dict:
     return out
 
 
-def _beside(record: dict, other: dict | None) -> dict[int, dict]:
-    """``other``'s windows by length, if it may be set against ``record`` (measured in the same rounds)."""
-    return by_length(other) if other is not None and same_rounds(record, other) else {}
-
-
 def _versus(windows: dict, other: dict, lengths: list[int], key: str) -> dict:
     """``key`` of ``windows`` over ``other``'s, at each of ``lengths`` both reached (and ``windows`` has it)."""
     both = [t for t in lengths if t in windows and t in other and windows[t].get(key) is not None]
@@ -150,15 +144,6 @@ def _flatness(long_pick: tuple[int, dict], short_length: int, short: dict) -> di
     """The step time at the long length over the step at the short one."""
     ratio = _ratio(long_pick[1]["step_mean_s"], short["step_mean_s"])
     return {"ratio": ratio, "long_length": long_pick[0], "short_length": short_length}
-
-
-def _evicted(windows: dict, tokens: int) -> bool:
-    """Whether the prefill to ``tokens`` evicted."""
-    return tokens in windows and windows[tokens].get("prefill_evictions", 0) > 0
-
-
-def _phase_sum(window: dict, *phases: str) -> float:
-    return sum(window["prefill_phases_s"].get(p, 0.0) for p in phases)
 
 
 def _pct(part, whole):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from reasonkv.bench.compiled import compiled_markdown, compiled_summary
 from reasonkv.bench.markdown import per_batch
 from reasonkv.bench.tiers import tier_markdown, tier_summary
-from reasonkv.bench.windows import beside_plain
+from reasonkv.bench.windows import beside_plain, unsuffixed
 
 __all__ = ["RAGGED", "ragged_label", "ragged_markdown", "ragged_summary", "variant_markdown", "variant_summaries"]
 
@@ -22,10 +22,6 @@ def ragged_label(policy: str) -> str:
     return policy + RAGGED
 
 
-def _ragged_of(record: dict) -> str | None:
-    return record["policy"][: -len(RAGGED)] if record["policy"].endswith(RAGGED) else None
-
-
 def _gather_share(window: dict) -> float:
     step = window["step_mean_s"]
     return window["split_s"].get("gather", 0.0) / step if step > 0 else float("nan")
@@ -35,7 +31,7 @@ def ragged_summary(records: list[dict]) -> dict:
     """Per batch (as a string) and ragged variant: step time over the plain entry's, evictions in the window
     and the share of a step spent compacting, for both, at each length they share."""
     out: dict = {}
-    for record, plain, mine, theirs, common in beside_plain(records, _ragged_of):
+    for record, plain, mine, theirs, common in beside_plain(records, unsuffixed(RAGGED)):
         out.setdefault(str(record["batch"]), {})[record["policy"]] = {
             "policy": plain["policy"],
             "step_vs_lockstep": {n: mine[n]["step_mean_s"] / theirs[n]["step_mean_s"] for n in common},

@@ -6,12 +6,17 @@ from collections.abc import Callable, Iterator
 
 from reasonkv.bench.rounds import same_rounds
 
-__all__ = ["beside_plain", "by_length"]
+__all__ = ["beside", "beside_plain", "by_length", "unsuffixed"]
 
 
 def by_length(record: dict) -> dict[int, dict]:
     """``{length: window}`` of a length-sweep record (empty when it has none)."""
     return {int(w["length"]): w for w in record.get("windows", [])}
+
+
+def beside(record: dict, other: dict | None) -> dict[int, dict]:
+    """``other``'s windows by length, if it may be set against ``record`` (measured in the same rounds)."""
+    return by_length(other) if other is not None and same_rounds(record, other) else {}
 
 
 def beside_plain(records: list[dict], plain_of: Callable[[dict], str | None]) -> Iterator[tuple]:
@@ -27,3 +32,8 @@ def beside_plain(records: list[dict], plain_of: Callable[[dict], str | None]) ->
         if plain is not None:
             mine, theirs = by_length(record), by_length(plain)
             yield record, plain, mine, theirs, sorted(set(mine) & set(theirs))
+
+
+def unsuffixed(suffix: str) -> Callable[[dict], str | None]:
+    """A ``plain_of`` for :func:`beside_plain`: a variant ``POLICY<suffix>``'s plain entry ``POLICY``."""
+    return lambda record: record["policy"].removesuffix(suffix) if record["policy"].endswith(suffix) else None

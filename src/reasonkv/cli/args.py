@@ -84,16 +84,6 @@ def add_allocation_arguments(parser, *, what: str = "") -> None:
     )
 
 
-def allocation_settings(args: argparse.Namespace) -> dict:
-    """The :class:`~reasonkv.cache.spec.CacheSpec` keywords of :func:`add_allocation_arguments`."""
-    return dict(
-        allocation=args.allocation,
-        budgets_file=args.budgets_file,
-        adaptive_alpha=args.adaptive_alpha,
-        ragged=False if args.padded_heads else None,  # None: not given (refused only when given, off its mode)
-    )
-
-
 def add_cache_arguments(parser, *, budget: int, allocation: str = "") -> None:
     """The evicting cache's flags: ``--budget`` (default ``budget``), ``--buffer``, the quantized tier, the
     allocation (its help followed by ``allocation``) and ``-o``, read back by :func:`cache_spec_from`."""
@@ -115,7 +105,10 @@ def cache_spec_from(args: argparse.Namespace, policy: str, options: dict) -> Cac
         quantized=args.quantized,
         bits=args.bits,
         seed=args.seed,
-        **allocation_settings(args),
+        allocation=args.allocation,
+        budgets_file=args.budgets_file,
+        adaptive_alpha=args.adaptive_alpha,
+        ragged=False if args.padded_heads else None,  # None: not given (refused only when given, off its mode)
         **options,
     )
 
@@ -220,15 +213,10 @@ def _sandbox_limit(text: str, number, check, flag: str):
 
 def int_list_argument(text: str) -> list[int]:
     """Comma-separated integers (``--budgets 128,256``)."""
-    values = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        try:
-            values.append(int(part))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not values:
         raise argparse.ArgumentTypeError("expected at least one integer")
     return values
@@ -239,7 +227,7 @@ def positive_rate_argument(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number of tokens per second, got {text!r}") from None
+        value = math.nan
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive number of tokens per second, got {text!r}")
     return value

@@ -68,12 +68,12 @@ def build_parser(load: Iterable[str] | None = None) -> argparse.ArgumentParser:
                 raise
             # A third-party package is missing: the command stays listed and, whatever its arguments, says
             # what to install.
-            command = _taking_every_word(sub, name, help_text)
+            command = sub.add_parser(name, help=help_text, prefix_chars="\0", add_help=False)  # takes every word
             command.add_argument("arguments", nargs="*")
             command.set_defaults(run=functools.partial(_raise, error))
             continue
         if getattr(module, "FORWARDS_ARGUMENTS", False):
-            command = _taking_every_word(sub, name, help_text)
+            command = sub.add_parser(name, help=help_text, prefix_chars="\0", add_help=False)
         else:
             command = sub.add_parser(name, help=help_text, description=help_text, parents=[debug])
         module.add_arguments(command)
@@ -107,11 +107,6 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"{name}: error: {message}", file=sys.stderr)
         return 2
-
-
-def _taking_every_word(sub, name: str, help_text: str) -> argparse.ArgumentParser:
-    """A command parser with no prefix characters: every argument, ``--help`` included, is taken as it is."""
-    return sub.add_parser(name, help=help_text, prefix_chars="\0", add_help=False)
 
 
 def _raise(error: BaseException, args: argparse.Namespace) -> int:

@@ -34,7 +34,6 @@ from reasonkv.eval.references import answer_span, clean_solution, token_span
 from reasonkv.eval.step_bytes import StepBytes
 from reasonkv.generation.step import EagerStep, decode
 from reasonkv.hf import left_pad
-from reasonkv.policies import Policy
 
 __all__ = [
     "AnswerFidelity",
@@ -92,10 +91,6 @@ class AnswerFidelity:
 # ---------------------------------------------------------------------------------- replay core
 
 
-def _is_chunk_exact(policy: Policy) -> bool:
-    return bool(getattr(type(policy), "chunk_exact", False))
-
-
 # consume(start, evicting_logits [B, s, V], full_logits [B, s, V] or None, active rows): column t of
 # row r predicts continuation[r][start + t].
 Consumer = Callable[[int, torch.Tensor, torch.Tensor | None, list[int]], None]
@@ -137,7 +132,7 @@ def teacher_force(
     if max_chunk < 1:
         raise ValueError(f"max_chunk must be >= 1, got {max_chunk}")
     if chunked is None:
-        chunked = _is_chunk_exact(spec.policy)
+        chunked = bool(getattr(type(spec.policy), "chunk_exact", False))
     device = next(model.parameters()).device
     evicting = EvictingCache(model=model, spec=spec)
     full = EvictingCache(model=model, spec=CacheSpec("full")) if reference else None
@@ -218,19 +213,16 @@ class _Replay:
                 self.evictions[r] = int(self.evicting.row_evictions[r])
 
 
-def _renamed(cache_keywords: dict) -> dict:
-    """``seeds=`` is the old name of ``seed=`` (one per row, or one for all)."""
+def _replay(model, prompts, continuations, spec, cache_keywords: dict, consume: Consumer, **replay):
+    """:func:`teacher_force` under ``spec`` or the cache's keywords (``seeds=``, the old name of ``seed=``, warned
+    about); returns what it did and the spec."""
     if "seeds" in cache_keywords:
         warnings.warn(
             "seeds= is deprecated: pass seed= (one per row, or one for all)", DeprecationWarning, stacklevel=3
         )
         cache_keywords["seed"] = cache_keywords.pop("seeds")
-    return cache_keywords
-
-
-def pad_id_of(tokenizer) -> int:
-    pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
-    return 0 if pad is None else int(pad)
+    spec = resolve_spec(spec, **cache_keywords)
+    return teacher_force(model, prompts, continuations, spec, consume=consume, **replay), spec
 
 
 def replay_logits(
@@ -259,17 +251,9 @@ def replay_logits(
         pieces_e.append(logits_e[0].float().cpu())
         pieces_f.append(logits_f[0].float().cpu())
 
-    spec = resolve_spec(spec, **_renamed(cache_keywords))
-    [evictions] = teacher_force(
-        model,
-        [list(prompt_ids)],
-        [list(continuation_ids)],
-        spec,
-        chunked=chunked,
-        max_chunk=max_chunk,
-        pad_id=pad_id,
-        consume=consume,
-    ).evictions
+    replay = dict(chunked=chunked, max_chunk=max_chunk, pad_id=pad_id)
+    forced, _ = _replay(model, [list(prompt_ids)], [list(continuation_ids)], spec, cache_keywords, consume, **replay)
+    [evictions] = forced.evictions
     evicting = torch.cat(pieces_e)[:n] if pieces_e else torch.empty(0)
     full = torch.cat(pieces_f)[:n] if pieces_f else torch.empty(0)
     return Replay(evicting=evicting, full=full, evictions=evictions)
@@ -304,7 +288,6 @@ def trace_fidelity(
     agree_full = [0] * batch
     kl_sum = [0.0] * batch
     kl_max = [0.0] * batch
-    spec = resolve_spec(spec, **_renamed(cache_keywords))
 
     def consume(start, logits_e, logits_f, active):
         span = logits_e.shape[1]
@@ -317,29 +300,24 @@ def trace_fidelity(
             kl_sum[r] += float(kl.sum())
             kl_max[r] = max(kl_max[r], float(kl.max()))
 
-    forced = teacher_force(
-        model, prompts, traces, spec, chunked=chunked, max_chunk=max_chunk, pad_id=pad_id, consume=consume
-    )
-    evictions, held = forced.evictions, forced.steady_kv_bytes
-    chunk_flag = _is_chunk_exact(spec.policy) if chunked is None else chunked
-    results = []
-    for r in range(batch):
-        n = len(traces[r])
-        nan = float("nan")
-        results.append(
-            TraceFidelity(
-                steps=n,
-                top1_agreement=agree[r] / n if n else nan,
-                top1_full_replay=agree_full[r] / n if n else nan,
-                kl_mean=kl_sum[r] / n if n else nan,
-                kl_max=kl_max[r] if n else nan,
-                evictions=evictions[r],
-                chunked=chunk_flag,
-                steady_kv_bytes=held[r],
-                step_bytes=forced.step_bytes[r],
-            )
+    replay = dict(chunked=chunked, max_chunk=max_chunk, pad_id=pad_id)
+    forced, spec = _replay(model, prompts, traces, spec, cache_keywords, consume, **replay)
+    chunk_flag = bool(getattr(type(spec.policy), "chunk_exact", False)) if chunked is None else chunked
+    nan = float("nan")
+    return [
+        TraceFidelity(
+            steps=(n := len(traces[r])),
+            top1_agreement=agree[r] / n if n else nan,
+            top1_full_replay=agree_full[r] / n if n else nan,
+            kl_mean=kl_sum[r] / n if n else nan,
+            kl_max=kl_max[r] if n else nan,
+            evictions=forced.evictions[r],
+            chunked=chunk_flag,
+            steady_kv_bytes=forced.steady_kv_bytes[r],
+            step_bytes=forced.step_bytes[r],
         )
-    return results
+        for r in range(batch)
+    ]
 
 
 # ---------------------------------------------------------------------------------- reference answers
@@ -375,7 +353,6 @@ def answer_logprob(
     batch = len(prompts)
     logp_e = [0.0] * batch
     logp_f = [0.0] * batch
-    spec = resolve_spec(spec, **_renamed(cache_keywords))
     continuations = [list(ids)[:b] for ids, _, b in references]
 
     def consume(start, logits_e, logits_f, active):
@@ -390,22 +367,17 @@ def answer_logprob(
             logp_e[r] += float(logits_e[r, cols].float().log_softmax(-1).gather(-1, target).sum())
             logp_f[r] += float(logits_f[r, cols].float().log_softmax(-1).gather(-1, target).sum())
 
-    evictions = teacher_force(
-        model, prompts, continuations, spec, chunked=chunked, max_chunk=max_chunk, pad_id=pad_id, consume=consume
-    ).evictions
-    results = []
-    for r in range(batch):
-        _, a, b = references[r]
-        delta = logp_e[r] - logp_f[r]
-        results.append(
-            AnswerFidelity(
-                reference_tokens=b,
-                answer_tokens=b - a,
-                logprob_full=logp_f[r],
-                logprob_evicting=logp_e[r],
-                delta_sum=delta,
-                delta_mean=delta / (b - a),
-                evictions=evictions[r],
-            )
+    replay = dict(chunked=chunked, max_chunk=max_chunk, pad_id=pad_id)
+    forced, _ = _replay(model, prompts, continuations, spec, cache_keywords, consume, **replay)
+    return [
+        AnswerFidelity(
+            reference_tokens=b,
+            answer_tokens=b - a,
+            logprob_full=logp_f[r],
+            logprob_evicting=logp_e[r],
+            delta_sum=logp_e[r] - logp_f[r],
+            delta_mean=(logp_e[r] - logp_f[r]) / (b - a),
+            evictions=forced.evictions[r],
         )
-    return results
+        for r, (_, a, b) in enumerate(references)
+    ]

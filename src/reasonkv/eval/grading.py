@@ -168,20 +168,15 @@ def _as_number(s: str) -> Fraction | None:
     try:
         if _DECIMAL_RE.fullmatch(s):
             return Fraction(s)
-        m = _SLASH_RE.fullmatch(s)
-        if m and int(m.group(3)):
+        if (m := _SLASH_RE.fullmatch(s)) and int(m.group(3)):
             value = Fraction(int(m.group(2)), int(m.group(3)))
-            return -value if m.group(1) == "-" else value
-        m = _FRAC_RE.fullmatch(s)
-        if m:
-            den = int(m.group(5) or m.group(6))
-            if den == 0:
-                return None
-            value = Fraction(int(m.group(3) or m.group(4)), den) + int(m.group(2) or 0)
-            return -value if m.group(1) == "-" else value
+        elif (m := _FRAC_RE.fullmatch(s)) and int(m.group(5) or m.group(6)):
+            value = Fraction(int(m.group(3) or m.group(4)), int(m.group(5) or m.group(6))) + int(m.group(2) or 0)
+        else:
+            return None
     except (ValueError, ZeroDivisionError):
         return None
-    return None
+    return -value if m.group(1) == "-" else value
 
 
 def _single_equal(p: str, g: str, timeout_s: float) -> bool:

@@ -131,7 +131,7 @@ def grid_sha256(identity: Mapping[str, Any]) -> str:
 
 
 def _cell(policy: Mapping[str, Any]) -> str:
-    return str(policy.get("label")) + ("" if policy.get("budget") is None else f"@{policy.get('budget')}")
+    return str(policy.get("label", "?")) + ("" if policy.get("budget") is None else f"@{policy.get('budget')}")
 
 
 def _dataset(dataset: Mapping[str, Any]) -> str:
@@ -283,10 +283,7 @@ def describe(manifest: Mapping[str, Any]) -> list[str]:
         f"sample{'' if d.get('samples') == 1 else 's'}, sha256 {short(d.get('sha256'))})"
         for d in map(_object, _list(grid.get("datasets")))
     )
-    policies = ", ".join(
-        str(p.get("label", "?")) + ("" if p.get("budget") is None else f"@{p['budget']}")
-        for p in map(_object, _list(grid.get("policies")))
-    )
+    policies = ", ".join(_cell(p) for p in map(_object, _list(grid.get("policies"))))
     command = manifest.get("command")
     world = _object(manifest.get("launch")).get("world_size", 1)
     world = world if isinstance(world, int) else 1

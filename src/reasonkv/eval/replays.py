@@ -110,7 +110,8 @@ def _traces(ctx: Context, dataset: str, problems: Sequence[Problem], pending: li
 def _fidelity_batch(ctx: Context, dataset, cell: Cell, batch, traces, sources, references) -> list[FidelityRecord]:
     grid = ctx.grid
     seeds = [sample_seed(grid.seed, p.id, 0) for p in batch]
-    replay = dict(max_chunk=grid.max_chunk or fidelity.DEFAULT_MAX_CHUNK, pad_id=fidelity.pad_id_of(ctx.tokenizer))
+    pad = getattr(ctx.tokenizer, "pad_token_id", None)
+    replay = dict(max_chunk=grid.max_chunk or fidelity.DEFAULT_MAX_CHUNK, pad_id=0 if pad is None else int(pad))
     t0 = time.perf_counter()
     spec = cell.spec.replace(seed=tuple(seeds))
     trace_rows = fidelity.trace_fidelity(

@@ -92,10 +92,6 @@ def _dtype_label(dtype: torch.dtype) -> str:
     return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
 
 
-def _dtype_name(model) -> str:
-    return _dtype_label(next(model.parameters()).dtype)
-
-
 def _model_name(model) -> str:
     name = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
     return str(name) or type(model).__name__
@@ -148,18 +144,6 @@ def _grader(plan: GridPlan) -> CodeGrader | None:
         memory_mb=settings.memory_mb,
         workers=settings.workers,
     )
-
-
-def _plan_record(plan: GridPlan, model_name: str, dtype: str) -> dict[str, Any]:
-    """What every process of a sharded run must agree on (see :func:`reasonkv.eval.shards.join_run`)."""
-    return {
-        "tool": "reasonkv",
-        "kind": "plan",
-        "sha256": plan.description["sha256"],
-        "grid": plan.identity(),
-        "model": model_name,
-        "dtype": dtype,
-    }
 
 
 def _check_space(out: Path) -> None:
@@ -217,8 +201,10 @@ def run_grid(
         dtype_name = _dtype_label(resolve_dtype(dtype))
     else:
         model_name = model_name or _model_name(model)
-        dtype_name = _dtype_name(model)
-    lock = _join(out, plan, _plan_record(plan, model_name, dtype_name), repair)
+        dtype_name = _dtype_label(next(model.parameters()).dtype)
+    # What every process of a sharded run must agree on (see reasonkv.eval.shards.join_run).
+    agreed = {"tool": "reasonkv", "kind": "plan", "sha256": plan.description["sha256"], "grid": plan.identity()}
+    lock = _join(out, plan, {**agreed, "model": model_name, "dtype": dtype_name}, repair)
     try:
         if isinstance(model, (str, os.PathLike)):
             device = plan.shard.device(device)
@@ -237,7 +223,7 @@ def run_grid(
             tokenizer=tokenizer,
             grid=plan.grid,
             model_name=model_name,
-            dtype=_dtype_name(model),
+            dtype=_dtype_label(next(model.parameters()).dtype),
             device=str(next(model.parameters()).device),
             prompt_format=_prompt_format(tokenizer, plan.grid.thinking),
             progress=progress,
