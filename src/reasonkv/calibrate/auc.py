@@ -1,12 +1,5 @@
-"""Signal comparison: how well each score tells a trace's most important chunks from the rest.
-
-For every trace the chunks with a defined label are split into positives, the ``fraction``
-(default 20%) with the largest label (at least one; ties broken by position), and the rest. A
-score's AUC on that trace is the probability that a random positive chunk scores higher than a
-random other chunk (ties count one half): 0.5 is chance, 1 is a perfect ranking, below 0.5 means
-the score prefers the unimportant chunks. The table reports, per score, the mean of the per-trace
-AUCs (within-trace, like an eviction decision) with a bootstrap interval over traces, and the mean
-per-trace Spearman correlation of the score with the label.
+"""Signal comparison: each score's mean per-trace AUC at telling a trace's top-``fraction`` chunks by label from
+the rest, with a bootstrap interval over traces, and its mean per-trace Spearman correlation (docs/calibrate.md).
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """``reasonkv calibrate --budgets``: the budget file of ``allocation="calibrated"``, from attention mass.
 
-Each (layer, kv-head) is weighted by how much attention its queries pay beyond what a streaming head holds:
-the mass on the keys after the first ``sinks`` and before the ``window`` most recent (DuoAttention's split
-of retrieval heads, which need the whole context, from streaming heads, which need the sinks and the recent
-tokens, measured here as a number instead of a label). The mass is the model's own softmax, recomputed from
-the post-RoPE queries and keys the attention tap sees on a full-cache forward over each trace (reference
-solutions after their prompts, or a text file), averaged over the query heads of each kv head and over every
-query that has such keys. The file (:class:`reasonkv.cache.allocation.BudgetFile`) holds these ``weights``;
-a cache shares its ``K x layers x kv-heads`` among the heads in proportion to them, every head first getting
-its protected tokens, so the same file serves every budget.
+Each (layer, kv-head) is weighted by the attention mass its queries pay beyond what a streaming head holds (the
+first ``sinks`` keys and the ``window`` most recent), the model's own softmax recomputed from the attention tap
+(docs/calibrate.md). The file (:class:`reasonkv.cache.allocation.BudgetFile`) holds these ``weights``, shared out
+in proportion by the cache, so one file serves every budget.
 """
 
 from __future__ import annotations

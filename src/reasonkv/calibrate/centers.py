@@ -1,12 +1,8 @@
 """``reasonkv calibrate --centers``: the query centers TriAttention scores keys with, for any model.
 
-:class:`CentersSettings` says what to read (a dataset's reference solutions after their prompts, or
-a plain-text file, as the TriAttention authors calibrate) and where to write;
-:func:`run_centers` runs the model over it (full cache, one forward per sequence), takes every
-full-attention layer's post-RoPE queries from the attention tap, rotates them back to pre-RoPE space
-with the model's own rotary tables and writes their per-(layer, head) complex mean and mean modulus
-(:class:`~reasonkv.policies.query_centers.QueryCenters`), stamped with the model's shape and weights
-fingerprint so that the policy refuses them on another model.
+:func:`run_centers` runs the model over what :class:`CentersSettings` names, rotates every full-attention layer's
+post-RoPE queries back to pre-RoPE space and writes their per-(layer, head) complex mean and mean modulus
+(:class:`~reasonkv.policies.query_centers.QueryCenters`), stamped with the model's shape and weights fingerprint.
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
-"""``reasonkv calibrate --gates``: train SeerAttention-R's gate for a model by self-distillation.
+"""``reasonkv calibrate --gates``: train SeerAttention-R's gate for a model by self-distillation (docs/calibrate.md).
 
-:class:`GatesSettings` says which model, which problems (the model answers them itself: its own
-reasoning traces, sampled at temperature 0.6 as the papers decode, full cache, packed end to end into
-sequences of at least 2,048 tokens, as the authors pack theirs), how long to train and where to write;
-:func:`run_gates` generates the traces, runs the frozen model once over each packed sequence to take every
-full-attention layer's post-RoPE queries and keys from the attention tap (rotated back to pre-RoPE with
-the model's own rotary tables for the gate), builds the targets for queries in the later half of each
-sequence (where the authors put the loss, and a query has many blocks to choose from;
-:mod:`reasonkv.policies.seer`), trains the gate with a progress bar showing the loss, and writes
-``gates.pt`` (loaded by ``seer``'s ``gates=FOLDER``) and ``gates.json`` (the loss curve, and the recall of
-the true top blocks on held-out sequences: the trained gate, an untrained one and Quest's bound) into the
-``--out`` folder, beside the model's other calibration files.
-
-The folder is claimed first, before the model loads (:func:`claim_gates_output`): a ``gates.pt`` or
-``gates.json`` there that this command did not write is never replaced. A packed sequence shorter than the
-gate needs to learn from (:meth:`GatesSettings.shortest`) is refused with the settings, and a run whose
-training or held-out recall measured nothing writes nothing.
+:func:`run_gates` packs the model's own answers into sequences, takes every full-attention layer's queries and keys
+from the attention tap, builds the targets (:mod:`reasonkv.policies.seer`), trains the gate and writes ``gates.pt``
+and ``gates.json`` into ``--out``, claimed first (:func:`claim_gates_output`).
 """
 
 from __future__ import annotations
@@ -30,7 +17,14 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from reasonkv.calibrate.shared import ModelSettings, check_positive, generation_setting, out_setting, progress_setting
+from reasonkv.calibrate.shared import (
+    ModelSettings,
+    check_choices,
+    check_positive,
+    generation_setting,
+    out_setting,
+    progress_setting,
+)
 from reasonkv.calibrate.traces import prompt_ids
 from reasonkv.eval.datasets import load_dataset
 from reasonkv.generation.loop import generate
@@ -82,26 +76,11 @@ def _gate(default: Any, help: str, **flag: Any) -> Any:
 
 @dataclass(frozen=True, kw_only=True)
 class GatesSettings(ModelSettings):
-    """Everything one ``reasonkv calibrate --gates`` run is told.
-
-    Parameters
-    ----------
-    model, dtype, device, attn
-        The model to load (and train the gate for).
-    dataset, traces, held_out, max_new_tokens, temperature, pack, batch
-        The model answers the problems of ``dataset`` in order, ``batch`` at a time (sampled at
-        ``temperature``, 0 for greedy, up to ``max_new_tokens`` tokens each), and its answers (prompt and
-        output) are packed end to end into sequences of at least ``pack`` tokens, until ``traces +
-        held_out`` sequences are full; the gate trains on ``traces`` of them, and its recall is measured
-        on the other ``held_out``.
-    block_size, gate_dim, qk_norm, init, steps, lr, queries, later_half, seed
-        The gate (blocks of ``block_size`` tokens, ``gate_dim`` channels, RMSNorm on its q and k, ``init``
-        its initial weights), Adam's ``steps`` (one sequence each) at ``lr``, ``queries`` query positions
-        per sequence (in its later half with ``later_half``, else from its second block), the seed of the
-        sampling, the initial weights and the order.
-    out
-        The folder to write ``gates.pt`` and ``gates.json`` into.
-    """
+    """Everything one ``reasonkv calibrate --gates`` run is told. The model answers the problems of ``dataset``
+    in order, ``batch`` at a time, and its answers (prompt and output) are packed into sequences of at least
+    ``pack`` tokens until ``traces + held_out`` are full: the gate trains on ``traces`` of them (Adam, ``steps``
+    sequences at ``lr``, ``queries`` query positions each) and its recall is measured on the other ``held_out``.
+    ``seed`` seeds the sampling, the initial weights and the order; each field's flag says the rest."""
 
     traces: int = _gate(24, "packed sequences to train on (default 24)", name="--gate-traces", type="positive")
     held_out: int = _gate(4, "further packed sequences to measure recall on (default 4)", type=int)
@@ -158,8 +137,7 @@ class GatesSettings(ModelSettings):
         check_int("held_out", self.held_out, 0)
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be 0 (greedy) or above, got {self.temperature!r}")
-        if self.init not in INITS:
-            raise ValueError(f"init must be one of {', '.join(INITS)}, got {self.init!r}")
+        check_choices(self)
         if not self.lr > 0:
             raise ValueError(f"lr must be positive, got {self.lr!r}")
         if self.out.exists() and not self.out.is_dir():

@@ -1,23 +1,6 @@
-"""Per-layer signal profile: how well each layer's chunk signal ranks the chunks by importance.
-
-For every trace and every layer ``l``, the Spearman correlation between the layer's chunk signal
-(``g_l`` or its z-score, averaged over each chunk's tokens) and the chunks' labels; the profile is
-the mean of these per-trace correlations over the traces, with a percentile bootstrap interval that
-resamples whole traces.
-
-Why within-trace correlations, averaged: an eviction policy only ever compares tokens of the same
-sequence, so what matters is whether a layer *ranks* a trace's chunks like the labels do. Pooling
-chunks of different traces would also reward signals that merely track how long or how hard a
-trace is, and the raw ``g`` scale changes from one trace to the next.
-
-Position control (``control="position"``, the default of ``reasonkv calibrate``): the labels depend
-on where a chunk sits (a late chunk's later tokens are few and close to it; the answer is near the
-end), and raw ``g`` drifts with position too, so a layer can correlate with the labels only because
-both follow position. The partial Spearman correlation with the chunk's index partialled out asks
-whether the layer knows more than the position does. ``control="none"`` gives the plain correlation.
-
-A trace with fewer than three (four with the control) chunks that have both a label and a signal
-contributes no correlation.
+"""Per-layer signal profile: the mean over traces of each layer's within-trace Spearman correlation of its
+chunk signal with the labels (the chunk position partialled out with ``control="position"``), with a bootstrap
+interval that resamples traces. Why within-trace, and why the control: docs/calibrate.md.
 """
 
 from __future__ import annotations

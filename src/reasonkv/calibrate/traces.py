@@ -1,19 +1,8 @@
-r"""The token sequences the anatomy is measured on, with the span of their final answer.
+r"""The token sequences the anatomy is measured on, with the span of their final answer (docs/calibrate.md).
 
-A :class:`Trace` is a prompt (the problem, chat-formatted by :func:`~reasonkv.eval.prompts.build_prompt`)
-followed by a reasoning trace, both as token ids. Two sources:
-
-``reference`` (:func:`reference_trace`)
-    The dataset's reference solution, teacher-forced after the prompt. GSM8K solutions are tidied
-    first (:func:`tidy_reference`): the calculator annotations ``<<16-3-4=9>>`` are removed (a model
-    never writes them) and the closing ``#### 18`` becomes ``The final answer is \boxed{18}.``, the
-    format the prompt asks for.
-``generated`` (:func:`generated_trace`)
-    The model's own greedy continuation of the prompt (full cache), without its end-of-turn token.
-
-The answer span is the content of the last ``\boxed{...}``; failing that, the text after a
-``####`` marker; failing that, the last number. It is ``None`` when none is found or the trace was
-cut before it.
+A :class:`Trace` is a chat-formatted prompt followed by a reasoning trace, both as token ids: the dataset's
+reference solution (:func:`reference_trace`, GSM8K's tidied by :func:`tidy_reference`) or the model's own greedy
+answer (:func:`generated_trace`).
 """
 
 from __future__ import annotations
