@@ -5,7 +5,7 @@ the rest, with a bootstrap interval over traces, and its mean per-trace Spearman
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -36,17 +36,8 @@ class AucRow:
     traces: int
 
     def to_dict(self) -> dict[str, object]:
-        def clean(v: float) -> float | None:
-            return None if np.isnan(v) else round(float(v), 6)
-
-        return {
-            "name": self.name,
-            "auc": clean(self.auc),
-            "low": clean(self.low),
-            "high": clean(self.high),
-            "spearman": clean(self.spearman),
-            "traces": self.traces,
-        }
+        numbers = {k: getattr(self, k) for k in ("auc", "low", "high", "spearman")}
+        return {**asdict(self), **{k: None if np.isnan(v) else round(float(v), 6) for k, v in numbers.items()}}
 
 
 def auc_table(

@@ -33,15 +33,9 @@ CHUNK = 256  # queries whose attention rows are built at once
 
 @dataclass(frozen=True, kw_only=True)
 class BudgetsSettings(ReadingSettings):
-    """Everything one ``reasonkv calibrate --budgets`` run is told: what :class:`ReadingSettings` holds (the
-    model, what it reads, and ``out``, a new path or a budget file, which is replaced), and:
-
-    Parameters
-    ----------
-    sinks, window
-        The streaming head's share: the mass beyond the first ``sinks`` keys and the ``window`` most recent
-        is what a head needs the rest of its budget for.
-    """
+    """Everything one ``reasonkv calibrate --budgets`` run is told: what :class:`ReadingSettings` holds, and the
+    streaming head's share (the first ``sinks`` keys and the ``window`` most recent): the mass beyond it is what a
+    head needs the rest of its budget for."""
 
     FLAG: ClassVar[str] = "--budgets"
     FILE_KIND: ClassVar[str] = "budget file"

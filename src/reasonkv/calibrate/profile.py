@@ -19,33 +19,16 @@ CONTROLS = ("position", "none")
 
 @dataclass(frozen=True)
 class Profile:
-    """Per-layer correlation of one signal with one label kind.
-
-    Attributes
-    ----------
-    signal, target : str
-        What was correlated (``"g"``/``"z"``; ``"later"``/``"later_sum"``/``"answer"``).
-    control : str
-        ``"position"`` (partial correlation given the chunk index) or ``"none"``.
-    rho, low, high : ndarray ``[layers]``
-        Mean per-trace Spearman correlation and its bootstrap interval.
-    per_trace : ndarray ``[traces, layers]``
-        The per-trace correlations (``NaN`` where undefined).
-    replicates : ndarray ``[replicates, layers]``
-        Bootstrap means (the same trace resamples for every layer, so band means can be
-        bootstrapped from them).
-    level : float
-        Coverage of the interval.
-    """
+    """Per-layer correlation of one signal (``"g"``, ``"z"``) with one label kind, under ``control``."""
 
     signal: str
     target: str
     control: str
-    rho: np.ndarray
-    low: np.ndarray
+    rho: np.ndarray  # [layers] mean per-trace Spearman correlation
+    low: np.ndarray  # [layers] its bootstrap interval, of coverage ``level``
     high: np.ndarray
-    per_trace: np.ndarray
-    replicates: np.ndarray
+    per_trace: np.ndarray  # [traces, layers] (NaN where undefined)
+    replicates: np.ndarray  # [replicates, layers] bootstrap means, the same trace resamples for every layer
     level: float
 
     @property

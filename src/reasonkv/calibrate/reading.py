@@ -26,22 +26,9 @@ TEXT_GROUP = "query centers (TriAttention)"  # where --text is shown: beside --c
 
 @dataclass(frozen=True, kw_only=True)
 class ReadingSettings(ModelSettings):
-    """The model, what it reads and the one file a calibration writes.
-
-    Parameters
-    ----------
-    model, dtype, device, attn
-        The model to load.
-    dataset, traces
-        Read the reference solutions of the first ``traces`` problems of ``dataset``, each after its
-        prompt (ignored when ``text`` is given).
-    text
-        A plain-text file read as one sequence instead.
-    max_tokens
-        Cut every sequence to this many tokens (None: whole).
-    out
-        The file to write (a new path, or a file of this command's kind, which is replaced).
-    """
+    """The model, what it reads (the reference solutions of the first ``traces`` problems of ``dataset`` after
+    their prompts, or the plain-text file ``text`` as one sequence; each cut to ``max_tokens``) and ``out``, the
+    one file it writes (a new path, or a file of this command's kind, which is replaced)."""
 
     FLAG: ClassVar[str]  # the command's flag, e.g. "--centers"
     FILE_KIND: ClassVar[str]  # what ``out`` must hold if it exists, e.g. "query centers file"

@@ -42,17 +42,9 @@ def claim_output(out: str | os.PathLike, inputs=()) -> ClaimedFolder:
 
 
 class RecordStore:
-    """One JSONL file of records keyed by ``id``, all computed with the same ``settings``.
-
-    Parameters
-    ----------
-    path : path
-        The file (created by the first append; its folder when the store opens).
-    settings : mapping
-        JSON-serialisable settings the records depend on; compared with every stored record.
-    on_mismatch : {"error", "replace"}
-        What to do with a file whose records have other settings.
-    """
+    """One JSONL file of records keyed by ``id`` (created by the first append), all computed with the same
+    JSON-serialisable ``settings``; ``on_mismatch`` (``"error"``, ``"replace"``) says what becomes of a file whose
+    records have other settings."""
 
     def __init__(self, path: str | os.PathLike, settings: Mapping[str, Any], *, on_mismatch: str = "error"):
         if on_mismatch not in ("error", "replace"):
