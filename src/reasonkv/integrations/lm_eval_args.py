@@ -1,20 +1,9 @@
 """The ``--model_args`` of lm-eval's ``reasonkv`` model, read and checked before any model loads.
 
-lm-eval hands a model its ``--model_args`` as keyword arguments, typed by its own parser (``budget=64`` is an
-int, ``policy.layers=[1,2]`` a list) or, from Python, as given. They are of three kinds:
-
-- the cache: ``policy``, ``budget``, ``buffer``, ``quantized``, ``bits``, ``group_size``, ``seed``, the
-  allocation (``allocation``, ``budgets_file``, ``adaptive_alpha``, ``padded_heads``: the command line's
-  ``--allocation`` and its flags), and the policy's options as ``policy.KEY=VALUE`` (``POLICY.KEY=VALUE``
-  too), parsed by the option's type with the command line's own parser (what ``-o KEY=VALUE`` does); the spec
-  is built as every command builds it (:func:`~reasonkv.cache.spec.resolve_spec`), so it meets the same rules;
-- the model: ``pretrained`` (a hub id, a local directory, a .gguf file, a bundled name, or in Python a loaded
-  model with its ``tokenizer``), ``dtype``, ``device``, ``attn_implementation``, and ``scoring``: how
-  loglikelihood requests are scored (``evicting``: through the evicting cache, as decoding would see the text;
-  ``full``: lm-eval's own full-context forward);
-- the settings of lm-eval's HuggingFace model that still apply (``batch_size``, ``max_length``, ...).
-
-Anything else is refused by name, so a misspelt argument fails at start, before a model loads.
+lm-eval hands them as keyword arguments, typed by its own parser or, from Python, as given: the cache's settings
+and the policy's options as ``policy.KEY=VALUE`` (the spec built by :func:`~reasonkv.cache.spec.resolve_spec`, as
+every command builds it), the model's, and lm-eval's HF-model settings that still apply (docs/lm-eval.md).
+Anything else is refused by name, so a misspelt argument fails before a model loads.
 """
 
 from __future__ import annotations
