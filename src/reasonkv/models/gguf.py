@@ -27,16 +27,9 @@ def load_gguf(
 
 
 def read_gguf(gguf: Path, dtype: torch.dtype, attn: str = "sdpa") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Model and tokenizer of a GGUF file that may be damaged, on the CPU.
-
-    The file's header is checked before the (slow) load, its structure diagnosed if the load fails,
-    and its weights checked for NaN and inf after.
-
-    Raises
-    ------
-    CorruptModelError
-        The file is not a GGUF file, is truncated or corrupt, or its weights hold NaN or inf values.
-    """
+    """Model and tokenizer of a GGUF file that may be damaged, on the CPU: its header checked before the (slow)
+    load, its structure diagnosed if the load fails, its weights checked for NaN and inf after
+    (:class:`CorruptModelError`)."""
     check_gguf_header(gguf)
     try:
         model, tokenizer = _from_gguf(gguf, dtype, attn)

@@ -30,15 +30,9 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 def load_hub_id(
     name: str, dtype: torch.dtype, device: torch.device, attn: str
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load the model of a hub id, from the hub or, when the hub cannot be reached, from the local cache.
-
-    Raises
-    ------
-    ValueError
-        ``name`` is not a valid hub id.
-    OSError
-        The id does not resolve (unknown, or not cached while the hub cannot be reached).
-    """
+    """Load the model of a hub id, from the hub or, when the hub cannot be reached, from the local cache:
+    ``ValueError`` for a name that is not a hub id, ``OSError`` for an id that does not resolve (unknown, or not
+    cached while the hub cannot be reached)."""
     from transformers import AutoConfig
 
     if not _HUB_ID.match(name) or ".." in name or "--" in name:

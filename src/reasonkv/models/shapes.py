@@ -78,29 +78,12 @@ def random_model(
     seed: int = 0,
     init_std: float = 0.02,
 ) -> PreTrainedModel:
-    """Build a model with random weights and the architecture of a named shape.
+    """A model in eval mode with random weights and the architecture of ``shape_name`` (one of :func:`list_shapes`).
 
-    The model is created directly on ``device`` in ``dtype`` (an 8B shape on a GPU never
-    materialises on the CPU). Weights are drawn from a seeded normal distribution with standard
-    deviation ``init_std`` (norm weights are ones), so outputs are finite but meaningless: use
-    these models for speed and memory measurements only. ``device="meta"`` builds the module tree
-    without allocating weights.
-
-    Parameters
-    ----------
-    shape_name
-        One of :func:`list_shapes`.
-    dtype, device, attn_implementation
-        As in :func:`~reasonkv.models.load_model`.
-    seed
-        Seed of the weight initialisation; the caller's global RNG state is left untouched.
-    init_std
-        Standard deviation of the normal initialisation.
-
-    Returns
-    -------
-    PreTrainedModel
-        The model in eval mode.
+    It is created directly on ``device`` in ``dtype`` (as in :func:`~reasonkv.models.load_model`; an 8B shape on a
+    GPU never materialises on the CPU; ``"meta"`` allocates no weights). Weights are drawn from a normal
+    distribution of standard deviation ``init_std`` seeded by ``seed`` (the caller's RNG state is left untouched;
+    norm weights are ones), so outputs are finite but meaningless: for speed and memory measurements only.
     """
     from transformers import AutoModelForCausalLM
 
