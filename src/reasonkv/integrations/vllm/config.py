@@ -1,17 +1,12 @@
-"""The ``reasonkv`` key of vLLM's ``additional_config``: read, validated through reasonkv's own
-:class:`~reasonkv.cache.spec.CacheSpec` (the same errors as the command line), and every engine setting the
-integration cannot honour refused in one line when the engine starts.
-
-``LLM(model, additional_config={"reasonkv": {"policy": "streaming", "budget": 256, "buffer": 64, "sinks": 4}})``
-or ``vllm serve MODEL --additional-config '{"reasonkv": {...}}'``. Keys besides the cache's settings and the
-policy's options: ``stats_file``, a JSONL file the scheduler appends one line to per finished request.
+"""The ``reasonkv`` key of vLLM's ``additional_config`` (docs/vllm.md): read, validated through reasonkv's own
+:class:`~reasonkv.cache.spec.CacheSpec` (the command line's errors), and every engine setting the integration
+cannot honour refused in one line when the engine starts. One key of its own: ``stats_file``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any
 
 import vllm
 from vllm.platforms import current_platform
@@ -165,9 +160,3 @@ def refusals(vllm_config, settings: Settings) -> list[str]:
     elif parallel.worker_cls not in ("auto", WORKER, "vllm.v1.worker.cpu_worker.CPUWorker"):
         found.append(f"a custom worker ({parallel.worker_cls}) in place of reasonkv's")
     return found
-
-
-def describe(settings: Settings) -> dict[str, Any]:
-    """The settings as a log line shows them."""
-    spec = settings.spec
-    return {"policy": spec.policy.config(), "budget": spec.budget, "buffer": spec.buffer}

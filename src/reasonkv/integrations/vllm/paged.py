@@ -1,9 +1,8 @@
 """A request's K/V in vLLM's paged cache, read out densely for a policy and written back compacted.
 
-The layout inside a block is the attention backend's business: the CPU backend stores fp32 keys transposed
-([head_dim, block] per head) and bf16 keys in interleaved pairs, values row-major. Rather than copy those rules
-(and corrupt the cache silently when a release changes them), the layout is learned once from the backend's
-own write op: write probe values whose token and channel can be read back, and record where each landed.
+The layout inside a block is the attention backend's business, so rather than copy its rules (and corrupt the
+cache silently when a release changes them) it is learned once from the backend's own write op: probe values
+whose token and channel can be read back, and where each landed.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""How many tokens a request holds in vLLM's paged cache: one rule that the scheduler (which sizes and frees a
-request's blocks) and the worker (which writes and compacts them) both apply, so they agree without talking.
-
-reasonkv's own cache evicts a row when it holds ``K + B`` tokens, down to ``K``, after the forward that got it
-there; a prompt of ``K + B`` tokens or more is evicted once, after its prefill. Counting the tokens a request
-holds (its physical length) from the tokens it has computed (its logical length) follows from that alone.
+"""How many tokens a request holds in vLLM's paged cache (its physical length) from the tokens it computed (its
+logical length): one rule, reasonkv's own (evict at ``K + B`` down to ``K`` after the forward that got there; a
+prompt of ``K + B`` or more once, after its prefill), that the scheduler and the worker both apply.
 """
 
 from __future__ import annotations
