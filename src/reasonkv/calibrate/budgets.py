@@ -115,12 +115,9 @@ def head_mass(model, sequences: list[list[int]], *, sinks: int, window: int) -> 
         if index[layer] == 0:
             counted["queries"] += queries
 
-    tap = AttentionTap(model, listen)
-    try:
+    with AttentionTap(model, listen):
         for ids in sequences:
             model(input_ids=torch.tensor([ids], device=device), use_cache=False)
-    finally:
-        tap.close()
     if counted["queries"] == 0:
         raise ValueError(f"no trace is longer than sinks + window = {sinks + window} tokens: nothing to measure")
     return sums / counted["queries"], counted["queries"]

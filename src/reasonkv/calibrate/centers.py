@@ -47,14 +47,11 @@ def compute_centers(model, sequences: list[list[int]], *, name: str = "", source
         if layer in tables:
             sums.add(layer, query, current["positions"], current["valid"], tables[layer])
 
-    tap = AttentionTap(model, listen)
-    try:
+    with AttentionTap(model, listen):
         for ids in sequences:
             current["positions"] = torch.arange(len(ids), device=device).unsqueeze(0)
             current["valid"] = torch.ones(1, len(ids), dtype=torch.bool, device=device)
             model(input_ids=torch.tensor([ids], device=device), use_cache=False)
-    finally:
-        tap.close()
     mean, modulus = sums.means()
     return QueryCenters(
         mean=mean[0].cpu(),

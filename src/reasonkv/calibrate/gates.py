@@ -255,8 +255,7 @@ def collect_examples(
             captured[layer] = (query[0], key[0])
 
     examples = []
-    tap = AttentionTap(model, listen)
-    try:
+    with AttentionTap(model, listen):
         for ids in sequences:
             if len(ids) <= block_size:
                 continue
@@ -281,8 +280,6 @@ def collect_examples(
                     )
                 sequence.append(example)
             examples.append(sequence)
-    finally:
-        tap.close()
     return examples
 
 

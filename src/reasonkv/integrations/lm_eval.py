@@ -86,7 +86,10 @@ class ReasonKVLM(HFLM):
             raise ValueError(
                 f"model_args pretrained={args.pretrained!r}: lm-eval needs text, and this model has no tokenizer"
             )
-        quiet = _Without(_LOADED_MODEL_NOTES)
+
+        def quiet(record: logging.LogRecord) -> bool:
+            return not record.getMessage().startswith(_LOADED_MODEL_NOTES)
+
         hf_log = logging.getLogger(HFLM.__module__)
         hf_log.addFilter(quiet)
         try:
@@ -329,17 +332,6 @@ class ReasonKVLM(HFLM):
             seeds.append(sample_seed(self.spec.seed, key, seen[id(request)]))
             seen[id(request)] += 1
         return seeds
-
-
-class _Without(logging.Filter):
-    """Drops log records whose message starts with one of ``prefixes``."""
-
-    def __init__(self, prefixes: tuple[str, ...]):
-        super().__init__()
-        self.prefixes = prefixes
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(self.prefixes)
 
 
 def _args(request) -> tuple:
