@@ -30,27 +30,14 @@ SOURCES = ("reference", "generated")
 
 @dataclass(frozen=True)
 class Trace:
-    """One prompt + trace as token ids.
+    """One prompt (special tokens included) and the trace that follows it, as token ids."""
 
-    Attributes
-    ----------
-    id : str
-        The problem id (unique within a run).
-    prompt_ids, trace_ids : list of int
-        The prompt (special tokens included) and the trace that follows it.
-    answer_span : tuple of int or None
-        ``[start, end)`` of the final answer, as indices into ``trace_ids``.
-    source : {"reference", "generated"}
-    text : str
-        The trace text (for people reading the cache).
-    """
-
-    id: str
+    id: str  # the problem's, unique within a run
     prompt_ids: list[int]
     trace_ids: list[int]
-    answer_span: tuple[int, int] | None
-    source: str
-    text: str = ""
+    answer_span: tuple[int, int] | None  # [start, end) of the final answer in trace_ids
+    source: str  # one of SOURCES
+    text: str = ""  # the trace text, for people reading the records
 
     @property
     def ids(self) -> list[int]:
@@ -79,23 +66,8 @@ def _cut(trace_ids: list[int], span: tuple[int, int] | None, max_tokens: int | N
 
 
 def reference_trace(tokenizer: Any, problem: Any, *, max_tokens: int | None = None, tidy: bool = True) -> Trace:
-    """The problem's reference solution after its prompt.
-
-    Parameters
-    ----------
-    tokenizer : transformers tokenizer
-    problem : Problem
-        Must have a ``solution``.
-    max_tokens : int, optional
-        Cut the trace to this many tokens (the answer span is dropped if it is cut).
-    tidy : bool
-        Apply :func:`tidy_reference` (default True).
-
-    Raises
-    ------
-    ValueError
-        The problem has no reference solution.
-    """
+    """The problem's reference solution (:func:`tidy_reference`'d unless ``tidy`` is False) after its prompt, cut to
+    ``max_tokens`` (the answer span dropped if it is cut); ``ValueError`` for a problem without a solution."""
     if not problem.solution:
         raise ValueError(f"problem {problem.id!r} has no reference solution; use source='generated'")
     text = tidy_reference(problem.solution) if tidy else problem.solution.strip()
