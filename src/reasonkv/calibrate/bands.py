@@ -91,11 +91,8 @@ def write_band_calibration(
     extra: dict[str, object] | None = None,
     min_width: int = 3,
 ):
-    """Write the calibration file EPIKV loads; a side without a band keeps the depth-scaled default.
-
-    Returns the :class:`reasonkv.policies.calibration.Calibration` written. Besides the required keys the file
-    records whether each band was found, the rule's inputs and the per-layer profile.
-    """
+    """Write (and return) the :class:`~reasonkv.policies.calibration.Calibration` EPIKV loads, recording whether
+    each band was found, the rule's inputs and the per-layer profile; a side without a band is filled by the rule."""
     default = default_anatomy(profile.num_layers)
     a, layers_a = _side(band_a, default.a, default.band_a, band_b, profile, 1, min_width)
     b, layers_b = _side(band_b, default.b, default.band_b, band_a, profile, -1, min_width)

@@ -132,13 +132,9 @@ def token_logprobs(
     *,
     keep_cache: bool = False,
 ) -> tuple[torch.Tensor, Any]:
-    """``log p(x_t | x_<t)`` for ``t in [start + 1, T)``, one row per entry of ``hidden``.
-
-    ``ids`` is ``[T]``. Positions ``< start`` are taken from ``prefix_cache`` (a cache of the
-    unhidden sequence holding at least ``start`` positions; required when ``start > 0``), which is
-    left untouched. Returns ``([len(hidden), T - start - 1] float32, cache)``; the cache of this
-    forward is returned only when ``keep_cache``.
-    """
+    """``log p(x_t | x_<t)`` for ``t in [start + 1, T)`` of ``ids`` ``[T]``, one row per entry of ``hidden``:
+    ``([len(hidden), T - start - 1] float32, cache)``, this forward's cache only with ``keep_cache``. Positions
+    ``< start`` come from ``prefix_cache`` (the unhidden sequence's, required when ``start > 0``; left untouched)."""
     check_masked(model, "occlusion labels")
     total = ids.shape[0]
     rows = len(hidden)
@@ -167,17 +163,10 @@ def token_logprobs(
 
 @torch.inference_mode()
 def label_trace(model: Any, trace: Trace, settings: LabelSettings | None = None) -> dict[str, Any]:
-    """Occlusion labels of one trace.
-
-    Returns
-    -------
-    dict
-        ``chunks`` (``[start, end)`` logical positions), ``labels`` (``later``, ``later_sum``,
-        ``answer``: one float per chunk, ``nan`` where undefined), ``scored`` (number of ``later``
-        targets per chunk), ``answer_positions`` (``[start, end)`` logical positions or ``None``),
-        ``full_logprob`` (mean log-likelihood of the trace tokens and summed one of the answer under
-        the full context) and ``seconds``.
-    """
+    """Occlusion labels of one trace: ``chunks`` (``[start, end)`` logical positions), ``labels`` (one float per
+    chunk of each of ``TARGETS``, ``nan`` where undefined), ``scored`` (``later`` targets per chunk),
+    ``answer_positions`` (``[start, end)`` or None), ``full_logprob`` (under the full context: the trace tokens'
+    mean, the answer's sum) and ``seconds``."""
     settings = settings or LabelSettings()
     started = time.perf_counter()
     device = next(model.parameters()).device

@@ -111,11 +111,8 @@ class Analysis:
 def analyse(
     label_store: RecordStore, signal_store: RecordStore, ids: Sequence[str], settings: CalibrateSettings
 ) -> Analysis:
-    """Profiles for every signal x label kind and the bands of ``(signal, target)``, with ``control``,
-    ``bootstrap`` resamples seeded by ``seed``, and the band widths as ``settings`` say.
-
-    The AUC tables need the calibrated layers: :func:`auc_for` adds them once they are chosen.
-    """
+    """Profiles for every signal x label kind and the bands of ``(signal, target)``, as ``settings`` say; the
+    AUC tables need the calibrated layers: :func:`auc_for` adds them once they are chosen."""
     s = settings
     missing = [i for i in ids if i not in label_store or i not in signal_store]
     if missing:

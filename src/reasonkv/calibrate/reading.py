@@ -1,9 +1,6 @@
-"""What a calibration that runs the model over text is told, and the token sequences it reads.
-
-``reasonkv calibrate --centers`` and ``--budgets`` both load a model, read either the reference solutions
-of a dataset's first problems (each after its prompt) or one plain-text file, and write one file. This
-module holds those shared settings (:class:`ReadingSettings`: checked once, spelled back as a command) and
-the sequences they name (:func:`read_sequences`); each command adds its own options and file kind.
+"""What ``reasonkv calibrate --centers`` and ``--budgets`` share: the model, what it reads (a dataset's reference
+solutions after their prompts, or one plain-text file) and the one file it writes (:class:`ReadingSettings`), and
+the sequences read (:func:`read_sequences`); each command adds its own options and file kind.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""One calibration run: claim the folder, collect the missing records, analyse them, write the outputs.
-
-:func:`run_calibration` is the whole of ``reasonkv calibrate`` once its arguments are a
-:class:`~reasonkv.calibrate.settings.CalibrateSettings`. It writes into ``settings.out``:
-``labels.jsonl`` and ``signals.jsonl`` (one record per trace, appended as they are computed),
-``calibration.json`` (the file EPIKV loads), ``correlation.png``, ``results.json`` (every number) and
-``summary.md``.
+"""One calibration run (:func:`run_calibration`, the whole of ``reasonkv calibrate``): claim the folder, collect
+the missing records, analyse them, and write ``calibration.json`` (the file EPIKV loads), ``correlation.png``,
+``results.json`` (every number) and ``summary.md`` beside the records.
 """
 
 from __future__ import annotations

@@ -55,14 +55,8 @@ class ModelArgs:
 
 
 def parse_model_args(args: Mapping[str, Any]) -> ModelArgs:
-    """Check ``args`` (lm-eval's ``--model_args`` as keywords) and build the cache's spec.
-
-    Raises
-    ------
-    ValueError
-        Naming the argument: an unknown one, an unknown policy or option, a value of the wrong type, a budget
-        the policy's protected tokens do not fit, a scoring mode other than ``evicting`` / ``full``, ...
-    """
+    """Check ``args`` (lm-eval's ``--model_args`` as keywords) and build the cache's spec: ``ValueError`` naming
+    the argument (unknown, an unknown policy or option, a wrong type, a budget too small, a bad scoring mode...)."""
     args = dict(args)
     for key, value in args.items():
         if key not in _KNOWN and "." not in key:

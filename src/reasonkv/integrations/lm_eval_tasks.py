@@ -21,11 +21,8 @@ __all__ = ["Generation", "gsm8k", "math500", "process_generation", "process_refe
 
 
 class Generation(str):
-    """A generated text that says how decoding ended (``finish_reason``: ``eos``, ``stop`` or ``length``).
-
-    A ``str`` so lm-eval handles it as any response (filters, logged samples); :func:`process_generation`
-    reads ``finish_reason`` to grade as ``reasonkv eval`` does.
-    """
+    """A generated text that says how decoding ended (``finish_reason``: ``eos``, ``stop`` or ``length``): a
+    ``str``, so lm-eval handles it as any response, that :func:`process_generation` grades as ``reasonkv eval``."""
 
     finish_reason: str | None
 

@@ -1,7 +1,5 @@
-"""How a model runs: its dtype, its device and its attention implementation, each checked before a load.
-
-Every loader resolves these three first, so a bad value fails at once with the allowed values, never
-after minutes of loading.
+"""How a model runs: its dtype, its device and its attention implementation, each checked before any load, so a
+bad value fails at once with the allowed values.
 """
 
 from __future__ import annotations
@@ -85,11 +83,8 @@ def resolve_attn_implementation(attn_implementation: str, dtype: torch.dtype, de
 
 @contextmanager
 def clear_attention_error(attn: str) -> Iterator[None]:
-    """Turn transformers' refusal of an attention kernel for an architecture into one clear error.
-
-    Only the model's construction knows whether its architecture supports a kernel, so every loader
-    builds the model inside this context.
-    """
+    """Turn transformers' refusal of an attention kernel for an architecture into one clear error (only the
+    model's construction knows, so every loader builds the model inside this context)."""
     try:
         yield
     except ValueError as error:

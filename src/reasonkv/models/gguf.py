@@ -62,12 +62,9 @@ def _from_gguf(gguf: Path, dtype: torch.dtype, attn: str = "sdpa") -> tuple[PreT
 
 
 def _align_special_tokens(tokenizer: PreTrainedTokenizerBase, config: PretrainedConfig) -> None:
-    """Set the tokenizer's bos/eos/pad/unk tokens to the ids the GGUF metadata gave the model config.
-
-    Some transformers releases (5.17 among them) build the GGUF tokenizer with a wrong eos token
-    (``<|im_start|>`` for SmolLM2) and no pad token, while the model config read from the same file
-    is right.
-    """
+    """Set the tokenizer's bos/eos/pad/unk tokens to the ids the GGUF metadata gave the model config: some
+    transformers releases (5.17) build the GGUF tokenizer with a wrong eos (``<|im_start|>`` for SmolLM2) and no
+    pad token, while the config read from the same file is right."""
     vocab_size = len(tokenizer)
     for role in ("bos", "eos", "pad", "unk"):
         token_id = getattr(config, f"{role}_token_id", None)

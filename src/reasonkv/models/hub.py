@@ -1,8 +1,6 @@
-"""Loading a hub id: the last kind of name :func:`~reasonkv.models.load_model` tries.
-
-Without a reachable hub only the local cache is read, so an id fails in seconds, not after the hub
-client's retries. An id that does not resolve is the end of the search, so its error also lists the
-names reasonkv knows itself (bundled models and shapes).
+"""Loading a hub id, the last kind of name :func:`~reasonkv.models.load_model` tries: without a reachable hub
+only the local cache is read (seconds, not the hub client's retries), and an id that does not resolve gets an
+error listing the names reasonkv knows itself.
 """
 
 from __future__ import annotations

@@ -48,13 +48,8 @@ def _shape_aliases() -> dict[str, str]:
 
 
 def shape_config(shape_name: str) -> PretrainedConfig:
-    """The transformers config of a named shape, without building the model.
-
-    Raises
-    ------
-    ValueError
-        If the shape is unknown; the message lists the available shapes.
-    """
+    """The transformers config of a named shape, without building the model (``ValueError`` listing the shapes
+    for an unknown one)."""
     from transformers import AutoConfig
 
     canonical = _shape_aliases().get(shape_name, shape_name) if isinstance(shape_name, str) else ""
