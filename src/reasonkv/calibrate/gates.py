@@ -44,7 +44,7 @@ from reasonkv.policies.seer import (
     mean_loss,
     train_gate,
 )
-from reasonkv.runs.flags import setting
+from reasonkv.runs.flags import flags, option, setting
 from reasonkv.runs.outputs import ClaimedFolder, claim_folder, write_atomic
 from reasonkv.runs.paths import portable_command, portable_path
 from reasonkv.selection.recall import top_block_recall
@@ -158,14 +158,12 @@ class GatesSettings(ModelSettings):
         return (max(TOP_K) + 1 if held_out else 2) * self.block_size + 1
 
     def command(self) -> str:
+        spelled = {field.name: option(field, flag) for field, flag in flags(GatesSettings)}
         parts = ["reasonkv", "calibrate", "--gates", "--model", self.model, "--dataset", self.dataset]
-        parts += ["--gate-traces", str(self.traces), "--held-out", str(self.held_out)]
-        parts += ["--max-new-tokens", str(self.max_new_tokens), "--gate-steps", str(self.steps)]
-        parts += ["--gate-temperature", str(self.temperature), "--gate-pack", str(self.pack)]
-        parts += ["--gate-batch", str(self.batch), "--gate-queries", str(self.queries)]
+        for name in ("traces", "held_out", "max_new_tokens", "steps", "temperature", "pack", "batch", "queries"):
+            parts += [spelled[name], str(getattr(self, name))]
         parts += ["--block-size", str(self.block_size), "--gate-dim", str(self.gate_dim), "--gate-init", self.init]
-        parts += [] if self.qk_norm else ["--no-gate-norm"]
-        parts += [] if self.later_half else ["--gate-loss-everywhere"]
+        parts += [spelled[name] for name in ("qk_norm", "later_half") if not getattr(self, name)]
         return shlex.join([*parts, "--out", str(self.out)])
 
 

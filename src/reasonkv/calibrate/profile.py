@@ -48,19 +48,11 @@ class Profile:
         return float(self.rho[layers].mean()), float(low[0]), float(high[0])
 
     def to_dict(self) -> dict[str, object]:
-        def clean(values: np.ndarray) -> list[float | None]:
-            return [None if np.isnan(v) else round(float(v), 6) for v in values]
-
-        return {
-            "signal": self.signal,
-            "target": self.target,
-            "control": self.control,
-            "traces": self.n_traces,
-            "level": self.level,
-            "rho": clean(self.rho),
-            "low": clean(self.low),
-            "high": clean(self.high),
+        head = {"signal": self.signal, "target": self.target, "control": self.control, "traces": self.n_traces}
+        numbers = {
+            k: [None if np.isnan(v) else round(float(v), 6) for v in getattr(self, k)] for k in ("rho", "low", "high")
         }
+        return {**head, "level": self.level, **numbers}
 
 
 def per_trace_correlations(

@@ -88,12 +88,6 @@ class CalibrateSettings(ModelSettings):
         if self.min_width > self.max_width:
             raise ValueError(f"min_width {self.min_width} is larger than max_width {self.max_width}")
 
-    @staticmethod
-    def defaults() -> dict[str, Any]:
-        """Every setting's default by its flag's name (the label and signal settings' fields flattened)."""
-        own = {f.name: f.default for f in dataclasses.fields(CalibrateSettings) if f.default is not dataclasses.MISSING}
-        return {**own, **dataclasses.asdict(LabelSettings()), **dataclasses.asdict(SignalSettings())}
-
     @property
     def targets(self) -> list[str]:
         """The label kinds reported: the one that picks the bands, then the answer's."""
@@ -126,7 +120,8 @@ class CalibrateSettings(ModelSettings):
             "batch_size": self.labels.batch_size,
             "bootstrap": self.bootstrap,
         }
-        defaults = self.defaults()
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}  # the nested settings' fields flattened
+        defaults.update(dataclasses.asdict(LabelSettings()), **dataclasses.asdict(SignalSettings()))
         for name, value in optional.items():
             if value != defaults[name]:
                 parts += ["--" + name.replace("_", "-"), str(value)]

@@ -11,6 +11,7 @@ model's own kernel runs.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 import zlib
@@ -116,10 +117,8 @@ def _layer_scores(query, key, kwargs: dict, settings: SignalSettings) -> dict[st
 def token_signals(
     model: Any, ids: list[int] | torch.Tensor, settings: SignalSettings | None = None, *, seed_key: str = ""
 ):
-    """Per-token ``g``, ``z`` (``[layers, T]``) and baseline scores (``[T]`` each) of one sequence.
-
-    ``seed_key`` seeds the ``random`` score (the trace id, so a trace always gets the same noise).
-    """
+    """Per-token ``g``, ``z`` (``[layers, T]``) and baseline scores (``[T]`` each) of one sequence; ``seed_key``
+    (the trace id) seeds the ``random`` score, so a trace always gets the same noise."""
     settings = settings or SignalSettings()
     check_masked(model, "token signals")
     device = next(model.parameters()).device
@@ -128,11 +127,8 @@ def token_signals(
     layers = decoder_layers(model)
     hidden: dict[int, torch.Tensor] = {}
 
-    def hook(index: int):
-        def record(module, args, output):
-            hidden[index] = (output[0] if isinstance(output, tuple) else output)[0]
-
-        return record
+    def record(index: int, module, args, output) -> None:
+        hidden[index] = (output[0] if isinstance(output, tuple) else output)[0]
 
     full_layers = model_info(model).full_layers
     per_layer: dict[int, dict[str, torch.Tensor]] = {}
@@ -141,7 +137,7 @@ def token_signals(
         if layer in full_layers:  # the layers these policies read and evict on a hybrid model
             per_layer[layer] = _layer_scores(query, key, kwargs, settings)
 
-    handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(layers)]
+    handles = [layer.register_forward_hook(functools.partial(record, i)) for i, layer in enumerate(layers)]
     dtype = next(model.parameters()).dtype
     positions = torch.arange(total, device=device)
     try:

@@ -107,20 +107,9 @@ class ReasonKVLM(HFLM):
         """reasonkv's settings, written into lm-eval's results (``config.reasonkv``)."""
         spec = self.spec
         options = {f.name: getattr(spec.policy, f.name) for f in dataclasses.fields(spec.policy)}
-        return {
-            "version": __version__,
-            "pretrained": self.pretrained,
-            "policy": spec.policy.name,
-            "options": options,
-            "budget": spec.budget,
-            "buffer": spec.buffer,
-            "quantized": spec.quantized,
-            "bits": spec.bits,
-            "group_size": spec.group_size,
-            "seed": spec.seed,
-            **_allocation_settings(spec),
-            "scoring": self.scoring,
-        }
+        cache = {name: getattr(spec, name) for name in ("budget", "buffer", "quantized", "bits", "group_size", "seed")}
+        head = {"version": __version__, "pretrained": self.pretrained, "policy": spec.policy.name, "options": options}
+        return {**head, **cache, **_allocation_settings(spec), "scoring": self.scoring}
 
     def get_model_info(self) -> dict[str, Any]:
         return {

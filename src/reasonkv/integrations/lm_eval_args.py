@@ -72,20 +72,12 @@ def parse_model_args(args: Mapping[str, Any]) -> ModelArgs:
     for key, value in args.items():
         if "." in key:
             options.update(_policy_option(name, key, value))
-    budget, buffer = _integer(args, "budget", none=True), _integer(args, "buffer", default=DEFAULT_BUFFER)
-    tier = {"quantized": _integer(args, "quantized", default=0)}
-    tier.update({name: _integer(args, name, none=True) for name in ("bits", "group_size")})
+    cache = {"budget": _integer(args, "budget", none=True), "buffer": _integer(args, "buffer", default=DEFAULT_BUFFER)}
+    cache["quantized"] = _integer(args, "quantized", default=0)
+    cache.update({name: _integer(args, name, none=True) for name in ("bits", "group_size")})
+    cache["seed"] = _integer(args, "seed", default=0)
     try:
-        spec = resolve_spec(
-            None,
-            policy=policy,
-            budget=budget,
-            buffer=buffer,
-            **tier,
-            seed=_integer(args, "seed", default=0),
-            **_allocation(args),
-            **options,
-        )
+        spec = resolve_spec(None, policy=policy, **cache, **_allocation(args), **options)
     except ValueError as error:
         raise ValueError(f"model_args: {error}") from None
     scoring = args.get("scoring", "evicting")

@@ -1,9 +1,6 @@
-"""Whether a model's files are intact: a GGUF file's structure, readable checkpoint files, finite weights,
-and the files of a copy reasonkv wrote itself (:func:`file_digests`, :func:`copy_damage`).
-
-A truncated or damaged file must be reported as such, never loaded into a model whose NaN weights
-generate empty text. Finite garbage in a weights file loads without any error and generates blank or
-wrong text: only a hash of the file as it was written tells it apart.
+"""Whether a model's files are intact: a GGUF file's structure, readable checkpoint files, finite weights, and
+the files of a copy reasonkv wrote itself. A damaged file is reported as such, never loaded into a model that
+generates blank text; finite garbage loads without error, so only a hash of the file as written tells it apart.
 """
 
 from __future__ import annotations

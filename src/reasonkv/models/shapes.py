@@ -1,8 +1,6 @@
-"""Random-weight models with the architecture of a published model: ``load_model("shape:<name>")``.
-
-Shapes decide speed and memory, so a shape measures them without a download. Each shape is a JSON
-file in ``shape_configs/``: the fields of the model's transformers config, plus a ``_reasonkv`` entry
-that documents it (description, aliases) and is not part of the config.
+"""Random-weight models with the architecture of a published model (``load_model("shape:<name>")``), to measure
+speed and memory without a download. Each shape is a JSON file in ``shape_configs/``: the model's transformers
+config fields, plus a ``_reasonkv`` entry (description, aliases) that is not part of the config.
 """
 
 from __future__ import annotations
