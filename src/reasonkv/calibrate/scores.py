@@ -33,10 +33,8 @@ def epikv_scores(g: np.ndarray, z: np.ndarray, calibration: Any) -> dict[str, np
 
 
 def chunk_scores(record: Mapping[str, Any], calibrations: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """Every score of one trace, ``name -> [chunks]``.
-
-    ``calibrations`` maps a suffix (``"default"``, ``"cal"``) to a layer choice.
-    """
+    """Every score of one trace, ``name -> [chunks]``; ``calibrations`` maps a suffix (``"default"``, ``"cal"``)
+    to a layer choice."""
     g = np.asarray(record["g"], dtype=float)
     z = np.asarray(record["z"], dtype=float)
     out: dict[str, np.ndarray] = {}

@@ -77,8 +77,7 @@ class SignalSettings:
 def causal_zscore(g: torch.Tensor, window: int, eps: float = 1e-6) -> torch.Tensor:
     """EPIKV's rolling z-score along the last axis of ``g`` (``NaN``: missing), the policy's own
     (:func:`~reasonkv.policies.epikv_signal.rolling_zscore`) against each position's ``window`` previous values;
-    in float64, one row at a time (a row's windows are a view; the statistics are ``window`` times its length).
-    """
+    in float64, one row at a time (a row's windows are a view; the statistics are ``window`` times its length)."""
     rows = g.reshape(-1, g.shape[-1]).double()
     z = []
     for row in rows:

@@ -69,10 +69,8 @@ def partial_spearman(x: np.ndarray, y: np.ndarray, control: np.ndarray, min_pair
 
 
 def top_fraction(labels: np.ndarray, fraction: float) -> np.ndarray:
-    """Boolean mask of the ``max(1, ceil(fraction * n))`` largest defined labels (``n`` = defined count).
-
-    Ties at the threshold are broken by position (earlier first), so exactly that many are marked.
-    """
+    """Boolean mask of the ``max(1, ceil(fraction * n))`` largest defined labels (``n`` = defined count), ties at
+    the threshold broken by position (earlier first), so exactly that many are marked."""
     labels = np.asarray(labels, dtype=float)
     defined = np.flatnonzero(~np.isnan(labels))
     mask = np.zeros(labels.shape, dtype=bool)
@@ -85,10 +83,8 @@ def top_fraction(labels: np.ndarray, fraction: float) -> np.ndarray:
 
 
 def auc(scores: np.ndarray, positives: np.ndarray) -> float:
-    """Area under the ROC curve of ``scores`` for ``positives`` vs the rest (ties count 1/2).
-
-    Pairs with a ``NaN`` score are dropped; ``NaN`` when either class is empty.
-    """
+    """Area under the ROC curve of ``scores`` for ``positives`` vs the rest (ties count 1/2; pairs with a ``NaN``
+    score dropped); ``NaN`` when either class is empty."""
     scores = np.asarray(scores, dtype=float)
     positives = np.asarray(positives, dtype=bool)
     keep = ~np.isnan(scores)

@@ -119,10 +119,8 @@ def _missing(bundled: Bundled) -> str:
 
 
 def cache_dir() -> Path:
-    """Root of reasonkv's user cache.
-
-    ``$REASONKV_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/reasonkv``, else ``~/.cache/reasonkv``.
-    """
+    """Root of reasonkv's user cache: ``$REASONKV_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/reasonkv``, else
+    ``~/.cache/reasonkv``."""
     explicit = os.environ.get("REASONKV_CACHE_DIR")
     if explicit:
         return Path(explicit).expanduser()
@@ -211,10 +209,8 @@ def _ensure_smollm2_converted() -> Path:
 
 
 def _ensure_converted(bundled: Bundled, *, rebuild: bool = False) -> Path:
-    """Return the directory of a bundled model's converted copy, converting its GGUF file on first use.
-
-    ``rebuild`` converts again even when the copy looks complete (its files turned out damaged).
-    """
+    """The directory of a bundled model's converted copy, converting its GGUF file on first use, or again with
+    ``rebuild`` (its files turned out damaged)."""
     target = cache_dir() / "models" / bundled.name
     expected = _conversion_marker(bundled)
     if not rebuild and _is_valid_conversion(target, expected):

@@ -66,10 +66,8 @@ def check_gguf_header(path: Path) -> None:
 
 
 def gguf_damage(path: Path) -> str | None:
-    """What is wrong with a GGUF file's structure, or ``None`` if every tensor lies inside the file.
-
-    Reads the whole header and tensor table, so it takes seconds: for diagnosing a failed load.
-    """
+    """What is wrong with a GGUF file's structure, or ``None`` if every tensor lies inside the file (reads the
+    whole header and tensor table, so it takes seconds: for diagnosing a failed load)."""
     from gguf import GGUFReader
 
     try:
