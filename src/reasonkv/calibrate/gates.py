@@ -38,6 +38,7 @@ from reasonkv.policies.seer import (
     GateShape,
     LayerExample,
     SeerGate,
+    block_pool,
     gate_bytes,
     layer_example,
     load_gate,
@@ -240,9 +241,8 @@ def collect_examples(
     quest: bool = False,
     later_half: bool = False,
 ) -> list[list[LayerExample]]:
-    """Per sequence, one :class:`LayerExample` per full-attention layer (the frozen model run once over it).
-    ``queries`` positions per sequence (:func:`query_rows`). With ``quest``,
-    each example also keeps the post-RoPE queries and key bounds Quest scores with."""
+    """Per sequence, one :class:`LayerExample` per full-attention layer at ``queries`` positions (:func:`query_rows`),
+    the frozen model run once over it; with ``quest``, also the post-RoPE queries and key bounds Quest scores with."""
     info = model_info(model)
     device = next(model.parameters()).device
     tables = {layer: info.rotary_of(layer, "calibrate --gates").tables(device) for layer in info.full_layers}
@@ -266,16 +266,9 @@ def collect_examples(
                 before_q = tables[layer].unrotate(query, positions)
                 before_k = tables[layer].unrotate(key, positions)
                 example = layer_example(layer, query, key, before_q, before_k, rows, info.scaling, block_size)
-                if quest:
-                    blocks = example.maximum.shape[1]
-                    pad = blocks * block_size - len(ids)
-                    padded = torch.nn.functional.pad(key.float(), (0, 0, 0, pad), value=float("nan"))
-                    grouped = padded.view(key.shape[0], blocks, block_size, -1)
-                    example.quest = (
-                        query[:, rows].float(),
-                        grouped.nan_to_num(float("inf")).amin(2),
-                        grouped.nan_to_num(float("-inf")).amax(2),
-                    )
+                if quest:  # Quest's bounds are the post-RoPE keys' per-block extremes
+                    high, low, _ = block_pool(key, block_size)
+                    example.quest = (query[:, rows].float(), low, high)
                 sequence.append(example)
             examples.append(sequence)
     return examples

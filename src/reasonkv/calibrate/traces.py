@@ -58,13 +58,6 @@ def prompt_ids(tokenizer: Any, problem: Any) -> list[int]:
     return encode_prompt(tokenizer, build_prompt(tokenizer, problem))
 
 
-def _cut(trace_ids: list[int], span: tuple[int, int] | None, max_tokens: int | None):
-    if max_tokens is None or len(trace_ids) <= max_tokens:
-        return trace_ids, span
-    kept = trace_ids[:max_tokens]
-    return kept, span if span is not None and span[1] <= max_tokens else None
-
-
 def reference_trace(tokenizer: Any, problem: Any, *, max_tokens: int | None = None, tidy: bool = True) -> Trace:
     """The problem's reference solution (:func:`tidy_reference`'d unless ``tidy`` is False) after its prompt, cut to
     ``max_tokens`` (the answer span dropped if it is cut); ``ValueError`` for a problem without a solution."""
@@ -72,7 +65,8 @@ def reference_trace(tokenizer: Any, problem: Any, *, max_tokens: int | None = No
         raise ValueError(f"problem {problem.id!r} has no reference solution; use source='generated'")
     text = tidy_reference(problem.solution) if tidy else problem.solution.strip()
     trace_ids, span = token_span(tokenizer, text, answer_span(text))
-    trace_ids, span = _cut(trace_ids, span, max_tokens)
+    if max_tokens is not None and len(trace_ids) > max_tokens:
+        trace_ids, span = trace_ids[:max_tokens], span if span is not None and span[1] <= max_tokens else None
     if not trace_ids:
         raise ValueError(f"problem {problem.id!r}: the reference solution is empty")
     return Trace(problem.id, prompt_ids(tokenizer, problem), trace_ids, span, "reference", text)
