@@ -24,7 +24,6 @@ KEY = "reasonkv"
 SUPPORTED_VERSIONS = ("0.32.",)
 SCHEDULER = "reasonkv.integrations.vllm.scheduler.EvictingScheduler"
 WORKER = "reasonkv.integrations.vllm.worker.EvictingCPUWorker"
-_OWN_KEYS = ("stats_file",)
 # The policies whose tokens inside vLLM are tested to equal reasonkv.generate's (tests/vllm/test_engine.py): every
 # evicting policy reasonkv ships. A policy registered later is refused until a test holds it to the same standard.
 VERIFIED = (
@@ -54,8 +53,7 @@ def settings_of(vllm_config) -> Settings | None:
     if not isinstance(raw, dict):
         raise ValueError(f"reasonkv: additional_config['reasonkv'] must be a mapping of settings, got {raw!r}")
     given = dict(raw)
-    own = {k: given.pop(k) for k in _OWN_KEYS if k in given}
-    stats_file = own.get("stats_file")
+    stats_file = given.pop("stats_file", None)  # the one key besides the cache's settings
     if stats_file is not None and not isinstance(stats_file, str):
         raise ValueError(f"reasonkv: stats_file must be a path (text), got {stats_file!r}")
     if "policy" not in given:

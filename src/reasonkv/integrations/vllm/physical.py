@@ -24,9 +24,7 @@ class Lengths:
     def physical(self, logical: int, prompt: int) -> int:
         """Tokens held once ``logical`` tokens of a request whose prompt has ``prompt`` tokens are computed (and
         any eviction they made due has run). A prompt computed in chunks is never evicted part way."""
-        if logical < prompt:
-            return logical
-        start = prompt if prompt >= self.trigger else self.trigger
+        start = max(prompt, self.trigger)  # the first eviction: after the prefill, or once K + B are held
         if logical < start:
             return logical
         if self.buffer == 0:
@@ -44,8 +42,8 @@ class Lengths:
     def evictions(self, logical: int, prompt: int) -> int:
         """Evictions a request made by the time ``logical`` tokens are computed: one after a prefill of ``K + B``
         tokens or more, then one whenever a decode step brings it back to ``K + B``."""
-        start = prompt if prompt >= self.trigger else self.trigger
-        if logical < prompt or logical < start:
+        start = max(prompt, self.trigger)
+        if logical < start:
             return 0
         every = self.buffer or 1  # B = 0: every token after the first eviction evicts again
         return 1 + (logical - start) // every
