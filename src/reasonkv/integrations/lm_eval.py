@@ -136,9 +136,8 @@ class ReasonKVLM(HFLM):
                 batch = indices[start : start + self.batch_size]
                 contexts = [_args(requests[i])[0] for i in batch]
                 settings = _args(requests[batch[0]])[1]
-                for i, (text, row) in zip(
-                    batch, self._generate(contexts, settings, [seeds[i] for i in batch]), strict=True
-                ):
+                generated = self._generate(contexts, settings, [seeds[i] for i in batch])
+                for i, (text, row) in zip(batch, generated, strict=True):
                     texts[i], stats[i] = text, row
                     self.cache_hook.add_partial("generate_until", _args(requests[i])[:2], text)
                 bar.update(len(batch))
