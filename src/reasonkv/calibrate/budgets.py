@@ -39,6 +39,7 @@ class BudgetsSettings(ReadingSettings):
 
     FLAG: ClassVar[str] = "--budgets"
     FILE_KIND: ClassVar[str] = "budget file"
+    COUNTS: ClassVar[tuple[tuple[str, int], ...]] = (("sinks", 0), ("window", 1))
 
     traces: int = traces_setting(16)
     sinks: int = setting(
@@ -56,14 +57,8 @@ class BudgetsSettings(ReadingSettings):
         help="with --budgets: the streaming head's most recent keys (default 64)",
     )
 
-    def _more_counts(self) -> tuple[tuple[str, int], ...]:
-        return (("sinks", 0), ("window", 1))
-
     def _load_existing(self, path: Path) -> None:
         load_budget_file(path)
-
-    def _more_args(self) -> list[str]:
-        return ["--budget-sinks", str(self.sinks), "--budget-window", str(self.window)]
 
 
 def _beyond_window(

@@ -13,7 +13,7 @@ from typing import ClassVar
 from reasonkv.calibrate.shared import ModelSettings, cut_setting, out_setting, traces_setting
 from reasonkv.calibrate.traces import reference_trace
 from reasonkv.eval.datasets import load_dataset
-from reasonkv.runs.flags import setting
+from reasonkv.runs.flags import flags, option, setting
 from reasonkv.suggest.integers import check_int
 
 __all__ = ["TEXT_GROUP", "ReadingSettings", "read_sequences"]
@@ -29,6 +29,7 @@ class ReadingSettings(ModelSettings):
 
     FLAG: ClassVar[str]  # the command's flag, e.g. "--centers"
     FILE_KIND: ClassVar[str]  # what ``out`` must hold if it exists, e.g. "query centers file"
+    COUNTS: ClassVar[tuple[tuple[str, int], ...]] = ()  # the command's own integer options and their least values
 
     traces: int = traces_setting(100)
     text: Path | None = setting(
@@ -44,7 +45,7 @@ class ReadingSettings(ModelSettings):
             object.__setattr__(self, "text", Path(self.text))
             if not self.text.is_file():
                 raise ValueError(f"--text {str(self.text)!r} is not a file")
-        for name, low in (("traces", 1), ("max_tokens", 1), *self._more_counts()):
+        for name, low in (("traces", 1), ("max_tokens", 1), *self.COUNTS):
             value = getattr(self, name)
             if value is not None:
                 check_int(name, value, low)
@@ -58,17 +59,9 @@ class ReadingSettings(ModelSettings):
                     f"--out {str(self.out)!r} exists and is not a {self.FILE_KIND}; it is left untouched"
                 ) from None
 
-    def _more_counts(self) -> tuple[tuple[str, int], ...]:
-        """The command's own integer options and their least values."""
-        return ()
-
     def _load_existing(self, path: Path) -> None:
         """Raise ``ValueError`` unless ``path`` holds a file of this command's kind."""
         raise NotImplementedError
-
-    def _more_args(self) -> list[str]:
-        """The command's own options, spelled as on the command line."""
-        return []
 
     @property
     def source(self) -> str:
@@ -88,7 +81,9 @@ class ReadingSettings(ModelSettings):
             parts += ["--dataset", self.dataset, "--traces", str(self.traces)]
         if self.max_tokens:
             parts += ["--max-trace-tokens", str(self.max_tokens)]
-        return shlex.join([*parts, *self._more_args(), "--out", str(self.out)])
+        spelled = {field.name: option(field, flag) for field, flag in flags(type(self))}
+        own = [word for name, _ in self.COUNTS for word in (spelled[name], str(getattr(self, name)))]
+        return shlex.join([*parts, *own, "--out", str(self.out)])
 
 
 def read_sequences(settings: ReadingSettings, tokenizer) -> list[list[int]]:
