@@ -95,14 +95,8 @@ class CalibrateSettings(ModelSettings):
 
     def record_settings(self) -> dict[str, Any]:
         """What every stored record depends on besides the label and signal settings."""
-        return {
-            "model": self.model,
-            "dtype": self.dtype,
-            "dataset": self.dataset,
-            "source": self.source,
-            "max_trace_tokens": self.max_trace_tokens,
-            "max_new_tokens": self.max_new_tokens if self.source == "generated" else None,
-        }
+        read = {name: getattr(self, name) for name in ("model", "dtype", "dataset", "source", "max_trace_tokens")}
+        return {**read, "max_new_tokens": self.max_new_tokens if self.source == "generated" else None}
 
     def command(self) -> str:
         """The command line that reproduces the run (settings at their default left out)."""
