@@ -1,18 +1,11 @@
-"""Signal comparison: how well each score tells a trace's most important chunks from the rest.
-
-For every trace the chunks with a defined label are split into positives, the ``fraction``
-(default 20%) with the largest label (at least one; ties broken by position), and the rest. A
-score's AUC on that trace is the probability that a random positive chunk scores higher than a
-random other chunk (ties count one half): 0.5 is chance, 1 is a perfect ranking, below 0.5 means
-the score prefers the unimportant chunks. The table reports, per score, the mean of the per-trace
-AUCs (within-trace, like an eviction decision) with a bootstrap interval over traces, and the mean
-per-trace Spearman correlation of the score with the label.
+"""Signal comparison: each score's mean per-trace AUC at telling a trace's top-``fraction`` chunks by label from
+the rest, with a bootstrap interval over traces, and its mean per-trace Spearman correlation (docs/calibrate.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -43,17 +36,8 @@ class AucRow:
     traces: int
 
     def to_dict(self) -> dict[str, object]:
-        def clean(v: float) -> float | None:
-            return None if np.isnan(v) else round(float(v), 6)
-
-        return {
-            "name": self.name,
-            "auc": clean(self.auc),
-            "low": clean(self.low),
-            "high": clean(self.high),
-            "spearman": clean(self.spearman),
-            "traces": self.traces,
-        }
+        numbers = {k: getattr(self, k) for k in ("auc", "low", "high", "spearman")}
+        return {**asdict(self), **{k: None if np.isnan(v) else round(float(v), 6) for k, v in numbers.items()}}
 
 
 def auc_table(
@@ -65,10 +49,8 @@ def auc_table(
     level: float = 0.95,
     seed: int = 0,
 ) -> list[AucRow]:
-    """One :class:`AucRow` per score name (in the order of the first trace's mapping), best AUC first.
-
-    ``scores[i]`` maps names to trace ``i``'s chunk scores; ``labels[i]`` are its chunk labels.
-    """
+    """One :class:`AucRow` per score name (in the order of the first trace's mapping), best AUC first:
+    ``scores[i]`` maps names to trace ``i``'s chunk scores, ``labels[i]`` are its chunk labels."""
     if not 0 < fraction < 1:
         raise ValueError(f"fraction must be in (0, 1), got {fraction}")
     if len(scores) != len(labels):

@@ -1,28 +1,6 @@
-"""Band discovery: the layers whose change marks important chunks (A) and filler (B).
-
-The rule, applied to a :class:`~reasonkv.calibrate.profile.Profile` (per-layer mean correlation
-``rho_l`` with a bootstrap interval):
-
-1. A layer is *significant* for band A when its whole interval lies above 0, for band B when it
-   lies below 0.
-2. Candidates are the maximal runs of consecutive significant layers. Runs shorter than
-   ``min_width`` layers (default 3) are dropped: with one interval per layer and sign, isolated
-   significant layers turn up by chance; the paper's bands are 7 and 8 layers of 32.
-3. A run longer than ``max_width`` (default 8) is cut to its ``max_width``-layer window with the
-   largest mean ``|rho|``.
-4. The band is the candidate with the largest mean ``|rho|`` (the earlier one on a tie); its own
-   interval, the bootstrap of the mean over its layers, is reported with it.
-5. The representative layer (``a`` for A, ``b`` for B, the layer EPIKV's two-layer score reads) is
-   the band's layer with the strongest correlation of the band's sign.
-
-No candidate: no band is found for that side, and the calibration file says so
-(``band_a_found``/``band_b_found`` false) while still naming layers, so EPIKV loads it:
-
-- neither side found: both keep the depth-scaled default (nothing was learned about this model);
-- one side found: the other side takes the ``min_width`` layers outside the found band with the
-  strongest correlation of its sign, significant or not. The default layers are not kept there: once
-  the measured anatomy departs from the default, those layers may well correlate with the *wrong*
-  sign (subtracting an importance signal), while the best-ranked remaining layers at worst add noise.
+"""Band discovery: the layers whose change marks important chunks (A) and filler (B), by the rule of
+docs/calibrate.md (significant runs of at least ``min_width`` layers, cut to ``max_width``, the strongest wins), and
+the calibration file EPIKV loads, where a side without a band still names layers.
 """
 
 from __future__ import annotations
@@ -55,12 +33,6 @@ class Band:
     @property
     def last(self) -> int:
         return self.layers[-1]
-
-    def describe(self) -> str:
-        return (
-            f"layers {self.first}..{self.last} (representative {self.representative}): "
-            f"mean rho {self.rho:+.3f} [{self.low:+.3f}, {self.high:+.3f}]"
-        )
 
 
 def _runs(flags: np.ndarray) -> list[tuple[int, int]]:
@@ -119,11 +91,8 @@ def write_band_calibration(
     extra: dict[str, object] | None = None,
     min_width: int = 3,
 ):
-    """Write the calibration file EPIKV loads; a side without a band keeps the depth-scaled default.
-
-    Returns the :class:`reasonkv.policies.calibration.Calibration` written. Besides the required keys the file
-    records whether each band was found, the rule's inputs and the per-layer profile.
-    """
+    """Write (and return) the :class:`~reasonkv.policies.calibration.Calibration` EPIKV loads, recording whether
+    each band was found, the rule's inputs and the per-layer profile; a side without a band is filled by the rule."""
     default = default_anatomy(profile.num_layers)
     a, layers_a = _side(band_a, default.a, default.band_a, band_b, profile, 1, min_width)
     b, layers_b = _side(band_b, default.b, default.band_b, band_a, profile, -1, min_width)

@@ -1,14 +1,9 @@
 """``reasonkv calibrate --budgets``: the budget file of ``allocation="calibrated"``, from attention mass.
 
-Each (layer, kv-head) is weighted by how much attention its queries pay beyond what a streaming head holds:
-the mass on the keys after the first ``sinks`` and before the ``window`` most recent (DuoAttention's split
-of retrieval heads, which need the whole context, from streaming heads, which need the sinks and the recent
-tokens, measured here as a number instead of a label). The mass is the model's own softmax, recomputed from
-the post-RoPE queries and keys the attention tap sees on a full-cache forward over each trace (reference
-solutions after their prompts, or a text file), averaged over the query heads of each kv head and over every
-query that has such keys. The file (:class:`reasonkv.cache.allocation.BudgetFile`) holds these ``weights``;
-a cache shares its ``K x layers x kv-heads`` among the heads in proportion to them, every head first getting
-its protected tokens, so the same file serves every budget.
+Each (layer, kv-head) is weighted by the attention mass its queries pay beyond what a streaming head holds (the
+first ``sinks`` keys and the ``window`` most recent), the model's own softmax recomputed from the attention tap
+(docs/calibrate.md). The file (:class:`reasonkv.cache.allocation.BudgetFile`) holds these ``weights``, shared out
+in proportion by the cache, so one file serves every budget.
 """
 
 from __future__ import annotations
@@ -38,18 +33,13 @@ CHUNK = 256  # queries whose attention rows are built at once
 
 @dataclass(frozen=True, kw_only=True)
 class BudgetsSettings(ReadingSettings):
-    """Everything one ``reasonkv calibrate --budgets`` run is told: what :class:`ReadingSettings` holds (the
-    model, what it reads, and ``out``, a new path or a budget file, which is replaced), and:
-
-    Parameters
-    ----------
-    sinks, window
-        The streaming head's share: the mass beyond the first ``sinks`` keys and the ``window`` most recent
-        is what a head needs the rest of its budget for.
-    """
+    """Everything one ``reasonkv calibrate --budgets`` run is told: what :class:`ReadingSettings` holds, and the
+    streaming head's share (the first ``sinks`` keys and the ``window`` most recent): the mass beyond it is what a
+    head needs the rest of its budget for."""
 
     FLAG: ClassVar[str] = "--budgets"
     FILE_KIND: ClassVar[str] = "budget file"
+    COUNTS: ClassVar[tuple[tuple[str, int], ...]] = (("sinks", 0), ("window", 1))
 
     traces: int = traces_setting(16)
     sinks: int = setting(
@@ -67,14 +57,8 @@ class BudgetsSettings(ReadingSettings):
         help="with --budgets: the streaming head's most recent keys (default 64)",
     )
 
-    def _more_counts(self) -> tuple[tuple[str, int], ...]:
-        return (("sinks", 0), ("window", 1))
-
     def _load_existing(self, path: Path) -> None:
         load_budget_file(path)
-
-    def _more_args(self) -> list[str]:
-        return ["--budget-sinks", str(self.sinks), "--budget-window", str(self.window)]
 
 
 def _beyond_window(
@@ -126,12 +110,9 @@ def head_mass(model, sequences: list[list[int]], *, sinks: int, window: int) -> 
         if index[layer] == 0:
             counted["queries"] += queries
 
-    tap = AttentionTap(model, listen)
-    try:
+    with AttentionTap(model, listen):
         for ids in sequences:
             model(input_ids=torch.tensor([ids], device=device), use_cache=False)
-    finally:
-        tap.close()
     if counted["queries"] == 0:
         raise ValueError(f"no trace is longer than sinks + window = {sinks + window} tokens: nothing to measure")
     return sums / counted["queries"], counted["queries"]

@@ -1,12 +1,8 @@
 """``reasonkv calibrate --centers``: the query centers TriAttention scores keys with, for any model.
 
-:class:`CentersSettings` says what to read (a dataset's reference solutions after their prompts, or
-a plain-text file, as the TriAttention authors calibrate) and where to write;
-:func:`run_centers` runs the model over it (full cache, one forward per sequence), takes every
-full-attention layer's post-RoPE queries from the attention tap, rotates them back to pre-RoPE space
-with the model's own rotary tables and writes their per-(layer, head) complex mean and mean modulus
-(:class:`~reasonkv.policies.query_centers.QueryCenters`), stamped with the model's shape and weights
-fingerprint so that the policy refuses them on another model.
+:func:`run_centers` runs the model over what :class:`CentersSettings` names, rotates every full-attention layer's
+post-RoPE queries back to pre-RoPE space and writes their per-(layer, head) complex mean and mean modulus
+(:class:`~reasonkv.policies.query_centers.QueryCenters`), stamped with the model's shape and weights fingerprint.
 """
 
 from __future__ import annotations
@@ -51,14 +47,11 @@ def compute_centers(model, sequences: list[list[int]], *, name: str = "", source
         if layer in tables:
             sums.add(layer, query, current["positions"], current["valid"], tables[layer])
 
-    tap = AttentionTap(model, listen)
-    try:
+    with AttentionTap(model, listen):
         for ids in sequences:
             current["positions"] = torch.arange(len(ids), device=device).unsqueeze(0)
             current["valid"] = torch.ones(1, len(ids), dtype=torch.bool, device=device)
             model(input_ids=torch.tensor([ids], device=device), use_cache=False)
-    finally:
-        tap.close()
     mean, modulus = sums.means()
     return QueryCenters(
         mean=mean[0].cpu(),

@@ -1,21 +1,8 @@
-"""``reasonkv calibrate --gates``: train SeerAttention-R's gate for a model by self-distillation.
+"""``reasonkv calibrate --gates``: train SeerAttention-R's gate for a model by self-distillation (docs/calibrate.md).
 
-:class:`GatesSettings` says which model, which problems (the model answers them itself: its own
-reasoning traces, sampled at temperature 0.6 as the papers decode, full cache, packed end to end into
-sequences of at least 2,048 tokens, as the authors pack theirs), how long to train and where to write;
-:func:`run_gates` generates the traces, runs the frozen model once over each packed sequence to take every
-full-attention layer's post-RoPE queries and keys from the attention tap (rotated back to pre-RoPE with
-the model's own rotary tables for the gate), builds the targets for queries in the later half of each
-sequence (where the authors put the loss, and a query has many blocks to choose from;
-:mod:`reasonkv.policies.seer`), trains the gate with a progress bar showing the loss, and writes
-``gates.pt`` (loaded by ``seer``'s ``gates=FOLDER``) and ``gates.json`` (the loss curve, and the recall of
-the true top blocks on held-out sequences: the trained gate, an untrained one and Quest's bound) into the
-``--out`` folder, beside the model's other calibration files.
-
-The folder is claimed first, before the model loads (:func:`claim_gates_output`): a ``gates.pt`` or
-``gates.json`` there that this command did not write is never replaced. A packed sequence shorter than the
-gate needs to learn from (:meth:`GatesSettings.shortest`) is refused with the settings, and a run whose
-training or held-out recall measured nothing writes nothing.
+:func:`run_gates` packs the model's own answers into sequences, takes every full-attention layer's queries and keys
+from the attention tap, builds the targets (:mod:`reasonkv.policies.seer`), trains the gate and writes ``gates.pt``
+and ``gates.json`` into ``--out``, claimed first (:func:`claim_gates_output`).
 """
 
 from __future__ import annotations
@@ -30,7 +17,14 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from reasonkv.calibrate.shared import ModelSettings, check_positive, generation_setting, out_setting, progress_setting
+from reasonkv.calibrate.shared import (
+    ModelSettings,
+    check_choices,
+    check_positive,
+    generation_setting,
+    out_setting,
+    progress_setting,
+)
 from reasonkv.calibrate.traces import prompt_ids
 from reasonkv.eval.datasets import load_dataset
 from reasonkv.generation.loop import generate
@@ -44,13 +38,14 @@ from reasonkv.policies.seer import (
     GateShape,
     LayerExample,
     SeerGate,
+    block_pool,
     gate_bytes,
     layer_example,
     load_gate,
     mean_loss,
     train_gate,
 )
-from reasonkv.runs.flags import setting
+from reasonkv.runs.flags import flags, option, setting
 from reasonkv.runs.outputs import ClaimedFolder, claim_folder, write_atomic
 from reasonkv.runs.paths import portable_command, portable_path
 from reasonkv.selection.recall import top_block_recall
@@ -82,26 +77,11 @@ def _gate(default: Any, help: str, **flag: Any) -> Any:
 
 @dataclass(frozen=True, kw_only=True)
 class GatesSettings(ModelSettings):
-    """Everything one ``reasonkv calibrate --gates`` run is told.
-
-    Parameters
-    ----------
-    model, dtype, device, attn
-        The model to load (and train the gate for).
-    dataset, traces, held_out, max_new_tokens, temperature, pack, batch
-        The model answers the problems of ``dataset`` in order, ``batch`` at a time (sampled at
-        ``temperature``, 0 for greedy, up to ``max_new_tokens`` tokens each), and its answers (prompt and
-        output) are packed end to end into sequences of at least ``pack`` tokens, until ``traces +
-        held_out`` sequences are full; the gate trains on ``traces`` of them, and its recall is measured
-        on the other ``held_out``.
-    block_size, gate_dim, qk_norm, init, steps, lr, queries, later_half, seed
-        The gate (blocks of ``block_size`` tokens, ``gate_dim`` channels, RMSNorm on its q and k, ``init``
-        its initial weights), Adam's ``steps`` (one sequence each) at ``lr``, ``queries`` query positions
-        per sequence (in its later half with ``later_half``, else from its second block), the seed of the
-        sampling, the initial weights and the order.
-    out
-        The folder to write ``gates.pt`` and ``gates.json`` into.
-    """
+    """Everything one ``reasonkv calibrate --gates`` run is told. The model answers the problems of ``dataset``
+    in order, ``batch`` at a time, and its answers (prompt and output) are packed into sequences of at least
+    ``pack`` tokens until ``traces + held_out`` are full: the gate trains on ``traces`` of them (Adam, ``steps``
+    sequences at ``lr``, ``queries`` query positions each) and its recall is measured on the other ``held_out``.
+    ``seed`` seeds the sampling, the initial weights and the order; each field's flag says the rest."""
 
     traces: int = _gate(24, "packed sequences to train on (default 24)", name="--gate-traces", type="positive")
     held_out: int = _gate(4, "further packed sequences to measure recall on (default 4)", type=int)
@@ -158,8 +138,7 @@ class GatesSettings(ModelSettings):
         check_int("held_out", self.held_out, 0)
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be 0 (greedy) or above, got {self.temperature!r}")
-        if self.init not in INITS:
-            raise ValueError(f"init must be one of {', '.join(INITS)}, got {self.init!r}")
+        check_choices(self)
         if not self.lr > 0:
             raise ValueError(f"lr must be positive, got {self.lr!r}")
         if self.out.exists() and not self.out.is_dir():
@@ -180,14 +159,12 @@ class GatesSettings(ModelSettings):
         return (max(TOP_K) + 1 if held_out else 2) * self.block_size + 1
 
     def command(self) -> str:
+        spelled = {field.name: option(field, flag) for field, flag in flags(GatesSettings)}
         parts = ["reasonkv", "calibrate", "--gates", "--model", self.model, "--dataset", self.dataset]
-        parts += ["--gate-traces", str(self.traces), "--held-out", str(self.held_out)]
-        parts += ["--max-new-tokens", str(self.max_new_tokens), "--gate-steps", str(self.steps)]
-        parts += ["--gate-temperature", str(self.temperature), "--gate-pack", str(self.pack)]
-        parts += ["--gate-batch", str(self.batch), "--gate-queries", str(self.queries)]
+        for name in ("traces", "held_out", "max_new_tokens", "steps", "temperature", "pack", "batch", "queries"):
+            parts += [spelled[name], str(getattr(self, name))]
         parts += ["--block-size", str(self.block_size), "--gate-dim", str(self.gate_dim), "--gate-init", self.init]
-        parts += [] if self.qk_norm else ["--no-gate-norm"]
-        parts += [] if self.later_half else ["--gate-loss-everywhere"]
+        parts += [spelled[name] for name in ("qk_norm", "later_half") if not getattr(self, name)]
         return shlex.join([*parts, "--out", str(self.out)])
 
 
@@ -264,9 +241,8 @@ def collect_examples(
     quest: bool = False,
     later_half: bool = False,
 ) -> list[list[LayerExample]]:
-    """Per sequence, one :class:`LayerExample` per full-attention layer (the frozen model run once over it).
-    ``queries`` positions per sequence (:func:`query_rows`). With ``quest``,
-    each example also keeps the post-RoPE queries and key bounds Quest scores with."""
+    """Per sequence, one :class:`LayerExample` per full-attention layer at ``queries`` positions (:func:`query_rows`),
+    the frozen model run once over it; with ``quest``, also the post-RoPE queries and key bounds Quest scores with."""
     info = model_info(model)
     device = next(model.parameters()).device
     tables = {layer: info.rotary_of(layer, "calibrate --gates").tables(device) for layer in info.full_layers}
@@ -277,8 +253,7 @@ def collect_examples(
             captured[layer] = (query[0], key[0])
 
     examples = []
-    tap = AttentionTap(model, listen)
-    try:
+    with AttentionTap(model, listen):
         for ids in sequences:
             if len(ids) <= block_size:
                 continue
@@ -291,20 +266,11 @@ def collect_examples(
                 before_q = tables[layer].unrotate(query, positions)
                 before_k = tables[layer].unrotate(key, positions)
                 example = layer_example(layer, query, key, before_q, before_k, rows, info.scaling, block_size)
-                if quest:
-                    blocks = example.maximum.shape[1]
-                    pad = blocks * block_size - len(ids)
-                    padded = torch.nn.functional.pad(key.float(), (0, 0, 0, pad), value=float("nan"))
-                    grouped = padded.view(key.shape[0], blocks, block_size, -1)
-                    example.quest = (
-                        query[:, rows].float(),
-                        grouped.nan_to_num(float("inf")).amin(2),
-                        grouped.nan_to_num(float("-inf")).amax(2),
-                    )
+                if quest:  # Quest's bounds are the post-RoPE keys' per-block extremes
+                    high, low, _ = block_pool(key, block_size)
+                    example.quest = (query[:, rows].float(), low, high)
                 sequence.append(example)
             examples.append(sequence)
-    finally:
-        tap.close()
     return examples
 
 

@@ -1,34 +1,9 @@
 """Counterfactual importance labels: how much hiding a chunk of the trace hurts what follows.
 
-For a trace of ``T`` tokens (prompt + trace, logical positions ``0..T-1``) the trace part is cut into
-consecutive chunks of ``chunk_size`` tokens. Hiding chunk ``[s, e)`` means: every query at a position
-``>= e`` is forbidden to attend to the keys at ``s..e-1``. The chunk's own tokens still run (they
-see each other and everything before them, so their keys and values are those of the full pass) and
-no token moves, so RoPE positions are unchanged; this is exactly the state an evicted chunk leaves
-behind during decoding. The hiding is done through a 4-D additive attention mask handed to the
-model (a per-layer-type mapping for models that mix sliding-window and full layers), so it works
-with the model's own SDPA or eager kernel.
-
-With ``lp(t) = log p(x_t | x_<t)`` teacher-forced, a chunk's labels are
-
-``later``
-    the mean of ``lp_full(t) - lp_hidden(t)`` over the scored targets: the trace tokens
-    ``t in [e + 1, e + 1 + horizon)`` (all later trace tokens when ``horizon`` is ``None``). Target
-    ``e`` is predicted from position ``e - 1``, a chunk token that still sees the chunk, so its
-    likelihood cannot change and it is not scored.
-``later_sum``
-    the same differences summed (it grows with the number of scored tokens, so it favours early
-    chunks; ``later`` does not).
-``answer``
-    the summed drop over the final answer's tokens; defined only for chunks that end before the
-    position that predicts the first answer token.
-
-A label is ``NaN`` where nothing is scored (the last chunk has no later tokens). Positive = the
-chunk mattered.
-
-Speed: the queries before a chunk's end are untouched by hiding it, so the key/value cache of the
-full pass is reused for that prefix and only the rest is recomputed; ``batch_size`` chunks are
-hidden at once, one per batch row, sharing the prefix that precedes the first of them.
+Hiding chunk ``[s, e)`` forbids every query at a position ``>= e`` to attend to its keys, through a 4-D additive
+attention mask (positions never move); the labels ``later``, ``later_sum`` and ``answer`` are the drops in the
+teacher-forced log-likelihood of what follows (definitions: docs/calibrate.md). The full pass's cache is reused
+for the prefix before a chunk's end, and ``batch_size`` chunks are hidden at once, one per batch row.
 """
 
 from __future__ import annotations
@@ -51,6 +26,7 @@ __all__ = [
     "LabelSettings",
     "TARGETS",
     "attention_masks",
+    "check_masked",
     "chunk_bounds",
     "label_trace",
     "occlusion_mask",
@@ -65,19 +41,9 @@ MASKED_IMPLEMENTATIONS = ("sdpa", "eager")
 
 @dataclass(frozen=True)
 class LabelSettings:
-    """Options of the occlusion labels.
-
-    Parameters
-    ----------
-    chunk_size : int
-        Tokens hidden at once (default 8: a GSM8K reference solution of ~100 tokens gives ~12
-        chunks, enough to rank within a trace, at ~12 recomputed suffixes per trace).
-    horizon : int or None
-        Score only the ``horizon`` trace tokens after a chunk (default ``None``: all later tokens).
-    batch_size : int
-        Chunks hidden per batched forward (default 8). Memory grows with it (logits are
-        ``batch x tokens x vocab``); results do not depend on it.
-    """
+    """Options of the occlusion labels: ``chunk_size`` tokens hidden at once (8: a GSM8K reference solution of
+    ~100 tokens gives ~12 chunks, enough to rank within a trace), the ``horizon`` of trace tokens scored after a
+    chunk (None: all), and ``batch_size`` chunks hidden per forward (memory grows with it; results do not)."""
 
     chunk_size: int = setting(8, group="labels", type="positive", help="tokens hidden at once (default 8)")
     horizon: int | None = setting(
@@ -103,6 +69,16 @@ def chunk_bounds(prompt_length: int, total_length: int, chunk_size: int) -> list
 
 
 # --------------------------------------------------------------------------- masks
+
+
+def check_masked(model: Any, what: str) -> None:
+    """Refuse a model whose attention implementation ignores an arbitrary mask (``what`` needs one)."""
+    implementation = attention_implementation(model)
+    if implementation not in MASKED_IMPLEMENTATIONS:
+        raise ValueError(
+            f"{what} need an attention implementation that applies an arbitrary mask "
+            f"({', '.join(MASKED_IMPLEMENTATIONS)}); the model uses {implementation!r}"
+        )
 
 
 def occlusion_mask(
@@ -156,19 +132,10 @@ def token_logprobs(
     *,
     keep_cache: bool = False,
 ) -> tuple[torch.Tensor, Any]:
-    """``log p(x_t | x_<t)`` for ``t in [start + 1, T)``, one row per entry of ``hidden``.
-
-    ``ids`` is ``[T]``. Positions ``< start`` are taken from ``prefix_cache`` (a cache of the
-    unhidden sequence holding at least ``start`` positions; required when ``start > 0``), which is
-    left untouched. Returns ``([len(hidden), T - start - 1] float32, cache)``; the cache of this
-    forward is returned only when ``keep_cache``.
-    """
-    implementation = attention_implementation(model)
-    if implementation not in MASKED_IMPLEMENTATIONS:
-        raise ValueError(
-            f"occlusion labels need an attention implementation that applies an arbitrary mask "
-            f"({', '.join(MASKED_IMPLEMENTATIONS)}); the model uses {implementation!r}"
-        )
+    """``log p(x_t | x_<t)`` for ``t in [start + 1, T)`` of ``ids`` ``[T]``, one row per entry of ``hidden``:
+    ``([len(hidden), T - start - 1] float32, cache)``, this forward's cache only with ``keep_cache``. Positions
+    ``< start`` come from ``prefix_cache`` (the unhidden sequence's, required when ``start > 0``; left untouched)."""
+    check_masked(model, "occlusion labels")
     total = ids.shape[0]
     rows = len(hidden)
     device = ids.device
@@ -196,17 +163,10 @@ def token_logprobs(
 
 @torch.inference_mode()
 def label_trace(model: Any, trace: Trace, settings: LabelSettings | None = None) -> dict[str, Any]:
-    """Occlusion labels of one trace.
-
-    Returns
-    -------
-    dict
-        ``chunks`` (``[start, end)`` logical positions), ``labels`` (``later``, ``later_sum``,
-        ``answer``: one float per chunk, ``nan`` where undefined), ``scored`` (number of ``later``
-        targets per chunk), ``answer_positions`` (``[start, end)`` logical positions or ``None``),
-        ``full_logprob`` (mean log-likelihood of the trace tokens and summed one of the answer under
-        the full context) and ``seconds``.
-    """
+    """Occlusion labels of one trace: ``chunks`` (``[start, end)`` logical positions), ``labels`` (one float per
+    chunk of each of ``TARGETS``, ``nan`` where undefined), ``scored`` (``later`` targets per chunk),
+    ``answer_positions`` (``[start, end)`` or None), ``full_logprob`` (under the full context: the trace tokens'
+    mean, the answer's sum) and ``seconds``."""
     settings = settings or LabelSettings()
     started = time.perf_counter()
     device = next(model.parameters()).device

@@ -1,10 +1,6 @@
-"""Collect the per-trace records (labels, signals) into resumable files, then analyse them.
-
-:func:`collect` walks the problems, builds each trace, labels it and records its signals, appending
-one line per trace to ``labels.jsonl`` and ``signals.jsonl``; traces already in the files are
-skipped, so an interrupted run continues where it stopped. :func:`analyse` reads the records back
-and computes the profiles, the bands and the AUC table; it needs no model.
-"""
+"""Collect the per-trace records (labels, signals) into resumable files (:func:`collect`: one line per trace to
+``labels.jsonl`` and ``signals.jsonl``, the traces already there skipped), then analyse them without a model
+(:func:`analyse`: the profiles and the bands; :func:`auc_for`: the AUC tables)."""
 
 from __future__ import annotations
 
@@ -112,20 +108,11 @@ class Analysis:
     cpu_seconds_per_trace: float = float("nan")
 
 
-def _arrays(label_records, signal_records, target: str, kind: str):
-    labels = [np.asarray(r["labels"][target], dtype=float) for r in label_records]
-    signals = [np.asarray(s[kind], dtype=float) for s in signal_records]
-    return signals, labels
-
-
 def analyse(
     label_store: RecordStore, signal_store: RecordStore, ids: Sequence[str], settings: CalibrateSettings
 ) -> Analysis:
-    """Profiles for every signal x label kind and the bands of ``(signal, target)``, with ``control``,
-    ``bootstrap`` resamples seeded by ``seed``, and the band widths as ``settings`` say.
-
-    The AUC tables need the calibrated layers: :func:`auc_for` adds them once they are chosen.
-    """
+    """Profiles for every signal x label kind and the bands of ``(signal, target)``, as ``settings`` say; the
+    AUC tables need the calibrated layers: :func:`auc_for` adds them once they are chosen."""
     s = settings
     missing = [i for i in ids if i not in label_store or i not in signal_store]
     if missing:
@@ -137,7 +124,8 @@ def analyse(
     profiles = {}
     for kind in SIGNALS:
         for label_kind in TARGETS:
-            signals, labels = _arrays(label_records, signal_records, label_kind, kind)
+            signals = [np.asarray(s[kind], dtype=float) for s in signal_records]
+            labels = [np.asarray(r["labels"][label_kind], dtype=float) for r in label_records]
             profiles[(kind, label_kind)] = layer_profile(
                 signals, labels, signal=kind, target=label_kind, control=s.control, replicates=s.bootstrap, seed=s.seed
             )

@@ -29,13 +29,8 @@ def plot_profiles(
     default_b: Sequence[int],
     title: str = "",
 ) -> None:
-    """Write a PNG: ``panels[i]`` holds the profiles (one per signal) of one label kind.
-
-    Raises
-    ------
-    ImportError
-        matplotlib is not installed (a dependency of reasonkv, so only in a broken install).
-    """
+    """Write a PNG: ``panels[i]`` holds the profiles (one per signal) of one label kind (``ImportError`` without
+    matplotlib, a dependency of reasonkv: only in a broken install)."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)

@@ -1,23 +1,6 @@
-"""Per-layer signal profile: how well each layer's chunk signal ranks the chunks by importance.
-
-For every trace and every layer ``l``, the Spearman correlation between the layer's chunk signal
-(``g_l`` or its z-score, averaged over each chunk's tokens) and the chunks' labels; the profile is
-the mean of these per-trace correlations over the traces, with a percentile bootstrap interval that
-resamples whole traces.
-
-Why within-trace correlations, averaged: an eviction policy only ever compares tokens of the same
-sequence, so what matters is whether a layer *ranks* a trace's chunks like the labels do. Pooling
-chunks of different traces would also reward signals that merely track how long or how hard a
-trace is, and the raw ``g`` scale changes from one trace to the next.
-
-Position control (``control="position"``, the default of ``reasonkv calibrate``): the labels depend
-on where a chunk sits (a late chunk's later tokens are few and close to it; the answer is near the
-end), and raw ``g`` drifts with position too, so a layer can correlate with the labels only because
-both follow position. The partial Spearman correlation with the chunk's index partialled out asks
-whether the layer knows more than the position does. ``control="none"`` gives the plain correlation.
-
-A trace with fewer than three (four with the control) chunks that have both a label and a signal
-contributes no correlation.
+"""Per-layer signal profile: the mean over traces of each layer's within-trace Spearman correlation of its
+chunk signal with the labels (the chunk position partialled out with ``control="position"``), with a bootstrap
+interval that resamples traces. Why within-trace, and why the control: docs/calibrate.md.
 """
 
 from __future__ import annotations
@@ -36,33 +19,16 @@ CONTROLS = ("position", "none")
 
 @dataclass(frozen=True)
 class Profile:
-    """Per-layer correlation of one signal with one label kind.
-
-    Attributes
-    ----------
-    signal, target : str
-        What was correlated (``"g"``/``"z"``; ``"later"``/``"later_sum"``/``"answer"``).
-    control : str
-        ``"position"`` (partial correlation given the chunk index) or ``"none"``.
-    rho, low, high : ndarray ``[layers]``
-        Mean per-trace Spearman correlation and its bootstrap interval.
-    per_trace : ndarray ``[traces, layers]``
-        The per-trace correlations (``NaN`` where undefined).
-    replicates : ndarray ``[replicates, layers]``
-        Bootstrap means (the same trace resamples for every layer, so band means can be
-        bootstrapped from them).
-    level : float
-        Coverage of the interval.
-    """
+    """Per-layer correlation of one signal (``"g"``, ``"z"``) with one label kind, under ``control``."""
 
     signal: str
     target: str
     control: str
-    rho: np.ndarray
-    low: np.ndarray
+    rho: np.ndarray  # [layers] mean per-trace Spearman correlation
+    low: np.ndarray  # [layers] its bootstrap interval, of coverage ``level``
     high: np.ndarray
-    per_trace: np.ndarray
-    replicates: np.ndarray
+    per_trace: np.ndarray  # [traces, layers] (NaN where undefined)
+    replicates: np.ndarray  # [replicates, layers] bootstrap means, the same trace resamples for every layer
     level: float
 
     @property
@@ -82,19 +48,11 @@ class Profile:
         return float(self.rho[layers].mean()), float(low[0]), float(high[0])
 
     def to_dict(self) -> dict[str, object]:
-        def clean(values: np.ndarray) -> list[float | None]:
-            return [None if np.isnan(v) else round(float(v), 6) for v in values]
-
-        return {
-            "signal": self.signal,
-            "target": self.target,
-            "control": self.control,
-            "traces": self.n_traces,
-            "level": self.level,
-            "rho": clean(self.rho),
-            "low": clean(self.low),
-            "high": clean(self.high),
+        head = {"signal": self.signal, "target": self.target, "control": self.control, "traces": self.n_traces}
+        numbers = {
+            k: [None if np.isnan(v) else round(float(v), 6) for v in getattr(self, k)] for k in ("rho", "low", "high")
         }
+        return {**head, "level": self.level, **numbers}
 
 
 def per_trace_correlations(

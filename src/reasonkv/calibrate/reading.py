@@ -1,9 +1,6 @@
-"""What a calibration that runs the model over text is told, and the token sequences it reads.
-
-``reasonkv calibrate --centers`` and ``--budgets`` both load a model, read either the reference solutions
-of a dataset's first problems (each after its prompt) or one plain-text file, and write one file. This
-module holds those shared settings (:class:`ReadingSettings`: checked once, spelled back as a command) and
-the sequences they name (:func:`read_sequences`); each command adds its own options and file kind.
+"""What ``reasonkv calibrate --centers`` and ``--budgets`` share: the model, what it reads (a dataset's reference
+solutions after their prompts, or one plain-text file) and the one file it writes (:class:`ReadingSettings`), and
+the sequences read (:func:`read_sequences`); each command adds its own options and file kind.
 """
 
 from __future__ import annotations
@@ -16,7 +13,7 @@ from typing import ClassVar
 from reasonkv.calibrate.shared import ModelSettings, cut_setting, out_setting, traces_setting
 from reasonkv.calibrate.traces import reference_trace
 from reasonkv.eval.datasets import load_dataset
-from reasonkv.runs.flags import setting
+from reasonkv.runs.flags import flags, option, setting
 from reasonkv.suggest.integers import check_int
 
 __all__ = ["TEXT_GROUP", "ReadingSettings", "read_sequences"]
@@ -26,25 +23,13 @@ TEXT_GROUP = "query centers (TriAttention)"  # where --text is shown: beside --c
 
 @dataclass(frozen=True, kw_only=True)
 class ReadingSettings(ModelSettings):
-    """The model, what it reads and the one file a calibration writes.
-
-    Parameters
-    ----------
-    model, dtype, device, attn
-        The model to load.
-    dataset, traces
-        Read the reference solutions of the first ``traces`` problems of ``dataset``, each after its
-        prompt (ignored when ``text`` is given).
-    text
-        A plain-text file read as one sequence instead.
-    max_tokens
-        Cut every sequence to this many tokens (None: whole).
-    out
-        The file to write (a new path, or a file of this command's kind, which is replaced).
-    """
+    """The model, what it reads (the reference solutions of the first ``traces`` problems of ``dataset`` after
+    their prompts, or the plain-text file ``text`` as one sequence; each cut to ``max_tokens``) and ``out``, the
+    one file it writes (a new path, or a file of this command's kind, which is replaced)."""
 
     FLAG: ClassVar[str]  # the command's flag, e.g. "--centers"
     FILE_KIND: ClassVar[str]  # what ``out`` must hold if it exists, e.g. "query centers file"
+    COUNTS: ClassVar[tuple[tuple[str, int], ...]] = ()  # the command's own integer options and their least values
 
     traces: int = traces_setting(100)
     text: Path | None = setting(
@@ -60,7 +45,7 @@ class ReadingSettings(ModelSettings):
             object.__setattr__(self, "text", Path(self.text))
             if not self.text.is_file():
                 raise ValueError(f"--text {str(self.text)!r} is not a file")
-        for name, low in (("traces", 1), ("max_tokens", 1), *self._more_counts()):
+        for name, low in (("traces", 1), ("max_tokens", 1), *self.COUNTS):
             value = getattr(self, name)
             if value is not None:
                 check_int(name, value, low)
@@ -74,17 +59,9 @@ class ReadingSettings(ModelSettings):
                     f"--out {str(self.out)!r} exists and is not a {self.FILE_KIND}; it is left untouched"
                 ) from None
 
-    def _more_counts(self) -> tuple[tuple[str, int], ...]:
-        """The command's own integer options and their least values."""
-        return ()
-
     def _load_existing(self, path: Path) -> None:
         """Raise ``ValueError`` unless ``path`` holds a file of this command's kind."""
         raise NotImplementedError
-
-    def _more_args(self) -> list[str]:
-        """The command's own options, spelled as on the command line."""
-        return []
 
     @property
     def source(self) -> str:
@@ -104,7 +81,9 @@ class ReadingSettings(ModelSettings):
             parts += ["--dataset", self.dataset, "--traces", str(self.traces)]
         if self.max_tokens:
             parts += ["--max-trace-tokens", str(self.max_tokens)]
-        return shlex.join([*parts, *self._more_args(), "--out", str(self.out)])
+        spelled = {field.name: option(field, flag) for field, flag in flags(type(self))}
+        own = [word for name, _ in self.COUNTS for word in (spelled[name], str(getattr(self, name)))]
+        return shlex.join([*parts, *own, "--out", str(self.out)])
 
 
 def read_sequences(settings: ReadingSettings, tokenizer) -> list[list[int]]:

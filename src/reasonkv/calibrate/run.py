@@ -1,19 +1,16 @@
-"""One calibration run: claim the folder, collect the missing records, analyse them, write the outputs.
-
-:func:`run_calibration` is the whole of ``reasonkv calibrate`` once its arguments are a
-:class:`~reasonkv.calibrate.settings.CalibrateSettings`. It writes into ``settings.out``:
-``labels.jsonl`` and ``signals.jsonl`` (one record per trace, appended as they are computed),
-``calibration.json`` (the file EPIKV loads), ``correlation.png``, ``results.json`` (every number) and
-``summary.md``.
+"""One calibration run (:func:`run_calibration`, the whole of ``reasonkv calibrate``): claim the folder, collect
+the missing records, analyse them, and write ``calibration.json`` (the file EPIKV loads), ``correlation.png``,
+``results.json`` (every number) and ``summary.md`` beside the records.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from dataclasses import asdict
 from typing import Any
 
-from reasonkv.calibrate.bands import write_band_calibration
+from reasonkv.calibrate.bands import Band, write_band_calibration
 from reasonkv.calibrate.pipeline import Analysis, analyse, auc_for, collect, open_stores
 from reasonkv.calibrate.plot import plot_profiles
 from reasonkv.calibrate.settings import CalibrateSettings
@@ -122,6 +119,10 @@ def _plot(s: CalibrateSettings, analysis: Analysis, default: Calibration) -> str
     return PLOT_FILE
 
 
+def _band(band: Band | None) -> dict[str, Any] | None:
+    return None if band is None else {**asdict(band), "layers": list(band.layers)}
+
+
 def _results(analysis: Analysis, calibration: Calibration, run_info: dict[str, Any]) -> dict[str, Any]:
     """Every number of the run, as ``results.json`` holds them."""
     return {
@@ -132,18 +133,7 @@ def _results(analysis: Analysis, calibration: Calibration, run_info: dict[str, A
         "cpu_seconds_per_trace": round(analysis.cpu_seconds_per_trace, 3),
         "label_position_rho": analysis.label_position,
         "calibration": {k: v for k, v in calibration.as_dict().items() if k != "profile"},
-        "bands": {
-            name: None
-            if band is None
-            else {
-                "layers": list(band.layers),
-                "representative": band.representative,
-                "rho": band.rho,
-                "low": band.low,
-                "high": band.high,
-            }
-            for name, band in (("a", analysis.band_a), ("b", analysis.band_b))
-        },
+        "bands": {"a": _band(analysis.band_a), "b": _band(analysis.band_b)},
         "profiles": [p.to_dict() for p in analysis.profiles.values()],
         "auc": {t: [row.to_dict() for row in rows] for t, rows in analysis.auc.items()},
     }

@@ -1,17 +1,8 @@
 """Per-chunk scores of every policy that has a per-token score, from a cached signals record.
 
-EPIKV's scores are linear in the per-layer signals, so their chunk means follow exactly from the
-chunk means of ``g_l`` and ``z_l``; any layer choice can be scored without another forward pass:
-
-``epikv``          ``z_a - z_b`` (EPIKV's default ``zscore`` variant)
-``epikv-band``     mean ``z`` over band A minus mean ``z`` over band B (``band`` variant)
-``epikv-raw``      ``g_a - g_b`` (``raw`` variant, window ``m = 1``)
-``g-bands``        mean raw ``g`` over band A minus over band B
-``g-band-a``       mean raw ``g`` over band A alone (is the subtraction needed?)
-
-each for the depth-scaled default layers and, when given, for the calibrated ones (suffix
-``@cal``; the defaults get ``@default``). The baselines (``knorm``, ``h2o``, ``tova``, ``snapkv``,
-``recency``, ``random``) come straight from the record (see :mod:`reasonkv.calibrate.signals`).
+EPIKV's scores are linear in the per-layer signals, so their chunk means follow from those of ``g_l`` and ``z_l``
+for any layer choice, without another forward (the table: docs/calibrate.md); each is scored at every layer
+choice given (suffix ``@default``, ``@cal``). The baselines come straight from the record.
 """
 
 from __future__ import annotations
@@ -42,10 +33,8 @@ def epikv_scores(g: np.ndarray, z: np.ndarray, calibration: Any) -> dict[str, np
 
 
 def chunk_scores(record: Mapping[str, Any], calibrations: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """Every score of one trace, ``name -> [chunks]``.
-
-    ``calibrations`` maps a suffix (``"default"``, ``"cal"``) to a layer choice.
-    """
+    """Every score of one trace, ``name -> [chunks]``; ``calibrations`` maps a suffix (``"default"``, ``"cal"``)
+    to a layer choice."""
     g = np.asarray(record["g"], dtype=float)
     z = np.asarray(record["z"], dtype=float)
     out: dict[str, np.ndarray] = {}

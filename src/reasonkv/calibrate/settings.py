@@ -1,11 +1,6 @@
 """``reasonkv calibrate``'s settings: one frozen object, built by the command line or in Python, checked once;
-each field carries its flag (:mod:`reasonkv.runs.flags`).
-
-:class:`CalibrateSettings` holds the model to load, the traces to study, the label and signal settings
-(:class:`~reasonkv.calibrate.labels.LabelSettings`, :class:`~reasonkv.calibrate.signals.SignalSettings`),
-how the bands are chosen and scored, and the output folder. :func:`reasonkv.calibrate.run.run_calibration`
-reads nothing else.
-"""
+each field carries its flag (:mod:`reasonkv.runs.flags`). :func:`reasonkv.calibrate.run.run_calibration` reads
+nothing else."""
 
 from __future__ import annotations
 
@@ -19,6 +14,7 @@ from reasonkv.calibrate.labels import TARGETS, LabelSettings
 from reasonkv.calibrate.profile import CONTROLS
 from reasonkv.calibrate.shared import (
     ModelSettings,
+    check_choices,
     check_positive,
     cut_setting,
     generation_setting,
@@ -34,46 +30,13 @@ from reasonkv.suggest.integers import check_int, is_number
 __all__ = ["CalibrateSettings"]
 
 
-def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
-
-
 @dataclass(frozen=True, kw_only=True)
 class CalibrateSettings(ModelSettings):
-    """Everything one ``reasonkv calibrate`` run is told.
-
-    Parameters
-    ----------
-    model, dtype, device, attn
-        The model to load (checked when it is loaded: ``analyse_only`` loads none).
-    dataset
-        A bundled dataset name or a JSONL path.
-    traces
-        Problems studied, in file order.
-    source
-        ``"reference"`` (teacher-forced reference solutions) or ``"generated"`` (the model's own greedy
-        answers, ``max_new_tokens`` long at most).
-    max_trace_tokens
-        Cut traces to this many tokens (None: whole).
-    labels, signals
-        The occlusion labels' and the per-token signals' settings.
-    target, signal, control
-        The label that picks the bands, the signal (``"z"`` or raw ``"g"``), and whether the chunk
-        position is partialled out of the correlations (``"position"``) or not (``"none"``).
-    min_width, max_width
-        The shortest and the widest band, in layers.
-    top_fraction
-        The share of a trace's chunks that are the positives of the AUC.
-    bootstrap, seed
-        Trace resamples of every interval, and their seed.
-    out
-        The output folder (reused to resume).
-    analyse_only
-        Load no model: analyse the records already in ``out``.
-    progress
-        Show a progress bar.
-    """
+    """Everything one ``reasonkv calibrate`` run is told: the model (checked when it loads: ``analyse_only``
+    loads none), the traces (``traces`` problems of ``dataset`` in file order, ``source`` reference solutions or
+    the model's greedy answers), the label and signal settings, how the bands are picked (``target``,
+    ``signal``, ``control``, ``min_width``, ``max_width``) and scored (``top_fraction``, ``bootstrap``,
+    ``seed``), and the ``out`` folder (reused to resume). Each field's flag says the rest."""
 
     traces: int = traces_setting(180)  # the committed anatomy's count (docs/anatomy): AUC intervals about +-0.04
     source: str = setting(
@@ -114,10 +77,7 @@ class CalibrateSettings(ModelSettings):
         check_positive(self, "traces", "max_new_tokens", "min_width", "max_width", "bootstrap")
         if self.max_trace_tokens is not None:
             check_positive(self, "max_trace_tokens")
-        _check_choice("source", self.source, SOURCES)
-        _check_choice("target", self.target, TARGETS)
-        _check_choice("signal", self.signal, SIGNALS)
-        _check_choice("control", self.control, CONTROLS)
+        check_choices(self)
         if not isinstance(self.labels, LabelSettings) or not isinstance(self.signals, SignalSettings):
             raise ValueError("labels and signals must be a LabelSettings and a SignalSettings")
         if not is_number(self.top_fraction):
@@ -128,12 +88,6 @@ class CalibrateSettings(ModelSettings):
         if self.min_width > self.max_width:
             raise ValueError(f"min_width {self.min_width} is larger than max_width {self.max_width}")
 
-    @staticmethod
-    def defaults() -> dict[str, Any]:
-        """Every setting's default by its flag's name (the label and signal settings' fields flattened)."""
-        own = {f.name: f.default for f in dataclasses.fields(CalibrateSettings) if f.default is not dataclasses.MISSING}
-        return {**own, **dataclasses.asdict(LabelSettings()), **dataclasses.asdict(SignalSettings())}
-
     @property
     def targets(self) -> list[str]:
         """The label kinds reported: the one that picks the bands, then the answer's."""
@@ -141,14 +95,8 @@ class CalibrateSettings(ModelSettings):
 
     def record_settings(self) -> dict[str, Any]:
         """What every stored record depends on besides the label and signal settings."""
-        return {
-            "model": self.model,
-            "dtype": self.dtype,
-            "dataset": self.dataset,
-            "source": self.source,
-            "max_trace_tokens": self.max_trace_tokens,
-            "max_new_tokens": self.max_new_tokens if self.source == "generated" else None,
-        }
+        read = {name: getattr(self, name) for name in ("model", "dtype", "dataset", "source", "max_trace_tokens")}
+        return {**read, "max_new_tokens": self.max_new_tokens if self.source == "generated" else None}
 
     def command(self) -> str:
         """The command line that reproduces the run (settings at their default left out)."""
@@ -166,7 +114,8 @@ class CalibrateSettings(ModelSettings):
             "batch_size": self.labels.batch_size,
             "bootstrap": self.bootstrap,
         }
-        defaults = self.defaults()
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}  # the nested settings' fields flattened
+        defaults.update(dataclasses.asdict(LabelSettings()), **dataclasses.asdict(SignalSettings()))
         for name, value in optional.items():
             if value != defaults[name]:
                 parts += ["--" + name.replace("_", "-"), str(value)]

@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from reasonkv.models import DEFAULT_MODEL, load_model
-from reasonkv.runs.flags import setting
+from reasonkv.runs.flags import flags, setting
 from reasonkv.suggest.integers import check_int
 
 __all__ = [
     "ModelSettings",
+    "check_choices",
     "check_positive",
     "cut_setting",
     "generation_setting",
@@ -51,6 +52,14 @@ def check_positive(settings: Any, *names: str) -> None:
     """Refuse a setting among ``names`` of ``settings`` that is not a positive integer."""
     for name in names:
         check_int(name, getattr(settings, name), 1)
+
+
+def check_choices(settings: Any) -> None:
+    """Refuse a setting of ``settings`` whose flag lists ``choices`` that does not hold one of them."""
+    for field, flag in flags(type(settings)):
+        value = getattr(settings, field.name)
+        if flag.choices is not None and value not in flag.choices:
+            raise ValueError(f"{field.name} must be one of {', '.join(flag.choices)}, got {value!r}")
 
 
 def traces_setting(default: int) -> Any:

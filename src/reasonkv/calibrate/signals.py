@@ -1,47 +1,17 @@
-"""Per-token signals of one teacher-forced pass, averaged per chunk.
+"""Per-token signals of one teacher-forced pass, averaged per chunk (definitions: docs/calibrate.md).
 
-One forward over prompt + trace records, for every decoder layer ``l`` (counted from 0):
-
-``g``
-    ``g_l(t) = ||h_l(t) - h_l(t-1)||_2``, ``h_l`` the output of decoder layer ``l`` read with a
-    forward hook (not ``output_hidden_states``, whose last entry is the final-normed state in
-    transformers 5); ``NaN`` at position 0.
-``z``
-    EPIKV's causal rolling z-score of ``g_l``: mean and population standard deviation of the
-    defined ``g_l`` at the previous ``window`` positions, ``z = (g - mu) / (sigma + eps)``, 0 where
-    fewer than two are defined.
-
-and the per-token scores of the baselines that can be read off the same pass (higher = keep),
-averaged over every full-attention layer (every layer of a plain model: the layers these policies
-read and evict) and every head, so that each is one number per token:
-
-``knorm``
-    minus the key norm (the knorm policy keeps low-norm keys).
-``h2o``
-    attention each key received, summed over every query of the sequence (H2O's accumulated score
-    at the end of the trace).
-``tova``
-    attention of the last query of the sequence (TOVA's score at the end of the trace).
-``snapkv``
-    attention of the last ``query_window`` queries, summed, averaged over the query heads of each
-    kv group and pooled along the positions (``kernel``, ``pooling``), as the snapkv policy does.
-``recency``
-    the position itself (what a sliding window keeps), a reference for position effects.
-``random``
-    uniform noise seeded by the trace id, the chance reference.
-
-Every score is its policy's own function (``g`` and ``z``: :mod:`reasonkv.policies.epikv_signal`; the
-baselines: those of :mod:`~reasonkv.policies.knorm`, :mod:`~reasonkv.policies.h2o`,
-:mod:`~reasonkv.policies.tova` and :mod:`~reasonkv.policies.snapkv`), applied to the whole sequence at once.
-Attention probabilities come from this offline pass only (analysis, not decoding): a probe listens on the
-attention tap (:class:`reasonkv.hf.AttentionTap`) and recomputes each layer's causal softmax attention from the
-post-RoPE queries and keys as the policies do (:mod:`reasonkv.policies.attention`: learned attention sinks and
-soft-capping included), while the model's own kernel runs as usual. ``g`` and ``z`` cover every decoder layer,
-as EPIKV's layers do.
+``g`` (each decoder layer's hidden-state step, read with a forward hook) and ``z`` (EPIKV's causal rolling
+z-score of it), and the baselines' scores (``knorm``, ``h2o``, ``tova``, ``snapkv``, averaged over the
+full-attention layers and heads; ``recency``, ``random``). Every score is its policy's own function
+(:mod:`reasonkv.policies.epikv_signal`, :mod:`~reasonkv.policies.knorm`, :mod:`~reasonkv.policies.h2o`,
+:mod:`~reasonkv.policies.tova`, :mod:`~reasonkv.policies.snapkv`) over the whole sequence, on attention a probe on
+the attention tap recomputes from the post-RoPE queries and keys (:mod:`reasonkv.policies.attention`) while the
+model's own kernel runs.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 import zlib
@@ -51,9 +21,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from reasonkv.calibrate.labels import MASKED_IMPLEMENTATIONS, attention_masks
+from reasonkv.calibrate.labels import attention_masks, check_masked
 from reasonkv.calibrate.shared import check_positive
-from reasonkv.hf import AttentionTap, attention_implementation, decoder_layers, model_info
+from reasonkv.hf import AttentionTap, decoder_layers, model_info
 from reasonkv.policies import attention
 from reasonkv.policies.epikv_signal import rolling_zscore, step_distances, window_mean
 from reasonkv.policies.h2o import received_attention
@@ -79,21 +49,8 @@ SIGNALS = ("z", "g")  # the per-layer signals a band can be picked by
 
 @dataclass(frozen=True)
 class SignalSettings:
-    """Options of the per-token signals.
-
-    Parameters
-    ----------
-    window : int
-        ``W`` of EPIKV's rolling z-score (default 128, EPIKV's default).
-    eps : float
-        Added to the rolling standard deviation (default 1e-6, EPIKV's).
-    query_window : int
-        SnapKV's observation window (default 32, the snapkv policy's).
-    kernel : int
-        SnapKV's pooling width (default 7; odd; 1 = none).
-    pooling : {"max", "avg"}
-        SnapKV's pooling (default "max", the snapkv policy's).
-    """
+    """Options of the per-token signals: EPIKV's z-score ``window`` and ``eps`` (its defaults), SnapKV's
+    ``query_window``, ``kernel`` (odd; 1: none) and ``pooling`` (the snapkv policy's defaults)."""
 
     window: int = setting(128, group="signals", type="positive", help="EPIKV z-score window W (default 128)")
     eps: float = 1e-6
@@ -118,14 +75,9 @@ class SignalSettings:
 
 
 def causal_zscore(g: torch.Tensor, window: int, eps: float = 1e-6) -> torch.Tensor:
-    """EPIKV's rolling z-score along the last axis of ``g`` (``NaN`` = missing), the policy's own
-    (:func:`~reasonkv.policies.epikv_signal.rolling_zscore`) against each position's ``window`` previous values.
-
-    ``z(t) = (g(t) - mu) / (sigma + eps)`` with ``mu``, ``sigma`` the mean and population standard
-    deviation of the defined values among ``g(t - window) .. g(t - 1)``; 0 where ``g(t)`` is
-    missing or fewer than two values are defined. Computed in float64, one row at a time (the windows of
-    a row are a view; the statistics are ``window`` times its length).
-    """
+    """EPIKV's rolling z-score along the last axis of ``g`` (``NaN``: missing), the policy's own
+    (:func:`~reasonkv.policies.epikv_signal.rolling_zscore`) against each position's ``window`` previous values;
+    in float64, one row at a time (a row's windows are a view; the statistics are ``window`` times its length)."""
     rows = g.reshape(-1, g.shape[-1]).double()
     z = []
     for row in rows:
@@ -141,10 +93,8 @@ def chunk_means(values: torch.Tensor, chunks: list[tuple[int, int]] | list[list[
 
 
 def _layer_scores(query, key, kwargs: dict, settings: SignalSettings) -> dict[str, torch.Tensor]:
-    """The baseline scores of one full-attention layer over the whole sequence (``[T]`` each), each the
-    policy's own function of the attention it reads, averaged over the kv heads: ``query`` ``[1, Hq, T, D]``
-    and ``key`` ``[1, Hkv, T, D]`` post-RoPE, causal, as the model's kernel sees them (learned sinks and
-    soft-capping from ``kwargs``)."""
+    """The baseline scores (``[T]`` each, averaged over the kv heads) of one full-attention layer's post-RoPE
+    ``query`` ``[1, Hq, T, D]`` and ``key`` ``[1, Hkv, T, D]`` (learned sinks and soft-capping from ``kwargs``)."""
     _, kv_heads, length, _ = key.shape
     scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
     extra = {"softcap": kwargs.get("softcap"), "sinks": kwargs.get("s_aux", kwargs.get("sinks"))}
@@ -166,28 +116,18 @@ def _layer_scores(query, key, kwargs: dict, settings: SignalSettings) -> dict[st
 def token_signals(
     model: Any, ids: list[int] | torch.Tensor, settings: SignalSettings | None = None, *, seed_key: str = ""
 ):
-    """Per-token ``g``, ``z`` (``[layers, T]``) and baseline scores (``[T]`` each) of one sequence.
-
-    ``seed_key`` seeds the ``random`` score (the trace id, so a trace always gets the same noise).
-    """
+    """Per-token ``g``, ``z`` (``[layers, T]``) and baseline scores (``[T]`` each) of one sequence; ``seed_key``
+    (the trace id) seeds the ``random`` score, so a trace always gets the same noise."""
     settings = settings or SignalSettings()
-    implementation = attention_implementation(model)
-    if implementation not in MASKED_IMPLEMENTATIONS:
-        raise ValueError(
-            f"token signals need an attention implementation that applies an arbitrary mask "
-            f"({', '.join(MASKED_IMPLEMENTATIONS)}); the model uses {implementation!r}"
-        )
+    check_masked(model, "token signals")
     device = next(model.parameters()).device
     ids = torch.as_tensor(ids, dtype=torch.long, device=device).view(-1)
     total = ids.shape[0]
     layers = decoder_layers(model)
     hidden: dict[int, torch.Tensor] = {}
 
-    def hook(index: int):
-        def record(module, args, output):
-            hidden[index] = (output[0] if isinstance(output, tuple) else output)[0]
-
-        return record
+    def record(index: int, module, args, output) -> None:
+        hidden[index] = (output[0] if isinstance(output, tuple) else output)[0]
 
     full_layers = model_info(model).full_layers
     per_layer: dict[int, dict[str, torch.Tensor]] = {}
@@ -196,7 +136,7 @@ def token_signals(
         if layer in full_layers:  # the layers these policies read and evict on a hybrid model
             per_layer[layer] = _layer_scores(query, key, kwargs, settings)
 
-    handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(layers)]
+    handles = [layer.register_forward_hook(functools.partial(record, i)) for i, layer in enumerate(layers)]
     dtype = next(model.parameters()).dtype
     positions = torch.arange(total, device=device)
     try:

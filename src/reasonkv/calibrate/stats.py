@@ -1,6 +1,5 @@
-"""Small statistics in numpy: ranks, Spearman correlation, AUC and bootstrap intervals over traces.
-
-Missing values are ``NaN``; every function drops them pairwise. Nothing here needs scipy or sklearn.
+"""Small statistics in numpy (no scipy or sklearn): ranks, Spearman correlation, AUC and bootstrap intervals over
+traces. Missing values are ``NaN``; every function drops them pairwise.
 """
 
 from __future__ import annotations
@@ -55,12 +54,9 @@ def spearman(x: np.ndarray, y: np.ndarray, min_pairs: int = 3) -> float:
 
 
 def partial_spearman(x: np.ndarray, y: np.ndarray, control: np.ndarray, min_pairs: int = 4) -> float:
-    """Spearman correlation of ``x`` and ``y`` with ``control`` partialled out (ranks, then the
-    partial-correlation formula ``(r_xy - r_xc r_yc) / sqrt((1 - r_xc^2)(1 - r_yc^2))``).
-
-    Triples with a missing value are dropped; ``NaN`` with fewer than ``min_pairs`` of them or when a
-    side is constant or fully explained by ``control``.
-    """
+    """Spearman correlation of ``x`` and ``y`` with ``control`` partialled out (ranks, then
+    ``(r_xy - r_xc r_yc) / sqrt((1 - r_xc^2)(1 - r_yc^2))``); ``NaN`` with fewer than ``min_pairs`` complete
+    triples or when a side is constant or fully explained by ``control``."""
     x, y, c = (np.asarray(v, dtype=float) for v in (x, y, control))
     keep = ~(np.isnan(x) | np.isnan(y) | np.isnan(c))
     if keep.sum() < min_pairs:
@@ -73,10 +69,8 @@ def partial_spearman(x: np.ndarray, y: np.ndarray, control: np.ndarray, min_pair
 
 
 def top_fraction(labels: np.ndarray, fraction: float) -> np.ndarray:
-    """Boolean mask of the ``max(1, ceil(fraction * n))`` largest defined labels (``n`` = defined count).
-
-    Ties at the threshold are broken by position (earlier first), so exactly that many are marked.
-    """
+    """Boolean mask of the ``max(1, ceil(fraction * n))`` largest defined labels (``n`` = defined count), ties at
+    the threshold broken by position (earlier first), so exactly that many are marked."""
     labels = np.asarray(labels, dtype=float)
     defined = np.flatnonzero(~np.isnan(labels))
     mask = np.zeros(labels.shape, dtype=bool)
@@ -89,10 +83,8 @@ def top_fraction(labels: np.ndarray, fraction: float) -> np.ndarray:
 
 
 def auc(scores: np.ndarray, positives: np.ndarray) -> float:
-    """Area under the ROC curve of ``scores`` for ``positives`` vs the rest (ties count 1/2).
-
-    Pairs with a ``NaN`` score are dropped; ``NaN`` when either class is empty.
-    """
+    """Area under the ROC curve of ``scores`` for ``positives`` vs the rest (ties count 1/2; pairs with a ``NaN``
+    score dropped); ``NaN`` when either class is empty."""
     scores = np.asarray(scores, dtype=float)
     positives = np.asarray(positives, dtype=bool)
     keep = ~np.isnan(scores)

@@ -1,18 +1,9 @@
-"""Append-only JSONL files of per-trace records that a killed run resumes from.
+"""Append-only JSONL files of per-trace records that a killed run resumes from (docs/calibrate.md).
 
-Every record carries the ``settings`` it was computed with and an ``id``. Each file is a
-:class:`reasonkv.runs.store.JsonlStore`: opening a store reads the records already there; a run skips
-the ids it finds and appends the rest, one flushed line per record, so an interruption loses at most
-the record being written (a torn last line is cut off when the file is next opened). Records written
-with other settings are never mixed with new ones: the store refuses them (``on_mismatch="error"``,
-for expensive records) or starts the file afresh (``on_mismatch="replace"``, for records that are
-cheap to recompute).
-
-Floats that are not finite are written as ``null`` (JSON has no NaN); ``numpy.asarray(values,
-dtype=float)`` reads them back as ``nan``.
-
-The stores live in the ``calibrate --out`` folder, which is claimed and locked first
-(:func:`claim_output`, see :mod:`reasonkv.runs.outputs`): only then may a store rewrite or replace its file.
+Every record carries its ``id`` and the ``settings`` it was computed with; records with other settings are refused
+(``on_mismatch="error"``) or the file is started afresh (``"replace"``). Each file is a
+:class:`reasonkv.runs.store.JsonlStore` in the ``calibrate --out`` folder, claimed and locked first
+(:func:`claim_output`).
 """
 
 from __future__ import annotations
@@ -51,17 +42,9 @@ def claim_output(out: str | os.PathLike, inputs=()) -> ClaimedFolder:
 
 
 class RecordStore:
-    """One JSONL file of records keyed by ``id``, all computed with the same ``settings``.
-
-    Parameters
-    ----------
-    path : path
-        The file (created by the first append; its folder when the store opens).
-    settings : mapping
-        JSON-serialisable settings the records depend on; compared with every stored record.
-    on_mismatch : {"error", "replace"}
-        What to do with a file whose records have other settings.
-    """
+    """One JSONL file of records keyed by ``id`` (created by the first append), all computed with the same
+    JSON-serialisable ``settings``; ``on_mismatch`` (``"error"``, ``"replace"``) says what becomes of a file whose
+    records have other settings."""
 
     def __init__(self, path: str | os.PathLike, settings: Mapping[str, Any], *, on_mismatch: str = "error"):
         if on_mismatch not in ("error", "replace"):

@@ -54,11 +54,9 @@ def _band_line(
             f"rho {_fmt(mean, low, high)} here). The calibration file {kept} layers {list(written)} for this side."
         )
     overlap = sorted(set(band.layers) & set(default))
-    relation = (
-        f"overlaps the scaled default {_span(default)} at {len(overlap)} layer(s)"
-        if overlap
-        else (f"does not overlap the scaled default {_span(default)}")
-    )
+    relation = f"overlaps the scaled default {_span(default)} at {len(overlap)} layer(s)"
+    if not overlap:
+        relation = f"does not overlap the scaled default {_span(default)}"
     return (
         f"- **Band {name}** ({meaning}): layers **{band.first}..{band.last}**, representative layer "
         f"**{band.representative}**; mean rho {_fmt(band.rho, band.low, band.high)}; {relation}."
@@ -91,12 +89,10 @@ def _layer_table(analysis: Analysis, targets: Sequence[str]) -> list[str]:
     lines = [head, "|" + "---|" * (2 + len(columns))]
     a = set(analysis.band_a.layers) if analysis.band_a else set()
     b = set(analysis.band_b.layers) if analysis.band_b else set()
+    profiles = [analysis.profiles[key] for key in columns]
     for layer in range(analysis.num_layers):
         mark = "A" if layer in a else "B" if layer in b else ""
-        cells = []
-        for key in columns:
-            p = analysis.profiles[key]
-            cells.append(_fmt(p.rho[layer], p.low[layer], p.high[layer]))
+        cells = [_fmt(p.rho[layer], p.low[layer], p.high[layer]) for p in profiles]
         lines.append(f"| {layer} | {mark} | " + " | ".join(cells) + " |")
     return lines
 

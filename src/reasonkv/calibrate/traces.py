@@ -1,19 +1,8 @@
-r"""The token sequences the anatomy is measured on, with the span of their final answer.
+r"""The token sequences the anatomy is measured on, with the span of their final answer (docs/calibrate.md).
 
-A :class:`Trace` is a prompt (the problem, chat-formatted by :func:`~reasonkv.eval.prompts.build_prompt`)
-followed by a reasoning trace, both as token ids. Two sources:
-
-``reference`` (:func:`reference_trace`)
-    The dataset's reference solution, teacher-forced after the prompt. GSM8K solutions are tidied
-    first (:func:`tidy_reference`): the calculator annotations ``<<16-3-4=9>>`` are removed (a model
-    never writes them) and the closing ``#### 18`` becomes ``The final answer is \boxed{18}.``, the
-    format the prompt asks for.
-``generated`` (:func:`generated_trace`)
-    The model's own greedy continuation of the prompt (full cache), without its end-of-turn token.
-
-The answer span is the content of the last ``\boxed{...}``; failing that, the text after a
-``####`` marker; failing that, the last number. It is ``None`` when none is found or the trace was
-cut before it.
+A :class:`Trace` is a chat-formatted prompt followed by a reasoning trace, both as token ids: the dataset's
+reference solution (:func:`reference_trace`, GSM8K's tidied by :func:`tidy_reference`) or the model's own greedy
+answer (:func:`generated_trace`).
 """
 
 from __future__ import annotations
@@ -41,27 +30,14 @@ SOURCES = ("reference", "generated")
 
 @dataclass(frozen=True)
 class Trace:
-    """One prompt + trace as token ids.
+    """One prompt (special tokens included) and the trace that follows it, as token ids."""
 
-    Attributes
-    ----------
-    id : str
-        The problem id (unique within a run).
-    prompt_ids, trace_ids : list of int
-        The prompt (special tokens included) and the trace that follows it.
-    answer_span : tuple of int or None
-        ``[start, end)`` of the final answer, as indices into ``trace_ids``.
-    source : {"reference", "generated"}
-    text : str
-        The trace text (for people reading the cache).
-    """
-
-    id: str
+    id: str  # the problem's, unique within a run
     prompt_ids: list[int]
     trace_ids: list[int]
-    answer_span: tuple[int, int] | None
-    source: str
-    text: str = ""
+    answer_span: tuple[int, int] | None  # [start, end) of the final answer in trace_ids
+    source: str  # one of SOURCES
+    text: str = ""  # the trace text, for people reading the records
 
     @property
     def ids(self) -> list[int]:
@@ -82,36 +58,15 @@ def prompt_ids(tokenizer: Any, problem: Any) -> list[int]:
     return encode_prompt(tokenizer, build_prompt(tokenizer, problem))
 
 
-def _cut(trace_ids: list[int], span: tuple[int, int] | None, max_tokens: int | None):
-    if max_tokens is None or len(trace_ids) <= max_tokens:
-        return trace_ids, span
-    kept = trace_ids[:max_tokens]
-    return kept, span if span is not None and span[1] <= max_tokens else None
-
-
 def reference_trace(tokenizer: Any, problem: Any, *, max_tokens: int | None = None, tidy: bool = True) -> Trace:
-    """The problem's reference solution after its prompt.
-
-    Parameters
-    ----------
-    tokenizer : transformers tokenizer
-    problem : Problem
-        Must have a ``solution``.
-    max_tokens : int, optional
-        Cut the trace to this many tokens (the answer span is dropped if it is cut).
-    tidy : bool
-        Apply :func:`tidy_reference` (default True).
-
-    Raises
-    ------
-    ValueError
-        The problem has no reference solution.
-    """
+    """The problem's reference solution (:func:`tidy_reference`'d unless ``tidy`` is False) after its prompt, cut to
+    ``max_tokens`` (the answer span dropped if it is cut); ``ValueError`` for a problem without a solution."""
     if not problem.solution:
         raise ValueError(f"problem {problem.id!r} has no reference solution; use source='generated'")
     text = tidy_reference(problem.solution) if tidy else problem.solution.strip()
     trace_ids, span = token_span(tokenizer, text, answer_span(text))
-    trace_ids, span = _cut(trace_ids, span, max_tokens)
+    if max_tokens is not None and len(trace_ids) > max_tokens:
+        trace_ids, span = trace_ids[:max_tokens], span if span is not None and span[1] <= max_tokens else None
     if not trace_ids:
         raise ValueError(f"problem {problem.id!r}: the reference solution is empty")
     return Trace(problem.id, prompt_ids(tokenizer, problem), trace_ids, span, "reference", text)

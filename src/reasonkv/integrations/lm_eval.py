@@ -1,27 +1,12 @@
 """lm-evaluation-harness's ``reasonkv`` model: any lm-eval task, decoded and scored through an evicting KV cache.
 
-:class:`ReasonKVLM` is lm-eval's HuggingFace model (``HFLM``: its tokenization, chat templates, stop-sequence
-handling and truncation) with the model loaded the way reasonkv loads one and every request run through an
-:class:`~reasonkv.cache.EvictingCache` built from one :class:`~reasonkv.cache.CacheSpec` (the ``--model_args``,
-see :mod:`reasonkv.integrations.lm_eval_args`). Importing this module registers it as ``--model reasonkv``.
-
-- ``generate_until``: :func:`reasonkv.generate` on the prompts lm-eval encoded, in batches of ``batch_size``
-  grouped by the task's generation settings: the tokens ``reasonkv.generate`` gives for that prompt, with the
-  task's stop sequences, ``max_gen_toks`` and sampling (``do_sample``, ``temperature``, ``top_p``, ``top_k``;
-  a setting the task leaves out is the model's generation config's, else transformers' default, so sampling
-  draws from what the ``hf`` model would). A generation setting reasonkv does not implement is refused by name.
-- ``loglikelihood`` / ``loglikelihood_rolling``: scored as decoding would see the text (``scoring=evicting``):
-  the context prefilled (and evicted once if it exceeds ``K + B``), then the continuation fed through the
-  evicting cache, one forward per stretch between two evictions for a chunk-exact policy, else token by token
-  (:func:`reasonkv.eval.fidelity.teacher_force`). ``scoring=full`` scores with lm-eval's own full-context
-  forward instead; the results' ``config.reasonkv.scoring`` and every logged sample say which was used.
-- Seeds: request ``i`` of a document gets its own seed from ``seed``, the task, the document and the repeat
-  (for sampling and for stochastic policies), so a document's samples do not depend on ``--limit`` or batching.
-
-Each request's statistics (evictions, the most tokens its row held, the batch's peak cache slots and K/V bytes,
-...) are appended to its ``arguments`` as a last element ``{"reasonkv": [one dict per response]}``, the way
-lm-eval appends multimodal inputs, so ``--log_samples`` writes them beside the prompt. (lm-eval's
-``--use_cache`` keys responses by the arguments, so with it a rerun recomputes instead of reading the cache.)
+:class:`ReasonKVLM` is lm-eval's HuggingFace model (``HFLM``: tokenization, chat templates, stop sequences,
+truncation) with the model loaded as reasonkv loads one and every request run through an evicting cache built
+from one :class:`~reasonkv.cache.CacheSpec` (:mod:`reasonkv.integrations.lm_eval_args`): ``generate_until`` by
+:func:`reasonkv.generate`, log-likelihoods teacher-forced through the cache
+(:func:`reasonkv.eval.fidelity.teacher_force`) unless ``scoring=full``, one seed per request from its task,
+document and repeat, and each request's statistics appended to its arguments as ``{"reasonkv": [...]}``
+(docs/lm-eval.md). Importing this module registers it as ``--model reasonkv``.
 """
 
 from __future__ import annotations
@@ -101,7 +86,10 @@ class ReasonKVLM(HFLM):
             raise ValueError(
                 f"model_args pretrained={args.pretrained!r}: lm-eval needs text, and this model has no tokenizer"
             )
-        quiet = _Without(_LOADED_MODEL_NOTES)
+
+        def quiet(record: logging.LogRecord) -> bool:
+            return not record.getMessage().startswith(_LOADED_MODEL_NOTES)
+
         hf_log = logging.getLogger(HFLM.__module__)
         hf_log.addFilter(quiet)
         try:
@@ -119,20 +107,9 @@ class ReasonKVLM(HFLM):
         """reasonkv's settings, written into lm-eval's results (``config.reasonkv``)."""
         spec = self.spec
         options = {f.name: getattr(spec.policy, f.name) for f in dataclasses.fields(spec.policy)}
-        return {
-            "version": __version__,
-            "pretrained": self.pretrained,
-            "policy": spec.policy.name,
-            "options": options,
-            "budget": spec.budget,
-            "buffer": spec.buffer,
-            "quantized": spec.quantized,
-            "bits": spec.bits,
-            "group_size": spec.group_size,
-            "seed": spec.seed,
-            **_allocation_settings(spec),
-            "scoring": self.scoring,
-        }
+        cache = {name: getattr(spec, name) for name in ("budget", "buffer", "quantized", "bits", "group_size", "seed")}
+        head = {"version": __version__, "pretrained": self.pretrained, "policy": spec.policy.name, "options": options}
+        return {**head, **cache, **_allocation_settings(spec), "scoring": self.scoring}
 
     def get_model_info(self) -> dict[str, Any]:
         return {
@@ -159,9 +136,8 @@ class ReasonKVLM(HFLM):
                 batch = indices[start : start + self.batch_size]
                 contexts = [_args(requests[i])[0] for i in batch]
                 settings = _args(requests[batch[0]])[1]
-                for i, (text, row) in zip(
-                    batch, self._generate(contexts, settings, [seeds[i] for i in batch]), strict=True
-                ):
+                generated = self._generate(contexts, settings, [seeds[i] for i in batch])
+                for i, (text, row) in zip(batch, generated, strict=True):
                     texts[i], stats[i] = text, row
                     self.cache_hook.add_partial("generate_until", _args(requests[i])[:2], text)
                 bar.update(len(batch))
@@ -206,14 +182,10 @@ class ReasonKVLM(HFLM):
             return {"temperature": 0.0}
         config = getattr(self.model, "generation_config", None)
         sampling = {}
-        for name, default in _SAMPLING_DEFAULTS.items():
+        for name, default in _SAMPLING_DEFAULTS.items():  # each cast to its default's type (top_k an int)
             value = given.get(name, getattr(config, name, None))
-            sampling[name] = default if value is None else value
-        return {
-            "temperature": float(sampling["temperature"]),
-            "top_p": float(sampling["top_p"]),
-            "top_k": int(sampling["top_k"]),
-        }
+            sampling[name] = type(default)(default if value is None else value)
+        return sampling
 
     def _text(self, result: GenerationResult, until: list[str]) -> Generation:
         """The continuation as lm-eval's HF model returns it: after a thinking block, cut at the first stop; it
@@ -329,7 +301,8 @@ class ReasonKVLM(HFLM):
         results = []
         for r, (context, continuation) in enumerate(rows):
             evictions = run.evictions[r]
-            row = {"scoring": "evicting", **_cache_settings(spec), "evictions": evictions}
+            row = {"scoring": "evicting", "policy": spec.policy.name, "budget": spec.budget, "buffer": spec.buffer}
+            row.update(quantized=spec.quantized, evictions=evictions)
             row["peak_row_tokens"] = peak_row_tokens(len(context), len(continuation), evictions, spec)
             row.update(peak_slots=run.peak_slots, kv_bytes=run.kv_bytes, batch_size=len(rows), seed=seeds[r])
             row.update(context_tokens=len(context), continuation_tokens=len(continuation))
@@ -347,17 +320,6 @@ class ReasonKVLM(HFLM):
             seeds.append(sample_seed(self.spec.seed, key, seen[id(request)]))
             seen[id(request)] += 1
         return seeds
-
-
-class _Without(logging.Filter):
-    """Drops log records whose message starts with one of ``prefixes``."""
-
-    def __init__(self, prefixes: tuple[str, ...]):
-        super().__init__()
-        self.prefixes = prefixes
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(self.prefixes)
 
 
 def _args(request) -> tuple:
@@ -381,15 +343,11 @@ def _annotate(requests: Sequence, stats: Sequence[dict]) -> None:
 
 
 def _allocation_settings(spec) -> dict[str, Any]:
-    """How the spec shares its budget among layers and kv-heads (nothing under uniform, as before allocations)."""
+    """How the spec shares its budget among layers and kv-heads (nothing under uniform)."""
     if not spec.allocated:
         return {}
     names = ("allocation", "budgets_file", "adaptive_alpha", "ragged")
     return {name: getattr(spec, name) for name in names if getattr(spec, name) is not None}
-
-
-def _cache_settings(spec) -> dict[str, Any]:
-    return {"policy": spec.policy.name, "budget": spec.budget, "buffer": spec.buffer, "quantized": spec.quantized}
 
 
 def _generation_stats(result: GenerationResult, seed: int) -> dict[str, Any]:

@@ -1,20 +1,9 @@
 """The ``--model_args`` of lm-eval's ``reasonkv`` model, read and checked before any model loads.
 
-lm-eval hands a model its ``--model_args`` as keyword arguments, typed by its own parser (``budget=64`` is an
-int, ``policy.layers=[1,2]`` a list) or, from Python, as given. They are of three kinds:
-
-- the cache: ``policy``, ``budget``, ``buffer``, ``quantized``, ``bits``, ``group_size``, ``seed``, the
-  allocation (``allocation``, ``budgets_file``, ``adaptive_alpha``, ``padded_heads``: the command line's
-  ``--allocation`` and its flags), and the policy's options as ``policy.KEY=VALUE`` (``POLICY.KEY=VALUE``
-  too), parsed by the option's type with the command line's own parser (what ``-o KEY=VALUE`` does); the spec
-  is built as every command builds it (:func:`~reasonkv.cache.spec.resolve_spec`), so it meets the same rules;
-- the model: ``pretrained`` (a hub id, a local directory, a .gguf file, a bundled name, or in Python a loaded
-  model with its ``tokenizer``), ``dtype``, ``device``, ``attn_implementation``, and ``scoring``: how
-  loglikelihood requests are scored (``evicting``: through the evicting cache, as decoding would see the text;
-  ``full``: lm-eval's own full-context forward);
-- the settings of lm-eval's HuggingFace model that still apply (``batch_size``, ``max_length``, ...).
-
-Anything else is refused by name, so a misspelt argument fails at start, before a model loads.
+lm-eval hands them as keyword arguments, typed by its own parser or, from Python, as given: the cache's settings
+and the policy's options as ``policy.KEY=VALUE`` (the spec built by :func:`~reasonkv.cache.spec.resolve_spec`, as
+every command builds it), the model's, and lm-eval's HF-model settings that still apply (docs/lm-eval.md).
+Anything else is refused by name, so a misspelt argument fails before a model loads.
 """
 
 from __future__ import annotations
@@ -66,14 +55,8 @@ class ModelArgs:
 
 
 def parse_model_args(args: Mapping[str, Any]) -> ModelArgs:
-    """Check ``args`` (lm-eval's ``--model_args`` as keywords) and build the cache's spec.
-
-    Raises
-    ------
-    ValueError
-        Naming the argument: an unknown one, an unknown policy or option, a value of the wrong type, a budget
-        the policy's protected tokens do not fit, a scoring mode other than ``evicting`` / ``full``, ...
-    """
+    """Check ``args`` (lm-eval's ``--model_args`` as keywords) and build the cache's spec: ``ValueError`` naming
+    the argument (unknown, an unknown policy or option, a wrong type, a budget too small, a bad scoring mode...)."""
     args = dict(args)
     for key, value in args.items():
         if key not in _KNOWN and "." not in key:
@@ -89,20 +72,12 @@ def parse_model_args(args: Mapping[str, Any]) -> ModelArgs:
     for key, value in args.items():
         if "." in key:
             options.update(_policy_option(name, key, value))
-    budget, buffer = _integer(args, "budget", none=True), _integer(args, "buffer", default=DEFAULT_BUFFER)
-    tier = {"quantized": _integer(args, "quantized", default=0)}
-    tier.update({name: _integer(args, name, none=True) for name in ("bits", "group_size")})
+    cache = {"budget": _integer(args, "budget", none=True), "buffer": _integer(args, "buffer", default=DEFAULT_BUFFER)}
+    cache["quantized"] = _integer(args, "quantized", default=0)
+    cache.update({name: _integer(args, name, none=True) for name in ("bits", "group_size")})
+    cache["seed"] = _integer(args, "seed", default=0)
     try:
-        spec = resolve_spec(
-            None,
-            policy=policy,
-            budget=budget,
-            buffer=buffer,
-            **tier,
-            seed=_integer(args, "seed", default=0),
-            **_allocation(args),
-            **options,
-        )
+        spec = resolve_spec(None, policy=policy, **cache, **_allocation(args), **options)
     except ValueError as error:
         raise ValueError(f"model_args: {error}") from None
     scoring = args.get("scoring", "evicting")

@@ -1,14 +1,9 @@
 """What reasonkv's local lm-eval tasks (``integrations/tasks/*.yaml``) call: their documents and their grading.
 
-The documents are the bundled test sets (``reasonkv/data``), read by :func:`reasonkv.eval.datasets.load_dataset`,
-so the tasks need no network. Every document carries ``prompt``, the user turn ``reasonkv eval`` asks (the
-problem and the instruction to put the final answer in ``\\boxed{}``; lm-eval's ``--apply_chat_template`` wraps
-it in the model's chat template as ``reasonkv eval`` does), and ``reference``, the reference solution as a
-model would write it (GSM8K's calculator notes removed, its ``#### N`` line boxed). Generations are graded
-by ``reasonkv eval``'s own grader, so ``exact_match`` here means what ``accuracy`` means there: the
-last-number fallback is taken only from an output that ended by itself, never from one cut off at the token
-limit. reasonkv's lm-eval model returns each text as a :class:`Generation`, which says how it ended; a plain
-text (another lm-eval model, or lm-eval's ``--use_cache``) does not, so its last number is never taken.
+The documents are the bundled test sets, each with ``prompt`` (the user turn ``reasonkv eval`` asks) and
+``reference`` (the reference solution as a model would write it). Generations are graded by ``reasonkv eval``'s
+own grader: the last-number fallback only for an output known to have ended by itself (a :class:`Generation`
+says how it ended; a plain text does not), so ``exact_match`` means what ``accuracy`` means there.
 """
 
 from __future__ import annotations
@@ -26,11 +21,8 @@ __all__ = ["Generation", "gsm8k", "math500", "process_generation", "process_refe
 
 
 class Generation(str):
-    """A generated text that says how decoding ended (``finish_reason``: ``eos``, ``stop`` or ``length``).
-
-    A ``str`` so lm-eval handles it as any response (filters, logged samples); :func:`process_generation`
-    reads ``finish_reason`` to grade as ``reasonkv eval`` does.
-    """
+    """A generated text that says how decoding ended (``finish_reason``: ``eos``, ``stop`` or ``length``): a
+    ``str``, so lm-eval handles it as any response, that :func:`process_generation` grades as ``reasonkv eval``."""
 
     finish_reason: str | None
 

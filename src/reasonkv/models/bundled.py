@@ -1,12 +1,7 @@
-"""The bundled models: GGUF files that Python packages ship, converted once into the user cache.
-
-``load_model("smollm2-135m")`` (alias ``"default"``) and ``load_model("gemma3-270m")`` find the GGUF
-file of the model's package, dequantise it once into an fp32 checkpoint under :func:`cache_dir`, and
-later read that copy. A copy is written into a temporary folder and renamed into place, with a marker
-file written last: a killed conversion leaves no copy a later load would trust, and a directory without
-the marker is never touched. The marker holds the size, time and SHA-256 of every file of the copy;
-each load checks them (:func:`~reasonkv.models.files.copy_damage`: a ``stat`` per file, a hash only
-of a file whose time changed), and a copy whose files changed since they were written is converted again.
+"""The bundled models: GGUF files that Python packages ship, dequantised once into an fp32 checkpoint under
+:func:`cache_dir` that later loads read. A copy is renamed into place with a marker written last, holding the
+size, times and SHA-256 of its files: each load checks them (:func:`~reasonkv.models.files.copy_damage`) and a
+copy whose files changed is converted again; a directory without the marker is never touched.
 """
 
 from __future__ import annotations
@@ -124,10 +119,8 @@ def _missing(bundled: Bundled) -> str:
 
 
 def cache_dir() -> Path:
-    """Root of reasonkv's user cache.
-
-    ``$REASONKV_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/reasonkv``, else ``~/.cache/reasonkv``.
-    """
+    """Root of reasonkv's user cache: ``$REASONKV_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/reasonkv``, else
+    ``~/.cache/reasonkv``."""
     explicit = os.environ.get("REASONKV_CACHE_DIR")
     if explicit:
         return Path(explicit).expanduser()
@@ -216,10 +209,8 @@ def _ensure_smollm2_converted() -> Path:
 
 
 def _ensure_converted(bundled: Bundled, *, rebuild: bool = False) -> Path:
-    """Return the directory of a bundled model's converted copy, converting its GGUF file on first use.
-
-    ``rebuild`` converts again even when the copy looks complete (its files turned out damaged).
-    """
+    """The directory of a bundled model's converted copy, converting its GGUF file on first use, or again with
+    ``rebuild`` (its files turned out damaged)."""
     target = cache_dir() / "models" / bundled.name
     expected = _conversion_marker(bundled)
     if not rebuild and _is_valid_conversion(target, expected):

@@ -1,7 +1,5 @@
-"""Loading a checkpoint directory (a user's, a hub id's snapshot, or a bundled model's converted copy).
-
-Also :func:`finish`, which every loader that returns a tokenizer applies last.
-"""
+"""Loading a checkpoint directory (a user's, a hub id's snapshot, or a bundled model's converted copy), and
+:func:`finish`, which every loader that returns a tokenizer applies last."""
 
 from __future__ import annotations
 
@@ -27,13 +25,8 @@ logger = logging.getLogger(__name__)
 def load_directory(
     path: Path | str, dtype: torch.dtype, device: torch.device, attn: str, *, local_files_only: bool = False
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load model and tokenizer from a checkpoint directory or a hub id, refusing damaged files.
-
-    Raises
-    ------
-    CorruptModelError
-        A file there is truncated or corrupt, or the weights hold NaN or inf values.
-    """
+    """Load model and tokenizer from a checkpoint directory or a hub id: :class:`CorruptModelError` when a file
+    there is truncated or corrupt, or the weights hold NaN or inf values."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     # device_map places the weights straight on the GPU instead of staging them on the CPU.

@@ -1,7 +1,5 @@
-"""How a model runs: its dtype, its device and its attention implementation, each checked before a load.
-
-Every loader resolves these three first, so a bad value fails at once with the allowed values, never
-after minutes of loading.
+"""How a model runs: its dtype, its device and its attention implementation, each checked before any load, so a
+bad value fails at once with the allowed values.
 """
 
 from __future__ import annotations
@@ -26,13 +24,8 @@ _ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """Map ``"fp32"``/``"bf16"``/``"fp16"`` (or the long names, or a ``torch.dtype``) to a torch dtype.
-
-    Raises
-    ------
-    ValueError
-        For any other value; the message lists the allowed names.
-    """
+    """Map ``"fp32"``/``"bf16"``/``"fp16"`` (or the long names, or a ``torch.dtype``) to a torch dtype
+    (``ValueError`` listing the allowed names for any other value)."""
     if isinstance(dtype, torch.dtype):
         if dtype in _DTYPES.values():
             return dtype
@@ -43,20 +36,9 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def resolve_device(device: str | torch.device, *, allow_meta: bool = False) -> torch.device:
-    """Validate a device name (``"cpu"``, ``"cuda"``, ``"cuda:N"``) and return it as a ``torch.device``.
-
-    Parameters
-    ----------
-    device
-        Device name or ``torch.device``.
-    allow_meta
-        Also accept ``"meta"`` (parameters without storage; only meaningful for random-weight shapes).
-
-    Raises
-    ------
-    ValueError
-        For an unknown device, or a CUDA device that does not exist on this machine.
-    """
+    """Validate a device (``"cpu"``, ``"cuda"``, ``"cuda:N"``, a ``torch.device``; with ``allow_meta`` also
+    ``"meta"``, for random-weight shapes) and return it as a ``torch.device``: ``ValueError`` for an unknown device
+    or a CUDA device this machine does not have."""
     allowed = "'cpu', 'cuda', 'cuda:N'" + (", 'meta'" if allow_meta else "")
     try:
         dev = device if isinstance(device, torch.device) else torch.device(device)
@@ -79,15 +61,8 @@ def resolve_device(device: str | torch.device, *, allow_meta: bool = False) -> t
 
 
 def resolve_attn_implementation(attn_implementation: str, dtype: torch.dtype, device: torch.device) -> str:
-    """Validate the attention implementation for the given dtype and device.
-
-    Raises
-    ------
-    ValueError
-        For an unknown implementation, or flash_attention_2 on CPU or in fp32.
-    ImportError
-        For flash_attention_2 when the ``flash_attn`` package is not installed.
-    """
+    """Validate the attention implementation for the given dtype and device: ``ValueError`` for an unknown one, or
+    flash_attention_2 on CPU or in fp32; ``ImportError`` for flash_attention_2 without ``flash_attn``."""
     if attn_implementation not in _ATTN_IMPLEMENTATIONS:
         allowed = ", ".join(repr(a) for a in _ATTN_IMPLEMENTATIONS)
         raise ValueError(f"Unsupported attn_implementation {attn_implementation!r}; allowed: {allowed}.")
@@ -108,11 +83,8 @@ def resolve_attn_implementation(attn_implementation: str, dtype: torch.dtype, de
 
 @contextmanager
 def clear_attention_error(attn: str) -> Iterator[None]:
-    """Turn transformers' refusal of an attention kernel for an architecture into one clear error.
-
-    Only the model's construction knows whether its architecture supports a kernel, so every loader
-    builds the model inside this context.
-    """
+    """Turn transformers' refusal of an attention kernel for an architecture into one clear error (only the
+    model's construction knows, so every loader builds the model inside this context)."""
     try:
         yield
     except ValueError as error:

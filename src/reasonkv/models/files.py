@@ -1,9 +1,6 @@
-"""Whether a model's files are intact: a GGUF file's structure, readable checkpoint files, finite weights,
-and the files of a copy reasonkv wrote itself (:func:`file_digests`, :func:`copy_damage`).
-
-A truncated or damaged file must be reported as such, never loaded into a model whose NaN weights
-generate empty text. Finite garbage in a weights file loads without any error and generates blank or
-wrong text: only a hash of the file as it was written tells it apart.
+"""Whether a model's files are intact: a GGUF file's structure, readable checkpoint files, finite weights, and
+the files of a copy reasonkv wrote itself. A damaged file is reported as such, never loaded into a model that
+generates blank text; finite garbage loads without error, so only a hash of the file as written tells it apart.
 """
 
 from __future__ import annotations
@@ -55,13 +52,8 @@ def is_corrupt_file_error(error: BaseException) -> bool:
 
 
 def check_gguf_header(path: Path) -> None:
-    """Refuse a file that does not start like a GGUF file (cheap: reads 24 bytes).
-
-    Raises
-    ------
-    CorruptModelError
-        The file is shorter than a GGUF header or lacks the GGUF magic bytes.
-    """
+    """Refuse (:class:`CorruptModelError`) a file that does not start like a GGUF file, with its magic bytes and
+    a whole header holding tensors (cheap: reads 24 bytes)."""
     with open(path, "rb") as file:
         head = file.read(_GGUF_HEADER.size)
     if not head.startswith(GGUF_MAGIC[: len(head)]) or not head:
@@ -74,10 +66,8 @@ def check_gguf_header(path: Path) -> None:
 
 
 def gguf_damage(path: Path) -> str | None:
-    """What is wrong with a GGUF file's structure, or ``None`` if every tensor lies inside the file.
-
-    Reads the whole header and tensor table, so it takes seconds: for diagnosing a failed load.
-    """
+    """What is wrong with a GGUF file's structure, or ``None`` if every tensor lies inside the file (reads the
+    whole header and tensor table, so it takes seconds: for diagnosing a failed load)."""
     from gguf import GGUFReader
 
     try:
@@ -92,13 +82,8 @@ def gguf_damage(path: Path) -> str | None:
 
 
 def check_finite(model: torch.nn.Module, source: str) -> None:
-    """Refuse a model whose floating-point weights hold NaN or inf (about one sum per tensor).
-
-    Raises
-    ------
-    CorruptModelError
-        Naming ``source`` and the first damaged tensors.
-    """
+    """Refuse a model whose floating-point weights hold NaN or inf (about one sum per tensor):
+    :class:`CorruptModelError` naming ``source`` and the first damaged tensors."""
     named = [(n, p) for n, p in model.named_parameters() if p.is_floating_point() and p.device.type != "meta"]
     if not named:
         return
@@ -145,14 +130,13 @@ def copy_damage(
 ) -> tuple[str | None, dict[str, dict[str, Any]]]:
     """What is wrong with the files of ``directory`` against the :func:`file_digests` taken when they were written.
 
-    Cheap on an intact copy: a file whose size, modification time and status-change time are as recorded is
-    taken as it was (one ``stat``); any other is hashed again (about 1 s for SmolLM2's 538 MB). The status-change
-    time (``ctime``) cannot be set back by a program: a file written in place and given its old modification time
-    again still shows a new one, so such a change is hashed and found. A bit flipped on the disk itself, which
-    changes no time, is not caught here (a weight that turns NaN or inf still is, by :func:`check_finite`).
+    A file whose size, modification and status-change times are as recorded is taken as it was (one ``stat``);
+    any other is hashed again (about 1 s for SmolLM2's 538 MB). A program cannot set ``ctime`` back, so a file
+    rewritten in place with its old modification time is still hashed and found; a bit flipped on the disk, which
+    changes no time, is not (a weight turned NaN or inf still is, by :func:`check_finite`).
 
-    Returns ``(damage, digests)``: ``damage`` names the first damaged or missing file (None when every
-    file is intact), ``digests`` are the ones to keep (the new times of files found intact by their hash).
+    Returns ``(damage, digests)``: the first damaged or missing file (None: all intact), and the digests to keep
+    (with the new times of files found intact by their hash).
     """
     kept = {name: dict(known) for name, known in digests.items()}
     for name, known in digests.items():

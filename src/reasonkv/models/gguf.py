@@ -27,16 +27,9 @@ def load_gguf(
 
 
 def read_gguf(gguf: Path, dtype: torch.dtype, attn: str = "sdpa") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Model and tokenizer of a GGUF file that may be damaged, on the CPU.
-
-    The file's header is checked before the (slow) load, its structure diagnosed if the load fails,
-    and its weights checked for NaN and inf after.
-
-    Raises
-    ------
-    CorruptModelError
-        The file is not a GGUF file, is truncated or corrupt, or its weights hold NaN or inf values.
-    """
+    """Model and tokenizer of a GGUF file that may be damaged, on the CPU: its header checked before the (slow)
+    load, its structure diagnosed if the load fails, its weights checked for NaN and inf after
+    (:class:`CorruptModelError`)."""
     check_gguf_header(gguf)
     try:
         model, tokenizer = _from_gguf(gguf, dtype, attn)
@@ -69,12 +62,9 @@ def _from_gguf(gguf: Path, dtype: torch.dtype, attn: str = "sdpa") -> tuple[PreT
 
 
 def _align_special_tokens(tokenizer: PreTrainedTokenizerBase, config: PretrainedConfig) -> None:
-    """Set the tokenizer's bos/eos/pad/unk tokens to the ids the GGUF metadata gave the model config.
-
-    Some transformers releases (5.17 among them) build the GGUF tokenizer with a wrong eos token
-    (``<|im_start|>`` for SmolLM2) and no pad token, while the model config read from the same file
-    is right.
-    """
+    """Set the tokenizer's bos/eos/pad/unk tokens to the ids the GGUF metadata gave the model config: some
+    transformers releases (5.17) build the GGUF tokenizer with a wrong eos (``<|im_start|>`` for SmolLM2) and no
+    pad token, while the config read from the same file is right."""
     vocab_size = len(tokenizer)
     for role in ("bos", "eos", "pad", "unk"):
         token_id = getattr(config, f"{role}_token_id", None)

@@ -1,8 +1,6 @@
-"""Loading a hub id: the last kind of name :func:`~reasonkv.models.load_model` tries.
-
-Without a reachable hub only the local cache is read, so an id fails in seconds, not after the hub
-client's retries. An id that does not resolve is the end of the search, so its error also lists the
-names reasonkv knows itself (bundled models and shapes).
+"""Loading a hub id, the last kind of name :func:`~reasonkv.models.load_model` tries: without a reachable hub
+only the local cache is read (seconds, not the hub client's retries), and an id that does not resolve gets an
+error listing the names reasonkv knows itself.
 """
 
 from __future__ import annotations
@@ -30,15 +28,9 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 def load_hub_id(
     name: str, dtype: torch.dtype, device: torch.device, attn: str
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load the model of a hub id, from the hub or, when the hub cannot be reached, from the local cache.
-
-    Raises
-    ------
-    ValueError
-        ``name`` is not a valid hub id.
-    OSError
-        The id does not resolve (unknown, or not cached while the hub cannot be reached).
-    """
+    """Load the model of a hub id, from the hub or, when the hub cannot be reached, from the local cache:
+    ``ValueError`` for a name that is not a hub id, ``OSError`` for an id that does not resolve (unknown, or not
+    cached while the hub cannot be reached)."""
     from transformers import AutoConfig
 
     if not _HUB_ID.match(name) or ".." in name or "--" in name:

@@ -33,45 +33,22 @@ def load_model(
     attn_implementation: str = "sdpa",
     progress: bool | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
-    """Load a causal LM and its tokenizer.
+    """Load a causal LM in eval mode and its tokenizer (with a pad token, eos if the checkpoint defines none, and
+    ``padding_side="left"``).
 
-    Parameters
-    ----------
-    name
-        ``"smollm2-135m"`` / ``"default"`` (bundled SmolLM2-135M-Instruct), ``"gemma3-270m"``
-        (bundled Gemma 3 270M, a base model with sliding-window layers), ``"shape:<name>"``
-        (random weights, see :func:`~reasonkv.models.list_shapes`), a path to a ``.gguf`` file, a
-        local checkpoint directory, or a hub id.
-    dtype
-        ``"fp32"``, ``"bf16"`` or ``"fp16"`` (also ``"float32"``, ``"bfloat16"``, ``"float16"`` or a
-        ``torch.dtype``).
-    device
-        ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. Shapes also accept ``"meta"``.
-    attn_implementation
-        ``"sdpa"``, ``"eager"`` or ``"flash_attention_2"``.
-    progress
-        Show transformers' progress bars while the weights load (``"Loading weights"``): ``None`` (default)
-        when standard error is a terminal, so a log file or a pipe gets none; ``False`` never.
+    ``name``: ``"smollm2-135m"`` / ``"default"`` (bundled SmolLM2-135M-Instruct), ``"gemma3-270m"`` (bundled
+    Gemma 3 270M, a base model with sliding-window layers), ``"shape:<name>"`` (random weights, see
+    :func:`~reasonkv.models.list_shapes`; no tokenizer: ``None``), a ``.gguf`` file, a local checkpoint directory,
+    or a hub id. ``dtype``: ``"fp32"``, ``"bf16"``, ``"fp16"`` (or the long names, or a ``torch.dtype``).
+    ``device``: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` (shapes also ``"meta"``). ``attn_implementation``: ``"sdpa"``,
+    ``"eager"`` or ``"flash_attention_2"``. ``progress``: transformers' progress bars while the weights load
+    (None: when standard error is a terminal, so a log file or a pipe gets none).
 
-    Returns
-    -------
-    model, tokenizer
-        The model in eval mode, and its tokenizer with a pad token (eos if the checkpoint defines
-        none) and ``padding_side="left"``. The tokenizer is ``None`` for ``shape:`` names, whose
-        users feed token ids directly.
-
-    Raises
-    ------
-    ValueError
-        Bad dtype, device, attention implementation or shape name; a model file that is truncated or
-        corrupt, or whose weights hold NaN or inf values.
-    ImportError
-        A bundled model's package, or flash_attn for flash_attention_2, is not installed.
-    FileNotFoundError
-        A local-looking path that does not exist.
-    OSError
-        A hub id that cannot be resolved (at once when the hub cannot be reached and the id is not in
-        the local cache), an unreadable checkpoint file, or a cache directory that cannot be written.
+    Raises ``ValueError`` (bad dtype, device, attention implementation or shape name; a model file truncated or
+    corrupt, or whose weights hold NaN or inf), ``ImportError`` (a bundled model's package, or flash_attn, not
+    installed), ``FileNotFoundError`` (a local-looking path that does not exist) or ``OSError`` (a hub id that
+    cannot be resolved, at once when the hub cannot be reached and the id is not cached; an unreadable checkpoint
+    file; a cache directory that cannot be written).
     """
     name_str = os.fspath(name) if isinstance(name, os.PathLike) else name
     if not isinstance(name_str, str) or not name_str.strip():

@@ -1,8 +1,6 @@
-"""Random-weight models with the architecture of a published model: ``load_model("shape:<name>")``.
-
-Shapes decide speed and memory, so a shape measures them without a download. Each shape is a JSON
-file in ``shape_configs/``: the fields of the model's transformers config, plus a ``_reasonkv`` entry
-that documents it (description, aliases) and is not part of the config.
+"""Random-weight models with the architecture of a published model (``load_model("shape:<name>")``), to measure
+speed and memory without a download. Each shape is a JSON file in ``shape_configs/``: the model's transformers
+config fields, plus a ``_reasonkv`` entry (description, aliases) that is not part of the config.
 """
 
 from __future__ import annotations
@@ -48,13 +46,8 @@ def _shape_aliases() -> dict[str, str]:
 
 
 def shape_config(shape_name: str) -> PretrainedConfig:
-    """The transformers config of a named shape, without building the model.
-
-    Raises
-    ------
-    ValueError
-        If the shape is unknown; the message lists the available shapes.
-    """
+    """The transformers config of a named shape, without building the model (``ValueError`` listing the shapes
+    for an unknown one)."""
     from transformers import AutoConfig
 
     canonical = _shape_aliases().get(shape_name, shape_name) if isinstance(shape_name, str) else ""
@@ -78,29 +71,12 @@ def random_model(
     seed: int = 0,
     init_std: float = 0.02,
 ) -> PreTrainedModel:
-    """Build a model with random weights and the architecture of a named shape.
+    """A model in eval mode with random weights and the architecture of ``shape_name`` (one of :func:`list_shapes`).
 
-    The model is created directly on ``device`` in ``dtype`` (an 8B shape on a GPU never
-    materialises on the CPU). Weights are drawn from a seeded normal distribution with standard
-    deviation ``init_std`` (norm weights are ones), so outputs are finite but meaningless: use
-    these models for speed and memory measurements only. ``device="meta"`` builds the module tree
-    without allocating weights.
-
-    Parameters
-    ----------
-    shape_name
-        One of :func:`list_shapes`.
-    dtype, device, attn_implementation
-        As in :func:`~reasonkv.models.load_model`.
-    seed
-        Seed of the weight initialisation; the caller's global RNG state is left untouched.
-    init_std
-        Standard deviation of the normal initialisation.
-
-    Returns
-    -------
-    PreTrainedModel
-        The model in eval mode.
+    It is created directly on ``device`` in ``dtype`` (as in :func:`~reasonkv.models.load_model`; an 8B shape on a
+    GPU never materialises on the CPU; ``"meta"`` allocates no weights). Weights are drawn from a normal
+    distribution of standard deviation ``init_std`` seeded by ``seed`` (the caller's RNG state is left untouched;
+    norm weights are ones), so outputs are finite but meaningless: for speed and memory measurements only.
     """
     from transformers import AutoModelForCausalLM
 

@@ -1,11 +1,8 @@
 """reasonkv's eviction policies inside vLLM (docs/vllm.md).
 
-vLLM loads :func:`register` through its ``vllm.general_plugins`` entry point in every process it starts. It
-wraps the engine config's validation so that a config whose ``additional_config`` has a ``reasonkv`` key is
-checked (:mod:`.config`) and routed to reasonkv's scheduler (:mod:`.scheduler`: requests sized by the tokens
-they hold, blocks past them freed) and worker (:mod:`.worker`: positions logical, sequence lengths and slots
-physical, the policy scores, the kept tokens compacted into the first blocks). Without that key nothing
-changes: the wrapper returns after vLLM's own validation.
+vLLM loads :func:`register` through its ``vllm.general_plugins`` entry point in every process it starts: an engine
+config whose ``additional_config`` has a ``reasonkv`` key is checked (:mod:`.config`) and routed to reasonkv's
+scheduler (:mod:`.scheduler`) and worker (:mod:`.worker`); without it nothing changes.
 """
 
 from __future__ import annotations

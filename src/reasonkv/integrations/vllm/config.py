@@ -1,17 +1,12 @@
-"""The ``reasonkv`` key of vLLM's ``additional_config``: read, validated through reasonkv's own
-:class:`~reasonkv.cache.spec.CacheSpec` (the same errors as the command line), and every engine setting the
-integration cannot honour refused in one line when the engine starts.
-
-``LLM(model, additional_config={"reasonkv": {"policy": "streaming", "budget": 256, "buffer": 64, "sinks": 4}})``
-or ``vllm serve MODEL --additional-config '{"reasonkv": {...}}'``. Keys besides the cache's settings and the
-policy's options: ``stats_file``, a JSONL file the scheduler appends one line to per finished request.
+"""The ``reasonkv`` key of vLLM's ``additional_config`` (docs/vllm.md): read, validated through reasonkv's own
+:class:`~reasonkv.cache.spec.CacheSpec` (the command line's errors), and every engine setting the integration
+cannot honour refused in one line when the engine starts. One key of its own: ``stats_file``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any
 
 import vllm
 from vllm.platforms import current_platform
@@ -29,7 +24,6 @@ KEY = "reasonkv"
 SUPPORTED_VERSIONS = ("0.32.",)
 SCHEDULER = "reasonkv.integrations.vllm.scheduler.EvictingScheduler"
 WORKER = "reasonkv.integrations.vllm.worker.EvictingCPUWorker"
-_OWN_KEYS = ("stats_file",)
 # The policies whose tokens inside vLLM are tested to equal reasonkv.generate's (tests/vllm/test_engine.py): every
 # evicting policy reasonkv ships. A policy registered later is refused until a test holds it to the same standard.
 VERIFIED = (
@@ -59,8 +53,7 @@ def settings_of(vllm_config) -> Settings | None:
     if not isinstance(raw, dict):
         raise ValueError(f"reasonkv: additional_config['reasonkv'] must be a mapping of settings, got {raw!r}")
     given = dict(raw)
-    own = {k: given.pop(k) for k in _OWN_KEYS if k in given}
-    stats_file = own.get("stats_file")
+    stats_file = given.pop("stats_file", None)  # the one key besides the cache's settings
     if stats_file is not None and not isinstance(stats_file, str):
         raise ValueError(f"reasonkv: stats_file must be a path (text), got {stats_file!r}")
     if "policy" not in given:
@@ -165,9 +158,3 @@ def refusals(vllm_config, settings: Settings) -> list[str]:
     elif parallel.worker_cls not in ("auto", WORKER, "vllm.v1.worker.cpu_worker.CPUWorker"):
         found.append(f"a custom worker ({parallel.worker_cls}) in place of reasonkv's")
     return found
-
-
-def describe(settings: Settings) -> dict[str, Any]:
-    """The settings as a log line shows them."""
-    spec = settings.spec
-    return {"policy": spec.policy.config(), "budget": spec.budget, "buffer": spec.buffer}

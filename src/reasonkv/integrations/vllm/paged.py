@@ -1,9 +1,8 @@
 """A request's K/V in vLLM's paged cache, read out densely for a policy and written back compacted.
 
-The layout inside a block is the attention backend's business: the CPU backend stores fp32 keys transposed
-([head_dim, block] per head) and bf16 keys in interleaved pairs, values row-major. Rather than copy those rules
-(and corrupt the cache silently when a release changes them), the layout is learned once from the backend's
-own write op: write probe values whose token and channel can be read back, and record where each landed.
+The layout inside a block is the attention backend's business, so rather than copy its rules (and corrupt the
+cache silently when a release changes them) it is learned once from the backend's own write op: probe values
+whose token and channel can be read back, and where each landed.
 """
 
 from __future__ import annotations
@@ -28,30 +27,28 @@ class BlockLayout:
         self.keys, self.values = keys, values
         self.block_size, self.head_dim = keys.shape
 
-    def _where(self, length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """For the first ``length`` tokens: their block ``[length, 1]``, key and value offsets ``[length, dim]``."""
+    def _where(self, blocks: torch.Tensor, length: int) -> tuple[torch.Tensor, ...]:
+        """The ``blocks`` that hold the first ``length`` tokens and, per token, its block among them ``[length, 1]``
+        and its key and value offsets ``[length, dim]``."""
         slot = torch.arange(length)
         token = slot % self.block_size
-        return (slot // self.block_size).unsqueeze(1), self.keys[token], self.values[token]
+        used = blocks[: -(-length // self.block_size)]
+        return used, (slot // self.block_size).unsqueeze(1), self.keys[token], self.values[token]
 
     def read(self, cache: torch.Tensor, blocks: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``length`` tokens held in ``blocks``, in order: keys, values ``[kv_heads, length, head_dim]``."""
-        used = -(-length // self.block_size)
-        flat = cache.index_select(0, blocks[:used]).flatten(2).transpose(1, 2)  # [used, area, kv_heads]
-        block, key, value = self._where(length)
+        used, block, key, value = self._where(blocks, length)
+        flat = cache.index_select(0, used).flatten(2).transpose(1, 2)  # [used, area, kv_heads]
         return flat[block, key].permute(2, 0, 1), flat[block, value].permute(2, 0, 1)
 
     def write(self, cache: torch.Tensor, blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store ``keys`` and ``values`` ``[kv_heads, n, head_dim]`` as the first ``n`` tokens of ``blocks``."""
-        length = keys.shape[1]
-        used = -(-length // self.block_size)
-        target = blocks[:used]
-        raw = cache.index_select(0, target)  # the blocks as they are: a partial last block keeps its tail
+        used, block, key, value = self._where(blocks, keys.shape[1])
+        raw = cache.index_select(0, used)  # the blocks as they are: a partial last block keeps its tail
         flat = raw.flatten(2).transpose(1, 2)  # a view of raw: [used, area, kv_heads]
-        block, key, value = self._where(length)
         flat[block, key] = keys.permute(1, 2, 0).to(cache.dtype)
         flat[block, value] = values.permute(1, 2, 0).to(cache.dtype)
-        cache.index_copy_(0, target, raw)
+        cache.index_copy_(0, used, raw)
 
 
 def probe_layout(write: Writer, block_size: int, head_dim: int, dtype: torch.dtype) -> BlockLayout:

@@ -1,9 +1,6 @@
-"""How many tokens a request holds in vLLM's paged cache: one rule that the scheduler (which sizes and frees a
-request's blocks) and the worker (which writes and compacts them) both apply, so they agree without talking.
-
-reasonkv's own cache evicts a row when it holds ``K + B`` tokens, down to ``K``, after the forward that got it
-there; a prompt of ``K + B`` tokens or more is evicted once, after its prefill. Counting the tokens a request
-holds (its physical length) from the tokens it has computed (its logical length) follows from that alone.
+"""How many tokens a request holds in vLLM's paged cache (its physical length) from the tokens it computed (its
+logical length): one rule, reasonkv's own (evict at ``K + B`` down to ``K`` after the forward that got there; a
+prompt of ``K + B`` or more once, after its prefill), that the scheduler and the worker both apply.
 """
 
 from __future__ import annotations
@@ -27,9 +24,7 @@ class Lengths:
     def physical(self, logical: int, prompt: int) -> int:
         """Tokens held once ``logical`` tokens of a request whose prompt has ``prompt`` tokens are computed (and
         any eviction they made due has run). A prompt computed in chunks is never evicted part way."""
-        if logical < prompt:
-            return logical
-        start = prompt if prompt >= self.trigger else self.trigger
+        start = max(prompt, self.trigger)  # the first eviction: after the prefill, or once K + B are held
         if logical < start:
             return logical
         if self.buffer == 0:
@@ -47,8 +42,8 @@ class Lengths:
     def evictions(self, logical: int, prompt: int) -> int:
         """Evictions a request made by the time ``logical`` tokens are computed: one after a prefill of ``K + B``
         tokens or more, then one whenever a decode step brings it back to ``K + B``."""
-        start = prompt if prompt >= self.trigger else self.trigger
-        if logical < prompt or logical < start:
+        start = max(prompt, self.trigger)
+        if logical < start:
             return 0
         every = self.buffer or 1  # B = 0: every token after the first eviction evicts again
         return 1 + (logical - start) // every

@@ -1,10 +1,6 @@
-"""One request's tokens as reasonkv reads them: the one-row cache its observer records signals against and its
-policy's ``EvictionView`` is built over.
-
-The policies are written for dense per-layer K/V ``[rows, kv_heads, slots, head_dim]`` with logical positions,
-a validity mask and a few per-row counters (see :mod:`reasonkv.policies.view`); the observer
-(:class:`reasonkv.cache.observe.Observer`) reads the same cache's keys, positions and validity when it computes
-the attention a policy is owed. A request read out of vLLM's blocks is one such row, with no padding.
+"""One request's tokens as reasonkv reads them: a one-row cache without padding, with the keys, positions and
+validity the observer (:class:`reasonkv.cache.observe.Observer`) reads and the policy's ``EvictionView`` is built
+over (:mod:`reasonkv.policies.view`).
 """
 
 from __future__ import annotations

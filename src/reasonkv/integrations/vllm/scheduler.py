@@ -1,12 +1,8 @@
 """vLLM's scheduler with requests sized by the tokens they hold (:mod:`.physical`), not the tokens they computed.
 
-``KVCacheManager.allocate_slots`` gives a request blocks for its logical length. Here a request first gives back
-the blocks past what it holds after its last eviction (the worker compacted the kept tokens into its first
-blocks at the end of that step, and trims its own block table the same way), then gets blocks for what it holds
-plus the new tokens, so it holds at most ``ceil((K + B) / block) + 1`` blocks once evicting and the freed blocks
-return to the pool: admission and preemption see the physical sizes, so more requests run at once.
-A request resumed after a preemption counts its tokens at resumption as its prompt (see :class:`EvictingScheduler`).
-Per-request statistics (evictions, peak blocks) go to the log and, with ``stats_file``, one JSON line per request.
+A request first gives back the blocks past what it holds after its last eviction (the worker compacted it into
+its first blocks), then gets blocks for what it holds plus the new tokens, so admission and preemption see the
+physical sizes (docs/vllm.md). Per-request statistics go to the log and, with ``stats_file``, one JSON line each.
 """
 
 from __future__ import annotations
@@ -122,12 +118,8 @@ class PhysicalSizing:
 
 
 class EvictingScheduler(Scheduler):
-    """The V1 scheduler, sizing requests physically (:class:`PhysicalSizing`).
-
-    A preempted request loses its blocks, as in vLLM; when it resumes, its prompt and the tokens it decoded are
-    computed again as one prompt, which is evicted after its prefill like any prompt of ``K + B`` tokens or more,
-    and decoding goes on from there: deterministic, and what reasonkv does given that longer prompt (the
-    worker applies the same rule, told of the resumption by vLLM)."""
+    """The V1 scheduler, sizing requests physically (:class:`PhysicalSizing`). A request resumed after a preemption
+    takes its prompt and decoded tokens as its prompt from then on, as the worker does (docs/vllm.md)."""
 
     def __init__(self, vllm_config, kv_cache_config, *args, **kwargs):
         super().__init__(vllm_config, kv_cache_config, *args, **kwargs)

@@ -1,18 +1,11 @@
-"""vLLM's CPU worker with a runner that keeps positions logical (RoPE) but sequence lengths and slots physical,
-and, after each forward, lets the policy evict the requests that reached ``K + B``.
+"""vLLM's CPU worker whose runner keeps positions logical (RoPE) but sequence lengths and slots physical, and,
+after each forward, lets the policy evict the requests that reached ``K + B`` (docs/vllm.md).
 
-The runner is vLLM's own ``CPUModelRunner`` (the V1 runner, a subclass of the GPU one) with three methods
-wrapped: ``_prepare_inputs`` (seq_lens and the slot mapping from the physical lengths of :mod:`.physical`),
-``execute_model`` (the eviction after the forward, before any later step can write a freed block) and
-``_update_states`` (a finished request's state dropped).
-
-Each request is a one-row cache (:mod:`.rows`) with reasonkv's own observer and policy: hooks hand the observer
-what the policy reads as the model computes it (post-RoPE queries at each attention layer, the residual stream
-after a decoder layer), and after the forward the policy observes the step, as in ``reasonkv.generate``. An
-eviction hands the policy the attention it is owed, reads the request's blocks densely in the backend's own
-layout (:mod:`.paged`), asks the policy which tokens stay, writes them into the first blocks in the order they
-came, and trims the request's block table to the blocks that hold them, exactly as the scheduler trims its own
-on the request's next step.
+The runner is vLLM's own V1 ``CPUModelRunner`` with three methods wrapped: ``_prepare_inputs`` (physical lengths
+and slots), ``execute_model`` (the evictions after the forward) and ``_update_states`` (finished and resumed
+requests). Each request is a one-row cache (:mod:`.rows`) with reasonkv's own observer and policy, fed by hooks as
+the model computes; an eviction reads its blocks densely (:mod:`.paged`), asks the policy which tokens stay,
+writes them into the first blocks in order and trims the block table as the scheduler will.
 """
 
 from __future__ import annotations
