@@ -19,6 +19,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from reasonkv.runs.digest import file_sha256
+
 __all__ = [
     "SETUP_FIELDS",
     "build_manifest",
@@ -53,14 +55,6 @@ SETUP_FIELDS = (
 
 #: The setup fields that also decide a grid's units and their cost (so its split across processes).
 GRID_SETUP_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed")
-
-
-def file_sha256(path: str | os.PathLike[str]) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def tokenizer_sha256(tokenizer) -> str:

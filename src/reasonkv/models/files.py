@@ -5,7 +5,6 @@ generates blank text; finite garbage loads without error, so only a hash of the 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import pickle
 import struct
@@ -14,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from reasonkv.runs.digest import file_sha256 as _sha256
 
 __all__ = [
     "CorruptModelError",
@@ -99,14 +100,6 @@ def check_finite(model: torch.nn.Module, source: str) -> None:
         raise CorruptModelError(
             f"{source} is corrupt: {len(bad)} of {len(named)} weight tensors hold NaN or inf values ({shown})"
         )
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _stat(path: Path) -> dict[str, int]:

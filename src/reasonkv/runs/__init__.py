@@ -4,7 +4,8 @@
   record by record;
 - :mod:`~reasonkv.runs.outputs`: which outputs a command may write (its own only), the locks that keep
   one writer per output, files written whole;
-- :mod:`~reasonkv.runs.machine`: the machine a run is on.
+- :mod:`~reasonkv.runs.machine`: the machine a run is on;
+- :mod:`~reasonkv.runs.digest`: a file's SHA-256.
 
 Nothing here imports torch: ``reasonkv report`` reads results without it.
 """
