@@ -75,33 +75,27 @@ class CurDKV(Policy):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_dkv_options(self)
-        self._clear()
-
-    def _clear(self) -> None:
         # layer -> the (G_k, G_v) of the latest eviction, [rows, kv_heads, d, r] each (for inspection)
         self.projections: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
 
     def reset(self, info, batch: int, device: torch.device) -> None:
-        self._clear()
+        self.projections = {}
 
     # -- the sketch ------------------------------------------------------------------------------
-    def _draw(self, seeds: torch.Tensor, heads: int, d_key: int, d_value: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(G_k, G_v)`` keyed by ``seeds`` (one per row), ``[rows, kv_heads, d, r]`` each; shared when d agrees."""
-        key_projection = gaussian_projection(seeds, heads, d_key, self.rank, stream=0)
-        if d_value == d_key:
-            return key_projection, key_projection
-        return key_projection, gaussian_projection(seeds, heads, d_value, self.rank, stream=1)
-
     def sketch_seeds(self, view) -> torch.Tensor:
         """The sketch's seed of each evicted row: the same at every eviction (keyed by the row's seed and layer)."""
         return noise.mix(view.row_seeds, view.layer)
 
     def projection(self, view) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(G_k, G_v)`` for this eviction's rows, keyed by :meth:`sketch_seeds`."""
+        """``(G_k, G_v)`` for this eviction's rows, keyed by :meth:`sketch_seeds`, ``[rows, kv_heads, d, r]`` each;
+        one sketch for both when keys and values have the same width."""
         if self.rank == 0:
             return None
-        keys, values = view.keys(), view.values()
-        return self._draw(self.sketch_seeds(view), keys.shape[1], keys.shape[-1], values.shape[-1])
+        keys, values, seeds = view.keys(), view.values(), self.sketch_seeds(view)
+        key_projection = gaussian_projection(seeds, keys.shape[1], keys.shape[-1], self.rank, stream=0)
+        if values.shape[-1] == keys.shape[-1]:
+            return key_projection, key_projection
+        return key_projection, gaussian_projection(seeds, keys.shape[1], values.shape[-1], self.rank, stream=1)
 
     # -- scoring ---------------------------------------------------------------------------------
     def score(self, view) -> torch.Tensor:

@@ -27,11 +27,7 @@ STATS_SOURCES = ("prefill", "bundled")
 
 def geometric_offsets(offset_max: int) -> torch.Tensor:
     """The future offsets ``1, 2, 4, ..., <= offset_max`` (float64)."""
-    offsets, value = [], 1
-    while value <= offset_max:
-        offsets.append(float(value))
-        value *= 2
-    return torch.tensor(offsets, dtype=torch.float64)
+    return torch.tensor([float(1 << i) for i in range(offset_max.bit_length())], dtype=torch.float64)
 
 
 @register
@@ -123,12 +119,10 @@ class TriAttention(Policy):
             )
             state.sums = CenterSums(batch, layers, info.num_heads, info.head_dim // 2, device)
         else:
-            if self._file is not None:
-                centers = self._file
-                centers.check(info, self.name, self.stats)
-            else:
-                centers, _ = bundled_centers(info, self.name)
-                centers.check(info, self.name)
+            centers, where = (
+                (self._file, self.stats) if self._file is not None else (bundled_centers(info, self.name)[0], "")
+            )
+            centers.check(info, self.name, where)
             mean, modulus = centers.at(layers)
             state.centers = (mean.unsqueeze(0).to(device), modulus.unsqueeze(0).to(device))
         self._state = state
