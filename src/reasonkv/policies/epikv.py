@@ -204,17 +204,8 @@ class EPIKV(Policy):
         missing = [layer for layer in state.layers if layer not in step.hidden]
         if missing:
             raise RuntimeError(f"{self.name}: the step carries no hidden states of layers {missing}")
-        g = self._distances(step)
-        unscored = g.new_full((g.shape[0], 1, g.shape[2]), float("nan"))
-        # Every position seen is below the step's bound, a host-side fact (0: not given, read it instead).
-        state.bound = step.position_bound or None
-        state.table.set(step.input_positions, torch.cat([g, unscored], dim=1), bound=state.bound)
-
-    def _distances(self, step: Step) -> torch.Tensor:
-        """``g`` ``[batch, used, q]`` of this forward's tokens (:func:`step_distances` of each used layer)."""
-        state = self._state
         valid = step.input_valid
-        signals, lasts = [], []
+        signals, lasts = [], []  # g [batch, q] of each used layer (step_distances), its newest hidden vector
         for i, layer in enumerate(state.layers):
             hidden = step.hidden[layer]
             if state.previous is None:
@@ -227,7 +218,11 @@ class EPIKV(Policy):
         state.previous = torch.stack(lasts, dim=1)
         state.has_previous |= valid.any(dim=1)
         state.seen = state.seen + valid.sum(dim=1)
-        return torch.stack(signals, dim=1)
+        g = torch.stack(signals, dim=1)  # [batch, used, q]
+        unscored = g.new_full((g.shape[0], 1, g.shape[2]), float("nan"))
+        # Every position seen is below the step's bound, a host-side fact (0: not given, read it instead).
+        state.bound = step.position_bound or None
+        state.table.set(step.input_positions, torch.cat([g, unscored], dim=1), bound=state.bound)
 
     def _score_pending(self) -> None:
         """Score every token that can be scored but is not yet: all observed tokens (``lag``: those

@@ -282,18 +282,15 @@ class RKV(Policy):
         return Needs(query_window=self.query_window)
 
     # -- the two terms, exposed for tests and analysis ------------------------------------------
-    def candidates(self, view) -> torch.Tensor:
-        """``[rows, kv_heads, slots]``: the keys the importance softmax covers (valid, outside the window)."""
-        positions = view.positions()
-        keep = positions >= 0
-        if self.window > 0:
-            keep &= positions <= (view.newest.view(-1, 1, 1) - self.window)
-        return keep & view.valid.unsqueeze(1)
-
     def importance(self, view) -> torch.Tensor:
-        """Pooled window-attention importance, ``[rows, kv_heads, slots]`` (0 outside the candidates)."""
+        """Pooled window-attention importance, ``[rows, kv_heads, slots]``, over the candidates (valid keys
+        outside the window; 0 elsewhere)."""
         queries, q_positions, q_valid = view.recent_queries()
-        candidates = self.candidates(view)
+        positions = view.positions()
+        candidates = positions >= 0
+        if self.window > 0:
+            candidates &= positions <= (view.newest.view(-1, 1, 1) - self.window)
+        candidates &= view.valid.unsqueeze(1)
         raw = window_importance(
             queries,
             q_positions,

@@ -186,13 +186,11 @@ class TriAttention(Policy):
             scores = (scores - mean) / std
         return scores.amax(dim=2)
 
-    def shared_scores(self, view) -> torch.Tensor:
-        """``selection="per-head"``: the mean of :meth:`layer_scores` over the full-attention layers."""
-        layers = view.info.full_layers
-        return sum(self.layer_scores(view.at(layer)) for layer in layers) / len(layers)
-
     def score(self, view) -> torch.Tensor:
-        return self.shared_scores(view) if self.selection == "per-head" else self.layer_scores(view)
+        if self.selection != "per-head":
+            return self.layer_scores(view)
+        layers = view.info.full_layers  # per-head: the mean of the layers' scores
+        return sum(self.layer_scores(view.at(layer)) for layer in layers) / len(layers)
 
     # -- one kept set for every layer (per-head selection) -------------------------------------------
     def layers_share_kept_set(self) -> str | None:
