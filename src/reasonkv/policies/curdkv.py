@@ -75,42 +75,30 @@ class CurDKV(Policy):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_dkv_options(self)
-        self._clear()
-
-    def _clear(self) -> None:
         # layer -> the (G_k, G_v) of the latest eviction, [rows, kv_heads, d, r] each (for inspection)
         self.projections: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
 
     def reset(self, info, batch: int, device: torch.device) -> None:
-        self._clear()
+        self.projections = {}
 
     # -- the sketch ------------------------------------------------------------------------------
-    def _draw(self, seeds: torch.Tensor, heads: int, d_key: int, d_value: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(G_k, G_v)`` keyed by ``seeds`` (one per row), ``[rows, kv_heads, d, r]`` each; shared when d agrees."""
-        key_projection = gaussian_projection(seeds, heads, d_key, self.rank, stream=0)
-        if d_value == d_key:
-            return key_projection, key_projection
-        return key_projection, gaussian_projection(seeds, heads, d_value, self.rank, stream=1)
-
     def sketch_seeds(self, view) -> torch.Tensor:
         """The sketch's seed of each evicted row: the same at every eviction (keyed by the row's seed and layer)."""
         return noise.mix(view.row_seeds, view.layer)
 
-    def projection(self, view) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(G_k, G_v)`` for this eviction's rows, keyed by :meth:`sketch_seeds`."""
-        if self.rank == 0:
-            return None
-        keys, values = view.keys(), view.values()
-        return self._draw(self.sketch_seeds(view), keys.shape[1], keys.shape[-1], values.shape[-1])
-
-    # -- scoring ---------------------------------------------------------------------------------
     def score(self, view) -> torch.Tensor:
-        projection = self.projection(view)
-        self.projections[view.layer] = projection
-        key_projection, value_projection = projection if projection is not None else (None, None)
+        # (G_k, G_v) keyed by sketch_seeds, [rows, kv_heads, d, r] each; one sketch for both when d agrees.
+        keys, values = view.keys(), view.values()
+        key_projection = value_projection = None
+        if self.rank > 0:
+            seeds = self.sketch_seeds(view)
+            key_projection = value_projection = gaussian_projection(seeds, keys.shape[1], keys.shape[-1], self.rank)
+            if values.shape[-1] != keys.shape[-1]:
+                value_projection = gaussian_projection(seeds, keys.shape[1], values.shape[-1], self.rank, stream=1)
+        self.projections[view.layer] = None if key_projection is None else (key_projection, value_projection)
         return dkv_scores(
-            view.keys(),
-            view.values(),
+            keys,
+            values,
             view.valid,
             key_projection=key_projection,
             value_projection=value_projection,

@@ -160,10 +160,8 @@ class EPIKV(Policy):
         else:
             base = default_anatomy(num_layers)
         chosen = {
-            "a": base.a if self.a is None else self.a,
-            "b": base.b if self.b is None else self.b,
-            "band_a": base.band_a if self.band_a is None else self.band_a,
-            "band_b": base.band_b if self.band_b is None else self.band_b,
+            option: getattr(base if getattr(self, option) is None else self, option)
+            for option in ("a", "b", "band_a", "band_b")
         }
         for option, value in chosen.items():
             check_layers(option, value, num_layers, owner=self.name)
@@ -206,17 +204,8 @@ class EPIKV(Policy):
         missing = [layer for layer in state.layers if layer not in step.hidden]
         if missing:
             raise RuntimeError(f"{self.name}: the step carries no hidden states of layers {missing}")
-        g = self._distances(step)
-        unscored = g.new_full((g.shape[0], 1, g.shape[2]), float("nan"))
-        # Every position seen is below the step's bound, a host-side fact (0: not given, read it instead).
-        state.bound = step.position_bound or None
-        state.table.set(step.input_positions, torch.cat([g, unscored], dim=1), bound=state.bound)
-
-    def _distances(self, step: Step) -> torch.Tensor:
-        """``g`` ``[batch, used, q]`` of this forward's tokens (:func:`step_distances` of each used layer)."""
-        state = self._state
         valid = step.input_valid
-        signals, lasts = [], []
+        signals, lasts = [], []  # g [batch, q] of each used layer (step_distances), its newest hidden vector
         for i, layer in enumerate(state.layers):
             hidden = step.hidden[layer]
             if state.previous is None:
@@ -229,7 +218,11 @@ class EPIKV(Policy):
         state.previous = torch.stack(lasts, dim=1)
         state.has_previous |= valid.any(dim=1)
         state.seen = state.seen + valid.sum(dim=1)
-        return torch.stack(signals, dim=1)
+        g = torch.stack(signals, dim=1)  # [batch, used, q]
+        unscored = g.new_full((g.shape[0], 1, g.shape[2]), float("nan"))
+        # Every position seen is below the step's bound, a host-side fact (0: not given, read it instead).
+        state.bound = step.position_bound or None
+        state.table.set(step.input_positions, torch.cat([g, unscored], dim=1), bound=state.bound)
 
     def _score_pending(self) -> None:
         """Score every token that can be scored but is not yet: all observed tokens (``lag``: those
@@ -253,18 +246,12 @@ class EPIKV(Policy):
             z = lag_normalise(g.reshape(batch, used, -1, lag), reference, self.eps).flatten(-2)
             s = _side(z, state.a) - _side(z, state.b)
         else:
-            s = self._causal_scores(positions, g)
+            side_a, side_b = self._causal_sides(
+                positions, g, lambda at: state.table.get(at, bound=state.bound)[:, :used]
+            )
+            s = (side_a - side_b).nan_to_num(0.0) if self.variant == "raw" else side_a - side_b
         state.table.set(positions, torch.cat([g, s.unsqueeze(1)], dim=1), bound=state.bound)
         state.scored = ready.clone()
-
-    def _causal_scores(self, positions: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        """Scores of the tokens at ``positions`` ``[batch, q]`` whose signals ``g`` ``[batch, used, q]``
-        are already in the table (the history window reads the table)."""
-        state = self._state
-        used = len(state.layers)
-        side_a, side_b = self._causal_sides(positions, g, lambda at: state.table.get(at, bound=state.bound)[:, :used])
-        s = side_a - side_b
-        return s.nan_to_num(0.0) if self.variant == "raw" else s
 
     def _causal_sides(self, positions: torch.Tensor, g: torch.Tensor, read) -> tuple[torch.Tensor, torch.Tensor]:
         """``(side_a, side_b)`` ``[batch, q]`` of the non-``lag`` variants (``raw``: ``gbar_a``, ``gbar_b``,

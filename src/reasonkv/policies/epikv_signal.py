@@ -77,14 +77,7 @@ def rolling_zscore(current: torch.Tensor, history: torch.Tensor, eps: float) -> 
     mean and the population standard deviation of the defined history. Neutral ``0`` when ``current``
     is missing or fewer than 2 history values are defined.
     """
-    defined = ~history.isnan()
-    count = defined.sum(-1)
-    n = count.clamp(min=1)
-    mu = torch.where(defined, history, 0.0).sum(-1) / n
-    deviation = torch.where(defined, history - mu.unsqueeze(-1), 0.0)
-    sigma = (deviation.square().sum(-1) / n).sqrt()
-    z = (current - mu) / (sigma + eps)
-    return torch.where((count >= 2) & ~current.isnan(), z, 0.0)
+    return lag_normalise(current.unsqueeze(-1), history, eps).squeeze(-1)
 
 
 def lag_normalise(chunks: torch.Tensor, following: torch.Tensor, eps: float) -> torch.Tensor:

@@ -106,9 +106,7 @@ class ExpectedAttention(Policy):
     def reset(self, info: ModelInfo, batch: int, device: torch.device) -> None:
         self._tables = {layer: info.rotary_of(layer, self.name).tables(device) for layer in info.full_layers}
         self._future = torch.arange(self.n_future_positions, device=device)
-        self._seen = torch.full((batch,), -1, dtype=torch.long, device=device)
-        self._latest = torch.full((batch,), -1, dtype=torch.long, device=device)
-        self._previous = torch.full((batch,), -1, dtype=torch.long, device=device)
+        self._seen, self._latest, self._previous = (torch.full((batch,), -1, device=device) for _ in range(3))
 
     def _previous_eviction(self, view) -> torch.Tensor:
         """The newest position of each row at its previous eviction, ``[rows]`` (-1: none). Every layer of

@@ -122,14 +122,10 @@ class LagKV(Policy):
         check_at_least(self, "lag", 2)
         check_option(self, "value_weight", self.value_weight >= 0, "a non-negative number")
 
-    def scores(self, view) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``lag_relative_scores`` of this layer's stored keys and values."""
-        return lag_relative_scores(
+    def score(self, view) -> torch.Tensor:
+        raw, scored, rank = lag_relative_scores(
             view.keys(), view.values(), view.valid, skip=self.sinks, lag=self.lag, value_weight=self.value_weight
         )
-
-    def score(self, view) -> torch.Tensor:
-        raw, scored, rank = self.scores(view)
         if self.quota:
             # Rank first (equal share per chunk), the raw score (in [0, 1) after scaling) breaks ties.
             value = rank + 0.5 * raw / (1.0 + float(self.value_weight))

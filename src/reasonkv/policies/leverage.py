@@ -123,13 +123,12 @@ def dkv_scores(
     """
     if combine not in COMBINE_METHODS:
         raise ValueError(f"combine must be one of {COMBINE_METHODS}, got {combine!r}")
-    key_score = value_score = None
-    if combine != "value":
-        key_score = leverage_scores(sketch(keys, key_projection), valid, method=method)
-        key_score = local_normalise(key_score, valid, local_window)
-    if combine != "key":
-        value_score = leverage_scores(sketch(values, value_projection), valid, method=method)
-        value_score = local_normalise(value_score, valid, local_window)
+
+    def side(x: torch.Tensor, projection: torch.Tensor | None) -> torch.Tensor:
+        return local_normalise(leverage_scores(sketch(x, projection), valid, method=method), valid, local_window)
+
+    key_score = side(keys, key_projection) if combine != "value" else None
+    value_score = side(values, value_projection) if combine != "key" else None
     if combine == "product":
         return key_score * value_score
     if combine == "mean":

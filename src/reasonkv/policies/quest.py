@@ -36,14 +36,12 @@ def quest_scores(query: torch.Tensor, minimum: torch.Tensor, maximum: torch.Tens
     (``head``: not combined, ``[batch, heads, blocks]``)."""
     batch, heads, dim = query.shape
     kv_heads = minimum.shape[1]
+    if group not in GROUPINGS:
+        raise ValueError(f"group must be one of {', '.join(GROUPINGS)}, got {group!r}")
     bound = quest_bound(query.view(batch, kv_heads, heads // kv_heads, dim), minimum, maximum)
-    if group == "max":
-        return bound.amax(dim=2)
-    if group == "sum":
-        return bound.sum(dim=2)
     if group == "head":
         return bound.flatten(1, 2)
-    raise ValueError(f"group must be one of {', '.join(GROUPINGS)}, got {group!r}")
+    return bound.amax(dim=2) if group == "max" else bound.sum(dim=2)
 
 
 @register

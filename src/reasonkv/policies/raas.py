@@ -73,20 +73,15 @@ class RaaS(Policy):
     def reset(self, info, batch: int, device: torch.device) -> None:
         self.timestamps = LayerHeadTable(info, batch, fill=-1.0, device=device)
 
-    def _per_kv_head(self, attention: torch.Tensor) -> torch.Tensor:
-        """``[batch, query_heads, n, slots] -> [batch, kv_heads, n, slots]``, following ``repeat_kv``'s head order."""
-        b, hq = attention.shape[:2]
-        kv_heads = self.timestamps.kv_heads
-        grouped = attention.view(b, kv_heads, hq // kv_heads, *attention.shape[2:])
-        return grouped.amax(2) if self.group_reduce == "max" else grouped.mean(2)
-
     def observe(self, step: Step) -> None:
         arriving = step.input_positions  # [batch, q], -1 for padding
         # Unseen positions hold -1: arriving is a use, at the token's own position.
         self.timestamps.add(arriving, arriving.float()[:, None, None, :] + 1.0, bound=step.position_bound)
 
     def observe_attention(self, chunk) -> None:
-        attention = self._per_kv_head(chunk.rows)  # [batch, kv_heads, n, slots]
+        rows, kv_heads = chunk.rows, self.timestamps.kv_heads  # query heads grouped as repeat_kv orders them
+        grouped = rows.view(rows.shape[0], kv_heads, rows.shape[1] // kv_heads, *rows.shape[2:])
+        attention = grouped.amax(2) if self.group_reduce == "max" else grouped.mean(2)  # [batch, kv_heads, n, slots]
         now = chunk.query_positions.view(chunk.query_positions.shape[0], 1, -1, 1)  # -1: padding query
         # The last use of each key, [batch, kv_heads, slots]: the largest (position + 1) among the queries that
         # used it, minus 1 (-1: none; a padding query sits at -1, so it refreshes nothing). A product, not a

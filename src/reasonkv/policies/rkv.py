@@ -43,11 +43,13 @@ def window_importance(
     slots]`` a query sees (at or before its position; others score 0), mean over the valid queries.
     """
     b, w = query_positions.shape
-    logits = grouped_logits(queries, keys, scaling, softcap)  # [rows, kv_heads, group, w, slots]
-    logits = logits.amax(2) if pooling == "max" else logits.mean(2)
+
+    def merged(grouped: torch.Tensor) -> torch.Tensor:  # over the group axis
+        return grouped.amax(2) if pooling == "max" else grouped.mean(2)
+
+    logits = merged(grouped_logits(queries, keys, scaling, softcap))  # [rows, kv_heads, w, slots]
     if sinks is not None:
-        sink = grouped_sinks(sinks, keys.shape[1])
-        sinks = sink.amax(2) if pooling == "max" else sink.mean(2)  # [1, kv_heads, 1, 1]
+        sinks = merged(grouped_sinks(sinks, keys.shape[1]))  # [1, kv_heads, 1, 1]
     visible = candidates.unsqueeze(2) & (key_positions.unsqueeze(2) <= query_positions.view(b, 1, w, 1))
     visible &= query_valid.view(b, 1, w, 1)
     probs = masked_softmax_(logits, visible, sinks)
@@ -280,18 +282,15 @@ class RKV(Policy):
         return Needs(query_window=self.query_window)
 
     # -- the two terms, exposed for tests and analysis ------------------------------------------
-    def candidates(self, view) -> torch.Tensor:
-        """``[rows, kv_heads, slots]``: the keys the importance softmax covers (valid, outside the window)."""
-        positions = view.positions()
-        keep = positions >= 0
-        if self.window > 0:
-            keep &= positions <= (view.newest.view(-1, 1, 1) - self.window)
-        return keep & view.valid.unsqueeze(1)
-
     def importance(self, view) -> torch.Tensor:
-        """Pooled window-attention importance, ``[rows, kv_heads, slots]`` (0 outside the candidates)."""
+        """Pooled window-attention importance, ``[rows, kv_heads, slots]``, over the candidates (valid keys
+        outside the window; 0 elsewhere)."""
         queries, q_positions, q_valid = view.recent_queries()
-        candidates = self.candidates(view)
+        positions = view.positions()
+        candidates = positions >= 0
+        if self.window > 0:
+            candidates &= positions <= (view.newest.view(-1, 1, 1) - self.window)
+        candidates &= view.valid.unsqueeze(1)
         raw = window_importance(
             queries,
             q_positions,

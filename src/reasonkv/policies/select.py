@@ -140,7 +140,6 @@ def top_indices(keys: torch.Tensor, k: int) -> torch.Tensor:
 def rank_top(scores: torch.Tensor, *, valid: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
     """The ranking :func:`keep_top` keeps from: the scores, protected slots at :data:`MUST_KEEP`,
     padding at :data:`NEVER_KEEP` (``valid`` and ``protected`` broadcast against ``scores``)."""
-    valid, protected = torch.broadcast_tensors(valid, protected)
     scores, valid, protected = torch.broadcast_tensors(scores, valid, protected)
     return _selection_keys(scores, valid, protected)
 
@@ -216,7 +215,6 @@ def rank_sampled(
     padding at :data:`NEVER_KEEP`. Taken in descending order it is a sample without replacement."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    valid, protected = torch.broadcast_tensors(valid, protected)
     weights, valid, protected = torch.broadcast_tensors(weights, valid, protected)
     logw = weights.float().clamp(min=0).log() / temperature
     draws = gumbel_noise(valid, seeds, positions)
@@ -240,7 +238,6 @@ def reserve_top(scores: torch.Tensor, *, valid: torch.Tensor, protected: torch.T
     broadcast against ``scores``; per leading index, at most ``max(0, min(n, k - protected))``
     slots are reserved. NaN and infinite scores are never reserved.
     """
-    valid, protected = torch.broadcast_tensors(valid, protected)
     scores, valid, protected = torch.broadcast_tensors(scores, valid, protected)
     mask = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
     m = min(n, scores.shape[-1])

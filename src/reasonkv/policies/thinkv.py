@@ -36,16 +36,15 @@ def attention_sparsity(
     against ``rows``) count. ``hidden_are_zero``: the rows hold 0 wherever not visible (a masked
     softmax's rows), so the hidden keys are counted from ``visible`` alone, without masking the rows.
     """
-    valid = visible
     if hidden_are_zero:  # a hidden 0 is below the threshold exactly when the row's peak is positive
         peak = rows.amax(-1, keepdim=True)
-        hidden = (~valid).sum(-1)
+        hidden = (~visible).sum(-1)
         small = ((rows < threshold * peak).sum(-1) - hidden).clamp(min=0)
-        return small.float() / (valid.shape[-1] - hidden).clamp(min=1).float()
-    rows = rows.float().masked_fill(~valid, 0.0)
+        return small.float() / (visible.shape[-1] - hidden).clamp(min=1).float()
+    rows = rows.float().masked_fill(~visible, 0.0)
     peak = rows.amax(-1, keepdim=True)
-    small = (rows < threshold * peak) & valid
-    return small.sum(-1).float() / valid.sum(-1).clamp(min=1).float()
+    small = (rows < threshold * peak) & visible
+    return small.sum(-1).float() / visible.sum(-1).clamp(min=1).float()
 
 
 def kde_thresholds(samples: torch.Tensor, points: int = KDE_POINTS) -> torch.Tensor:

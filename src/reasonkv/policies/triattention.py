@@ -27,11 +27,7 @@ STATS_SOURCES = ("prefill", "bundled")
 
 def geometric_offsets(offset_max: int) -> torch.Tensor:
     """The future offsets ``1, 2, 4, ..., <= offset_max`` (float64)."""
-    offsets, value = [], 1
-    while value <= offset_max:
-        offsets.append(float(value))
-        value *= 2
-    return torch.tensor(offsets, dtype=torch.float64)
+    return torch.tensor([float(1 << i) for i in range(offset_max.bit_length())], dtype=torch.float64)
 
 
 @register
@@ -123,12 +119,10 @@ class TriAttention(Policy):
             )
             state.sums = CenterSums(batch, layers, info.num_heads, info.head_dim // 2, device)
         else:
-            if self._file is not None:
-                centers = self._file
-                centers.check(info, self.name, self.stats)
-            else:
-                centers, _ = bundled_centers(info, self.name)
-                centers.check(info, self.name)
+            centers, where = (
+                (self._file, self.stats) if self._file is not None else (bundled_centers(info, self.name)[0], "")
+            )
+            centers.check(info, self.name, where)
             mean, modulus = centers.at(layers)
             state.centers = (mean.unsqueeze(0).to(device), modulus.unsqueeze(0).to(device))
         self._state = state
@@ -192,13 +186,11 @@ class TriAttention(Policy):
             scores = (scores - mean) / std
         return scores.amax(dim=2)
 
-    def shared_scores(self, view) -> torch.Tensor:
-        """``selection="per-head"``: the mean of :meth:`layer_scores` over the full-attention layers."""
-        layers = view.info.full_layers
-        return sum(self.layer_scores(view.at(layer)) for layer in layers) / len(layers)
-
     def score(self, view) -> torch.Tensor:
-        return self.shared_scores(view) if self.selection == "per-head" else self.layer_scores(view)
+        if self.selection != "per-head":
+            return self.layer_scores(view)
+        layers = view.info.full_layers  # per-head: the mean of the layers' scores
+        return sum(self.layer_scores(view.at(layer)) for layer in layers) / len(layers)
 
     # -- one kept set for every layer (per-head selection) -------------------------------------------
     def layers_share_kept_set(self) -> str | None:

@@ -71,7 +71,13 @@ def value_signals(policy, view) -> dict[str, torch.Tensor]:
     return {"value_range": ranges, "reserve": value_reserve(policy, view, ranges)}
 
 
-_SELECTION_DOC = """
+@dataclass
+class ValueAware:
+    """VASE's selection over a base policy's score (the class it is mixed into, after it): its options
+    (appended to the base's), their check, and the ranking and signals they give.
+
+    Parameters
+    ----------
     reserve
         ``N_v``, tokens per head kept for their value range ``max(v) - min(v)``: a fraction of the
         budget when below 1 (default 0.125, i.e. ``K // 8``), a count when 1 or more, 0 = off (the
@@ -87,13 +93,7 @@ _SELECTION_DOC = """
         The draws are keyed by the run's seed, the eviction, the layer, the head and the token's
         position, so the same seed keeps the same sets, on every device, and a prompt makes the same
         draws in a batch as alone.
-"""
-
-
-@dataclass
-class ValueAware:
-    """VASE's selection over a base policy's score (the class it is mixed into, after it): its options
-    (appended to the base's), their check, and the ranking and signals they give."""
+    """
 
     stochastic = True
     paper = "https://arxiv.org/abs/2606.03928"
@@ -123,8 +123,7 @@ class ValueAware:
 @register
 @dataclass
 class VaseAttnV(ValueAware, SnapKV):
-    __doc__ = (
-        """VASE-AttnV: value-aware stochastic eviction with SnapKV-style attention scores, per (layer, kv-head).
+    """VASE-AttnV: value-aware stochastic eviction with SnapKV-style attention scores, per (layer, kv-head).
 
     At each eviction, for every layer and kv head: keep the protected tokens (sinks, recent window); reserve
     the ``N_v`` tokens with the largest value range; fill the rest by sampling without replacement, weighted
@@ -132,12 +131,6 @@ class VaseAttnV(ValueAware, SnapKV):
 
     Parameters
     ----------
-    sinks
-        First positions never evicted (default 4).
-    window
-        The most recent tokens never evicted. Default 32 = the default ``query_window`` (``docs/budget.md``:
-        window defaults to the policy's observation window, as for ``snapkv``); it does not follow
-        ``query_window`` automatically.
     protect_prompt
         Never evict prompt tokens (default off).
     query_window
@@ -145,9 +138,8 @@ class VaseAttnV(ValueAware, SnapKV):
     kernel
         Width of the pooling along the slots (default 7; odd; 1 = none).
     pooling
-        ``"max"`` (default) or ``"avg"``, over real tokens only."""
-        + _SELECTION_DOC
-    )
+        ``"max"`` (default) or ``"avg"``, over real tokens only.
+    """
 
     name = "vase-attnv"
     summary = "VASE: value-range reservation + sampling by window attention, per kv head"
@@ -156,8 +148,7 @@ class VaseAttnV(ValueAware, SnapKV):
 @register
 @dataclass
 class VaseDKV(ValueAware, CurDKV):
-    __doc__ = (
-        """VASE-DKV: value-aware stochastic eviction with CurDKV leverage scores, per (layer, kv-head).
+    """VASE-DKV: value-aware stochastic eviction with CurDKV leverage scores, per (layer, kv-head).
 
     As ``vase-attnv``, weighted by CurDKV's score (``curdkv``), with ``G`` drawn anew at every eviction
     (keyed by the row's seed, the eviction and the layer), so no token is scored low by the same projection
@@ -169,8 +160,6 @@ class VaseDKV(ValueAware, CurDKV):
         First positions never evicted (default 4).
     window
         The most recent tokens never evicted (default 0: it reads no queries, so there is no observation window).
-    protect_prompt
-        Never evict prompt tokens (default off).
     rank
         ``r``, columns of the Gaussian sketch (default 20); 0 = score the raw keys and values.
     leverage
@@ -179,9 +168,8 @@ class VaseDKV(ValueAware, CurDKV):
     local_window
         Tokens per local normalisation window (default 16); 0 = one window.
     combine
-        ``"product"`` (default), ``"mean"``, ``"key"`` or ``"value"``."""
-        + _SELECTION_DOC
-    )
+        ``"product"`` (default), ``"mean"``, ``"key"`` or ``"value"``.
+    """
 
     name = "vase-dkv"
     summary = "VASE: value-range reservation + sampling by CUR leverage (sketch redrawn per eviction)"
