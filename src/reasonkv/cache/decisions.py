@@ -164,7 +164,8 @@ class DecisionLog:
         self.settings = settings_of(cache.spec, evictor.budgets)
         self.by_row: dict[int, list[Eviction]] = defaultdict(list)
         self._full_layers = list(cache.full_layers)
-        self._block = None if evictor.selector is None else evictor.selector.block_size
+        selector = getattr(evictor, "selector", None)  # a selection policy's cache (reasonkv.cache.selecting)
+        self._block = None if selector is None else selector.block_size
         self._reads: dict[int, tuple] = {}  # a selection policy's reads of the step in progress, by layer
         evictor.listen(self)
 

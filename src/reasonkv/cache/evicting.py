@@ -9,6 +9,7 @@ construction, ``reset`` between generations, ``detach`` (or the ``with`` block's
 from __future__ import annotations
 
 from reasonkv.cache.evictor import Evictor
+from reasonkv.cache.selecting import Selecting
 from reasonkv.cache.spec import DEFAULT_BUFFER, CacheSpec
 from reasonkv.cache.storage import KVStorage
 
@@ -97,7 +98,8 @@ class EvictingCache(KVStorage):
                 group_size=spec.group_size,
                 model=model,
             )
-        self.evictor = None if spec is None else Evictor(model, self, spec, sync_timing=sync_timing)
+        hooks = Selecting if spec is not None and spec.selects else Evictor  # a selection policy evicts nothing
+        self.evictor = None if spec is None else hooks(model, self, spec, sync_timing=sync_timing)
 
     def reset(self) -> None:
         """Forget the stored generation (storage, positions, policy state): the cache is as new, still attached."""

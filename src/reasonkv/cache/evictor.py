@@ -38,7 +38,6 @@ from reasonkv.hf import KernelReader, LayerMasks, StepCapture, attention_impleme
 from reasonkv.policies import noise, select
 from reasonkv.policies.base import Policy
 from reasonkv.policies.view import EvictionView
-from reasonkv.selection.reader import Selector
 
 __all__ = ["Announced", "Evictor"]
 
@@ -85,9 +84,6 @@ class Evictor:
         self.head_reader = None
         if spec.allocated:
             self._allocate(model, cache)
-        # A selection policy evicts nothing: it chooses, inside each decode step's attention kernel, what is read.
-        self.selector = Selector(self.policy, spec.budget) if self.policy.selects else None
-        self.reader = None if self.selector is None else KernelReader(model, self._read, self.info.full_layers)
         self._in_forward = False  # between announce and finish: the model's attention runs on this cache
         me = weakref.ref(self)
         self._hooks = [
@@ -102,11 +98,8 @@ class Evictor:
         return self._cache()
 
     def listen(self, log) -> None:
-        """Hand every decision (a selection policy's: every read) to ``log``, a
-        :class:`~reasonkv.cache.decisions.DecisionLog` (None: to nobody)."""
+        """Hand every decision to ``log``, a :class:`~reasonkv.cache.decisions.DecisionLog` (None: to nobody)."""
         self.log = log
-        if self.selector is not None:
-            self.selector.on_read = None if log is None else log.read
 
     def detach(self) -> None:
         """Remove the hooks from the model, handing the policy any attention still owed (so that its state
@@ -117,8 +110,6 @@ class Evictor:
         self.observer.detach()
         if self.head_reader is not None:
             self.head_reader.close()
-        if self.reader is not None:
-            self.reader.close()
 
     def restart(self) -> None:
         """The cache was reset: the next forward starts a new generation."""
@@ -185,16 +176,7 @@ class Evictor:
         self.policy.reset(self.info, batch, device)
         self.observer.reset()
         self.row_seeds = noise.seed_tensor(self.seed, batch, device)
-        if self.selector is not None:
-            self.selector.reset()
         self._started = True
-
-    def _read(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
-        """A selection policy's read of one layer's attention (see :class:`~reasonkv.selection.reader.Selector`)."""
-        cache = self.cache
-        if not self._in_forward:  # the same model running with another cache
-            return None
-        return self.selector.read(layer, query, key, value, cache.layers[layer].positions, cache.rows.step_positions)
 
     # ------------------------------------------------------------------ an allocation
     def _allocate(self, model, cache: KVStorage) -> None:
@@ -212,7 +194,7 @@ class Evictor:
         cache.allocate(fewest + spec.buffer, widest, ragged=spec.ragged)
         self.head_reader = KernelReader(model, self._head_masked, info.full_layers)
 
-    def _head_masked(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+    def _head_masked(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask, kwargs):
         """The kernel reads this layer's K/V with a mask of each head's own padding (see ``head_mask``)."""
         if not self._in_forward:  # the same model running with another cache
             return None
