@@ -33,16 +33,17 @@ import torch
 
 from reasonkv.cache.quantize import QuantFormat, quantize_channels, quantize_tokens, unpack
 
-__all__ = ["DequantizeBuffer", "QuantizedTier", "TierUpdate"]
+__all__ = ["DequantizeBuffer", "QuantizedTier", "TierUpdate", "take_slots"]
 
 # take_full(slots [n, heads, m]) -> keys, values [n, heads, m, head_dim] and positions [n, heads, m] of the
 # evicted rows' full-precision slots (slots index the full tier's view).
 FullTake = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
-def _take(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def take_slots(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``buffer[b, h, index[b, h, i]]``: ``[batch, heads, n, *rest]`` by ``[batch, heads, m]`` ->
-    ``[batch, heads, m, *rest]`` (one ``index_select`` over the flattened slots)."""
+    ``[batch, heads, m, *rest]``: one ``index_select`` over the flattened slots, many times faster than an
+    element-wise ``gather``."""
     batch, heads, n = buffer.shape[:3]
     rest = buffer.shape[3:]
     first = torch.arange(batch * heads, device=index.device).view(batch, heads, 1) * n
@@ -217,7 +218,7 @@ class QuantizedTier:
         if self.groups:  # (a tier of pending tokens only has no group yet)
             keys.copy_(unpack(self.key_codes, fmt.bits))
             index = self.key_group.long()
-            keys.mul_(_take(self.key_stats[:, :, :, 0], index)).add_(_take(self.key_stats[:, :, :, 1], index))
+            keys.mul_(take_slots(self.key_stats[:, :, :, 0], index)).add_(take_slots(self.key_stats[:, :, :, 1], index))
         else:
             keys.zero_()
         grouped = values.view(*values.shape[:3], dim // fmt.group_size, fmt.group_size)
@@ -265,8 +266,8 @@ class QuantizedTier:
         if pending_width:
             at_pending = (select - (width - pending_width)).clamp(0, pending_width - 1)
             where = was_pending.unsqueeze(-1)
-            keys = torch.where(where, _take(old["pending_keys"], at_pending).to(keys.dtype), keys)
-            values = torch.where(where, _take(old["pending_values"], at_pending).to(values.dtype), values)
+            keys = torch.where(where, take_slots(old["pending_keys"], at_pending).to(keys.dtype), keys)
+            values = torch.where(where, take_slots(old["pending_values"], at_pending).to(values.dtype), values)
         positions = full_positions
         if width:
             positions = torch.where(select < width, old["positions"].gather(2, at_old), positions)
@@ -277,7 +278,7 @@ class QuantizedTier:
         order = torch.where(real, place, -1).sort(dim=-1, stable=True).indices
         gather = lambda t: t.gather(2, order)  # noqa: E731
         real, old_coded, positions, at_old = map(gather, (real, old_coded, positions, at_old))
-        keys, values = _take(keys, order), _take(values, order)
+        keys, values = take_slots(keys, order), take_slots(values, order)
         others = real & ~old_coded
         rank = others.long().cumsum(-1) - 1
         count = others.sum(-1)  # [n, h]
@@ -302,17 +303,17 @@ class QuantizedTier:
             live = used.sum(-1)
             renumbered = (used.long().cumsum(-1) - 1).gather(2, old_group.clamp(max=groups - 1))
             group = torch.where(old_coded, renumbered, group)
-            compacted = _take(old["key_stats"], torch.sort(~used, dim=-1, stable=True).indices)
+            compacted = take_slots(old["key_stats"], torch.sort(~used, dim=-1, stable=True).indices)
             # live old groups first; fresh ones from each head's own live count on
             slot = torch.arange(groups + bound, device=select.device)
             source = torch.where(slot < live.unsqueeze(-1), slot, groups + slot - live.unsqueeze(-1))
             source = source.clamp(max=groups + max(bound, 1) - 1)
             table = torch.cat([compacted, fresh_stats if bound else compacted[:, :, :1]], dim=2)
-            stats = _take(table, source)
+            stats = take_slots(table, source)
 
             def kept(fresh_part: torch.Tensor, old_part: torch.Tensor) -> torch.Tensor:
                 where = old_coded.view(*old_coded.shape, *[1] * (fresh_part.dim() - 3))
-                return torch.where(where, _take(old_part, at_old), fresh_part)
+                return torch.where(where, take_slots(old_part, at_old), fresh_part)
 
             key_codes = kept(key_codes, old["key_codes"])
             value_codes = kept(value_codes, old["value_codes"])
