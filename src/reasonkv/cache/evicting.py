@@ -1,10 +1,7 @@
-"""``EvictingCache``: the storage and the evictor composed, the one place that attaches a policy to a model.
-
-The storage (:class:`~reasonkv.cache.storage.KVStorage`) holds K/V and positions; the evictor
-(:class:`~reasonkv.cache.evictor.Evictor`) hooks the model and decides what the storage keeps. This
-class builds both from one :class:`~reasonkv.cache.spec.CacheSpec` and owns their lifetime: attach on
-construction, ``reset`` between generations, ``detach`` (or the ``with`` block's end) when done.
-"""
+"""``EvictingCache``: the storage (:class:`~reasonkv.cache.storage.KVStorage`) and the evictor
+(:class:`~reasonkv.cache.evictor.Evictor`, or :class:`~reasonkv.cache.selecting.Selecting` for a selection
+policy) built from one :class:`~reasonkv.cache.spec.CacheSpec`, attached on construction, ``reset`` between
+generations, ``detach`` (or the ``with`` block's end) when done."""
 
 from __future__ import annotations
 
