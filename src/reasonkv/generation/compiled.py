@@ -1,31 +1,17 @@
 """Compiled decode: each decode step one fixed-shape graph, the eviction between steps.
 
-A decode step of a small batch is bound by kernel launches and Python, not by reading weights and K/V.
-:class:`CompiledDecode` runs the model's single-token forward through ``torch.compile`` (inductor;
-CUDA graphs on a GPU) over the cache's :class:`~reasonkv.cache.static.StaticLayout`: the whole K/V
-buffers, a validity mask and the write slot, the same tensors at the same shapes at every step. What
-changes shape stays outside the graph, in eager PyTorch between steps, exactly as without compiling:
+A small batch's decode step is bound by kernel launches and Python. :class:`CompiledDecode` runs the
+single-token forward through ``torch.compile`` (CUDA graphs on a GPU) over the cache's
+:class:`~reasonkv.cache.static.StaticLayout` (the same tensors at the same shapes at every step). What changes
+shape stays eager between steps, as without compiling: the evictor's bookkeeping, scoring and gather
+(:meth:`Evictor.announce <reasonkv.cache.evictor.Evictor.announce>`, :meth:`Evictor.finish`), and the signals,
+which the step writes into fixed buffers (:class:`~reasonkv.hf.capture.StepCapture`) for the observer to record
+after it. So a run that evicts hundreds of times compiles once per (batch, capacity). The capture's hooks and
+kernel wrapper are removed by :meth:`CompiledDecode.close`: after a run no model passes through reasonkv code.
 
-- the evictor's bookkeeping (:meth:`Evictor.announce <reasonkv.cache.evictor.Evictor.announce>`), the
-  policy's scoring and the gather into the same buffers (:meth:`Evictor.finish`);
-- the signals a policy reads: the step writes the newest token's hidden states and post-RoPE queries
-  into fixed buffers (:class:`~reasonkv.hf.capture.StepCapture`), and the observer records them after
-  the step as its hooks record them during an eager forward.
-
-So the graph is traced once per (batch size, capacity); a run that evicts hundreds of times compiles
-once. The capture's hooks and kernel wrapper are installed at the first compiled step and removed by
-:meth:`CompiledDecode.close` (``generate`` calls it in a ``finally``): after a run returns, no model in
-the process passes through reasonkv code.
-
-Caches without a fixed-shape layout (a quantized tier, a hybrid model's sliding layers) decode
-eagerly, and :attr:`CompiledDecode.eager_reason` says why. A selection policy is refused
-(:meth:`CacheSpec.check_compile <reasonkv.cache.spec.CacheSpec.check_compile>`): it chooses what attention
-reads inside the eager kernel, which the graph does not call.
-
-:class:`StaticStep` is the same single-token graph over transformers' own ``StaticCache``: plain
-transformers compiled, the reference a compiled cache is measured against. Both are decode steps of
-:mod:`reasonkv.generation.step`.
-"""
+Caches without a fixed-shape layout decode eagerly (:attr:`CompiledDecode.eager_reason` says why); a selection
+policy is refused (:meth:`CacheSpec.check_compile <reasonkv.cache.spec.CacheSpec.check_compile>`).
+:class:`StaticStep` is the same graph over transformers' ``StaticCache``, the plain reference."""
 
 from __future__ import annotations
 
@@ -128,21 +114,12 @@ class GraphClock:
 
 
 class CompiledDecode:
-    """The decode steps of ``model`` with its attached ``cache``, compiled (after an eager prefill).
+    """The decode steps of ``model`` with its attached ``cache`` (an :class:`~reasonkv.cache.EvictingCache` that has
+    seen the prompt), compiled with ``backend`` (default ``inductor``) and ``mode`` (default :func:`compile_mode`).
 
-    Parameters
-    ----------
-    model, cache
-        The model and the :class:`~reasonkv.cache.EvictingCache` attached to it, which has seen the prompt.
-    backend, mode
-        ``torch.compile``'s backend (default ``inductor``) and mode (default: :func:`compile_mode` for
-        inductor, none for other backends).
-
-    Calling it with a step's ``[batch, 1]`` input ids and padding mask (None: every row live) runs the
-    step and returns the newest logits ``[batch, vocab]``; the cache evicts after it as it would after an
-    eager forward. :attr:`compilations` counts the graphs traced, :attr:`warmup_seconds` the time the
-    steps that traced one took (to report apart from decoding speed).
-    """
+    Called with a step's ``[batch, 1]`` ids and padding mask (None: every row live), it returns the newest
+    logits ``[batch, vocab]``; the cache evicts after it as after an eager forward. :attr:`compilations` counts
+    the graphs traced, :attr:`warmup_seconds` the time the steps that traced one took."""
 
     def __init__(self, model, cache: EvictingCache, *, backend: str = "inductor", mode: str | None = None):
         if cache.evictor is None:

@@ -1,11 +1,8 @@
 """Batched decoding with an evicting KV cache: prefill, then per step sample -> feed -> stop.
 
-The eviction itself happens in the cache (the hooks of :class:`~reasonkv.cache.evictor.Evictor`), after
-every forward; this loop only feeds tokens, samples and stops. Batches are left-padded; padding never
-occupies budget, and each row evicts on its own schedule, so a row's result does not depend on its batch
-up to rounding: a padded batch sums in another order than a lone row (logits differ by about 1e-7 in
-float32, a unit or two in the last place in bf16, where a near-tie can then send a greedy decode another
-way).
+The cache evicts after every forward (:class:`~reasonkv.cache.evictor.Evictor`); this loop feeds, samples and
+stops. Batches are left-padded; padding never takes budget and each row evicts on its own schedule, so a row's
+result does not depend on its batch, up to rounding (a padded batch sums in another order).
 """
 
 from __future__ import annotations
@@ -68,10 +65,7 @@ def generate(
     tokenizer
         The model's tokenizer; may be ``None`` when prompts are token ids (outputs then have no text).
     prompts
-        One prompt or a non-empty list of them: text or token ids inside the model's vocabulary. Token
-        ids are decoded from as they are; text goes through the tokenizer's chat template (see ``chat``).
-        A prompt and ``max_new_tokens`` longer than the model's context (``max_position_embeddings``)
-        get a warning: the model was never trained on the positions past it (see ``max_new_tokens``).
+        One prompt or a non-empty list of them: text (see ``chat``) or token ids inside the vocabulary.
     spec
         The cache's settings as one :class:`~reasonkv.cache.CacheSpec`; or give them as keywords (not
         both: a cache setting given twice is refused, naming it):
@@ -87,12 +81,9 @@ def generate(
         ``temperature``, and the spec's own ``seed`` seeds the eviction (and the sampling when ``seed`` is
         not given).
     max_new_tokens, temperature, top_p, top_k
-        Decoding (see :class:`~reasonkv.generation.sampling.Sampling`; temperature 0: greedy). A prompt and
-        ``max_new_tokens`` past the model's context (``max_position_embeddings``) are decoded, with a
-        ``UserWarning``, not refused as the commands refuse them: research code probes past the context on
-        purpose. A row whose prompt and output tokens did exceed it says so in its stats:
-        ``stats["past_context"] = {"context": <max_position_embeddings>, "tokens": <prompt + output>}``
-        (absent from a row that stayed inside).
+        Decoding (see :class:`~reasonkv.generation.sampling.Sampling`; temperature 0: greedy). Past the model's
+        context (``max_position_embeddings``) it decodes with a ``UserWarning`` (the commands refuse), and a
+        row that went past says so: ``stats["past_context"] = {"context": ..., "tokens": <prompt + output>}``.
     stop
         A string, or a list of strings, that ends a row's generation (kept in its text).
     ignore_eos
@@ -113,10 +104,8 @@ def generate(
         ``decode_seconds`` and reported in ``stats["compile"]``, with the reason when the cache cannot be
         compiled and decoded eagerly.
     chat
-        Apply the tokenizer's chat template to text prompts (default), as ``reasonkv generate`` does
-        unless ``--no-chat``: an instruct model given bare text may end at once. Nothing changes for a
-        tokenizer without a template, nor for text that already starts as the template renders (the
-        output of :func:`reasonkv.eval.prompts.build_prompt`, say). ``False``: the text as it is.
+        Apply the tokenizer's chat template to text prompts (default, as ``reasonkv generate``), unless the
+        tokenizer has none or the text already starts as the template renders. ``False``: the text as it is.
     """
     sampling = Sampling(max_new_tokens, temperature, top_p, top_k)
     check_flags(ignore_eos=ignore_eos, progress=progress, sync_timing=sync_timing, trace=trace, chat=chat)
