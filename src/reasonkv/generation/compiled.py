@@ -113,7 +113,32 @@ class GraphClock:
         return out
 
 
-class CompiledDecode:
+class _GraphSteps:
+    """What both compiled steps report: the graphs traced, the seconds tracing took, and what ran."""
+
+    eager_reason: str | None = None
+
+    @property
+    def compilations(self) -> int:
+        return self._clock.compilations
+
+    @property
+    def warmup_seconds(self) -> float:
+        return self._clock.warmup_seconds
+
+    def describe(self) -> dict:
+        """What ran, for a run's statistics."""
+        return {
+            "compiled": self.compiled,
+            "backend": self.backend if self.compiled else None,
+            "mode": self.mode if self.compiled else None,
+            "compilations": self.compilations,
+            "warmup_seconds": self.warmup_seconds,
+            "eager_reason": self.eager_reason,
+        }
+
+
+class CompiledDecode(_GraphSteps):
     """The decode steps of ``model`` with its attached ``cache`` (an :class:`~reasonkv.cache.EvictingCache` that has
     seen the prompt), compiled with ``backend`` (default ``inductor``) and ``mode`` (default :func:`compile_mode`).
 
@@ -146,14 +171,6 @@ class CompiledDecode:
     def compiled(self) -> bool:
         return self.eager_reason is None
 
-    @property
-    def compilations(self) -> int:
-        return self._clock.compilations
-
-    @property
-    def warmup_seconds(self) -> float:
-        return self._clock.warmup_seconds
-
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The prompt's forward, eager (any number of tokens a row): its newest logits."""
         return self._forward.newest_logits(input_ids, self.cache, attention_mask)
@@ -168,17 +185,6 @@ class CompiledDecode:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    def describe(self) -> dict:
-        """What ran, for a run's statistics."""
-        return {
-            "compiled": self.compiled,
-            "backend": self.backend if self.compiled else None,
-            "mode": self.mode if self.compiled else None,
-            "compilations": self.compilations,
-            "warmup_seconds": self.warmup_seconds,
-            "eager_reason": self.eager_reason,
-        }
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         if input_ids.shape[1] != 1:
@@ -206,7 +212,7 @@ class CompiledDecode:
         return logits
 
 
-class StaticStep:
+class StaticStep(_GraphSteps):
     """Plain transformers decoding compiled: a ``StaticCache`` of ``capacity`` slots a row, the prefill eager and
     each single-token step through ``torch.compile`` of the model's forward (CUDA graphs on a GPU). No reasonkv
     code runs on the model (its :attr:`cache` is transformers' own)."""
@@ -222,10 +228,6 @@ class StaticStep:
         self._graph = compiled_function(traced_step_logits, backend, self.mode)
         self._clock = GraphClock(self.device)
         self._length = 0
-
-    @property
-    def warmup_seconds(self) -> float:
-        return self._clock.warmup_seconds
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         if attention_mask is not None:
@@ -243,16 +245,6 @@ class StaticStep:
             )
         self._length += 1
         return logits.clone() if self.mode == "reduce-overhead" else logits  # a CUDA graph reuses its output
-
-    def describe(self) -> dict:
-        return {
-            "compiled": True,
-            "backend": self.backend,
-            "mode": self.mode,
-            "compilations": self._clock.compilations,
-            "warmup_seconds": self._clock.warmup_seconds,
-            "eager_reason": None,
-        }
 
     def close(self) -> None:
         pass
