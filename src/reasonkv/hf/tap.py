@@ -1,25 +1,20 @@
 """The attention tap: hooks see each attention call's post-RoPE queries, keys, values and mask, and may hand
-the kernel other K/V to read, while the model's own kernel (SDPA, FlashAttention, eager) still does the attention.
+the kernel other K/V to read, while the model's own kernel (SDPA, FlashAttention, eager) still attends.
 
-Post-RoPE queries exist only inside the attention kernel call, so the tap wraps the kernel the model
-runs in transformers' attention registry, through its public ``AttentionInterface.register``. The
-wrapper calls hooks only for attention modules that hold some (one kind: an :class:`AttentionTap`'s
-listens, a :class:`KernelReader`'s may replace what is read); every other module (another model, or this
-one once released) goes straight to the original kernel, so tapping one model never changes another's
-results. The wrapper is installed when the first hook on a kernel name opens and the original is
-registered back when the last one closes (or is garbage-collected): a model's ``attn_implementation``
-is never changed, and nothing stays wrapped afterwards.
+Post-RoPE queries exist only inside the kernel call, so the tap wraps the kernel in transformers' attention
+registry (``AttentionInterface.register``). The wrapper calls hooks only for attention modules that hold
+some (one kind: an :class:`AttentionTap`'s listens, a :class:`KernelReader`'s may replace what is read);
+every other module goes straight to the original kernel, so tapping one model never changes another's
+results. The wrapper is registered while a hook on its kernel name is open, the original back after the
+last closes (or is collected): a model's ``attn_implementation`` never changes and nothing stays wrapped.
 
-A compiled decode step cannot call a Python hook (and ``torch.compile`` cannot trace the hooks on
-every torch release), so it reports differently: it passes its query buffers to the forward as the keyword
-argument ``STEP_QUERIES`` (``{layer index: [batch, heads, 1, head_dim]}``), which transformers hands down to
-the attention kernel, and the wrapper copies each layer's query into its buffer. :func:`kernel_tap` holds
-the wrapper registered for one compiled run; the wrapper is one object per original kernel, so the graphs
-traced in one run (which check the registered kernel's identity) are still valid in the next.
+A compiled decode step cannot call Python hooks (nor can ``torch.compile`` trace them on every release):
+it passes query buffers as the keyword argument ``STEP_QUERIES`` (``{layer: [batch, heads, 1, head_dim]}``),
+which the wrapper fills. :func:`kernel_tap` holds the wrapper for one compiled run; it is one object per
+original kernel, so graphs traced in one run (guarded on its identity) stay valid in the next.
 
-``"eager"`` has no registry entry of its own (models fall back to their module's
-``eager_attention_forward``): tapping it registers a plain dispatcher to that function, which is what
-stays registered after the last tap closes; it computes exactly what the fallback computes.
+``"eager"`` has no registry entry of its own (models fall back to their module's ``eager_attention_forward``):
+tapping it registers a plain dispatcher to that function, which stays registered and computes the same.
 """
 
 from __future__ import annotations
