@@ -3,13 +3,10 @@
 :func:`reasonkv.cache.tiers.split_tiers` decides which tokens the tier holds; this module stores them, per
 (row, kv-head) as ``[padding | coded | pending]`` (docs/quantized-tier.md):
 
-- **coded** tokens hold int8 or int4 codes, values per token, keys per channel over a *key group* of
-  ``group_size`` tokens (KIVI); a token's codes never change while held, and a group's statistics stay as
-  long as one member is held (groups lose members, never gain them);
-- **pending** tokens wait at full precision until ``group_size`` of them form a whole group (KIVI's
-  residual), of the oldest by position; they count against ``Q`` and are never promoted back.
-
-Every head of a row holds as many tier tokens, but may split them differently between coded and pending.
+**coded** tokens hold int8 or int4 codes (values per token, keys per channel over a *key group* of
+``group_size`` tokens, KIVI), fixed while held; a group's statistics stay while one member is held.
+**pending** tokens wait at full precision until ``group_size`` of them form a whole group (KIVI's residual).
+Every head of a row holds as many tier tokens, but may split them differently between the two.
 An eviction updates only its rows (:meth:`QuantizedTier.plan`, one host read, :meth:`QuantizedTier.apply`);
 attention gets the tier dequantized into a buffer the cache's layers share (:class:`DequantizeBuffer`)."""
 

@@ -1,11 +1,10 @@
 """One self-contained HTML page of an :class:`~reasonkv.inspect.runs.Inspection`: styles, script and data inline,
 nothing fetched, so it opens from ``file://`` and can be mailed or committed.
 
-The data is JSON inside the page: per run its token texts, where it departs from ``full``, and each eviction's
-packed masks, float16 scores and the policy's per-token signals in base64 (as the trace holds them; the script
-unpacks them); under an allocation also each head's budget (the run's settings) and what it kept at each
-eviction (``counts``, ``[evicting layers][kv-heads]``). The script
-(``page.js``) and the styles (``page.css``) sit next to this module.
+The data is JSON in the page: per run its token texts, where it departs from ``full``, and each eviction's
+packed masks, float16 scores and signals in base64 (as the trace holds them); under an allocation also each
+head's budget and what it kept (``counts``, ``[evicting layers][kv-heads]``). ``page.js`` and ``page.css`` sit
+next to this module.
 """
 
 from __future__ import annotations

@@ -85,21 +85,10 @@ def inspect_prompt(
     chat: bool = True,
     progress: bool = False,
 ) -> Inspection:
-    """Decode ``prompt`` with the full cache, then with each spec, keeping traces.
-
-    Parameters
-    ----------
-    prompt, chat
-        Text, put in the tokenizer's chat template unless ``chat`` is false (as :func:`reasonkv.generate`
-        does: text that holds the template already is left as it is), or token ids, taken as they are.
-    specs
-        The evicting caches to compare (each :class:`~reasonkv.cache.spec.CacheSpec`'s policy is named in
-        the page by its policy name, so two specs of one policy need distinct policies).
-    model_name
-        The name shown in the page (default: the model's class).
-    progress
-        A line on standard error as each run starts and ends (and a bar over its steps on a terminal).
-    """
+    """Decode ``prompt`` (text, in the chat template unless ``chat`` is false, as :func:`reasonkv.generate`
+    does, or token ids) with the full cache, then with each of ``specs``, keeping traces. Each run is named in
+    the page by its policy (so distinct policies); ``model_name`` defaults to the model's class; ``progress``
+    prints a line as each run starts and ends (and a bar over its steps on a terminal)."""
     check_compared(specs)
     check_allocations(model, specs)
     [prompt_ids] = encode_prompts(tokenizer, [prompt], vocab_size(model), chat=chat)
