@@ -6,9 +6,9 @@ ranks or keeps, the cache gathers; with a tier ``tiers.split_tiers`` splits the 
 (:mod:`reasonkv.generation.compiled`) runs the same three parts (:meth:`Evictor.announce`,
 :meth:`Evictor.observe`, :meth:`Evictor.finish`) around its graph.
 
-The evictor is the one scorer: a listening :class:`~reasonkv.cache.decisions.DecisionLog` is handed each
-:class:`~reasonkv.cache.decisions.Decision` and only reads it. A decode step that evicts nothing reads no
-device value; an eviction costs a fixed few host reads, whatever the batch, the layers or the tier."""
+The one scorer: a listening :class:`~reasonkv.cache.decisions.DecisionLog` only reads each
+:class:`~reasonkv.cache.decisions.Decision`. A step that evicts nothing reads no device value; an eviction a
+fixed few, whatever the batch, the layers or the tier."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from reasonkv.cache.allocation import keep_counted
 from reasonkv.cache.decisions import Decision, by_position
 from reasonkv.cache.observe import Observer
 from reasonkv.cache.spec import CacheSpec
-from reasonkv.cache.storage import KVStorage
+from reasonkv.cache.storage import KVStorage, weakly
 from reasonkv.cache.tiers import split_tiers
 from reasonkv.cache.timing import Stopwatch
 from reasonkv.hf import KernelReader, LayerMasks, StepCapture, attention_implementation, model_info
@@ -74,10 +74,9 @@ class Evictor:
         if spec.allocated:
             self._allocate(model, cache)
         self._in_forward = False  # between announce and finish: the model's attention runs on this cache
-        me = weakref.ref(self)
         self._hooks = [
-            model.register_forward_pre_hook(_weak(me, "_before_forward"), with_kwargs=True),
-            model.register_forward_hook(_weak(me, "_after_forward"), with_kwargs=True),
+            model.register_forward_pre_hook(weakly(self._before_forward), with_kwargs=True),
+            model.register_forward_hook(weakly(self._after_forward), with_kwargs=True),
         ]
         # The model holds the hooks; they hold this object only weakly, so dropping the cache frees it.
         weakref.finalize(self, _remove_handles, self._hooks + self.observer.handles)
@@ -352,14 +351,6 @@ class Evictor:
         counts = valid[:, : cache.low_width].sum(-1)
         evicted = (valid.index_select(0, rows).sum(-1) - self.spec.budget).clamp(0, self.spec.quantized)
         return int(counts.index_copy(0, rows, evicted).max())
-
-
-def _weak(ref: weakref.ReferenceType, method: str):
-    def hook(*args, **kwargs):
-        target = ref()
-        return None if target is None else getattr(target, method)(*args, **kwargs)
-
-    return hook
 
 
 def _remove_handles(handles) -> None:

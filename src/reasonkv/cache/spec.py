@@ -288,14 +288,7 @@ def resolve_spec(spec: CacheSpec | None, /, **keywords: Any) -> CacheSpec:
         k: v for k, v in keywords.items() if k not in named or (v is not None and not (k == "quantized" and v == 0))
     }
     if spec is None:
-        settings = {k: given.pop(k) for k in named if k in given}
-        return CacheSpec.build(
-            settings.pop("policy", "full"),
-            settings.pop("budget", None),
-            settings.pop("buffer", DEFAULT_BUFFER),
-            **settings,
-            **given,
-        )
+        return CacheSpec.build(**given)
     if not isinstance(spec, CacheSpec):
         raise ValueError(f"spec must be a reasonkv.cache.CacheSpec or None, got {spec!r}")
     if given:

@@ -74,17 +74,17 @@ class KVStorage(Cache):
             if quantized:
                 self.tier_format(model_info(model).head_dim)
         elif num_layers is None:
-            super().__init__(layer_class_to_replicate=_weakly(self._new_layer))
+            super().__init__(layer_class_to_replicate=weakly(self._new_layer))
         else:
             super().__init__(layers=[self._new_layer() for _ in range(num_layers)])
 
     def _new_layer(self) -> EvictingLayer:
         # The layers call back into this storage weakly: the storage owns them, and a cycle would keep its K/V
         # alive until a garbage collection.
-        unannounced = _weakly(self._unannounced)
+        unannounced = weakly(self._unannounced)
         if not self.quantized:
             return EvictingLayer(self.rows, unannounced)
-        return EvictingLayer(self.rows, unannounced, _weakly(self.tier_format), self.workspace)
+        return EvictingLayer(self.rows, unannounced, weakly(self.tier_format), self.workspace)
 
     def _layers_of(self, model) -> list:
         """One cache layer per decoder layer: evicting for full attention, the model's own otherwise."""
@@ -455,12 +455,13 @@ class KVStorage(Cache):
         return f"{name}(budget={self.budget}, buffer={self.buffer}{tier}, slots={self.slots}, seen={self.seen})"
 
 
-def _weakly(method):
-    """``method`` (bound) as a function that holds its object weakly."""
+def weakly(method):
+    """``method`` (bound) as a function that holds its object weakly (and does nothing once it is gone)."""
     ref = weakref.WeakMethod(method)
 
     def call(*args, **kwargs):
-        return ref()(*args, **kwargs)
+        bound = ref()
+        return None if bound is None else bound(*args, **kwargs)
 
     return call
 

@@ -76,10 +76,8 @@ def generate(
         bits, and the policy's hyper-parameters (``sinks``, ``window``, ...). Pass a policy instance when
         an option shares its name with an argument of this function.
     seed
-        The sampling's seed per row: one integer, or one per prompt. Without a spec it seeds the cache's
-        eviction randomness too (the spec it builds holds it); beside a spec it is a decoding setting like
-        ``temperature``, and the spec's own ``seed`` seeds the eviction (and the sampling when ``seed`` is
-        not given).
+        The sampling's seed per row: one integer, or one per prompt; with keywords it seeds the eviction too,
+        beside a spec the spec's own ``seed`` does (and the sampling, when ``seed`` is not given).
     max_new_tokens, temperature, top_p, top_k
         Decoding (see :class:`~reasonkv.generation.sampling.Sampling`; temperature 0: greedy). Past the model's
         context (``max_position_embeddings``) it decodes with a ``UserWarning`` (the commands refuse), and a
@@ -98,11 +96,9 @@ def generate(
         Record every eviction: each result's ``trace`` is then a :class:`~reasonkv.cache.decisions.Trace`
         (what each layer and head held, protected and scored; see ``reasonkv inspect``).
     compile
-        ``True`` (or a ``torch.compile`` backend's name: ``"inductor"``, the default, ``"aot_eager"``, ...):
-        run each decode step as one compiled, fixed-shape graph (:class:`~reasonkv.generation.compiled.CompiledDecode`;
-        the prefill and the evictions stay eager). The steps that compile are left out of
-        ``decode_seconds`` and reported in ``stats["compile"]``, with the reason when the cache cannot be
-        compiled and decoded eagerly.
+        ``True`` or a ``torch.compile`` backend's name (default ``"inductor"``): each decode step one compiled
+        graph (:class:`~reasonkv.generation.compiled.CompiledDecode`; prefill and evictions eager), its tracing
+        left out of ``decode_seconds`` and reported in ``stats["compile"]`` (with why a cache decoded eagerly).
     chat
         Apply the tokenizer's chat template to text prompts (default, as ``reasonkv generate``), unless the
         tokenizer has none or the text already starts as the template renders. ``False``: the text as it is.

@@ -215,12 +215,9 @@ class _Hooked:
 
 
 class AttentionTap(_Hooked):
-    """Route the attention calls of ``model`` to ``listener`` until :meth:`close`.
-
-    The listener receives the layer index, the query and key tensors exactly as the kernel gets
-    them (post-RoPE; keys include the cached ones), the attention mask and the kernel's keyword
-    arguments (``scaling``, ``softcap``, ``s_aux``, ...). It is held weakly. One tap listens to a module at a
-    time: the one that claimed it last.
+    """Route the attention calls of ``model`` to ``listener`` (held weakly) until :meth:`close`: the layer index,
+    the query and key as the kernel gets them (post-RoPE, cached keys included), the mask and the kernel's
+    keyword arguments (``scaling``, ``softcap``, ``s_aux``, ...). A module listens to the tap that claimed it last.
     """
 
     def __init__(self, model: torch.nn.Module, listener: Listener):
@@ -230,11 +227,9 @@ class AttentionTap(_Hooked):
 class KernelReader(_Hooked):
     """Let ``reader`` choose what the attention of ``model``'s full-attention layers reads, until :meth:`close`.
 
-    For every attention call of a module in ``layers``, ``reader(layer, query, key, value, mask, kwargs)``
-    (post-RoPE query, the cache's whole K/V) returns None (the kernel reads everything) or ``(key, value,
-    mask)``: the K/V the kernel attends to instead and the additive mask over them (``[batch, heads, q, n]``).
-    The model's own kernel still computes the attention. Held weakly, like a tap's listener. A compiled step
-    does not call it.
+    For every attention call of a module in ``layers``, ``reader(layer, query, key, value, mask, kwargs)`` returns
+    None (read everything) or the ``(key, value, additive mask [batch, heads, q, n])`` the model's own kernel
+    attends to instead. Held weakly, like a tap's listener; a compiled step does not call it.
     """
 
     def __init__(self, model: torch.nn.Module, reader: Reader, layers: Iterator[int] | None = None):
