@@ -68,14 +68,12 @@ class EvictingLayer(CacheLayerMixin):
     def resize(self, capacity: int) -> None:
         """Reallocate the buffers to ``capacity`` slots, the views' slots first."""
         n, a = self.length, self.start
-        k, v, p = self._keys, self._values, self._positions
         # Zeros, not garbage: a compiled step reads every slot, masked or not, and 0 * NaN is NaN.
-        self._keys = k.new_zeros((*k.shape[:2], capacity, k.shape[3]))
-        self._values = v.new_zeros((*v.shape[:2], capacity, v.shape[3]))
-        self._positions = p.new_full((*p.shape[:2], capacity), -1)
-        self._keys[:, :, :n] = k[:, :, a : a + n]
-        self._values[:, :, :n] = v[:, :, a : a + n]
-        self._positions[:, :, :n] = p[:, :, a : a + n]
+        for name, fill in (("_keys", 0), ("_values", 0), ("_positions", -1)):
+            old = getattr(self, name)
+            new = old.new_full((*old.shape[:2], capacity, *old.shape[3:]), fill)
+            new[:, :, :n] = old[:, :, a : a + n]
+            setattr(self, name, new)
         self.start = 0
         self._refresh_views()
 

@@ -58,11 +58,6 @@ class _FixedLayer(CacheLayerMixin):
         return self.keys.shape[2]
 
 
-class _FixedCache(Cache):
-    def __init__(self, layers: list[_FixedLayer]):
-        super().__init__(layers=layers)
-
-
 class StaticLayout:
     """``storage`` seen at a fixed shape, one decode step at a time: :meth:`open_step` makes room for the token
     and returns the ``Cache`` over the whole buffers and the mask, :meth:`close_step` records its positions.
@@ -76,7 +71,7 @@ class StaticLayout:
         self.storage = storage
         self.layers: list[EvictingLayer] = [storage.layers[i] for i in storage.full_layers]
         self._buffers: list[torch.Tensor] = []  # each layer's key buffer the view was built on
-        self.view: _FixedCache | None = None
+        self.view: Cache | None = None
         self.mask: torch.Tensor | None = None  # [batch, 1, 1, capacity] bool
         self.column: torch.Tensor | None = None  # [1] long: the buffer slot the step writes
 
@@ -84,7 +79,7 @@ class StaticLayout:
     def capacity(self) -> int:
         return self.layers[0].capacity
 
-    def open_step(self) -> tuple[_FixedCache, torch.Tensor]:
+    def open_step(self) -> tuple[Cache, torch.Tensor]:
         """Room for one token in every layer; the cache the step runs with and its mask."""
         rows = self.storage.rows
         rows.open_step(1)
@@ -115,4 +110,4 @@ class StaticLayout:
         for buffer in (self.column, self.mask, *(b for layer in self.layers for b in layer.buffers)):
             if device.type == "cuda":  # CUDA graphs replay on these addresses instead of copying them in
                 torch._dynamo.mark_static_address(buffer)
-        self.view = _FixedCache([_FixedLayer(*layer.buffers, self.column) for layer in self.layers])
+        self.view = Cache(layers=[_FixedLayer(*layer.buffers, self.column) for layer in self.layers])

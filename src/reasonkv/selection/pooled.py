@@ -30,22 +30,11 @@ class PooledKeys:
         self._counts: torch.Tensor | None = None
         self.blocks = 0  # blocks in use: one past the highest block any row has a token in
 
-    # ------------------------------------------------------------------ views
-    @property
-    def minimum(self) -> torch.Tensor:
-        return self._min[:, :, : self.blocks]
-
-    @property
-    def maximum(self) -> torch.Tensor:
-        return self._max[:, :, : self.blocks]
-
-    @property
-    def total(self) -> torch.Tensor:
-        return self._sum[:, :, : self.blocks]
-
-    @property
-    def counts(self) -> torch.Tensor:
-        return self._counts[:, : self.blocks]
+    # ------------------------------------------------------------------ views: the blocks in use
+    minimum = property(lambda self: self._min[:, :, : self.blocks])
+    maximum = property(lambda self: self._max[:, :, : self.blocks])
+    total = property(lambda self: self._sum[:, :, : self.blocks])
+    counts = property(lambda self: self._counts[:, : self.blocks])
 
     @property
     def mean(self) -> torch.Tensor:
