@@ -117,14 +117,8 @@ class _GraphSteps:
     """What both compiled steps report: the graphs traced, the seconds tracing took, and what ran."""
 
     eager_reason: str | None = None
-
-    @property
-    def compilations(self) -> int:
-        return self._clock.compilations
-
-    @property
-    def warmup_seconds(self) -> float:
-        return self._clock.warmup_seconds
+    compilations = property(lambda self: self._clock.compilations)
+    warmup_seconds = property(lambda self: self._clock.warmup_seconds)
 
     def describe(self) -> dict:
         """What ran, for a run's statistics."""
