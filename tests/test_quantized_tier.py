@@ -11,7 +11,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import reasonkv
 from conftest import tiny_llama
 from reasonkv.cache.quantize import QuantFormat
-from reasonkv.cache.quantized_tier import QuantizedTier, _take
+from reasonkv.cache.quantized_tier import QuantizedTier
+from reasonkv.cache.quantized_tier import take_slots as _take
 from reasonkv.cache.tiers import full_token_bytes, quantized_token_bytes
 from reasonkv.hf import cache_keyword
 

@@ -1,10 +1,7 @@
-"""The transformers binding of eviction: the cache's settings (``spec``), its storage (``storage``,
-``layer``, ``rows``), the evictor that drives it and what it records from the model (``evictor``,
-``observe``), their composition (``evicting``), the quantized tier (``tiers``, ``quantize``: torch only)
-and hybrid layer kinds (``hybrid``).
-
-The names below load on first use, so the torch-only modules (``reasonkv.cache.tiers``) import without
-transformers.
+"""The transformers binding of eviction: settings (``spec``), storage (``storage``, ``layer``, ``rows``), the
+evictor and what it records (``evictor``, ``observe``), selection (``selecting``), their composition
+(``evicting``), the quantized tier (``tiers``, ``quantize``: torch only) and hybrid layer kinds (``hybrid``).
+The names below load on first use, so the torch-only modules import without transformers.
 """
 
 from __future__ import annotations

@@ -1,21 +1,13 @@
 """What the evictor decided at each eviction (:class:`Decision`), and the trace a :class:`DecisionLog` keeps of
-it: one :class:`Eviction` per evicted row, which :mod:`reasonkv.inspect` saves and shows. The evictor is the one
-scorer; the log only reads its decisions, and nothing is recorded (nor costs) without a log.
+it: one :class:`Eviction` per evicted row, which :mod:`reasonkv.inspect` saves and shows. Nothing is
+recorded (nor costs) without a log.
 
-Positions are kept as bit masks over the row's logical positions, packed eight to a byte
-(``numpy.packbits``), and scores in float16, so that a trace of 2,048 tokens x 30 layers x 3 kv-heads x 16
-evictions takes about 2 MB. A policy's per-token signals (:meth:`~reasonkv.policies.base.Policy.signals`:
-EPIKV's two bands, VASE's value ranges and reserve) are kept alike, float16 or packed. Layers are the
-cache's layers that hold tokens: the evicting (full-attention) layers and, on hybrid models, the
-sliding-window layers (their window, the same in every head); linear layers hold no tokens and are not
-traced.
-
-Under an allocation (:mod:`reasonkv.cache.allocation`) each head holds its own number of tokens: the
-masks say which, the per-token values (scores, ranks, float signals) are ``[evicting, heads, n]`` with ``n``
-the most any head held, each head's own first in position order and NaN (ranks: 0) after them, and the
-trace's settings carry the allocation and its ``[layers, kv_heads]`` budget table. Under ``uniform`` every head
-holds ``n`` and nothing is padded: the layout of every trace written before allocations existed.
-"""
+Positions are bit masks over the row's logical positions (``numpy.packbits``), scores and float signals
+float16: 2,048 tokens x 30 layers x 3 kv-heads x 16 evictions take about 2 MB. The traced layers are those
+holding tokens: the evicting ones and, on hybrid models, the sliding-window ones (their window in every
+head). Under an allocation the per-token values are ``[evicting, heads, n]`` with ``n`` the most any head
+held, each head's own first in position order and NaN (ranks: 0) after them, and the settings carry the
+``[layers, kv_heads]`` budget table; under ``uniform`` nothing is padded."""
 
 from __future__ import annotations
 
@@ -34,11 +26,10 @@ ARRAYS = ("kept", "before", "protected", "quantized", "scores", "ranks")  # an E
 
 @dataclass
 class Decision:
-    """One eviction of ``rows`` as the evictor made it; :class:`Eviction` says what each field is, here unpacked:
+    """One eviction of ``rows`` as the evictor made it (the fields of :class:`Eviction`, unpacked):
     ``[rows, evicting layers, kv_heads, slots]`` in slot order (``before``: positions, -1 none), ``ranking`` the
-    priority kept by (higher first). ``shared``: every evicting head holds the same tokens. Set after the gather:
-    ``seen``, and per layer (:attr:`~reasonkv.cache.evictor.Evictor.held_layers`; ``quantized``: evicting layers)
-    the positions held."""
+    priority kept by. ``shared``: every evicting head holds the same tokens. After the gather: ``seen``, and
+    the positions held per traced layer (``quantized``: per evicting layer)."""
 
     rows: torch.Tensor
     shared: bool
@@ -63,21 +54,16 @@ def unpack(bits: np.ndarray, n: int) -> np.ndarray:
 
 @dataclass
 class Eviction:
-    """One eviction of one row. ``seen``: the row's logical tokens at that moment (positions ``0..seen-1``).
+    """One eviction of one row; ``seen``: the row's logical tokens then (positions ``0..seen-1``). Every mask is
+    packed (:func:`pack`).
 
-    ``kept`` ``[layers, heads, bytes]``: the positions each traced layer and head holds afterwards (either
-    precision); ``quantized``: those of them held quantized (None without a quantized tier). Over the
-    evicting layers only (``Trace.evicting`` indexes them among the traced ones): ``before``, the positions
-    held just before; ``protected``, those the policy's sinks, window or prompt protection kept; ``scores``
-    ``[evicting, heads, n]`` float16, the policy's score of each position of ``before`` in increasing
-    position order (None for a policy that keeps without scoring); ``ranks``, likewise, each position's
-    rank in the policy's ranking (1 = kept first; without a quantized tier the kept are ranks 1 to K;
-    None for a policy that keeps without ranking). ``signals``: the policy's per-token signals by name
-    (:meth:`~reasonkv.policies.base.Policy.signals`), over the positions of ``before`` in increasing order:
-    a float one as float16 ``[n]`` (a token-granularity policy) or ``[evicting, heads, n]``, a set of
-    positions as a packed mask ``[seen bytes]`` or ``[evicting, heads, seen bytes]`` (uint8; see
-    :meth:`signal`). Every mask is packed (:func:`pack`).
-    """
+    ``kept`` ``[layers, heads, bytes]``: the positions each traced layer and head holds afterwards;
+    ``quantized``: those held in the tier (None without one). Over the evicting layers (``Trace.evicting``):
+    ``before``, the positions held just before; ``protected``, those kept by sinks, window or prompt
+    protection; ``scores`` ``[evicting, heads, n]`` float16, the policy's score of each position of ``before``
+    in position order (None: keeps without scoring); ``ranks``, each one's rank (1 = kept first; None: keeps
+    without ranking). ``signals``: the policy's per-token signals by name over ``before``'s positions, float16
+    ``[n]`` (token granularity) or ``[evicting, heads, n]``, or a set as a packed mask (see :meth:`signal`)."""
 
     seen: int
     kept: np.ndarray
@@ -112,20 +98,14 @@ class Eviction:
         return self.kept_mask().sum(-1)
 
     def held_counts(self) -> np.ndarray:
-        """``[evicting, heads]``: the tokens each head of the evicting layers held just before: how many of a
-        head's per-token values (``scores``, ``ranks``, float ``signals``) are its own, the rest NaN (ranks: 0)."""
+        """``[evicting, heads]``: tokens each evicting head held just before (how many of its values are its own)."""
         return self.before_mask().sum(-1)
 
 
 @dataclass
 class Trace:
-    """The evictions of one generated row, and what they are over.
-
-    ``layers``: the model's layer indices traced; ``kinds``: ``"full"`` or ``"sliding"`` for each;
-    ``evicting``: the indices (into ``layers``) of the full-attention ones; ``heads``: kv-heads per layer;
-    ``settings``: the cache's settings (policy and its options, budget, buffer, quantized, bits, seed; under an
-    allocation also ``allocation``, ``budgets`` and the allocation's own: see :func:`settings_of`).
-    """
+    """The evictions of one generated row: ``layers`` traced and their ``kinds`` (``"full"`` or ``"sliding"``),
+    ``heads`` per layer, and ``settings`` (see :func:`settings_of`)."""
 
     layers: tuple[int, ...]
     kinds: tuple[str, ...]
@@ -139,8 +119,7 @@ class Trace:
 
     @property
     def budgets(self) -> np.ndarray | None:
-        """``[evicting, heads]`` tokens each head keeps at an eviction under an allocation (``adaptive``: the
-        uniform split it starts from; what each head kept is :meth:`Eviction.kept_counts`), None without one."""
+        """``[evicting, heads]`` tokens each head keeps under an allocation (``adaptive``: its start), or None."""
         table = self.settings.get("budgets")
         return None if table is None else np.asarray(table, dtype=np.int64)
 
@@ -164,7 +143,8 @@ class DecisionLog:
         self.settings = settings_of(cache.spec, evictor.budgets)
         self.by_row: dict[int, list[Eviction]] = defaultdict(list)
         self._full_layers = list(cache.full_layers)
-        self._block = None if evictor.selector is None else evictor.selector.block_size
+        selector = getattr(evictor, "selector", None)  # a selection policy's cache (reasonkv.cache.selecting)
+        self._block = None if selector is None else selector.block_size
         self._reads: dict[int, tuple] = {}  # a selection policy's reads of the step in progress, by layer
         evictor.listen(self)
 
@@ -192,9 +172,8 @@ class DecisionLog:
             )
 
     def read(self, layer, choice, positions_read, held, scores, live) -> None:
-        """A selection policy's read of one layer at a decode step (see :class:`~reasonkv.selection.reader.Selector`);
-        the step's record is made at its last layer. ``kept`` is what each (layer, kv-head) read, ``before`` what
-        the cache held, ``protected`` the current block (always read), ``scores`` each held token's block score."""
+        """A selection policy's read of one layer at a decode step, recorded at the step's last layer: ``kept`` what
+        each (layer, kv-head) read, ``before`` what it held, ``protected`` the current block, ``scores`` the blocks'."""
         self._reads[layer] = (positions_read, held, scores, choice.blocks[:, :, -1])
         if layer != self._full_layers[-1]:
             return
@@ -217,12 +196,9 @@ class DecisionLog:
 
 
 def settings_of(spec: CacheSpec, budgets: torch.Tensor | None) -> dict:
-    """The cache's settings as JSON-able values: the policy and its options, K, B, the tier, the seed.
-
-    Under an allocation also ``allocation``, ``budgets`` (the evictor's ``[layers, kv_heads]`` table, a list of
-    lists over the evicting layers: the tokens each head keeps, summing to ``K x layers x kv_heads``; under
-    ``adaptive`` the uniform split it starts from), ``ragged_heads`` (False: padded to the widest head), and
-    ``adaptive_alpha`` with ``adaptive_floor`` (the tokens every head keeps first) or ``budgets_file``."""
+    """The cache's settings as JSON values: the policy and its options, K, B, the tier, the seed; under an
+    allocation also ``allocation``, ``budgets`` (the ``[layers, kv_heads]`` table), ``ragged_heads`` and the
+    allocation's own (``adaptive_alpha`` with ``adaptive_floor``, or ``budgets_file``)."""
     settings = {
         **spec.policy.config(),
         "granularity": spec.policy.granularity,
@@ -240,12 +216,9 @@ def settings_of(spec: CacheSpec, budgets: torch.Tensor | None) -> dict:
 
 
 def by_position(values: torch.Tensor, positions: torch.Tensor, heads: torch.Tensor, fill=None) -> torch.Tensor:
-    """``values`` ``[rows, S]`` of slots holding ``positions`` ``[rows, S]`` (ascending, ``-1`` padding first: a
-    view's token positions) as the values of the slots of ``heads`` ``[rows, ..., S']`` (their positions): each
-    slot takes the value of the position it holds; a padding slot, or a position ``positions`` lacks, takes
-    ``fill`` (default: NaN, False or the lowest integer, by dtype). How a token-granularity policy's values
-    reach each head under an allocation, whose heads hold fewer tokens than the widest. Reads nothing to the
-    host."""
+    """``values`` ``[rows, S]`` of slots holding ``positions`` (ascending, ``-1`` first) as the values of the slots
+    of ``heads`` ``[rows, ..., S']``: each takes its position's value, or ``fill`` (default NaN, False or the lowest
+    integer) for padding or a missing position. How a token policy's values reach each allocated head."""
     if fill is None:
         if values.dtype == torch.bool:
             fill = False
@@ -289,9 +262,8 @@ def _mask(positions: torch.Tensor, seen: int) -> np.ndarray:
 
 
 def _in_position_order(values: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, fill) -> np.ndarray:
-    """``[L, H, S]`` values of slots at ``positions`` -> ``[L, H, n]`` over the held ones, by position, as
-    ``dtype``; ``n`` is the most any head holds, and a head holding fewer (an allocation) has ``fill`` after its
-    own. Without an allocation every head of a row holds ``n``."""
+    """``[L, H, S]`` values of slots at ``positions`` as ``[L, H, n]`` over the held ones, by position, as ``dtype``;
+    ``n`` is the most any head holds, and a head holding fewer has ``fill`` after its own."""
     held = (positions >= 0).cpu()
     order = torch.sort(torch.where(held, positions.cpu(), 2**62), dim=-1).indices
     counts = held.sum(-1, keepdim=True)  # [L, H, 1]

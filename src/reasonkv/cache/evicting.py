@@ -1,14 +1,12 @@
-"""``EvictingCache``: the storage and the evictor composed, the one place that attaches a policy to a model.
-
-The storage (:class:`~reasonkv.cache.storage.KVStorage`) holds K/V and positions; the evictor
-(:class:`~reasonkv.cache.evictor.Evictor`) hooks the model and decides what the storage keeps. This
-class builds both from one :class:`~reasonkv.cache.spec.CacheSpec` and owns their lifetime: attach on
-construction, ``reset`` between generations, ``detach`` (or the ``with`` block's end) when done.
-"""
+"""``EvictingCache``: the storage (:class:`~reasonkv.cache.storage.KVStorage`) and the evictor
+(:class:`~reasonkv.cache.evictor.Evictor`, or :class:`~reasonkv.cache.selecting.Selecting` for a selection
+policy) built from one :class:`~reasonkv.cache.spec.CacheSpec`, attached on construction, ``reset`` between
+generations, ``detach`` (or the ``with`` block's end) when done."""
 
 from __future__ import annotations
 
 from reasonkv.cache.evictor import Evictor
+from reasonkv.cache.selecting import Selecting
 from reasonkv.cache.spec import DEFAULT_BUFFER, CacheSpec
 from reasonkv.cache.storage import KVStorage
 
@@ -20,33 +18,24 @@ class EvictingCache(KVStorage):
 
     Parameters
     ----------
-    budget
-        ``K``: tokens per (row, layer, kv-head) that survive an eviction. ``None``: never evict.
-    buffer
-        ``B``: tokens that may accumulate after an eviction before the next one. A row is due for
-        eviction once it holds ``K + B`` tokens, and is then shrunk to exactly ``K``.
+    budget, buffer
+        ``K`` (None: never evict) and ``B``: a row is due once it holds ``K + B`` tokens, and is shrunk to ``K``.
     model, policy, seed, policy_kwargs
-        Given a ``model`` (and a policy name or instance, default ``full``), the cache attaches an
-        :class:`~reasonkv.cache.evictor.Evictor` so that ``model.generate(..., past_key_values=cache)``
-        (``cache=`` on newer transformers) evicts on its own. Call :meth:`detach` (or use the
-        cache as a context manager) when done to remove the model hooks. A cache with a budget
-        refuses a forward pass it cannot evict in (no ``model=``, another model, or detached).
+        With a ``model`` (and a policy name or instance, default ``full``) the cache attaches an
+        :class:`~reasonkv.cache.evictor.Evictor`, so ``model.generate(..., past_key_values=cache)`` (``cache=`` on
+        newer transformers) evicts on its own; :meth:`detach` (or the ``with`` block's end) removes the hooks. A
+        cache with a budget refuses a forward it cannot evict in (no ``model=``, another model, detached).
     num_layers
-        Number of decoder layers, when known up front (layers are otherwise created on first use).
-        Ignored with a ``model``, whose layers and their kinds the cache reads: full-attention layers
-        evict, sliding-window and linear-attention layers keep their model's own cache layers.
+        Decoder layers known up front, without a model (otherwise created on first use; with a model, its
+        full-attention layers evict and the others keep their model's own cache layers).
     sync_timing
-        Time the eviction phases exactly on CUDA (with events read once per step), for benchmarks.
+        Time the eviction phases exactly on CUDA (events read once per step), for benchmarks.
     quantized, bits, group_size
-        A quantized tier of ``Q`` tokens per head at ``bits`` (4 or 8) beside the ``K`` at full
-        precision; see :class:`~reasonkv.cache.spec.CacheSpec` and :mod:`reasonkv.cache.tiers`.
+        A quantized tier of ``Q`` tokens per head (see :class:`~reasonkv.cache.spec.CacheSpec`).
     spec
-        All of the above but ``model``, ``num_layers`` and ``sync_timing`` as one
-        :class:`~reasonkv.cache.spec.CacheSpec` (then pass none of them as keywords).
+        The settings above but ``model``, ``num_layers``, ``sync_timing`` as one :class:`~reasonkv.cache.CacheSpec`.
 
-    One cache holds one generation. A second ``model.generate`` call on a filled cache is refused
-    (it would continue from the evicted state); call :meth:`reset` first, or build a new cache.
-    """
+    One cache holds one generation: a second ``model.generate`` on a filled cache is refused; :meth:`reset` first."""
 
     def __init__(
         self,
@@ -97,7 +86,8 @@ class EvictingCache(KVStorage):
                 group_size=spec.group_size,
                 model=model,
             )
-        self.evictor = None if spec is None else Evictor(model, self, spec, sync_timing=sync_timing)
+        hooks = Selecting if spec is not None and spec.selects else Evictor  # a selection policy evicts nothing
+        self.evictor = None if spec is None else hooks(model, self, spec, sync_timing=sync_timing)
 
     def reset(self) -> None:
         """Forget the stored generation (storage, positions, policy state): the cache is as new, still attached."""

@@ -1,24 +1,14 @@
-"""Wires a policy to a model and an ``EvictingCache``.
+"""Wires a policy to a model and an ``EvictingCache``, with two hooks on the model (so ``reasonkv.generate``
+and ``model.generate`` share one path): before a forward on this cache, announce which incoming tokens are
+real, give the model their ``position_ids`` and the slot-space mask, start recording; after it, hand the
+step to the policy, then evict every row that reached ``K + B`` (owed attention handed over, the policy
+ranks or keeps, the cache gathers; with a tier ``tiers.split_tiers`` splits the ranking). A compiled step
+(:mod:`reasonkv.generation.compiled`) runs the same three parts (:meth:`Evictor.announce`,
+:meth:`Evictor.observe`, :meth:`Evictor.finish`) around its graph.
 
-Two hooks on the model do everything, so ``reasonkv.generate`` and ``model.generate`` share one path:
-
-- before a forward that uses this cache: announce which incoming tokens are real, give the model
-  their logical ``position_ids`` and the slot-space attention mask, start recording;
-- after it: hand the recorded step to the policy, then evict every row that reached ``K + B``:
-  the owed attention is handed over, the policy scores, ``select`` picks the kept indices, the
-  cache gathers. With a quantized tier the policy ranks instead, and ``tiers.split_tiers`` splits
-  the ranking into full precision, quantized and dropped.
-
-A compiled decode step (:mod:`reasonkv.generation.compiled`) runs the same three parts the hooks run
-(:meth:`Evictor.announce`, :meth:`Evictor.observe`, :meth:`Evictor.finish`) around its graph instead.
-
-The evictor is the one scorer: a :class:`~reasonkv.cache.decisions.DecisionLog` listening is handed each
-eviction's :class:`~reasonkv.cache.decisions.Decision` (held, protected, scored, ranked, kept), and only reads it.
-
-A decode step that evicts nothing reads no device value (the cache keeps host-side bounds), so it
-costs the host no synchronisation; an eviction costs a fixed few, whatever the batch and the layers,
-with a quantized tier too (the tier's sizes are read once for all layers).
-"""
+The one scorer: a listening :class:`~reasonkv.cache.decisions.DecisionLog` only reads each
+:class:`~reasonkv.cache.decisions.Decision`. A step that evicts nothing reads no device value; an eviction a
+fixed few, whatever the batch, the layers or the tier."""
 
 from __future__ import annotations
 
@@ -31,23 +21,21 @@ from reasonkv.cache.allocation import keep_counted
 from reasonkv.cache.decisions import Decision, by_position
 from reasonkv.cache.observe import Observer
 from reasonkv.cache.spec import CacheSpec
-from reasonkv.cache.storage import KVStorage
+from reasonkv.cache.storage import KVStorage, weakly
 from reasonkv.cache.tiers import split_tiers
 from reasonkv.cache.timing import Stopwatch
 from reasonkv.hf import KernelReader, LayerMasks, StepCapture, attention_implementation, model_info
 from reasonkv.policies import noise, select
 from reasonkv.policies.base import Policy
 from reasonkv.policies.view import EvictionView
-from reasonkv.selection.reader import Selector
 
 __all__ = ["Announced", "Evictor"]
 
 
 @dataclass(frozen=True)
 class Announced:
-    """A forward the cache was told of: its tokens' positions for RoPE (``[batch, q]``, 0 at padding), the
-    same with -1 at padding, which are real, the slot-space attention mask (None: no slot is padding) and
-    the bound on positions the policy may see."""
+    """A forward the cache was told of: RoPE positions (``[batch, q]``, 0 at padding), the same with -1 at padding,
+    which tokens are real, the slot-space mask (None: no padding) and the bound on positions the policy may see."""
 
     positions: torch.Tensor
     step_positions: torch.Tensor
@@ -85,14 +73,10 @@ class Evictor:
         self.head_reader = None
         if spec.allocated:
             self._allocate(model, cache)
-        # A selection policy evicts nothing: it chooses, inside each decode step's attention kernel, what is read.
-        self.selector = Selector(self.policy, spec.budget) if self.policy.selects else None
-        self.reader = None if self.selector is None else KernelReader(model, self._read, self.info.full_layers)
         self._in_forward = False  # between announce and finish: the model's attention runs on this cache
-        me = weakref.ref(self)
         self._hooks = [
-            model.register_forward_pre_hook(_weak(me, "_before_forward"), with_kwargs=True),
-            model.register_forward_hook(_weak(me, "_after_forward"), with_kwargs=True),
+            model.register_forward_pre_hook(weakly(self._before_forward), with_kwargs=True),
+            model.register_forward_hook(weakly(self._after_forward), with_kwargs=True),
         ]
         # The model holds the hooks; they hold this object only weakly, so dropping the cache frees it.
         weakref.finalize(self, _remove_handles, self._hooks + self.observer.handles)
@@ -102,23 +86,17 @@ class Evictor:
         return self._cache()
 
     def listen(self, log) -> None:
-        """Hand every decision (a selection policy's: every read) to ``log``, a
-        :class:`~reasonkv.cache.decisions.DecisionLog` (None: to nobody)."""
+        """Hand every decision to ``log``, a :class:`~reasonkv.cache.decisions.DecisionLog` (None: to nobody)."""
         self.log = log
-        if self.selector is not None:
-            self.selector.on_read = None if log is None else log.read
 
     def detach(self) -> None:
-        """Remove the hooks from the model, handing the policy any attention still owed (so that its state
-        reflects every step), unless a forward pass broke off."""
+        """Remove the hooks, handing the policy any attention still owed unless a forward broke off."""
         if self._started and not self.observer.active:
             self.observer.flush()
         _remove_handles(self._hooks)
         self.observer.detach()
         if self.head_reader is not None:
             self.head_reader.close()
-        if self.reader is not None:
-            self.reader.close()
 
     def restart(self) -> None:
         """The cache was reset: the next forward starts a new generation."""
@@ -166,8 +144,8 @@ class Evictor:
         return Announced(positions, step_positions, valid, slot_mask, position_bound=self.cache.seen + q)
 
     def observe(self, forward: Announced, capture: StepCapture | None = None) -> None:
-        """Record the signals of the forward ``announce`` described (until :meth:`finish`): during it, or,
-        for a compiled step that has run, from what it wrote into ``capture``."""
+        """Record the signals of the announced forward until :meth:`finish`: during it, or, for a compiled step that
+        has run, from ``capture``."""
         self.observer.begin(forward.valid, forward.step_positions, forward.position_bound, claim=capture is None)
         if capture is not None:
             self.observer.take_capture(capture)
@@ -185,21 +163,11 @@ class Evictor:
         self.policy.reset(self.info, batch, device)
         self.observer.reset()
         self.row_seeds = noise.seed_tensor(self.seed, batch, device)
-        if self.selector is not None:
-            self.selector.reset()
         self._started = True
-
-    def _read(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
-        """A selection policy's read of one layer's attention (see :class:`~reasonkv.selection.reader.Selector`)."""
-        cache = self.cache
-        if not self._in_forward:  # the same model running with another cache
-            return None
-        return self.selector.read(layer, query, key, value, cache.layers[layer].positions, cache.rows.step_positions)
 
     # ------------------------------------------------------------------ an allocation
     def _allocate(self, model, cache: KVStorage) -> None:
-        """Heads keep different numbers of tokens: the budget table, the storage's trigger, and a kernel reader
-        that masks each head's own padding."""
+        """Heads keep different numbers of tokens: the budget table, the storage's trigger, and a per-head mask."""
         info, spec = self.info, self.spec
         implementation = attention_implementation(model)
         if implementation not in ("sdpa", "eager"):
@@ -212,16 +180,15 @@ class Evictor:
         cache.allocate(fewest + spec.buffer, widest, ragged=spec.ragged)
         self.head_reader = KernelReader(model, self._head_masked, info.full_layers)
 
-    def _head_masked(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+    def _head_masked(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask, kwargs):
         """The kernel reads this layer's K/V with a mask of each head's own padding (see ``head_mask``)."""
         if not self._in_forward:  # the same model running with another cache
             return None
         return key, value, self.cache.head_mask(layer, query, query.dtype)
 
     def _allocated_indices(self, rows: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The slots each head keeps under the allocation, from the policy's ranking: ``[len(rows), kv_heads,
-        width]`` per evicting layer, ``-1`` first where a head keeps fewer than the widest (one host read); and
-        the rankings they were taken from."""
+        """The slots each head keeps under the allocation, from the policy's ranking (``[len(rows), kv_heads, width]``
+        per evicting layer, ``-1`` first where a head keeps fewer; one host read), and those rankings."""
         rule = self.spec.allocation_rule
         held = self._held_positions(rows)
         rankings = self._head_rankings(self._view(rows), rows, held)
@@ -231,14 +198,13 @@ class Evictor:
         return [keep_counted(r, c, width) for r, c in zip(rankings, counts, strict=True)], rankings
 
     def _held_positions(self, rows: torch.Tensor) -> list[torch.Tensor]:
-        """Each evicting layer's positions of ``rows``, ``[len(rows), kv_heads, slots]`` (-1: a head's padding)."""
+        """Each evicting layer's positions of ``rows``, ``[len(rows), kv_heads, slots]``."""
         cache = self.cache
         return [cache.positions(i).index_select(0, rows.to(cache.valid.device)) for i in cache.full_layers]
 
     def _row_budgets(self, rows: torch.Tensor, held: list[torch.Tensor]) -> torch.Tensor:
-        """An allocation whose table depends on the row (PyramidKV caps its schedule for a row that has seen few
-        tokens): each row's own table, ``[layers, len(rows), kv_heads]``, from the tokens it has seen and what its
-        fullest head holds (``held``: each evicting layer's positions of the rows)."""
+        """Each row's own table, ``[layers, len(rows), kv_heads]``, from its tokens seen and its fullest head (an
+        allocation whose table depends on the row: PyramidKV caps a short sequence's schedule)."""
         cache, spec = self.cache, self.spec
         seen = cache.next_position.index_select(0, rows.to(cache.next_position.device)).tolist()
         fullest = torch.stack([(h >= 0).sum(-1).amax(-1) for h in held]).amax(0).tolist()
@@ -249,9 +215,8 @@ class Evictor:
     def _head_rankings(
         self, view: EvictionView, rows: torch.Tensor, held: list[torch.Tensor] | None = None
     ) -> list[torch.Tensor]:
-        """The policy's ranking of every evicting head's own slots, ``[len(rows), kv_heads, slots]`` per layer; under
-        an allocation a token ranking is spread over each head's positions (``held``, read here unless given), and
-        a head's own padding ranks last."""
+        """The policy's ranking of every evicting head's own slots, ``[len(rows), kv_heads, slots]`` per layer; under an
+        allocation a token ranking is spread over each head's positions (``held``), a head's padding last."""
         token = self.policy.granularity == "token"
         if self.budgets is None:
             return self._every_head(self.policy.ranking(view)) if token else self.policy.ranking_layers(view)
@@ -310,8 +275,7 @@ class Evictor:
         return view
 
     def _kept_indices(self, rows: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-        """The slots each evicting layer keeps, and the rankings they were taken from (None: the policy kept
-        without handing one over)."""
+        """The slots each evicting layer keeps, and the rankings they came from (None: the policy kept directly)."""
         if self.budgets is not None:
             return self._allocated_indices(rows)
         view = self._view(rows)
@@ -320,8 +284,7 @@ class Evictor:
         return self.policy.keep_layers(view), None
 
     def _tiered_indices(self, rows: torch.Tensor) -> tuple[list, tuple[list, torch.Tensor], list[torch.Tensor]]:
-        """Full-precision slots per evicting layer, the quantized slots per layer with their count per row, and the
-        rankings they were split from."""
+        """Full-precision slots per layer, the tier's slots per layer with their count per row, and the rankings."""
         cache = self.cache
         held = cache.quantized_mask().index_select(0, rows.to(cache.valid.device))
         sizes = dict(full=self.spec.budget, quantized=self.spec.quantized, width=self._tier_width(rows))
@@ -340,8 +303,8 @@ class Evictor:
 
     # ------------------------------------------------------------------ what a log is told
     def _decision(self, rows: torch.Tensor, rankings: list[torch.Tensor] | None) -> Decision:
-        """What this eviction decided, over each evicting head's own slots: the rankings it kept by (ranked here
-        only where the policy kept without handing them over), what the policy protected, scored and signalled."""
+        """What this eviction decided over each evicting head's own slots: the rankings (ranked here only where the
+        policy kept without them), what the policy protected, scored and signalled."""
         cache, policy, view = self.cache, self.policy, self._view(rows)
         layers, rows = cache.full_layers, rows.to(cache.valid.device)
         before = torch.stack([cache.positions(i).index_select(0, rows) for i in layers], 1)  # [r, L, H, S]
@@ -381,21 +344,13 @@ class Evictor:
         return decision
 
     def _tier_width(self, rows: torch.Tensor) -> int:
-        """The quantized tier's width after evicting ``rows`` (one host read for every layer): the most tier
-        tokens a row holds, each evicted row ``min(Q, its tokens - K)``, the others what they hold."""
+        """The tier's width after evicting ``rows`` (one host read for every layer): the most tier tokens a row holds,
+        ``min(Q, tokens - K)`` for an evicted row."""
         cache = self.cache
         valid = cache.valid
         counts = valid[:, : cache.low_width].sum(-1)
         evicted = (valid.index_select(0, rows).sum(-1) - self.spec.budget).clamp(0, self.spec.quantized)
         return int(counts.index_copy(0, rows, evicted).max())
-
-
-def _weak(ref: weakref.ReferenceType, method: str):
-    def hook(*args, **kwargs):
-        target = ref()
-        return None if target is None else getattr(target, method)(*args, **kwargs)
-
-    return hook
 
 
 def _remove_handles(handles) -> None:

@@ -1,15 +1,9 @@
 """One evicting layer's storage: dense K/V and the logical position of every slot.
 
-``keys``/``values`` are ``[batch, kv_heads, slots, head_dim]``, ``positions`` ``[batch, kv_heads, slots]``
-(``-1`` for padding): views of buffers of ``capacity`` slots, starting at buffer slot ``start``. What the
-layers share (which slots are real, the positions of the forward in progress, the capacity rule) is the
-cache's :class:`~reasonkv.cache.rows.RowState`, handed to each layer; with a quantized tier the layer
-also holds its :class:`~reasonkv.cache.quantized_tier.QuantizedTier`.
-
-An eviction rewrites only the rows it evicts (:meth:`EvictingLayer.compact_rows`): when the other rows
-leave slots at the left that no row uses, the view's ``start`` moves past them instead of moving every
-row. Every row moves only when a write would pass the end of the buffers (:meth:`EvictingLayer.write`).
-"""
+``keys``/``values`` ``[batch, kv_heads, slots, head_dim]`` and ``positions`` ``[batch, kv_heads, slots]`` (``-1``:
+padding) are views of buffers of ``capacity`` slots from buffer slot ``start``; what the layers share is the
+cache's :class:`~reasonkv.cache.rows.RowState`. An eviction rewrites only its rows: when the others leave
+slots at the left unused, ``start`` moves past them, and every row moves only when a write would pass the end."""
 
 from __future__ import annotations
 
@@ -19,28 +13,17 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from reasonkv.cache.quantize import QuantFormat
-from reasonkv.cache.quantized_tier import DequantizeBuffer, QuantizedTier
+from reasonkv.cache.quantized_tier import DequantizeBuffer, QuantizedTier, take_slots
 from reasonkv.cache.rows import RowState
 
 __all__ = ["EvictingLayer", "put_row_slots", "take_row_slots", "take_slots"]
 
 
 class EvictingLayer(CacheLayerMixin):
-    """A full-attention layer of an evicting cache.
-
-    Parameters
-    ----------
-    rows
-        The row state every evicting layer of the cache shares.
-    unannounced
-        Called with ``q`` when a forward writes without having been announced (no evictor attached):
-        raises if the cache must evict, or announces the tokens as all real.
-    tier_format
-        The quantized tier's format for a head_dim (None: the cache has no tier).
-    workspace
-        Where the forward's K/V are assembled when the layer holds quantized tokens (one buffer that every
-        layer of the cache shares: a layer's attention reads it before the next layer writes it).
-    """
+    """A full-attention layer of an evicting cache: ``rows`` is the state every evicting layer shares;
+    ``unannounced(batch, q, device)`` is called when a forward writes unannounced (it raises if the cache must
+    evict); ``tier_format`` gives the quantized tier's format for a head_dim (None: no tier); ``workspace`` is
+    the buffer the layers share to assemble K/V holding quantized tokens."""
 
     is_sliding = False
     is_compileable = False
@@ -85,14 +68,12 @@ class EvictingLayer(CacheLayerMixin):
     def resize(self, capacity: int) -> None:
         """Reallocate the buffers to ``capacity`` slots, the views' slots first."""
         n, a = self.length, self.start
-        k, v, p = self._keys, self._values, self._positions
         # Zeros, not garbage: a compiled step reads every slot, masked or not, and 0 * NaN is NaN.
-        self._keys = k.new_zeros((*k.shape[:2], capacity, k.shape[3]))
-        self._values = v.new_zeros((*v.shape[:2], capacity, v.shape[3]))
-        self._positions = p.new_full((*p.shape[:2], capacity), -1)
-        self._keys[:, :, :n] = k[:, :, a : a + n]
-        self._values[:, :, :n] = v[:, :, a : a + n]
-        self._positions[:, :, :n] = p[:, :, a : a + n]
+        for name, fill in (("_keys", 0), ("_values", 0), ("_positions", -1)):
+            old = getattr(self, name)
+            new = old.new_full((*old.shape[:2], capacity, *old.shape[3:]), fill)
+            new[:, :, :n] = old[:, :, a : a + n]
+            setattr(self, name, new)
         self.start = 0
         self._refresh_views()
 
@@ -129,8 +110,7 @@ class EvictingLayer(CacheLayerMixin):
         self.advance(positions)
 
     def make_room(self, q: int) -> int:
-        """Make the buffers hold ``q`` more slots after the views (growing them, or moving every row to the
-        front); returns the buffer slot where they go."""
+        """Room for ``q`` more slots after the views (grown, or every row moved to the front); returns where."""
         needed = self.length + q
         if self.start + needed > self.capacity:
             wanted = self.rows.capacity_for(needed, self.capacity)
@@ -141,16 +121,16 @@ class EvictingLayer(CacheLayerMixin):
         return self.start + self.length
 
     def advance(self, positions: torch.Tensor) -> None:
-        """The K/V of ``positions`` ``[batch, q]`` were written after the views (by :meth:`write`, or by a
-        compiled step into the buffers): record their positions and extend the views over them."""
+        """The K/V of ``positions`` ``[batch, q]`` were written after the views (by :meth:`write`, or a compiled step):
+        record their positions and extend the views."""
         end, q = self.start + self.length, positions.shape[1]
         self._positions[:, :, end : end + q] = positions.unsqueeze(1)
         self.length += q
         self._refresh_views()
 
     def read_rows(self, rows: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Keys, values ``[n, heads, m, head_dim]`` and positions ``[n, heads, m]`` of the slots ``slots``
-        ``[n, heads, m]`` (of the views; a slot before the view's start reads the buffers there) of ``rows``."""
+        """Keys, values ``[n, heads, m, head_dim]`` and positions ``[n, heads, m]`` of ``rows``' slots ``slots``
+        ``[n, heads, m]`` (of the views; a slot before the view's start reads the buffers there)."""
         at = slots + self.start
         positions = self._positions.index_select(0, rows).gather(2, at)
         return take_row_slots(self._keys, rows, at), take_row_slots(self._values, rows, at), positions
@@ -158,10 +138,9 @@ class EvictingLayer(CacheLayerMixin):
     def compact_rows(
         self, rows: torch.Tensor, keep: torch.Tensor, length: int, holes: torch.Tensor | None = None
     ) -> None:
-        """Rows ``rows`` ``[n]`` keep their slots ``keep`` ``[n, heads, k]`` (in the order given), right-aligned
-        in views of ``length`` slots that end where the current ones end; the other rows are not touched
-        (their tokens must fit in the last ``length`` slots). ``holes`` ``[n, heads, k]``: entries that keep no
-        token (a head keeping fewer than ``k`` under an allocation): their slots get position -1."""
+        """``rows`` ``[n]`` keep their slots ``keep`` ``[n, heads, k]``, right-aligned in views of ``length`` slots
+        ending where the current ones end; other rows are untouched (their tokens must fit). ``holes``: entries
+        keeping no token (an allocated head keeping fewer), whose slots get position -1."""
         end, k = self.start + self.length, keep.shape[-1]
         keys, values, positions = self.read_rows(rows, keep)
         if holes is not None:
@@ -179,8 +158,7 @@ class EvictingLayer(CacheLayerMixin):
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
 
     def attended(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V as attention sees them, the quantized tier dequantized, then the full tier: views of the
-        storage, or new tensors when the layer holds quantized tokens."""
+        """K/V as attention sees them (the tier dequantized first): views, or new tensors with a tier."""
         return self._assembled(None)
 
     def _assembled(self, workspace: DequantizeBuffer | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,16 +202,14 @@ class EvictingLayer(CacheLayerMixin):
 
 
 def _row_slot_index(buffer: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Flat indices of ``buffer[rows[i], h, slots[i, h, j]]`` into ``buffer`` ``[batch, heads, capacity, ...]``
-    viewed as ``[batch * heads * capacity, ...]``."""
+    """Flat indices of ``buffer[rows[i], h, slots[i, h, j]]`` into ``buffer`` viewed as ``[-1, ...]``."""
     heads, capacity = buffer.shape[1], buffer.shape[2]
     first = (rows.view(-1, 1, 1) * heads + torch.arange(heads, device=slots.device).view(1, -1, 1)) * capacity
     return (first + slots).flatten()
 
 
 def take_row_slots(buffer: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """``buffer[rows[i], h, slots[i, h, j]]`` as ``[n, heads, m, dim]``: one ``index_select`` over the flattened
-    slots, reading only the named rows."""
+    """``buffer[rows[i], h, slots[i, h, j]]`` as ``[n, heads, m, dim]``, reading only the named rows."""
     dim = buffer.shape[3]
     picked = buffer.view(-1, dim).index_select(0, _row_slot_index(buffer, rows, slots))
     return picked.view(*slots.shape, dim)
@@ -243,12 +219,3 @@ def put_row_slots(buffer: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
     """``buffer[rows[i], h, slots[i, h, j]] = values[i, h, j]``, in place, writing only the named rows."""
     dim = buffer.shape[3]
     buffer.view(-1, dim).index_copy_(0, _row_slot_index(buffer, rows, slots), values.reshape(-1, dim))
-
-
-def take_slots(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``buffer[b, h, index[b, h, i]]`` as ``[batch, heads, n, dim]``: whole head_dim rows picked by one
-    ``index_select`` over the flattened slots, many times faster than an element-wise ``gather``."""
-    batch, heads, capacity, dim = buffer.shape
-    first_slot = torch.arange(batch * heads, device=index.device).view(batch, heads, 1) * capacity
-    rows = buffer.reshape(batch * heads * capacity, dim).index_select(0, (first_slot + index).flatten())
-    return rows.view(batch, heads, index.shape[-1], dim)

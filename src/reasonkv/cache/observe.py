@@ -1,26 +1,13 @@
-"""Signal recording: only what the active policy declares it needs.
+"""Signal recording: only what the active policy declares it needs (:class:`~reasonkv.policies.contract.Needs`):
+hidden states of named decoder layers, the newest post-RoPE queries (a window of them, or every forward's
+handed straight over), and attention rows and column sums for the attention readers, recomputed from
+recorded queries and cached keys (with the kernel's soft-cap and sinks) and handed over as
+:class:`~reasonkv.policies.contract.AttentionChunk` s. Only the evicting layers' attention is recorded; queries
+come from the attention tap, while the model's own kernel does the attention.
 
-- residual-stream hidden states of named decoder layers (forward hooks on the decoder layers);
-- the most recent ``w`` post-RoPE queries of every layer (kept in :class:`~reasonkv.policies.recorded.Recorded`);
-- every forward's post-RoPE queries, handed straight to the policy (``Needs.queries``);
-- attention rows and column sums for the attention readers (H2O, RaaS, ThinKV), recomputed from
-  recorded queries and the cached keys (:mod:`reasonkv.policies.attention`), with the kernel's soft-cap and
-  learned sinks when the model has them, and handed to the policy as
-  :class:`~reasonkv.policies.contract.AttentionChunk` s.
-
-Queries and attention are recorded for the evicting (full-attention) layers only: on a hybrid
-model the sliding-window and linear layers are not evicted, so nothing reads their attention.
-
-Queries come from the attention tap (:class:`reasonkv.hf.AttentionTap`), which shows them on their
-way into the model's own kernel: SDPA / FlashAttention still do the attention.
-
-Attention is owed, not paid, at each step: a decode step only keeps a reference to its query; the
-rows are computed in one batched, chunked pass per layer by :meth:`Observer.flush`, which the
-evictor calls before an eviction (and the observer itself when the log grows long). Until the next
-eviction keys are only appended, so each recorded query sees exactly the keys it saw when it was
-made (slots at or before its own). A forward of several tokens (a prefill) hands over its column sums
-at once, since holding all its queries would cost more memory than computing them.
-"""
+Attention is owed, not paid: a decode step keeps its query, and :meth:`Observer.flush` computes the rows in
+one chunked pass per layer before an eviction (or when the log grows long). Until then keys are only
+appended, so each query sees exactly the keys it saw. A prefill hands over its column sums at once."""
 
 from __future__ import annotations
 
@@ -41,9 +28,8 @@ CHUNK_ELEMENTS = 1 << 24  # attention logits computed at once in a flush (bounds
 
 
 def _newest(tensor: torch.Tensor) -> torch.Tensor:
-    """The newest token's entry of a forward's tensor (queries ``[b, h, q, d]``, positions ``[b, q]``), in
-    storage of its own: a view would keep the whole tensor it came from (a prefill's queries, every
-    layer's) alive until the log is flushed, for up to ``LOG_LIMIT`` steps."""
+    """The newest token's entry of a forward's tensor (queries ``[b, h, q, d]``, positions ``[b, q]``), in storage of
+    its own: a view would keep the whole tensor alive until the log is flushed."""
     newest = tensor.narrow(tensor.dim() - 2 if tensor.dim() == 4 else 1, -1, 1)
     if newest.untyped_storage().nbytes() > newest.numel() * newest.element_size():
         return newest.clone()
@@ -60,14 +46,9 @@ def _hidden_hook(ref: weakref.ReferenceType, index: int):
 
 
 class Observer:
-    """Records the signals of ``needs`` for one model and one cache while ``active``.
-
-    With ``model`` None no hook is installed: the caller hands over each forward's signals itself
-    (:meth:`record_hidden`, :meth:`on_attention`), as reasonkv's vLLM worker does for each request.
-
-    ``defer`` (default True) computes owed attention at flushes; False computes it after every forward
-    (the per-step schedule, kept to check the deferred one against).
-    """
+    """Records the signals of ``needs`` for one model and one cache while ``active``. With ``model`` None no hook is
+    installed: the caller hands over each forward's signals (reasonkv's vLLM worker). ``defer`` False computes
+    owed attention after every forward (the per-step schedule the deferred one is checked against)."""
 
     def __init__(self, model: torch.nn.Module | None, cache, needs: Needs, stopwatch: Stopwatch | None = None):
         self._cache, self.needs = weakref.ref(cache), needs  # weakly: the cache owns its evictor and observer
@@ -103,8 +84,7 @@ class Observer:
     def begin(
         self, input_valid: torch.Tensor, input_positions: torch.Tensor, position_bound: int, claim: bool = True
     ) -> None:
-        """Record the forward about to run (``claim``: and claim the attention modules for this observer's
-        tap; not for a compiled step, whose forward has run and reported through a ``StepCapture``)."""
+        """Record the forward about to run (``claim``: reclaim the modules for this tap; not for a compiled step)."""
         if claim and self.tap is not None:  # another cache on the same model may have claimed the modules since
             self.tap.claim()
         self._step = Step(input_valid=input_valid, input_positions=input_positions, position_bound=position_bound)
@@ -126,9 +106,7 @@ class Observer:
 
     # ---------------------------------------------------------------- a compiled decode step's signals
     def take_capture(self, capture: StepCapture) -> None:
-        """Between :meth:`begin` and :meth:`end` of a compiled step (whose forward ran while this observer
-        was not active): record the signals it wrote into ``capture`` as the hooks record them during an
-        eager forward."""
+        """Record, between :meth:`begin` and :meth:`end`, what a compiled step wrote into ``capture``."""
         step, recorded = self._step, self.recorded
         for index in self.needs.hidden_layers:
             step.hidden[index] = capture.hidden[index].clone()  # the buffers are written again by the next step
@@ -157,8 +135,8 @@ class Observer:
             self.record(layer, query, key.shape[2], kwargs, key)
 
     def record(self, layer: int, query: torch.Tensor, slots: int, kwargs: dict, keys: torch.Tensor | None) -> None:
-        """One layer's queries of the forward in progress, which sees ``slots`` stored keys: ``keys``, needed only
-        for a multi-token forward's column sums (``Needs.attention_sum``); ``kwargs``: the kernel's arguments."""
+        """One layer's queries of the forward in progress, which sees ``slots`` stored keys (``keys``: only for a
+        prefill's column sums); ``kwargs``: the kernel's arguments."""
         step, needs, recorded = self._step, self.needs, self.recorded
         recorded.scalings[layer] = kwargs.get("scaling") or query.shape[-1] ** -0.5
         softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux", kwargs.get("sinks"))

@@ -1,22 +1,11 @@
 """Low-precision K/V: int8 and int4 codes with a scale and a zero point per group (torch only).
 
-Keys are quantized per channel and values per token, following KIVI (Liu et al., 2024): the
-outliers of keys sit in a few fixed channels, so each channel gets its own range, while values
-have no such channels and are quantized token by token. One scale and one zero point cover a
-*group* of ``group_size`` numbers:
-
-- values: ``group_size`` consecutive channels of one token (``group_size`` divides ``head_dim``);
-- keys: one channel of up to ``group_size`` tokens (which tokens share a group is the caller's
-  choice; the quantized tier groups the tokens it receives together, see :mod:`reasonkv.cache.tiers`).
-
-The default group size is 32 (KIVI's), or the largest divisor of ``head_dim`` below it.
-
-Rounding is asymmetric min-max: ``zero = min``, ``scale = (max - min) / (2**bits - 1)``,
-``code = round((x - zero) / scale)``, and ``x`` comes back as ``zero + code * scale``. Scales and
-zero points are stored in the K/V dtype and rounded to it *before* the codes are fitted, so the
-codes are the best ones for the stored statistics. int4 codes are packed two per byte along
-``head_dim``: int4 really takes half the bytes of int8.
-"""
+As KIVI (Liu et al., 2024): keys per channel (their outliers sit in a few fixed channels), values per
+token; one scale and zero point cover ``group_size`` numbers (values: consecutive channels of a token;
+keys: one channel of up to ``group_size`` tokens, the caller's grouping). Default group size 32, or the
+largest divisor of ``head_dim`` below it. Rounding is asymmetric min-max (``zero = min``, ``scale = (max -
+min) / (2**bits - 1)``), with the statistics rounded to the K/V dtype *before* the codes are fitted; int4
+codes are packed two per byte along ``head_dim``."""
 
 from __future__ import annotations
 
@@ -104,11 +93,8 @@ def _encode(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: Quant
 
 
 def quantize_tokens(x: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token quantization in groups of ``group_size`` channels (values).
-
-    ``x`` is ``[..., d]``. Returns the packed codes and the statistics ``[..., 2, d / group_size]``
-    (scale, zero point) in ``x``'s dtype.
-    """
+    """Per-token quantization of ``x`` ``[..., d]`` in groups of ``group_size`` channels (values): the packed codes
+    and the statistics ``[..., 2, d / group_size]`` (scale, zero point) in ``x``'s dtype."""
     groups = x.float().unflatten(-1, (-1, fmt.group_size))  # [..., d/G, G]
     stats = _fit(groups.amin(-1), groups.amax(-1), fmt, x.dtype)
     codes = _encode(groups, stats[..., 0, :, None], stats[..., 1, :, None], fmt).flatten(-2)
@@ -125,23 +111,9 @@ def dequantize_tokens(packed: torch.Tensor, stats: torch.Tensor, fmt: QuantForma
 def quantize_channels(
     x: torch.Tensor, group: torch.Tensor, groups: int, fmt: QuantFormat
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-channel quantization over groups of tokens (keys).
-
-    Parameters
-    ----------
-    x
-        ``[n, slots, d]``.
-    group
-        ``[n, slots]``: the group of each token, in ``[0, groups)``; ``groups`` itself marks a token
-        that belongs to no group (its codes are meaningless, and it affects no statistics).
-    groups
-        Groups per leading index.
-
-    Returns
-    -------
-    The packed codes ``[n, slots, d]`` (halved for int4) and the statistics ``[n, groups, 2, d]``
-    (per group and channel: scale, zero point) in ``x``'s dtype.
-    """
+    """Per-channel quantization of ``x`` ``[n, slots, d]`` over groups of tokens (keys): ``group`` ``[n, slots]``
+    is each token's group in ``[0, groups)``, ``groups`` itself none (meaningless codes, no statistics).
+    Returns the packed codes and the statistics ``[n, groups, 2, d]`` in ``x``'s dtype."""
     n, slots, d = x.shape
     values = x.float()
     index = group.unsqueeze(-1).expand(n, slots, d)

@@ -1,48 +1,35 @@
 """One layer's quantized tier: packed codes, key groups, the pending group, and its K/V for attention (torch only).
 
-Which tokens the tier holds is :func:`reasonkv.cache.tiers.split_tiers`' decision; this module stores
-them. Per (row, kv-head) the tier's slots are laid out as ``[padding | coded | pending]``:
+:func:`reasonkv.cache.tiers.split_tiers` decides which tokens the tier holds; this module stores them, per
+(row, kv-head) as ``[padding | coded | pending]`` (docs/quantized-tier.md):
 
-- **coded** tokens hold int8 or int4 codes: values per token (a scale and zero point per
-  ``group_size`` channels), keys per channel over a *key group* of ``group_size`` tokens (KIVI). A
-  token's codes are fixed when it is coded and never change while it is held; a group's statistics
-  stay as long as one of its members is held (a group may lose members to later evictions, never
-  gain them).
-- **pending** tokens were demoted from full precision but wait there, at full precision, until
-  ``group_size`` of them can form a whole key group (KIVI's full-precision residual): every group is
-  formed full, of the oldest pending tokens by position, so that a group is a run of neighbouring
-  tokens where the demotions allow it. Fewer than ``group_size`` tokens per head are pending after an
-  eviction; they count against ``Q`` like the coded ones and are never promoted back.
-
-Every head of a row holds as many tier tokens (the cache's slot validity is per row), but heads may
-split them differently between coded and pending. The pending tokens sit at the end of a head's
-slots, in a buffer aligned with the tier's last ``pending_width`` slots.
-
-An eviction updates only the rows it evicts (:meth:`QuantizedTier.plan` then :meth:`QuantizedTier.apply`:
-the key-group tables of all layers are sized with one host read between the two). For attention, the
-tier is dequantized straight into the K/V dtype, into a buffer every layer of the cache shares
-(:class:`DequantizeBuffer`).
-"""
+**coded** tokens hold int8 or int4 codes (values per token, keys per channel over a *key group* of
+``group_size`` tokens, KIVI), fixed while held; a group's statistics stay while one member is held.
+**pending** tokens wait at full precision until ``group_size`` of them form a whole group (KIVI's residual).
+Every head of a row holds as many tier tokens, but may split them differently between the two.
+An eviction updates only its rows (:meth:`QuantizedTier.plan`, one host read, :meth:`QuantizedTier.apply`);
+attention gets the tier dequantized into a buffer the cache's layers share (:class:`DequantizeBuffer`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 import torch
 
 from reasonkv.cache.quantize import QuantFormat, quantize_channels, quantize_tokens, unpack
 
-__all__ = ["DequantizeBuffer", "QuantizedTier", "TierUpdate"]
+__all__ = ["DequantizeBuffer", "QuantizedTier", "TierUpdate", "take_slots"]
 
 # take_full(slots [n, heads, m]) -> keys, values [n, heads, m, head_dim] and positions [n, heads, m] of the
 # evicted rows' full-precision slots (slots index the full tier's view).
 FullTake = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
-def _take(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def take_slots(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``buffer[b, h, index[b, h, i]]``: ``[batch, heads, n, *rest]`` by ``[batch, heads, m]`` ->
-    ``[batch, heads, m, *rest]`` (one ``index_select`` over the flattened slots)."""
+    ``[batch, heads, m, *rest]``: one ``index_select`` over the flattened slots, many times faster than an
+    element-wise ``gather``."""
     batch, heads, n = buffer.shape[:3]
     rest = buffer.shape[3:]
     first = torch.arange(batch * heads, device=index.device).view(batch, heads, 1) * n
@@ -72,17 +59,16 @@ def _widened(tensor: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 class DequantizeBuffer:
-    """The K/V a layer with quantized tokens hands its attention, assembled in one buffer pair that every
-    layer of a cache shares (a layer's attention reads it before the next layer writes it), grown when a
-    forward needs more and never freed while the cache lives: no allocation per layer and step."""
+    """The K/V a layer with quantized tokens hands its attention, in one buffer pair every layer of a cache shares
+    (a layer's attention reads it before the next writes it), grown when needed and kept: no allocation per step."""
 
     def __init__(self):
         self._keys: torch.Tensor | None = None
         self._values: torch.Tensor | None = None
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, reserve: int = 0):
-        """Views ``shape`` (``[batch, heads, slots, head_dim]``) of the buffers, in ``dtype`` on ``device``; a
-        buffer that must grow is made large enough for ``reserve`` slots (the most the next forwards need)."""
+        """Views ``shape`` ``[batch, heads, slots, head_dim]`` of the buffers in ``dtype`` on ``device``; a buffer that
+        must grow is sized for ``reserve`` slots."""
         batch, heads, slots, dim = shape
         numel = batch * heads * slots * dim
         held = self._keys
@@ -96,10 +82,23 @@ class DequantizeBuffer:
         return 0 if self._keys is None else 2 * self._keys.numel() * self._keys.element_size()
 
 
+# A tier's tensors, every one with a row per batch row (what an eviction replaces for its rows).
+_FIELDS = (
+    "key_codes",
+    "key_group",
+    "key_stats",
+    "value_codes",
+    "value_stats",
+    "positions",
+    "pending_keys",
+    "pending_values",
+    "pending_count",
+)
+
+
 @dataclass
 class TierUpdate:
-    """What one eviction changes in one layer's tier, for the evicted rows (see :meth:`QuantizedTier.plan`);
-    ``needed`` ``[n, heads]`` is the key groups each evicted head holds afterwards."""
+    """What one eviction changes in one layer's tier, for its rows; ``needed`` ``[n, heads]``: key groups held after."""
 
     rows: torch.Tensor
     key_codes: torch.Tensor
@@ -114,33 +113,24 @@ class TierUpdate:
     needed: torch.Tensor
 
 
+@dataclass(eq=False)
 class QuantizedTier:
-    """One layer's quantized tier, ``[batch, kv_heads, width]`` slots (see the module docstring).
+    """One layer's quantized tier, ``[batch, kv_heads, width]`` slots (see the module docstring): per slot the
+    packed codes, the key's group id, the value's statistics and the position (``-1``: padding); per key group
+    its statistics ``[2, head_dim]`` (scale, zero point); per (row, head) ``pending_count``, and the pending
+    tokens' K/V aligned with the last slots."""
 
-    Per slot: packed key and value codes, the id of the key's group (``key_group``), the value's
-    statistics and the token's position (``-1``: padding); per (row, head, key group): the key
-    statistics ``[2, head_dim]`` (scale, zero point); per (row, head): ``pending_count``, and the pending
-    tokens' K/V ``[batch, kv_heads, pending_width, head_dim]`` aligned with the last slots.
-    """
-
-    def __init__(
-        self,
-        fmt: QuantFormat,
-        *,
-        key_codes: torch.Tensor,  # [b, h, w, d or d/2] uint8
-        key_group: torch.Tensor,  # [b, h, w] int16/int32
-        key_stats: torch.Tensor,  # [b, h, groups, 2, d]
-        value_codes: torch.Tensor,  # [b, h, w, d or d/2] uint8
-        value_stats: torch.Tensor,  # [b, h, w, 2, d/G]
-        positions: torch.Tensor,  # [b, h, w] long
-        pending_keys: torch.Tensor,  # [b, h, p, d]
-        pending_values: torch.Tensor,  # [b, h, p, d]
-        pending_count: torch.Tensor,  # [b, h] long
-    ):
-        self.fmt = fmt
-        self.key_codes, self.key_group, self.key_stats = key_codes, key_group, key_stats
-        self.value_codes, self.value_stats, self.positions = value_codes, value_stats, positions
-        self.pending_keys, self.pending_values, self.pending_count = pending_keys, pending_values, pending_count
+    fmt: QuantFormat
+    _: KW_ONLY
+    key_codes: torch.Tensor  # [b, h, w, d or d/2] uint8
+    key_group: torch.Tensor  # [b, h, w] int16/int32
+    key_stats: torch.Tensor  # [b, h, groups, 2, d]
+    value_codes: torch.Tensor  # [b, h, w, d or d/2] uint8
+    value_stats: torch.Tensor  # [b, h, w, 2, d/G]
+    positions: torch.Tensor  # [b, h, w] long
+    pending_keys: torch.Tensor  # [b, h, p, d]
+    pending_values: torch.Tensor  # [b, h, p, d]
+    pending_count: torch.Tensor  # [b, h] long
 
     @classmethod
     def empty(cls, fmt: QuantFormat, like: torch.Tensor) -> QuantizedTier:
@@ -177,13 +167,9 @@ class QuantizedTier:
         """Entries of the key-group table (per row and head)."""
         return self.key_stats.shape[2]
 
-    def _parts(self) -> tuple[torch.Tensor, ...]:
-        return (self.key_codes, self.key_group, self.key_stats, self.value_codes, self.value_stats)
-
     def nbytes(self) -> int:
-        """Bytes allocated: codes, group ids, statistics and the pending tokens' K/V (positions are
-        bookkeeping, as for the full tier)."""
-        parts = (*self._parts(), self.pending_keys, self.pending_values)
+        """Bytes allocated: codes, group ids, statistics and pending K/V (positions are bookkeeping)."""
+        parts = [getattr(self, name) for name in _FIELDS if name not in ("positions", "pending_count")]
         return sum(t.numel() * t.element_size() for t in parts)
 
     def coded_mask(self) -> torch.Tensor:
@@ -192,9 +178,9 @@ class QuantizedTier:
         return (self.positions >= 0) & (slot < self.width - self.pending_count.unsqueeze(-1))
 
     def row_bytes(self) -> torch.Tensor:
-        """``[batch]``: the bytes each row's tokens need, summed over heads: per coded token its codes, group
-        id and value statistics, per key group still holding a member its statistics, per pending token its
-        full-precision K/V. Padding and unused table entries are not counted (:meth:`nbytes` counts them)."""
+        """``[batch]``: the bytes each row's tokens need, over heads: per coded token its codes, group id and value
+        statistics, per key group still holding a member its statistics, per pending token its K/V (:meth:`nbytes`
+        counts padding and unused table entries too)."""
         batch, heads, width = self.positions.shape
         coded = self.coded_mask()
         codes = self.key_codes.shape[-1] + self.value_codes.shape[-1]  # uint8
@@ -211,13 +197,12 @@ class QuantizedTier:
 
     # ------------------------------------------------------------------ reading
     def dequantize_into(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Write the tier's K/V ``[batch, kv_heads, width, head_dim]`` into ``keys`` and ``values`` (in their
-        dtype): the coded tokens dequantized there, in that dtype, the pending ones copied."""
+        """Write the tier's K/V into ``keys`` and ``values`` (coded tokens dequantized, pending ones copied)."""
         fmt, dim = self.fmt, keys.shape[-1]
         if self.groups:  # (a tier of pending tokens only has no group yet)
             keys.copy_(unpack(self.key_codes, fmt.bits))
             index = self.key_group.long()
-            keys.mul_(_take(self.key_stats[:, :, :, 0], index)).add_(_take(self.key_stats[:, :, :, 1], index))
+            keys.mul_(take_slots(self.key_stats[:, :, :, 0], index)).add_(take_slots(self.key_stats[:, :, :, 1], index))
         else:
             keys.zero_()
         grouped = values.view(*values.shape[:3], dim // fmt.group_size, fmt.group_size)
@@ -242,15 +227,10 @@ class QuantizedTier:
 
     # ------------------------------------------------------------------ an eviction
     def plan(self, rows: torch.Tensor, select: torch.Tensor, take_full: FullTake) -> TierUpdate:
-        """The evicted ``rows`` ``[n]``' tier after an eviction: ``select`` ``[n, kv_heads, width']`` names
-        their tier's tokens, right-aligned and ascending, as slots of ``[this tier | the full tier]``
-        (``-1``: padding); ``take_full`` reads their full-precision slots.
-
-        Coded tokens kept keep their codes (their groups renumbered, groups left without a member
-        released). The others (pending ones kept, and full-precision ones demoted now) are ordered by
-        position; the oldest whole ``group_size``-token runs of them are coded now, one key group each,
-        and the rest (fewer than ``group_size``) stay pending.
-        """
+        """The evicted ``rows``' tier after an eviction: ``select`` ``[n, kv_heads, width']`` names their tier's tokens,
+        right-aligned and ascending, as slots of ``[this tier | the full tier]`` (``-1``: padding); ``take_full``
+        reads their full-precision slots. Coded tokens keep their codes (groups renumbered, empty ones released);
+        the others, by position, are coded now in whole ``group_size`` runs, the rest stay pending."""
         fmt, size = self.fmt, self.fmt.group_size
         width, pending_width, groups = self.width, self.pending_width, self.groups
         n, heads, new_width = select.shape
@@ -265,8 +245,8 @@ class QuantizedTier:
         if pending_width:
             at_pending = (select - (width - pending_width)).clamp(0, pending_width - 1)
             where = was_pending.unsqueeze(-1)
-            keys = torch.where(where, _take(old["pending_keys"], at_pending).to(keys.dtype), keys)
-            values = torch.where(where, _take(old["pending_values"], at_pending).to(values.dtype), values)
+            keys = torch.where(where, take_slots(old["pending_keys"], at_pending).to(keys.dtype), keys)
+            values = torch.where(where, take_slots(old["pending_values"], at_pending).to(values.dtype), values)
         positions = full_positions
         if width:
             positions = torch.where(select < width, old["positions"].gather(2, at_old), positions)
@@ -277,7 +257,7 @@ class QuantizedTier:
         order = torch.where(real, place, -1).sort(dim=-1, stable=True).indices
         gather = lambda t: t.gather(2, order)  # noqa: E731
         real, old_coded, positions, at_old = map(gather, (real, old_coded, positions, at_old))
-        keys, values = _take(keys, order), _take(values, order)
+        keys, values = take_slots(keys, order), take_slots(values, order)
         others = real & ~old_coded
         rank = others.long().cumsum(-1) - 1
         count = others.sum(-1)  # [n, h]
@@ -302,17 +282,17 @@ class QuantizedTier:
             live = used.sum(-1)
             renumbered = (used.long().cumsum(-1) - 1).gather(2, old_group.clamp(max=groups - 1))
             group = torch.where(old_coded, renumbered, group)
-            compacted = _take(old["key_stats"], torch.sort(~used, dim=-1, stable=True).indices)
+            compacted = take_slots(old["key_stats"], torch.sort(~used, dim=-1, stable=True).indices)
             # live old groups first; fresh ones from each head's own live count on
             slot = torch.arange(groups + bound, device=select.device)
             source = torch.where(slot < live.unsqueeze(-1), slot, groups + slot - live.unsqueeze(-1))
             source = source.clamp(max=groups + max(bound, 1) - 1)
             table = torch.cat([compacted, fresh_stats if bound else compacted[:, :, :1]], dim=2)
-            stats = _take(table, source)
+            stats = take_slots(table, source)
 
             def kept(fresh_part: torch.Tensor, old_part: torch.Tensor) -> torch.Tensor:
                 where = old_coded.view(*old_coded.shape, *[1] * (fresh_part.dim() - 3))
-                return torch.where(where, _take(old_part, at_old), fresh_part)
+                return torch.where(where, take_slots(old_part, at_old), fresh_part)
 
             key_codes = kept(key_codes, old["key_codes"])
             value_codes = kept(value_codes, old["value_codes"])
@@ -341,46 +321,26 @@ class QuantizedTier:
         )
 
     def apply(self, update: TierUpdate, groups: int) -> QuantizedTier:
-        """This tier with ``update``'s rows replaced; ``groups`` (host-known) covers every evicted head's
-        key groups. Other rows keep their tokens, re-right-aligned if the width changed. In place when the
-        shapes stay (the steady state: a full tier, the table large enough), a new tier otherwise."""
+        """This tier with ``update``'s rows replaced; ``groups`` (host-known) covers every evicted head's groups. In
+        place when the shapes stay (the steady state), a new tier otherwise (other rows re-right-aligned)."""
         width, p = update.positions.shape[2], update.pending_keys.shape[2]
         groups = max(groups, self.groups, 1)
         if (width, p, groups) != (self.width, self.pending_width, self.groups):
             tier = self._reshaped(width, p, groups)
         else:
             tier = self
-        new = {
-            "key_codes": update.key_codes,
-            "key_group": update.key_group.to(tier.key_group.dtype if tier is self else _id_dtype(groups)),
-            "key_stats": _widened(update.key_stats, groups)[:, :, :groups],
-            "value_codes": update.value_codes,
-            "value_stats": update.value_stats,
-            "positions": update.positions,
-            "pending_keys": update.pending_keys,
-            "pending_values": update.pending_values,
-            "pending_count": update.pending_count,
-        }
+        new = {name: getattr(update, name) for name in _FIELDS}
+        new["key_group"] = update.key_group.to(tier.key_group.dtype if tier is self else _id_dtype(groups))
+        new["key_stats"] = _widened(update.key_stats, groups)[:, :, :groups]
         for name, target in tier._named().items():
             target.index_copy_(0, update.rows, new[name].to(target.dtype))
         return tier
 
     def _named(self) -> dict[str, torch.Tensor]:
-        return {
-            "key_codes": self.key_codes,
-            "key_group": self.key_group,
-            "key_stats": self.key_stats,
-            "value_codes": self.value_codes,
-            "value_stats": self.value_stats,
-            "positions": self.positions,
-            "pending_keys": self.pending_keys,
-            "pending_values": self.pending_values,
-            "pending_count": self.pending_count,
-        }
+        return {name: getattr(self, name) for name in _FIELDS}
 
     def _reshaped(self, width: int, pending_width: int, groups: int) -> QuantizedTier:
-        """A copy of this tier at a new width, pending width and table size, every row's slots kept
-        right-aligned (a row's tokens fit: its count is at most the new width)."""
+        """A copy at a new width, pending width and table size, every row's slots kept right-aligned."""
         return QuantizedTier(
             self.fmt,
             key_codes=_aligned(self.key_codes, width),

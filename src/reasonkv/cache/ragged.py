@@ -1,22 +1,13 @@
 """Ragged storage: each kv-head of a row holds only what it keeps, in one flat buffer per layer.
 
-Under an allocation (:mod:`reasonkv.cache.allocation`) the heads of a layer keep different numbers of
-tokens. :class:`RaggedLayer` stores, per layer, ``keys``/``values`` as ``[batch, capacity, head_dim]`` and
-positions as ``[batch, capacity]``: row ``b``'s head ``h`` owns the region ``[begin[b, h], begin[b, h] +
-room[b, h])`` of row ``b``, whose first ``count[b, h]`` entries are its tokens in order (a row's regions
-follow one another from entry 0). After an eviction a head's region holds what it kept plus ``B`` (the
-tokens it will take before the row's next eviction), so the bytes held are the sum of the budgets plus
-``B`` per head: no head is padded to the widest one. A head that outgrows its region (a row fed padding
-after it finished, or a prompt longer than ``K + B``) has every region of the layer laid out again.
-
-Attention reads the layer the way every other part of the cache does: as the dense ``[batch, kv_heads,
-slots, head_dim]`` of the row-level slot axis (:class:`~reasonkv.cache.rows.RowState`), each head's tokens
-right-aligned and its first slots padding (position ``-1``), assembled per read into new tensors. That
-assembled copy is transient (one layer at a time, during its attention or its scoring); the per-head mask
-(:meth:`~reasonkv.cache.storage.KVStorage.head_mask`) hides the padding. On a GPU a varlen kernel
-(FlashAttention's ``flash_attn_varlen_func`` with one sequence per (row, head), or FlexAttention with a block
-mask over the flat buffer) would read the regions in place instead of assembling them.
-"""
+Under an allocation the heads of a layer keep different numbers of tokens. :class:`RaggedLayer` stores
+``keys``/``values`` ``[batch, capacity, head_dim]`` and positions ``[batch, capacity]``: row ``b``'s head ``h``
+owns entries ``[begin[b, h], begin[b, h] + room[b, h])``, its first ``count[b, h]`` being its tokens in order.
+After an eviction a region holds what its head kept plus ``B``, so no head is padded to the widest; a head
+that outgrows its region has every region of the layer laid out again. Reads assemble the dense ``[batch,
+kv_heads, slots, head_dim]`` (each head right-aligned, padding at position ``-1``, hidden by
+:meth:`~reasonkv.cache.storage.KVStorage.head_mask`), one layer at a time. On a GPU a varlen kernel could
+read the regions in place instead."""
 
 from __future__ import annotations
 
@@ -28,8 +19,7 @@ __all__ = ["RaggedLayer"]
 
 
 def _assembled(name: str, read) -> property:
-    """A layer's ``keys``, ``values`` or ``positions``, assembled by ``read(layer, flat)`` from its flat buffer
-    ``_name`` at each read (None before the first write). The base class may reset it to None; nothing sets it."""
+    """A layer's ``keys``, ``values`` or ``positions``, assembled by ``read(layer, flat)`` from ``_name``."""
 
     def get(layer):
         flat = getattr(layer, f"_{name}")
@@ -43,10 +33,8 @@ def _assembled(name: str, read) -> property:
 
 
 class RaggedLayer(EvictingLayer):
-    """An evicting layer whose heads hold different numbers of tokens in one flat buffer (see the module).
-
-    ``every`` is ``B``: the room each head gets beyond what it keeps (its tokens until the row's next eviction).
-    """
+    """An evicting layer whose heads hold different numbers of tokens in one flat buffer (see the module);
+    ``every`` (``B``) is the room each head gets beyond what it keeps."""
 
     def __init__(self, rows, unannounced, tier_format=None, workspace=None, *, every: int = 0):
         self.every = every
@@ -92,8 +80,7 @@ class RaggedLayer(EvictingLayer):
 
     # ------------------------------------------------------------------ reading
     def _dense_index(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[batch, kv_heads, slots]``: the flat entry each dense slot reads, and whether it holds one (a head's
-        ``count`` tokens are its last slots)."""
+        """``[batch, kv_heads, slots]``: the flat entry each dense slot reads, and whether it holds a token."""
         if self._dense is None:
             slots = torch.arange(self.length, device=self.device)
             offset = slots - (self.length - self.count).unsqueeze(-1)  # [batch, heads, slots]
@@ -119,9 +106,8 @@ class RaggedLayer(EvictingLayer):
         return flat.gather(1, index.view(batch, -1)).view(batch, heads, slots).masked_fill(~held, -1)
 
     def read_rows(self, rows: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Keys, values and positions of the dense ``slots`` ``[n, heads, m]`` of ``rows``: a slot before the
-        dense axis (negative) reads a head's earlier entries, as a dense layer reads its buffers before the
-        view; a slot a head holds no token at reads position -1."""
+        """Keys, values and positions of the dense ``slots`` ``[n, heads, m]`` of ``rows`` (a negative slot reads a
+        head's earlier entries, as a dense layer reads before its view; a slot with no token reads position -1)."""
         count = self.count.index_select(0, rows).unsqueeze(-1)
         offset = slots - (self.length - count)  # the entry within the head's tokens
         real = (offset >= 0) & (offset < count)
@@ -169,9 +155,8 @@ class RaggedLayer(EvictingLayer):
     def compact_rows(
         self, rows: torch.Tensor, keep: torch.Tensor, length: int, holes: torch.Tensor | None = None
     ) -> None:
-        """Rows ``rows`` keep the dense slots ``keep`` ``[n, heads, k]`` (``holes``: entries that keep nothing,
-        first in a head's list); each head's region is laid out again to hold them plus ``B``. The other rows
-        are not touched; the dense axis becomes ``length`` slots."""
+        """``rows`` keep the dense slots ``keep`` ``[n, heads, k]`` (``holes``: entries keeping nothing), each head's
+        region laid out again to hold them plus ``B``; other rows untouched; the dense axis becomes ``length`` slots."""
         keys, values, positions = self.read_rows(rows, keep)
         if holes is not None:
             positions = positions.masked_fill(holes, -1)
@@ -192,9 +177,8 @@ class RaggedLayer(EvictingLayer):
         counts: torch.Tensor,
         room: torch.Tensor,
     ) -> None:
-        """Give ``rows`` regions of ``room`` ``[n, heads]`` entries, one after another from entry 0, and write in
-        each the last ``counts`` of its dense ``kept`` (keys, values ``[n, heads, k, dim]``, positions ``[n,
-        heads, k]``); the buffers grow or shrink to the longest row (two host reads)."""
+        """Give ``rows`` regions of ``room`` ``[n, heads]`` entries from entry 0 and write in each the last
+        ``counts`` of ``kept`` (dense keys, values, positions); the buffers fit the longest row (two host reads)."""
         begin = room.cumsum(-1) - room
         total = self.room.index_copy(0, rows, room).sum(-1)  # every row's regions, these rows' new ones
         spare = (self.room - self.count).index_copy(0, rows, room - counts)

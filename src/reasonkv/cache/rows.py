@@ -1,13 +1,7 @@
-"""The state every evicting layer of a cache shares: one entry per row (sequence) of the batch.
-
-Every head of a row holds the same number of real tokens, so which slots hold a real token (and which
-padding) is one ``[batch, slots]`` mask for all evicting layers, and so are the logical positions the
-next tokens get, the prompt lengths and the evictions so far. The layers write their K/V; this object
-says where, counts the slots, and tells which rows are due for eviction.
-
-Host-side bounds (``longest``, ``maybe_padded``, the slot counts) let a decode step that evicts
-nothing run without reading a device value.
-"""
+"""The state every evicting layer of a cache shares, per row: which slots are real (every head of a row holds
+as many tokens), the logical positions the next tokens get, the prompt lengths and the evictions. The
+layers write K/V; this object says where and which rows are due. Host-side bounds (``longest``,
+``maybe_padded``, the slot counts) let a decode step that evicts nothing read no device value."""
 
 from __future__ import annotations
 
@@ -23,15 +17,9 @@ GROWTH = 1.25  # capacity growth factor when the run's length is not known (neve
 class RowState:
     """Slot validity, logical positions and eviction counts of each row; shared by the evicting layers.
 
-    Parameters
-    ----------
-    trigger
-        ``K + B``: the full-precision tokens at which a row is due for eviction (None: never).
-    slack
-        Slots of capacity beyond ``trigger`` once rows evict at different steps (a ragged batch): an
-        eviction then rewrites only its own rows, and the others move once every ``slack`` steps at most
-        (see :class:`~reasonkv.cache.layer.EvictingLayer`). ``B`` for the cache.
-    """
+    ``trigger``: ``K + B``, the full-precision tokens at which a row is due (None: never). ``slack``: slots
+    beyond it once rows evict at different steps (a ragged batch), so that the other rows move at most once
+    every ``slack`` steps (``B`` for the cache)."""
 
     def __init__(self, trigger: int | None, slack: int = 0):
         self.trigger, self.slack = trigger, slack
@@ -43,10 +31,8 @@ class RowState:
         self.clear()
 
     def allocate(self, first: int, every: int, widest: int) -> None:
-        """Heads keep different numbers of tokens: a row is first due at ``first`` tokens (its smallest head's
-        budget + B), then whenever ``every`` (B) new tokens followed its last eviction, so that each head holds at
-        most what it kept + B; a head keeps at most ``widest`` (capacity is sized for ``widest + B``). The slots
-        are the widest head's: a head keeping fewer has padding (position -1) in its first slots."""
+        """Heads keep different numbers of tokens: a row is first due at ``first`` tokens, then whenever ``every``
+        (``B``) new tokens followed its last eviction; a head keeps at most ``widest`` (capacity ``widest + B``)."""
         self.trigger, self.every, self.widest = first, every, widest
 
     def clear(self) -> None:
@@ -87,8 +73,8 @@ class RowState:
         self.expected_tokens = int(tokens)
 
     def capacity_for(self, needed: int, current: int) -> int:
-        """Slots to allocate when ``needed`` exceed the ``current`` capacity: what the run can reach at most
-        (``K + B`` once evicting), or 25% more when that is not known."""
+        """Slots to allocate when ``needed`` exceed the ``current`` capacity: what the run reaches at most
+        (``K + B`` once evicting), or 25% more when unknown."""
         limit = self.limit
         if self.expected_tokens is not None:
             most = self.expected_tokens if limit is None else min(self.expected_tokens, limit)
@@ -109,11 +95,7 @@ class RowState:
     def announce(
         self, batch: int, q: int, incoming: torch.Tensor | None, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The next forward feeds ``q`` tokens per row, ``incoming`` ``[batch, q]`` True where real (None: all).
-
-        Returns the tokens' logical positions for RoPE (``[batch, q]``, 0 at padding), the same with -1 at
-        padding, and the slot-space attention mask (``None`` when no slot is padding).
-        """
+        """The next forward: see :meth:`~reasonkv.cache.storage.KVStorage.begin_forward`."""
         if self.started and (q < 1 or (incoming is not None and q > 1 and self.decoded)):
             raise ValueError(
                 "this EvictingCache already holds a generation: a new generate call would continue from its "
@@ -177,8 +159,8 @@ class RowState:
         return self.valid[:, self.low_width :]
 
     def due_rows(self) -> torch.Tensor | None:
-        """Indices of the rows holding ``K + B`` full-precision tokens or more; ``None`` when none is (read
-        from the device only when the host-side bound says a row may be due; quantized tokens do not count)."""
+        """Indices of the rows holding ``K + B`` full-precision tokens or more, or None (the device is read only when
+        the host-side bound says a row may be due)."""
         bound = self.trigger if self.due_bound is None else self.due_bound
         if self.trigger is None or not self.started or self.longest < bound:
             return None
@@ -190,18 +172,15 @@ class RowState:
         return due
 
     def until_due(self) -> torch.Tensor:
-        """``[batch]``: tokens each row may still take before its eviction is due (``K + B`` minus the
-        full-precision tokens it holds; quantized ones do not count)."""
+        """``[batch]``: full-precision tokens each row may still take before it is due."""
         return self._due_at() - self.full_valid().sum(-1)
 
     def _due_at(self) -> int | torch.Tensor:
-        """The full-precision tokens at which a row is due: ``K + B``, or per row under an allocation (the
-        trigger is then a lower bound of every row's, which the host-side checks use)."""
+        """``K + B``, or each row's under an allocation (the trigger then bounds them all from below)."""
         return self.trigger if self.row_due is None else self.row_due
 
     def holey_rows(self) -> torch.Tensor:
-        """``[batch]``: rows with padding after their first real full-precision slot (rows fed padding after
-        they finished), whose tokens an eviction must right-align again."""
+        """``[batch]``: rows with padding after their first real full-precision slot (fed padding when finished)."""
         valid = self.full_valid()
         first = valid.to(torch.int8).argmax(-1)  # the first real slot (0 for a row of padding only)
         return valid.shape[1] - first > valid.sum(-1)

@@ -1,14 +1,9 @@
 """What an evicting cache keeps: one frozen settings object, validated once.
 
-A :class:`CacheSpec` holds the policy (an instance: its fields are its options), the budget ``K``, the
-buffer ``B``, the quantized tier (``Q`` tokens at ``bits``, ``group_size`` numbers per scale) and the
-seed of each row. Building one checks everything that needs no model: sizes, the tier's settings, that
-a policy that evicts has a budget (and that the full cache, which evicts nothing, ignores it), that
-its protected tokens fit the budget, that a policy filling a quantized tier ranks tokens, and that a setting
-of one allocation (its budget file, alpha, padded heads) comes only with that allocation.
-``reasonkv.generate``, :class:`~reasonkv.cache.EvictingCache`, the fidelity replays, the eval grid's
-cells and the bench's entries all take one; the keyword API (``policy=``, ``budget=``, ...) builds it.
-"""
+Building a :class:`CacheSpec` checks everything that needs no model: sizes, the tier's settings, that a
+policy that evicts has a budget (the full cache ignores it), that its protected tokens fit, that a policy
+filling a tier ranks tokens, and that an allocation's own settings come only with it. ``reasonkv.generate``,
+:class:`~reasonkv.cache.EvictingCache`, the replays, the eval grid and the bench all take one."""
 
 from __future__ import annotations
 
@@ -72,37 +67,26 @@ class CacheSpec:
     Parameters
     ----------
     policy
-        A registered policy name or instance (taken as given: each cache that uses it works on its own copy).
+        A registered policy name or instance (each cache works on its own copy).
     budget
-        ``K``: tokens per (row, layer, kv-head) that survive an eviction. Required by a policy that
-        evicts; the full cache ignores it (stored as ``None``).
+        ``K``: tokens per (row, layer, kv-head) that survive an eviction; required by a policy that evicts, and
+        by a selection policy (what a decode step reads); None for the full cache.
     buffer
         ``B``: tokens that may accumulate after an eviction; a row is evicted when it holds ``K + B``.
     quantized, bits, group_size
-        The quantized tier: ``Q`` tokens per head kept at ``bits`` (4 or 8; default 8) beside the ``K``
-        at full precision, with ``group_size`` numbers per scale and zero point (default: 32 or the
-        largest divisor of head_dim below it). ``quantized=0``: no tier.
+        The quantized tier: ``Q`` tokens per head at ``bits`` (4 or 8; default 8) beside the ``K`` at full
+        precision, ``group_size`` numbers per scale and zero point (default: 32 or the largest divisor of
+        head_dim below it). ``quantized=0``: no tier.
     seed
-        The eviction randomness of each row: one integer, or one per row (``reasonkv.generate`` samples from
-        it too, unless it is given its own sampling ``seed``).
+        The eviction randomness of each row: one integer, or one per row (``reasonkv.generate`` samples from it
+        too, unless given its own sampling ``seed``).
     allocation
-        How the budget is shared among (layer, kv-head): ``uniform`` (``K`` each), ``pyramid``, ``adaptive``
-        or ``calibrated`` (from ``budgets_file``); every one keeps ``K x layers x kv_heads`` in all. See
-        :mod:`reasonkv.cache.allocation`; :attr:`allocation_rule` is its object, with its settings. The full cache
-        ignores it (stored as ``uniform``).
-    budgets_file
-        ``calibrated`` only (and needed there): the budget file (``reasonkv calibrate --budgets`` writes one).
-    adaptive_alpha
-        ``adaptive`` only: every head keeps at least ``ceil(alpha x K)`` (AdaKV's safeguard, default 0.2;
-        1 is the uniform split). Stored as None under any other allocation.
-    ragged
-        ``pyramid``, ``adaptive`` and ``calibrated`` only: each head holds only what it keeps, in one flat buffer
-        per layer (default, True), or (False) every head is padded to the widest one in dense buffers, as a
-        comparison. Stored as None under ``uniform``.
-
-    ``budgets_file``, ``adaptive_alpha`` and ``ragged`` given (not None) under an allocation they do not apply to
-    are refused (:data:`ALLOCATION_SETTINGS`): a setting that would silently do nothing is an error.
-    """
+        How the budget is shared among (layer, kv-head): ``uniform``, ``pyramid``, ``adaptive`` or ``calibrated``
+        (:mod:`reasonkv.cache.allocation`; :attr:`allocation_rule` is its object). ``uniform`` for the full cache.
+    budgets_file, adaptive_alpha, ragged
+        ``calibrated``'s budget file; ``adaptive``'s floor share (default 0.2); whether each head holds only what
+        it keeps (default True; False pads every head to the widest). Each is stored as None under an
+        allocation it does not apply to, and refused there when given (:data:`ALLOCATION_SETTINGS`)."""
 
     policy: Policy = field(hash=False)
     budget: int | None = None
@@ -260,19 +244,16 @@ class CacheSpec:
         return allocation_class(self.allocation).per_head
 
     def budget_table(self, layers: int, kv_heads: int, length: int | None = None, held: int | None = None):
-        """``[layers, kv_heads]`` tokens each evicting layer's heads keep (``adaptive``: the uniform split it
-        starts from), summing to ``K x layers x kv_heads``; ``ValueError`` when a budget file's counts differ.
-        ``length``, ``held``: the tokens the row has seen and the most one of its heads holds (``pyramid`` caps
-        its schedule for a short sequence)."""
+        """``[layers, kv_heads]`` tokens each evicting layer's heads keep (``adaptive``: its starting split), summing
+        to ``K x layers x kv_heads``; ``length``, ``held``: a row's tokens seen and its fullest head (``pyramid``)."""
         if self.budget is None:
             raise ValueError("the full cache has no budget to allocate")
         protected = self.policy.sinks + self.policy.window
         return self.allocation_rule.table(self.budget, layers, kv_heads, protected, length, held)
 
     def check_compile(self) -> None:
-        """``ValueError`` unless a compiled decode step decodes this cache as an eager one does. (A cache with no
-        fixed-shape layout, such as a quantized tier or an allocation, is not refused: its steps run eagerly and
-        say why.)"""
+        """``ValueError`` unless a compiled decode step decodes this cache as an eager one does (a cache without a
+        fixed-shape layout is not refused: its steps run eagerly and say why)."""
         if self.selects:
             raise ValueError(
                 f"policy {self.policy.name!r} chooses the blocks a decode step reads inside the eager attention "
@@ -286,9 +267,8 @@ class CacheSpec:
         return f"the budget K + Q = {self.budget} + {self.quantized} = {self.room}"
 
     def replace(self, **changes: Any) -> CacheSpec:
-        """A copy with ``changes`` (validated again). A setting of :data:`ALLOCATION_SETTINGS` this spec holds
-        goes over to the copy's allocation only where it applies there (``replace(allocation="uniform")`` of an
-        adaptive spec is the uniform cache); given again in ``changes``, it is checked as given."""
+        """A copy with ``changes``, validated again. An allocation setting this spec holds goes over to the copy only
+        where it applies there; given again in ``changes``, it is checked as given."""
         rule = allocation_class(changes.get("allocation", self.allocation))
         for name in ALLOCATION_SETTINGS:
             if name not in changes and name not in rule.settings:
@@ -301,37 +281,14 @@ class CacheSpec:
 
 
 def resolve_spec(spec: CacheSpec | None, /, **keywords: Any) -> CacheSpec:
-    """``spec``, or the :class:`CacheSpec` the keyword API describes, never both.
-
-    ``keywords`` are ``policy``, ``budget``, ``buffer``, ``quantized``, ``bits``, ``group_size``, ``seed``,
-    ``allocation``, ``budgets_file``, ``adaptive_alpha``, ``ragged`` (``None``, and ``quantized=0``, mean "not
-    given") and the policy's options.
-    """
-    named = (
-        "policy",
-        "budget",
-        "buffer",
-        "quantized",
-        "bits",
-        "group_size",
-        "seed",
-        "allocation",
-        "budgets_file",
-        "adaptive_alpha",
-        "ragged",
-    )
+    """``spec``, or the :class:`CacheSpec` the keyword API describes (its fields, ``None`` and ``quantized=0``
+    meaning "not given", and the policy's options), never both."""
+    named = [f.name for f in dataclasses.fields(CacheSpec)]
     given = {
         k: v for k, v in keywords.items() if k not in named or (v is not None and not (k == "quantized" and v == 0))
     }
     if spec is None:
-        settings = {k: given.pop(k) for k in named if k in given}
-        return CacheSpec.build(
-            settings.pop("policy", "full"),
-            settings.pop("budget", None),
-            settings.pop("buffer", DEFAULT_BUFFER),
-            **settings,
-            **given,
-        )
+        return CacheSpec.build(**given)
     if not isinstance(spec, CacheSpec):
         raise ValueError(f"spec must be a reasonkv.cache.CacheSpec or None, got {spec!r}")
     if given:

@@ -1,17 +1,10 @@
 """The evicting cache at a fixed shape: what a compiled decode step reads and writes.
 
-An evicting layer's buffers hold ``capacity`` slots, allocated once per run (``K + B``, or ``K + 2B``
-in a ragged batch; see :class:`~reasonkv.cache.rows.RowState`), and its views cover the slots in use.
-Those views change width at every step, so a compiled step cannot read them. :class:`StaticLayout`
-hands the step the whole buffers instead: the new token's K/V go to one buffer slot (a device tensor,
-the same shape at every step) and attention reads every slot through a ``[batch, 1, 1, capacity]``
-mask of the slots that hold a real token. Everything that moves slots (the eviction's gather, moving
-rows to the front when a write would pass the end) runs between steps, in place, into the same buffers,
-so the step sees the same tensors at the same shapes for as long as the capacity stands.
-
-Only caches whose every layer evicts and that hold no quantized tier have this layout: a hybrid model's
-sliding layers and the tier's packed codes change shape as they fill (see :func:`static_blocker`).
-"""
+An evicting layer's views change width at every step, so :class:`StaticLayout` hands a compiled step the
+whole buffers (``capacity`` slots, allocated once per run): the new token goes to one buffer slot (a device
+tensor) and attention reads every slot through a ``[batch, 1, 1, capacity]`` mask of the real ones.
+Whatever moves slots (the gather, moving rows to the front) runs between steps, in place. Hybrid models,
+quantized tiers and allocations have no such layout (:func:`static_blocker`)."""
 
 from __future__ import annotations
 
@@ -65,20 +58,11 @@ class _FixedLayer(CacheLayerMixin):
         return self.keys.shape[2]
 
 
-class _FixedCache(Cache):
-    def __init__(self, layers: list[_FixedLayer]):
-        super().__init__(layers=layers)
-
-
 class StaticLayout:
-    """``storage`` seen at a fixed shape, one decode step at a time.
-
-    :meth:`open_step` (after the evictor announced a single-token forward) makes room for the token,
-    and returns the transformers ``Cache`` over the whole buffers and the step's attention mask;
-    :meth:`close_step` (after the step) records the token's positions and extends the views over it.
-    The cache object and the mask are the same objects at every step (rebuilt only when a layer's
-    buffers are reallocated), so that a compiled step is not traced again.
-    """
+    """``storage`` seen at a fixed shape, one decode step at a time: :meth:`open_step` makes room for the token
+    and returns the ``Cache`` over the whole buffers and the mask, :meth:`close_step` records its positions.
+    Both objects stay the same from step to step (rebuilt only when buffers are reallocated), so a compiled
+    step is not traced again."""
 
     def __init__(self, storage: KVStorage):
         blocker = static_blocker(storage)
@@ -87,7 +71,7 @@ class StaticLayout:
         self.storage = storage
         self.layers: list[EvictingLayer] = [storage.layers[i] for i in storage.full_layers]
         self._buffers: list[torch.Tensor] = []  # each layer's key buffer the view was built on
-        self.view: _FixedCache | None = None
+        self.view: Cache | None = None
         self.mask: torch.Tensor | None = None  # [batch, 1, 1, capacity] bool
         self.column: torch.Tensor | None = None  # [1] long: the buffer slot the step writes
 
@@ -95,7 +79,7 @@ class StaticLayout:
     def capacity(self) -> int:
         return self.layers[0].capacity
 
-    def open_step(self) -> tuple[_FixedCache, torch.Tensor]:
+    def open_step(self) -> tuple[Cache, torch.Tensor]:
         """Room for one token in every layer; the cache the step runs with and its mask."""
         rows = self.storage.rows
         rows.open_step(1)
@@ -126,4 +110,4 @@ class StaticLayout:
         for buffer in (self.column, self.mask, *(b for layer in self.layers for b in layer.buffers)):
             if device.type == "cuda":  # CUDA graphs replay on these addresses instead of copying them in
                 torch._dynamo.mark_static_address(buffer)
-        self.view = _FixedCache([_FixedLayer(*layer.buffers, self.column) for layer in self.layers])
+        self.view = Cache(layers=[_FixedLayer(*layer.buffers, self.column) for layer in self.layers])

@@ -1,36 +1,14 @@
 """The evicting cache's storage: a transformers ``Cache`` of dense per-layer K/V, the logical position
-of every slot, the ``K + B`` trigger and the gather. It stores and gathers; it knows nothing about scores
-or policies (:mod:`reasonkv.cache.evictor` decides what to keep; :mod:`reasonkv.cache.evicting`
-composes the two).
+of every slot, the ``K + B`` trigger and the gather. It knows nothing about scores or policies
+(:mod:`reasonkv.cache.evictor` decides what to keep; :mod:`reasonkv.cache.evicting` composes the two).
 
-Layout, per evicting layer (:class:`~reasonkv.cache.layer.EvictingLayer`): ``keys``/``values`` are
-``[batch, kv_heads, slots, head_dim]``; ``positions`` is ``[batch, kv_heads, slots]``, the logical
-position of each stored token (``-1`` for padding). Slot validity (real token vs padding) is shared by
-all layers and heads of a row (:class:`~reasonkv.cache.rows.RowState`), because every head of a row
-always holds the same number of real tokens. Each row keeps its real tokens right-aligned: padding,
-when a row holds fewer tokens than the longest one, sits at the left, exactly like the left padding of a
-batched prompt, which every attention kernel (SDPA, FlashAttention) handles.
-
-Masks live in *slot space* (query ``i`` of a step sits at slot ``slots + i``), RoPE in *logical
-space* (the ``position_ids`` the evictor passes). ``get_seq_length`` reports logical tokens seen,
-as transformers' generation utilities expect; ``get_mask_sizes``/``get_query_offset`` report slots.
-
-Hybrid models (see :mod:`reasonkv.cache.hybrid`): only the full-attention layers are evicting layers;
-sliding-window and linear-attention layers are transformers' own cache layers for them, and the
-sliding layers' mask sizes are their own (``window``).
-
-With a quantized tier (``quantized=Q``, :mod:`reasonkv.cache.tiers`) the slots are ``[quantized | full
-precision]``: the first ``low_width`` slots of every layer hold the tier's tokens (packed, and a few
-pending at full precision, per layer in ``layer.quantized``), the rest the full-precision ones
-(``layer.keys``/``values``). Each region keeps a row's tokens right-aligned, so a row may have
-padding in both. The attention kernel gets the tier dequantized in front of the full-precision
-tokens, assembled per layer and forward in one buffer the layers share, so the cache holds only the
-packed codes.
-
-An eviction rewrites the rows it evicts, in both regions, and no other (rows fed padding after they
-finished are right-aligned again too); see :class:`~reasonkv.cache.layer.EvictingLayer` for how the
-others stay where they are.
-"""
+Per evicting layer (:class:`~reasonkv.cache.layer.EvictingLayer`): ``keys``/``values`` ``[batch, kv_heads,
+slots, head_dim]`` and ``positions`` ``[batch, kv_heads, slots]`` (``-1``: padding). Slot validity is shared by
+every layer and head of a row (:class:`~reasonkv.cache.rows.RowState`), and each row's real tokens are
+right-aligned, like a left-padded batch. Masks live in *slot* space, RoPE in *logical* space (the layout is
+in docs/design.md). Only full-attention layers evict (:mod:`reasonkv.cache.hybrid`). With a quantized tier
+the slots are ``[quantized | full precision]`` (:mod:`reasonkv.cache.quantized_tier`). An eviction rewrites
+only the rows it evicts (and rows fed padding after they finished, right-aligned again)."""
 
 from __future__ import annotations
 
@@ -61,19 +39,10 @@ def _of_rows(name: str, doc: str | None = None) -> property:
 class KVStorage(Cache):
     """A transformers ``Cache`` that stores at most ``budget + buffer`` tokens per head between evictions.
 
-    Parameters
-    ----------
-    budget, buffer
-        ``K`` (None: never evict) and ``B``: a row is due for eviction once it holds ``K + B`` tokens.
-    quantized, bits, group_size
-        The quantized tier (see :class:`~reasonkv.cache.spec.CacheSpec`).
-    model
-        The model whose layers the cache holds: full-attention layers evict, sliding-window and
-        linear-attention layers keep their model's own cache layers.
-    num_layers
-        Number of decoder layers, when known up front without a model (layers are otherwise created
-        on first use).
-    """
+    ``budget`` ``K`` (None: never evict) and ``buffer`` ``B``: a row is due once it holds ``K + B`` tokens;
+    ``quantized``, ``bits``, ``group_size``: the tier (see :class:`~reasonkv.cache.spec.CacheSpec`); ``model``: whose
+    layers the cache holds (full-attention layers evict, the others keep their model's own cache layers);
+    ``num_layers``: the decoder layers, when known without a model (otherwise created on first use)."""
 
     def __init__(
         self,
@@ -105,17 +74,17 @@ class KVStorage(Cache):
             if quantized:
                 self.tier_format(model_info(model).head_dim)
         elif num_layers is None:
-            super().__init__(layer_class_to_replicate=_weakly(self._new_layer))
+            super().__init__(layer_class_to_replicate=weakly(self._new_layer))
         else:
             super().__init__(layers=[self._new_layer() for _ in range(num_layers)])
 
     def _new_layer(self) -> EvictingLayer:
         # The layers call back into this storage weakly: the storage owns them, and a cycle would keep its K/V
         # alive until a garbage collection.
-        unannounced = _weakly(self._unannounced)
+        unannounced = weakly(self._unannounced)
         if not self.quantized:
             return EvictingLayer(self.rows, unannounced)
-        return EvictingLayer(self.rows, unannounced, _weakly(self.tier_format), self.workspace)
+        return EvictingLayer(self.rows, unannounced, weakly(self.tier_format), self.workspace)
 
     def _layers_of(self, model) -> list:
         """One cache layer per decoder layer: evicting for full attention, the model's own otherwise."""
@@ -173,11 +142,8 @@ class KVStorage(Cache):
         return [i for i, layer in enumerate(self.layers) if isinstance(layer, EvictingLayer)]
 
     def positions(self, layer_idx: int) -> torch.Tensor:
-        """Logical positions of the stored tokens of one layer, ``[batch, kv_heads, slots]`` (-1: padding).
-
-        A sliding-window layer's slots are its window (the same positions in every head); a
-        linear-attention layer stores no tokens and raises ``ValueError``.
-        """
+        """Logical positions of one layer's stored tokens, ``[batch, kv_heads, slots]`` (-1: padding); a
+        sliding-window layer's are its window's, a linear-attention layer raises ``ValueError``."""
         layer = self.layers[layer_idx]
         if isinstance(layer, EvictingLayer):
             if not self.rows.low_width:
@@ -200,25 +166,20 @@ class KVStorage(Cache):
     def kv_bytes(self) -> int:
         """Bytes of K/V storage held (allocated capacity, not just the used slots), all layer kinds and tiers."""
         held = self.kv_bytes_by_kind()
-        return held["full"] + held["quantized"] + held["sliding"]
+        return sum(held[kind] for kind in ("full", "quantized", "sliding"))
 
     def kv_bytes_by_kind(self) -> dict[str, int]:
-        """Bytes held per layer kind: ``full`` (the evicting layers' allocated full-precision K/V),
-        ``quantized`` (their quantized tier: codes, key-group ids, scales and zero points), ``sliding``
-        (the window layers' stored K/V) and ``linear`` (recurrent and convolution states)."""
+        """Bytes held per layer kind (see :func:`kv_bytes_by_kind`)."""
         return kv_bytes_by_kind(self.layers)
 
     def kv_bytes_by_tier(self) -> dict[str, int]:
-        """Bytes the evicting layers hold per tier: ``full`` (full-precision K/V, allocated capacity) and
-        ``quantized`` (codes, key-group ids, scales and zero points, the pending tokens' K/V)."""
+        """The evicting layers' bytes per tier, allocated capacity counted: ``full`` and ``quantized``."""
         held = self.kv_bytes_by_kind()
         return {"full": held["full"], "quantized": held["quantized"]}
 
     def row_kv_bytes_by_tier(self) -> dict[str, torch.Tensor]:
-        """The bytes each row's tokens need in the evicting layers, ``[batch]`` per tier: ``full`` (its
-        full-precision tokens) and ``quantized`` (its tier: codes, group ids and value statistics per
-        coded token, the statistics of every key group still holding one of its tokens, the K/V of its
-        pending tokens). Padding and spare capacity are not counted (:meth:`kv_bytes_by_tier` counts them)."""
+        """The bytes each row's tokens need in the evicting layers, ``[batch]`` per tier (``full``, ``quantized``:
+        codes, group ids and statistics of held groups, pending K/V); padding and spare capacity not counted."""
         full = self.rows.full_valid().sum(-1) if self.rows.started else torch.zeros(0, dtype=torch.long)
         if self.allocated and self.rows.started:  # heads hold different numbers: count each head's tokens
             return {"full": self._allocated_row_bytes(), "quantized": torch.zeros_like(full)}
@@ -235,9 +196,7 @@ class KVStorage(Cache):
             layer = self.layers[index]
             if not layer.is_initialized:
                 continue
-            per_token = (layer._keys.shape[-1] * layer._keys.element_size()) + (
-                layer._values.shape[-1] * layer._values.element_size()
-            )
+            per_token = sum(t.shape[-1] * t.element_size() for t in (layer._keys, layer._values))
             held = (layer.positions >= 0).sum((1, 2)) * per_token
             total = held if total is None else total + held
         return total if total is not None else torch.zeros(0, dtype=torch.long)
@@ -248,10 +207,9 @@ class KVStorage(Cache):
         return sum(2 * layer.keys.shape[1] * layer.keys.shape[3] * layer.keys.element_size() for layer in layers)
 
     def steady_kv_bytes(self) -> list[dict[str, float] | None]:
-        """Per row: the mean over its evictions of :meth:`row_kv_bytes_by_tier` right after each eviction
-        (``full``, ``quantized``: what the budget and the tier hold in steady state, the buffer ``B``
-        empty), and ``tokens``, the full-precision tokens per (layer, kv-head) those bytes would hold;
-        ``None`` for a row never evicted. Reads the device once."""
+        """Per row: the mean of :meth:`row_kv_bytes_by_tier` right after each of its evictions (``full``,
+        ``quantized``: the steady state, ``B`` empty) and ``tokens``, the full-precision tokens per (layer,
+        kv-head) those bytes would hold; ``None`` for a row never evicted. Reads the device once."""
         if self._after_evictions is None:
             return [None] * (0 if self.rows.row_evictions is None else self.rows.row_evictions.shape[0])
         counts = self.rows.row_evictions.double()
@@ -271,8 +229,8 @@ class KVStorage(Cache):
         return self.rows.quantized_mask()
 
     def coded_positions(self, layer_idx: int) -> torch.Tensor:
-        """``[batch, kv_heads, low_width]``: the positions of one layer's coded tokens, the ones attention sees
-        dequantized (``-1`` elsewhere: padding, and pending tokens, which it sees at full precision)."""
+        """``[batch, kv_heads, low_width]``: one layer's coded tokens' positions (``-1`` elsewhere: padding, and
+        pending tokens, which attention sees at full precision)."""
         tier = self.layers[layer_idx].quantized
         if tier is None or not self.low_width:
             return self.positions(layer_idx)[:, :, :0]
@@ -284,8 +242,7 @@ class KVStorage(Cache):
         return self.layers[layer_idx].attended()
 
     def tier_format(self, head_dim: int) -> QuantFormat:
-        """The quantized tier's format for this head_dim (``ValueError`` if the group size does not divide it,
-        or if the tier could never hold a whole key group)."""
+        """The quantized tier's format for ``head_dim`` (``ValueError`` if it cannot hold it or one key group)."""
         if self._format is None:
             size = self.group_size if self.group_size is not None else default_group_size(head_dim)
             fmt = QuantFormat(self.bits, size)
@@ -320,20 +277,16 @@ class KVStorage(Cache):
 
     # ------------------------------------------------------------------ writing
     def reserve(self, tokens: int) -> None:
-        """Declare the most tokens a row can reach in this run (prompt + new tokens), so buffers are
-        allocated once at the size the run needs instead of growing (an evicting cache needs at most
-        ``max(prompt, K + B)``)."""
+        """Declare the most tokens a row reaches in this run (prompt + new), so buffers are allocated once
+        (an evicting cache needs at most ``max(prompt, K + B)``)."""
         self.rows.reserve(tokens)
 
     def begin_forward(
         self, batch: int, q: int, incoming: torch.Tensor | None, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Announce the next forward: ``q`` tokens per row, ``incoming`` ``[batch, q]`` True where real
-        (``None``: all real).
-
-        Returns the tokens' logical positions for RoPE (``[batch, q]``, 0 at padding), the same with -1 at
-        padding, and the slot-space attention mask for the forward (``None`` when no slot is padding).
-        """
+        """Announce the next forward: ``q`` tokens per row, ``incoming`` ``[batch, q]`` True where real (None: all).
+        Returns the logical positions for RoPE (``[batch, q]``, 0 at padding), the same with -1 at padding, and the
+        slot-space attention mask (None when no slot is padding)."""
         announced = self.rows.announce(batch, q, incoming, device)
         if self.window is not None:
             real = torch.ones((batch, q), dtype=torch.bool, device=device) if incoming is None else incoming
@@ -353,14 +306,11 @@ class KVStorage(Cache):
 
     # ------------------------------------------------------------------ allocations
     def allocate(self, first: int, widest: int, *, ragged: bool = True) -> None:
-        """Heads keep different numbers of tokens (an allocation, :mod:`reasonkv.cache.allocation`): a row is
-        first due at ``first`` tokens, then every ``B`` new tokens; a head keeps at most ``widest``. The slots
-        are the widest head's: a head keeping fewer holds padding (position ``-1``) in its first slots, which
-        :meth:`head_mask` hides from the attention kernel and :meth:`key_valid` from recomputed attention.
-        ``ragged``: the evicting layers hold only what each head keeps (:class:`~reasonkv.cache.ragged.RaggedLayer`:
-        the bytes held are the budgets + ``B`` per head); otherwise every head is padded to the widest one in
-        dense buffers. Called before the cache's first forward (by the evictor, whose spec has refused a quantized
-        tier under an allocation)."""
+        """Heads keep different numbers of tokens (:mod:`reasonkv.cache.allocation`): a row is first due at
+        ``first`` tokens, then every ``B``; a head keeps at most ``widest``. A head keeping fewer holds padding
+        (position ``-1``) in its first slots, hidden by :meth:`head_mask` and :meth:`key_valid`. ``ragged``: each
+        head holds only what it keeps (:class:`~reasonkv.cache.ragged.RaggedLayer`), else dense buffers padded
+        to the widest head. Called before the first forward."""
         self.allocated = True
         self.rows.allocate(first, self.buffer, widest)
         if not ragged:
@@ -372,21 +322,18 @@ class KVStorage(Cache):
             self.layers[index] = RaggedLayer(self.rows, layer.unannounced, every=self.buffer)
 
     def key_valid(self, layer_idx: int) -> torch.Tensor:
-        """Which stored keys of a layer are real: ``[batch, slots]`` (every head alike), or ``[batch, kv_heads,
-        slots]`` under an allocation (a head keeping fewer has padding of its own)."""
+        """Which stored keys are real: ``[batch, slots]``, or ``[batch, kv_heads, slots]`` under an allocation."""
         if not self.allocated:
             return self.valid
         return self.valid.unsqueeze(1) & (self.layers[layer_idx].positions >= 0)
 
     def head_mask(self, layer_idx: int, query: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The additive mask of one evicting layer's forward under an allocation (see
-        :func:`~reasonkv.cache.allocation.heads.head_mask`), read after the forward's write."""
+        """One evicting layer's additive mask under an allocation (see :func:`.allocation.heads.head_mask`)."""
         return head_mask(self.layers[layer_idx].positions, query, dtype)
 
     def widest_positions(self) -> torch.Tensor:
-        """``[batch, slots]``: the positions of each row's widest head (the most tokens, of any evicting layer).
-        Under an allocation a token-granularity policy's heads keep nested sets (each the top of one ranking),
-        so the widest head holds every token some head holds; its slots are what such a policy ranks."""
+        """``[batch, slots]``: the positions of each row's widest head. Under an allocation a token policy's heads keep
+        nested sets, so the widest holds every token some head holds: what such a policy ranks."""
         return widest_positions([self.layers[i].positions for i in self.full_layers])
 
     def head_counts(self, layer_idx: int) -> torch.Tensor:
@@ -400,20 +347,11 @@ class KVStorage(Cache):
         keep: list[torch.Tensor],
         quantized: tuple[list[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
-        """Shrink ``rows`` (distinct, ascending) to the slots in ``keep`` (one ``[len(rows), kv_heads, K]``
-        tensor per layer, ascending).
-
-        Under an allocation a head keeping fewer than the others names ``-1`` in its first entries (no token):
-        its first slots hold padding (position ``-1``) afterwards.
-
-        Rows not listed keep every real token and are not rewritten (unless they hold padding between
-        their tokens: rows fed padding after they finished are right-aligned again). Afterwards every row
-        is right-aligned and the slot count is the longest row's length. With a quantized tier,
-        ``quantized`` names the slots the rows keep in the tier (as
-        :func:`reasonkv.cache.tiers.split_tiers` returns them: one ``[len(rows), kv_heads, m]`` tensor per
-        layer, right-aligned, ``-1`` for none, and the count per row; ``m`` at least every row's tier count
-        afterwards, the other rows' too), and ``keep`` only full-precision slots.
-        """
+        """Shrink ``rows`` (distinct, ascending) to the slots in ``keep`` (one ``[len(rows), kv_heads, K]`` per
+        layer, ascending; ``-1`` first where an allocated head keeps fewer). Other rows are not rewritten unless
+        they hold padding between tokens; afterwards every row is right-aligned and the slots are the longest
+        row's. With a tier, ``quantized`` is :func:`reasonkv.cache.tiers.split_tiers`' slots per layer and count
+        per row, and ``keep`` holds only full-precision slots."""
         evicting = len(self.full_layers)
         if len(keep) != evicting:
             raise ValueError(f"need keep indices for all {evicting} full-attention layers, got {len(keep)}")
@@ -432,8 +370,7 @@ class KVStorage(Cache):
         self._count_bytes(rows)
 
     def _compact_full(self, rows: torch.Tensor, keep: list[torch.Tensor]) -> torch.Tensor:
-        """Rewrite the full-precision tier of ``rows`` (and of rows holding padding between their tokens);
-        returns its new ``[batch, slots]`` validity."""
+        """Rewrite the full-precision tier of ``rows`` (and of holey rows); returns its new validity."""
         k = keep[0].shape[-1]
         valid = self.rows.full_valid()
         batch, slots = valid.shape
@@ -463,8 +400,7 @@ class KVStorage(Cache):
         return new_valid
 
     def _compact_quantized(self, rows: torch.Tensor, selected: list[torch.Tensor], counts: torch.Tensor):
-        """Update every layer's quantized tier for ``rows`` (the others keep theirs). Returns the tier's new
-        ``[batch, width]`` validity (right-aligned)."""
+        """Update every layer's tier for ``rows``; returns the tier's new ``[batch, width]`` validity."""
         width = self.rows.low_width
         held = self.valid[:, :width]
         device = held.device
@@ -519,19 +455,20 @@ class KVStorage(Cache):
         return f"{name}(budget={self.budget}, buffer={self.buffer}{tier}, slots={self.slots}, seen={self.seen})"
 
 
-def _weakly(method):
-    """``method`` (bound) as a function that holds its object weakly."""
+def weakly(method):
+    """``method`` (bound) as a function that holds its object weakly (and does nothing once it is gone)."""
     ref = weakref.WeakMethod(method)
 
     def call(*args, **kwargs):
-        return ref()(*args, **kwargs)
+        bound = ref()
+        return None if bound is None else bound(*args, **kwargs)
 
     return call
 
 
 def kv_bytes_by_kind(layers) -> dict[str, int]:
-    """Bytes held per layer kind by cache ``layers``: an ``EvictingCache``'s, or transformers' own
-    (whose full-attention layers count as ``full``)."""
+    """Bytes held per layer kind by cache ``layers`` (an ``EvictingCache``'s or transformers' own): ``full``,
+    ``quantized`` (codes, group ids, scales, zero points), ``sliding`` and ``linear`` (recurrent and conv states)."""
     held = {"full": 0, "quantized": 0, "sliding": 0, "linear": 0}
     for layer in layers:
         if isinstance(layer, EvictingLayer):

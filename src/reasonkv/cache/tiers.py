@@ -1,24 +1,9 @@
 """The quantized tier: "keep, but in fewer bytes", between keeping a token and evicting it (torch only).
 
-With a quantized budget ``Q``, every eviction splits the tokens of each head three ways by the
-policy's ranking (:meth:`reasonkv.policies.Policy.ranking`, the order its ``keep`` takes tokens in):
-
-- the first ``K`` still held at full precision stay at full precision (protected tokens and, for
-  VASE, the value-range reservation rank first, so they are among them whenever ``K`` holds them);
-- the next ``Q`` (counting the tokens already in the tier) are kept in the tier; a full-precision
-  token among them is demoted now;
-- the rest are dropped.
-
-A token in the tier is never promoted back: it competes at every eviction for the ``Q`` tier slots
-only, and once dropped it is gone. :func:`split_tiers` makes the split; how the tier stores its
-tokens (codes in key groups, and a pending group at full precision until a whole key group forms)
-is :mod:`reasonkv.cache.quantized_tier`, the formats :mod:`reasonkv.cache.quantize`.
-
-Bytes: :func:`quantized_token_bytes` is the nominal cost of a coded token (a whole key group's
-statistics shared by ``group_size`` tokens); what a tier really holds (pending tokens at full
-precision, key groups that lost members) is measured by the cache
-(:meth:`reasonkv.cache.KVStorage.row_kv_bytes_by_tier`).
-"""
+At every eviction :func:`split_tiers` splits each head's tokens by the policy's ranking: the first ``K``
+still at full precision stay there, the next ``Q`` (tier tokens included) are held in the tier (demoting
+full-precision ones), the rest are dropped. A tier token is never promoted back. Storage is
+:mod:`reasonkv.cache.quantized_tier`, the formats :mod:`reasonkv.cache.quantize`; docs/quantized-tier.md."""
 
 from __future__ import annotations
 
@@ -45,8 +30,7 @@ GROUP_ID_BYTES = 2  # int16 key-group ids (int32 only for a tier of 32k groups o
 
 
 def check_settings(quantized: int, bits: int | None, group_size: int | None = None) -> None:
-    """Refuse a bad quantized tier before anything is built: ``quantized`` a non-negative integer,
-    ``bits`` 4 or 8 and ``group_size`` positive (both only with ``quantized > 0``)."""
+    """``quantized`` a non-negative integer; ``bits`` 4 or 8 and ``group_size`` positive, only with a tier."""
     if not is_int(quantized) or quantized < 0:
         raise ValueError(f"quantized must be a non-negative integer (tokens kept quantized), got {quantized!r}")
     if not quantized:
@@ -70,28 +54,14 @@ def split_tiers(
 ) -> TierSplit:
     """Split the slots of each leading index into full precision, the quantized tier and dropped.
 
-    Parameters
-    ----------
-    priority
-        ``[..., S]`` from :meth:`Policy.ranking`: higher is kept first; protected slots hold
-        ``select.MUST_KEEP``, padding ``select.NEVER_KEEP``.
-    held_quantized
-        Slots already held in the tier (broadcasts against ``priority``).
-    full, quantized
-        ``K`` and ``Q``.
-    width
-        Columns of ``TierSplit.quantized``, at least the largest count (host-known: the caller knows it
-        for every layer at once); ``None`` reads it from the device.
+    ``priority`` ``[..., S]`` is :meth:`Policy.ranking` (higher kept first; protected ``MUST_KEEP``, padding
+    ``NEVER_KEEP``); ``held_quantized`` the slots already in the tier (broadcast); ``full``, ``quantized``: ``K``,
+    ``Q``; ``width``: columns of ``TierSplit.quantized`` (host-known, at least the largest count; None reads it).
 
-    Taking tokens in priority order (ties: the higher slot, i.e. the newer token, first, the rule of
-    :func:`reasonkv.policies.select.top_indices`), the full tier gets the first ``K`` tokens not yet in
-    the tier and the tier the next ``Q`` of the others. For a sampling policy the priority is one
-    Gumbel-perturbed draw, so the order is a sample without replacement: the first ``K``
-    full-precision tokens are what the policy alone would keep at budget ``K`` (at the first eviction
-    exactly), and the tiers together hold a sample of ``K + Q``. Too many protected tokens, or too few
-    at full precision, raise ``ValueError`` (inside :func:`reasonkv.policies.select.checks_at_exit`
-    when it ends, with every other check of the block in one host read).
-    """
+    In priority order (ties: the newer token first, as :func:`reasonkv.policies.select.top_indices`), the full
+    tier gets the first ``K`` tokens not in the tier and the tier the next ``Q`` of the others; for a sampling
+    policy that is one sample without replacement. Too many protected tokens, or too few at full precision,
+    raise ``ValueError`` (inside :func:`reasonkv.policies.select.checks_at_exit`)."""
     held = torch.broadcast_to(held_quantized, priority.shape)
     order = rank_order(priority)
     ranked = priority.gather(-1, order)
@@ -131,10 +101,8 @@ def full_token_bytes(head_dim: int, dtype_size: int) -> int:
 
 
 def quantized_token_bytes(head_dim: int, dtype_size: int, fmt: QuantFormat) -> float:
-    """Nominal bytes of one quantized token in one (layer, kv-head): the codes of its key and value,
-    its value groups' scales and zero points, its share of a full key group's (``group_size``
-    tokens), and its key-group id. What a tier really holds is more: its pending tokens are at full
-    precision, and key groups left with fewer members take more per member (see
+    """Nominal bytes of one quantized token in one (layer, kv-head): its key and value codes, its value groups'
+    scales and zero points, its share of a whole key group's, and its group id (what a tier really holds is
     :meth:`~reasonkv.cache.quantized_tier.QuantizedTier.row_bytes`)."""
     codes = 2 * head_dim * fmt.bits / 8
     value_stats = 2 * (head_dim // fmt.group_size) * dtype_size
@@ -142,15 +110,17 @@ def quantized_token_bytes(head_dim: int, dtype_size: int, fmt: QuantFormat) -> f
     return codes + value_stats + key_stats + GROUP_ID_BYTES
 
 
+def _tier_share(quantized: int, fmt: QuantFormat, head_dim: int, dtype_size: int) -> float:
+    """The full-precision tokens ``quantized`` tier tokens cost, nominally."""
+    return quantized * quantized_token_bytes(head_dim, dtype_size, fmt) / full_token_bytes(head_dim, dtype_size)
+
+
 def equivalent_budget(budget: int, quantized: int, fmt: QuantFormat, head_dim: int, dtype_size: int) -> float:
     """The full-precision budget with the same nominal K/V bytes as ``budget`` + ``quantized`` tokens."""
-    return budget + quantized * quantized_token_bytes(head_dim, dtype_size, fmt) / full_token_bytes(
-        head_dim, dtype_size
-    )
+    return budget + _tier_share(quantized, fmt, head_dim, dtype_size)
 
 
 def budget_for_bytes(budget: int, quantized: int, fmt: QuantFormat, head_dim: int, dtype_size: int) -> int:
-    """The full-precision budget that, beside ``quantized`` quantized tokens, holds at most the nominal
-    K/V bytes of ``budget`` full-precision tokens."""
-    share = quantized * quantized_token_bytes(head_dim, dtype_size, fmt) / full_token_bytes(head_dim, dtype_size)
-    return budget - math.ceil(share - 1e-9)
+    """The full-precision budget that, beside ``quantized`` tier tokens, holds at most the nominal bytes of
+    ``budget`` full-precision tokens."""
+    return budget - math.ceil(_tier_share(quantized, fmt, head_dim, dtype_size) - 1e-9)

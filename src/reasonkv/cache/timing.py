@@ -1,10 +1,8 @@
 """Accumulated time per phase (recording, policy update, scoring, gather).
 
-On the CPU a phase is timed with the wall clock. On CUDA, kernels run asynchronously, so with
-``sync=True`` each phase records a pair of CUDA events instead, and the events are read only when the
-totals are asked for (:meth:`Stopwatch.as_dict`, once per measurement window): timing never adds a
-synchronisation inside a layer or a step, so it does not change what it times. Without ``sync`` on
-CUDA, the wall clock covers only the launches.
+The wall clock, or on CUDA with ``sync=True`` a pair of events per phase, read only when the totals are asked
+for (:meth:`Stopwatch.as_dict`): timing adds no synchronisation inside a step. Without ``sync`` on CUDA the
+wall clock covers only the launches.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Text prompts and the chat template: what ``generate`` does to a string before tokenizing it.
 
-An instruct model given bare text often ends at once (SmolLM2-135M-Instruct answers "What is 2 + 3?" with
-its end-of-sequence token), so ``reasonkv.generate`` and the commands apply the tokenizer's chat template
-to text prompts by default, the same way, here. Text that already holds the template (``build_prompt``'s
-output, a rendered conversation) is left as it is: a template applied twice nests one turn in another.
+An instruct model given bare text often ends at once, so ``reasonkv.generate`` and the commands apply the
+tokenizer's chat template to text prompts by default, here. Text that already holds the template is left as
+it is: a template applied twice nests one turn in another.
 """
 
 from __future__ import annotations
@@ -49,11 +48,8 @@ def is_templated(tokenizer: Any, text: str) -> bool:
 
 
 def chat_prompt(tokenizer: Any, text: str) -> str:
-    """``text`` as the user turn of the tokenizer's chat template, ready for the assistant's answer.
-
-    Returned unchanged when the tokenizer has no template (a base model reads plain text) or when the
-    text already holds the template.
-    """
+    """``text`` as the user turn of the tokenizer's chat template, ready for the assistant's answer; unchanged
+    when the tokenizer has no template or the text already holds it."""
     if not has_template(tokenizer) or is_templated(tokenizer, text):
         return text
     return _render(tokenizer, text)

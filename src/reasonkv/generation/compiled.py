@@ -1,31 +1,17 @@
 """Compiled decode: each decode step one fixed-shape graph, the eviction between steps.
 
-A decode step of a small batch is bound by kernel launches and Python, not by reading weights and K/V.
-:class:`CompiledDecode` runs the model's single-token forward through ``torch.compile`` (inductor;
-CUDA graphs on a GPU) over the cache's :class:`~reasonkv.cache.static.StaticLayout`: the whole K/V
-buffers, a validity mask and the write slot, the same tensors at the same shapes at every step. What
-changes shape stays outside the graph, in eager PyTorch between steps, exactly as without compiling:
+A small batch's decode step is bound by kernel launches and Python. :class:`CompiledDecode` runs the
+single-token forward through ``torch.compile`` (CUDA graphs on a GPU) over the cache's
+:class:`~reasonkv.cache.static.StaticLayout` (the same tensors at the same shapes at every step). What changes
+shape stays eager between steps, as without compiling: the evictor's bookkeeping, scoring and gather
+(:meth:`Evictor.announce <reasonkv.cache.evictor.Evictor.announce>`, :meth:`Evictor.finish`), and the signals,
+which the step writes into fixed buffers (:class:`~reasonkv.hf.capture.StepCapture`) for the observer to record
+after it. So a run that evicts hundreds of times compiles once per (batch, capacity). The capture's hooks and
+kernel wrapper are removed by :meth:`CompiledDecode.close`: after a run no model passes through reasonkv code.
 
-- the evictor's bookkeeping (:meth:`Evictor.announce <reasonkv.cache.evictor.Evictor.announce>`), the
-  policy's scoring and the gather into the same buffers (:meth:`Evictor.finish`);
-- the signals a policy reads: the step writes the newest token's hidden states and post-RoPE queries
-  into fixed buffers (:class:`~reasonkv.hf.capture.StepCapture`), and the observer records them after
-  the step as its hooks record them during an eager forward.
-
-So the graph is traced once per (batch size, capacity); a run that evicts hundreds of times compiles
-once. The capture's hooks and kernel wrapper are installed at the first compiled step and removed by
-:meth:`CompiledDecode.close` (``generate`` calls it in a ``finally``): after a run returns, no model in
-the process passes through reasonkv code.
-
-Caches without a fixed-shape layout (a quantized tier, a hybrid model's sliding layers) decode
-eagerly, and :attr:`CompiledDecode.eager_reason` says why. A selection policy is refused
-(:meth:`CacheSpec.check_compile <reasonkv.cache.spec.CacheSpec.check_compile>`): it chooses what attention
-reads inside the eager kernel, which the graph does not call.
-
-:class:`StaticStep` is the same single-token graph over transformers' own ``StaticCache``: plain
-transformers compiled, the reference a compiled cache is measured against. Both are decode steps of
-:mod:`reasonkv.generation.step`.
-"""
+Caches without a fixed-shape layout decode eagerly (:attr:`CompiledDecode.eager_reason` says why); a selection
+policy is refused (:meth:`CacheSpec.check_compile <reasonkv.cache.spec.CacheSpec.check_compile>`).
+:class:`StaticStep` is the same graph over transformers' ``StaticCache``, the plain reference."""
 
 from __future__ import annotations
 
@@ -127,22 +113,32 @@ class GraphClock:
         return out
 
 
-class CompiledDecode:
-    """The decode steps of ``model`` with its attached ``cache``, compiled (after an eager prefill).
+class _GraphSteps:
+    """What both compiled steps report: the graphs traced, the seconds tracing took, and what ran."""
 
-    Parameters
-    ----------
-    model, cache
-        The model and the :class:`~reasonkv.cache.EvictingCache` attached to it, which has seen the prompt.
-    backend, mode
-        ``torch.compile``'s backend (default ``inductor``) and mode (default: :func:`compile_mode` for
-        inductor, none for other backends).
+    eager_reason: str | None = None
+    compilations = property(lambda self: self._clock.compilations)
+    warmup_seconds = property(lambda self: self._clock.warmup_seconds)
 
-    Calling it with a step's ``[batch, 1]`` input ids and padding mask (None: every row live) runs the
-    step and returns the newest logits ``[batch, vocab]``; the cache evicts after it as it would after an
-    eager forward. :attr:`compilations` counts the graphs traced, :attr:`warmup_seconds` the time the
-    steps that traced one took (to report apart from decoding speed).
-    """
+    def describe(self) -> dict:
+        """What ran, for a run's statistics."""
+        return {
+            "compiled": self.compiled,
+            "backend": self.backend if self.compiled else None,
+            "mode": self.mode if self.compiled else None,
+            "compilations": self.compilations,
+            "warmup_seconds": self.warmup_seconds,
+            "eager_reason": self.eager_reason,
+        }
+
+
+class CompiledDecode(_GraphSteps):
+    """The decode steps of ``model`` with its attached ``cache`` (an :class:`~reasonkv.cache.EvictingCache` that has
+    seen the prompt), compiled with ``backend`` (default ``inductor``) and ``mode`` (default :func:`compile_mode`).
+
+    Called with a step's ``[batch, 1]`` ids and padding mask (None: every row live), it returns the newest
+    logits ``[batch, vocab]``; the cache evicts after it as after an eager forward. :attr:`compilations` counts
+    the graphs traced, :attr:`warmup_seconds` the time the steps that traced one took."""
 
     def __init__(self, model, cache: EvictingCache, *, backend: str = "inductor", mode: str | None = None):
         if cache.evictor is None:
@@ -169,14 +165,6 @@ class CompiledDecode:
     def compiled(self) -> bool:
         return self.eager_reason is None
 
-    @property
-    def compilations(self) -> int:
-        return self._clock.compilations
-
-    @property
-    def warmup_seconds(self) -> float:
-        return self._clock.warmup_seconds
-
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The prompt's forward, eager (any number of tokens a row): its newest logits."""
         return self._forward.newest_logits(input_ids, self.cache, attention_mask)
@@ -191,17 +179,6 @@ class CompiledDecode:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    def describe(self) -> dict:
-        """What ran, for a run's statistics."""
-        return {
-            "compiled": self.compiled,
-            "backend": self.backend if self.compiled else None,
-            "mode": self.mode if self.compiled else None,
-            "compilations": self.compilations,
-            "warmup_seconds": self.warmup_seconds,
-            "eager_reason": self.eager_reason,
-        }
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         if input_ids.shape[1] != 1:
@@ -229,7 +206,7 @@ class CompiledDecode:
         return logits
 
 
-class StaticStep:
+class StaticStep(_GraphSteps):
     """Plain transformers decoding compiled: a ``StaticCache`` of ``capacity`` slots a row, the prefill eager and
     each single-token step through ``torch.compile`` of the model's forward (CUDA graphs on a GPU). No reasonkv
     code runs on the model (its :attr:`cache` is transformers' own)."""
@@ -245,10 +222,6 @@ class StaticStep:
         self._graph = compiled_function(traced_step_logits, backend, self.mode)
         self._clock = GraphClock(self.device)
         self._length = 0
-
-    @property
-    def warmup_seconds(self) -> float:
-        return self._clock.warmup_seconds
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         if attention_mask is not None:
@@ -266,16 +239,6 @@ class StaticStep:
             )
         self._length += 1
         return logits.clone() if self.mode == "reduce-overhead" else logits  # a CUDA graph reuses its output
-
-    def describe(self) -> dict:
-        return {
-            "compiled": True,
-            "backend": self.backend,
-            "mode": self.mode,
-            "compilations": self._clock.compilations,
-            "warmup_seconds": self._clock.warmup_seconds,
-            "eager_reason": None,
-        }
 
     def close(self) -> None:
         pass

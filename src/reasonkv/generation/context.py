@@ -1,10 +1,8 @@
 """The model's context length, and the check that a prompt and the tokens it may generate fit in it.
 
-Positions past ``max_position_embeddings`` are ones the model was never trained on: its output there is
-noise (a 15,670-token prompt on an 8,192-token model decodes for minutes and prints blank lines). An
-evicting cache does not help, since tokens keep their positions. ``eval`` refuses such a unit before
-decoding, and the ``generate``, ``inspect`` and ``demo`` commands refuse such a prompt, with the same
-message; ``reasonkv.generate`` warns (decoding past the context can be what an experiment is after).
+The model was never trained past ``max_position_embeddings`` (tokens keep their positions under eviction), so
+its output there is noise: ``eval`` and the ``generate``, ``inspect`` and ``demo`` commands refuse such a prompt
+before decoding, with one message; ``reasonkv.generate`` warns (it can be what an experiment is after).
 """
 
 from __future__ import annotations

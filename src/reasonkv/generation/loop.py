@@ -1,11 +1,8 @@
 """Batched decoding with an evicting KV cache: prefill, then per step sample -> feed -> stop.
 
-The eviction itself happens in the cache (the hooks of :class:`~reasonkv.cache.evictor.Evictor`), after
-every forward; this loop only feeds tokens, samples and stops. Batches are left-padded; padding never
-occupies budget, and each row evicts on its own schedule, so a row's result does not depend on its batch
-up to rounding: a padded batch sums in another order than a lone row (logits differ by about 1e-7 in
-float32, a unit or two in the last place in bf16, where a near-tie can then send a greedy decode another
-way).
+The cache evicts after every forward (:class:`~reasonkv.cache.evictor.Evictor`); this loop feeds, samples and
+stops. Batches are left-padded; padding never takes budget and each row evicts on its own schedule, so a row's
+result does not depend on its batch, up to rounding (a padded batch sums in another order).
 """
 
 from __future__ import annotations
@@ -68,10 +65,7 @@ def generate(
     tokenizer
         The model's tokenizer; may be ``None`` when prompts are token ids (outputs then have no text).
     prompts
-        One prompt or a non-empty list of them: text or token ids inside the model's vocabulary. Token
-        ids are decoded from as they are; text goes through the tokenizer's chat template (see ``chat``).
-        A prompt and ``max_new_tokens`` longer than the model's context (``max_position_embeddings``)
-        get a warning: the model was never trained on the positions past it (see ``max_new_tokens``).
+        One prompt or a non-empty list of them: text (see ``chat``) or token ids inside the vocabulary.
     spec
         The cache's settings as one :class:`~reasonkv.cache.CacheSpec`; or give them as keywords (not
         both: a cache setting given twice is refused, naming it):
@@ -82,17 +76,12 @@ def generate(
         bits, and the policy's hyper-parameters (``sinks``, ``window``, ...). Pass a policy instance when
         an option shares its name with an argument of this function.
     seed
-        The sampling's seed per row: one integer, or one per prompt. Without a spec it seeds the cache's
-        eviction randomness too (the spec it builds holds it); beside a spec it is a decoding setting like
-        ``temperature``, and the spec's own ``seed`` seeds the eviction (and the sampling when ``seed`` is
-        not given).
+        The sampling's seed per row: one integer, or one per prompt; with keywords it seeds the eviction too,
+        beside a spec the spec's own ``seed`` does (and the sampling, when ``seed`` is not given).
     max_new_tokens, temperature, top_p, top_k
-        Decoding (see :class:`~reasonkv.generation.sampling.Sampling`; temperature 0: greedy). A prompt and
-        ``max_new_tokens`` past the model's context (``max_position_embeddings``) are decoded, with a
-        ``UserWarning``, not refused as the commands refuse them: research code probes past the context on
-        purpose. A row whose prompt and output tokens did exceed it says so in its stats:
-        ``stats["past_context"] = {"context": <max_position_embeddings>, "tokens": <prompt + output>}``
-        (absent from a row that stayed inside).
+        Decoding (see :class:`~reasonkv.generation.sampling.Sampling`; temperature 0: greedy). Past the model's
+        context (``max_position_embeddings``) it decodes with a ``UserWarning`` (the commands refuse), and a
+        row that went past says so: ``stats["past_context"] = {"context": ..., "tokens": <prompt + output>}``.
     stop
         A string, or a list of strings, that ends a row's generation (kept in its text).
     ignore_eos
@@ -107,16 +96,12 @@ def generate(
         Record every eviction: each result's ``trace`` is then a :class:`~reasonkv.cache.decisions.Trace`
         (what each layer and head held, protected and scored; see ``reasonkv inspect``).
     compile
-        ``True`` (or a ``torch.compile`` backend's name: ``"inductor"``, the default, ``"aot_eager"``, ...):
-        run each decode step as one compiled, fixed-shape graph (:class:`~reasonkv.generation.compiled.CompiledDecode`;
-        the prefill and the evictions stay eager). The steps that compile are left out of
-        ``decode_seconds`` and reported in ``stats["compile"]``, with the reason when the cache cannot be
-        compiled and decoded eagerly.
+        ``True`` or a ``torch.compile`` backend's name (default ``"inductor"``): each decode step one compiled
+        graph (:class:`~reasonkv.generation.compiled.CompiledDecode`; prefill and evictions eager), its tracing
+        left out of ``decode_seconds`` and reported in ``stats["compile"]`` (with why a cache decoded eagerly).
     chat
-        Apply the tokenizer's chat template to text prompts (default), as ``reasonkv generate`` does
-        unless ``--no-chat``: an instruct model given bare text may end at once. Nothing changes for a
-        tokenizer without a template, nor for text that already starts as the template renders (the
-        output of :func:`reasonkv.eval.prompts.build_prompt`, say). ``False``: the text as it is.
+        Apply the tokenizer's chat template to text prompts (default, as ``reasonkv generate``), unless the
+        tokenizer has none or the text already starts as the template renders. ``False``: the text as it is.
     """
     sampling = Sampling(max_new_tokens, temperature, top_p, top_k)
     check_flags(ignore_eos=ignore_eos, progress=progress, sync_timing=sync_timing, trace=trace, chat=chat)

@@ -18,9 +18,8 @@ __all__ = ["GenerationResult", "Meter", "kv_bytes_held", "peak_row_tokens"]
 
 
 def kv_bytes_held(cache: EvictingCache) -> dict[str, int]:
-    """K/V bytes the cache holds, by tier: ``full`` (the evicting layers' slots in use, padding included,
-    not their spare capacity; a ragged layer's regions, :meth:`~reasonkv.cache.layer.EvictingLayer.held_bytes`),
-    ``quantized`` (the quantized tier) and ``sliding`` (the window layers)."""
+    """K/V bytes the cache holds, by tier: ``full`` (the evicting layers' slots in use, padding included; a ragged
+    layer's regions), ``quantized`` (the tier) and ``sliding`` (the window layers)."""
     allocated = cache.kv_bytes_by_kind()
     full = sum(
         layer.held_bytes() for layer in cache.layers if isinstance(layer, EvictingLayer) and layer.is_initialized
@@ -30,25 +29,8 @@ def kv_bytes_held(cache: EvictingCache) -> dict[str, int]:
 
 @dataclass
 class GenerationResult:
-    """One prompt's output.
-
-    ``stats`` counts what happened while this row was live (from its prompt to its last token), so a
-    prompt gets the same per-row figures in a batch as alone: ``evictions``, ``peak_row_tokens``
-    (the most tokens this row's cache held at once), ``decode_seconds`` (from the end of prefill to
-    this row's last token) and ``tokens_per_second`` (the tokens after the first, which prefill
-    yields, over ``decode_seconds``; NaN for a one-token output). Shared by the batch:
-    ``prefill_seconds``, ``peak_slots`` (cache slots, padding included), ``batch_size``,
-    ``peak_kv_bytes`` (the most K/V bytes held: the slots in use, see :func:`kv_bytes_held`),
-    ``peak_kv_bytes_by_tier`` (that peak's full-attention K/V split into ``full`` and ``quantized``),
-    ``peak_kv_bytes_allocated`` (the most K/V bytes allocated: storage grows ahead of use, so it can
-    exceed what is held), ``steady_kv_bytes`` (this row's K/V right after its evictions, averaged over
-    them, per tier, with the full-precision tokens it amounts to; None before its first eviction; see
-    :meth:`reasonkv.cache.KVStorage.steady_kv_bytes`), ``peak_memory_bytes`` (CUDA max allocated, or the
-    process's peak RSS on CPU), ``timings`` (seconds per eviction phase), ``budget``, ``buffer``,
-    ``quantized``, ``bits``, ``allocation`` and ``policy``. Only where they apply: ``selection`` (a selection
-    policy's reads), ``compile`` (a compiled decode) and ``past_context`` (``{"context", "tokens"}``: this row's
-    prompt and output tokens exceeded the model's context, which ``reasonkv.generate`` decodes with a warning).
-    """
+    """One prompt's output; ``stats`` holds the figures measured while it decoded (every key is listed in
+    docs/api.md: the row's own counted while it was live, so a prompt gets the same in a batch as alone)."""
 
     text: str
     token_ids: list[int]
@@ -140,9 +122,8 @@ class Meter:
 
 
 def peak_row_tokens(prompt_tokens: int, output_tokens: int, evictions: int, spec) -> int:
-    """The most tokens a row held at once: every token fed while it was live (the last output token never
-    is) until its first eviction; after one, ``K + B``, the trigger (or the whole prompt, if longer), plus
-    the ``Q`` of a quantized tier."""
+    """The most tokens a row held at once: every token fed while live (the last output never is) until its first
+    eviction; after one, ``K + B`` (or the whole prompt, if longer) plus a tier's ``Q``."""
     if evictions == 0:
         return prompt_tokens + max(output_tokens - 1, 0)
     return max(prompt_tokens, spec.trigger + spec.quantized)

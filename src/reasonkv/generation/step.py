@@ -1,19 +1,11 @@
 """The decode step and the one loop that runs it.
 
-A step takes a batch's next input ids and padding mask and returns the newest logits ``[batch, vocab]``; the
-cache it writes evicts after it. It is built one of three ways by :func:`open_step`, and everything that
-decodes (:func:`reasonkv.generate`, the bench's prefilled windows, the fidelity replays) runs it through
-:func:`decode`:
-
-- eager (:class:`EagerStep`): the model's forward through reasonkv's hooks, any number of tokens a row;
-- compiled (:class:`~reasonkv.generation.compiled.CompiledDecode`): one fixed-shape graph a step, the
-  eviction between steps;
-- static (:class:`~reasonkv.generation.compiled.StaticStep`): plain transformers compiled (its
-  ``StaticCache``), the reference a compiled cache is measured against.
-
-Each also has ``prefill`` (always eager: a prompt is one forward of many tokens), ``warmup_seconds`` (time
-spent tracing graphs, reported apart from decoding), ``describe()`` (what ran, for the stats; None for eager)
-and ``close()`` (removes whatever it installed on the model).
+A step maps a batch's next input ids and padding mask to the newest logits ``[batch, vocab]`` (the cache
+evicts after it). :func:`open_step` builds it eager (:class:`EagerStep`), compiled
+(:class:`~reasonkv.generation.compiled.CompiledDecode`) or static (:class:`~reasonkv.generation.compiled.StaticStep`,
+plain transformers compiled, the reference); everything that decodes runs it through :func:`decode`. Each has
+``prefill`` (always eager), ``warmup_seconds`` (tracing time, reported apart), ``describe()`` (what ran; None
+for eager) and ``close()`` (removes what it installed on the model).
 """
 
 from __future__ import annotations

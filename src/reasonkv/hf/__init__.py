@@ -1,9 +1,7 @@
 """The one place reasonkv meets transformers at run time: the cache keyword and ``logits_to_keep``
-(:mod:`~reasonkv.hf.forward`), decoder-layer and attention-module discovery, layer kinds and model
-facts (:mod:`~reasonkv.hf.model`), and the attention tap (:mod:`~reasonkv.hf.tap`).
-
-``cache.py`` subclasses transformers' ``Cache`` (the extension point transformers offers) and
-``models/`` loads checkpoints; nothing else in reasonkv imports transformers.
+(:mod:`~reasonkv.hf.forward`), layers, kinds and model facts (:mod:`~reasonkv.hf.model`) and the attention
+tap (:mod:`~reasonkv.hf.tap`). Besides, only the cache (transformers' ``Cache`` subclassed) and ``models/``
+import transformers.
 """
 
 from reasonkv.hf.capture import StepCapture

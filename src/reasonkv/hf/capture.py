@@ -1,16 +1,11 @@
-"""A model's per-step signals written into fixed buffers, for compiled decode steps.
+"""A model's per-step signals written into fixed buffers, for compiled decode steps, which run no Python hook.
 
-A compiled step runs no Python of its own, so the hooks an eager forward reports through (the
-evictor's observer appends to logs, a new set for each run) cannot run inside it. A
-:class:`StepCapture` is what runs there instead: its buffers, one per model and kept for the model's
-life, receive the newest token's output of every decoder layer and post-RoPE query of every attention
-layer. The buffers travel into the forward as keyword arguments, which transformers hands down to each
-decoder layer and attention kernel; forward hooks on the decoder layers and the attention tap's kernel
-wrapper (:func:`reasonkv.hf.tap.kernel_tap`) copy into them. Hooks and wrapper are installed only for one
-compiled run (:meth:`StepCapture.open`) and removed after it, so nothing of reasonkv's stays on the
-model or in transformers' kernel registry once a run returns. They are the same objects from one run to
-the next, and so are the buffers, so a graph traced in one run is still right in the next.
-"""
+A :class:`StepCapture` (one per model, kept for its life) holds buffers for the newest token's output of
+every decoder layer and post-RoPE query of every attention layer. They travel into the forward as keyword
+arguments, which transformers hands down to each decoder layer and attention kernel, where forward hooks
+and the tap's kernel wrapper (:func:`reasonkv.hf.tap.kernel_tap`) copy into them. Hooks and wrapper are
+installed for one compiled run (:meth:`StepCapture.open`) and removed after it; they and the buffers are
+the same objects from run to run, so a graph traced in one run stays right in the next."""
 
 from __future__ import annotations
 

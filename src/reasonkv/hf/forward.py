@@ -29,16 +29,13 @@ def cache_keyword(model: torch.nn.Module) -> str:
 
 
 class Forward:
-    """Calls ``model`` with a cache: ``Forward(model)(input_ids, cache)`` returns the model's output.
-
-    The signature of ``model.forward`` is read once, so a call costs what the model call costs.
-    """
+    """Calls ``model`` with a cache: ``Forward(model)(input_ids, cache)`` returns the model's output (the
+    signature of ``model.forward`` read once)."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
-        parameters = inspect.signature(model.forward).parameters
-        self.cache_key = "cache" if "cache" in parameters else "past_key_values"
-        self.keeps_logits = "logits_to_keep" in parameters
+        self.cache_key = cache_keyword(model)
+        self.keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
 
     def __call__(
         self,
@@ -49,11 +46,8 @@ class Forward:
         position_ids: torch.Tensor | None = None,
         last_logits_only: bool = False,
     ):
-        """Run one forward pass that appends ``input_ids`` to ``cache``.
-
-        ``last_logits_only`` asks for the logits of the last position alone (``[batch, 1, vocab]``),
-        where the model supports ``logits_to_keep``; otherwise all positions' logits come back.
-        """
+        """Run one forward pass that appends ``input_ids`` to ``cache``; ``last_logits_only``: the last
+        position's logits alone (``[batch, 1, vocab]``) where the model supports ``logits_to_keep``."""
         kwargs: dict[str, Any] = {self.cache_key: cache, "use_cache": True}
         if attention_mask is not None:
             kwargs["attention_mask"] = attention_mask
@@ -111,12 +105,8 @@ def static_cache(model: torch.nn.Module, capacity: int):
 
 
 def native_cache_layers(model: torch.nn.Module) -> list:
-    """The cache layers transformers itself builds for ``model``, one per decoder layer.
-
-    A hybrid model gets its own kinds here: a sliding-window layer for each sliding layer, a
-    linear-attention (recurrent state) layer for each linear one. ``EvictingCache`` keeps these for
-    the layers it does not evict, so they behave exactly as without reasonkv.
-    """
+    """The cache layers transformers itself builds for ``model``, one per decoder layer (a hybrid model's own
+    kinds: ``EvictingCache`` keeps them for the layers it does not evict)."""
     return list(native_cache(model).layers)
 
 

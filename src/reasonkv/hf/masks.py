@@ -1,19 +1,11 @@
 """Attention masks for a hybrid model under ``EvictingCache``: one mask per layer type.
 
-Full-attention layers hold the cache's slots, sliding-window layers the model's own sliding cache,
-so the two see different keys and need different masks. transformers models with ``layer_types``
-take a mapping ``{layer type: mask}`` as their ``attention_mask`` and use it as it is; this module
-builds that mapping with transformers' own mask functions, so every attention implementation
-(SDPA, eager, FlashAttention, flex) gets the mask in the form it expects:
-
-- full attention: the causal mask over the slots, from the cache's 2-D slot mask (what a plain model
-  gets from that 2-D mask directly);
-- sliding window: transformers' sliding-window causal mask over the tokens the sliding layers hold,
-  from their own 2-D padding mask. Those layers store the most recent tokens in order, padding
-  included, exactly as without reasonkv, so the window the mask function applies is the model's own
-  window over logical positions;
-- linear attention: the padding mask of the incoming tokens, as the model makes it.
-"""
+Full-attention layers hold the cache's slots, sliding-window layers the model's own sliding cache, so they
+see different keys. Models with ``layer_types`` take ``{layer type: mask}`` as their ``attention_mask``; this
+module builds it with transformers' own mask functions, so every attention implementation gets its form:
+the causal mask over the slots (full), the model's sliding-window mask over what the sliding layers hold
+(they store the newest tokens in order, padding included, as without reasonkv), and the incoming tokens'
+padding mask (linear)."""
 
 from __future__ import annotations
 
@@ -29,12 +21,9 @@ __all__ = ["LayerMasks"]
 
 
 class LayerMasks:
-    """Builds the per-layer-type attention masks of ``model`` for the forwards that use ``cache``.
-
-    ``cache`` is an ``EvictingCache`` holding sliding-window layers: it provides the sliding layers'
-    padding mask (``window.mask()``, for the announced forward) and, through ``get_mask_sizes`` /
-    ``get_query_offset``, the sizes and offsets of each layer kind.
-    """
+    """Builds the per-layer-type attention masks of ``model`` for the forwards that use ``cache``, an
+    ``EvictingCache`` holding sliding-window layers (its ``window.mask()``, ``get_mask_sizes`` and
+    ``get_query_offset`` give each kind's padding, sizes and offsets)."""
 
     def __init__(self, model: torch.nn.Module, cache: Any):
         self.config = text_config(model)

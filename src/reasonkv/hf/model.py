@@ -55,17 +55,10 @@ def num_layers(config: Any) -> int:
 
 
 def layer_kinds(model_or_config: Any) -> tuple[str, ...]:
-    """The kind of every decoder layer: ``"full"``, ``"sliding"``, ``"chunked"`` or ``"linear"``.
-
-    ``layer_types`` decides when the config has it. Otherwise a set ``sliding_window`` makes every
-    layer sliding unless ``use_sliding_window`` is false; with ``use_sliding_window`` true, layers
-    before ``max_window_layers`` keep full attention (the older Qwen2 convention).
-
-    Raises
-    ------
-    ValueError
-        For a layer type reasonkv does not know, naming it and its layer index.
-    """
+    """The kind of every decoder layer: ``"full"``, ``"sliding"``, ``"chunked"`` or ``"linear"``; ``ValueError``
+    for an unknown layer type. ``layer_types`` decides when the config has it; otherwise a set ``sliding_window``
+    makes every layer sliding unless ``use_sliding_window`` is false, and with it true the layers before
+    ``max_window_layers`` keep full attention (the older Qwen2 convention)."""
     config = text_config(model_or_config)
     n = num_layers(config)
     layer_types = getattr(config, "layer_types", None)
@@ -113,12 +106,8 @@ Mask = TypeVar("Mask")
 
 
 def masks_per_layer_type(model: Any, build: Callable[[int | None], Mask]) -> Mask | dict[str, Mask]:
-    """An explicit attention mask in the form the model takes.
-
-    ``build(window)`` makes one mask (``window=None``: no sliding window). A model whose config lists
-    ``layer_types`` takes one mask per layer type, its sliding-window types built with its window;
-    other models take one mask for every layer.
-    """
+    """An explicit attention mask in the form the model takes, ``build(window)`` making one (None: no window):
+    one per layer type when the config lists ``layer_types`` (sliding types with the window), else one."""
     config = text_config(model)
     layer_types = getattr(config, "layer_types", None)
     full = build(None)

@@ -1,11 +1,10 @@
 """A transformers model's rotary embedding per layer, as :class:`~reasonkv.policies.rotary.Rotary` data, and a
 fingerprint of its weights.
 
-The frequencies and attention scaling are read from the model's own rotary module (the buffers its
-forward uses), then checked end to end: the model's modeling file rotates a probe with its own
-``apply_rotary_pos_emb`` and its module's cos/sin tables at a few positions, and the data must
-reproduce that rotation (which also tells the channel pairing). Types whose frequencies change with
-the sequence length are refused by name, as is anything the probe cannot reproduce.
+The frequencies and scaling are read from the model's own rotary module, then checked end to end: the data
+must reproduce the rotation the modeling file's ``apply_rotary_pos_emb`` gives a probe at a few positions
+(which also tells the channel pairing). Types whose frequencies change with the length are refused by name,
+as is anything the probe cannot reproduce.
 """
 
 from __future__ import annotations

@@ -1,24 +1,20 @@
-"""The attention tap: a listener sees each attention call's post-RoPE queries and keys, while the
-model's own kernel (SDPA, FlashAttention, eager) still does the attention.
+"""The attention tap: hooks see each attention call's post-RoPE queries, keys, values and mask, and may hand
+the kernel other K/V to read, while the model's own kernel (SDPA, FlashAttention, eager) still attends.
 
-Post-RoPE queries exist only inside the attention kernel call, so the tap wraps the kernel the model
-runs in transformers' attention registry, through its public ``AttentionInterface.register``. The
-wrapper calls a listener only for attention modules claimed by an :class:`AttentionTap`; every other
-module (another model, or this one once released) goes straight to the original kernel, so tapping
-one model never changes another's results. The wrapper is installed when the first tap on a kernel
-name opens and the original is registered back when the last one closes (or is garbage-collected):
-a model's ``attn_implementation`` is never changed, and nothing stays wrapped afterwards.
+Post-RoPE queries exist only inside the kernel call, so the tap wraps the kernel in transformers' attention
+registry (``AttentionInterface.register``). The wrapper calls hooks only for attention modules that hold
+some (one kind: an :class:`AttentionTap`'s listens, a :class:`KernelReader`'s may replace what is read);
+every other module goes straight to the original kernel, so tapping one model never changes another's
+results. The wrapper is registered while a hook on its kernel name is open, the original back after the
+last closes (or is collected): a model's ``attn_implementation`` never changes and nothing stays wrapped.
 
-A compiled decode step cannot call a Python listener (and ``torch.compile`` cannot trace the claims on
-every torch release), so it reports differently: it passes its query buffers to the forward as the keyword
-argument ``STEP_QUERIES`` (``{layer index: [batch, heads, 1, head_dim]}``), which transformers hands down to
-the attention kernel, and the wrapper copies each layer's query into its buffer. :func:`kernel_tap` holds
-the wrapper registered for one compiled run; the wrapper is one object per original kernel, so the graphs
-traced in one run (which check the registered kernel's identity) are still valid in the next.
+A compiled decode step cannot call Python hooks (nor can ``torch.compile`` trace them on every release):
+it passes query buffers as the keyword argument ``STEP_QUERIES`` (``{layer: [batch, heads, 1, head_dim]}``),
+which the wrapper fills. :func:`kernel_tap` holds the wrapper for one compiled run; it is one object per
+original kernel, so graphs traced in one run (guarded on its identity) stay valid in the next.
 
-``"eager"`` has no registry entry of its own (models fall back to their module's
-``eager_attention_forward``): tapping it registers a plain dispatcher to that function, which is what
-stays registered after the last tap closes; it computes exactly what the fallback computes.
+``"eager"`` has no registry entry of its own (models fall back to their module's ``eager_attention_forward``):
+tapping it registers a plain dispatcher to that function, which stays registered and computes the same.
 """
 
 from __future__ import annotations
@@ -41,38 +37,42 @@ __all__ = ["STEP_QUERIES", "AttentionTap", "KernelReader", "Listener", "Reader",
 # listener(layer, query [B, Hq, q, D], key [B, Hkv, S, D], attention_mask, kernel keyword arguments)
 Listener = Callable[[int, torch.Tensor, torch.Tensor, Any, dict], None]
 
-# reader(layer, query, key, value) -> None (read everything) or (key, value, additive mask) to attend to instead
-Reader = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], "tuple[torch.Tensor, ...] | None"]
+# reader(layer, query, key, value, attention_mask, kernel keyword arguments) -> None (read everything) or
+# (key, value, additive mask) to attend to instead
+Reader = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, Any, dict], "tuple[torch.Tensor, ...] | None"]
 
-_CLAIM = "_reasonkv_tap"  # attribute set on claimed attention modules (this package's own attribute)
-_READER = "_reasonkv_reader"  # attribute set on attention modules whose K/V reads a selection chooses
+_HOOKS = "_reasonkv_hooks"  # attribute set on hooked attention modules (this package's own): {key: _Hook}
+_LISTENER = "listener"  # the hook key of a tap: one listener per module, the latest claim's
 _lock = threading.Lock()
 _installed: dict[str, list] = {}  # kernel name -> [original, wrapper, open taps]
 _wrappers: dict[Callable, Callable] = {}  # original kernel -> its wrapper (one, so graph guards stay valid)
 STEP_QUERIES = "reasonkv_step_queries"  # a compiled step's keyword argument: {layer: query buffer}
 
 
-class _Claim:
-    """A claimed module's layer index and its listener, held weakly: a bound method as its owner (weakly)
-    and its function, a plain function as a weak reference to itself. (Not ``weakref.WeakMethod``, and no
-    bound method rebuilt from the function: neither traces on every torch release.)"""
+class _Hook:
+    """One module's hook: its layer index and callback, held weakly: a bound method as its owner (weakly) and
+    its function, a plain function as a weak reference to itself. (Not ``weakref.WeakMethod``, and no bound
+    method rebuilt from the function: neither traces on every torch release.) A listener sees no value and
+    replaces nothing."""
 
-    __slots__ = ("function", "layer", "owner")
+    __slots__ = ("function", "layer", "listens", "owner")
 
-    def __init__(self, layer: int, listener: Listener):
-        self.layer = layer
-        bound = hasattr(listener, "__self__")
-        self.owner = weakref.ref(listener.__self__ if bound else listener)
-        self.function = listener.__func__ if bound else None
+    def __init__(self, layer: int, callback: Listener | Reader, listens: bool):
+        self.layer, self.listens = layer, listens
+        bound = hasattr(callback, "__self__")
+        self.owner = weakref.ref(callback.__self__ if bound else callback)
+        self.function = callback.__func__ if bound else None
 
-    def notify(self, query, key, attention_mask, kwargs) -> None:
+    def __call__(self, query, key, value, attention_mask, kwargs):
         owner = self.owner()
         if owner is None:
-            return
-        if self.function is None:
-            owner(self.layer, query, key, attention_mask, kwargs)
+            return None
+        if self.listens:
+            args = (self.layer, query, key, attention_mask, kwargs)
         else:
-            self.function(owner, self.layer, query, key, attention_mask, kwargs)
+            args = (self.layer, query, key, value, attention_mask, kwargs)
+        answer = owner(*args) if self.function is None else self.function(owner, *args)
+        return None if self.listens else answer
 
 
 def _module_eager(module, *args, **kwargs):
@@ -90,19 +90,17 @@ def _wrapped(kernel):
 
     def tapped_attention(module, query, key, value, attention_mask, *args, **kwargs):
         queries = kwargs.pop(STEP_QUERIES, None)
-        if queries is not None:  # a compiled step: its buffers, no listener
+        if queries is not None:  # a compiled step: its buffers, no hook
             queries[module.layer_idx].copy_(query)
         else:
-            claim = getattr(module, _CLAIM, None)
-            if claim is not None:
-                claim.notify(query, key, attention_mask, kwargs)
-            readers = getattr(module, _READER, None)
-            if readers:  # one per selecting cache open on this module: the one whose forward this is answers
-                for reader in list(readers.values()):
-                    chosen = reader(query, key, value)
-                    if chosen is not None:
-                        key, value, attention_mask = chosen
-                        break
+            hooks = getattr(module, _HOOKS, None)
+            if hooks:  # every hook sees the call as the model made it; the first replacement is attended to
+                chosen = None
+                for hook in list(hooks.values()):
+                    answer = hook(query, key, value, attention_mask, kwargs)
+                    chosen = answer if chosen is None else chosen
+                if chosen is not None:
+                    key, value, attention_mask = chosen
         return kernel(module, query, key, value, attention_mask, *args, **kwargs)
 
     tapped_attention.__wrapped__ = kernel
@@ -155,33 +153,29 @@ def kernel_tap(name: str) -> Iterator[None]:
 
 def check_untapped(model: torch.nn.Module) -> None:
     """Raise RuntimeError unless ``model`` runs its attention kernel untouched: the kernel registered for its
-    attention implementation is not reasonkv's wrapper and none of its attention modules is claimed (what a
+    attention implementation is not reasonkv's wrapper and none of its attention modules is hooked (what a
     plain transformers measurement needs)."""
     name = attention_implementation(model)
     registered = ALL_ATTENTION_FUNCTIONS.get(name)
     if name in _installed or any(registered is wrapper for wrapper in _wrappers.values()):
         raise RuntimeError(f"the {name!r} attention kernel is still wrapped by reasonkv's tap")
-    claimed = [
-        i for i, module in enumerate(attention_modules(model)) if hasattr(module, _CLAIM) or hasattr(module, _READER)
-    ]
+    claimed = [i for i, module in enumerate(attention_modules(model)) if hasattr(module, _HOOKS)]
     if claimed:
         raise RuntimeError(f"attention modules of layers {claimed} are still claimed by reasonkv's tap")
 
 
-class AttentionTap:
-    """Route the attention calls of ``model`` to ``listener`` until :meth:`close`.
+class _Hooked:
+    """Hooks on some attention modules of a model, with the kernel wrapper held, until :meth:`close`."""
 
-    The listener receives the layer index, the query and key tensors exactly as the kernel gets
-    them (post-RoPE; keys include the cached ones), the attention mask and the kernel's keyword
-    arguments (``scaling``, ``softcap``, ``s_aux``, ...). It is held weakly.
-    """
-
-    def __init__(self, model: torch.nn.Module, listener: Listener):
+    def __init__(self, model: torch.nn.Module, callback, slot, layers=None, *, listens: bool):
         self.name = attention_implementation(model)
-        self.modules = attention_modules(model)
-        if all(m is None for m in self.modules):
+        modules = attention_modules(model)
+        wanted = set(range(len(modules)) if layers is None else layers)
+        self.modules = {i: m for i, m in enumerate(modules) if m is not None and i in wanted}
+        if layers is None and not self.modules:
             raise ValueError(f"{type(model).__name__} has no attention module to tap")
-        self._claims = [None if m is None else _Claim(i, listener) for i, m in enumerate(self.modules)]
+        self.slot = slot
+        self.hooks = {i: _Hook(i, callback, listens) for i in self.modules}
         _acquire(self.name)
         self._finalizer = weakref.finalize(self, _release, self.name)
         self.claim()
@@ -189,75 +183,60 @@ class AttentionTap:
     def claim(self) -> None:
         """(Re)claim the model's attention modules, e.g. after another tap on the same model claimed them.
 
-        A tap claims every module of its model at once, so the first module tells whether they are still
-        this tap's: then nothing is written (the common case, once per forward)."""
-        first = next(i for i, module in enumerate(self.modules) if module is not None)
-        if getattr(self.modules[first], _CLAIM, None) is self._claims[first]:
+        Every module is claimed at once, so the first one tells whether they are still this object's: then
+        nothing is written (the common case, once per forward)."""
+        if not self.modules:
             return
-        for module, claim in zip(self.modules, self._claims, strict=True):
-            if module is not None:
-                setattr(module, _CLAIM, claim)
+        first = next(iter(self.modules))
+        if getattr(self.modules[first], _HOOKS, {}).get(self.slot) is self.hooks[first]:
+            return
+        for i, module in self.modules.items():
+            if not hasattr(module, _HOOKS):
+                setattr(module, _HOOKS, {})
+            getattr(module, _HOOKS)[self.slot] = self.hooks[i]
 
     def close(self) -> None:
-        """Stop listening; unregister the wrapper if this was the last open tap on the kernel."""
+        """Unhook; unregister the wrapper if this was the last open hook on the kernel."""
         if not self._finalizer.alive:
             return
-        for module, claim in zip(self.modules, self._claims, strict=True):
-            if module is not None and getattr(module, _CLAIM, None) is claim:
-                delattr(module, _CLAIM)
+        for i, module in self.modules.items():
+            hooks = getattr(module, _HOOKS, {})
+            if hooks.get(self.slot) is self.hooks[i]:
+                del hooks[self.slot]
+            if not hooks and hasattr(module, _HOOKS):
+                delattr(module, _HOOKS)
         self._finalizer()
 
-    def __enter__(self) -> AttentionTap:
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
 
-class KernelReader:
+class AttentionTap(_Hooked):
+    """Route the attention calls of ``model`` to ``listener`` (held weakly) until :meth:`close`: the layer index,
+    the query and key as the kernel gets them (post-RoPE, cached keys included), the mask and the kernel's
+    keyword arguments (``scaling``, ``softcap``, ``s_aux``, ...). A module listens to the tap that claimed it last.
+    """
+
+    def __init__(self, model: torch.nn.Module, listener: Listener):
+        super().__init__(model, listener, _LISTENER, listens=True)
+
+
+class KernelReader(_Hooked):
     """Let ``reader`` choose what the attention of ``model``'s full-attention layers reads, until :meth:`close`.
 
-    For every attention call of a module in ``layers``, ``reader(layer, query, key, value)`` (post-RoPE query,
-    the cache's whole K/V) returns None (the kernel reads everything) or ``(key, value, mask)``: the K/V the
-    kernel attends to instead and the additive mask over them (``[batch, heads, q, n]``). The model's own
-    kernel still computes the attention. Held weakly, like a tap's listener. A compiled step does not call it.
+    For every attention call of a module in ``layers``, ``reader(layer, query, key, value, mask, kwargs)`` returns
+    None (read everything) or the ``(key, value, additive mask [batch, heads, q, n])`` the model's own kernel
+    attends to instead. Held weakly, like a tap's listener; a compiled step does not call it.
     """
 
     def __init__(self, model: torch.nn.Module, reader: Reader, layers: Iterator[int] | None = None):
-        self.name = attention_implementation(model)
-        if self.name not in ("sdpa", "eager"):
+        name = attention_implementation(model)
+        if name not in ("sdpa", "eager"):
             raise ValueError(
                 f"a selection policy reads chosen blocks through the sdpa or eager attention kernel; this model "
-                f"runs {self.name!r}: load it with attn_implementation='sdpa'"
+                f"runs {name!r}: load it with attn_implementation='sdpa'"
             )
-        modules = attention_modules(model)
-        wanted = set(range(len(modules)) if layers is None else layers)
-        self.modules = {i: m for i, m in enumerate(modules) if m is not None and i in wanted}
-        owner = weakref.ref(reader.__self__) if hasattr(reader, "__self__") else None
-        function = reader.__func__ if owner is not None else reader
-        _acquire(self.name)
-        self._finalizer = weakref.finalize(self, _release, self.name)
-        for layer, module in self.modules.items():
-            if not hasattr(module, _READER):
-                setattr(module, _READER, {})
-            getattr(module, _READER)[id(self)] = _bound_reader(owner, function, layer)
-
-    def close(self) -> None:
-        if not self._finalizer.alive:
-            return
-        for module in self.modules.values():
-            readers = getattr(module, _READER, {})
-            readers.pop(id(self), None)
-            if not readers and hasattr(module, _READER):
-                delattr(module, _READER)
-        self._finalizer()
-
-
-def _bound_reader(owner, function, layer: int):
-    def read(query, key, value):
-        if owner is None:
-            return function(layer, query, key, value)
-        target = owner()
-        return None if target is None else function(target, layer, query, key, value)
-
-    return read
+        super().__init__(model, reader, object(), layers, listens=False)

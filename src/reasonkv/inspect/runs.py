@@ -82,12 +82,10 @@ def inspect_prompt(
     chat: bool = True,
     progress: bool = False,
 ) -> Inspection:
-    """Decode ``prompt`` with the full cache, then with each spec, keeping traces.
-
-    ``prompt`` is text, put in the chat template unless ``chat`` is false (as :func:`reasonkv.generate` does),
-    or token ids, taken as they are. Each spec is named in the page by its policy, so the policies must be
-    distinct. ``model_name`` defaults to the model's class; ``progress`` says on stderr as each run starts and ends.
-    """
+    """Decode ``prompt`` (text, in the chat template unless ``chat`` is false, as :func:`reasonkv.generate`
+    does, or token ids) with the full cache, then with each of ``specs``, keeping traces. Each run is named in
+    the page by its policy (so distinct policies); ``model_name`` defaults to the model's class; ``progress``
+    prints a line as each run starts and ends (and a bar over its steps on a terminal)."""
     check_compared(specs)
     check_allocations(model, specs)
     [prompt_ids] = encode_prompts(tokenizer, [prompt], vocab_size(model), chat=chat)

@@ -1,9 +1,7 @@
 """Selection: the cache holds every token; each decode step reads only some blocks of it.
 
-What the selection policies (:mod:`reasonkv.policies.quest`, :mod:`reasonkv.policies.seer`) share, torch
-only (like :mod:`reasonkv.policies`): the pooled side cache (:mod:`~reasonkv.selection.pooled`), the block
-choice and the slots it reads (:mod:`~reasonkv.selection.blocks`), and the per-cache
-:class:`~reasonkv.selection.reader.Selector` the attention kernel wrapper calls.
+What the selection policies (quest, seer) share, torch only: the pooled side cache, the block choice and the
+slots it reads, and the per-cache :class:`~reasonkv.selection.reader.Selector` the kernel reader calls.
 """
 
 from reasonkv.selection.blocks import BlockChoice, blocks_per_step, choose_blocks, gather_slots, read_slots

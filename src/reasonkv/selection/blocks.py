@@ -1,25 +1,13 @@
-"""From block scores to the slots one decode step reads.
+"""From block scores to the slots one decode step reads (docs/selection.md).
 
-Each (row, kv-head) reads the current block (the one the newest token is in, always) and the best-scored
-blocks by one of two rules (:func:`choose_blocks`):
-
-- ``within``: the ``budget // block_size - 1`` best complete blocks before the current one, so a step
-  never reads more than ``budget`` tokens per head (Quest's pages);
-- ``plus``: the ``budget // block_size`` best of all blocks, the current one competing, and then the
-  current block if it was not among them (SeerAttention-R's ``get_sparse_attn_mask_from_budget`` and
-  ``mask[:, :, -1] = True``): ``budget // block_size`` or one block more.
-
-Early in a generation fewer blocks than the budget allows exist, and then all of them are read (a budget
-that covers every block reads the whole cache: the oracle of selection). Without a budget (``None``: the
-threshold variant) every candidate that passes ``keep`` is read.
-
-A policy that chooses per query head (Quest's own rule) gets each head's choice; the kv-head then reads
-the union of its group's blocks once (:func:`union_choice`) and each query head attends only to its own.
-
-Slots follow the cache's layout: a row's tokens are contiguous in slot order and right-aligned, so the
-slot of logical position ``p`` is the slot of position 0 plus ``p``. Every slot read is checked against
-the position it should hold; one that does not (past the end, padding) is masked out, never attended.
-"""
+Each (row, kv-head) reads the current block (the newest token's) and the best-scored blocks by one rule
+(:func:`choose_blocks`): ``within``, the ``budget // block_size - 1`` best complete blocks before the current
+one (never more than ``budget`` tokens, Quest's pages); ``plus``, the ``budget // block_size`` best of all,
+then the current block if not among them (SeerAttention-R). When fewer blocks exist all are read; without a
+budget (the threshold variant) every candidate that passes ``keep`` is. A per-query-head choice makes each
+kv-head read its group's union once (:func:`union_choice`). A row's tokens are contiguous and right-aligned,
+so position ``p`` sits ``p`` slots after position 0; a slot read that does not hold the position it should is
+masked out."""
 
 from __future__ import annotations
 
@@ -58,11 +46,9 @@ def choose_blocks(
     keep: torch.Tensor | None = None,
     rule: str = "within",
 ) -> BlockChoice:
-    """The blocks read by ``rule`` (see the module) from ``scores`` ``[batch, heads, blocks]`` (higher is read
-    first) and the current block ``current`` ``[batch]``: the top ``budget_blocks - 1`` blocks before the
-    current one (``within``) or the top ``budget_blocks`` up to it (``plus``), then the current block.
-    ``budget_blocks`` None: every candidate. ``keep`` ``[batch, heads, blocks]``: only blocks where it is
-    True are candidates (the threshold variant)."""
+    """The blocks ``rule`` reads from ``scores`` ``[batch, heads, blocks]`` (higher first) and the current block
+    ``current`` ``[batch]``, the current block last; ``budget_blocks`` None: every candidate; ``keep``: only
+    blocks where it is True are candidates."""
     if rule not in RULES:
         raise ValueError(f"a block rule must be one of {', '.join(RULES)}, got {rule!r}")
     batch, heads, blocks = scores.shape

@@ -1,17 +1,10 @@
 """The pooled side cache: per (row, kv-head, block) statistics of the keys, kept as tokens arrive.
 
-A selection policy scores blocks of ``block_size`` logical positions (block ``j`` holds positions
-``[j * block_size, (j + 1) * block_size)``) from a summary of their keys, never the keys themselves. This
-cache holds that summary for one layer: the elementwise minimum, maximum and sum of the keys of every
-block, and how many tokens each block of a row holds. Each forward adds its new keys
-(:meth:`PooledKeys.add`): a prefill pools the whole prompt, a decode step folds one key into its block.
-Padding (position ``-1``) goes nowhere. Rows of a batch may be at different positions (left-padded
-prompts of different lengths): each token lands in its own row's block, by its logical position.
-
-Quest reads ``minimum``/``maximum`` of post-RoPE keys; SeerAttention-R's gate reads max, min and mean of
-pre-RoPE keys (:mod:`reasonkv.selection.gate`). :func:`pool_keys` is the same summary computed at once
-from every key, the reference the incremental one must equal.
-"""
+A selection policy scores blocks of ``block_size`` logical positions from a summary of their keys: for one
+layer, the elementwise minimum, maximum and sum of each block's keys and its token count. Each forward
+folds its new keys in by logical position (:meth:`PooledKeys.add`; padding goes nowhere), so rows at
+different positions each land in their own blocks. :func:`pool_keys` is the same summary computed at once,
+the reference."""
 
 from __future__ import annotations
 
@@ -37,22 +30,11 @@ class PooledKeys:
         self._counts: torch.Tensor | None = None
         self.blocks = 0  # blocks in use: one past the highest block any row has a token in
 
-    # ------------------------------------------------------------------ views
-    @property
-    def minimum(self) -> torch.Tensor:
-        return self._min[:, :, : self.blocks]
-
-    @property
-    def maximum(self) -> torch.Tensor:
-        return self._max[:, :, : self.blocks]
-
-    @property
-    def total(self) -> torch.Tensor:
-        return self._sum[:, :, : self.blocks]
-
-    @property
-    def counts(self) -> torch.Tensor:
-        return self._counts[:, : self.blocks]
+    # ------------------------------------------------------------------ views: the blocks in use
+    minimum = property(lambda self: self._min[:, :, : self.blocks])
+    maximum = property(lambda self: self._max[:, :, : self.blocks])
+    total = property(lambda self: self._sum[:, :, : self.blocks])
+    counts = property(lambda self: self._counts[:, : self.blocks])
 
     @property
     def mean(self) -> torch.Tensor:

@@ -1,18 +1,11 @@
 """The selection of one cache: what each decode step's attention reads, and what that cost.
 
-A :class:`Selector` is called by the attention kernel wrapper (:class:`reasonkv.hf.tap.KernelReader`) of
-every full-attention layer, with the step's post-RoPE query and the whole cache's K/V (the newest token
-already written). It folds the step's new keys into the layer's pooled side cache; on a prefill (more
-than one query) it returns nothing and attention stays full, as the authors prefill; so does a decode step
-of one of the policy's dense layers (Quest's first two). On other decode steps it asks the policy for
-block scores, chooses the blocks (:mod:`reasonkv.selection.blocks`; per query head, the union of a
-kv-head's group) and returns only their K/V, with a mask that hides the slots of the chosen blocks that
-hold no token (and, per query head, the blocks that head did not choose).
-
-It counts, per row, the K/V tokens read and held at every decode step (summed over layers and kv-heads),
-so that the bytes read per step can be reported beside the bytes held: a dense layer reads every token it
-holds; a kv-head whose query heads choose apart reads each token of their union once.
-"""
+A :class:`Selector` is called by the kernel reader (:class:`reasonkv.hf.tap.KernelReader`) of every
+full-attention layer with the step's post-RoPE query and the whole cache's K/V. It folds the new keys into
+the layer's pooled side cache; a prefill and the policy's dense layers read everything. On other decode
+steps it chooses blocks (:mod:`reasonkv.selection.blocks`) and returns only their K/V, masking the slots that
+hold no token (and, per query head, the blocks that head did not choose). It counts the tokens read and held
+per row at every step, so the bytes read can be reported beside the bytes held."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""Reading a reasonkv torch file a user names (a gate, query centers): weights only, or a message saying what
-the file is instead and what was expected.
-
-Such a file is a ``torch.save`` of one dict of plain tensors, numbers and strings whose ``format`` entry
-names its kind. It is read with ``weights_only=True``: a pickle holding anything more is refused, never
-loaded another way (that would run whatever code it holds). torch's own messages ("Invalid argument",
-advice to load without ``weights_only``) are replaced by what the file looks like: empty, text, a
-damaged torch archive, a pickle of other objects, or a torch file of another kind.
-"""
+"""Reading a reasonkv torch file a user names (a gate, query centers): one ``torch.save`` dict whose ``format``
+entry names its kind, read with ``weights_only=True`` (anything more is refused, never loaded another way).
+torch's own messages are replaced by what the file looks like: empty, text, a damaged archive, a pickle of
+other objects, or a torch file of another kind."""
 
 from __future__ import annotations
 
@@ -24,15 +19,8 @@ _PICKLE = 0x80  # a pickle (protocol 2 and later): torch.save's legacy format
 
 
 def read_torch_file(path: str, fmt: str, kind: str, maker: str) -> dict[str, Any]:
-    """The dict saved at ``path`` whose ``format`` is ``fmt``.
-
-    ``kind`` (``gate file``) and ``maker`` (``reasonkv calibrate --gates``) name what was expected.
-
-    Raises
-    ------
-    ValueError
-        Naming the path, what the file is, and what was expected.
-    """
+    """The dict saved at ``path`` whose ``format`` is ``fmt``, or ``ValueError`` naming the path, what the file is,
+    and what was expected (``kind``, e.g. ``gate file``, and its ``maker``, e.g. ``reasonkv calibrate --gates``)."""
     try:
         with warnings.catch_warnings():
             # torch warns, with a line of its own source, about a pickle protocol it may then refuse

@@ -1,22 +1,12 @@
 """The slots each (row, kv-head) keeps under an allocation, from the policy's ranking (torch only).
 
-The policy ranks; the allocation decides how many each head keeps. A ranking is ``[rows, kv_heads, slots]``
-as :meth:`reasonkv.policies.Policy.ranking` returns it (protected slots at ``MUST_KEEP``, padding at
-``NEVER_KEEP``; a token-granularity ranking is first expanded over the heads).
-
-- Static tables (``pyramid``, ``calibrated``): head ``h`` keeps its ``k_h`` highest-ranked slots, or every
-  real one when it holds fewer (:func:`static_counts`).
-- ``adaptive`` (AdaKV, Feng et al., 2024): one selection over all heads of a layer. Each head first keeps
-  its own ``floor`` highest-ranked slots (AdaKV's safeguard: no head is starved), then the rest of the
-  layer's ``K x kv_heads`` goes to the highest-ranked remaining slots of any head, by the policy's own
-  values (:func:`adaptive_counts`). ``floor = ceil(alpha x K)``; AdaKV's default ``alpha`` is 0.2, and
-  ``alpha = 1`` is the uniform split exactly. This is kvpress's ``AdaKVPress`` rule, not the blend of the
-  floor and the layer-wide split that the AdaKV authors' own code computes.
-
-Ties are broken as :func:`reasonkv.policies.select.rank_order` breaks them (the higher index first; across
-heads, the later head). A head whose protected slots exceed its count keeps the highest-ranked of them
-(the newest, as ties go), so a small head never refuses an eviction.
-"""
+A ranking is ``[rows, kv_heads, slots]`` as :meth:`reasonkv.policies.Policy.ranking` returns it (protected at
+``MUST_KEEP``, padding at ``NEVER_KEEP``). Static tables: head ``h`` keeps its ``k_h`` best, or every real
+slot when it holds fewer (:func:`static_counts`). ``adaptive`` (AdaKV; kvpress's ``AdaKVPress`` rule): each
+head keeps its ``floor = ceil(alpha x K)`` best, then the rest of the layer's ``K x kv_heads`` goes to the
+best remaining slots of any head (:func:`adaptive_counts`); ``alpha = 1`` is the uniform split. Ties go as
+:func:`reasonkv.policies.select.rank_order` (the higher index, the later head, first); a head whose
+protected slots exceed its count keeps the best of them, so a small head never refuses an eviction."""
 
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
 """The allocations, one class each: how ``K x layers x kv_heads`` is shared among the (layer, kv-head) pairs.
 
-An allocation owns its rules: the settings that apply to it (:data:`ALLOCATION_SETTINGS`), its budget table,
-whether it re-plans the split at each eviction (``adaptive``) or by the tokens a row has seen (``pyramid``), the
-slots each head keeps at an eviction, and how records and labels name it. A :class:`~reasonkv.cache.CacheSpec`
-keeps the name (``spec.allocation``) and gives the object (``spec.allocation_rule``); a new allocation is one
-class here, registered in :data:`RULES`.
-"""
+An allocation owns its rules: the settings that apply to it (:data:`ALLOCATION_SETTINGS`), its table, whether
+it re-plans at each eviction or by a row's length, the slots each head keeps, and how records name it. A new
+allocation is one class here, registered in :data:`RULES`."""
 
 from __future__ import annotations
 
@@ -97,8 +94,7 @@ class Allocation:
 
 
 class Uniform(Allocation):
-    """``K`` every head: the cache without an allocation (records and labels say nothing of it, as they did
-    before allocations)."""
+    """``K`` every head: the cache without an allocation (records and labels say nothing of it)."""
 
     name = "uniform"
     summary = "K each, default"
@@ -231,9 +227,8 @@ def check_allocation(allocation: object, budgets_file: object) -> None:
 def check_allocation_settings(allocation: str, **settings: Any) -> None:
     """Refuse a setting of :data:`ALLOCATION_SETTINGS` given (not None) under an allocation it does not apply to,
     naming the setting, its value, the allocation and those it applies to; check the allocation's name, that
-    ``calibrated`` has its budget file, and the settings' values. The one place this rule lives: every command
-    reaches it through :class:`~reasonkv.cache.CacheSpec` (``reasonkv bench`` also checks its settings with it
-    up front)."""
+    ``calibrated`` has its budget file, and the settings' values. Every command reaches this through
+    :class:`~reasonkv.cache.CacheSpec`."""
     rule = type(allocation_rule(allocation, budgets_file=settings.get("budgets_file")))
     alpha, ragged = settings.get("adaptive_alpha"), settings.get("ragged")
     if alpha is not None and (not is_number(alpha) or not 0 <= alpha <= 1):

@@ -1,28 +1,11 @@
-"""How many tokens each (layer, kv-head) keeps: the static allocations' budget tables (torch only), which
-the allocations (:mod:`~reasonkv.cache.allocation.rules`) give.
+"""How many tokens each (layer, kv-head) keeps: the static allocations' budget tables (torch only).
 
-Every table is ``[layers, kv_heads]`` integers that sum to exactly ``K x layers x kv_heads``, the total of
-the uniform cache, so that a comparison between allocations is a comparison at equal tokens held. The
-layers are the model's evicting (full-attention) layers, in order.
-
-- ``uniform``: ``K`` everywhere (the cache without an allocation).
-- ``pyramid``: PyramidKV's schedule (Cai et al., 2024, as KVCache-Factory computes it): the budget falls
-  linearly with depth, the same in every head of a layer. The schedule shares what is left of ``K`` after
-  the protected tokens ``W`` (PyramidKV's window), which every layer keeps on top: with ``S = K - W``, the
-  last layer keeps ``S // beta + W`` (``beta = 20``, the paper's default), the first ``2S - S // beta + W``,
-  so the mean is ``K``. A short sequence caps it: of ``n`` tokens seen, when ``n < 2S`` every layer keeps
-  ``K`` (PyramidKV's middle branch), and the first layer keeps at most ``n`` (the last layer then
-  ``2S - (n - W) + W``). At decode time a head can keep no more than it holds, so the first layer's cap is
-  also the most any head of the row holds at the eviction (after the uniform steps of a short sequence,
-  the pyramid then grows ``B`` tokens an eviction until its full height). Rounding goes to the largest
-  remainders, so the total is exactly the uniform one (KVCache-Factory rounds the step between layers
-  down, so its deeper layers keep up to ``layers - 2`` tokens more and its total exceeds uniform's).
-- ``calibrated``: from a budget file (:func:`load_budget_file`): either integer ``budgets`` that already sum
-  to the total, or non-negative ``weights`` (what ``reasonkv calibrate --budgets`` writes: the attention
-  mass each head received) shared out in proportion, every head first getting its protected tokens.
-- ``adaptive`` has no table: its split is chosen at each eviction (:mod:`reasonkv.cache.allocation.choose`);
-  its table is the uniform one, the split it starts from.
-"""
+Every table is ``[layers, kv_heads]`` (the evicting layers, in order) summing to exactly ``K x layers x
+kv_heads``, the uniform cache's total, so allocations compare at equal tokens held. ``pyramid`` is
+PyramidKV's schedule as KVCache-Factory computes it (capped for a short sequence), ``calibrated`` comes from
+a budget file (integer ``budgets``, or ``weights`` shared out in proportion after every head's protected
+tokens), both rounded by the largest remainders; ``adaptive`` starts from the uniform table. The rules and
+their differences from the reference code are in docs/budgets.md."""
 
 from __future__ import annotations
 
