@@ -257,9 +257,9 @@ def _run_bubblewrap(setup: Setup, source: str, stdin: str, limits: Limits, timeo
         if group is not None:
             group.remove()
     started_, spaces = namespaces(status.text)
-    stderr = finished.stderr.decode("utf-8", "replace")
     if not started_ and not finished.timed_out:
-        raise SandboxUnavailable(f"bubblewrap could not start the program: {stderr.strip()[-500:] or 'no message'}")
+        stderr = finished.stderr.decode("utf-8", "replace").strip()[-500:]
+        raise SandboxUnavailable(f"bubblewrap could not start the program: {stderr or 'no message'}")
     isolation = ("bubblewrap", "user-namespace", *spaces, *(["no-nested-user-namespaces"] * setup.disable_userns))
     isolation += ("read-only-system", f"fresh-tmpfs-cwd:{TMPFS_MB}MiB", "capped-dev-shm", *_COMMON)
     isolation += (f"memory-per-run:{'cgroup' if group is not None else 'supervisor'}",)
