@@ -9,7 +9,8 @@ reported apart, never inside tokens/s.
 from __future__ import annotations
 
 from reasonkv.bench.markdown import cell, per_batch
-from reasonkv.bench.windows import beside, beside_plain, unsuffixed
+from reasonkv.bench.rounds import same_rounds
+from reasonkv.bench.windows import beside, by_length, unsuffixed
 
 __all__ = ["COMPILED", "compiled_label", "compiled_markdown", "compiled_summary"]
 
@@ -25,13 +26,20 @@ def compiled_summary(records: list[dict]) -> dict:
     """Per batch (as a string) and compiled variant: tokens/s eager and compiled at each length both reached,
     compiled over eager, compiled over ``transformers~compiled``, and the compilation (warm-up seconds,
     graphs, and why a cache decoded eagerly, if it did)."""
-    find = {(r["policy"], r["batch"]): r for r in records if r.get("mode") == "sweep"}
+    sweeps = [r for r in records if r.get("mode") == "sweep"]
+    find = {(r["policy"], r["batch"]): r for r in sweeps}  # the last record of each policy and batch
     out: dict = {}
-    for record, eager, mine, theirs, common in beside_plain(records, unsuffixed(COMPILED)):
+    for record in sweeps:
+        policy = unsuffixed(COMPILED)(record)
+        eager = None if policy is None else find.get((policy, record["batch"]))
+        if eager is None or not same_rounds(record, eager):  # a ratio only between entries of the same rounds
+            continue
+        mine, theirs = by_length(record), by_length(eager)
+        common = sorted(set(mine) & set(theirs))
         static = beside(record, find.get(("transformers" + COMPILED, record["batch"])))
         compile_info = record.get("compile") or {}
         out.setdefault(str(record["batch"]), {})[record["policy"]] = {
-            "policy": eager["policy"],
+            "policy": policy,
             "eager_tokens_per_s": {n: theirs[n]["tokens_per_s"] for n in common},
             "compiled_tokens_per_s": {n: mine[n]["tokens_per_s"] for n in common},
             "compiled_vs_eager": {n: mine[n]["tokens_per_s"] / theirs[n]["tokens_per_s"] for n in common},
