@@ -121,6 +121,10 @@ def test_a_ratio_needs_both_entries_from_the_same_rounds():
     assert summary["compiled_vs_eager"] == {64: pytest.approx(2.0)} and summary["vs_transformers_compiled"] == {}
     compiled[0]["rounds_group"] = "h"
     assert compiled_summary(compiled) == {}
+    # The eager entry is the folder's last record of the policy and batch: an older one of the same rounds is
+    # not taken in its place.
+    older = [_sweep_record("streaming", "g", 0.010), *compiled]
+    assert compiled_summary(older) == {}
 
 
 def test_warm_up_stops_once_stable_or_at_its_cap():
