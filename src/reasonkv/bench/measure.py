@@ -236,10 +236,6 @@ class StepRecorder:
         last = len(self.step_seconds) if last is None else last
         return [self.step_seconds[i] for i in range(first, last) if i not in self.compiling_steps]
 
-    def warmup_seconds(self) -> float:
-        """The time of the steps that compiled a graph."""
-        return sum(self.step_seconds[i] for i in self.compiling_steps)
-
     def window(self, end: int) -> dict:
         """Statistics of the window ending at length ``end``."""
         start = self.windows[end]

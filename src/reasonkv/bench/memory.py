@@ -146,11 +146,6 @@ class PeakTracker:
         self.device = device
         self._cpu_resettable: bool | None = None
 
-    @property
-    def kind(self) -> str:
-        """``"cuda-allocated"`` or ``"cpu-rss"`` (what :meth:`peak` reports)."""
-        return "cuda-allocated" if self.device.type == "cuda" else "cpu-rss"
-
     def reset(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)

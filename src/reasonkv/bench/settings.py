@@ -8,6 +8,7 @@ read nothing else. Building one checks every value and every combination that ne
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import shlex
@@ -103,6 +104,10 @@ _ALLOCATION = {
 }
 
 
+_sweep = functools.partial(setting, group="length sweep")
+_count = functools.partial(_sweep, type=int, always=True)  # a count the reproducing command always spells out
+
+
 def _joined(values: Sequence[int]) -> str:
     return ",".join(map(str, values))
 
@@ -150,90 +155,64 @@ class BenchSettings:
     budgets_file: str | None = setting(None, group="policies", shared="allocation", shared_with=_ALLOCATION)
     adaptive_alpha: float | None = setting(None, group="policies", shared="allocation", shared_with=_ALLOCATION)
     padded_heads: bool = setting(False, group="policies", shared="allocation", shared_with=_ALLOCATION)
-    lengths: tuple[int, ...] | None = setting(
+    lengths: tuple[int, ...] | None = _sweep(
         None,
-        group="length sweep",
         help=f"lengths to report, strictly increasing (default {_joined(DEFAULT_LENGTHS)}; "
         "the sweep runs when this is given or when neither --max-batch nor --eviction-cost is)",
     )
-    reference_lengths: bool = setting(
+    reference_lengths: bool = _sweep(
         True,
-        group="length sweep",
         negated=True,
         help="measure the --lengths only, not also K, K + B/2 and 8 K (what the summary's overhead and flatness "
         "compare with; then they compare with the nearest lengths measured)",
     )
-    rounds: int = setting(
+    rounds: int = _count(
         DEFAULT_ROUNDS,
-        group="length sweep",
-        type=int,
-        always=True,
         help="the sweep's entries of each batch size measured in this many interleaved rounds (A B C A B C ...), "
         f"each figure the median round's, the rounds' spread beside it (default {DEFAULT_ROUNDS})",
     )
-    batch_sizes: tuple[int, ...] = setting(
-        (1,), group="length sweep", always=True, help="comma-separated batch sizes (default 1)"
+    batch_sizes: tuple[int, ...] = _sweep((1,), always=True, help="comma-separated batch sizes (default 1)")
+    prompt_length: int = _count(
+        32, help="tokens of the fixed random prompt; prefills feed the rest as if generated (default 32)"
     )
-    prompt_length: int = setting(
-        32,
-        group="length sweep",
-        type=int,
-        always=True,
-        help="tokens of the fixed random prompt; prefills feed the rest as if generated (default 32)",
-    )
-    window: int | None = setting(
+    window: int | None = _sweep(
         None,
-        group="length sweep",
         type=int,
         help="decode steps per measurement window, ending at each length (default: the smallest multiple of "
         "--buffer >= 32, so every window holds whole eviction cycles; all decode steps with --prefill-to-length)",
     )
-    prefill_to_length: bool = setting(
+    prefill_to_length: bool = _sweep(
         False,
-        group="length sweep",
         help="reach each length L by a prefill of L - n - 2 tokens (the --prompt-length prompt, then the rest "
         "as if generated), decode 2 untimed steps, then time n = --decode-steps steps ending at L: the prefill "
         "builds the cache at length L; an evicting policy is evicted to K by it (once, or after each "
         "--prefill-chunk once due) and measured in its steady state",
     )
-    transformers_cache: bool = setting(
+    transformers_cache: bool = _sweep(
         False,
-        group="length sweep",
         help="also measure transformers' own cache (the one model.generate builds, no reasonkv hook) as the "
         "entry 'transformers': full against it is what reasonkv's bookkeeping costs (needs --prefill-to-length)",
     )
-    decode_steps: int = setting(
-        256,
-        group="length sweep",
-        type=int,
-        always=True,
-        help="n: decode steps timed with --prefill-to-length and --max-batch (default 256)",
-    )
-    sync_timing: bool = setting(
+    decode_steps: int = _count(256, help="n: decode steps timed with --prefill-to-length and --max-batch (default 256)")
+    sync_timing: bool = _sweep(
         True,
-        group="length sweep",
         negated=True,
         help="on CUDA, do not synchronise around each timed phase: step times unperturbed, but the phase "
         "split then covers kernel launches only",
     )
-    prefill_chunk: int = setting(
+    prefill_chunk: int = _count(
         0,
-        group="length sweep",
-        type=int,
-        always=True,
         help="most tokens per prefill forward, summed over the batch (default 0: one forward; an evicting "
         "policy evicts after each chunk once due)",
     )
-    ragged: bool = setting(
+    ragged: bool = _sweep(
         False,
-        group="length sweep",
         help="also measure every requested evicting policy as 'POLICY~ragged' at each batch size above 1: its "
         "rows prefilled to lengths B / batch apart, so that they evict at different steps (as prompts of "
         "different lengths do), beside the rows that evict together (needs --prefill-to-length)",
     )
-    compile: bool | str = setting(
+    compile: bool | str = _sweep(
         False,
-        group="length sweep",
         optional_value=True,
         metavar="BACKEND",
         help="also measure every policy as 'POLICY~compiled', its decode steps run as one compiled fixed-shape "

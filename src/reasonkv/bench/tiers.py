@@ -42,29 +42,18 @@ def tiered_budget(model, budget: int, quantized: int, bits: int) -> dict:
     return {"quantized": quantized, "bits": bits, "group_size": fmt.group_size, "budget": full}
 
 
-def equal_measured_bytes(
-    model, plain: CacheSpec, tier: dict, *, batch: int, prefill_chunk: int, prompt_length: int, seed: int
-) -> dict:
+def equal_measured_bytes(model, plain: CacheSpec, tier: dict, *, batch: int, prompt_length: int, **options) -> dict:
     """``tier`` (from :func:`tiered_budget`) with the full-precision budget at which the tiered cache holds,
     measured, the K/V bytes of ``plain`` (its budget ``K``, buffer ``B``): a short run of the tiered cache
-    at the nominal budget, long enough to fill the tier and evict once more, gives the bytes its tier
-    allocates; the full-precision budget drops by as many tokens' bytes. Adds ``nominal_budget`` and
-    ``calibration`` (the run's length and the tier's bytes)."""
+    at the nominal budget (``options``: the prefill's chunk and the prompts' seed), long enough to fill the tier
+    and evict once more, gives the bytes its tier allocates; the full-precision budget drops by as many tokens'
+    bytes. Adds ``nominal_budget`` and ``calibration`` (the run's length and the tier's bytes)."""
     tiered = plain.replace(budget=tier["budget"], quantized=tier["quantized"], bits=tier["bits"])
     steps = plain.buffer + 1  # one eviction after the prefill's
     prefilled = tier["budget"] + tier["quantized"] + plain.buffer + prompt_length  # fills the tier at once
     length = prefilled + steps + WARMUP_STEPS
-    measured = measure_prefilled(
-        model,
-        tiered,
-        batch=batch,
-        length=length,
-        decode_steps=steps,
-        prefill_chunk=prefill_chunk,
-        prompt_length=prompt_length,
-        seed=seed,
-        sync_timing=False,
-    )
+    options.update(batch=batch, length=length, decode_steps=steps, prompt_length=prompt_length, sync_timing=False)
+    measured = measure_prefilled(model, tiered, **options)
     held = measured["kv_bytes_quantized"]
     budget = plain.budget - math.ceil(held / (kv_bytes_per_token(model, model_dtype(model)) * batch))
     if budget < 1:
