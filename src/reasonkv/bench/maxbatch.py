@@ -16,11 +16,9 @@ and more rows give more tokens per second.
 
 from __future__ import annotations
 
-import gc
-
 import torch
 
-from reasonkv.bench.measure import model_device, model_dtype
+from reasonkv.bench.measure import free_memory, model_device, model_dtype
 from reasonkv.bench.memory import MemoryModel, kv_bytes_per_token, machine_memory_bytes, window_kv_bytes
 from reasonkv.bench.prefilled import measure_prefilled
 from reasonkv.cache import CacheSpec
@@ -32,12 +30,6 @@ def kv_tokens_per_row(spec: CacheSpec, length: int) -> int:
     """Tokens of K/V one row of the cache ``spec`` must hold at ``length``: all of them, or at most ``K + B``
     when it evicts."""
     return length if spec.trigger is None else min(length, spec.trigger)
-
-
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def measure_max_batch(
@@ -70,7 +62,7 @@ def measure_max_batch(
 
     probes = []
     for batch in probe_batches:
-        _free(device)
+        free_memory(device)
         result = measure_prefilled(model, spec, batch=batch, decode_steps=probe_steps, seed=seed, **common)
         if result["peak_memory_bytes"] is None:
             raise RuntimeError("this machine cannot reset its peak-memory counter; the max-batch probe needs it")
@@ -101,7 +93,7 @@ def measure_max_batch(
     attempts, measured = [], None
     batch = target
     while batch >= 1 and measured is None:
-        _free(device)
+        free_memory(device)
         try:
             measured = measure_prefilled(model, spec, batch=batch, decode_steps=decode_steps, seed=seed, **common)
         except (torch.OutOfMemoryError, RuntimeError) as error:

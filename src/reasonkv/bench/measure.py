@@ -13,6 +13,7 @@ so the five parts sum to the window's mean step time.
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from collections.abc import Sequence
@@ -32,6 +33,7 @@ __all__ = [
     "StepRecorder",
     "WARMUP_STEPS",
     "entry_label",
+    "free_memory",
     "make_prompts",
     "measure_sweep",
     "model_device",
@@ -50,6 +52,13 @@ def model_device(model) -> torch.device:
 
 def model_dtype(model) -> torch.dtype:
     return next(model.parameters()).dtype
+
+
+def free_memory(device: torch.device) -> None:
+    """What the last measurement left collected (CUDA's cached blocks given back), before the next one."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def make_prompts(vocab_size: int, batch: int, length: int, seed: int) -> list[list[int]]:

@@ -126,14 +126,9 @@ def _spec(settings: BenchSettings, mode: str, policy: Policy) -> CacheSpec:
     """The entry's cache in ``mode`` (the full cache stores no budget: it evicts nothing); an evicting entry of the
     length sweep under the settings' allocation."""
     budget = settings.cached - settings.buffer if mode == EVICTION else settings.budget
-    shared = {}
-    if mode == SWEEP and policy.evicts and settings.allocation_rule.per_head:
-        shared = dict(
-            allocation=settings.allocation,
-            budgets_file=settings.budgets_file,
-            adaptive_alpha=settings.adaptive_alpha,
-            ragged=not settings.padded_heads,
-        )
+    rule, shared = settings.allocation_rule, {}
+    if mode == SWEEP and policy.evicts and rule.per_head:
+        shared = dict(allocation=rule.name, ragged=not settings.padded_heads, **rule.options())
     return CacheSpec(policy, budget, settings.buffer, seed=settings.seed, **shared)
 
 

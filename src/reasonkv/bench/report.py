@@ -310,7 +310,7 @@ def _summary_markdown(batch: int, summary: dict) -> list[str]:
     lines += table(["policy", *(f"@{tokens}" for tokens in lengths), "steady"], rows)
     if "streaming" in policies:
         lines += ["(b) Step time relative to streaming (same eviction schedule, trivial scoring):", ""]
-        lines += _length_table(policies, order, lengths, "step_vs_streaming")
+        lines += _length_table(order, lengths, _ratio_text(policies, "step_vs_streaming"))
     lines += [
         "(c) Flatness: step time at 8 K over step time at K (a window that ends at K: the cache holds fewer "
         "slots than K + B and never evicts), and over the first length measured in its steady state (both "
@@ -349,25 +349,20 @@ def _summary_markdown(batch: int, summary: dict) -> list[str]:
         lines += layer_markdown(layers["entries"], order, uniform_layer_bytes=layers["uniform_layer_bytes"])
     if "full" in policies:
         lines += ["(d) Tokens/s relative to full (window at L; in brackets: from the first decode step to L):", ""]
-        rows = []
-        for n in order:
-            s = policies[n]
-            cells = []
-            for tokens in lengths:
-                text = cell(s["tokens_per_s_vs_full"].get(tokens), "{:.2f}")
-                cumulative = s["cumulative_tokens_per_s_vs_full"].get(tokens)
-                if cumulative is not None:
-                    text += f" ({cumulative:.2f})"
-                cells.append(text)
-            rows.append([n, *cells])
-        lines += table(["policy", *(f"@{tokens}" for tokens in lengths)], rows)
+
+        def versus_full(n: str, tokens: int) -> str:
+            cumulative = policies[n]["cumulative_tokens_per_s_vs_full"].get(tokens)
+            text = cell(policies[n]["tokens_per_s_vs_full"].get(tokens), "{:.2f}")
+            return text if cumulative is None else f"{text} ({cumulative:.2f})"
+
+        lines += _length_table(order, lengths, versus_full)
     if TRANSFORMERS in policies:
         lines += [
             "(e) Tokens/s relative to transformers' own cache (the one `model.generate` builds, no reasonkv hook; "
             "same loop, prompts and lengths; a compiled entry relative to transformers~compiled):",
             "",
         ]
-        lines += _length_table(policies, order, lengths, "tokens_per_s_vs_transformers")
+        lines += _length_table(order, lengths, _ratio_text(policies, "tokens_per_s_vs_transformers"))
     evicted = [n for n in order if policies[n].get("prefill_eviction_s")]
     if evicted:
         lines += [
@@ -391,10 +386,15 @@ def _summary_markdown(batch: int, summary: dict) -> list[str]:
     return lines
 
 
-def _length_table(policies: dict, order: list[str], lengths: list[int], key: str) -> list[str]:
-    """A table of each policy's ratio ``key`` at every length."""
-    rows = [[n, *(cell(policies[n][key].get(tokens), "{:.3f}") for tokens in lengths)] for n in order]
+def _length_table(order: list[str], lengths: list[int], text) -> list[str]:
+    """A table of ``text(policy, length)`` for each policy at every length."""
+    rows = [[n, *(text(n, tokens) for tokens in lengths)] for n in order]
     return table(["policy", *(f"@{tokens}" for tokens in lengths)], rows)
+
+
+def _ratio_text(policies: dict, key: str):
+    """The cell of each policy's ratio ``key`` at a length."""
+    return lambda n, tokens: cell(policies[n][key].get(tokens), "{:.3f}")
 
 
 def _eviction_markdown(records: list[dict], summary: dict | None) -> list[str]:

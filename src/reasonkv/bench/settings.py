@@ -61,9 +61,9 @@ def parse_int_list(value: str | Sequence[int], what: str, *, increasing: bool = 
         raise ValueError(f"{what}: expected comma-separated positive integers, got {value!r}")
     values = []
     for part in parts:
-        if not (is_int(part) or isinstance(part, str)):
-            raise ValueError(f"{what}: {part!r} is not an integer (in {value!r})")
         try:
+            if not (is_int(part) or isinstance(part, str)):
+                raise ValueError
             number = int(part)
         except ValueError:
             raise ValueError(f"{what}: {part!r} is not an integer (in {value!r})") from None
