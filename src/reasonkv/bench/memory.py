@@ -119,12 +119,8 @@ def rss_bytes() -> int:
         with open("/proc/self/statm", encoding="ascii") as statm:
             return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
-        return _maxrss()
-
-
-def _maxrss() -> int:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if os.uname().sysname == "Darwin" else peak * 1024
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if os.uname().sysname == "Darwin" else peak * 1024
 
 
 def _proc_bytes(path: str, field: str) -> int | None:

@@ -287,21 +287,15 @@ def _sweep_config(s: BenchSettings, common: dict, warnings: list[str]) -> dict:
         config["ragged"] = True
     if s.compile is not False:  # likewise
         config["compile"] = s.compile_backend
+    config.update(_fields(s, "prefill_to_length", "prompt_length"))
     if s.prefill_to_length:
-        config.update(
-            prefill_to_length=True,
-            prompt_length=s.prompt_length,
-            decode_steps=s.decode_steps,
-            prefill_chunk=s.prefill_chunk,
-            window=window,
+        config.update(_fields(s, "decode_steps", "prefill_chunk"))
+    config["window"] = window
+    if s.prefill_to_length and buffer and window % buffer and window >= buffer:
+        warnings.append(
+            f"window {window} is not a multiple of the buffer {buffer}: amortised eviction costs depend "
+            "on how many evictions fall into it"
         )
-        if buffer and window % buffer and window >= buffer:
-            warnings.append(
-                f"window {window} is not a multiple of the buffer {buffer}: amortised eviction costs depend "
-                "on how many evictions fall into it"
-            )
-    else:
-        config.update(prefill_to_length=False, prompt_length=s.prompt_length, window=window)
     if budget >= lengths[0]:
         warnings.append(f"budget {budget} >= the smallest length {lengths[0]}: nothing is evicted up to that length")
     if budget + buffer > lengths[-1]:
