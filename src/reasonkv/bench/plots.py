@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from reasonkv.bench.memory import held_bytes
+from reasonkv.bench.windows import sweeps_by_batch
 
 __all__ = ["write_plots"]
 
@@ -37,14 +38,6 @@ def _rolling_median(values: np.ndarray, width: int) -> np.ndarray:
     width = max(1, min(width, len(values)))
     windows = np.lib.stride_tricks.sliding_window_view(values, width)
     return np.median(windows, axis=1)
-
-
-def _sweeps_by_batch(records: list[dict]) -> dict[int, dict[str, dict]]:
-    out: dict[int, dict[str, dict]] = defaultdict(dict)
-    for record in records:
-        if record.get("mode") == "sweep":
-            out[record["batch"]][record["policy"]] = record
-    return dict(sorted(out.items()))
 
 
 def _save(plt, fig, path: Path) -> None:
@@ -180,7 +173,7 @@ def write_plots(records: list[dict], out: Path, *, device: str = "cpu") -> list[
     plt = _pyplot()
     out = Path(out)
     written = []
-    sweeps = _sweeps_by_batch(records)
+    sweeps = {batch: {r["policy"]: r for r in group} for batch, group in sweeps_by_batch(records).items()}
     max_batch = [r for r in records if r.get("mode") == "max-batch"]
     evictions = [r for r in records if r.get("mode") == "eviction-cost"]
     if sweeps:

@@ -7,8 +7,6 @@ interleaved rounds (:func:`~reasonkv.bench.rounds.same_rounds`); an entry of oth
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 from reasonkv.bench.compiled import COMPILED, compiled_label
 from reasonkv.bench.layers import layer_markdown, layer_summary
 from reasonkv.bench.markdown import cell, section, table
@@ -28,7 +26,7 @@ from reasonkv.bench.targets import (
     targets_markdown,
 )
 from reasonkv.bench.variants import RAGGED, variant_markdown, variant_summaries
-from reasonkv.bench.windows import beside, by_length
+from reasonkv.bench.windows import beside, by_length, sweeps_by_batch
 from reasonkv.models import bundled_model
 
 __all__ = ["markdown", "summarise", "summary_text"]
@@ -153,11 +151,7 @@ def _pct(part, whole):
 def summarise(records: list[dict]) -> dict:
     """Overhead summary, eviction-cost and max-batch comparisons of every finished record."""
     out: dict = {"sweep": {}, "eviction_cost": None, "max_batch": None, **variant_summaries(records)}
-    sweeps: dict[int, list[dict]] = defaultdict(list)
-    for record in records:
-        if record.get("mode") == "sweep":
-            sweeps[record["batch"]].append(record)
-    for batch, group in sorted(sweeps.items()):
+    for batch, group in sweeps_by_batch(records).items():
         out["sweep"][str(batch)] = _sweep_summary(group)
 
     evictions = [r for r in records if r.get("mode") == "eviction-cost"]
@@ -225,11 +219,8 @@ def _sweep_markdown(records: list[dict], summary: dict, meta: dict) -> list[str]
         how += f"; every evicting entry runs under the {config['allocation']} allocation ({heads} heads)"
     lines = [f"## Length sweep (K = {budget}, B = {buffer}{shared})", "", f"{how}.", ""]
     peak_kind = "CUDA max allocated" if meta.get("device", "cpu").startswith("cuda") else "process peak RSS"
-    by_batch: dict[int, list[dict]] = defaultdict(list)
-    for record in records:
-        by_batch[record["batch"]].append(record)
-    for batch in sorted(by_batch):
-        group = {r["policy"]: r for r in by_batch[batch]}
+    for batch, sweeps in sweeps_by_batch(records).items():
+        group = {r["policy"]: r for r in sweeps}
         batch_summary = summary["sweep"].get(str(batch), {})
         lines += [f"### Batch {batch}", ""]
         rows = []
