@@ -261,8 +261,6 @@ def measure_prefilled(
     batch: int,
     length: int,
     decode_steps: int,
-    window: int | None = None,
-    bar=None,
     peak_from_prefill: bool = False,
     **options,
 ) -> dict:
@@ -272,7 +270,7 @@ def measure_prefilled(
     every decode step, not only the window's."""
     session = PrefilledSession(model, spec, batch=batch, top=length, **options)
     try:
-        return session.measure(length, decode_steps, window=window, bar=bar, peak_from_prefill=peak_from_prefill)
+        return session.measure(length, decode_steps, peak_from_prefill=peak_from_prefill)
     finally:
         session.close()
 
