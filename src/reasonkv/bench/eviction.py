@@ -32,11 +32,7 @@ def measure_eviction_cost(
     seed: int = 0,
 ) -> dict:
     """Time ``repeats`` evictions of the cache ``spec`` when it holds ``K + B`` tokens per row (``batch`` rows
-    of random prompts seeded by ``seed``).
-
-    Returns per-eviction seconds (``eviction_s``, ``score_s``, ``gather_s``) and their mean,
-    median, standard deviation and minimum.
-    """
+    of random prompts seeded by ``seed``): each one's seconds, scoring and gathering apart, and their statistics."""
     if spec.trigger is None or spec.buffer < 1:
         raise ValueError(
             f"eviction cost needs a policy that evicts and a buffer of at least 1 token, got {spec.policy.name} "

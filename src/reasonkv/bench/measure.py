@@ -62,10 +62,8 @@ def free_memory(device: torch.device) -> None:
 
 
 def make_prompts(vocab_size: int, batch: int, length: int, seed: int) -> list[list[int]]:
-    """``batch`` fixed random token-id prompts of ``length`` ids (seeded; no padding needed).
-
-    Ids are drawn above the low end of the vocabulary, where tokenizers keep their special tokens.
-    """
+    """``batch`` fixed random token-id prompts of ``length`` ids (seeded; no padding needed), drawn above the
+    low end of the vocabulary, where tokenizers keep their special tokens."""
     if length < 1:
         raise ValueError(f"prompt length must be at least 1, got {length}")
     low = min(100, vocab_size // 2)
@@ -82,12 +80,8 @@ def window_stats(
     evictions: int,
     batch: int,
 ) -> dict:
-    """Numbers for one window of decode steps.
-
-    ``phases_before``/``phases_after`` are the evictor's cumulative phase seconds at the window's
-    edges; each phase is amortised over the window's steps, and ``forward`` is the mean step time
-    minus the phases, so ``sum(split.values()) == step_mean_s``.
-    """
+    """Numbers for one window of decode steps, from the evictor's cumulative phase seconds at its edges: each
+    phase amortised over its steps, ``forward`` the rest, so that ``sum(split.values()) == step_mean_s``."""
     n = len(step_seconds)
     if n == 0:
         raise ValueError("a window needs at least one decode step")

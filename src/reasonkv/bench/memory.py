@@ -211,12 +211,8 @@ class MemoryModel:
 
     @classmethod
     def fit(cls, probes: list[dict], kv_row: float) -> MemoryModel:
-        """Fit from measured probes ``{"batch", "peak_bytes", "kv_bytes"}`` at two or more batch sizes.
-
-        The KV bytes the cache actually allocated are taken out of each peak; the slope of what
-        remains over the batch is ``other_row``, its intercept (plus nothing of the KV) ``fixed``.
-        ``kv_row`` (the formula) is then put back per row.
-        """
+        """Fit from probes ``{"batch", "peak_bytes", "kv_bytes"}`` at two or more batch sizes: each peak less the
+        K/V bytes the cache allocated, its slope over the batch ``other_row``, its intercept ``fixed``."""
         points = sorted((int(p["batch"]), float(p["peak_bytes"]) - float(p["kv_bytes"])) for p in probes)
         if len({b for b, _ in points}) < 2:
             raise ValueError("the memory model needs probes at two different batch sizes")

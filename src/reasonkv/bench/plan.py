@@ -24,12 +24,9 @@ REFERENCES = ("full", "streaming")  # always measured, whatever --policies says
 
 
 def reference_lengths(*, evicts: bool, budget: int, buffer: int, lengths: list[int], prefill: bool) -> list[int]:
-    """Extra lengths the summary needs besides the requested ones.
-
-    ``K + B/2`` (the full-cache step the eviction overhead is compared with), ``K`` and ``8 K``
-    (flatness). A decode sweep gets them all for free; a prefilled sweep measures only those its
-    policy needs (each costs a prefill), and never beyond the largest requested length.
-    """
+    """Extra lengths the summary needs: ``K + B/2`` (the full-cache step the eviction overhead is compared with),
+    ``K`` and ``8 K`` (flatness). A decode sweep gets them all for free; a prefilled sweep only those its policy
+    needs (each costs a prefill); none beyond the largest requested length."""
     top = max(lengths)
     if not prefill:
         wanted = [budget, budget + buffer // 2, 8 * budget]

@@ -29,10 +29,7 @@ def settle(
 ) -> dict:
     """Call ``step()`` (it returns its own duration in seconds) in windows of ``window`` calls until the
     medians of the last ``last`` windows lie within ``tolerance`` of each other (largest over smallest,
-    minus one), or ``cap`` calls have been made.
-
-    Returns ``{"steps", "stable", "window_medians_s"}``.
-    """
+    minus one), or ``cap`` calls have been made."""
     for name, value, least in (("window", window, 1), ("last", last, 2), ("cap", cap, 1)):
         if not is_int(value) or value < least:
             raise ValueError(f"settle: {name} must be an integer >= {least}, got {value!r}")
