@@ -42,8 +42,7 @@ def measure_eviction_cost(
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     device = model_device(model)
-    vocab = vocab_size(model)
-    ids = torch.tensor(make_prompts(vocab, batch, cached + buffer * repeats, seed), device=device)
+    ids = torch.tensor(make_prompts(vocab_size(model), batch, cached + buffer * repeats, seed), device=device)
     cache = EvictingCache(model=model, spec=spec, sync_timing=device.type == "cuda")
     evictor = cache.evictor
     step = EagerStep(model, cache)
@@ -51,8 +50,7 @@ def measure_eviction_cost(
     try:
         with torch.inference_mode():
             offset = 0
-            chunks = prefill_chunks(cached, cached, batch, prefill_chunk, prompt_length=prompt_length, grows=False)
-            for size in chunks:
+            for size in prefill_chunks(cached, cached, batch, prefill_chunk, prompt_length=prompt_length, grows=False):
                 step.prefill(ids[:, offset : offset + size])
                 offset += size
             if evictor.eviction_count != 1:

@@ -74,8 +74,7 @@ def measure_max_batch(
     # What the machine itself can hold, with the KV bytes the cache really allocates per row.
     allocated_row = max(p["kv_bytes"] / p["batch"] for p in probes)
     machine = machine_memory_bytes(device)
-    machine_model = MemoryModel(fixed=memory.fixed, kv_row=allocated_row, other_row=memory.other_row)
-    machine_batch = machine_model.max_batch(0.95 * machine)
+    machine_batch = MemoryModel(memory.fixed, allocated_row, memory.other_row).max_batch(0.95 * machine)
     target = min(found, machine_batch, max_measured_batch)
     notes = []
     if found == 0:

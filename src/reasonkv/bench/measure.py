@@ -67,9 +67,7 @@ def make_prompts(vocab_size: int, batch: int, length: int, seed: int) -> list[li
     if length < 1:
         raise ValueError(f"prompt length must be at least 1, got {length}")
     low = min(100, vocab_size // 2)
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(low, vocab_size, (batch, length), generator=generator)
-    return ids.tolist()
+    return torch.randint(low, vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def window_stats(
@@ -295,8 +293,7 @@ def measure_sweep(
     lengths = sorted(set(lengths))
     if lengths[0] <= prompt_length:
         raise ValueError(f"every length must exceed the prompt length {prompt_length}, got {lengths[0]}")
-    vocab = vocab_size(model)
-    prompts = make_prompts(vocab, batch, prompt_length, seed)
+    prompts = make_prompts(vocab_size(model), batch, prompt_length, seed)
     steps = lengths[-1] - prompt_length
     bar = progress_bar(steps, entry_label(spec, batch), progress)
     recorder = StepRecorder(

@@ -218,8 +218,7 @@ class MemoryModel:
             raise ValueError("the memory model needs probes at two different batch sizes")
         (b1, m1), (b2, m2) = points[0], points[-1]
         other_row = max(0.0, (m2 - m1) / (b2 - b1))
-        fixed = m1 - b1 * other_row
-        return cls(fixed=fixed, kv_row=float(kv_row), other_row=other_row)
+        return cls(fixed=m1 - b1 * other_row, kv_row=float(kv_row), other_row=other_row)
 
     def as_dict(self) -> dict[str, float]:
         return {**asdict(self), "per_row": self.per_row}

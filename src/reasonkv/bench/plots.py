@@ -117,10 +117,9 @@ def _memory(plt, sweeps: dict[int, dict[str, dict]], path: Path, peak_label: str
 def _throughput(plt, sweeps: dict[int, dict[str, dict]], max_batch: list[dict], path: Path) -> None:
     panels = (1 if sweeps else 0) + (1 if max_batch else 0)
     fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4.5), squeeze=False)
-    column = 0
+    panel = iter(axes[0])
     if sweeps:
-        ax = axes[0][column]
-        column += 1
+        ax = next(panel)
         curves: dict[str, list[tuple[int, float]]] = defaultdict(list)
         length = None
         for batch, group in sweeps.items():
@@ -134,12 +133,11 @@ def _throughput(plt, sweeps: dict[int, dict[str, dict]], max_batch: list[dict], 
         ax.set_title(f"throughput at {length} tokens")
         _finish(ax, "batch size", "tokens/s")
     if max_batch:
-        ax = axes[0][column]
+        ax = next(panel)
         records = [r for r in max_batch if r.get("tokens_per_s")]
         names = _order(r["policy"] for r in records)
         by_name = {r["policy"]: r for r in records}
-        values = [by_name[n]["tokens_per_s"] for n in names]
-        bars = ax.bar(names, values, color="tab:blue")
+        bars = ax.bar(names, [by_name[n]["tokens_per_s"] for n in names], color="tab:blue")
         for bar, name in zip(bars, names, strict=True):
             ax.annotate(
                 f"b={by_name[name]['measured_batch']}",
@@ -161,8 +159,7 @@ def _eviction_cost(plt, records: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 0.35 * len(records) + 1.5))
     names = [r["policy"] for r in records]
     ax.barh(names, [1000 * r["mean_s"] for r in records], xerr=[1000 * r["std_s"] for r in records], color="tab:green")
-    config = records[0]["config"]
-    ax.set_title(f"one eviction with {config['cached']} cached tokens")
+    ax.set_title(f"one eviction with {records[0]['config']['cached']} cached tokens")
     ax.set_xlabel("ms (mean +- std)")
     ax.grid(alpha=0.3, axis="x")
     _save(plt, fig, path)

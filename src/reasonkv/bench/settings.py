@@ -293,8 +293,7 @@ class BenchSettings:
 
     def _check_model(self) -> None:
         dtype = resolve_dtype(self.dtype)
-        device = resolve_device(self.device)
-        resolve_attn_implementation(self.attn, dtype, device)
+        resolve_attn_implementation(self.attn, dtype, resolve_device(self.device))
         if self.model.startswith(SHAPE_PREFIX):
             shape_config(self.model[len(SHAPE_PREFIX) :])  # unknown shapes fail here, listing the known ones
 

@@ -32,8 +32,7 @@ def tiered_budget(model, budget: int, quantized: int, bits: int) -> dict:
     ``budget`` K' whose cache holds the nominal K/V bytes of ``budget`` plain tokens."""
     info = model_info(model)
     fmt = QuantFormat(bits, default_group_size(info.head_dim))
-    size = next(model.parameters()).element_size()
-    full = budget_for_bytes(budget, quantized, fmt, info.head_dim, size)
+    full = budget_for_bytes(budget, quantized, fmt, info.head_dim, next(model.parameters()).element_size())
     if full < 1:
         raise ValueError(
             f"{quantized} int{bits} tokens take the K/V bytes of {budget - full} full-precision tokens, "
@@ -53,8 +52,7 @@ def equal_measured_bytes(model, plain: CacheSpec, tier: dict, *, batch: int, pro
     prefilled = tier["budget"] + tier["quantized"] + plain.buffer + prompt_length  # fills the tier at once
     length = prefilled + steps + WARMUP_STEPS
     options.update(batch=batch, length=length, decode_steps=steps, prompt_length=prompt_length, sync_timing=False)
-    measured = measure_prefilled(model, tiered, **options)
-    held = measured["kv_bytes_quantized"]
+    held = measure_prefilled(model, tiered, **options)["kv_bytes_quantized"]
     budget = plain.budget - math.ceil(held / (kv_bytes_per_token(model, model_dtype(model)) * batch))
     if budget < 1:
         raise ValueError(
