@@ -104,8 +104,11 @@ _ALLOCATION = {
 }
 
 
+# The keywords a group's fields share.
+_policy = functools.partial(setting, group="policies")
 _sweep = functools.partial(setting, group="length sweep")
 _count = functools.partial(_sweep, type=int, always=True)  # a count the reproducing command always spells out
+_output = functools.partial(setting, group="output")
 
 
 def _joined(values: Sequence[int]) -> str:
@@ -124,37 +127,29 @@ class BenchSettings:
     threads: int | None = setting(
         None, group="model", type=int, help="CPU threads for torch (default: torch's own choice; recorded either way)"
     )
-    policies: tuple[str, ...] = setting(
+    policies: tuple[str, ...] = _policy(
         ("all",),
-        group="policies",
         always=True,
         help="comma-separated policy names, or 'all' (default: every registered policy); full and streaming "
         "always run as references",
     )
-    option: tuple[str, ...] = setting((), group="policies", repeated=True, short="-o", shared="policy options")
-    budget: int = setting(
-        512, group="policies", type=int, always=True, help="K: tokens kept per head after an eviction (default 512)"
-    )
-    buffer: int = setting(DEFAULT_BUFFER, group="policies", always=True, shared="buffer")
-    seed: int = setting(
-        0, group="policies", type=int, always=True, help="seeds the prompts and the policies (default 0)"
-    )
-    quantized: int = setting(
+    option: tuple[str, ...] = _policy((), repeated=True, short="-o", shared="policy options")
+    budget: int = _policy(512, type=int, always=True, help="K: tokens kept per head after an eviction (default 512)")
+    buffer: int = _policy(DEFAULT_BUFFER, always=True, shared="buffer")
+    seed: int = _policy(0, type=int, always=True, help="seeds the prompts and the policies (default 0)")
+    quantized: int = _policy(
         0,
-        group="policies",
         type="non-negative",
         metavar="Q",
         help="also measure every requested evicting policy with Q tokens per head kept quantized, its "
         "full-precision budget lowered so that its nominal K/V bytes equal the plain policy's at --budget "
         "(length sweep; default 0: no such variants)",
     )
-    bits: int | None = setting(
-        None, group="policies", type=int, choices=(4, 8), help="code width of the quantized tier (default 8)"
-    )
-    allocation: str = setting(Uniform.name, group="policies", shared="allocation", shared_with=_ALLOCATION)
-    budgets_file: str | None = setting(None, group="policies", shared="allocation", shared_with=_ALLOCATION)
-    adaptive_alpha: float | None = setting(None, group="policies", shared="allocation", shared_with=_ALLOCATION)
-    padded_heads: bool = setting(False, group="policies", shared="allocation", shared_with=_ALLOCATION)
+    bits: int | None = _policy(None, type=int, choices=(4, 8), help="code width of the quantized tier (default 8)")
+    allocation: str = _policy(Uniform.name, shared="allocation", shared_with=_ALLOCATION)
+    budgets_file: str | None = _policy(None, shared="allocation", shared_with=_ALLOCATION)
+    adaptive_alpha: float | None = _policy(None, shared="allocation", shared_with=_ALLOCATION)
+    padded_heads: bool = _policy(False, shared="allocation", shared_with=_ALLOCATION)
     lengths: tuple[int, ...] | None = _sweep(
         None,
         help=f"lengths to report, strictly increasing (default {_joined(DEFAULT_LENGTHS)}; "
@@ -239,14 +234,10 @@ class BenchSettings:
     max_measured_batch: int = setting(
         256, group="max batch", type=int, help="largest batch whose throughput is measured (default 256)"
     )
-    out: Path = setting(
-        group="output", type=Path, required=True, always=True, help="folder for results.jsonl, bench.json/md, PNGs"
-    )
-    force: bool = setting(False, group="output", help="re-measure entries already in --out")
-    progress: bool = setting(True, group="output", negated=True, in_command=False, help="no progress bars")
-    plots: bool = setting(
-        True, group="output", negated=True, in_command=False, help="no PNG plots (JSON and markdown only)"
-    )
+    out: Path = _output(type=Path, required=True, always=True, help="folder for results.jsonl, bench.json/md, PNGs")
+    force: bool = _output(False, help="re-measure entries already in --out")
+    progress: bool = _output(True, negated=True, in_command=False, help="no progress bars")
+    plots: bool = _output(True, negated=True, in_command=False, help="no PNG plots (JSON and markdown only)")
 
     def __post_init__(self) -> None:
         self._normalise()
