@@ -64,6 +64,7 @@ def _sweep_summary(records: list[dict]) -> dict:
     }
     for name, record in by_policy.items():
         windows = by_length(record)
+        reached = [t for t in lengths if t in windows]
         versus = beside(record, static if name.endswith(COMPILED) else plain)  # compiled against compiled
         full_windows, streaming_windows = beside(record, full), beside(record, streaming)
         step = full_step if same_rounds(record, full or {}) else None
@@ -71,27 +72,19 @@ def _sweep_summary(records: list[dict]) -> dict:
         batch = record["batch"]
         summary: dict = {"evicts": record.get("evicts", name not in ("full", TRANSFORMERS))}
         summary["reads_attention"] = record.get("reads_attention")
-        summary["overhead_pct"] = {
-            tokens: _pct(windows[tokens]["eviction_overhead_s"], step) for tokens in lengths if tokens in windows
-        }
+        summary["overhead_pct"] = {t: _pct(windows[t]["eviction_overhead_s"], step) for t in reached}
         # Lengths whose window starts after the first eviction: the cache holds K to K + B slots.
-        evicted = [
-            tokens for tokens in lengths if tokens in windows and windows[tokens]["window_start"] >= budget + buffer
-        ]
-        steady = evicted
-        if not steady and windows:
-            steady = [max(tokens for tokens in lengths if tokens in windows)]
-        values = [
-            summary["overhead_pct"][tokens] for tokens in steady if summary["overhead_pct"].get(tokens) is not None
-        ]
+        evicted = [t for t in reached if windows[t]["window_start"] >= budget + buffer]
+        steady = evicted or reached[-1:]  # else the longest
+        values = [summary["overhead_pct"][t] for t in steady if summary["overhead_pct"][t] is not None]
         summary["overhead_pct_steady"] = max(values) if values else None
         summary["steady_lengths"] = steady
         summary["step_vs_streaming"] = _versus(windows, streaming_windows, lengths, "step_mean_s")
-        summary["tokens_per_s"] = {tokens: windows[tokens]["tokens_per_s"] for tokens in lengths if tokens in windows}
+        summary["tokens_per_s"] = {t: windows[t]["tokens_per_s"] for t in reached}
         summary["tokens_per_s_vs_full"] = _versus(windows, full_windows, lengths, "tokens_per_s")
         summary["tokens_per_s_vs_transformers"] = _versus(windows, versus, lengths, "tokens_per_s")
         summary["cumulative_tokens_per_s_vs_full"] = _versus(windows, full_windows, lengths, "cumulative_tokens_per_s")
-        prefill_evicted = [t for t in lengths if t in windows and windows[t].get("prefill_evictions", 0) > 0]
+        prefill_evicted = [t for t in reached if windows[t].get("prefill_evictions", 0) > 0]
         for key, phases in (
             ("prefill_eviction_s", ("score", "gather")),
             ("prefill_bookkeeping_s", ("record", "observe")),
