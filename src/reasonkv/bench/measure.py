@@ -199,34 +199,26 @@ class StepRecorder:
         self._resume = time.perf_counter()
 
     def _read(self, cache) -> dict:
-        if not isinstance(cache, EvictingCache):  # transformers' own cache: every token it holds is used
-            by_kind = kv_bytes_by_kind(cache.layers)
-            held = by_kind["full"] + by_kind["sliding"] + by_kind["linear"]
-            return {
-                "slots": int(cache.get_seq_length()),
-                "kv_bytes": int(held),
-                "kv_bytes_full": int(by_kind["full"]),
-                "kv_bytes_quantized": 0,
-                "kv_bytes_sliding": int(by_kind["sliding"]),
-                "kv_bytes_used": int(by_kind["full"]),
-                "memory_bytes": self.tracker.current(),
-                "peak_memory_bytes": self.tracker.peak(),
-            }
-        if self._per_token is None:
-            layer = cache.layers[cache.full_layers[0]]
-            self._per_token = len(cache.full_layers) * 2 * layer.keys.shape[1] * layer.keys.shape[3]
-            self._per_token *= layer.keys.element_size()
-        by_kind = cache.kv_bytes_by_kind()
-        reading = {}
-        if cache.spec.allocated:  # heads keep different numbers: what each evicting layer holds, and uses
-            reading = _allocated_reading(cache)
+        by_kind = kv_bytes_by_kind(cache.layers)
+        if isinstance(cache, EvictingCache):
+            if self._per_token is None:
+                layer = cache.layers[cache.full_layers[0]]
+                self._per_token = len(cache.full_layers) * 2 * layer.keys.shape[1] * layer.keys.shape[3]
+                self._per_token *= layer.keys.element_size()
+            # under an allocation heads keep different numbers: what each evicting layer holds, and uses
+            reading = _allocated_reading(cache) if cache.spec.allocated else {}
+            slots, held = cache.slots, cache.kv_bytes()
+            used = (cache.slots - cache.low_width) * self._per_token * self.batch  # full precision
+        else:  # transformers' own cache: every token it holds is used
+            slots, held = cache.get_seq_length(), by_kind["full"] + by_kind["sliding"] + by_kind["linear"]
+            used, reading = by_kind["full"], {}
         return {
-            "slots": int(cache.slots),
-            "kv_bytes": int(cache.kv_bytes()),
+            "slots": int(slots),
+            "kv_bytes": int(held),
             "kv_bytes_full": int(by_kind["full"]),  # the evicting layers (allocated capacity)
             "kv_bytes_quantized": int(by_kind["quantized"]),  # their quantized tier, if any
             "kv_bytes_sliding": int(by_kind["sliding"]),  # the sliding-window layers' stored window
-            "kv_bytes_used": int((cache.slots - cache.low_width) * self._per_token * self.batch),  # full precision
+            "kv_bytes_used": int(used),
             "memory_bytes": self.tracker.current(),
             "peak_memory_bytes": self.tracker.peak(),
             **reading,
@@ -236,6 +228,10 @@ class StepRecorder:
         """The times of steps ``first`` to ``last`` (indices into :attr:`step_seconds`), less those that compiled."""
         last = len(self.step_seconds) if last is None else last
         return [self.step_seconds[i] for i in range(first, last) if i not in self.compiling_steps]
+
+    def warmup_seconds(self) -> float:
+        """The time of the steps that compiled a graph."""
+        return sum(self.step_seconds[i] for i in self.compiling_steps)
 
     def window(self, end: int) -> dict:
         """Statistics of the window ending at length ``end``."""
