@@ -17,9 +17,8 @@ from reasonkv.bench.rounds import same_rounds
 from reasonkv.bench.settings import EVICTION, MAX_BATCH, TRANSFORMERS
 from reasonkv.bench.targets import (
     EVICTION_TARGET_S,
-    TRIVIAL_POLICIES,
+    cheapest_of,
     cheapest_text,
-    epikv_cheapest,
     failures,
     mark,
     sweep_targets,
@@ -150,13 +149,7 @@ def summarise(records: list[dict]) -> dict:
     evictions = [r for r in records if r.get("mode") == "eviction-cost"]
     if evictions:
         costs = {r["policy"]: r["mean_s"] for r in evictions}
-        nontrivial = {n: v for n, v in costs.items() if n not in TRIVIAL_POLICIES}
-        cheapest = min(nontrivial, key=nontrivial.get) if nontrivial else None
-        out["eviction_cost"] = {
-            "mean_s": costs,
-            "cheapest_nontrivial": cheapest,
-            "epikv_cheapest": epikv_cheapest(cheapest, nontrivial),
-        }
+        out["eviction_cost"] = {"mean_s": costs, **cheapest_of(costs)}
 
     batches = [r for r in records if r.get("mode") == "max-batch"]
     if batches:
