@@ -123,9 +123,7 @@ def check_allocation_fits(model, plan: Plan) -> None:
     """Build (and drop) the cache of one evicting entry under the allocation, so that what the cache refuses on
     this model (a budget file for another number of evicting layers or kv-heads, an attention kernel without
     per-head masks) is one error before anything is measured."""
-    if not plan.settings.allocation_rule.per_head or SWEEP not in plan.specs:
-        return
-    spec = next((s for s in plan.specs[SWEEP].values() if s is not None and s.allocated), None)
+    spec = next((s for s in plan.specs.get(SWEEP, {}).values() if s is not None and s.allocated), None)
     if spec is None:
         return
     try:
