@@ -164,7 +164,7 @@ def test_max_batch_on_a_synthetic_memory_model(monkeypatch):
         }
 
     monkeypatch.setattr(maxbatch, "measure_prefilled", fake)
-    monkeypatch.setattr(maxbatch, "_free", lambda device: None)
+    monkeypatch.setattr(maxbatch, "free_memory", lambda device: None)
     monkeypatch.setattr(maxbatch, "machine_memory_bytes", lambda device: 10**12)
     limit = fixed + 12 * (kv_row + other) + 10
     result = measure_max_batch(

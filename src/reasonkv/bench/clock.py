@@ -44,9 +44,6 @@ def _nvidia_smi_clock(index: int) -> int | None:
             timeout=_NVIDIA_SMI_TIMEOUT_S,
             check=False,
         )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    try:
         return int(done.stdout.strip().splitlines()[0])
-    except (ValueError, IndexError):
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return None

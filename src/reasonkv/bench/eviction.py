@@ -32,11 +32,7 @@ def measure_eviction_cost(
     seed: int = 0,
 ) -> dict:
     """Time ``repeats`` evictions of the cache ``spec`` when it holds ``K + B`` tokens per row (``batch`` rows
-    of random prompts seeded by ``seed``).
-
-    Returns per-eviction seconds (``eviction_s``, ``score_s``, ``gather_s``) and their mean,
-    median, standard deviation and minimum.
-    """
+    of random prompts seeded by ``seed``): each one's seconds, scoring and gathering apart, and their statistics."""
     if spec.trigger is None or spec.buffer < 1:
         raise ValueError(
             f"eviction cost needs a policy that evicts and a buffer of at least 1 token, got {spec.policy.name} "
@@ -46,8 +42,7 @@ def measure_eviction_cost(
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     device = model_device(model)
-    vocab = vocab_size(model)
-    ids = torch.tensor(make_prompts(vocab, batch, cached + buffer * repeats, seed), device=device)
+    ids = torch.tensor(make_prompts(vocab_size(model), batch, cached + buffer * repeats, seed), device=device)
     cache = EvictingCache(model=model, spec=spec, sync_timing=device.type == "cuda")
     evictor = cache.evictor
     step = EagerStep(model, cache)
@@ -55,8 +50,7 @@ def measure_eviction_cost(
     try:
         with torch.inference_mode():
             offset = 0
-            chunks = prefill_chunks(cached, cached, batch, prefill_chunk, prompt_length=prompt_length, grows=False)
-            for size in chunks:
+            for size in prefill_chunks(cached, cached, batch, prefill_chunk, prompt_length=prompt_length, grows=False):
                 step.prefill(ids[:, offset : offset + size])
                 offset += size
             if evictor.eviction_count != 1:

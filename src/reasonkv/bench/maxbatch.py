@@ -16,11 +16,9 @@ and more rows give more tokens per second.
 
 from __future__ import annotations
 
-import gc
-
 import torch
 
-from reasonkv.bench.measure import model_device, model_dtype
+from reasonkv.bench.measure import free_memory, model_device, model_dtype
 from reasonkv.bench.memory import MemoryModel, kv_bytes_per_token, machine_memory_bytes, window_kv_bytes
 from reasonkv.bench.prefilled import measure_prefilled
 from reasonkv.cache import CacheSpec
@@ -34,12 +32,6 @@ def kv_tokens_per_row(spec: CacheSpec, length: int) -> int:
     return length if spec.trigger is None else min(length, spec.trigger)
 
 
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def measure_max_batch(
     model,
     spec: CacheSpec,
@@ -50,28 +42,22 @@ def measure_max_batch(
     probe_batches: tuple[int, int] = (1, 2),
     probe_steps: int = 4,
     max_measured_batch: int = 256,
-    prefill_chunk: int = 0,
-    prompt_length: int = 32,
-    seed: int = 0,
+    **options,
 ) -> dict:
     """Probe, compute the batch of the cache ``spec`` that fits ``memory_limit`` at ``length``, measure its
-    throughput (``seed`` seeds the random prompts)."""
+    throughput (``options``: the prefill's ``prefill_chunk``, ``prompt_length``, and the ``seed`` of the random
+    prompts, as :class:`~reasonkv.bench.prefilled.PrefilledSession` takes them)."""
     device = model_device(model)
     per_token = kv_bytes_per_token(model, model_dtype(model))
     kv_row = kv_tokens_per_row(spec, length) * per_token + window_kv_bytes(model, model_dtype(model))
     # No phase synchronisation: only whole steps are timed here, and they should run undisturbed.
-    common = dict(
-        length=length,
-        prefill_chunk=prefill_chunk,
-        prompt_length=prompt_length,
-        sync_timing=False,
-        peak_from_prefill=True,  # a batch must fit every decode step, the first ones too
-    )
+    # A batch must fit every decode step, the first ones too: the peak counts from the prefill's end.
+    common = dict(length=length, sync_timing=False, peak_from_prefill=True, **options)
 
     probes = []
     for batch in probe_batches:
-        _free(device)
-        result = measure_prefilled(model, spec, batch=batch, decode_steps=probe_steps, seed=seed, **common)
+        free_memory(device)
+        result = measure_prefilled(model, spec, batch=batch, decode_steps=probe_steps, **common)
         if result["peak_memory_bytes"] is None:
             raise RuntimeError("this machine cannot reset its peak-memory counter; the max-batch probe needs it")
         probes.append(
@@ -88,8 +74,7 @@ def measure_max_batch(
     # What the machine itself can hold, with the KV bytes the cache really allocates per row.
     allocated_row = max(p["kv_bytes"] / p["batch"] for p in probes)
     machine = machine_memory_bytes(device)
-    machine_model = MemoryModel(fixed=memory.fixed, kv_row=allocated_row, other_row=memory.other_row)
-    machine_batch = machine_model.max_batch(0.95 * machine)
+    machine_batch = MemoryModel(memory.fixed, allocated_row, memory.other_row).max_batch(0.95 * machine)
     target = min(found, machine_batch, max_measured_batch)
     notes = []
     if found == 0:
@@ -101,9 +86,9 @@ def measure_max_batch(
     attempts, measured = [], None
     batch = target
     while batch >= 1 and measured is None:
-        _free(device)
+        free_memory(device)
         try:
-            measured = measure_prefilled(model, spec, batch=batch, decode_steps=decode_steps, seed=seed, **common)
+            measured = measure_prefilled(model, spec, batch=batch, decode_steps=decode_steps, **common)
         except (torch.OutOfMemoryError, RuntimeError) as error:
             if not isinstance(error, torch.OutOfMemoryError) and "out of memory" not in str(error).lower():
                 raise

@@ -13,6 +13,7 @@ so the five parts sum to the window's mean step time.
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from collections.abc import Sequence
@@ -32,6 +33,7 @@ __all__ = [
     "StepRecorder",
     "WARMUP_STEPS",
     "entry_label",
+    "free_memory",
     "make_prompts",
     "measure_sweep",
     "model_device",
@@ -52,17 +54,20 @@ def model_dtype(model) -> torch.dtype:
     return next(model.parameters()).dtype
 
 
-def make_prompts(vocab_size: int, batch: int, length: int, seed: int) -> list[list[int]]:
-    """``batch`` fixed random token-id prompts of ``length`` ids (seeded; no padding needed).
+def free_memory(device: torch.device) -> None:
+    """What the last measurement left collected (CUDA's cached blocks given back), before the next one."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
-    Ids are drawn above the low end of the vocabulary, where tokenizers keep their special tokens.
-    """
+
+def make_prompts(vocab_size: int, batch: int, length: int, seed: int) -> list[list[int]]:
+    """``batch`` fixed random token-id prompts of ``length`` ids (seeded; no padding needed), drawn above the
+    low end of the vocabulary, where tokenizers keep their special tokens."""
     if length < 1:
         raise ValueError(f"prompt length must be at least 1, got {length}")
     low = min(100, vocab_size // 2)
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(low, vocab_size, (batch, length), generator=generator)
-    return ids.tolist()
+    return torch.randint(low, vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def window_stats(
@@ -73,12 +78,8 @@ def window_stats(
     evictions: int,
     batch: int,
 ) -> dict:
-    """Numbers for one window of decode steps.
-
-    ``phases_before``/``phases_after`` are the evictor's cumulative phase seconds at the window's
-    edges; each phase is amortised over the window's steps, and ``forward`` is the mean step time
-    minus the phases, so ``sum(split.values()) == step_mean_s``.
-    """
+    """Numbers for one window of decode steps, from the evictor's cumulative phase seconds at its edges: each
+    phase amortised over its steps, ``forward`` the rest, so that ``sum(split.values()) == step_mean_s``."""
     n = len(step_seconds)
     if n == 0:
         raise ValueError("a window needs at least one decode step")
@@ -198,34 +199,26 @@ class StepRecorder:
         self._resume = time.perf_counter()
 
     def _read(self, cache) -> dict:
-        if not isinstance(cache, EvictingCache):  # transformers' own cache: every token it holds is used
-            by_kind = kv_bytes_by_kind(cache.layers)
-            held = by_kind["full"] + by_kind["sliding"] + by_kind["linear"]
-            return {
-                "slots": int(cache.get_seq_length()),
-                "kv_bytes": int(held),
-                "kv_bytes_full": int(by_kind["full"]),
-                "kv_bytes_quantized": 0,
-                "kv_bytes_sliding": int(by_kind["sliding"]),
-                "kv_bytes_used": int(by_kind["full"]),
-                "memory_bytes": self.tracker.current(),
-                "peak_memory_bytes": self.tracker.peak(),
-            }
-        if self._per_token is None:
-            layer = cache.layers[cache.full_layers[0]]
-            self._per_token = len(cache.full_layers) * 2 * layer.keys.shape[1] * layer.keys.shape[3]
-            self._per_token *= layer.keys.element_size()
-        by_kind = cache.kv_bytes_by_kind()
-        reading = {}
-        if cache.spec.allocated:  # heads keep different numbers: what each evicting layer holds, and uses
-            reading = _allocated_reading(cache)
+        by_kind = kv_bytes_by_kind(cache.layers)
+        if isinstance(cache, EvictingCache):
+            if self._per_token is None:
+                layer = cache.layers[cache.full_layers[0]]
+                self._per_token = len(cache.full_layers) * 2 * layer.keys.shape[1] * layer.keys.shape[3]
+                self._per_token *= layer.keys.element_size()
+            # under an allocation heads keep different numbers: what each evicting layer holds, and uses
+            reading = _allocated_reading(cache) if cache.spec.allocated else {}
+            slots, held = cache.slots, cache.kv_bytes()
+            used = (cache.slots - cache.low_width) * self._per_token * self.batch  # full precision
+        else:  # transformers' own cache: every token it holds is used
+            slots, held = cache.get_seq_length(), by_kind["full"] + by_kind["sliding"] + by_kind["linear"]
+            used, reading = by_kind["full"], {}
         return {
-            "slots": int(cache.slots),
-            "kv_bytes": int(cache.kv_bytes()),
+            "slots": int(slots),
+            "kv_bytes": int(held),
             "kv_bytes_full": int(by_kind["full"]),  # the evicting layers (allocated capacity)
             "kv_bytes_quantized": int(by_kind["quantized"]),  # their quantized tier, if any
             "kv_bytes_sliding": int(by_kind["sliding"]),  # the sliding-window layers' stored window
-            "kv_bytes_used": int((cache.slots - cache.low_width) * self._per_token * self.batch),  # full precision
+            "kv_bytes_used": int(used),
             "memory_bytes": self.tracker.current(),
             "peak_memory_bytes": self.tracker.peak(),
             **reading,
@@ -296,8 +289,7 @@ def measure_sweep(
     lengths = sorted(set(lengths))
     if lengths[0] <= prompt_length:
         raise ValueError(f"every length must exceed the prompt length {prompt_length}, got {lengths[0]}")
-    vocab = vocab_size(model)
-    prompts = make_prompts(vocab, batch, prompt_length, seed)
+    prompts = make_prompts(vocab_size(model), batch, prompt_length, seed)
     steps = lengths[-1] - prompt_length
     bar = progress_bar(steps, entry_label(spec, batch), progress)
     recorder = StepRecorder(

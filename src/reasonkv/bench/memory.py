@@ -119,12 +119,8 @@ def rss_bytes() -> int:
         with open("/proc/self/statm", encoding="ascii") as statm:
             return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
-        return _maxrss()
-
-
-def _maxrss() -> int:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if os.uname().sysname == "Darwin" else peak * 1024
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if os.uname().sysname == "Darwin" else peak * 1024
 
 
 def _proc_bytes(path: str, field: str) -> int | None:
@@ -145,11 +141,6 @@ class PeakTracker:
     def __init__(self, device: torch.device):
         self.device = device
         self._cpu_resettable: bool | None = None
-
-    @property
-    def kind(self) -> str:
-        """``"cuda-allocated"`` or ``"cpu-rss"`` (what :meth:`peak` reports)."""
-        return "cuda-allocated" if self.device.type == "cuda" else "cpu-rss"
 
     def reset(self) -> None:
         if self.device.type == "cuda":
@@ -220,19 +211,14 @@ class MemoryModel:
 
     @classmethod
     def fit(cls, probes: list[dict], kv_row: float) -> MemoryModel:
-        """Fit from measured probes ``{"batch", "peak_bytes", "kv_bytes"}`` at two or more batch sizes.
-
-        The KV bytes the cache actually allocated are taken out of each peak; the slope of what
-        remains over the batch is ``other_row``, its intercept (plus nothing of the KV) ``fixed``.
-        ``kv_row`` (the formula) is then put back per row.
-        """
+        """Fit from probes ``{"batch", "peak_bytes", "kv_bytes"}`` at two or more batch sizes: each peak less the
+        K/V bytes the cache allocated, its slope over the batch ``other_row``, its intercept ``fixed``."""
         points = sorted((int(p["batch"]), float(p["peak_bytes"]) - float(p["kv_bytes"])) for p in probes)
         if len({b for b, _ in points}) < 2:
             raise ValueError("the memory model needs probes at two different batch sizes")
         (b1, m1), (b2, m2) = points[0], points[-1]
         other_row = max(0.0, (m2 - m1) / (b2 - b1))
-        fixed = m1 - b1 * other_row
-        return cls(fixed=fixed, kv_row=float(kv_row), other_row=other_row)
+        return cls(fixed=m1 - b1 * other_row, kv_row=float(kv_row), other_row=other_row)
 
     def as_dict(self) -> dict[str, float]:
         return {**asdict(self), "per_row": self.per_row}

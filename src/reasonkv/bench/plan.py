@@ -24,12 +24,9 @@ REFERENCES = ("full", "streaming")  # always measured, whatever --policies says
 
 
 def reference_lengths(*, evicts: bool, budget: int, buffer: int, lengths: list[int], prefill: bool) -> list[int]:
-    """Extra lengths the summary needs besides the requested ones.
-
-    ``K + B/2`` (the full-cache step the eviction overhead is compared with), ``K`` and ``8 K``
-    (flatness). A decode sweep gets them all for free; a prefilled sweep measures only those its
-    policy needs (each costs a prefill), and never beyond the largest requested length.
-    """
+    """Extra lengths the summary needs: ``K + B/2`` (the full-cache step the eviction overhead is compared with),
+    ``K`` and ``8 K`` (flatness). A decode sweep gets them all for free; a prefilled sweep only those its policy
+    needs (each costs a prefill); none beyond the largest requested length."""
     top = max(lengths)
     if not prefill:
         wanted = [budget, budget + buffer // 2, 8 * budget]
@@ -126,14 +123,9 @@ def _spec(settings: BenchSettings, mode: str, policy: Policy) -> CacheSpec:
     """The entry's cache in ``mode`` (the full cache stores no budget: it evicts nothing); an evicting entry of the
     length sweep under the settings' allocation."""
     budget = settings.cached - settings.buffer if mode == EVICTION else settings.budget
-    shared = {}
-    if mode == SWEEP and policy.evicts and settings.allocation_rule.per_head:
-        shared = dict(
-            allocation=settings.allocation,
-            budgets_file=settings.budgets_file,
-            adaptive_alpha=settings.adaptive_alpha,
-            ragged=not settings.padded_heads,
-        )
+    rule, shared = settings.allocation_rule, {}
+    if mode == SWEEP and policy.evicts and rule.per_head:
+        shared = dict(allocation=rule.name, ragged=not settings.padded_heads, **rule.options())
     return CacheSpec(policy, budget, settings.buffer, seed=settings.seed, **shared)
 
 
@@ -292,21 +284,15 @@ def _sweep_config(s: BenchSettings, common: dict, warnings: list[str]) -> dict:
         config["ragged"] = True
     if s.compile is not False:  # likewise
         config["compile"] = s.compile_backend
+    config.update(_fields(s, "prefill_to_length", "prompt_length"))
     if s.prefill_to_length:
-        config.update(
-            prefill_to_length=True,
-            prompt_length=s.prompt_length,
-            decode_steps=s.decode_steps,
-            prefill_chunk=s.prefill_chunk,
-            window=window,
+        config.update(_fields(s, "decode_steps", "prefill_chunk"))
+    config["window"] = window
+    if s.prefill_to_length and buffer and window % buffer and window >= buffer:
+        warnings.append(
+            f"window {window} is not a multiple of the buffer {buffer}: amortised eviction costs depend "
+            "on how many evictions fall into it"
         )
-        if buffer and window % buffer and window >= buffer:
-            warnings.append(
-                f"window {window} is not a multiple of the buffer {buffer}: amortised eviction costs depend "
-                "on how many evictions fall into it"
-            )
-    else:
-        config.update(prefill_to_length=False, prompt_length=s.prompt_length, window=window)
     if budget >= lengths[0]:
         warnings.append(f"budget {budget} >= the smallest length {lengths[0]}: nothing is evicted up to that length")
     if budget + buffer > lengths[-1]:

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from reasonkv.bench.memory import held_bytes
+from reasonkv.bench.windows import sweeps_by_batch
 
 __all__ = ["write_plots"]
 
@@ -37,14 +38,6 @@ def _rolling_median(values: np.ndarray, width: int) -> np.ndarray:
     width = max(1, min(width, len(values)))
     windows = np.lib.stride_tricks.sliding_window_view(values, width)
     return np.median(windows, axis=1)
-
-
-def _sweeps_by_batch(records: list[dict]) -> dict[int, dict[str, dict]]:
-    out: dict[int, dict[str, dict]] = defaultdict(dict)
-    for record in records:
-        if record.get("mode") == "sweep":
-            out[record["batch"]][record["policy"]] = record
-    return dict(sorted(out.items()))
 
 
 def _save(plt, fig, path: Path) -> None:
@@ -124,10 +117,9 @@ def _memory(plt, sweeps: dict[int, dict[str, dict]], path: Path, peak_label: str
 def _throughput(plt, sweeps: dict[int, dict[str, dict]], max_batch: list[dict], path: Path) -> None:
     panels = (1 if sweeps else 0) + (1 if max_batch else 0)
     fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4.5), squeeze=False)
-    column = 0
+    panel = iter(axes[0])
     if sweeps:
-        ax = axes[0][column]
-        column += 1
+        ax = next(panel)
         curves: dict[str, list[tuple[int, float]]] = defaultdict(list)
         length = None
         for batch, group in sweeps.items():
@@ -141,12 +133,11 @@ def _throughput(plt, sweeps: dict[int, dict[str, dict]], max_batch: list[dict], 
         ax.set_title(f"throughput at {length} tokens")
         _finish(ax, "batch size", "tokens/s")
     if max_batch:
-        ax = axes[0][column]
+        ax = next(panel)
         records = [r for r in max_batch if r.get("tokens_per_s")]
         names = _order(r["policy"] for r in records)
         by_name = {r["policy"]: r for r in records}
-        values = [by_name[n]["tokens_per_s"] for n in names]
-        bars = ax.bar(names, values, color="tab:blue")
+        bars = ax.bar(names, [by_name[n]["tokens_per_s"] for n in names], color="tab:blue")
         for bar, name in zip(bars, names, strict=True):
             ax.annotate(
                 f"b={by_name[name]['measured_batch']}",
@@ -168,8 +159,7 @@ def _eviction_cost(plt, records: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 0.35 * len(records) + 1.5))
     names = [r["policy"] for r in records]
     ax.barh(names, [1000 * r["mean_s"] for r in records], xerr=[1000 * r["std_s"] for r in records], color="tab:green")
-    config = records[0]["config"]
-    ax.set_title(f"one eviction with {config['cached']} cached tokens")
+    ax.set_title(f"one eviction with {records[0]['config']['cached']} cached tokens")
     ax.set_xlabel("ms (mean +- std)")
     ax.grid(alpha=0.3, axis="x")
     _save(plt, fig, path)
@@ -180,7 +170,7 @@ def write_plots(records: list[dict], out: Path, *, device: str = "cpu") -> list[
     plt = _pyplot()
     out = Path(out)
     written = []
-    sweeps = _sweeps_by_batch(records)
+    sweeps = {batch: {r["policy"]: r for r in group} for batch, group in sweeps_by_batch(records).items()}
     max_batch = [r for r in records if r.get("mode") == "max-batch"]
     evictions = [r for r in records if r.get("mode") == "eviction-cost"]
     if sweeps:

@@ -83,8 +83,7 @@ def ragged_shifts(batch: int, buffer: int) -> list[int]:
     """Tokens each row of a ragged batch lacks: row ``r`` is ``r x max(1, B // batch)`` tokens behind, so the
     rows reach ``K + B`` at steps spread over one eviction cycle (as prompts of different lengths below
     ``K + B`` make them), instead of all at once."""
-    step = max(1, buffer // batch)
-    return [row * step for row in range(batch)]
+    return [row * max(1, buffer // batch) for row in range(batch)]
 
 
 def extension_chunks(total: int, batch: int, tokens_per_forward: int) -> list[int]:
@@ -261,8 +260,6 @@ def measure_prefilled(
     batch: int,
     length: int,
     decode_steps: int,
-    window: int | None = None,
-    bar=None,
     peak_from_prefill: bool = False,
     **options,
 ) -> dict:
@@ -272,7 +269,7 @@ def measure_prefilled(
     every decode step, not only the window's."""
     session = PrefilledSession(model, spec, batch=batch, top=length, **options)
     try:
-        return session.measure(length, decode_steps, window=window, bar=bar, peak_from_prefill=peak_from_prefill)
+        return session.measure(length, decode_steps, peak_from_prefill=peak_from_prefill)
     finally:
         session.close()
 

@@ -7,8 +7,6 @@ interleaved rounds (:func:`~reasonkv.bench.rounds.same_rounds`); an entry of oth
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 from reasonkv.bench.compiled import COMPILED, compiled_label
 from reasonkv.bench.layers import layer_markdown, layer_summary
 from reasonkv.bench.markdown import cell, section, table
@@ -19,16 +17,15 @@ from reasonkv.bench.rounds import same_rounds
 from reasonkv.bench.settings import EVICTION, MAX_BATCH, TRANSFORMERS
 from reasonkv.bench.targets import (
     EVICTION_TARGET_S,
-    TRIVIAL_POLICIES,
+    cheapest_of,
     cheapest_text,
-    epikv_cheapest,
     failures,
     mark,
     sweep_targets,
     targets_markdown,
 )
 from reasonkv.bench.variants import RAGGED, variant_markdown, variant_summaries
-from reasonkv.bench.windows import beside, by_length
+from reasonkv.bench.windows import beside, by_length, sweeps_by_batch
 from reasonkv.models import bundled_model
 
 __all__ = ["markdown", "summarise", "summary_text"]
@@ -66,6 +63,7 @@ def _sweep_summary(records: list[dict]) -> dict:
     }
     for name, record in by_policy.items():
         windows = by_length(record)
+        reached = [t for t in lengths if t in windows]
         versus = beside(record, static if name.endswith(COMPILED) else plain)  # compiled against compiled
         full_windows, streaming_windows = beside(record, full), beside(record, streaming)
         step = full_step if same_rounds(record, full or {}) else None
@@ -73,27 +71,19 @@ def _sweep_summary(records: list[dict]) -> dict:
         batch = record["batch"]
         summary: dict = {"evicts": record.get("evicts", name not in ("full", TRANSFORMERS))}
         summary["reads_attention"] = record.get("reads_attention")
-        summary["overhead_pct"] = {
-            tokens: _pct(windows[tokens]["eviction_overhead_s"], step) for tokens in lengths if tokens in windows
-        }
+        summary["overhead_pct"] = {t: _pct(windows[t]["eviction_overhead_s"], step) for t in reached}
         # Lengths whose window starts after the first eviction: the cache holds K to K + B slots.
-        evicted = [
-            tokens for tokens in lengths if tokens in windows and windows[tokens]["window_start"] >= budget + buffer
-        ]
-        steady = evicted
-        if not steady and windows:
-            steady = [max(tokens for tokens in lengths if tokens in windows)]
-        values = [
-            summary["overhead_pct"][tokens] for tokens in steady if summary["overhead_pct"].get(tokens) is not None
-        ]
+        evicted = [t for t in reached if windows[t]["window_start"] >= budget + buffer]
+        steady = evicted or reached[-1:]  # else the longest
+        values = [summary["overhead_pct"][t] for t in steady if summary["overhead_pct"][t] is not None]
         summary["overhead_pct_steady"] = max(values) if values else None
         summary["steady_lengths"] = steady
         summary["step_vs_streaming"] = _versus(windows, streaming_windows, lengths, "step_mean_s")
-        summary["tokens_per_s"] = {tokens: windows[tokens]["tokens_per_s"] for tokens in lengths if tokens in windows}
+        summary["tokens_per_s"] = {t: windows[t]["tokens_per_s"] for t in reached}
         summary["tokens_per_s_vs_full"] = _versus(windows, full_windows, lengths, "tokens_per_s")
         summary["tokens_per_s_vs_transformers"] = _versus(windows, versus, lengths, "tokens_per_s")
         summary["cumulative_tokens_per_s_vs_full"] = _versus(windows, full_windows, lengths, "cumulative_tokens_per_s")
-        prefill_evicted = [t for t in lengths if t in windows and windows[t].get("prefill_evictions", 0) > 0]
+        prefill_evicted = [t for t in reached if windows[t].get("prefill_evictions", 0) > 0]
         for key, phases in (
             ("prefill_eviction_s", ("score", "gather")),
             ("prefill_bookkeeping_s", ("record", "observe")),
@@ -153,23 +143,13 @@ def _pct(part, whole):
 def summarise(records: list[dict]) -> dict:
     """Overhead summary, eviction-cost and max-batch comparisons of every finished record."""
     out: dict = {"sweep": {}, "eviction_cost": None, "max_batch": None, **variant_summaries(records)}
-    sweeps: dict[int, list[dict]] = defaultdict(list)
-    for record in records:
-        if record.get("mode") == "sweep":
-            sweeps[record["batch"]].append(record)
-    for batch, group in sorted(sweeps.items()):
+    for batch, group in sweeps_by_batch(records).items():
         out["sweep"][str(batch)] = _sweep_summary(group)
 
     evictions = [r for r in records if r.get("mode") == "eviction-cost"]
     if evictions:
         costs = {r["policy"]: r["mean_s"] for r in evictions}
-        nontrivial = {n: v for n, v in costs.items() if n not in TRIVIAL_POLICIES}
-        cheapest = min(nontrivial, key=nontrivial.get) if nontrivial else None
-        out["eviction_cost"] = {
-            "mean_s": costs,
-            "cheapest_nontrivial": cheapest,
-            "epikv_cheapest": epikv_cheapest(cheapest, nontrivial),
-        }
+        out["eviction_cost"] = {"mean_s": costs, **cheapest_of(costs)}
 
     batches = [r for r in records if r.get("mode") == "max-batch"]
     if batches:
@@ -225,11 +205,8 @@ def _sweep_markdown(records: list[dict], summary: dict, meta: dict) -> list[str]
         how += f"; every evicting entry runs under the {config['allocation']} allocation ({heads} heads)"
     lines = [f"## Length sweep (K = {budget}, B = {buffer}{shared})", "", f"{how}.", ""]
     peak_kind = "CUDA max allocated" if meta.get("device", "cpu").startswith("cuda") else "process peak RSS"
-    by_batch: dict[int, list[dict]] = defaultdict(list)
-    for record in records:
-        by_batch[record["batch"]].append(record)
-    for batch in sorted(by_batch):
-        group = {r["policy"]: r for r in by_batch[batch]}
+    for batch, sweeps in sweeps_by_batch(records).items():
+        group = {r["policy"]: r for r in sweeps}
         batch_summary = summary["sweep"].get(str(batch), {})
         lines += [f"### Batch {batch}", ""]
         rows = []
@@ -310,7 +287,7 @@ def _summary_markdown(batch: int, summary: dict) -> list[str]:
     lines += table(["policy", *(f"@{tokens}" for tokens in lengths), "steady"], rows)
     if "streaming" in policies:
         lines += ["(b) Step time relative to streaming (same eviction schedule, trivial scoring):", ""]
-        lines += _length_table(policies, order, lengths, "step_vs_streaming")
+        lines += _length_table(order, lengths, _ratio_text(policies, "step_vs_streaming"))
     lines += [
         "(c) Flatness: step time at 8 K over step time at K (a window that ends at K: the cache holds fewer "
         "slots than K + B and never evicts), and over the first length measured in its steady state (both "
@@ -349,25 +326,20 @@ def _summary_markdown(batch: int, summary: dict) -> list[str]:
         lines += layer_markdown(layers["entries"], order, uniform_layer_bytes=layers["uniform_layer_bytes"])
     if "full" in policies:
         lines += ["(d) Tokens/s relative to full (window at L; in brackets: from the first decode step to L):", ""]
-        rows = []
-        for n in order:
-            s = policies[n]
-            cells = []
-            for tokens in lengths:
-                text = cell(s["tokens_per_s_vs_full"].get(tokens), "{:.2f}")
-                cumulative = s["cumulative_tokens_per_s_vs_full"].get(tokens)
-                if cumulative is not None:
-                    text += f" ({cumulative:.2f})"
-                cells.append(text)
-            rows.append([n, *cells])
-        lines += table(["policy", *(f"@{tokens}" for tokens in lengths)], rows)
+
+        def versus_full(n: str, tokens: int) -> str:
+            cumulative = policies[n]["cumulative_tokens_per_s_vs_full"].get(tokens)
+            text = cell(policies[n]["tokens_per_s_vs_full"].get(tokens), "{:.2f}")
+            return text if cumulative is None else f"{text} ({cumulative:.2f})"
+
+        lines += _length_table(order, lengths, versus_full)
     if TRANSFORMERS in policies:
         lines += [
             "(e) Tokens/s relative to transformers' own cache (the one `model.generate` builds, no reasonkv hook; "
             "same loop, prompts and lengths; a compiled entry relative to transformers~compiled):",
             "",
         ]
-        lines += _length_table(policies, order, lengths, "tokens_per_s_vs_transformers")
+        lines += _length_table(order, lengths, _ratio_text(policies, "tokens_per_s_vs_transformers"))
     evicted = [n for n in order if policies[n].get("prefill_eviction_s")]
     if evicted:
         lines += [
@@ -391,10 +363,15 @@ def _summary_markdown(batch: int, summary: dict) -> list[str]:
     return lines
 
 
-def _length_table(policies: dict, order: list[str], lengths: list[int], key: str) -> list[str]:
-    """A table of each policy's ratio ``key`` at every length."""
-    rows = [[n, *(cell(policies[n][key].get(tokens), "{:.3f}") for tokens in lengths)] for n in order]
+def _length_table(order: list[str], lengths: list[int], text) -> list[str]:
+    """A table of ``text(policy, length)`` for each policy at every length."""
+    rows = [[n, *(text(n, tokens) for tokens in lengths)] for n in order]
     return table(["policy", *(f"@{tokens}" for tokens in lengths)], rows)
+
+
+def _ratio_text(policies: dict, key: str):
+    """The cell of each policy's ratio ``key`` at a length."""
+    return lambda n, tokens: cell(policies[n][key].get(tokens), "{:.3f}")
 
 
 def _eviction_markdown(records: list[dict], summary: dict | None) -> list[str]:

@@ -10,7 +10,6 @@ entry is recorded as an error and the others still run.
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import os
 import signal
@@ -22,7 +21,7 @@ import torch
 from reasonkv.bench.eviction import measure_eviction_cost
 from reasonkv.bench.machine import machine_info
 from reasonkv.bench.maxbatch import measure_max_batch
-from reasonkv.bench.measure import measure_sweep, model_dtype
+from reasonkv.bench.measure import free_memory, measure_sweep, model_dtype
 from reasonkv.bench.memory import kv_bytes_per_token, weight_bytes
 from reasonkv.bench.plan import Plan, build_plan
 from reasonkv.bench.plots import write_plots
@@ -124,9 +123,7 @@ def check_allocation_fits(model, plan: Plan) -> None:
     """Build (and drop) the cache of one evicting entry under the allocation, so that what the cache refuses on
     this model (a budget file for another number of evicting layers or kv-heads, an attention kernel without
     per-head masks) is one error before anything is measured."""
-    if not plan.settings.allocation_rule.per_head or SWEEP not in plan.specs:
-        return
-    spec = next((s for s in plan.specs[SWEEP].values() if s is not None and s.allocated), None)
+    spec = next((s for s in plan.specs.get(SWEEP, {}).values() if s is not None and s.allocated), None)
     if spec is None:
         return
     try:
@@ -319,9 +316,7 @@ def _run(plan: Plan) -> int:
         try:
             data = measure_entry(model, plan, mode, policy, batch, progress)
         finally:
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            free_memory(device)
         seconds = time.perf_counter() - start
         _say(f"    {_headline(mode, data)} ({seconds:.0f} s)")
         took.setdefault(mode, []).append(seconds)

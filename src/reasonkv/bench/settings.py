@@ -8,6 +8,7 @@ read nothing else. Building one checks every value and every combination that ne
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import shlex
@@ -60,9 +61,9 @@ def parse_int_list(value: str | Sequence[int], what: str, *, increasing: bool = 
         raise ValueError(f"{what}: expected comma-separated positive integers, got {value!r}")
     values = []
     for part in parts:
-        if not (is_int(part) or isinstance(part, str)):
-            raise ValueError(f"{what}: {part!r} is not an integer (in {value!r})")
         try:
+            if not (is_int(part) or isinstance(part, str)):
+                raise ValueError
             number = int(part)
         except ValueError:
             raise ValueError(f"{what}: {part!r} is not an integer (in {value!r})") from None
@@ -103,6 +104,13 @@ _ALLOCATION = {
 }
 
 
+# The keywords a group's fields share.
+_policy = functools.partial(setting, group="policies")
+_sweep = functools.partial(setting, group="length sweep")
+_count = functools.partial(_sweep, type=int, always=True)  # a count the reproducing command always spells out
+_output = functools.partial(setting, group="output")
+
+
 def _joined(values: Sequence[int]) -> str:
     return ",".join(map(str, values))
 
@@ -119,121 +127,87 @@ class BenchSettings:
     threads: int | None = setting(
         None, group="model", type=int, help="CPU threads for torch (default: torch's own choice; recorded either way)"
     )
-    policies: tuple[str, ...] = setting(
+    policies: tuple[str, ...] = _policy(
         ("all",),
-        group="policies",
         always=True,
         help="comma-separated policy names, or 'all' (default: every registered policy); full and streaming "
         "always run as references",
     )
-    option: tuple[str, ...] = setting((), group="policies", repeated=True, short="-o", shared="policy options")
-    budget: int = setting(
-        512, group="policies", type=int, always=True, help="K: tokens kept per head after an eviction (default 512)"
-    )
-    buffer: int = setting(DEFAULT_BUFFER, group="policies", always=True, shared="buffer")
-    seed: int = setting(
-        0, group="policies", type=int, always=True, help="seeds the prompts and the policies (default 0)"
-    )
-    quantized: int = setting(
+    option: tuple[str, ...] = _policy((), repeated=True, short="-o", shared="policy options")
+    budget: int = _policy(512, type=int, always=True, help="K: tokens kept per head after an eviction (default 512)")
+    buffer: int = _policy(DEFAULT_BUFFER, always=True, shared="buffer")
+    seed: int = _policy(0, type=int, always=True, help="seeds the prompts and the policies (default 0)")
+    quantized: int = _policy(
         0,
-        group="policies",
         type="non-negative",
         metavar="Q",
         help="also measure every requested evicting policy with Q tokens per head kept quantized, its "
         "full-precision budget lowered so that its nominal K/V bytes equal the plain policy's at --budget "
         "(length sweep; default 0: no such variants)",
     )
-    bits: int | None = setting(
-        None, group="policies", type=int, choices=(4, 8), help="code width of the quantized tier (default 8)"
-    )
-    allocation: str = setting(Uniform.name, group="policies", shared="allocation", shared_with=_ALLOCATION)
-    budgets_file: str | None = setting(None, group="policies", shared="allocation", shared_with=_ALLOCATION)
-    adaptive_alpha: float | None = setting(None, group="policies", shared="allocation", shared_with=_ALLOCATION)
-    padded_heads: bool = setting(False, group="policies", shared="allocation", shared_with=_ALLOCATION)
-    lengths: tuple[int, ...] | None = setting(
+    bits: int | None = _policy(None, type=int, choices=(4, 8), help="code width of the quantized tier (default 8)")
+    allocation: str = _policy(Uniform.name, shared="allocation", shared_with=_ALLOCATION)
+    budgets_file: str | None = _policy(None, shared="allocation", shared_with=_ALLOCATION)
+    adaptive_alpha: float | None = _policy(None, shared="allocation", shared_with=_ALLOCATION)
+    padded_heads: bool = _policy(False, shared="allocation", shared_with=_ALLOCATION)
+    lengths: tuple[int, ...] | None = _sweep(
         None,
-        group="length sweep",
         help=f"lengths to report, strictly increasing (default {_joined(DEFAULT_LENGTHS)}; "
         "the sweep runs when this is given or when neither --max-batch nor --eviction-cost is)",
     )
-    reference_lengths: bool = setting(
+    reference_lengths: bool = _sweep(
         True,
-        group="length sweep",
         negated=True,
         help="measure the --lengths only, not also K, K + B/2 and 8 K (what the summary's overhead and flatness "
         "compare with; then they compare with the nearest lengths measured)",
     )
-    rounds: int = setting(
+    rounds: int = _count(
         DEFAULT_ROUNDS,
-        group="length sweep",
-        type=int,
-        always=True,
         help="the sweep's entries of each batch size measured in this many interleaved rounds (A B C A B C ...), "
         f"each figure the median round's, the rounds' spread beside it (default {DEFAULT_ROUNDS})",
     )
-    batch_sizes: tuple[int, ...] = setting(
-        (1,), group="length sweep", always=True, help="comma-separated batch sizes (default 1)"
+    batch_sizes: tuple[int, ...] = _sweep((1,), always=True, help="comma-separated batch sizes (default 1)")
+    prompt_length: int = _count(
+        32, help="tokens of the fixed random prompt; prefills feed the rest as if generated (default 32)"
     )
-    prompt_length: int = setting(
-        32,
-        group="length sweep",
-        type=int,
-        always=True,
-        help="tokens of the fixed random prompt; prefills feed the rest as if generated (default 32)",
-    )
-    window: int | None = setting(
+    window: int | None = _sweep(
         None,
-        group="length sweep",
         type=int,
         help="decode steps per measurement window, ending at each length (default: the smallest multiple of "
         "--buffer >= 32, so every window holds whole eviction cycles; all decode steps with --prefill-to-length)",
     )
-    prefill_to_length: bool = setting(
+    prefill_to_length: bool = _sweep(
         False,
-        group="length sweep",
         help="reach each length L by a prefill of L - n - 2 tokens (the --prompt-length prompt, then the rest "
         "as if generated), decode 2 untimed steps, then time n = --decode-steps steps ending at L: the prefill "
         "builds the cache at length L; an evicting policy is evicted to K by it (once, or after each "
         "--prefill-chunk once due) and measured in its steady state",
     )
-    transformers_cache: bool = setting(
+    transformers_cache: bool = _sweep(
         False,
-        group="length sweep",
         help="also measure transformers' own cache (the one model.generate builds, no reasonkv hook) as the "
         "entry 'transformers': full against it is what reasonkv's bookkeeping costs (needs --prefill-to-length)",
     )
-    decode_steps: int = setting(
-        256,
-        group="length sweep",
-        type=int,
-        always=True,
-        help="n: decode steps timed with --prefill-to-length and --max-batch (default 256)",
-    )
-    sync_timing: bool = setting(
+    decode_steps: int = _count(256, help="n: decode steps timed with --prefill-to-length and --max-batch (default 256)")
+    sync_timing: bool = _sweep(
         True,
-        group="length sweep",
         negated=True,
         help="on CUDA, do not synchronise around each timed phase: step times unperturbed, but the phase "
         "split then covers kernel launches only",
     )
-    prefill_chunk: int = setting(
+    prefill_chunk: int = _count(
         0,
-        group="length sweep",
-        type=int,
-        always=True,
         help="most tokens per prefill forward, summed over the batch (default 0: one forward; an evicting "
         "policy evicts after each chunk once due)",
     )
-    ragged: bool = setting(
+    ragged: bool = _sweep(
         False,
-        group="length sweep",
         help="also measure every requested evicting policy as 'POLICY~ragged' at each batch size above 1: its "
         "rows prefilled to lengths B / batch apart, so that they evict at different steps (as prompts of "
         "different lengths do), beside the rows that evict together (needs --prefill-to-length)",
     )
-    compile: bool | str = setting(
+    compile: bool | str = _sweep(
         False,
-        group="length sweep",
         optional_value=True,
         metavar="BACKEND",
         help="also measure every policy as 'POLICY~compiled', its decode steps run as one compiled fixed-shape "
@@ -260,14 +234,10 @@ class BenchSettings:
     max_measured_batch: int = setting(
         256, group="max batch", type=int, help="largest batch whose throughput is measured (default 256)"
     )
-    out: Path = setting(
-        group="output", type=Path, required=True, always=True, help="folder for results.jsonl, bench.json/md, PNGs"
-    )
-    force: bool = setting(False, group="output", help="re-measure entries already in --out")
-    progress: bool = setting(True, group="output", negated=True, in_command=False, help="no progress bars")
-    plots: bool = setting(
-        True, group="output", negated=True, in_command=False, help="no PNG plots (JSON and markdown only)"
-    )
+    out: Path = _output(type=Path, required=True, always=True, help="folder for results.jsonl, bench.json/md, PNGs")
+    force: bool = _output(False, help="re-measure entries already in --out")
+    progress: bool = _output(True, negated=True, in_command=False, help="no progress bars")
+    plots: bool = _output(True, negated=True, in_command=False, help="no PNG plots (JSON and markdown only)")
 
     def __post_init__(self) -> None:
         self._normalise()
@@ -314,8 +284,7 @@ class BenchSettings:
 
     def _check_model(self) -> None:
         dtype = resolve_dtype(self.dtype)
-        device = resolve_device(self.device)
-        resolve_attn_implementation(self.attn, dtype, device)
+        resolve_attn_implementation(self.attn, dtype, resolve_device(self.device))
         if self.model.startswith(SHAPE_PREFIX):
             shape_config(self.model[len(SHAPE_PREFIX) :])  # unknown shapes fail here, listing the known ones
 

@@ -75,12 +75,8 @@ class ResultStore:
         return any(_key(r) == key for r in self.ok(mode))
 
     def check_config(self, mode: str, config: dict, *, force: bool, rerun: list[tuple] = ()) -> int:
-        """Refuse to mix configurations of ``mode``.
-
-        With ``force``: records of ``mode`` from another configuration are dropped, and so are the
-        records of the entries in ``rerun`` (keys from :func:`entry_key`), which will be measured
-        again; the other entries of the same configuration are kept. Returns how many were dropped.
-        """
+        """Refuse to mix configurations of ``mode``. With ``force``, drop its records of another configuration and
+        those of the entries in ``rerun`` (keys from :func:`entry_key`, measured again); returns how many."""
         config = json_safe(config)
         mine = [r for r in self.records if r.get("mode") == mode]
         differing = [r for r in mine if r.get("status") == "ok" and r.get("config", {}) != config]

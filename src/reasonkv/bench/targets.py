@@ -16,6 +16,7 @@ from reasonkv.bench.settings import TRANSFORMERS
 __all__ = [
     "EVICTION_TARGET_S",
     "TRIVIAL_POLICIES",
+    "cheapest_of",
     "cheapest_text",
     "epikv_cheapest",
     "failures",
@@ -48,9 +49,6 @@ def sweep_targets(summary: dict) -> dict:
     flat, steady = _flat(summary, "flatness"), _flat(summary, "flatness_steady")
     overhead = {n: s["overhead_pct_steady"] for n, s in policies.items() if s["overhead_pct_steady"] is not None}
     bound = {n: s["kv_within_bound"] for n, s in policies.items() if "kv_within_bound" in s}
-    # The cheapest policy is a policy's, decoded eagerly: a compiled variant is the same policy in another engine.
-    nontrivial = {n: v for n, v in overhead.items() if n not in TRIVIAL_POLICIES and not n.endswith(COMPILED)}
-    cheapest = min(nontrivial, key=nontrivial.get) if nontrivial else None
     # Against transformers' own cache (a compiled entry: against transformers compiled): the slowest length counts.
     versus = {
         n: min(s["tokens_per_s_vs_transformers"].values())
@@ -66,14 +64,21 @@ def sweep_targets(summary: dict) -> dict:
         "overhead_target_pct": OVERHEAD_TARGET_PCT,
         "overhead_within_target": {n: v <= OVERHEAD_TARGET_PCT for n, v in overhead.items()},
         "kv_within_bound": bound,
-        "cheapest_nontrivial": cheapest,
-        "epikv_cheapest": epikv_cheapest(cheapest, nontrivial),
+        **cheapest_of(overhead),
         "full_vs_transformers": full,
         "full_within_2pct_of_transformers": None if full is None else full >= 1.0 - BOOKKEEPING_TOLERANCE,
         "attention_free_at_least_transformers": {
             n: v >= 1.0 for n, v in versus.items() if n in policies and policies[n].get("reads_attention") is False
         },
     }
+
+
+def cheapest_of(costs: dict[str, float]) -> dict:
+    """The cheapest policy that scores tokens, and whether it is EPIKV (:func:`epikv_cheapest`). It is a policy's,
+    decoded eagerly: a compiled variant is the same policy in another engine."""
+    nontrivial = {n: v for n, v in costs.items() if n not in TRIVIAL_POLICIES and not n.endswith(COMPILED)}
+    cheapest = min(nontrivial, key=nontrivial.get) if nontrivial else None
+    return {"cheapest_nontrivial": cheapest, "epikv_cheapest": epikv_cheapest(cheapest, nontrivial)}
 
 
 def epikv_cheapest(cheapest: str | None, candidates: dict) -> bool | None:

@@ -32,8 +32,7 @@ def tiered_budget(model, budget: int, quantized: int, bits: int) -> dict:
     ``budget`` K' whose cache holds the nominal K/V bytes of ``budget`` plain tokens."""
     info = model_info(model)
     fmt = QuantFormat(bits, default_group_size(info.head_dim))
-    size = next(model.parameters()).element_size()
-    full = budget_for_bytes(budget, quantized, fmt, info.head_dim, size)
+    full = budget_for_bytes(budget, quantized, fmt, info.head_dim, next(model.parameters()).element_size())
     if full < 1:
         raise ValueError(
             f"{quantized} int{bits} tokens take the K/V bytes of {budget - full} full-precision tokens, "
@@ -42,30 +41,18 @@ def tiered_budget(model, budget: int, quantized: int, bits: int) -> dict:
     return {"quantized": quantized, "bits": bits, "group_size": fmt.group_size, "budget": full}
 
 
-def equal_measured_bytes(
-    model, plain: CacheSpec, tier: dict, *, batch: int, prefill_chunk: int, prompt_length: int, seed: int
-) -> dict:
+def equal_measured_bytes(model, plain: CacheSpec, tier: dict, *, batch: int, prompt_length: int, **options) -> dict:
     """``tier`` (from :func:`tiered_budget`) with the full-precision budget at which the tiered cache holds,
     measured, the K/V bytes of ``plain`` (its budget ``K``, buffer ``B``): a short run of the tiered cache
-    at the nominal budget, long enough to fill the tier and evict once more, gives the bytes its tier
-    allocates; the full-precision budget drops by as many tokens' bytes. Adds ``nominal_budget`` and
-    ``calibration`` (the run's length and the tier's bytes)."""
+    at the nominal budget (``options``: the prefill's chunk and the prompts' seed), long enough to fill the tier
+    and evict once more, gives the bytes its tier allocates; the full-precision budget drops by as many tokens'
+    bytes. Adds ``nominal_budget`` and ``calibration`` (the run's length and the tier's bytes)."""
     tiered = plain.replace(budget=tier["budget"], quantized=tier["quantized"], bits=tier["bits"])
     steps = plain.buffer + 1  # one eviction after the prefill's
     prefilled = tier["budget"] + tier["quantized"] + plain.buffer + prompt_length  # fills the tier at once
     length = prefilled + steps + WARMUP_STEPS
-    measured = measure_prefilled(
-        model,
-        tiered,
-        batch=batch,
-        length=length,
-        decode_steps=steps,
-        prefill_chunk=prefill_chunk,
-        prompt_length=prompt_length,
-        seed=seed,
-        sync_timing=False,
-    )
-    held = measured["kv_bytes_quantized"]
+    options.update(batch=batch, length=length, decode_steps=steps, prompt_length=prompt_length, sync_timing=False)
+    held = measure_prefilled(model, tiered, **options)["kv_bytes_quantized"]
     budget = plain.budget - math.ceil(held / (kv_bytes_per_token(model, model_dtype(model)) * batch))
     if budget < 1:
         raise ValueError(

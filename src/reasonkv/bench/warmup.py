@@ -29,10 +29,7 @@ def settle(
 ) -> dict:
     """Call ``step()`` (it returns its own duration in seconds) in windows of ``window`` calls until the
     medians of the last ``last`` windows lie within ``tolerance`` of each other (largest over smallest,
-    minus one), or ``cap`` calls have been made.
-
-    Returns ``{"steps", "stable", "window_medians_s"}``.
-    """
+    minus one), or ``cap`` calls have been made."""
     for name, value, least in (("window", window, 1), ("last", last, 2), ("cap", cap, 1)):
         if not is_int(value) or value < least:
             raise ValueError(f"settle: {name} must be an integer >= {least}, got {value!r}")
@@ -49,9 +46,9 @@ def settle(
     return {"steps": steps, "stable": False, "window_medians_s": medians}
 
 
-def warm_up(model, *, cap: int = WARMUP_CAP_STEPS) -> dict:
+def warm_up(model) -> dict:
     """Decode from a short fixed prompt with transformers' own cache until the step time is stable
-    (:func:`settle`, at most ``cap`` steps); returns what :func:`settle` returns."""
+    (:func:`settle`, at most :data:`WARMUP_CAP_STEPS` steps); returns what :func:`settle` returns."""
     device = model_device(model)
     ids = torch.tensor(make_prompts(vocab_size(model), 1, 16, seed=12345), device=device)
     decode_step = EagerStep(model, native_cache(model))
@@ -66,4 +63,4 @@ def warm_up(model, *, cap: int = WARMUP_CAP_STEPS) -> dict:
 
     with torch.inference_mode():
         state["ids"] = decode_step.prefill(ids).argmax(-1, keepdim=True)
-        return settle(step, cap=cap)
+        return settle(step)

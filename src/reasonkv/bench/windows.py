@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 
 from reasonkv.bench.rounds import same_rounds
 
-__all__ = ["beside", "beside_plain", "by_length", "unsuffixed"]
+__all__ = ["beside", "beside_plain", "by_length", "sweeps_by_batch", "unsuffixed"]
 
 
 def by_length(record: dict) -> dict[int, dict]:
     """``{length: window}`` of a length-sweep record (empty when it has none)."""
     return {int(w["length"]): w for w in record.get("windows", [])}
+
+
+def sweeps_by_batch(records: list[dict]) -> dict[int, list[dict]]:
+    """The length sweep's records by batch size, smallest first."""
+    out: dict[int, list[dict]] = defaultdict(list)
+    for record in records:
+        if record.get("mode") == "sweep":
+            out[record["batch"]].append(record)
+    return dict(sorted(out.items()))
 
 
 def beside(record: dict, other: dict | None) -> dict[int, dict]:
