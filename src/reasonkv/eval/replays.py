@@ -22,6 +22,9 @@ from reasonkv.generation import generate
 
 __all__ = ["run_fidelity"]
 
+#: The fields of a fidelity record that copy the replay's :class:`~reasonkv.eval.fidelity.TraceFidelity`.
+_TRACE_FIELDS = ("top1_agreement", "top1_full_replay", "kl_mean", "kl_max", "evictions", "chunked")
+
 
 def run_fidelity(ctx: Context, dataset: str, problems: Sequence[Problem], mine: set[Unit]) -> None:
     """Replay this process's fidelity units of ``dataset`` that are not done yet (evicting cells only)."""
@@ -139,12 +142,7 @@ def _fidelity_batch(ctx: Context, dataset, cell: Cell, batch, traces, sources, r
             prompt_tokens=len(ctx.prompt_ids(problem)),
             trace_tokens=tf.steps,
             trace_source=sources[problem.id],
-            top1_agreement=tf.top1_agreement,
-            top1_full_replay=tf.top1_full_replay,
-            kl_mean=tf.kl_mean,
-            kl_max=tf.kl_max,
-            evictions=tf.evictions,
-            chunked=tf.chunked,
+            **{name: getattr(tf, name) for name in _TRACE_FIELDS},
             **steady_bytes_fields(tf.steady_kv_bytes),
             kv_bytes_held_per_step=None if tf.step_bytes is None else round(tf.step_bytes["held"], 1),
             kv_bytes_read_per_step=None if tf.step_bytes is None else round(tf.step_bytes["read"], 1),
