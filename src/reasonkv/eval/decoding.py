@@ -123,14 +123,13 @@ def _grade_code(ctx: Context, results: list) -> dict[int, CodeGrade | Exception]
 
 
 def _decode(ctx: Context, cell: Cell, batch: list[tuple[Problem, int]]) -> list[GenerationResult]:
-    sampling = ctx.grid.sampling
     seeds = tuple(sample_seed(ctx.grid.seed, p.id, s) for p, s in batch)
     return generate(
         ctx.model,
         ctx.tokenizer,
         [ctx.prompt_ids(p) for p, _ in batch],
         spec=cell.spec.replace(seed=seeds),
-        **dataclasses.asdict(sampling),
+        **dataclasses.asdict(ctx.grid.sampling),
         trace=any(p.id in ctx.grid.trace_problems for p, _ in batch),
         compile=ctx.grid.compile,
     )

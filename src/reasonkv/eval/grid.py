@@ -13,6 +13,7 @@ from typing import Any
 from reasonkv.cache.allocation import Uniform, allocation_class, check_allocation
 from reasonkv.cache.spec import DEFAULT_BUFFER, CacheSpec
 from reasonkv.eval.livecodebench import parse_day
+from reasonkv.generation.inputs import check_flags
 from reasonkv.generation.sampling import Sampling
 from reasonkv.policies import options_by_policy, policy_class
 from reasonkv.sandbox import Sandbox
@@ -222,8 +223,7 @@ class CodeSettings:
     def build(cls, *, allow_missing: str | Sequence[str] = (), **settings: Any) -> CodeSettings:
         """Checked settings (``allow_missing`` may be comma-separated)."""
         code = cls(**settings)
-        if not isinstance(code.allow_execution, bool):
-            raise ValueError(f"allow_execution must be True or False, got {code.allow_execution!r}")
+        check_flags(allow_execution=code.allow_execution)
         timeout = check_timeout(code.timeout, "code timeout")
         check_memory(code.memory_mb, "code memory_mb")
         if code.workers is not None:
@@ -292,9 +292,7 @@ class GridSpec:
         for name in ("fidelity_tokens", "max_chunk"):
             if own[name] is not None:
                 check_int(name, own[name], 1)
-        for name in ("generation", "fidelity", "compile"):
-            if own[name] is not None and not isinstance(own[name], bool):
-                raise ValueError(f"{name} must be True or False, got {own[name]!r}")
+        check_flags(**{name: own[name] for name in ("generation", "fidelity", "compile") if own[name] is not None})
         if not own["generation"]:
             if own["fidelity"] is False:
                 raise ValueError("fidelity-only (generation=False) with fidelity off would measure nothing")
