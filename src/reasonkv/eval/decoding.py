@@ -77,8 +77,7 @@ def run_generation(ctx: Context, dataset: str, problems: Sequence[Problem], mine
                     ctx.error(key, why, "generation", sample_seed(grid.seed, problem.id, s))
                 else:
                     queue.append((problem, s))
-    bar = progress(sum(map(len, queues.values())), f"{ctx.label}{dataset} generate", ctx.progress)
-    try:
+    with progress(sum(map(len, queues.values())), f"{ctx.label}{dataset} generate", ctx.progress) as bar:
         # Round by round, one batch of every cell: a partial run covers every cell on its first units.
         while any(queues.values()):
             for index, cell in enumerate(cells):
@@ -105,8 +104,6 @@ def run_generation(ctx: Context, dataset: str, problems: Sequence[Problem], mine
                         tally[1] += 1
                     bar.set_postfix_str(_running(cell.name, tally), refresh=False)
                     bar.update(1)
-    finally:
-        bar.close()
 
 
 def _grade_code(ctx: Context, results: list) -> dict[int, CodeGrade | Exception]:
