@@ -37,7 +37,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_from(args: argparse.Namespace) -> EvalSettings:
-    """The settings the parsed arguments give."""
     return EvalSettings(**read_flags(EvalSettings, args))
 
 

@@ -107,7 +107,6 @@ def grid_identity(grid: Mapping[str, Any], setup: Mapping[str, Any]) -> dict[str
 
 
 def grid_sha256(identity: Mapping[str, Any]) -> str:
-    """SHA-256 of a :func:`grid_identity`."""
     return _sha256(identity)
 
 

@@ -101,7 +101,6 @@ def finite(value: Any) -> bool:
 
 
 def average(values: Sequence[float]) -> float:
-    """The mean of ``values``, NaN for none."""
     return sum(values) / len(values) if values else math.nan
 
 
@@ -194,7 +193,6 @@ class Section:
     weights: str | None = None  # the first 12 hex digits of the weights' SHA-256 (from the run manifest)
 
     def settings(self) -> dict[str, Any]:
-        """The setup without model and dataset."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("model", "dataset")}
 
     def describe(self, extra: Sequence[str] = ()) -> str:
