@@ -26,6 +26,8 @@ EPILOG = (
     "gets no fidelity records (it is the reference). Under torchrun each process takes one shard of the grid "
     "(and cuda:LOCAL_RANK with --device cuda); the last to finish merges the shard files into --out."
 )
+#: The settings run_grid takes under their own name.
+_RUN = ("out", "dtype", "device", "progress", "shard", "retry_errors", "repair")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,7 +37,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_from(args: argparse.Namespace) -> EvalSettings:
-    """The settings the parsed arguments give."""
     return EvalSettings(**read_flags(EvalSettings, args))
 
 
@@ -79,18 +80,8 @@ def run(args: argparse.Namespace) -> int:
         print(time_estimate(plan, settings.tokens_per_second))
         return 0
     check_results_path(settings.out)
-    result = run_grid(
-        settings.model,
-        grid=grid,
-        out=settings.out,
-        dtype=settings.dtype,
-        device=settings.device,
-        attn_implementation=settings.attn,
-        progress=settings.progress,
-        shard=settings.shard,
-        retry_errors=settings.retry_errors,
-        repair=settings.repair,
-        command=command_line(Path(settings.out).parent),
-    )
+    command = command_line(Path(settings.out).parent)
+    given = {name: getattr(settings, name) for name in _RUN}
+    result = run_grid(settings.model, grid=grid, attn_implementation=settings.attn, command=command, **given)
     print(result.summary(), file=sys.stderr)
     return 1 if result.complete and result.failed else 0

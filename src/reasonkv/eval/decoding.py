@@ -77,8 +77,7 @@ def run_generation(ctx: Context, dataset: str, problems: Sequence[Problem], mine
                     ctx.error(key, why, "generation", sample_seed(grid.seed, problem.id, s))
                 else:
                     queue.append((problem, s))
-    bar = progress(sum(map(len, queues.values())), f"{ctx.label}{dataset} generate", ctx.progress)
-    try:
+    with progress(sum(map(len, queues.values())), f"{ctx.label}{dataset} generate", ctx.progress) as bar:
         # Round by round, one batch of every cell: a partial run covers every cell on its first units.
         while any(queues.values()):
             for index, cell in enumerate(cells):
@@ -105,8 +104,6 @@ def run_generation(ctx: Context, dataset: str, problems: Sequence[Problem], mine
                         tally[1] += 1
                     bar.set_postfix_str(_running(cell.name, tally), refresh=False)
                     bar.update(1)
-    finally:
-        bar.close()
 
 
 def _grade_code(ctx: Context, results: list) -> dict[int, CodeGrade | Exception]:
@@ -123,14 +120,13 @@ def _grade_code(ctx: Context, results: list) -> dict[int, CodeGrade | Exception]
 
 
 def _decode(ctx: Context, cell: Cell, batch: list[tuple[Problem, int]]) -> list[GenerationResult]:
-    sampling = ctx.grid.sampling
     seeds = tuple(sample_seed(ctx.grid.seed, p.id, s) for p, s in batch)
     return generate(
         ctx.model,
         ctx.tokenizer,
         [ctx.prompt_ids(p) for p, _ in batch],
         spec=cell.spec.replace(seed=seeds),
-        **dataclasses.asdict(sampling),
+        **dataclasses.asdict(ctx.grid.sampling),
         trace=any(p.id in ctx.grid.trace_problems for p, _ in batch),
         compile=ctx.grid.compile,
     )
@@ -177,10 +173,7 @@ def _generation_record(
         collapse=flags,
         collapsed=flags["collapsed"],
         seconds=stats["prefill_seconds"] + stats["decode_seconds"],
-        prefill_seconds=stats["prefill_seconds"],
-        decode_seconds=stats["decode_seconds"],
-        tokens_per_second=stats["tokens_per_second"],
-        batch_size=stats["batch_size"],
+        **{name: stats[name] for name in ("prefill_seconds", "decode_seconds", "tokens_per_second", "batch_size")},
         compiled=bool(stats.get("compile", {}).get("compiled", False)),
         evictions=stats["evictions"],
         peak_cache_slots=stats["peak_slots"],

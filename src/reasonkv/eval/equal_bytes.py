@@ -42,18 +42,14 @@ class Cell:
     nominal: float = math.nan  # the nominal bytes (tiers.equivalent_budget), in the same unit
 
 
-def _variant(record: dict) -> tuple[str, int]:
-    tier = record.get("tier")
-    return (PLAIN, 0) if not tier else (f"int{tier['bits']}", int(tier["quantized"]))
-
-
 def _measured_records(records: Iterable[dict]) -> dict[tuple, list[dict]]:
     """Fidelity records with measured steady bytes, by (dataset, policy, variant, K, Q)."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in records:
         if r.get("kind") != FidelityRecord.kind or not finite(r.get("steady_kv_tokens")):
             continue
-        variant, quantized = _variant(r)
+        tier = r.get("tier")
+        variant, quantized = (PLAIN, 0) if not tier else (f"int{tier['bits']}", int(tier["quantized"]))
         groups[(r["dataset"], r["policy"], variant, r["budget"], quantized)].append(r)
     return groups
 

@@ -7,12 +7,13 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from reasonkv.cache.allocation import Uniform, allocation_class, check_allocation
 from reasonkv.cache.spec import DEFAULT_BUFFER, CacheSpec
 from reasonkv.eval.livecodebench import parse_day
+from reasonkv.generation.inputs import check_flags
 from reasonkv.generation.sampling import Sampling
 from reasonkv.policies import options_by_policy, policy_class
 from reasonkv.sandbox import Sandbox
@@ -222,8 +223,7 @@ class CodeSettings:
     def build(cls, *, allow_missing: str | Sequence[str] = (), **settings: Any) -> CodeSettings:
         """Checked settings (``allow_missing`` may be comma-separated)."""
         code = cls(**settings)
-        if not isinstance(code.allow_execution, bool):
-            raise ValueError(f"allow_execution must be True or False, got {code.allow_execution!r}")
+        check_flags(allow_execution=code.allow_execution)
         timeout = check_timeout(code.timeout, "code timeout")
         check_memory(code.memory_mb, "code memory_mb")
         if code.workers is not None:
@@ -276,55 +276,40 @@ class GridSpec:
         temperature: float = 0.0,
         top_p: float = 1.0,
         top_k: int = 0,
-        seed: int = 0,
-        batch_size: int = 8,
-        fidelity: bool | None = None,
-        fidelity_tokens: int | None = None,
-        generation: bool = True,
-        thinking: bool | None = None,
-        max_chunk: int | None = None,
         code: CodeSettings | Mapping[str, Any] | None = None,
         trace_problems: str | Sequence[str] = (),
-        compile: bool = False,
-        **cells: Any,
+        **settings: Any,
     ) -> GridSpec:
         """A grid from loose settings, as the command line gives them or as Python values: ``dataset``
         comma-separated, each optionally ``NAME:LIMIT``; ``samples`` a count or ``"aime25=64,math500=8"``;
-        ``code`` a :class:`CodeSettings` or its keywords; ``cells`` the keywords of :func:`make_cells`."""
+        ``code`` a :class:`CodeSettings` or its keywords; ``settings`` the grid's own fields (``seed``,
+        ``batch_size``, ``fidelity``, ...) and the keywords of :func:`make_cells`."""
         datasets = tuple(parse_dataset_spec(dataset, limit))
         per_dataset = parse_samples(samples, [name for name, _ in datasets])
-        check_int("batch_size", batch_size, 1)
-        check_int("seed", seed, 0)
-        for name, value in (("fidelity_tokens", fidelity_tokens), ("max_chunk", max_chunk)):
-            if value is not None:
-                check_int(name, value, 1)
-        for name, value in (("generation", generation), ("fidelity", fidelity), ("compile", compile)):
-            if value is not None and not isinstance(value, bool):
-                raise ValueError(f"{name} must be True or False, got {value!r}")
-        if not generation:
-            if fidelity is False:
+        own = {f.name: settings.pop(f.name, f.default) for f in fields(cls) if f.name in _OWN}
+        check_int("batch_size", own["batch_size"], 1)
+        check_int("seed", own["seed"], 0)
+        for name in ("fidelity_tokens", "max_chunk"):
+            if own[name] is not None:
+                check_int(name, own[name], 1)
+        check_flags(**{name: own[name] for name in ("generation", "fidelity", "compile") if own[name] is not None})
+        if not own["generation"]:
+            if own["fidelity"] is False:
                 raise ValueError("fidelity-only (generation=False) with fidelity off would measure nothing")
-            fidelity = True
-        sampling = Sampling(max_new_tokens, temperature, top_p, top_k)
-        made = make_cells(**cells)
-        if compile:
-            for cell in made:
+            own["fidelity"] = True
+        sampling = Sampling(max_new_tokens, temperature, top_p, top_k)  # checked before the cells
+        cells = make_cells(**settings)
+        if own["compile"]:
+            for cell in cells:
                 cell.spec.check_compile()
         return cls(
             datasets=datasets,
-            cells=tuple(made),
+            cells=tuple(cells),
             samples=per_dataset,
             sampling=sampling,
-            seed=seed,
-            batch_size=batch_size,
-            fidelity=fidelity,
-            fidelity_tokens=fidelity_tokens,
-            generation=generation,
-            thinking=thinking,
-            max_chunk=max_chunk,
             code=code if isinstance(code, CodeSettings) else CodeSettings.build(**(code or {})),
             trace_problems=_problem_ids(trace_problems),
-            compile=compile,
+            **own,
         )
 
     @property
@@ -335,6 +320,10 @@ class GridSpec:
     def samples_for(self, dataset: str, cell: Cell) -> int:
         """Samples of each problem of ``dataset`` in ``cell``: one where the output cannot differ."""
         return self.samples[dataset] if (self.sampling.temperature > 0 or cell.stochastic) else 1
+
+
+#: The fields of a grid that :meth:`GridSpec.build` takes as they are (after checking them).
+_OWN = ("seed", "batch_size", "fidelity", "fidelity_tokens", "generation", "thinking", "max_chunk", "compile")
 
 
 def _problem_ids(ids: str | Sequence[str]) -> frozenset[str]:

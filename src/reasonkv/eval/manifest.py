@@ -38,23 +38,10 @@ __all__ = [
     "tokenizer_sha256",
 ]
 
-SETUP_FIELDS = (
-    "model",
-    "model_revision",
-    "weights_sha256",
-    "tokenizer_sha256",
-    "dtype",
-    "attn_implementation",
-    "prompt_format",
-    "max_new_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-)
-
 #: The setup fields that also decide a grid's units and their cost (so its split across processes).
 GRID_SETUP_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed")
+_MODEL_FIELDS = ("model", "model_revision", "weights_sha256", "tokenizer_sha256", "dtype", "attn_implementation")
+SETUP_FIELDS = (*_MODEL_FIELDS, "prompt_format", *GRID_SETUP_FIELDS)
 
 
 def tokenizer_sha256(tokenizer) -> str:
@@ -120,7 +107,6 @@ def grid_identity(grid: Mapping[str, Any], setup: Mapping[str, Any]) -> dict[str
 
 
 def grid_sha256(identity: Mapping[str, Any]) -> str:
-    """SHA-256 of a :func:`grid_identity`."""
     return _sha256(identity)
 
 

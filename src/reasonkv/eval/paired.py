@@ -68,13 +68,11 @@ def paired_fidelity(records: Iterable[dict], against: str) -> list[PairedRow]:
             if not shared:
                 continue
             differences = [scores[p][0] - base[p][0] for p in shared]
-            kls = [scores[p][1] for p in shared if finite(scores[p][1])]
+            top1, delta = average([scores[p][0] for p in shared]), average(differences)
+            kl = average([scores[p][1] for p in shared if finite(scores[p][1])])
             low, high = (math.nan, math.nan)
             if len(shared) >= MIN_PAIRED and policy != against:
                 low, high = paired_interval(differences)
-            top1 = sum(scores[p][0] for p in shared) / len(shared)
-            kl = average(kls)
-            delta = sum(differences) / len(differences)
             mine.append(PairedRow(model, dataset, budget, buffer, policy, len(shared), top1, kl, delta, low, high))
         rows += sorted(mine, key=lambda row: (-row.top1, row.policy))
     if not rows:

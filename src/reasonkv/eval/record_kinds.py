@@ -181,11 +181,8 @@ class UnitRecord(Record):
 
     def named(self) -> str:
         """``dataset problem label@budget``, as messages name a unit."""
-        budget = self.data.get("budget")
-        return (
-            f"{self.data.get('dataset')} {self.data.get('problem_id')} {self.data.get('policy_label')}"
-            f"{'' if budget is None else '@' + str(budget)}"
-        )
+        budget = "" if self.budget is None else f"@{self.budget}"
+        return f"{self.data.get('dataset')} {self.data.get('problem_id')} {self.data.get('policy_label')}{budget}"
 
 
 class GenerationRecord(UnitRecord):

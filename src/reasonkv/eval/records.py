@@ -212,11 +212,6 @@ def repair_results(path: str | os.PathLike[str]) -> str | None:
     return f"{path}: moved {len(rejected)} line(s) that were not records (line {lines}) to {aside}; kept {len(kept)}"
 
 
-def _is_result(record: Mapping[str, Any]) -> bool:
-    """Whether a line counts as a record in messages (a manifest says what the records were computed with)."""
-    return record.get("kind") != ManifestRecord.kind
-
-
 def _line(record: Mapping[str, Any]) -> str:
     # Results keep their text readable (not ASCII-escaped) and write NaN as JSON's common extension.
     return json.dumps(dict(record), ensure_ascii=False, default=str)
@@ -242,7 +237,9 @@ class ResultsFile(JsonlStore):
         if manifest.get("kind") != ManifestRecord.kind or not manifest.get("id"):
             raise ValueError("a results file starts with a manifest record (kind 'manifest', with an id)")
         scan_results(path, first_only=True)  # refuse a foreign file before creating its lock file
-        super().__init__(path, lock="eval" if lock is None else lock, encode=_line, counts=_is_result)
+        super().__init__(  # a manifest is no record in messages: it says what the records were computed with
+            path, lock=lock or "eval", encode=_line, counts=lambda line: line.get("kind") != ManifestRecord.kind
+        )
         try:
             manifests = scan_results(self.path, visit)
             if check is not None and manifests:

@@ -22,6 +22,9 @@ from reasonkv.generation import generate
 
 __all__ = ["run_fidelity"]
 
+#: The fields of a fidelity record that copy the replay's :class:`~reasonkv.eval.fidelity.TraceFidelity`.
+_TRACE_FIELDS = ("top1_agreement", "top1_full_replay", "kl_mean", "kl_max", "evictions", "chunked")
+
 
 def run_fidelity(ctx: Context, dataset: str, problems: Sequence[Problem], mine: set[Unit]) -> None:
     """Replay this process's fidelity units of ``dataset`` that are not done yet (evicting cells only)."""
@@ -49,8 +52,7 @@ def run_fidelity(ctx: Context, dataset: str, problems: Sequence[Problem], mine: 
     pending = [(c, p) for c, p in pending if p.id in traces]
     needed = {p.id: p for _, p in pending}
     references = {pid: fidelity.reference_continuation(ctx.tokenizer, p) for pid, p in needed.items()}
-    bar = progress(len(pending), f"{ctx.label}{dataset} fidelity", ctx.progress)
-    try:
+    with progress(len(pending), f"{ctx.label}{dataset} fidelity", ctx.progress) as bar:
         for cell in dict.fromkeys(c for c, _ in pending):
             cell_problems = [p for c, p in pending if c == cell]
             cell_problems.sort(key=lambda p: len(ctx.prompt_ids(p)) + len(traces[p.id]))
@@ -68,8 +70,6 @@ def run_fidelity(ctx: Context, dataset: str, problems: Sequence[Problem], mine: 
                         ctx.emit(record)
                         ctx.note_fidelity(dataset, cell, record.outcome())
                     bar.update(1)
-    finally:
-        bar.close()
 
 
 def _traces(ctx: Context, dataset: str, problems: Sequence[Problem], pending: list[tuple[Cell, Problem]]):
@@ -90,8 +90,7 @@ def _traces(ctx: Context, dataset: str, problems: Sequence[Problem], pending: li
         outs = generate(ctx.model, ctx.tokenizer, prompts, policy="full", max_new_tokens=grid.replay_tokens)
         return [list(out.token_ids) for out in outs]
 
-    bar = progress(len(missing), f"{ctx.label}{dataset} full-cache traces", ctx.progress)
-    try:
+    with progress(len(missing), f"{ctx.label}{dataset} full-cache traces", ctx.progress) as bar:
         for batch in chunks(missing, grid.batch_size):
             for problem, out in attempt(regenerate, list(batch)):
                 if isinstance(out, Exception):
@@ -102,8 +101,6 @@ def _traces(ctx: Context, dataset: str, problems: Sequence[Problem], pending: li
                     traces[problem.id] = out
                     sources[problem.id] = "regenerated"
                 bar.update(1)
-    finally:
-        bar.close()
     return traces, sources
 
 
@@ -131,20 +128,14 @@ def _fidelity_batch(ctx: Context, dataset, cell: Cell, batch, traces, sources, r
     seconds = (time.perf_counter() - t0) / len(batch)
     records = []
     for i, problem in enumerate(batch):
-        tf = trace_rows[i]
-        ans = answers.get(i)
+        tf, ans = trace_rows[i], answers.get(i)
         record = ctx.fidelity_key(dataset, problem, cell).with_fields(
             seed=seeds[i],
             equivalent_budget=ctx.equivalent_budget(cell),
             prompt_tokens=len(ctx.prompt_ids(problem)),
             trace_tokens=tf.steps,
             trace_source=sources[problem.id],
-            top1_agreement=tf.top1_agreement,
-            top1_full_replay=tf.top1_full_replay,
-            kl_mean=tf.kl_mean,
-            kl_max=tf.kl_max,
-            evictions=tf.evictions,
-            chunked=tf.chunked,
+            **{name: getattr(tf, name) for name in _TRACE_FIELDS},
             **steady_bytes_fields(tf.steady_kv_bytes),
             kv_bytes_held_per_step=None if tf.step_bytes is None else round(tf.step_bytes["held"], 1),
             kv_bytes_read_per_step=None if tf.step_bytes is None else round(tf.step_bytes["read"], 1),

@@ -78,12 +78,6 @@ def _num(value: float, spec: str) -> str:
     return "—" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
-def _budget_text(row: Row, uniform_buffer: bool) -> str:
-    if row.budget is None:
-        return "—"
-    return str(row.budget) if uniform_buffer else f"{row.budget} (B={row.buffer})"
-
-
 def _delta(r: Row) -> str:
     if math.isnan(r.delta):
         return "—"
@@ -101,7 +95,7 @@ def _cells(r: Row, uniform: bool) -> list[str]:
     pass_k = f"{r.pass_at[r.samples]:.3f} (k={r.samples})" if r.samples > 1 else "—"
     return [
         r.policy,
-        _budget_text(r, uniform),
+        "—" if r.budget is None else str(r.budget) if uniform else f"{r.budget} (B={r.buffer})",
         str(r.n),
         str(r.errors) + (f" (+{r.conflicts} conflicting)" if r.conflicts else ""),
         accuracy,

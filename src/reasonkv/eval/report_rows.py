@@ -101,7 +101,6 @@ def finite(value: Any) -> bool:
 
 
 def average(values: Sequence[float]) -> float:
-    """The mean of ``values``, NaN for none."""
     return sum(values) / len(values) if values else math.nan
 
 
@@ -194,7 +193,6 @@ class Section:
     weights: str | None = None  # the first 12 hex digits of the weights' SHA-256 (from the run manifest)
 
     def settings(self) -> dict[str, Any]:
-        """The setup without model and dataset."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("model", "dataset")}
 
     def describe(self, extra: Sequence[str] = ()) -> str:
@@ -239,7 +237,7 @@ def section_names(sections: Sequence[Section]) -> dict[Section, tuple[str, str]]
     return names
 
 
-def _setup_section(record: dict[str, Any], manifests: dict[Any, dict[str, Any]]) -> Section | None:
+def _setup_section(record: Record, manifests: dict[Any, dict[str, Any]]) -> Section | None:
     """The section of the run that wrote ``record`` (its manifest's setup), or of its own generation settings;
     ``None`` for a fidelity record without a manifest."""
     model, dataset = str(record.get("model")), str(record.get("dataset"))
@@ -248,13 +246,13 @@ def _setup_section(record: dict[str, Any], manifests: dict[Any, dict[str, Any]])
         weights = setup.get("weights_sha256")
         settings = {name: setup.get(name) for name in (*SAMPLING, "dtype", "prompt_format", "seed")}
         return Section(model, dataset, **settings, weights=str(weights)[:12] if weights else None)
-    if Record.read(record).unit != GenerationRecord.kind:
+    if record.unit != GenerationRecord.kind:
         return None
     settings = {name: record.get(name) for name in (*SAMPLING, "dtype", "prompt_format")}
     return Section(model, dataset, **settings, seed=record.get("base_seed"))
 
 
-def _sections_of(records: Sequence[dict[str, Any]], manifests: dict[Any, dict[str, Any]]) -> list[list[Section]]:
+def _sections_of(records: Sequence[Record], manifests: dict[Any, dict[str, Any]]) -> list[list[Section]]:
     """The sections each record joins: its run's; a fidelity record without a manifest joins every section of
     its model, dataset and dtype (a section of its own when there is none)."""
     own = [_setup_section(r, manifests) for r in records]
@@ -326,7 +324,7 @@ class _Group:
     conflicts: int = 0
 
 
-def _label(record: dict[str, Any]) -> str:
+def _label(record: Record) -> str:
     return str(record.get("policy_label") or record.get("policy") or "?")
 
 
@@ -416,20 +414,18 @@ def summarize(records: Sequence[dict[str, Any]], conflicts: Sequence[Conflict] =
     :func:`load_results` (manifests included) and the conflicting units left out (counted in their rows)."""
     typed = [Record.read(r) for r in records if r.get("kind") in KINDS]
     manifests = {r.get("id"): r.to_json() for r in typed if isinstance(r, ManifestRecord)}
-    units = [r.to_json() for r in typed if not isinstance(r, ManifestRecord)]
-    left_out = [c.record for c in conflicts]
-    placed = _sections_of(units + left_out, manifests)
+    units = [r for r in typed if not isinstance(r, ManifestRecord)]
+    every = units + [Record.read(c.record) for c in conflicts]  # the conflicting units last, only counted
     groups: dict[tuple, _Group] = {}
     policy_order: dict[str, int] = {}
-    for index, (record, sections) in enumerate(zip(units + left_out, placed, strict=True)):
+    for index, (record, sections) in enumerate(zip(every, _sections_of(every, manifests), strict=True)):
         policy_order.setdefault(_label(record), len(policy_order))
         for section in sections:
             group = groups.setdefault((section, _label(record), record.get("budget"), record.get("buffer")), _Group())
             if index >= len(units):
                 group.conflicts += 1
-                continue
-            unit = Record.read(record)
-            group.records[unit.unit, unit.result].append(record)
+            else:
+                group.records[record.unit, record.result].append(record.to_json())
 
     rows = []
     full_of: dict[Section, list[dict]] = {}

@@ -67,9 +67,7 @@ def grid_units(
         for index, cell in enumerate(cells):
             if not generation and cell.evicts:
                 continue
-            for problem in problems:
-                for s in range(samples[(name, index)]):
-                    units.append(Unit("generation", name, problem.id, index, s))
+            units += [Unit("generation", name, p.id, index, s) for p in problems for s in range(samples[(name, index)])]
         if fidelity:
             for index, cell in enumerate(cells):
                 if cell.evicts:
