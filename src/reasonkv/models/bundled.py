@@ -141,10 +141,6 @@ def _packaged_file(bundled: Bundled) -> Path:
     raise ImportError(_missing(bundled).replace("not installed.", f"not installed{where}."))
 
 
-def _smollm2_gguf_path() -> Path:
-    return _packaged_file(BUNDLED[DEFAULT_MODEL])
-
-
 def _conversion_marker(bundled: Bundled) -> dict[str, Any]:
     return {"format": _CONVERSION_FORMAT, "source": bundled.gguf, "source_bytes": bundled.source_bytes()}
 
@@ -202,10 +198,6 @@ def load_bundled(
                     f"({error}); delete that directory, check the disk, and try again"
                 ) from None
             logger.warning("The converted %s in %s is damaged (%s); converting it again.", bundled.name, source, error)
-
-
-def _ensure_smollm2_converted() -> Path:
-    return _ensure_converted(BUNDLED[DEFAULT_MODEL])
 
 
 def _ensure_converted(bundled: Bundled, *, rebuild: bool = False) -> Path:
