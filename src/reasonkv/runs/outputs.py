@@ -59,9 +59,6 @@ class OutputLocked(ValueError):
 class OutputError(OSError):
     """An output could not be written: the message names the file, the step and what to do."""
 
-    def __init__(self, message: str):
-        super().__init__(message)  # one argument: str() is the message alone
-
 
 def warn(message: str) -> None:
     """Tell the user about a failed clean-up after the work (the run itself succeeded)."""
