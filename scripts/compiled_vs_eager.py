@@ -14,7 +14,7 @@ from __future__ import annotations
 from same_tokens import cases, parser, where_they_differ
 
 import reasonkv
-from reasonkv.cli.demo import first_difference
+from reasonkv.inspect.page import departure as first_difference
 
 
 def main() -> None:

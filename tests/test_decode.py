@@ -8,8 +8,8 @@ import torch
 
 import reasonkv
 from conftest import CharTokenizer, fast_few, tiny_llama, tiny_qwen3
-from reasonkv.cli.demo import first_difference
 from reasonkv.hf import cache_keyword
+from reasonkv.inspect.page import departure as first_difference
 
 PROMPTS = ["Let us think step by step about it.", "Why?", "Two plus three is five, so"]
 

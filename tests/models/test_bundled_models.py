@@ -91,8 +91,8 @@ def test_outdated_cache_is_rebuilt(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
         (out_dir / "config.json").write_text('{"converted": true}')
 
     monkeypatch.setattr(bundled, "_convert_gguf_checkpoint", fake_convert)
-    assert bundled._ensure_smollm2_converted() == target
-    assert bundled._ensure_smollm2_converted() == target  # second call: valid copy, no conversion
+    assert bundled._ensure_converted(bundled.BUNDLED[DEFAULT_MODEL]) == target
+    assert bundled._ensure_converted(bundled.BUNDLED[DEFAULT_MODEL]) == target  # second call: valid copy, no conversion
     assert len(calls) == 1
     assert json.loads((target / "config.json").read_text()) == {"converted": True}
     assert sorted(p.name for p in target.parent.iterdir()) == [DEFAULT_MODEL]
@@ -257,7 +257,7 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         out["logits"] = model(ids).logits
     del model1
 
-    gguf_model, gguf_tok = load_model(bundled._smollm2_gguf_path())
+    gguf_model, gguf_tok = load_model(bundled.BUNDLED[DEFAULT_MODEL].file())
     with torch.no_grad():
         out["logits_gguf"] = gguf_model(ids).logits
     del gguf_model

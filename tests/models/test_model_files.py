@@ -12,8 +12,7 @@ import torch
 
 from checkpoints import poison, save_tiny_checkpoint, truncate
 from conftest import tiny_llama
-from reasonkv.models import SMOLLM2_INSTALL_COMMAND, SMOLLM2_PACKAGE, load_model
-from reasonkv.models.bundled import _smollm2_gguf_path
+from reasonkv.models import BUNDLED, DEFAULT_MODEL, SMOLLM2_INSTALL_COMMAND, SMOLLM2_PACKAGE, load_model
 from reasonkv.models.files import CorruptModelError, check_finite, check_gguf_header
 
 HAS_SMOLLM2 = importlib.util.find_spec(SMOLLM2_PACKAGE) is not None
@@ -90,7 +89,7 @@ def test_gguf_header_is_checked_before_loading(tmp_path: Path, content: bytes, m
 @pytest.mark.slow
 def test_truncated_gguf_is_reported_as_truncated(tmp_path: Path) -> None:
     path = tmp_path / "smollm2.gguf"
-    path.write_bytes(_smollm2_gguf_path().read_bytes()[:1_000_000])
+    path.write_bytes(BUNDLED[DEFAULT_MODEL].file().read_bytes()[:1_000_000])
     with pytest.raises(CorruptModelError, match="is truncated or corrupt: its header or tensor table cannot be read"):
         load_model(path)
 
@@ -101,7 +100,7 @@ def test_truncated_gguf_is_reported_as_truncated(tmp_path: Path) -> None:
 def test_gguf_with_nan_weights_is_refused(tmp_path: Path) -> None:
     from gguf import GGUFReader
 
-    source = _smollm2_gguf_path()
+    source = BUNDLED[DEFAULT_MODEL].file()
     norm = next(t for t in GGUFReader(source).tensors if t.name == "blk.3.ffn_norm.weight")
     data = bytearray(source.read_bytes())
     data[norm.data_offset : norm.data_offset + 8] = b"\xff" * 8  # two float32 NaNs

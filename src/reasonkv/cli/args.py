@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 
@@ -97,20 +98,12 @@ def add_cache_arguments(parser, *, budget: int, allocation: str = "") -> None:
 
 
 def cache_spec_from(args: argparse.Namespace, policy: str, options: dict) -> CacheSpec:
-    """``policy``'s cache under the flags of :func:`add_cache_arguments` and ``--seed``, with its parsed ``options``."""
-    return CacheSpec.build(
-        policy,
-        args.budget,
-        args.buffer,
-        quantized=args.quantized,
-        bits=args.bits,
-        seed=args.seed,
-        allocation=args.allocation,
-        budgets_file=args.budgets_file,
-        adaptive_alpha=args.adaptive_alpha,
-        ragged=False if args.padded_heads else None,  # None: not given (refused only when given, off its mode)
-        **options,
-    )
+    """``policy``'s cache under the command's flags (:func:`add_cache_arguments`, ``--seed``: each named as the
+    spec's field), with its parsed ``options``."""
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(CacheSpec) if hasattr(args, f.name)}
+    # --padded-heads: ragged=False; without it None (not given: refused only when given, off its mode)
+    given.update(policy=policy, ragged=False if getattr(args, "padded_heads", False) else None)
+    return CacheSpec.build(**given, **options)
 
 
 def add_decoding_arguments(parser, *, max_new_tokens: int) -> None:

@@ -54,21 +54,19 @@ def settings_from(
 ) -> CalibrateSettings | CentersSettings | GatesSettings | BudgetsSettings:
     """The settings the arguments describe (``ValueError`` for anything wrong, before any folder is touched)."""
     picked = CalibrationKind(**read_flags(CalibrationKind, args))
-    if picked.budgets:
-        if args.analyse_only or picked.centers or picked.gates:
-            raise ValueError(
-                "--budgets writes a budget file; it does not combine with --analyse-only, --centers or --gates"
-            )
-        return BudgetsSettings(**read_flags(BudgetsSettings, args))
+    if picked.budgets and (args.analyse_only or picked.centers or picked.gates):
+        raise ValueError(
+            "--budgets writes a budget file; it does not combine with --analyse-only, --centers or --gates"
+        )
     if picked.gates and (args.analyse_only or picked.centers):
         raise ValueError("--gates trains a gate; it does not combine with --analyse-only or --centers")
-    if picked.centers:
-        if args.analyse_only:
-            raise ValueError("--analyse-only analyses anatomy records; --centers has none")
-        return CentersSettings(**read_flags(CentersSettings, args))
-    if args.text is not None:
+    if picked.centers and args.analyse_only:
+        raise ValueError("--analyse-only analyses anatomy records; --centers has none")
+    if args.text is not None and not (picked.budgets or picked.centers):
         raise ValueError("--text is read by --centers and --budgets only (--gates and the anatomy read --dataset)")
-    cls = GatesSettings if picked.gates else CalibrateSettings
+    # at most one of the three is on by now
+    kinds = ((picked.budgets, BudgetsSettings), (picked.centers, CentersSettings), (picked.gates, GatesSettings))
+    cls = next((kind for chosen, kind in kinds if chosen), CalibrateSettings)
     return cls(**read_flags(cls, args))
 
 

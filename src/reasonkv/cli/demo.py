@@ -12,6 +12,7 @@ from reasonkv.generation.context import check_context
 from reasonkv.generation.inputs import encode_prompts, vocab_size
 from reasonkv.generation.progress import Stages
 from reasonkv.generation.sampling import Sampling
+from reasonkv.inspect.page import departure
 from reasonkv.policies import parse_options
 
 PROMPT = (
@@ -79,13 +80,6 @@ def sparkline(values: list[int], width: int = 64, top: int | None = None) -> str
     return "".join(BARS[min(len(BARS) - 1, round(v / top * (len(BARS) - 1)))] for v in sampled)
 
 
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
 def report(prompt: str, runs: dict, tokenizer, policy: str, budget: int, buffer: int) -> str:
     (full, full_trace), (evicted, evicted_trace) = runs["full"], runs[policy]
     top = max(full_trace + evicted_trace)
@@ -101,7 +95,7 @@ def report(prompt: str, runs: dict, tokenizer, policy: str, budget: int, buffer:
     for name, (_, trace) in runs.items():
         lines.append(f"{name:>10}  {sparkline(trace, top=top)}")
     lines.append("")
-    diff = first_difference(full.token_ids, evicted.token_ids)
+    diff = departure(full.token_ids, evicted.token_ids)
     if diff is None:
         lines.append("the two outputs are identical")
     else:

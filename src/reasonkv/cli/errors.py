@@ -56,16 +56,9 @@ def memory_message(error: BaseException, args: argparse.Namespace) -> str:
     elif match := re.search(r"[Tt]ried to allocate ([\d.]+ [KMGT]iB)", text):
         detail = f" (tried to allocate {match.group(1)})"
     lower = [knob for attr, knob in MEMORY_KNOBS if getattr(args, attr, None) is not None]
-    other = []
-    if str(getattr(args, "dtype", "")).lower() in ("fp32", "float32"):
-        other.append("--dtype bf16")
-    if hasattr(args, "model"):
-        other.append("a smaller --model")
-    advice = []
-    if lower:
-        advice.append("lower " + " or ".join(lower))
-    if other:
-        advice.append("use " + " or ".join(other))
+    full = str(getattr(args, "dtype", "")).lower() in ("fp32", "float32")
+    other = [use for use, fits in (("--dtype bf16", full), ("a smaller --model", hasattr(args, "model"))) if fits]
+    advice = [f"{verb} {' or '.join(knobs)}" for verb, knobs in (("lower", lower), ("use", other)) if knobs]
     return f"out of memory{detail}" + (f"; {', or '.join(advice)}" if advice else "")
 
 

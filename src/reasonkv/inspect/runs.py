@@ -18,6 +18,8 @@ from reasonkv.inspect.trace import Trace, load_trace, save_trace
 
 __all__ = ["Inspection", "Run", "check_allocations", "check_compared", "inspect_prompt", "token_pieces"]
 
+_TOKENS = ("prompt_ids", "token_ids", "pieces")  # what a trace file holds of each run beside its trace
+
 
 @dataclass
 class Run:
@@ -44,24 +46,13 @@ class Inspection:
 
     def save(self, path: Path | str) -> None:
         """Write the runs (tokens, texts and traces) to one ``.npz`` trace file."""
-        save_trace(
-            path,
-            {
-                run.name: {
-                    "trace": run.trace,
-                    "prompt_ids": run.prompt_ids,
-                    "token_ids": run.token_ids,
-                    "pieces": run.pieces,
-                    "model": self.model,
-                }
-                for run in self.runs
-            },
-        )
+        saved = ("trace", *_TOKENS)
+        save_trace(path, {run.name: {**{k: getattr(run, k) for k in saved}, "model": self.model} for run in self.runs})
 
     @classmethod
     def load(cls, path: Path | str) -> Inspection:
         entries = load_trace(path)
-        missing = [name for name, e in entries.items() if not {"prompt_ids", "token_ids", "pieces"} <= set(e)]
+        missing = [name for name, e in entries.items() if not set(_TOKENS) <= set(e)]
         if missing or not entries:
             raise ValueError(f"{path} holds traces without their tokens ({', '.join(missing) or 'no runs'})")
         runs = [Run(name, e["prompt_ids"], e["token_ids"], e["pieces"], e["trace"]) for name, e in entries.items()]

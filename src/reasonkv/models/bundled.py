@@ -23,6 +23,7 @@ import torch
 from reasonkv.models.checkpoint import load_directory
 from reasonkv.models.files import CorruptModelError, copy_damage, file_digests, is_corrupt_file_error
 from reasonkv.models.gguf import read_gguf
+from reasonkv.runs.outputs import write_atomic
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -141,14 +142,6 @@ def _packaged_file(bundled: Bundled) -> Path:
     raise ImportError(_missing(bundled).replace("not installed.", f"not installed{where}."))
 
 
-def _smollm2_gguf_path() -> Path:
-    return _packaged_file(BUNDLED[DEFAULT_MODEL])
-
-
-def _conversion_marker(bundled: Bundled) -> dict[str, Any]:
-    return {"format": _CONVERSION_FORMAT, "source": bundled.gguf, "source_bytes": bundled.source_bytes()}
-
-
 def _read_marker(directory: Path) -> dict[str, Any] | None:
     try:
         marker = json.loads((directory / _CONVERSION_MARKER).read_text(encoding="utf-8"))
@@ -172,16 +165,9 @@ def _check_copy(directory: Path) -> None:
         raise CorruptModelError(f"{damage}")
     if digests != marker.get("files"):  # files touched but intact: record their times, so the next check is cheap
         try:
-            _write_marker(directory, {**marker, "files": digests})
+            write_atomic(directory / _CONVERSION_MARKER, json.dumps({**marker, "files": digests}, indent=2))
         except OSError as error:
             logger.info("could not update %s (%s); the next load hashes the copy again", _CONVERSION_MARKER, error)
-
-
-def _write_marker(directory: Path, marker: dict[str, Any]) -> None:
-    """Replace the marker whole (a temporary file renamed over it)."""
-    tmp = directory / f".{_CONVERSION_MARKER}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(marker, indent=2), encoding="utf-8")
-    os.replace(tmp, directory / _CONVERSION_MARKER)
 
 
 def load_bundled(
@@ -204,15 +190,11 @@ def load_bundled(
             logger.warning("The converted %s in %s is damaged (%s); converting it again.", bundled.name, source, error)
 
 
-def _ensure_smollm2_converted() -> Path:
-    return _ensure_converted(BUNDLED[DEFAULT_MODEL])
-
-
 def _ensure_converted(bundled: Bundled, *, rebuild: bool = False) -> Path:
     """The directory of a bundled model's converted copy, converting its GGUF file on first use, or again with
     ``rebuild`` (its files turned out damaged)."""
     target = cache_dir() / "models" / bundled.name
-    expected = _conversion_marker(bundled)
+    expected = {"format": _CONVERSION_FORMAT, "source": bundled.gguf, "source_bytes": bundled.source_bytes()}
     if not rebuild and _is_valid_conversion(target, expected):
         return target
     if target.exists() and not (target / _CONVERSION_MARKER).exists():
@@ -234,8 +216,7 @@ def _ensure_converted(bundled: Bundled, *, rebuild: bool = False) -> Path:
         try:
             _convert_gguf_checkpoint(bundled.file(work), tmp)
             # The marker goes last: its presence certifies a complete copy, and its digests the files as written.
-            marker = {**expected, "files": file_digests(tmp)}
-            (tmp / _CONVERSION_MARKER).write_text(json.dumps(marker, indent=2), encoding="utf-8")
+            write_atomic(tmp / _CONVERSION_MARKER, json.dumps({**expected, "files": file_digests(tmp)}, indent=2))
             _move_into_place(tmp, target, expected)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -61,8 +61,7 @@ def load_model(
     attn = resolve_attn_implementation(attn_implementation, torch_dtype, dev)
 
     if is_shape:
-        model = random_model(name_str[len(SHAPE_PREFIX) :], torch_dtype, dev, attn)
-        return model, None
+        return random_model(name_str[len(SHAPE_PREFIX) :], torch_dtype, dev, attn), None
     shown = sys.stderr.isatty() if progress is None else progress
     with _loading_bars(shown):
         return _load_named(name_str, torch_dtype, dev, attn)

@@ -59,9 +59,6 @@ class OutputLocked(ValueError):
 class OutputError(OSError):
     """An output could not be written: the message names the file, the step and what to do."""
 
-    def __init__(self, message: str):
-        super().__init__(message)  # one argument: str() is the message alone
-
 
 def warn(message: str) -> None:
     """Tell the user about a failed clean-up after the work (the run itself succeeded)."""
@@ -364,21 +361,12 @@ def refuse_inputs(outputs: Iterable[str | os.PathLike[str]], inputs: Iterable[st
 # ---------------------------------------------------------------------------------- folders
 
 
-class ClaimedFolder:
-    """An output folder this process owns and has locked; release with :meth:`release` (or ``with``)."""
-
-    def __init__(self, path: Path, lock: OutputLock):
-        self.path = path
-        self._lock = lock
-
-    def release(self) -> None:
-        self._lock.release()
+class ClaimedFolder(OutputLock):
+    """The lock of an output folder (``target``) this process owns, held once :func:`claim_folder` returns it:
+    release it with :meth:`release` (or ``with``)."""
 
     def __enter__(self) -> ClaimedFolder:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
+        return self  # held already
 
 
 def _owned_names(
@@ -438,7 +426,8 @@ def claim_folder(
     refuse_inputs([folder / n for n in [*names, MARKER]], inputs)
     _owned_names(folder, command, names, recognise)  # refuse before creating anything
     make_folder(folder, f"--out {folder}")
-    lock = OutputLock(folder, command, path=folder / FOLDER_LOCK).acquire()
+    lock = ClaimedFolder(folder, command, path=folder / FOLDER_LOCK)
+    lock.acquire()
     try:
         owned = _owned_names(folder, command, names, recognise)  # again, now that nobody else can write
         for name in [*owned, MARKER]:
@@ -448,4 +437,4 @@ def claim_folder(
     except BaseException:
         lock.release()
         raise
-    return ClaimedFolder(folder, lock)
+    return lock

@@ -32,9 +32,8 @@ def portable_path(path: str | os.PathLike[str], folder: str | os.PathLike[str]) 
         return text
     resolved = Path(os.path.abspath(text))
     folder = Path(os.path.abspath(folder))
-    for package in dict.fromkeys([_PACKAGE, Path(os.path.abspath(_PACKAGE))]):
-        if _inside(resolved, package):
-            return f"{PACKAGE_TAG}/{resolved.relative_to(package).as_posix()}"
+    if _inside(resolved, _PACKAGE):
+        return f"{PACKAGE_TAG}/{resolved.relative_to(_PACKAGE).as_posix()}"
     home = Path(os.path.abspath(Path.home()))
     if _inside(resolved, home) and not _inside(folder, home):
         return "~" if resolved == home else f"~/{resolved.relative_to(home).as_posix()}"

@@ -158,8 +158,7 @@ class JsonlStore:
         self._started = False
         self._unsynced = False
         self._closed = False
-        self.appended = 0  # lines this store wrote
-        self.counted = 0  # of which records (see ``counts``)
+        self.counted = 0  # records this store wrote (see ``counts``)
 
     def records(self) -> Iterator[dict[str, Any]]:
         """The complete records already in the file (see :func:`iter_records`)."""
@@ -194,7 +193,6 @@ class JsonlStore:
         if self._fd is None:
             self._open(create=True)  # a store without a header: the first record creates the file
         self._write(line, "appending a record")
-        self.appended += 1
         self.counted += bool(self._counts(record))
         self._unsynced = not self.fsync
         return json.loads(line)

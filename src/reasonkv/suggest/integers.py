@@ -20,10 +20,5 @@ def check_int(name: str, value: object, minimum: int | None = None) -> None:
     """Raise ``ValueError`` naming the setting ``name``, its ``value`` and what is allowed, unless ``value`` is
     an integer (:func:`is_int`) of at least ``minimum`` (any integer when None)."""
     if not is_int(value) or (minimum is not None and value < minimum):
-        raise ValueError(f"{name} must be {_allowed(minimum)}, got {value!r}")
-
-
-def _allowed(minimum: int | None) -> str:
-    if minimum is None:
-        return "an integer"
-    return {0: "a non-negative integer", 1: "a positive integer"}.get(minimum, f"an integer >= {minimum}")
+        allowed = {None: "an integer", 0: "a non-negative integer", 1: "a positive integer"}
+        raise ValueError(f"{name} must be {allowed.get(minimum, f'an integer >= {minimum}')}, got {value!r}")

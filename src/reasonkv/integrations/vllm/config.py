@@ -14,7 +14,6 @@ from vllm.platforms import current_platform
 from reasonkv.cache.spec import CacheSpec, resolve_spec
 from reasonkv.hf import model_info
 from reasonkv.integrations.vllm.physical import Lengths
-from reasonkv.policies.contract import Needs
 from reasonkv.policies.query_centers import BUNDLED as BUNDLED_CENTERS
 
 __all__ = ["KEY", "SUPPORTED_VERSIONS", "Settings", "configure", "settings_of"]
@@ -77,7 +76,7 @@ def configure(vllm_config) -> None:
     vllm_config.parallel_config.worker_cls = WORKER
 
 
-def policy_refusal(spec: CacheSpec, needs: Needs) -> str | None:
+def policy_refusal(spec: CacheSpec) -> str | None:
     """Why a policy cannot run inside vLLM (None: it can)."""
     policy = spec.policy
     if policy.selects:
@@ -120,7 +119,7 @@ def refusals(vllm_config, settings: Settings) -> list[str]:
     model_config = vllm_config.model_config
     info = model_info(model_config.hf_config)
     needs = settings.spec.policy.needs(info)
-    why = policy_refusal(settings.spec, needs)
+    why = policy_refusal(settings.spec)
     if why:
         found.append(why)
     elif (needs.taps_attention or needs.hidden_layers) and not model_config.enforce_eager:
