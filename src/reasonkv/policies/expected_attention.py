@@ -11,7 +11,7 @@ import torch
 
 from reasonkv.policies.base import Policy
 from reasonkv.policies.common import group_mean
-from reasonkv.policies.contract import ModelInfo, Needs
+from reasonkv.policies.contract import ModelInfo
 from reasonkv.policies.options import check_at_least, check_choice, check_option
 from reasonkv.policies.registry import register
 from reasonkv.policies.rotary import RotaryTables
@@ -91,7 +91,6 @@ class ExpectedAttention(Policy):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_at_least(self, "n_future_positions", 1)
-        check_at_least(self, "query_window", 1)
         check_option(self, "epsilon", self.epsilon >= 0, "a number >= 0")
         check_choice(self, "query_span", QUERY_SPANS)
         self.epsilon = float(self.epsilon)
@@ -99,9 +98,6 @@ class ExpectedAttention(Policy):
         self._future: torch.Tensor | None = None  # the offsets 0 .. n - 1 of the future positions
         # Per row: the evictions seen, and the newest position at the latest one and at the one before it.
         self._seen = self._latest = self._previous = torch.empty(0, dtype=torch.long)
-
-    def needs(self, info: ModelInfo) -> Needs:
-        return Needs(query_window=self.query_window)
 
     def reset(self, info: ModelInfo, batch: int, device: torch.device) -> None:
         self._tables = {layer: info.rotary_of(layer, self.name).tables(device) for layer in info.full_layers}
