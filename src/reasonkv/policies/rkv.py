@@ -286,6 +286,7 @@ class RKV(Policy):
         if self.window > 0:
             candidates &= positions <= (view.newest.view(-1, 1, 1) - self.window)
         candidates &= view.valid.unsqueeze(1)
+        kernel = view.kernel()
         raw = window_importance(
             queries,
             q_positions,
@@ -293,10 +294,10 @@ class RKV(Policy):
             view.keys(),
             view.positions(),
             candidates,
-            view.scaling(),
+            kernel.scaling,
             self.pooling,
-            softcap=view.softcap(),
-            sinks=view.sinks(),
+            softcap=kernel.softcap,
+            sinks=kernel.sinks,
         )
         # Non-candidates hold 0, which never wins a max against attention weights; the mask keeps the
         # pooled values of the last candidates from spilling into the window.
