@@ -10,7 +10,6 @@ from typing import ClassVar
 import torch
 
 from reasonkv.policies.base import Policy
-from reasonkv.policies.common import group_mean
 from reasonkv.policies.contract import ModelInfo
 from reasonkv.policies.options import check_at_least, check_choice, check_option
 from reasonkv.policies.registry import register
@@ -150,7 +149,7 @@ class ExpectedAttention(Policy):
             logits = logits + (spread * back).sum(-1) / (2 * d)
         candidates = (view.valid_mask() & ~view.protected()).unsqueeze(2)
         probs = torch.softmax(logits.masked_fill(~candidates, float("-inf")), dim=-1).nan_to_num(0.0)
-        scores = group_mean(probs.reshape(rows, kv_heads * group, slots), kv_heads)
+        scores = probs.mean(2)  # over each kv group's query heads
         if self.use_vnorm:
             scores = (scores + self.epsilon) * view.values().float().norm(dim=-1)
         return scores
