@@ -177,27 +177,16 @@ def gumbel_noise(valid: torch.Tensor, seeds: torch.Tensor, positions: torch.Tens
     return noise.gumbel(hashed).masked_fill(~valid, float("-inf"))
 
 
-def keep_sampled(
-    weights: torch.Tensor,
-    *,
-    valid: torch.Tensor,
-    protected: torch.Tensor,
-    k: int,
-    seeds: torch.Tensor,
-    positions: torch.Tensor,
-    temperature: float = 1.0,
-) -> torch.Tensor:
+def keep_sampled(weights: torch.Tensor, *, k: int, **sampling) -> torch.Tensor:
     """Keep the protected tokens, then sample the rest without replacement, ``P ∝ weight``.
 
     Gumbel-top-k: the ``k`` largest ``log(weight) / temperature + Gumbel`` are an exact sample
     without replacement from the weights tempered by ``temperature``. Tokens of zero weight are
-    taken only when nothing else is left. The noise comes from :func:`gumbel_noise` (``seeds``
-    ``[rows]``, ``positions`` the slots' logical positions). Returns sorted indices ``[..., k]``.
+    taken only when nothing else is left. ``sampling`` is what :func:`rank_sampled` takes (``valid``,
+    ``protected``, ``seeds`` ``[rows]``, ``positions`` the slots' logical positions, ``temperature``).
+    Returns sorted indices ``[..., k]``.
     """
-    ranking = rank_sampled(
-        weights, valid=valid, protected=protected, seeds=seeds, positions=positions, temperature=temperature
-    )
-    return keep_ranked(ranking, k=k)
+    return keep_ranked(rank_sampled(weights, **sampling), k=k)
 
 
 def rank_sampled(
