@@ -156,9 +156,7 @@ class Observer:
                 keys,
                 self.cache.key_valid(layer),
                 step.input_valid,
-                recorded.scalings[layer],
-                softcap=recorded.softcaps.get(layer),
-                sinks=recorded.sinks.get(layer),
+                recorded.kernel(layer),
             )
             self.policy.observe_attention(self._chunk(layer, step.input_positions, None, None, sums))
             if not needs.attention_last:

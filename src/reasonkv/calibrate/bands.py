@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from reasonkv.calibrate.profile import Profile
-from reasonkv.policies.calibration import default_anatomy, write_calibration
+from reasonkv.policies.calibration import Calibration, default_anatomy
 
 __all__ = ["Band", "find_band", "discover_bands", "write_band_calibration"]
 
@@ -108,16 +108,7 @@ def write_band_calibration(
         if band is not None:
             info[f"{name}_rho"] = [round(band.rho, 6), round(band.low, 6), round(band.high, 6)]
     info.update(extra or {})
-    return write_calibration(
-        path,
-        model=model,
-        num_layers=profile.num_layers,
-        a=a,
-        b=b,
-        band_a=layers_a,
-        band_b=layers_b,
-        extra=info,
-    )
+    return Calibration(profile.num_layers, a, b, layers_a, layers_b, model=str(model), extra=info).write(path)
 
 
 def _side(

@@ -61,13 +61,10 @@ class BudgetsSettings(ReadingSettings):
         load_budget_file(path)
 
 
-def _beyond_window(
-    query, key, scaling: float, softcap, sinks: int, window: int, learned=None
-) -> tuple[torch.Tensor, int]:
+def _beyond_window(query, key, kernel: attention.Kernel, sinks: int, window: int) -> tuple[torch.Tensor, int]:
     """Per kv head, the attention mass of one sequence's queries on keys ``sinks <= j <= t - window`` (query
     ``t``), summed over the queries that have such keys and averaged over each kv head's query heads; and how
-    many queries that is. ``learned``: the model's learned attention sinks (GPT-OSS's ``s_aux``, one logit per
-    query head that shares the softmax and is dropped), so the mass is the kernel's own."""
+    many queries that is. The softmax is the ``kernel``'s own (its learned sinks share it and are dropped)."""
     length = query.shape[2]
     kv_heads = key.shape[1]
     first = sinks + window  # the first query with a key beyond the window
@@ -80,8 +77,8 @@ def _beyond_window(
         part = query[:, :, start : start + CHUNK]
         n = part.shape[2]
         t = start + torch.arange(n, device=query.device).view(-1, 1)
-        logits = attention.grouped_logits(part, keys, scaling, softcap)  # [1, kv_heads, g, n, length]
-        extra = None if learned is None else attention.grouped_sinks(learned, kv_heads)
+        logits = attention.grouped_logits(part, keys, kernel.scaling, kernel.softcap)  # [1, kv_heads, g, n, length]
+        extra = None if kernel.sinks is None else attention.grouped_sinks(kernel.sinks, kv_heads)
         probs = attention.masked_softmax_(logits, (slot.view(1, -1) <= t).view(1, 1, 1, n, length), extra)
         far = (slot.view(1, -1) >= sinks) & (slot.view(1, -1) <= t - window)
         mass = (probs * far.view(1, 1, 1, n, length)).sum(-1)  # [1, kv_heads, g, n]
@@ -103,9 +100,7 @@ def head_mass(model, sequences: list[list[int]], *, sinks: int, window: int) -> 
     def listen(layer, query, key, mask, kwargs) -> None:
         if layer not in index:
             return
-        scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
-        learned = kwargs.get("s_aux", kwargs.get("sinks"))
-        mass, queries = _beyond_window(query, key, scaling, kwargs.get("softcap"), sinks, window, learned)
+        mass, queries = _beyond_window(query, key, attention.Kernel.of(query, kwargs), sinks, window)
         sums[index[layer]] += mass.cpu()
         if index[layer] == 0:
             counted["queries"] += queries

@@ -100,9 +100,7 @@ def layer_profile(
     if replicates < 1:
         raise ValueError(f"replicates must be a positive integer, got {replicates}")
     per_trace = per_trace_correlations(signals, labels, control)
-    defined = ~np.isnan(per_trace)
-    with np.errstate(invalid="ignore"):
-        rho = np.where(defined.any(0), np.where(defined, per_trace, 0).sum(0) / np.maximum(defined.sum(0), 1), np.nan)
+    rho = nanmean_rows(per_trace, np.arange(per_trace.shape[0])[None])[0]  # every trace once
     boot = nanmean_rows(per_trace, bootstrap_indices(per_trace.shape[0], replicates, seed))
     low, high = interval(boot, level)
     return Profile(signal, target, control, rho, np.asarray(low), np.asarray(high), per_trace, boot, level)

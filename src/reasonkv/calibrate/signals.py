@@ -96,17 +96,16 @@ def _layer_scores(query, key, kwargs: dict, settings: SignalSettings) -> dict[st
     """The baseline scores (``[T]`` each, averaged over the kv heads) of one full-attention layer's post-RoPE
     ``query`` ``[1, Hq, T, D]`` and ``key`` ``[1, Hkv, T, D]`` (learned sinks and soft-capping from ``kwargs``)."""
     _, kv_heads, length, _ = key.shape
-    scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
-    extra = {"softcap": kwargs.get("softcap"), "sinks": kwargs.get("s_aux", kwargs.get("sinks"))}
+    kernel = attention.Kernel.of(query, kwargs)
     every = torch.ones(1, length, dtype=torch.bool, device=key.device)
     w = min(settings.query_window, length)
     recent = torch.arange(length - w, length, device=key.device).view(1, w)
     slots = torch.arange(length, device=key.device).expand(1, kv_heads, length)
-    window = attention.window_attention(query[:, :, -w:], recent, every[:, -w:], key, slots, every, scaling, **extra)
+    window = attention.window_attention(query[:, :, -w:], recent, every[:, -w:], key, slots, every, kernel)
     scores = {
         "knorm": key_norm_scores(key),
-        "h2o": received_attention(attention.column_sums(query, key, every, every, scaling, **extra), kv_heads),
-        "tova": newest_query_scores(attention.newest_row(query[:, :, -1:], key, every, scaling, **extra), kv_heads),
+        "h2o": received_attention(attention.column_sums(query, key, every, every, kernel), kv_heads),
+        "tova": newest_query_scores(attention.newest_row(query[:, :, -1:], key, every, kernel), kv_heads),
         "snapkv": pooled_window_scores(window, every, kv_heads, kernel=settings.kernel, pooling=settings.pooling),
     }
     return {name: value[0].mean(0) for name, value in scores.items()}

@@ -8,9 +8,12 @@ Shapes: queries ``[B, Hq, w, D]``, keys ``[B, Hkv, S, D]``; query head ``h`` rea
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 __all__ = [
+    "Kernel",
     "column_sums",
     "grouped_logits",
     "grouped_sinks",
@@ -19,6 +22,22 @@ __all__ = [
     "newest_row",
     "window_attention",
 ]
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """What one layer's attention kernel applies besides ``q · Kᵀ``: its ``scaling``, logit ``softcap`` and learned
+    ``sinks`` (``[Hq]``); None where the model uses none."""
+
+    scaling: float
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, query: torch.Tensor, kwargs: dict) -> Kernel:
+        """The kernel an attention tap saw called with ``kwargs`` on ``query`` (``1/sqrt(head_dim)`` unless scaled)."""
+        sinks = kwargs.get("s_aux", kwargs.get("sinks"))
+        return cls(kwargs.get("scaling") or query.shape[-1] ** -0.5, kwargs.get("softcap"), sinks)
 
 
 def grouped_logits(
@@ -82,44 +101,35 @@ def window_attention(
     keys: torch.Tensor,
     key_positions: torch.Tensor,
     key_valid: torch.Tensor,
-    scaling: float,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
+    kernel: Kernel,
 ) -> torch.Tensor:
     """Attention of recorded queries over the stored keys, ``[B, Hq, w, S]`` probabilities.
 
     ``query_positions``/``query_valid`` are ``[B, w]``; ``key_positions`` ``[B, Hkv, S]`` and
     ``key_valid`` ``[B, S]``; a key at a negative position (a head's own padding) is not seen either.
     A query sees the keys at or before its own logical position (causal);
-    rows of padding queries are 0. ``softcap`` and ``sinks`` (``[Hq]``) as the model's kernel uses them.
+    rows of padding queries are 0.
     """
     b, hq, w, _ = queries.shape
     hkv, s = keys.shape[1], keys.shape[2]
-    logits = grouped_logits(queries, keys, scaling, softcap)
+    logits = grouped_logits(queries, keys, kernel.scaling, kernel.softcap)
     visible = key_positions.view(b, hkv, 1, 1, s) <= query_positions.view(b, 1, 1, w, 1)
     visible = visible & key_valid.view(b, 1, 1, 1, s) & query_valid.view(b, 1, 1, w, 1)
     visible = visible & (key_positions >= 0).view(b, hkv, 1, 1, s)
-    sink = None if sinks is None else grouped_sinks(sinks, hkv)
+    sink = None if kernel.sinks is None else grouped_sinks(kernel.sinks, hkv)
     return masked_softmax_(logits, visible, sink).view(b, hq, w, s)
 
 
-def newest_row(
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    key_valid: torch.Tensor,
-    scaling: float,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
+def newest_row(query: torch.Tensor, keys: torch.Tensor, key_valid: torch.Tensor, kernel: Kernel) -> torch.Tensor:
     """Attention row of one query per row (``[B, Hq, 1, D]``) over every valid stored key: ``[B, Hq, S]``.
 
     The query is the newest token, so every stored key is at or before it; ``key_valid`` ``[B, S]``.
-    ``softcap`` and ``sinks`` (``[Hq]``) as the model's kernel uses them.
     """
     b, hq = query.shape[:2]
     s = keys.shape[2]
-    logits = grouped_logits(query, keys, scaling, softcap).view(b, hq, s)
-    return masked_softmax_(logits, key_valid.view(b, 1, s), None if sinks is None else sinks.float().view(1, hq, 1))
+    logits = grouped_logits(query, keys, kernel.scaling, kernel.softcap).view(b, hq, s)
+    sink = None if kernel.sinks is None else kernel.sinks.float().view(1, hq, 1)
+    return masked_softmax_(logits, key_valid.view(b, 1, s), sink)
 
 
 def column_sums(
@@ -127,10 +137,8 @@ def column_sums(
     keys: torch.Tensor,
     key_valid: torch.Tensor,
     query_valid: torch.Tensor,
-    scaling: float,
+    kernel: Kernel,
     chunk_elements: int = 1 << 24,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention each stored key received from the ``q`` queries of one forward, summed: ``[B, Hq, S]``.
 
@@ -138,7 +146,6 @@ def column_sums(
     up to its own, causal); padding queries (``query_valid`` ``[B, q]`` False) add nothing. ``key_valid``
     is ``[B, S]``, or ``[B, Hkv, S]`` when heads hold padding of their own. Built
     ``chunk_elements`` logits at a time, so memory stays ``O(chunk)``, never ``O(q x S)`` at once.
-    ``softcap`` and ``sinks`` (``[Hq]``) as the model's kernel uses them.
     """
     b, hq, q, _ = queries.shape
     s = keys.shape[2]
@@ -146,12 +153,12 @@ def column_sums(
     keys = keys.float()  # once, not per chunk
     chunk = max(1, chunk_elements // max(1, b * hq * s))
     slot = torch.arange(s, device=queries.device)
-    sink = None if sinks is None else sinks.float().view(1, hq, 1, 1)
+    sink = None if kernel.sinks is None else kernel.sinks.float().view(1, hq, 1, 1)
     for start in range(0, q, chunk):
         part = queries[:, :, start : start + chunk]
         c = part.shape[2]
         seen = s - q + start + c  # causal: the chunk's queries see no slot after its last one
-        logits = grouped_logits(part, keys[:, :, :seen], scaling, softcap).view(b, hq, c, seen)
+        logits = grouped_logits(part, keys[:, :, :seen], kernel.scaling, kernel.softcap).view(b, hq, c, seen)
         query_slot = s - q + start + torch.arange(c, device=queries.device)
         visible = slot[:seen].view(1, 1, 1, seen) <= query_slot.view(1, 1, c, 1)
         visible = visible & key_mask(key_valid[..., :seen], hq)

@@ -64,11 +64,14 @@ class Policy:
         check_fields(self)
         check_at_least(self, "sinks", 0)
         check_at_least(self, "window", 0)
+        if hasattr(self, "query_window"):  # a policy that scores with its recent queries observes at least one
+            check_at_least(self, "query_window", 1)
 
     # -- what the policy reads ---------------------------------------------------------------
     def needs(self, info: ModelInfo) -> Needs:
-        """The signals this policy reads (none by default)."""
-        return Needs()
+        """The signals this policy reads: its ``query_window`` most recent queries where it has that option, none
+        by default."""
+        return Needs(query_window=getattr(self, "query_window", 0))
 
     # -- state across a generation -----------------------------------------------------------
     def reset(self, info: ModelInfo, batch: int, device: torch.device) -> None:

@@ -64,6 +64,13 @@ class Calibration:
         for name in ("a", "b", "band_a", "band_b"):
             check_layers(name, getattr(self, name), self.num_layers)
 
+    def write(self, path: str | os.PathLike) -> Calibration:
+        """Write this anatomy as a calibration file (parent folders are created); returns it."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.as_dict(), indent=2) + "\n")
+        return self
+
     def as_dict(self) -> dict[str, object]:
         """The JSON form (schema of the module docstring, extra keys last)."""
         fields = {key: getattr(self, key) for key in _REQUIRED}
@@ -141,31 +148,10 @@ def load_calibration(path: str | os.PathLike) -> Calibration:
         raise ValueError(f"calibration file {str(path)!r}: {error}") from None
 
 
-def write_calibration(
-    path: str | os.PathLike,
-    *,
-    model: str,
-    num_layers: int,
-    a: int,
-    b: int,
-    band_a: Iterable[int],
-    band_b: Iterable[int],
-    extra: Mapping[str, object] | None = None,
-) -> Calibration:
-    """Validate and write a calibration file (parent folders are created). Returns what was written."""
-    calibration = Calibration(
-        num_layers=num_layers,
-        a=a,
-        b=b,
-        band_a=tuple(band_a),
-        band_b=tuple(band_b),
-        model=str(model),
-        extra=dict(extra or {}),
-    )
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(calibration.as_dict(), indent=2) + "\n")
-    return calibration
+def write_calibration(path: str | os.PathLike, *, model: str, extra=None, **layers) -> Calibration:
+    """Validate and write a calibration file of the ``num_layers``, ``a``, ``b``, ``band_a`` and ``band_b`` given,
+    with ``extra`` keys (parent folders are created). Returns what was written."""
+    return Calibration(**layers, model=str(model), extra=dict(extra or {})).write(path)
 
 
 def _json_kind(kind: type) -> str:

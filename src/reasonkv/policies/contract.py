@@ -42,10 +42,6 @@ class ModelInfo:
     def scaling(self) -> float:
         return self.head_dim**-0.5
 
-    @property
-    def group_size(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
     def kind(self, layer: int) -> str:
         return self.layer_kinds[layer] if self.layer_kinds else "full"
 

@@ -10,8 +10,7 @@ from typing import ClassVar
 import torch
 
 from reasonkv.policies.base import Policy
-from reasonkv.policies.common import group_mean
-from reasonkv.policies.contract import ModelInfo, Needs
+from reasonkv.policies.contract import ModelInfo
 from reasonkv.policies.options import check_at_least, check_choice, check_option
 from reasonkv.policies.registry import register
 from reasonkv.policies.rotary import RotaryTables
@@ -91,7 +90,6 @@ class ExpectedAttention(Policy):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_at_least(self, "n_future_positions", 1)
-        check_at_least(self, "query_window", 1)
         check_option(self, "epsilon", self.epsilon >= 0, "a number >= 0")
         check_choice(self, "query_span", QUERY_SPANS)
         self.epsilon = float(self.epsilon)
@@ -99,9 +97,6 @@ class ExpectedAttention(Policy):
         self._future: torch.Tensor | None = None  # the offsets 0 .. n - 1 of the future positions
         # Per row: the evictions seen, and the newest position at the latest one and at the one before it.
         self._seen = self._latest = self._previous = torch.empty(0, dtype=torch.long)
-
-    def needs(self, info: ModelInfo) -> Needs:
-        return Needs(query_window=self.query_window)
 
     def reset(self, info: ModelInfo, batch: int, device: torch.device) -> None:
         self._tables = {layer: info.rotary_of(layer, self.name).tables(device) for layer in info.full_layers}
@@ -154,7 +149,7 @@ class ExpectedAttention(Policy):
             logits = logits + (spread * back).sum(-1) / (2 * d)
         candidates = (view.valid_mask() & ~view.protected()).unsqueeze(2)
         probs = torch.softmax(logits.masked_fill(~candidates, float("-inf")), dim=-1).nan_to_num(0.0)
-        scores = group_mean(probs.reshape(rows, kv_heads * group, slots), kv_heads)
+        scores = probs.mean(2)  # over each kv group's query heads
         if self.use_vnorm:
             scores = (scores + self.epsilon) * view.values().float().norm(dim=-1)
         return scores

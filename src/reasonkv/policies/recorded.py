@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from reasonkv.policies.attention import Kernel
+
 __all__ = ["QueryLog", "QueryWindow", "Recorded"]
 
 
@@ -105,6 +107,10 @@ class Recorded:
         self.scalings: dict[int, float] = {}  # layer -> the scaling its attention kernel used
         self.softcaps: dict[int, float] = {}  # layer -> its logit soft-cap, where the model uses one
         self.sinks: dict[int, torch.Tensor] = {}  # layer -> its learned sink logits [query_heads], if any
+
+    def kernel(self, layer: int, scaling: float | None = None) -> Kernel:
+        """What ``layer``'s attention kernel was called with (``scaling`` until it is seen)."""
+        return Kernel(self.scalings.get(layer, scaling), self.softcaps.get(layer), self.sinks.get(layer))
 
     def push_queries(self, layer: int, queries: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> None:
         window = self.windows.get(layer)

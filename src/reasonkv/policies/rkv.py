@@ -12,7 +12,6 @@ from reasonkv.policies import select
 from reasonkv.policies.attention import grouped_logits, grouped_sinks, masked_softmax_
 from reasonkv.policies.base import Policy
 from reasonkv.policies.common import WORKSPACE_ELEMENTS, pool1d
-from reasonkv.policies.contract import Needs
 from reasonkv.policies.options import check_at_least, check_choice, check_option
 from reasonkv.policies.registry import register
 
@@ -269,7 +268,6 @@ class RKV(Policy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_at_least(self, "query_window", 1)
         check_at_least(self, "kernel", 1)
         check_option(self, "mix_lambda", 0 <= self.mix_lambda <= 1, "in [0, 1]")
         check_option(self, "threshold", -1 <= self.threshold <= 1, "a cosine similarity in [-1, 1]")
@@ -277,9 +275,6 @@ class RKV(Policy):
         check_choice(self, "pooling", _POOLINGS)
         window = self.duplicate_window
         check_option(self, "duplicate_window", window is None or window >= 1, "None or a positive integer")
-
-    def needs(self, info) -> Needs:
-        return Needs(query_window=self.query_window)
 
     # -- the two terms, exposed for tests and analysis ------------------------------------------
     def importance(self, view) -> torch.Tensor:
@@ -291,6 +286,7 @@ class RKV(Policy):
         if self.window > 0:
             candidates &= positions <= (view.newest.view(-1, 1, 1) - self.window)
         candidates &= view.valid.unsqueeze(1)
+        kernel = view.kernel()
         raw = window_importance(
             queries,
             q_positions,
@@ -298,10 +294,10 @@ class RKV(Policy):
             view.keys(),
             view.positions(),
             candidates,
-            view.scaling(),
+            kernel.scaling,
             self.pooling,
-            softcap=view.softcap(),
-            sinks=view.sinks(),
+            softcap=kernel.softcap,
+            sinks=kernel.sinks,
         )
         # Non-candidates hold 0, which never wins a max against attention weights; the mask keeps the
         # pooled values of the last candidates from spilling into the window.

@@ -36,10 +36,9 @@ __all__ = [
     "value_range",
 ]
 
-# Keys for "must keep" and "never keep" slots. Finite so that arithmetic on them stays NaN-free.
-_MUST = torch.finfo(torch.float32).max
-_NEVER = -torch.finfo(torch.float32).max
-MUST_KEEP, NEVER_KEEP = _MUST, _NEVER  # what a ranking holds for protected and for padding slots
+# What a ranking holds for protected and for padding slots. Finite so that arithmetic on them stays NaN-free.
+MUST_KEEP = torch.finfo(torch.float32).max
+NEVER_KEEP = -torch.finfo(torch.float32).max
 
 
 def protected_mask(
@@ -65,9 +64,9 @@ def protected_mask(
 def _selection_keys(scores: torch.Tensor, valid: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
     # Scores stay strictly between the two sentinels (NaN ranks with -inf), so a ranking alone says
     # which slots are protected and which are padding.
-    keys = scores.float().nan_to_num(nan=_NEVER / 2, posinf=_MUST / 2, neginf=_NEVER / 2)
-    keys = keys.clamp(_NEVER / 2, _MUST / 2).masked_fill(protected, _MUST)
-    return keys.masked_fill(~valid, _NEVER)
+    keys = scores.float().nan_to_num(nan=NEVER_KEEP / 2, posinf=MUST_KEEP / 2, neginf=NEVER_KEEP / 2)
+    keys = keys.clamp(NEVER_KEEP / 2, MUST_KEEP / 2).masked_fill(protected, MUST_KEEP)
+    return keys.masked_fill(~valid, NEVER_KEEP)
 
 
 # open checks_at_exit blocks, innermost last: (two device counts, the check that reads them) each
@@ -150,7 +149,7 @@ def keep_ranked(ranking: torch.Tensor, *, k: int) -> torch.Tensor:
 
     Refuses more protected slots than ``k``, or fewer real ones. Returns sorted indices ``[..., k]``.
     """
-    _check_capacity(ranking > _NEVER, ranking >= _MUST, k)
+    _check_capacity(ranking > NEVER_KEEP, ranking >= MUST_KEEP, k)
     return top_indices(ranking, k)
 
 
@@ -178,27 +177,16 @@ def gumbel_noise(valid: torch.Tensor, seeds: torch.Tensor, positions: torch.Tens
     return noise.gumbel(hashed).masked_fill(~valid, float("-inf"))
 
 
-def keep_sampled(
-    weights: torch.Tensor,
-    *,
-    valid: torch.Tensor,
-    protected: torch.Tensor,
-    k: int,
-    seeds: torch.Tensor,
-    positions: torch.Tensor,
-    temperature: float = 1.0,
-) -> torch.Tensor:
+def keep_sampled(weights: torch.Tensor, *, k: int, **sampling) -> torch.Tensor:
     """Keep the protected tokens, then sample the rest without replacement, ``P ∝ weight``.
 
     Gumbel-top-k: the ``k`` largest ``log(weight) / temperature + Gumbel`` are an exact sample
     without replacement from the weights tempered by ``temperature``. Tokens of zero weight are
-    taken only when nothing else is left. The noise comes from :func:`gumbel_noise` (``seeds``
-    ``[rows]``, ``positions`` the slots' logical positions). Returns sorted indices ``[..., k]``.
+    taken only when nothing else is left. ``sampling`` is what :func:`rank_sampled` takes (``valid``,
+    ``protected``, ``seeds`` ``[rows]``, ``positions`` the slots' logical positions, ``temperature``).
+    Returns sorted indices ``[..., k]``.
     """
-    ranking = rank_sampled(
-        weights, valid=valid, protected=protected, seeds=seeds, positions=positions, temperature=temperature
-    )
-    return keep_ranked(ranking, k=k)
+    return keep_ranked(rank_sampled(weights, **sampling), k=k)
 
 
 def rank_sampled(

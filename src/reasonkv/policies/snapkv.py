@@ -8,8 +8,7 @@ import torch
 
 from reasonkv.policies.base import Policy
 from reasonkv.policies.common import group_mean, pool1d
-from reasonkv.policies.contract import Needs
-from reasonkv.policies.options import check_at_least, check_choice, check_option
+from reasonkv.policies.options import check_choice, check_option
 from reasonkv.policies.registry import register
 
 __all__ = ["SnapKV", "window_scores", "pooled_window_scores", "pool_valid", "POOLINGS"]
@@ -97,13 +96,9 @@ class SnapKV(Policy):
 
     def __post_init__(self) -> None:
         super().__post_init__()  # VASE-AttnV checks these options here too
-        check_at_least(self, "query_window", 1)
         kernel = self.kernel
         check_option(self, "kernel", kernel > 0 and kernel % 2 == 1, "a positive odd integer (1 = no pooling)")
         check_choice(self, "pooling", POOLINGS)
-
-    def needs(self, info) -> Needs:
-        return Needs(query_window=self.query_window)
 
     def score(self, view) -> torch.Tensor:
         return window_scores(view, kernel=self.kernel, pooling=self.pooling)

@@ -157,17 +157,9 @@ class EvictionView:
         )
 
     # -- recorded signals -------------------------------------------------------------------------
-    def scaling(self, layer: int | None = None) -> float:
-        """The attention scaling the model's kernel used in ``layer`` (``1/sqrt(head_dim)`` until seen)."""
-        return self.recorded.scalings.get(self._layer(layer), self.info.scaling)
-
-    def softcap(self, layer: int | None = None) -> float | None:
-        """The logit soft-cap of ``layer``'s attention kernel (None: the model uses none)."""
-        return self.recorded.softcaps.get(self._layer(layer))
-
-    def sinks(self, layer: int | None = None) -> torch.Tensor | None:
-        """The learned attention-sink logits of ``layer``, ``[query_heads]`` (None: the model has none)."""
-        return self.recorded.sinks.get(self._layer(layer))
+    def kernel(self, layer: int | None = None) -> attention.Kernel:
+        """What ``layer``'s attention kernel applies (its scaling ``1/sqrt(head_dim)`` until seen)."""
+        return self.recorded.kernel(self._layer(layer), self.info.scaling)
 
     def recent_queries(self, layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The last ``w`` queries: ``([rows, heads, w, head_dim], positions [rows, w], valid [rows, w])``."""
@@ -181,14 +173,5 @@ class EvictionView:
         """Attention of the recorded recent queries over the stored keys, ``[rows, heads, w, slots]``."""
         layer = self._layer(layer)
         queries, q_pos, q_valid = self.recent_queries(layer)
-        return attention.window_attention(
-            queries,
-            q_pos,
-            q_valid,
-            self.keys(layer),
-            self.positions(layer),
-            self.valid,
-            self.scaling(layer),
-            softcap=self.softcap(layer),
-            sinks=self.sinks(layer),
-        )
+        keys, positions = self.keys(layer), self.positions(layer)
+        return attention.window_attention(queries, q_pos, q_valid, keys, positions, self.valid, self.kernel(layer))
