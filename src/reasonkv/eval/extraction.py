@@ -56,6 +56,12 @@ def _box_content(text: str, pos: int) -> str | None:
             return None
         bare = re.match(r"[^\s$]+", text[pos:])
         return bare.group(0).rstrip(".,;") if bare else None
+    span = brace_span(text, pos)
+    return None if span is None else text[span[0] : span[1]]  # None: the output was cut off inside the box
+
+
+def brace_span(text: str, pos: int) -> tuple[int, int] | None:
+    """``[start, end)`` of the content, stripped, of the braces that open at ``text[pos]``; None if they never close."""
     depth, i = 0, pos
     while i < len(text):
         ch = text[i]
@@ -67,9 +73,10 @@ def _box_content(text: str, pos: int) -> str | None:
         elif ch == "}":
             depth -= 1
             if depth == 0:
-                return text[pos + 1 : i].strip()
+                inner = text[pos + 1 : i]
+                return pos + 1 + len(inner) - len(inner.lstrip()), pos + 1 + len(inner.rstrip())
         i += 1
-    return None  # unbalanced: the output was cut off inside the box
+    return None
 
 
 def find_answer(text: str, kind: str = "math", *, last_number: bool = True) -> tuple[str | None, str]:

@@ -7,6 +7,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from reasonkv.eval.extraction import brace_span
+
 __all__ = ["clean_solution", "box_final_answer", "answer_span", "token_span"]
 
 _CALCULATOR = re.compile(r"<<[^<>]*>>")
@@ -30,22 +32,8 @@ def box_final_answer(text: str) -> str:
 
 
 def _last_boxed_span(text: str) -> tuple[int, int] | None:
-    spans = []
-    for match in _BOXED.finditer(text):
-        depth, i = 1, match.end()
-        while i < len(text) and depth:
-            if text[i] == "\\":
-                i += 2
-                continue
-            depth += {"{": 1, "}": -1}.get(text[i], 0)
-            i += 1
-        if depth == 0:
-            start, end = match.end(), i - 1
-            inner = text[start:end]
-            if inner.strip():
-                lead = len(inner) - len(inner.lstrip())
-                spans.append((start + lead, start + len(inner.rstrip())))
-    return spans[-1] if spans else None
+    spans = [brace_span(text, match.end() - 1) for match in _BOXED.finditer(text)]
+    return next((span for span in reversed(spans) if span is not None and span[0] < span[1]), None)
 
 
 def answer_span(text: str, answer: str | None = None) -> tuple[int, int] | None:

@@ -39,7 +39,7 @@ from reasonkv.eval.fidelity import DEFAULT_MAX_CHUNK, teacher_force
 from reasonkv.eval.units import sample_seed
 from reasonkv.generation import GenerationResult, generate
 from reasonkv.generation.stats import peak_row_tokens
-from reasonkv.integrations.lm_eval_args import parse_model_args
+from reasonkv.integrations.lm_eval_args import CACHE_ARGS, parse_model_args
 from reasonkv.integrations.lm_eval_tasks import Generation
 from reasonkv.models import load_model
 
@@ -107,9 +107,12 @@ class ReasonKVLM(HFLM):
         """reasonkv's settings, written into lm-eval's results (``config.reasonkv``)."""
         spec = self.spec
         options = {f.name: getattr(spec.policy, f.name) for f in dataclasses.fields(spec.policy)}
-        cache = {name: getattr(spec, name) for name in ("budget", "buffer", "quantized", "bits", "group_size", "seed")}
+        cache = {name: getattr(spec, name) for name in CACHE_ARGS[1:]}
+        # how the budget is shared among layers and kv-heads (nothing under uniform)
+        shared = ("allocation", "budgets_file", "adaptive_alpha", "ragged") if spec.allocated else ()
+        cache.update({name: getattr(spec, name) for name in shared if getattr(spec, name) is not None})
         head = {"version": __version__, "pretrained": self.pretrained, "policy": spec.policy.name, "options": options}
-        return {**head, **cache, **_allocation_settings(spec), "scoring": self.scoring}
+        return {**head, **cache, "scoring": self.scoring}
 
     def get_model_info(self) -> dict[str, Any]:
         return {
@@ -340,14 +343,6 @@ def _annotate(requests: Sequence, stats: Sequence[dict]) -> None:
         unique[id(request)] = request
     for key, request in unique.items():
         request.arguments = (*_args(request), {ANNOTATION: per_request[key]})
-
-
-def _allocation_settings(spec) -> dict[str, Any]:
-    """How the spec shares its budget among layers and kv-heads (nothing under uniform)."""
-    if not spec.allocated:
-        return {}
-    names = ("allocation", "budgets_file", "adaptive_alpha", "ragged")
-    return {name: getattr(spec, name) for name in names if getattr(spec, name) is not None}
 
 
 def _generation_stats(result: GenerationResult, seed: int) -> dict[str, Any]:

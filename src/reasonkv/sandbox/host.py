@@ -85,15 +85,11 @@ def _version(path: str) -> str | None:
 
 def _candidates() -> list[Path]:
     """The running interpreter's base executable, then the system's ``python3``."""
-    found = []
     base = Path(sys.base_prefix) / "bin" / f"python{sys.version_info[0]}.{sys.version_info[1]}"
-    if base.exists():
-        found.append(base)
-    found.append(Path(os.path.realpath(sys.executable)))
-    for name in ("/usr/bin/python3", shutil.which("python3") or ""):
-        if name:
-            found.append(Path(os.path.realpath(name)))
-    return list(dict.fromkeys(found))
+    others = [
+        Path(os.path.realpath(name)) for name in (sys.executable, "/usr/bin/python3", shutil.which("python3")) if name
+    ]
+    return list(dict.fromkeys([base, *others] if base.exists() else others))
 
 
 def find_interpreter(user: SandboxUser, path: str | None = None) -> tuple[Interpreter | None, str]:
