@@ -24,6 +24,7 @@ METHODS = ("boxed", "answer_is", "answer_colon", "last_number", "code_block", "n
 CODE_KINDS = ("code-function", "code-stdio")
 
 _BOX_RE = re.compile(r"\\(?:boxed|fbox|framebox)(?![A-Za-z])")
+_BRACE_RE = re.compile(r"\\.|[{}]", re.S)
 _ANSWER_IS_RE = re.compile(r"(?:final\s+answer\s*(?:is|[:=])|\banswer\s+is)\s*:?", re.IGNORECASE)
 _ANSWER_COLON_RE = re.compile(r"\banswer\s*[:：]", re.IGNORECASE)
 # A minus sign counts only when it is not a binary minus ("10-5" ends in 5, not -5).
@@ -62,20 +63,12 @@ def _box_content(text: str, pos: int) -> str | None:
 
 def brace_span(text: str, pos: int) -> tuple[int, int] | None:
     """``[start, end)`` of the content, stripped, of the braces that open at ``text[pos]``; None if they never close."""
-    depth, i = 0, pos
-    while i < len(text):
-        ch = text[i]
-        if ch == "\\":
-            i += 2  # an escaped brace (\{ or \}) does not change the depth
-            continue
-        if ch == "{":
-            depth += 1
-        elif ch == "}":
-            depth -= 1
-            if depth == 0:
-                inner = text[pos + 1 : i]
-                return pos + 1 + len(inner) - len(inner.lstrip()), pos + 1 + len(inner.rstrip())
-        i += 1
+    depth = 0
+    for match in _BRACE_RE.finditer(text, pos):
+        depth += {"{": 1, "}": -1}.get(match.group(), 0)  # an escaped brace (\{ or \}) does not count
+        if depth == 0:
+            inner = text[pos + 1 : match.start()]
+            return pos + 1 + len(inner) - len(inner.lstrip()), pos + 1 + len(inner.rstrip())
     return None
 
 

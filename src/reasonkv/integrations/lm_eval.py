@@ -35,7 +35,7 @@ except ModuleNotFoundError as error:
     ) from error
 
 from reasonkv import __version__
-from reasonkv.eval.fidelity import DEFAULT_MAX_CHUNK, teacher_force
+from reasonkv.eval.fidelity import teacher_force
 from reasonkv.eval.units import sample_seed
 from reasonkv.generation import GenerationResult, generate
 from reasonkv.generation.stats import peak_row_tokens
@@ -289,18 +289,9 @@ class ReasonKVLM(HFLM):
                 greedy[r] = greedy[r] and bool((logp.argmax(-1) == target).all())
 
         spec = self.spec.replace(seed=tuple(seeds))
+        contexts, continuations = zip(*rows, strict=True)
         pad_id = self.tokenizer.pad_token_id or 0
-        run = teacher_force(
-            self.model,
-            [context for context, _ in rows],
-            [continuation for _, continuation in rows],
-            spec,
-            chunked=None,
-            max_chunk=DEFAULT_MAX_CHUNK,
-            pad_id=pad_id,
-            consume=consume,
-            reference=False,
-        )
+        run = teacher_force(self.model, contexts, continuations, spec, consume=consume, pad_id=pad_id, reference=False)
         results = []
         for r, (context, continuation) in enumerate(rows):
             evictions = run.evictions[r]

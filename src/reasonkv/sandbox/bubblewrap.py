@@ -90,9 +90,7 @@ def _documents(status: str) -> dict:
             break
         if isinstance(document, dict):
             found.update(document)
-        position = end
-        while position < len(text) and text[position].isspace():
-            position += 1
+        position = len(text) - len(text[end:].lstrip())
     return found
 
 
