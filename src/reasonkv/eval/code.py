@@ -187,32 +187,27 @@ def _failure(result: RunResult) -> tuple[str, str]:
     return "runtime-error", _short(reason)
 
 
-# A test: the program source to run, its standard input, and how to judge the result (outcome, detail).
-Judge = Callable[[RunResult], tuple[str, str | None]]
+# A test: the program to run, its standard input, and how to judge what a run that ended well wrote.
+Judge = Callable[[str], tuple[str, str | None]]
 
 
 def _marked(mark: str) -> Judge:
-    def judge(result: RunResult) -> tuple[str, str | None]:
-        lines = result.stdout.rstrip("\n").split("\n")
-        verdict = lines[-1][len(mark) + 1 :] if lines[-1].startswith(mark + " ") else None
-        if result.status == "ok" and verdict == "passed":
+    def judge(stdout: str) -> tuple[str, str | None]:
+        last = stdout.rstrip("\n").split("\n")[-1]
+        if last == f"{mark} passed":
             return "passed", None
-        if result.status == "ok" and verdict == "wrong-answer":
+        if last == f"{mark} wrong-answer":
             return "wrong-answer", "a test's check failed"
-        if result.status == "ok":
-            return "runtime-error", "the program ended before the tests finished"
-        return _failure(result)
+        return "runtime-error", "the program ended before the tests finished"
 
     return judge
 
 
 def _compared(expected: str, tolerance: float | None) -> Judge:
-    def judge(result: RunResult) -> tuple[str, str | None]:
-        if result.status != "ok":
-            return _failure(result)
-        if stdio_equal(result.stdout, expected, tolerance):
+    def judge(stdout: str) -> tuple[str, str | None]:
+        if stdio_equal(stdout, expected, tolerance):
             return "passed", None
-        return "wrong-answer", _short(f"expected {expected.strip()!r}, got {result.stdout.strip()!r}")
+        return "wrong-answer", _short(f"expected {expected.strip()!r}, got {stdout.strip()!r}")
 
     return judge
 
@@ -290,7 +285,7 @@ class CodeGrader:
                 result = future.result()
                 seconds += result.seconds
                 isolation = result.isolation
-                outcome, detail = judge(result)
+                outcome, detail = judge(result.stdout) if result.status == "ok" else _failure(result)
                 if outcome != "passed":
                     return CodeGrade(
                         program, False, method, from_thinking, outcome, index, total,

@@ -88,9 +88,6 @@ class AnswerFidelity:
     evictions: int
 
 
-# ---------------------------------------------------------------------------------- replay core
-
-
 # consume(start, evicting_logits [B, s, V], full_logits [B, s, V] or None, active rows): column t of
 # row r predicts continuation[r][start + t].
 Consumer = Callable[[int, torch.Tensor, torch.Tensor | None, list[int]], None]
@@ -256,9 +253,6 @@ def replay_logits(
     return Replay(evicting=evicting, full=full, evictions=forced.evictions[0])
 
 
-# ---------------------------------------------------------------------------------- trace fidelity
-
-
 def _kl(logp_full: torch.Tensor, logp_evicting: torch.Tensor) -> torch.Tensor:
     """``KL(full || evicting)`` over the last dimension (0 where the full probability is 0)."""
     p = logp_full.exp()
@@ -315,9 +309,6 @@ def trace_fidelity(
         )
         for r in range(batch)
     ]
-
-
-# ---------------------------------------------------------------------------------- reference answers
 
 
 def reference_continuation(tokenizer, problem: Problem) -> tuple[list[int], int, int] | None:

@@ -101,7 +101,6 @@ class ReasonKVLM(HFLM):
         self.pretrained = args.pretrained if isinstance(args.pretrained, str) else model.name_or_path
         self.spec, self.scoring = args.spec, args.scoring
 
-    # ------------------------------------------------------------------ what the results record
     @property
     def settings(self) -> dict[str, Any]:
         """reasonkv's settings, written into lm-eval's results (``config.reasonkv``)."""
@@ -123,7 +122,6 @@ class ReasonKVLM(HFLM):
             ANNOTATION: self.settings,
         }
 
-    # ------------------------------------------------------------------ generate_until
     def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
         texts: list[str] = [""] * len(requests)
         stats: list[dict] = [{}] * len(requests)
@@ -203,7 +201,6 @@ class ReasonKVLM(HFLM):
         text = postprocess_generated_text(generation=text, stop=until, think_end_token=think)
         return Generation(text, result.finish_reason)
 
-    # ------------------------------------------------------------------ loglikelihood
     def loglikelihood(self, requests: list, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         if self.enable_thinking:
             raise ValueError("enable_thinking=True works with generative tasks only, not loglikelihood ones")
@@ -303,7 +300,6 @@ class ReasonKVLM(HFLM):
             results.append((logprob[r], greedy[r], row))
         return results
 
-    # ------------------------------------------------------------------ seeds
     def _seeds(self, requests: Sequence) -> list[int]:
         """One seed per request from ``seed``, its task, document, index and repeat (not its place in the list)."""
         seen: Counter[int] = Counter()

@@ -56,12 +56,7 @@ def _readable_by(path: Path, user: SandboxUser) -> bool:
     try:
         for part in [*reversed(path.parents), path]:
             info = part.stat()
-            if info.st_uid == user.uid:
-                bit = stat.S_IXUSR
-            elif info.st_gid == user.gid:
-                bit = stat.S_IXGRP
-            else:
-                bit = stat.S_IXOTH
+            bit = stat.S_IXUSR if info.st_uid == user.uid else stat.S_IXGRP if info.st_gid == user.gid else stat.S_IXOTH
             if not info.st_mode & bit:
                 return False
     except OSError:
