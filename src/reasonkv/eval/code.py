@@ -240,12 +240,10 @@ class CodeGrader:
     def __init__(self, sandbox: Sandbox, *, timeout: float = 6.0, memory_mb: int = 1024, workers: int | None = None):
         if workers is not None:
             check_int("workers", workers, 1)
-        timeout = check_timeout(timeout)  # here, not in every test run: one clear error, not one per unit
-        check_memory(memory_mb)
+        self.timeout = check_timeout(timeout)  # here, not in every test run: one clear error, not one per unit
+        self.memory_mb = check_memory(memory_mb)
         sandbox.check()
         self.sandbox = sandbox
-        self.timeout = timeout
-        self.memory_mb = memory_mb
         self.workers = workers or len(os.sched_getaffinity(0))
 
     def describe(self) -> dict[str, Any]:

@@ -44,9 +44,7 @@ def find_boxed(text: str) -> list[str]:
 
 
 def _box_content(text: str, pos: int) -> str | None:
-    start = pos
-    while pos < len(text) and text[pos].isspace():
-        pos += 1
+    start, pos = pos, len(text) - len(text[pos:].lstrip())
     if pos < len(text) and text[pos] == "[":  # \framebox[width]{...}
         close = text.find("]", pos)
         pos = close + 1 if close >= 0 else pos
@@ -112,8 +110,7 @@ def extract_answer(text: str, kind: str = "math", *, last_number: bool = True) -
 
 def choice_letter(text: str) -> str | None:
     r"""Read a multiple-choice letter from a short answer: ``B``, ``(B)``, ``\text{B}``, ``B) 42``."""
-    cleaned = _LATEX_WRAP_RE.sub("", text).replace("$", "").replace("*", "")
-    cleaned = cleaned.replace("{", "").replace("}", "").strip()
+    cleaned = re.sub(r"[$*{}]", "", _LATEX_WRAP_RE.sub("", text)).strip()
     match = _LETTER_RE.match(cleaned)
     if not match:
         return None

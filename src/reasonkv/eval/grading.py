@@ -144,13 +144,9 @@ def normalize_answer(text: str) -> str:
     s = re.sub(r"(?<=\d)\\,(?=\d{3}(?!\d))", "", s)
     s = _REMOVE_RE.sub(" ", s).strip().rstrip(".").strip()
     s = _DEGREES_RE.sub("", s).strip()
-    whole = _WHOLE_TEXT_RE.fullmatch(s)
-    if whole:
-        s = whole.group(1).strip()
-    else:
-        unit = _UNIT_RE.match(s) or _WORD_UNIT_RE.match(s)
-        if unit:
-            s = unit.group(1).strip()
+    kept = _WHOLE_TEXT_RE.fullmatch(s) or _UNIT_RE.match(s) or _WORD_UNIT_RE.match(s)
+    if kept:
+        s = kept.group(1).strip()
     s = _ASSIGN_RE.sub("", s) if s.count("=") <= 1 else s
     if s.startswith("\\{") and s.endswith("\\}"):
         s = s[2:-2].strip()

@@ -170,7 +170,6 @@ class ReasonKVLM(HFLM):
 
     def _sampling(self, kwargs: dict) -> dict[str, Any]:
         """lm-eval's normalised generation settings as ``reasonkv.generate``'s ``temperature``/``top_p``/``top_k``."""
-        kwargs = dict(kwargs)
         do_sample = kwargs.pop("do_sample", False)
         given = {name: kwargs.pop(name) for name in _SAMPLING_DEFAULTS if name in kwargs}
         unsupported = {k: v for k, v in kwargs.items() if k not in _NEUTRAL or _NEUTRAL[k] != v}

@@ -167,7 +167,6 @@ def _run_bubblewrap(setup: Setup, source: str, stdin: str, limits: Limits, timeo
     fds["status"], fds["status_write"] = os.pipe()
     fds["gate"], fds["gate_write"] = os.pipe()
     status = StatusPipe(fds["status"])
-    limit = limits.memory_mb * 2**20
     group: RunGroup | None = None
     usage: RunUsage | None = None
 
@@ -196,7 +195,7 @@ def _run_bubblewrap(setup: Setup, source: str, stdin: str, limits: Limits, timeo
         close("gate_write")
 
     def over_memory() -> bool:
-        return usage is not None and usage.bytes() > limit
+        return usage is not None and usage.bytes() > limits.memory_mb * 2**20
 
     def kill_namespace() -> None:
         # The sandbox's first process is its PID namespace's init: killing it ends every process in the
@@ -272,12 +271,10 @@ def _run_process(setup: Setup, source: str, stdin: str, limits: Limits, timeout:
 
 def _remove_tree(root: Path) -> None:
     def unlock(function, path, _error) -> None:  # a folder the program made unreadable
-        try:
+        with contextlib.suppress(OSError):
             os.chmod(os.path.dirname(path), 0o700)
             os.chmod(path, 0o700)
             function(path)
-        except OSError:
-            pass
 
     shutil.rmtree(root, onerror=unlock)
 
