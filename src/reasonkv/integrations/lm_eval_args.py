@@ -8,6 +8,7 @@ Anything else is refused by name, so a misspelt argument fails before a model lo
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,16 +59,16 @@ def parse_model_args(args: Mapping[str, Any]) -> ModelArgs:
     """Check ``args`` (lm-eval's ``--model_args`` as keywords) and build the cache's spec: ``ValueError`` naming
     the argument (unknown, an unknown policy or option, a wrong type, a budget too small, a bad scoring mode...)."""
     args = dict(args)
+    policy = args.get("policy", "full")
+    name = policy.name if isinstance(policy, Policy) else policy
     for key, value in args.items():
         if key not in _KNOWN and "." not in key:
-            raise ValueError(_unknown(key, value, args.get("policy", "full")))
-    policy = args.get("policy", "full")
+            raise ValueError(_unknown(key, value, name))
     if not isinstance(policy, Policy):
         try:
             policy_class(policy if isinstance(policy, str) else repr(policy))
         except ValueError as error:
             raise ValueError(f"model_args policy={policy!r}: {error}") from None
-    name = policy.name if isinstance(policy, Policy) else policy
     options = {}
     for key, value in args.items():
         if "." in key:
@@ -157,17 +158,10 @@ def _integer(name: str, value: Any, *, none: bool) -> int | None:
 
 def _unknown(key: str, value: Any, policy: Any) -> str:
     hint = ""
-    name = policy.name if isinstance(policy, Policy) else policy
-    if isinstance(name, str) and key in _options_of(name):
-        hint = f" (a policy option? write policy.{key}={_as_text(value)})"
+    with contextlib.suppress(ValueError):  # an unknown policy gives no hint
+        if isinstance(policy, str) and key in field_types(policy_class(policy)):
+            hint = f" (a policy option? write policy.{key}={_as_text(value)})"
     return (
         f"model_args {key}={value!r}: unknown argument{hint}; reasonkv's model takes {', '.join(_KNOWN)}, "
         "and policy.KEY=VALUE for the policy's options (`reasonkv policies` lists them)"
     )
-
-
-def _options_of(policy: str) -> set[str]:
-    try:
-        return set(field_types(policy_class(policy)))
-    except ValueError:
-        return set()
