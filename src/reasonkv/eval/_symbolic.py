@@ -48,7 +48,6 @@ class _Worker:
         """The worker's verdict, or ``None`` if it did not answer in time (it is then killed)."""
         inner = max(1, int(timeout_s / 3))  # parse gold, parse pred, verify
         query = json.dumps({"pred": pred, "gold": gold, "timeout": inner}) + "\n"
-        assert self.proc.stdin is not None
         self.proc.stdin.write(query.encode("utf-8"))
         self.proc.stdin.flush()
         line = self._readline(timeout_s)
@@ -58,7 +57,6 @@ class _Worker:
         return bool(json.loads(line)["ok"])
 
     def _readline(self, timeout_s: float) -> bytes | None:
-        assert self.proc.stdout is not None
         deadline = time.monotonic() + timeout_s
         with selectors.DefaultSelector() as sel:
             sel.register(self.proc.stdout, selectors.EVENT_READ)
@@ -80,9 +78,8 @@ class _Worker:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
-        for stream in (self.proc.stdin, self.proc.stdout):
-            if stream is not None:
-                stream.close()
+        self.proc.stdin.close()
+        self.proc.stdout.close()
 
 
 _lock = threading.Lock()

@@ -44,24 +44,25 @@ PRELUDE += "sys.setrecursionlimit(50000)\n"
 
 _DETAIL_CHARS = 300
 
-_HUMANEVAL_HARNESS = """\
-import os as _os, sys as _sys
+# A harnessed run: the solution in a namespace of its own, a check that sets _verdict, and the verdict written last.
+_HARNESS = """\
+import json as _json, os as _os, sys as _sys
 _space = {{"__name__": "solution", "__builtins__": __builtins__}}
 exec(compile({program!r}, "solution.py", "exec"), _space)
+{check}_sys.stdout.flush()
+_os.write(1, ("\\n" + {mark!r} + " " + _verdict + "\\n").encode())
+"""
+
+_HUMANEVAL_CHECK = """\
 exec(compile({test!r}, "test.py", "exec"), _space)
 try:
     _space["check"](_space[{entry!r}])
     _verdict = "passed"
 except AssertionError:
     _verdict = "wrong-answer"
-_sys.stdout.flush()
-_os.write(1, ("\\n" + {mark!r} + " " + _verdict + "\\n").encode())
 """
 
-_FUNCTION_HARNESS = """\
-import json as _json, os as _os, sys as _sys
-_space = {{"__name__": "solution", "__builtins__": __builtins__}}
-exec(compile({prelude!r} + {program!r}, "solution.py", "exec"), _space)
+_FUNCTION_CHECK = """\
 _solution = _space.get("Solution")
 _method = getattr(_solution(), {function!r}) if isinstance(_solution, type) else _space[{function!r}]
 _arguments = [_json.loads(_line) for _line in {arguments!r}.split("\\n")]
@@ -69,8 +70,6 @@ _result = _method(*_arguments)
 if isinstance(_result, tuple):
     _result = list(_result)
 _verdict = "passed" if _result == _json.loads({expected!r}) else "wrong-answer"
-_sys.stdout.flush()
-_os.write(1, ("\\n" + {mark!r} + " " + _verdict + "\\n").encode())
 """
 
 
@@ -188,60 +187,49 @@ def _failure(result: RunResult) -> tuple[str, str]:
     return "runtime-error", _short(reason)
 
 
-# A test: the program source to run, its standard input, and how to judge the result (outcome, detail).
-Judge = Callable[[RunResult], tuple[str, str | None]]
+# A test: the program to run, its standard input, and how to judge what a run that ended well wrote.
+Judge = Callable[[str], tuple[str, str | None]]
 
 
 def _marked(mark: str) -> Judge:
-    def judge(result: RunResult) -> tuple[str, str | None]:
-        lines = result.stdout.rstrip("\n").split("\n")
-        verdict = lines[-1][len(mark) + 1 :] if lines[-1].startswith(mark + " ") else None
-        if result.status == "ok" and verdict == "passed":
+    def judge(stdout: str) -> tuple[str, str | None]:
+        last = stdout.rstrip("\n").split("\n")[-1]
+        if last == f"{mark} passed":
             return "passed", None
-        if result.status == "ok" and verdict == "wrong-answer":
+        if last == f"{mark} wrong-answer":
             return "wrong-answer", "a test's check failed"
-        if result.status == "ok":
-            return "runtime-error", "the program ended before the tests finished"
-        return _failure(result)
+        return "runtime-error", "the program ended before the tests finished"
 
     return judge
 
 
 def _compared(expected: str, tolerance: float | None) -> Judge:
-    def judge(result: RunResult) -> tuple[str, str | None]:
-        if result.status != "ok":
-            return _failure(result)
-        if stdio_equal(result.stdout, expected, tolerance):
+    def judge(stdout: str) -> tuple[str, str | None]:
+        if stdio_equal(stdout, expected, tolerance):
             return "passed", None
-        return "wrong-answer", _short(f"expected {expected.strip()!r}, got {result.stdout.strip()!r}")
+        return "wrong-answer", _short(f"expected {expected.strip()!r}, got {stdout.strip()!r}")
 
     return judge
+
+
+def _harnessed(program: str, check: str, **fields: str) -> tuple[str, str, Judge]:
+    mark = secrets.token_hex(12)
+    return _HARNESS.format(program=program, check=check.format(**fields), mark=mark), "", _marked(mark)
 
 
 def tests_for(program: str, problem: Problem) -> list[tuple[str, str, Judge]]:
     """The runs that grade ``program``, in test order."""
     extra = problem.extra
     if extra.get("entry_point"):
-        mark = secrets.token_hex(12)
-        source = _HUMANEVAL_HARNESS.format(program=program, test=extra["test"], entry=extra["entry_point"], mark=mark)
-        return [(source, "", _marked(mark))]
-    prelude = PRELUDE if extra.get("prelude") else ""
-    runs = []
-    for test in extra["tests"]:
-        if problem.kind == "code-function":
-            mark = secrets.token_hex(12)
-            source = _FUNCTION_HARNESS.format(
-                prelude=prelude,
-                program=program,
-                function=extra["function"],
-                arguments=test["input"],
-                expected=test["output"],
-                mark=mark,
-            )
-            runs.append((source, "", _marked(mark)))
-        else:
-            runs.append((prelude + program, test["input"], _compared(test["output"], extra.get("tolerance"))))
-    return runs
+        return [_harnessed(program, _HUMANEVAL_CHECK, test=extra["test"], entry=extra["entry_point"])]
+    program = (PRELUDE if extra.get("prelude") else "") + program
+    if problem.kind == "code-function":
+        function = extra["function"]
+        return [
+            _harnessed(program, _FUNCTION_CHECK, function=function, arguments=t["input"], expected=t["output"])
+            for t in extra["tests"]
+        ]
+    return [(program, t["input"], _compared(t["output"], extra.get("tolerance"))) for t in extra["tests"]]
 
 
 class CodeGrader:
@@ -252,12 +240,10 @@ class CodeGrader:
     def __init__(self, sandbox: Sandbox, *, timeout: float = 6.0, memory_mb: int = 1024, workers: int | None = None):
         if workers is not None:
             check_int("workers", workers, 1)
-        timeout = check_timeout(timeout)  # here, not in every test run: one clear error, not one per unit
-        check_memory(memory_mb)
+        self.timeout = check_timeout(timeout)  # here, not in every test run: one clear error, not one per unit
+        self.memory_mb = check_memory(memory_mb)
         sandbox.check()
         self.sandbox = sandbox
-        self.timeout = timeout
-        self.memory_mb = memory_mb
         self.workers = workers or len(os.sched_getaffinity(0))
 
     def describe(self) -> dict[str, Any]:
@@ -284,10 +270,10 @@ class CodeGrader:
 
     def _grade(self, found: tuple[str | None, str, bool], problem: Problem, runs: ThreadPoolExecutor) -> CodeGrade:
         program, method, from_thinking = found
-        total = 1 if problem.extra.get("entry_point") else len(problem.extra["tests"])
+        tests = tests_for(program or "", problem)
+        total = len(tests)
         if program is None:
             return CodeGrade(None, False, method, from_thinking, "no-code", 0, total)
-        tests = tests_for(program, problem)
         futures: list[Future] = [
             runs.submit(self.sandbox.run, source, stdin, self.timeout, self.memory_mb) for source, stdin, _ in tests
         ]
@@ -297,7 +283,7 @@ class CodeGrader:
                 result = future.result()
                 seconds += result.seconds
                 isolation = result.isolation
-                outcome, detail = judge(result)
+                outcome, detail = judge(result.stdout) if result.status == "ok" else _failure(result)
                 if outcome != "passed":
                     return CodeGrade(
                         program, False, method, from_thinking, outcome, index, total,

@@ -94,19 +94,14 @@ def load_dataset(name_or_path: str | os.PathLike[str], limit: int | None = None)
         raise ValueError(f"limit must be >= 0, got {limit}")
     text = os.fspath(name_or_path)
     key = _ALIASES.get(text, text)
-    if key in DATASETS:
-        path = DATA_DIR / DATASETS[key]
-        default_kind: Kind = "choice" if key == "gpqa" else "math"
-    else:
-        path = Path(text)
-        default_kind = "math"
-        if not path.is_file():
-            names = ", ".join(DATASETS)
-            if os.sep in text or "/" in text or path.suffix:
-                raise FileNotFoundError(f"no such dataset file: {text} (bundled names: {names})")
-            raise ValueError(
-                f"unknown dataset {text!r}; {_did_you_mean(text)}known names: {names}; or pass a path to a .jsonl file"
-            )
+    path = DATA_DIR / DATASETS[key] if key in DATASETS else Path(text)
+    if key not in DATASETS and not path.is_file():
+        names = ", ".join(DATASETS)
+        if os.sep in text or "/" in text or path.suffix:
+            raise FileNotFoundError(f"no such dataset file: {text} (bundled names: {names})")
+        raise ValueError(
+            f"unknown dataset {text!r}; {_did_you_mean(text)}known names: {names}; or pass a path to a .jsonl file"
+        )
     if path.name.endswith(".gz"):  # HumanEval as published: decompressed in memory
         lines = gzip.decompress(path.read_bytes()).decode("utf-8").splitlines()
     elif path.name.endswith(".zip"):  # GPQA: decompressed in memory only, as its authors ask
@@ -115,7 +110,7 @@ def load_dataset(name_or_path: str | os.PathLike[str], limit: int | None = None)
             lines = zf.read(member, pwd=_GPQA_PASSWORD).decode("utf-8").splitlines()
     else:
         lines = _read_lines(path)
-    return _parse_rows(lines, path, default_kind, limit)
+    return _parse_rows(lines, path, "choice" if key == "gpqa" else "math", limit)
 
 
 def grid_problems(

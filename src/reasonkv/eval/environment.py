@@ -27,12 +27,6 @@ def weights_sha256(model) -> str:
     return digest.hexdigest()
 
 
-def _device_name(device: str) -> str:
-    if device.startswith("cuda"):
-        return torch.cuda.get_device_name(torch.device(device))
-    return cpu_model()
-
-
 def environment(device: str) -> dict[str, Any]:
     """The software and the device of this run."""
     commit, dirty = git_commit()
@@ -45,5 +39,5 @@ def environment(device: str) -> dict[str, Any]:
         "transformers": transformers_version(),
         "cuda": torch.version.cuda,
         "device": device.split(":")[0],
-        "device_name": _device_name(device),
+        "device_name": torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else cpu_model(),
     }

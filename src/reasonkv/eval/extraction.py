@@ -24,6 +24,7 @@ METHODS = ("boxed", "answer_is", "answer_colon", "last_number", "code_block", "n
 CODE_KINDS = ("code-function", "code-stdio")
 
 _BOX_RE = re.compile(r"\\(?:boxed|fbox|framebox)(?![A-Za-z])")
+_BRACE_RE = re.compile(r"\\.|[{}]", re.S)
 _ANSWER_IS_RE = re.compile(r"(?:final\s+answer\s*(?:is|[:=])|\banswer\s+is)\s*:?", re.IGNORECASE)
 _ANSWER_COLON_RE = re.compile(r"\banswer\s*[:：]", re.IGNORECASE)
 # A minus sign counts only when it is not a binary minus ("10-5" ends in 5, not -5).
@@ -43,9 +44,7 @@ def find_boxed(text: str) -> list[str]:
 
 
 def _box_content(text: str, pos: int) -> str | None:
-    start = pos
-    while pos < len(text) and text[pos].isspace():
-        pos += 1
+    start, pos = pos, len(text) - len(text[pos:].lstrip())
     if pos < len(text) and text[pos] == "[":  # \framebox[width]{...}
         close = text.find("]", pos)
         pos = close + 1 if close >= 0 else pos
@@ -56,20 +55,19 @@ def _box_content(text: str, pos: int) -> str | None:
             return None
         bare = re.match(r"[^\s$]+", text[pos:])
         return bare.group(0).rstrip(".,;") if bare else None
-    depth, i = 0, pos
-    while i < len(text):
-        ch = text[i]
-        if ch == "\\":
-            i += 2  # an escaped brace (\{ or \}) does not change the depth
-            continue
-        if ch == "{":
-            depth += 1
-        elif ch == "}":
-            depth -= 1
-            if depth == 0:
-                return text[pos + 1 : i].strip()
-        i += 1
-    return None  # unbalanced: the output was cut off inside the box
+    span = brace_span(text, pos)
+    return None if span is None else text[span[0] : span[1]]  # None: the output was cut off inside the box
+
+
+def brace_span(text: str, pos: int) -> tuple[int, int] | None:
+    """``[start, end)`` of the content, stripped, of the braces that open at ``text[pos]``; None if they never close."""
+    depth = 0
+    for match in _BRACE_RE.finditer(text, pos):
+        depth += {"{": 1, "}": -1}.get(match.group(), 0)  # an escaped brace (\{ or \}) does not count
+        if depth == 0:
+            inner = text[pos + 1 : match.start()]
+            return pos + 1 + len(inner) - len(inner.lstrip()), pos + 1 + len(inner.rstrip())
+    return None
 
 
 def find_answer(text: str, kind: str = "math", *, last_number: bool = True) -> tuple[str | None, str]:
@@ -112,8 +110,7 @@ def extract_answer(text: str, kind: str = "math", *, last_number: bool = True) -
 
 def choice_letter(text: str) -> str | None:
     r"""Read a multiple-choice letter from a short answer: ``B``, ``(B)``, ``\text{B}``, ``B) 42``."""
-    cleaned = _LATEX_WRAP_RE.sub("", text).replace("$", "").replace("*", "")
-    cleaned = cleaned.replace("{", "").replace("}", "").strip()
+    cleaned = re.sub(r"[$*{}]", "", _LATEX_WRAP_RE.sub("", text)).strip()
     match = _LETTER_RE.match(cleaned)
     if not match:
         return None

@@ -88,9 +88,6 @@ class AnswerFidelity:
     evictions: int
 
 
-# ---------------------------------------------------------------------------------- replay core
-
-
 # consume(start, evicting_logits [B, s, V], full_logits [B, s, V] or None, active rows): column t of
 # row r predicts continuation[r][start + t].
 Consumer = Callable[[int, torch.Tensor, torch.Tensor | None, list[int]], None]
@@ -114,10 +111,10 @@ def teacher_force(
     continuations: Sequence[Sequence[int]],
     spec: CacheSpec,
     *,
-    chunked: bool | None,
-    max_chunk: int,
-    pad_id: int,
     consume: Consumer,
+    chunked: bool | None = None,
+    max_chunk: int = DEFAULT_MAX_CHUNK,
+    pad_id: int = 0,
     reference: bool = True,
 ) -> TeacherForced:
     """Feed ``prompt + continuation`` rows through an evicting cache, and with ``reference`` through a full
@@ -243,23 +240,17 @@ def replay_logits(
     token by token; ``True``/``False`` force one or the other (chunks on a policy that is not chunk-exact give a
     cheaper approximation). ``max_chunk``: the most tokens per forward pass.
     """
-    n = len(continuation_ids)
-    pieces_e: list[torch.Tensor] = []
-    pieces_f: list[torch.Tensor] = []
+    pieces: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # the evicting cache's, the full one's
 
     def consume(start, logits_e, logits_f, active):
-        pieces_e.append(logits_e[0].float().cpu())
-        pieces_f.append(logits_f[0].float().cpu())
+        for kept, logits in zip(pieces, (logits_e, logits_f), strict=True):
+            kept.append(logits[0].float().cpu())
 
     replay = dict(chunked=chunked, max_chunk=max_chunk, pad_id=pad_id)
     forced, _ = _replay(model, [list(prompt_ids)], [list(continuation_ids)], spec, cache_keywords, consume, **replay)
-    [evictions] = forced.evictions
-    evicting = torch.cat(pieces_e)[:n] if pieces_e else torch.empty(0)
-    full = torch.cat(pieces_f)[:n] if pieces_f else torch.empty(0)
-    return Replay(evicting=evicting, full=full, evictions=evictions)
-
-
-# ---------------------------------------------------------------------------------- trace fidelity
+    n = len(continuation_ids)
+    evicting, full = (torch.cat(kept)[:n] if kept else torch.empty(0) for kept in pieces)
+    return Replay(evicting=evicting, full=full, evictions=forced.evictions[0])
 
 
 def _kl(logp_full: torch.Tensor, logp_evicting: torch.Tensor) -> torch.Tensor:
@@ -318,9 +309,6 @@ def trace_fidelity(
         )
         for r in range(batch)
     ]
-
-
-# ---------------------------------------------------------------------------------- reference answers
 
 
 def reference_continuation(tokenizer, problem: Problem) -> tuple[list[int], int, int] | None:

@@ -51,6 +51,8 @@ _FRAC_RE = re.compile(r"([-+]?)(?:(\d+)\s*)?\\frac\s*" + _ARG + r"\s*" + _ARG)
 # Word answers need a run of 3+ letters, so short products of variables ("xy") stay symbolic.
 _WORDS_RE = re.compile(r"(?=.*[A-Za-z]{3})[A-Za-z][A-Za-z '\-]*")
 _LETTER_RE = re.compile(r"\(([A-Za-z])\)")
+# What nests (brackets, and braces written \{ \}) and what separates values at the top level.
+_SPLIT_RE = re.compile(r"\\[{}]|[()\[\]{},;]")
 _PLAIN_NUMBER_RE = re.compile(r"\s*[-+]?\d[\d,]*(?:\.\d+)?\s*")
 
 
@@ -142,13 +144,9 @@ def normalize_answer(text: str) -> str:
     s = re.sub(r"(?<=\d)\\,(?=\d{3}(?!\d))", "", s)
     s = _REMOVE_RE.sub(" ", s).strip().rstrip(".").strip()
     s = _DEGREES_RE.sub("", s).strip()
-    whole = _WHOLE_TEXT_RE.fullmatch(s)
-    if whole:
-        s = whole.group(1).strip()
-    else:
-        unit = _UNIT_RE.match(s) or _WORD_UNIT_RE.match(s)
-        if unit:
-            s = unit.group(1).strip()
+    kept = _WHOLE_TEXT_RE.fullmatch(s) or _UNIT_RE.match(s) or _WORD_UNIT_RE.match(s)
+    if kept:
+        s = kept.group(1).strip()
     s = _ASSIGN_RE.sub("", s) if s.count("=") <= 1 else s
     if s.startswith("\\{") and s.endswith("\\}"):
         s = s[2:-2].strip()
@@ -195,21 +193,13 @@ def _split_values(s: str) -> list[str]:
     r"""Top-level values of ``a, b``, ``a; b``, ``a \text{ and } b``; ``a \pm b`` gives two."""
     s = re.sub(r"\\text\{\s*(?:and|or)\s*\}|\s(?:and|or)\s", ",", s)
     parts, depth, start = [], 0, 0
-    i = 0
-    while i < len(s):
-        ch = s[i]
-        if ch == "\\" and i + 1 < len(s) and s[i + 1] in "{}":
-            depth += 1 if s[i + 1] == "{" else -1
-            i += 2
-            continue
-        if ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        elif ch in ",;" and depth == 0:
-            parts.append(s[start:i])
-            start = i + 1
-        i += 1
+    for match in _SPLIT_RE.finditer(s):
+        token = match.group()
+        if token in ",;" and depth == 0:
+            parts.append(s[start : match.start()])
+            start = match.end()
+        elif token not in ",;":
+            depth += 1 if token[-1] in "([{" else -1
     parts.append(s[start:])
     values: list[str] = []
     for part in parts:

@@ -53,13 +53,11 @@ def code_message(problem: Problem) -> str:
 def user_message(problem: Problem | str) -> str:
     """The user turn: the problem text followed by the answer-format instruction."""
     if isinstance(problem, str):
-        text, kind = problem, "math"
-    else:
-        text, kind = problem.problem, problem.kind
-        if kind in CODE_KINDS:
-            return code_message(problem)
-    instruction = CHOICE_INSTRUCTION if kind == "choice" else MATH_INSTRUCTION
-    return f"{text.strip()}\n\n{instruction}"
+        problem = Problem("", problem, "", "")  # a math problem
+    if problem.kind in CODE_KINDS:
+        return code_message(problem)
+    instruction = CHOICE_INSTRUCTION if problem.kind == "choice" else MATH_INSTRUCTION
+    return f"{problem.problem.strip()}\n\n{instruction}"
 
 
 def build_prompt(tokenizer: Any, problem: Problem | str, *, thinking: bool | None = None) -> str:

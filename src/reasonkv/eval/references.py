@@ -7,6 +7,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from reasonkv.eval.extraction import brace_span
+
 __all__ = ["clean_solution", "box_final_answer", "answer_span", "token_span"]
 
 _CALCULATOR = re.compile(r"<<[^<>]*>>")
@@ -29,25 +31,6 @@ def box_final_answer(text: str) -> str:
     return f"{text[: match.start()]}The final answer is \\boxed{{{match.group(1)}}}.{text[match.end() :]}".strip()
 
 
-def _last_boxed_span(text: str) -> tuple[int, int] | None:
-    spans = []
-    for match in _BOXED.finditer(text):
-        depth, i = 1, match.end()
-        while i < len(text) and depth:
-            if text[i] == "\\":
-                i += 2
-                continue
-            depth += {"{": 1, "}": -1}.get(text[i], 0)
-            i += 1
-        if depth == 0:
-            start, end = match.end(), i - 1
-            inner = text[start:end]
-            if inner.strip():
-                lead = len(inner) - len(inner.lstrip())
-                spans.append((start + lead, start + len(inner.rstrip())))
-    return spans[-1] if spans else None
-
-
 def answer_span(text: str, answer: str | None = None) -> tuple[int, int] | None:
     r"""Character span ``[start, end)`` of the final answer of a solution, None if none is found: the text after
     the last ``####``, else the last ``\boxed{}``/``\fbox{}``'s content, else the last ``answer`` (a whole number
@@ -55,7 +38,8 @@ def answer_span(text: str, answer: str | None = None) -> tuple[int, int] | None:
     hashes = list(_HASH_ANSWER.finditer(text))
     if hashes:
         return hashes[-1].span(1)
-    boxed = _last_boxed_span(text)
+    spans = [brace_span(text, match.end() - 1) for match in _BOXED.finditer(text)]
+    boxed = next((span for span in reversed(spans) if span is not None and span[0] < span[1]), None)
     if boxed:
         return boxed
     if answer is None or not answer.strip():

@@ -35,11 +35,11 @@ except ModuleNotFoundError as error:
     ) from error
 
 from reasonkv import __version__
-from reasonkv.eval.fidelity import DEFAULT_MAX_CHUNK, teacher_force
+from reasonkv.eval.fidelity import teacher_force
 from reasonkv.eval.units import sample_seed
 from reasonkv.generation import GenerationResult, generate
 from reasonkv.generation.stats import peak_row_tokens
-from reasonkv.integrations.lm_eval_args import parse_model_args
+from reasonkv.integrations.lm_eval_args import CACHE_ARGS, parse_model_args
 from reasonkv.integrations.lm_eval_tasks import Generation
 from reasonkv.models import load_model
 
@@ -101,15 +101,17 @@ class ReasonKVLM(HFLM):
         self.pretrained = args.pretrained if isinstance(args.pretrained, str) else model.name_or_path
         self.spec, self.scoring = args.spec, args.scoring
 
-    # ------------------------------------------------------------------ what the results record
     @property
     def settings(self) -> dict[str, Any]:
         """reasonkv's settings, written into lm-eval's results (``config.reasonkv``)."""
         spec = self.spec
         options = {f.name: getattr(spec.policy, f.name) for f in dataclasses.fields(spec.policy)}
-        cache = {name: getattr(spec, name) for name in ("budget", "buffer", "quantized", "bits", "group_size", "seed")}
+        cache = {name: getattr(spec, name) for name in CACHE_ARGS[1:]}
+        # how the budget is shared among layers and kv-heads (nothing under uniform)
+        shared = ("allocation", "budgets_file", "adaptive_alpha", "ragged") if spec.allocated else ()
+        cache.update({name: getattr(spec, name) for name in shared if getattr(spec, name) is not None})
         head = {"version": __version__, "pretrained": self.pretrained, "policy": spec.policy.name, "options": options}
-        return {**head, **cache, **_allocation_settings(spec), "scoring": self.scoring}
+        return {**head, **cache, "scoring": self.scoring}
 
     def get_model_info(self) -> dict[str, Any]:
         return {
@@ -120,7 +122,6 @@ class ReasonKVLM(HFLM):
             ANNOTATION: self.settings,
         }
 
-    # ------------------------------------------------------------------ generate_until
     def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
         texts: list[str] = [""] * len(requests)
         stats: list[dict] = [{}] * len(requests)
@@ -169,7 +170,6 @@ class ReasonKVLM(HFLM):
 
     def _sampling(self, kwargs: dict) -> dict[str, Any]:
         """lm-eval's normalised generation settings as ``reasonkv.generate``'s ``temperature``/``top_p``/``top_k``."""
-        kwargs = dict(kwargs)
         do_sample = kwargs.pop("do_sample", False)
         given = {name: kwargs.pop(name) for name in _SAMPLING_DEFAULTS if name in kwargs}
         unsupported = {k: v for k, v in kwargs.items() if k not in _NEUTRAL or _NEUTRAL[k] != v}
@@ -200,7 +200,6 @@ class ReasonKVLM(HFLM):
         text = postprocess_generated_text(generation=text, stop=until, think_end_token=think)
         return Generation(text, result.finish_reason)
 
-    # ------------------------------------------------------------------ loglikelihood
     def loglikelihood(self, requests: list, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         if self.enable_thinking:
             raise ValueError("enable_thinking=True works with generative tasks only, not loglikelihood ones")
@@ -286,18 +285,9 @@ class ReasonKVLM(HFLM):
                 greedy[r] = greedy[r] and bool((logp.argmax(-1) == target).all())
 
         spec = self.spec.replace(seed=tuple(seeds))
+        contexts, continuations = zip(*rows, strict=True)
         pad_id = self.tokenizer.pad_token_id or 0
-        run = teacher_force(
-            self.model,
-            [context for context, _ in rows],
-            [continuation for _, continuation in rows],
-            spec,
-            chunked=None,
-            max_chunk=DEFAULT_MAX_CHUNK,
-            pad_id=pad_id,
-            consume=consume,
-            reference=False,
-        )
+        run = teacher_force(self.model, contexts, continuations, spec, consume=consume, pad_id=pad_id, reference=False)
         results = []
         for r, (context, continuation) in enumerate(rows):
             evictions = run.evictions[r]
@@ -309,7 +299,6 @@ class ReasonKVLM(HFLM):
             results.append((logprob[r], greedy[r], row))
         return results
 
-    # ------------------------------------------------------------------ seeds
     def _seeds(self, requests: Sequence) -> list[int]:
         """One seed per request from ``seed``, its task, document, index and repeat (not its place in the list)."""
         seen: Counter[int] = Counter()
@@ -340,14 +329,6 @@ def _annotate(requests: Sequence, stats: Sequence[dict]) -> None:
         unique[id(request)] = request
     for key, request in unique.items():
         request.arguments = (*_args(request), {ANNOTATION: per_request[key]})
-
-
-def _allocation_settings(spec) -> dict[str, Any]:
-    """How the spec shares its budget among layers and kv-heads (nothing under uniform)."""
-    if not spec.allocated:
-        return {}
-    names = ("allocation", "budgets_file", "adaptive_alpha", "ragged")
-    return {name: getattr(spec, name) for name in names if getattr(spec, name) is not None}
 
 
 def _generation_stats(result: GenerationResult, seed: int) -> dict[str, Any]:

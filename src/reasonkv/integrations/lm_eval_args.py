@@ -8,11 +8,12 @@ Anything else is refused by name, so a misspelt argument fails before a model lo
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from reasonkv.cache.spec import DEFAULT_BUFFER, CacheSpec, resolve_spec
+from reasonkv.cache.spec import CacheSpec, resolve_spec
 from reasonkv.policies import Policy, parse_options, policy_class
 from reasonkv.policies.options import field_types, split_option
 from reasonkv.suggest.integers import is_int
@@ -58,24 +59,22 @@ def parse_model_args(args: Mapping[str, Any]) -> ModelArgs:
     """Check ``args`` (lm-eval's ``--model_args`` as keywords) and build the cache's spec: ``ValueError`` naming
     the argument (unknown, an unknown policy or option, a wrong type, a budget too small, a bad scoring mode...)."""
     args = dict(args)
+    policy = args.get("policy", "full")
+    name = policy.name if isinstance(policy, Policy) else policy
     for key, value in args.items():
         if key not in _KNOWN and "." not in key:
-            raise ValueError(_unknown(key, value, args.get("policy", "full")))
-    policy = args.get("policy", "full")
+            raise ValueError(_unknown(key, value, name))
     if not isinstance(policy, Policy):
         try:
             policy_class(policy if isinstance(policy, str) else repr(policy))
         except ValueError as error:
             raise ValueError(f"model_args policy={policy!r}: {error}") from None
-    name = policy.name if isinstance(policy, Policy) else policy
     options = {}
     for key, value in args.items():
         if "." in key:
             options.update(_policy_option(name, key, value))
-    cache = {"budget": _integer(args, "budget", none=True), "buffer": _integer(args, "buffer", default=DEFAULT_BUFFER)}
-    cache["quantized"] = _integer(args, "quantized", default=0)
-    cache.update({name: _integer(args, name, none=True) for name in ("bits", "group_size")})
-    cache["seed"] = _integer(args, "seed", default=0)
+    nullable = ("budget", "bits", "group_size")
+    cache = {name: _integer(name, args[name], none=name in nullable) for name in CACHE_ARGS[1:] if name in args}
     try:
         spec = resolve_spec(None, policy=policy, **cache, **_allocation(args), **options)
     except ValueError as error:
@@ -98,30 +97,19 @@ def parse_model_args(args: Mapping[str, Any]) -> ModelArgs:
     if not isinstance(pretrained, str) and args.get("tokenizer") is None:
         raise ValueError("model_args pretrained=<a loaded model> needs its tokenizer= too")
     harness = {k: args[k] for k in HARNESS_ARGS if k in args and k not in ("batch_size", "max_batch_size")}
-    return ModelArgs(
-        pretrained=pretrained,
-        spec=spec,
-        tokenizer=args.get("tokenizer"),
-        scoring=scoring,
-        dtype=args.get("dtype", "fp32"),
-        device=args.get("device"),
-        attn_implementation=args.get("attn_implementation", "sdpa"),
-        batch_size=batch_size,
-        harness=harness,
-    )
+    loading = {k: args[k] for k in ("tokenizer", "dtype", "device", "attn_implementation") if k in args}
+    return ModelArgs(pretrained, spec, scoring=scoring, batch_size=batch_size, harness=harness, **loading)
 
 
 def _allocation(args: Mapping[str, Any]) -> dict[str, Any]:
     """The allocation's keywords of :func:`~reasonkv.cache.spec.resolve_spec` (None: not given), as the command
     line's ``--allocation``, ``--budgets-file``, ``--adaptive-alpha`` and ``--padded-heads`` give them."""
     alpha = args.get("adaptive_alpha")
-    if isinstance(alpha, str) and alpha.strip().lower() != "none":
+    if isinstance(alpha, str):
         try:
-            alpha = float(alpha)
+            alpha = None if alpha.strip().lower() == "none" else float(alpha)
         except ValueError:
             raise ValueError(f"model_args adaptive_alpha={alpha!r}: expected a number") from None
-    elif isinstance(alpha, str):
-        alpha = None
     padded = args.get("padded_heads", False)
     if isinstance(padded, str) and padded.strip().lower() in ("true", "false"):
         padded = padded.strip().lower() == "true"
@@ -156,15 +144,13 @@ def _as_text(value: Any) -> str:
     return str(value)
 
 
-def _integer(args: Mapping[str, Any], name: str, *, default: int | None = None, none: bool = False) -> int | None:
-    """``args[name]`` as an integer (text of digits is one); ``none`` also allows None / "none"."""
-    value = args.get(name, default)
-    if value is None or (isinstance(value, str) and value.strip().lower() == "none"):
-        if none or value is default:
-            return None
-    elif is_int(value):
+def _integer(name: str, value: Any, *, none: bool) -> int | None:
+    """A given cache argument as an integer (text of digits is one); ``none`` also allows None / "none"."""
+    if none and (value is None or (isinstance(value, str) and value.strip().lower() == "none")):
+        return None
+    if is_int(value):
         return value
-    elif isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+    if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
         return int(value)
     allowed = "an integer or none" if none else "an integer"
     raise ValueError(f"model_args {name}={value!r}: expected {allowed}")
@@ -172,17 +158,10 @@ def _integer(args: Mapping[str, Any], name: str, *, default: int | None = None, 
 
 def _unknown(key: str, value: Any, policy: Any) -> str:
     hint = ""
-    name = policy.name if isinstance(policy, Policy) else policy
-    if isinstance(name, str) and key in _options_of(name):
-        hint = f" (a policy option? write policy.{key}={_as_text(value)})"
+    with contextlib.suppress(ValueError):  # an unknown policy gives no hint
+        if isinstance(policy, str) and key in field_types(policy_class(policy)):
+            hint = f" (a policy option? write policy.{key}={_as_text(value)})"
     return (
         f"model_args {key}={value!r}: unknown argument{hint}; reasonkv's model takes {', '.join(_KNOWN)}, "
         "and policy.KEY=VALUE for the policy's options (`reasonkv policies` lists them)"
     )
-
-
-def _options_of(policy: str) -> set[str]:
-    try:
-        return set(field_types(policy_class(policy)))
-    except ValueError:
-        return set()

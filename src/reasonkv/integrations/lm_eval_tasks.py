@@ -61,19 +61,17 @@ def process_reference(doc: dict, results: list[tuple[float, bool]]) -> dict[str,
 
 
 def _documents(name: str) -> datasets.Dataset:
-    rows = []
-    for problem in load_dataset(name):
-        solution = problem.solution or ""
-        rows.append(
-            {
-                "id": problem.id,
-                "problem": problem.problem,
-                "answer": problem.answer,
-                "kind": problem.kind,
-                "prompt": user_message(problem),
-                "reference": box_final_answer(clean_solution(solution)),
-            }
-        )
+    rows = [
+        {
+            "id": problem.id,
+            "problem": problem.problem,
+            "answer": problem.answer,
+            "kind": problem.kind,
+            "prompt": user_message(problem),
+            "reference": box_final_answer(clean_solution(problem.solution or "")),
+        }
+        for problem in load_dataset(name)
+    ]
     return datasets.Dataset.from_list(rows)
 
 

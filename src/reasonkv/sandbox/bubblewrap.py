@@ -16,8 +16,12 @@ import select
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from reasonkv.sandbox.host import Interpreter, SandboxUser
+from reasonkv.sandbox.host import Interpreter
+
+if TYPE_CHECKING:
+    from reasonkv.sandbox.core import Setup
 
 __all__ = ["PROGRAM", "TMPFS", "TMPFS_MB", "WORKDIR", "StatusPipe", "bwrap_argv", "init_process", "namespaces"]
 
@@ -56,27 +60,17 @@ def _system_mounts(interpreter: Interpreter) -> list[str]:
     return args
 
 
-def bwrap_argv(
-    bwrap: str,
-    interpreter: Interpreter,
-    user: SandboxUser,
-    *,
-    program_fd: int,
-    status_fd: int,
-    gate_fd: int,
-    disable_userns: bool,
-    command: list[str],
-) -> list[str]:
-    """The ``bwrap`` command that runs ``command`` (the launcher and the program) in a fresh sandbox, once a
-    byte can be read from ``gate_fd``."""
+def bwrap_argv(setup: Setup, program_fd: int, status_fd: int, gate_fd: int, command: list[str]) -> list[str]:
+    """The ``bwrap`` command of ``setup`` that runs ``command`` (the launcher and the program) in a fresh sandbox,
+    once a byte can be read from ``gate_fd``."""
     size = str(TMPFS_MB * 2**20)
     tmpfs = [arg for folder in TMPFS for arg in ("--size", size, "--tmpfs", folder)]
     return [
-        bwrap,
-        *("--unshare-all", "--unshare-user", *(["--disable-userns"] if disable_userns else [])),
-        *("--uid", str(user.uid), "--gid", str(user.gid), "--hostname", "sandbox"),
+        setup.bwrap,
+        *("--unshare-all", "--unshare-user", *(["--disable-userns"] if setup.disable_userns else [])),
+        *("--uid", str(setup.user.uid), "--gid", str(setup.user.gid), "--hostname", "sandbox"),
         *("--die-with-parent", "--new-session", "--clearenv", "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin"),
-        *_system_mounts(interpreter),
+        *_system_mounts(setup.interpreter),
         *("--proc", "/proc", "--dev", "/dev", *tmpfs, "--remount-ro", "/dev"),
         *("--ro-bind-data", str(program_fd), PROGRAM),
         *("--json-status-fd", str(status_fd), "--block-fd", str(gate_fd)),
@@ -96,9 +90,7 @@ def _documents(status: str) -> dict:
             break
         if isinstance(document, dict):
             found.update(document)
-        position = end
-        while position < len(text) and text[position].isspace():
-            position += 1
+        position = len(text) - len(text[end:].lstrip())
     return found
 
 

@@ -24,9 +24,8 @@ _EMPTY_WAIT = 2.0  # seconds to wait for the group's processes to be gone before
 
 def _cgroup2_mount(mountinfo: str) -> Path | None:
     for line in mountinfo.splitlines():
-        fields = line.split()
         if " - " in line and line.split(" - ", 1)[1].split()[0] == "cgroup2":
-            return Path(fields[4])
+            return Path(line.split()[4])
     return None
 
 

@@ -101,39 +101,26 @@ def _memfd(name: str, data: bytes) -> int:
     return fd
 
 
-def _exit_code(returncode: int | None) -> int | None:
-    """The shell's convention: ``128 + N`` for a process ended by signal ``N`` (as bubblewrap reports it)."""
-    return 128 - returncode if returncode is not None and returncode < 0 else returncode
-
-
 def _result(finished: Finished, isolation: tuple[str, ...], oom: bool = False) -> RunResult:
-    code = _exit_code(finished.returncode)
-    signalled = code - 128 if code is not None and code > 128 else None
+    code = finished.returncode  # as the shell (and bubblewrap) has it: 128 + N for a process ended by signal N
+    code = 128 - code if code is not None and code < 0 else code
     stderr = finished.stderr.decode("utf-8", "replace")
-    return RunResult(
-        status=_status(finished, signalled, stderr, oom),
-        returncode=code,
-        stdout=finished.stdout.decode("utf-8", "replace"),
-        stderr=stderr,
-        isolation=isolation,
-        seconds=finished.seconds,
-    )
+    stdout = finished.stdout.decode("utf-8", "replace")
+    return RunResult(_status(finished, code, stderr, oom), code, stdout, stderr, isolation, finished.seconds)
 
 
-def _status(finished: Finished, signalled: int | None, stderr: str, oom: bool = False) -> str:
+def _status(finished: Finished, code: int | None, stderr: str, oom: bool) -> str:
     if finished.timed_out:
         return "timeout"
     if finished.over_limit:
         return "output-limit"
     if finished.over_memory or oom:
         return "memory"
-    if finished.returncode is None:
+    if code is None:
         return "killed"
-    if signalled == signal.SIGXCPU:
-        return "timeout"  # its CPU-time limit
-    if signalled is not None:
-        return "killed"
-    if finished.returncode != 0:
+    if code > 128:  # ended by a signal: its CPU-time limit, or killed
+        return "timeout" if code - 128 == signal.SIGXCPU else "killed"
+    if code != 0:
         return "memory" if _MEMORY.search(stderr[-4000:]) else "failed"
     return "ok"
 
@@ -180,7 +167,6 @@ def _run_bubblewrap(setup: Setup, source: str, stdin: str, limits: Limits, timeo
     fds["status"], fds["status_write"] = os.pipe()
     fds["gate"], fds["gate_write"] = os.pipe()
     status = StatusPipe(fds["status"])
-    limit = limits.memory_mb * 2**20
     group: RunGroup | None = None
     usage: RunUsage | None = None
 
@@ -209,7 +195,7 @@ def _run_bubblewrap(setup: Setup, source: str, stdin: str, limits: Limits, timeo
         close("gate_write")
 
     def over_memory() -> bool:
-        return usage is not None and usage.bytes() > limit
+        return usage is not None and usage.bytes() > limits.memory_mb * 2**20
 
     def kill_namespace() -> None:
         # The sandbox's first process is its PID namespace's init: killing it ends every process in the
@@ -223,25 +209,13 @@ def _run_bubblewrap(setup: Setup, source: str, stdin: str, limits: Limits, timeo
     try:
         if setup.cgroup is not None:
             group = RunGroup.create(Path(setup.cgroup), memory_mb=limits.memory_mb, processes=limits.processes + 2)
-        argv = bwrap_argv(
-            setup.bwrap,
-            setup.interpreter,
-            setup.user,
-            program_fd=fds["program"],
-            status_fd=fds["status_write"],
-            gate_fd=fds["gate"],
-            disable_userns=setup.disable_userns,
-            command=command,
-        )
-        switch = setup.user.switch
         finished = supervise(
-            argv,
+            bwrap_argv(setup, fds["program"], fds["status_write"], fds["gate"], command),
             stdin_fd=fds["stdin"],
             timeout=timeout,
             output_limit=cap,
             pass_fds=(fds["program"], fds["status_write"], fds["gate"]),
-            user=setup.user.uid if switch else None,
-            group=setup.user.gid if switch else None,
+            user=setup.user,
             kill_first=kill_namespace,
             started=started,
             watch=None if group is not None else over_memory,
@@ -288,8 +262,7 @@ def _run_process(setup: Setup, source: str, stdin: str, limits: Limits, timeout:
                 output_limit=cap,
                 cwd=str(work),
                 env=dict(_PATH_ONLY),
-                user=setup.user.uid if setup.user.switch else None,
-                group=setup.user.gid if setup.user.switch else None,
+                user=setup.user,
             )
     finally:
         _remove_tree(root)
@@ -298,12 +271,10 @@ def _run_process(setup: Setup, source: str, stdin: str, limits: Limits, timeout:
 
 def _remove_tree(root: Path) -> None:
     def unlock(function, path, _error) -> None:  # a folder the program made unreadable
-        try:
+        with contextlib.suppress(OSError):
             os.chmod(os.path.dirname(path), 0o700)
             os.chmod(path, 0o700)
             function(path)
-        except OSError:
-            pass
 
     shutil.rmtree(root, onerror=unlock)
 
@@ -439,10 +410,8 @@ class Sandbox:
         for name, value in (("source", source), ("stdin", stdin)):
             if not isinstance(value, str):
                 raise TypeError(f"{name} must be a str, got {type(value).__name__}")
-        check_timeout(timeout)
+        timeout = check_timeout(timeout)
         check_memory(memory_mb)
         setup = self.check()
-        limits = Limits.for_run(timeout, memory_mb)
-        if setup.mechanism == "bubblewrap":
-            return _run_bubblewrap(setup, source, stdin, limits, float(timeout), self.output_limit)
-        return _run_process(setup, source, stdin, limits, float(timeout), self.output_limit)
+        run = _run_bubblewrap if setup.mechanism == "bubblewrap" else _run_process
+        return run(setup, source, stdin, Limits.for_run(timeout, memory_mb), timeout, self.output_limit)

@@ -56,12 +56,7 @@ def _readable_by(path: Path, user: SandboxUser) -> bool:
     try:
         for part in [*reversed(path.parents), path]:
             info = part.stat()
-            if info.st_uid == user.uid:
-                bit = stat.S_IXUSR
-            elif info.st_gid == user.gid:
-                bit = stat.S_IXGRP
-            else:
-                bit = stat.S_IXOTH
+            bit = stat.S_IXUSR if info.st_uid == user.uid else stat.S_IXGRP if info.st_gid == user.gid else stat.S_IXOTH
             if not info.st_mode & bit:
                 return False
     except OSError:
@@ -85,15 +80,11 @@ def _version(path: str) -> str | None:
 
 def _candidates() -> list[Path]:
     """The running interpreter's base executable, then the system's ``python3``."""
-    found = []
     base = Path(sys.base_prefix) / "bin" / f"python{sys.version_info[0]}.{sys.version_info[1]}"
-    if base.exists():
-        found.append(base)
-    found.append(Path(os.path.realpath(sys.executable)))
-    for name in ("/usr/bin/python3", shutil.which("python3") or ""):
-        if name:
-            found.append(Path(os.path.realpath(name)))
-    return list(dict.fromkeys(found))
+    others = [
+        Path(os.path.realpath(name)) for name in (sys.executable, "/usr/bin/python3", shutil.which("python3")) if name
+    ]
+    return list(dict.fromkeys([base, *others] if base.exists() else others))
 
 
 def find_interpreter(user: SandboxUser, path: str | None = None) -> tuple[Interpreter | None, str]:

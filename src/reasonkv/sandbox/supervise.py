@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from reasonkv.sandbox.host import SandboxUser
+
 __all__ = ["Finished", "supervise"]
 
 # After a kill, how long to wait for the pipes to close before giving up on them.
@@ -58,8 +60,7 @@ def supervise(
     pass_fds: Sequence[int] = (),
     cwd: str = "/",
     env: dict[str, str] | None = None,
-    user: int | None = None,
-    group: int | None = None,
+    user: SandboxUser | None = None,
     kill_first: Callable[[], None] | None = None,
     started: Callable[[subprocess.Popen], None] | None = None,
     watch: Callable[[], bool] | None = None,
@@ -68,14 +69,14 @@ def supervise(
 
     Standard output and error are read as they come; each keeps at most ``output_limit`` bytes, and a
     process that writes more is killed. At ``timeout`` seconds after the start it is killed too.
-    ``user``/``group``: run as that uid/gid (the caller must be root), with no supplementary groups.
+    ``user``: when it must be switched to, run as its uid/gid (the caller is root), with no supplementary groups.
     ``kill_first``: called before the process group is killed (to kill what lies beyond it first).
     ``started``: called with the process once it runs (an exception kills it and is raised).
     ``watch``: called every :data:`WATCH_SECONDS`; when it returns True the process is killed as over its
     memory.
     """
     start = time.monotonic()
-    identity = {} if user is None else {"user": user, "group": group, "extra_groups": []}
+    identity = {"user": user.uid, "group": user.gid, "extra_groups": []} if user is not None and user.switch else {}
     process = subprocess.Popen(
         list(argv),
         stdin=stdin_fd,
@@ -90,25 +91,26 @@ def supervise(
     )
     out, err = process.stdout.fileno(), process.stderr.fileno()
     buffers = {out: bytearray(), err: bytearray()}
-    timed_out = over_limit = over_memory = False
+    killed = ""  # why the process was killed: "timeout", "output" or "memory"
     deadline = start + timeout
     next_look = start
 
-    def killed() -> bool:
-        return timed_out or over_limit or over_memory
+    def kill(why: str) -> None:
+        nonlocal killed, deadline
+        killed = why
+        _kill(process, kill_first)
+        deadline = time.monotonic() + _DRAIN_SECONDS
 
     def look() -> float:
         """Run the memory watch when it is due; the seconds until it is due again."""
-        nonlocal over_memory, deadline, next_look
-        if watch is None or killed():
+        nonlocal next_look
+        if watch is None or killed:
             return float("inf")
         now = time.monotonic()
         if now >= next_look:
             next_look = now + WATCH_SECONDS
             if watch():
-                over_memory = True
-                _kill(process, kill_first)
-                deadline = time.monotonic() + _DRAIN_SECONDS
+                kill("memory")
                 return float("inf")
         return next_look - now
 
@@ -123,11 +125,9 @@ def supervise(
                 until_look = look()
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    if killed():
+                    if killed:
                         break  # killed, yet the pipes stay open past the drain time: give up on them
-                    timed_out = True
-                    _kill(process, kill_first)
-                    deadline = time.monotonic() + _DRAIN_SECONDS
+                    kill("timeout")
                     continue
                 for key, _ in selector.select(min(remaining, until_look)):
                     try:
@@ -140,15 +140,13 @@ def supervise(
                     buffer = buffers[key.fd]
                     room = output_limit - len(buffer)
                     buffer += chunk[: max(room, 0)]
-                    if len(chunk) > room and not killed():
-                        over_limit = True
-                        _kill(process, kill_first)
-                        deadline = time.monotonic() + _DRAIN_SECONDS
+                    if len(chunk) > room and not killed:
+                        kill("output")
         # Both pipes are closed, but a program that closed them may still be running (and allocating).
-        while not killed() and process.poll() is None:
+        while not killed and process.poll() is None:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                timed_out = True
+                killed = "timeout"
                 break
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=min(remaining, look()))
@@ -165,8 +163,8 @@ def supervise(
         returncode=returncode,
         stdout=bytes(buffers[out]),
         stderr=bytes(buffers[err]),
-        timed_out=timed_out,
-        over_limit=over_limit,
+        timed_out=killed == "timeout",
+        over_limit=killed == "output",
         seconds=time.monotonic() - start,
-        over_memory=over_memory,
+        over_memory=killed == "memory",
     )

@@ -20,14 +20,8 @@ _COUNTED = (b"Pss_Anon:", b"Pss_Shmem:")
 
 
 def _read(name: str, dir_fd: int) -> bytes:
-    fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd)
-    try:
-        chunks = []
-        while chunk := os.read(fd, 65536):
-            chunks.append(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
+    with open(name, "rb", opener=lambda path, flags: os.open(path, flags | os.O_CLOEXEC, dir_fd=dir_fd)) as file:
+        return file.read()
 
 
 def _pages(pid: str, proc: int) -> int:
