@@ -28,7 +28,7 @@ import torch
 from reasonkv.cache import CacheSpec
 from reasonkv.calibrate.traces import prompt_ids
 from reasonkv.eval.datasets import load_dataset
-from reasonkv.eval.fidelity import DEFAULT_MAX_CHUNK, _kl, pad_id_of, teacher_force
+from reasonkv.eval.fidelity import DEFAULT_MAX_CHUNK, _kl, teacher_force
 from reasonkv.generation.loop import generate
 from reasonkv.models import load_model
 
@@ -92,7 +92,7 @@ def replay(model, tokenizer, traces, policy: str, budget: int, args) -> list[dic
             spec,
             chunked=False,  # one token a step: every step selects
             max_chunk=DEFAULT_MAX_CHUNK,
-            pad_id=pad_id_of(tokenizer),
+            pad_id=tokenizer.pad_token_id or 0,
             consume=consume,
         )
         for r, trace in enumerate(batch):
