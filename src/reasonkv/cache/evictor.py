@@ -231,7 +231,7 @@ class Evictor:
     # ------------------------------------------------------------------ eviction
     def evict_due(self) -> None:
         cache = self.cache
-        rows = cache.due_rows()
+        rows = cache.rows.due_rows()
         if rows is None:
             return
         if self.policy.protect_prompt:

@@ -31,9 +31,9 @@ from reasonkv.hf import model_info, native_cache_layers
 __all__ = ["KVStorage", "kv_bytes_by_kind"]
 
 
-def _of_rows(name: str, doc: str | None = None) -> property:
+def _of_rows(name: str) -> property:
     """The storage's read-only view of its layers' shared :class:`RowState` attribute ``name``."""
-    return property(lambda storage: getattr(storage.rows, name), doc=doc)
+    return property(lambda storage: getattr(storage.rows, name))
 
 
 class KVStorage(Cache):
@@ -109,31 +109,17 @@ class KVStorage(Cache):
             self.window = WindowValidity(int(windows.pop()))
         return [self._new_layer() if kind == "full" else layer for kind, layer in zip(kinds, native, strict=True)]
 
-    # ------------------------------------------------------------------ the rows (shared by the layers)
-    valid = _of_rows("valid", "``[batch, slots]``: True where a slot holds a real token (False: padding).")
-    slots = _of_rows("slots", "Stored slots (the same in every evicting layer between forward passes).")
-    seen = _of_rows("seen", "Logical tokens seen, padding included (what transformers calls the sequence length).")
+    # ------------------------------------------------------------------ the rows (shared by the layers; see RowState)
+    valid = _of_rows("valid")
+    slots = _of_rows("slots")
+    seen = _of_rows("seen")
     peak_slots = _of_rows("peak_slots")
-    next_position = _of_rows(
-        "next_position", "``[batch]``: real tokens seen per row (the logical position of each row's next token)."
-    )
-    prompt_lengths = _of_rows("prompt_lengths", "``[batch]``: real prompt tokens per row.")
-    row_evictions = _of_rows("row_evictions", "``[batch]``: evictions per row.")
-    low_width = _of_rows(
-        "low_width", "Slots of the quantized tier: the first ones of every evicting layer (0 without a tier)."
-    )
-    maybe_padded = _of_rows(
-        "maybe_padded", "Whether a slot may hold padding (host-side: False spares the attention a mask)."
-    )
-    capacity = _of_rows("capacity", "Slots allocated per row (what the buffers can hold before they grow).")
-
-    def due_rows(self) -> torch.Tensor | None:
-        """Indices of the rows due for eviction (see :meth:`RowState.due_rows`), or None."""
-        return self.rows.due_rows()
-
-    def until_due(self) -> torch.Tensor:
-        """``[batch]``: tokens each row may still take before its eviction is due."""
-        return self.rows.until_due()
+    next_position = _of_rows("next_position")
+    prompt_lengths = _of_rows("prompt_lengths")
+    row_evictions = _of_rows("row_evictions")
+    low_width = _of_rows("low_width")
+    maybe_padded = _of_rows("maybe_padded")
+    capacity = _of_rows("capacity")
 
     # ------------------------------------------------------------------ introspection
     @property

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from reasonkv.suggest.integers import check_int
+
 __all__ = ["PooledKeys", "pool_keys"]
 
 
@@ -21,8 +23,7 @@ class PooledKeys:
     """
 
     def __init__(self, block_size: int):
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        check_int("block_size", block_size, 1)
         self.block_size = block_size
         self._min: torch.Tensor | None = None
         self._max: torch.Tensor | None = None
