@@ -54,7 +54,6 @@ class Evictor:
         # The cache owns its evictor: a strong reference back would make a cycle that keeps a whole cache's K/V
         # alive until a garbage collection, instead of freeing it when its last user drops it.
         self._cache = weakref.ref(cache)
-        self.model, self.seed = model, spec.seed
         self.needs = self.policy.needs(self.info)
         self.stopwatch = Stopwatch(sync=sync_timing)
         self.observer = Observer(model, cache, self.needs, stopwatch=self.stopwatch)
@@ -162,7 +161,7 @@ class Evictor:
     def _start(self, batch: int, device: torch.device) -> None:
         self.policy.reset(self.info, batch, device)
         self.observer.reset()
-        self.row_seeds = noise.seed_tensor(self.seed, batch, device)
+        self.row_seeds = noise.seed_tensor(self.spec.seed, batch, device)
         self._started = True
 
     # ------------------------------------------------------------------ an allocation
@@ -186,16 +185,16 @@ class Evictor:
             return None
         return key, value, self.cache.head_mask(layer, query, query.dtype)
 
-    def _allocated_indices(self, rows: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _allocated_indices(self, rows: torch.Tensor) -> tuple[list[torch.Tensor], None, list[torch.Tensor]]:
         """The slots each head keeps under the allocation, from the policy's ranking (``[len(rows), kv_heads, width]``
-        per evicting layer, ``-1`` first where a head keeps fewer; one host read), and those rankings."""
+        per evicting layer, ``-1`` first where a head keeps fewer; one host read), no tier, and those rankings."""
         rule = self.spec.allocation_rule
         held = self._held_positions(rows)
         rankings = self._head_rankings(self._view(rows), rows, held)
         tables = self._row_budgets(rows, held) if rule.per_length else self.budgets
         counts = rule.counts(rankings, tables, self.spec.budget)
         width = int(torch.stack([c.max() for c in counts]).max())
-        return [keep_counted(r, c, width) for r, c in zip(rankings, counts, strict=True)], rankings
+        return [keep_counted(r, c, width) for r, c in zip(rankings, counts, strict=True)], None, rankings
 
     def _held_positions(self, rows: torch.Tensor) -> list[torch.Tensor]:
         """Each evicting layer's positions of ``rows``, ``[len(rows), kv_heads, slots]``."""
@@ -242,10 +241,7 @@ class Evictor:
                 )
         self.observer.flush()  # the attention the policy is owed, before it scores
         with self.stopwatch("score"), select.checks_at_exit():
-            if self.spec.quantized:
-                keep, quantized, rankings = self._tiered_indices(rows)
-            else:
-                (keep, rankings), quantized = self._kept_indices(rows), None
+            keep, quantized, rankings = self._kept_indices(rows)
         log = self.log
         decision = None if log is None else self._decision(rows, rankings)
         with self.stopwatch("gather"):
@@ -274,14 +270,17 @@ class Evictor:
             view.layer_budgets = dict(zip(self.cache.full_layers, means, strict=True))
         return view
 
-    def _kept_indices(self, rows: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-        """The slots each evicting layer keeps, and the rankings they came from (None: the policy kept directly)."""
+    def _kept_indices(self, rows: torch.Tensor) -> tuple[list, tuple[list, torch.Tensor] | None, list | None]:
+        """The full-precision slots each evicting layer keeps, the tier's slots per layer with their count per row
+        (None without a tier), and the rankings they came from (None: the policy kept directly)."""
+        if self.spec.quantized:
+            return self._tiered_indices(rows)
         if self.budgets is not None:
             return self._allocated_indices(rows)
         view = self._view(rows)
         if self.policy.granularity == "token":
-            return self._every_head(self.policy.keep(view)), None
-        return self.policy.keep_layers(view), None
+            return self._every_head(self.policy.keep(view)), None, None
+        return self.policy.keep_layers(view), None, None
 
     def _tiered_indices(self, rows: torch.Tensor) -> tuple[list, tuple[list, torch.Tensor], list[torch.Tensor]]:
         """Full-precision slots per layer, the tier's slots per layer with their count per row, and the rankings."""

@@ -164,28 +164,19 @@ class KVStorage(Cache):
         return {"full": held["full"], "quantized": held["quantized"]}
 
     def row_kv_bytes_by_tier(self) -> dict[str, torch.Tensor]:
-        """The bytes each row's tokens need in the evicting layers, ``[batch]`` per tier (``full``, ``quantized``:
-        codes, group ids and statistics of held groups, pending K/V); padding and spare capacity not counted."""
-        full = self.rows.full_valid().sum(-1) if self.rows.started else torch.zeros(0, dtype=torch.long)
-        if self.allocated and self.rows.started:  # heads hold different numbers: count each head's tokens
-            return {"full": self._allocated_row_bytes(), "quantized": torch.zeros_like(full)}
-        quantized = torch.zeros_like(full)
-        for index in self.full_layers:
-            if self.layers[index].quantized is not None:
-                quantized = quantized + self.layers[index].quantized.row_bytes()
-        return {"full": full * self.full_token_kv_bytes(), "quantized": quantized}
-
-    def _allocated_row_bytes(self) -> torch.Tensor:
-        """``[batch]``: the K/V bytes of the tokens each row's heads hold, head by head (an allocation)."""
-        total = None
+        """The bytes each row's tokens need in the evicting layers, ``[batch]`` per tier (``full``: each head's own
+        tokens, ``quantized``: codes, group ids and statistics of held groups, pending K/V); padding and spare
+        capacity not counted."""
+        full, quantized = [], []
         for index in self.full_layers:
             layer = self.layers[index]
-            if not layer.is_initialized:
-                continue
-            per_token = sum(t.shape[-1] * t.element_size() for t in (layer._keys, layer._values))
-            held = (layer.positions >= 0).sum((1, 2)) * per_token
-            total = held if total is None else total + held
-        return total if total is not None else torch.zeros(0, dtype=torch.long)
+            if layer.is_initialized:
+                per_token = sum(t.shape[-1] * t.element_size() for t in (layer._keys, layer._values))
+                full.append((layer.positions >= 0).sum((1, 2)) * per_token)
+            if layer.quantized is not None:
+                quantized.append(layer.quantized.row_bytes())
+        full = torch.stack(full).sum(0) if full else torch.zeros(0, dtype=torch.long)
+        return {"full": full, "quantized": torch.stack(quantized).sum(0) if quantized else torch.zeros_like(full)}
 
     def full_token_kv_bytes(self) -> int:
         """Bytes of one full-precision token in every evicting layer and kv-head (0 before the first forward)."""
@@ -201,14 +192,8 @@ class KVStorage(Cache):
         counts = self.rows.row_evictions.double()
         held = torch.stack([self._after_evictions["full"], self._after_evictions["quantized"], counts]).tolist()
         per_token = self.full_token_kv_bytes()
-        rows = []
-        for full, quantized, n in zip(*held, strict=True):
-            if not n:
-                rows.append(None)
-                continue
-            full, quantized = full / n, quantized / n
-            rows.append({"full": full, "quantized": quantized, "tokens": (full + quantized) / per_token})
-        return rows
+        means = [(full / n, quantized / n) if n else None for full, quantized, n in zip(*held, strict=True)]
+        return [None if m is None else {"full": m[0], "quantized": m[1], "tokens": sum(m) / per_token} for m in means]
 
     def quantized_mask(self) -> torch.Tensor:
         """``[batch, slots]``: True where a slot holds a token of the quantized tier (coded or pending)."""
@@ -370,11 +355,9 @@ class KVStorage(Cache):
         new_valid[rows] = torch.arange(new_slots, device=valid.device) >= new_slots - k
         layers = [self.layers[i] for i in self.full_layers]
         for layer, layer_keep in zip(layers, keep, strict=True):
+            # -1: an allocated head keeping fewer; its slot is read (any will do) and marked padding
             layer_keep = layer_keep.to(valid.device)
-            if self.allocated:  # -1: a head keeping fewer; its slot is read (any will do) and marked padding
-                layer.compact_rows(rows, layer_keep.clamp(min=0), new_slots, holes=layer_keep < 0)
-                continue
-            layer.compact_rows(rows, layer_keep, new_slots)
+            layer.compact_rows(rows, layer_keep.clamp(min=0), new_slots, holes=layer_keep < 0)
         if any_holey:  # right-align them: their padding first, then their tokens in order
             again = holey.nonzero().flatten()
             order = torch.sort(valid[again].to(torch.int8), dim=-1, stable=True).indices[:, slots - new_slots :]

@@ -162,14 +162,13 @@ def generate(
         cache.detach()
         step.close()
     results = meter.results(rows, prompt_ids)
-    for result in results:  # what the warning foresaw, as it happened to each row
-        if context is not None and result.prompt_tokens + result.num_tokens > context:
-            result.stats["past_context"] = {"context": context, "tokens": result.prompt_tokens + result.num_tokens}
-    if backend is not None:
-        for result in results:
+    for row, result in enumerate(results):
+        tokens = result.prompt_tokens + result.num_tokens
+        if context is not None and tokens > context:  # what the warning foresaw, as it happened to this row
+            result.stats["past_context"] = {"context": context, "tokens": tokens}
+        if backend is not None:
             result.stats["compile"] = step.describe()
-    if log is not None:
-        for row, result in enumerate(results):
+        if log is not None:
             result.trace = log.trace(row)
     return results
 

@@ -63,15 +63,13 @@ def layer_kinds(model_or_config: Any) -> tuple[str, ...]:
     n = num_layers(config)
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
-        kinds = []
         for index, name in enumerate(layer_types):
             if name not in _KINDS:
                 raise ValueError(
                     f"layer {index} has type {name!r}, which reasonkv cannot cache; known layer types: "
                     f"{', '.join(sorted(_KINDS))}"
                 )
-            kinds.append(_KINDS[name])
-        return tuple(kinds)
+        return tuple(_KINDS[name] for name in layer_types)
     if getattr(config, "sliding_window", None) is None:
         return ("full",) * n
     use_flag = getattr(config, "use_sliding_window", None)
@@ -145,16 +143,10 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
 
 def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module | None]:
     """Each decoder layer's attention module (``None`` for a layer without one, e.g. linear attention)."""
-    modules = []
-    for layer in decoder_layers(model):
-        found = None
-        for name in ("self_attn", "attention", "attn"):
-            module = getattr(layer, name, None)
-            if module is not None:
-                found = module
-                break
-        modules.append(found)
-    return modules
+    held = (
+        [getattr(layer, name, None) for name in ("self_attn", "attention", "attn")] for layer in decoder_layers(model)
+    )
+    return [next((module for module in modules if module is not None), None) for modules in held]
 
 
 def transformers_version() -> str:
