@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from reasonkv.cache.allocation import keep_counted
+from reasonkv.cache.allocation.heads import head_mask
 from reasonkv.cache.decisions import Decision, by_position
 from reasonkv.cache.observe import Observer
 from reasonkv.cache.spec import CacheSpec
@@ -183,7 +184,7 @@ class Evictor:
         """The kernel reads this layer's K/V with a mask of each head's own padding (see ``head_mask``)."""
         if not self._in_forward:  # the same model running with another cache
             return None
-        return key, value, self.cache.head_mask(layer, query, query.dtype)
+        return key, value, head_mask(self.cache.layers[layer].positions, query, query.dtype)
 
     def _allocated_indices(self, rows: torch.Tensor) -> tuple[list[torch.Tensor], None, list[torch.Tensor]]:
         """The slots each head keeps under the allocation, from the policy's ranking (``[len(rows), kv_heads, width]``

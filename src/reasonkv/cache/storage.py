@@ -17,7 +17,7 @@ import weakref
 import torch
 from transformers.cache_utils import Cache
 
-from reasonkv.cache.allocation.heads import head_mask, widest_positions
+from reasonkv.cache.allocation.heads import widest_positions
 from reasonkv.cache.hybrid import WindowValidity, check_layer_kinds
 from reasonkv.cache.layer import EvictingLayer
 from reasonkv.cache.quantize import QuantFormat, default_group_size
@@ -232,9 +232,7 @@ class KVStorage(Cache):
         return self.seen
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        if self._in_window(layer_idx):
-            return self.window.held_before + query_length, 0
-        return self.slots + query_length, 0
+        return self.get_query_offset(layer_idx) + query_length, 0
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
         return self.window.held_before if self._in_window(layer_idx) else self.slots
@@ -277,11 +275,11 @@ class KVStorage(Cache):
 
     # ------------------------------------------------------------------ allocations
     def allocate(self, first: int, widest: int, *, ragged: bool = True) -> None:
-        """Heads keep different numbers of tokens (:mod:`reasonkv.cache.allocation`): a row is first due at
-        ``first`` tokens, then every ``B``; a head keeps at most ``widest``. A head keeping fewer holds padding
-        (position ``-1``) in its first slots, hidden by :meth:`head_mask` and :meth:`key_valid`. ``ragged``: each
-        head holds only what it keeps (:class:`~reasonkv.cache.ragged.RaggedLayer`), else dense buffers padded
-        to the widest head. Called before the first forward."""
+        """Heads keep different numbers of tokens (:mod:`reasonkv.cache.allocation`), at most ``widest``: a row is
+        first due at ``first`` tokens, then every ``B``. A head keeping fewer holds padding (position ``-1``) in its
+        first slots, hidden by :func:`~reasonkv.cache.allocation.heads.head_mask` and :meth:`key_valid`.
+        ``ragged``: each head holds only what it keeps (:class:`~reasonkv.cache.ragged.RaggedLayer`), else dense
+        buffers padded to the widest head. Called before the first forward."""
         self.allocated = True
         self.rows.allocate(first, self.buffer, widest)
         if not ragged:
@@ -297,10 +295,6 @@ class KVStorage(Cache):
         if not self.allocated:
             return self.valid
         return self.valid.unsqueeze(1) & (self.layers[layer_idx].positions >= 0)
-
-    def head_mask(self, layer_idx: int, query: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """One evicting layer's additive mask under an allocation (see :func:`.allocation.heads.head_mask`)."""
-        return head_mask(self.layers[layer_idx].positions, query, dtype)
 
     def widest_positions(self) -> torch.Tensor:
         """``[batch, slots]``: the positions of each row's widest head. Under an allocation a token policy's heads keep
@@ -355,9 +349,11 @@ class KVStorage(Cache):
         new_valid[rows] = torch.arange(new_slots, device=valid.device) >= new_slots - k
         layers = [self.layers[i] for i in self.full_layers]
         for layer, layer_keep in zip(layers, keep, strict=True):
-            # -1: an allocated head keeping fewer; its slot is read (any will do) and marked padding
             layer_keep = layer_keep.to(valid.device)
-            layer.compact_rows(rows, layer_keep.clamp(min=0), new_slots, holes=layer_keep < 0)
+            if self.allocated:  # -1: a head keeping fewer; its slot is read (any will do) and marked padding
+                layer.compact_rows(rows, layer_keep.clamp(min=0), new_slots, holes=layer_keep < 0)
+                continue
+            layer.compact_rows(rows, layer_keep, new_slots)
         if any_holey:  # right-align them: their padding first, then their tokens in order
             again = holey.nonzero().flatten()
             order = torch.sort(valid[again].to(torch.int8), dim=-1, stable=True).indices[:, slots - new_slots :]

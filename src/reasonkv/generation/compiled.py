@@ -114,11 +114,19 @@ class GraphClock:
 
 
 class _GraphSteps:
-    """What both compiled steps report: the graphs traced, the seconds tracing took, and what ran."""
+    """What both compiled steps hold (the model's forward, the backend and its mode, the clock) and report: the
+    graphs traced, the seconds tracing took, and what ran."""
 
     eager_reason: str | None = None
     compilations = property(lambda self: self._clock.compilations)
     warmup_seconds = property(lambda self: self._clock.warmup_seconds)
+
+    def __init__(self, model, backend: str, mode: str | None):
+        self.model, self.backend = model, backend
+        self.device = next(model.parameters()).device
+        self.mode = compile_mode(self.device, backend) if mode is None else mode
+        self._forward = Forward(model)
+        self._clock = GraphClock(self.device)
 
     def describe(self) -> dict:
         """What ran, for a run's statistics."""
@@ -144,16 +152,12 @@ class CompiledDecode(_GraphSteps):
         if cache.evictor is None:
             raise ValueError("CompiledDecode needs an EvictingCache attached to the model (built with model=...)")
         cache.spec.check_compile()
-        self.model, self.cache = model, cache
-        parameter = next(model.parameters())
-        self.device, self.dtype = parameter.device, parameter.dtype
-        self.backend, self.mode = backend, compile_mode(self.device, backend) if mode is None else mode
+        super().__init__(model, backend, mode)
+        self.cache, self.dtype = cache, next(model.parameters()).dtype
         self.eager_reason = static_blocker(cache)
         capture = StepCapture.of(model) if self.eager_reason is None else None
         if capture is not None and capture.blocker is not None:
             self.eager_reason, capture = capture.blocker, None
-        self._clock = GraphClock(self.device)
-        self._forward = Forward(model)
         self._layout = None if self.eager_reason is not None else StaticLayout(cache)
         self._graph = None if self.eager_reason else compiled_function(traced_step_logits, backend, self.mode)
         self._capture = capture
@@ -214,13 +218,9 @@ class StaticStep(_GraphSteps):
     compiled = True
 
     def __init__(self, model, capacity: int, *, backend: str):
-        self.model, self.backend = model, backend
-        self.device = next(model.parameters()).device
+        super().__init__(model, backend, None)
         self.cache = static_cache(model, capacity)
-        self.mode = compile_mode(self.device, backend)
-        self._forward = Forward(model)
         self._graph = compiled_function(traced_step_logits, backend, self.mode)
-        self._clock = GraphClock(self.device)
         self._length = 0
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:

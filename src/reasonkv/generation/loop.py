@@ -149,14 +149,14 @@ def generate(
         return rows.next_input(tokens, pad_id)
 
     try:
-        meter.start()
+        meter.started = meter.now()
         logits = step.prefill(ids, mask)
         del ids, mask  # the prompt's tensors: the decode's live memory stays flat in the context
-        meter.end_prefill()
+        meter.prefilled = meter.now()
         if on_step is not None:
             on_step(0, cache)
         decode(step, logits, next_input, None if on_step is None else lambda index: on_step(index, cache))
-        meter.stop()
+        meter.stopped = meter.now()
     finally:
         bar.close()
         cache.detach()

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
+import transformers
 
 from reasonkv.hf.rotary import rotary_embeddings, weights_fingerprint
 from reasonkv.policies.contract import ModelInfo
@@ -132,12 +133,10 @@ def attention_implementation(model: Any) -> str:
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     """The decoder layers of a transformers causal LM."""
     for owner in (getattr(model, "model", None), model):
-        layers = getattr(owner, "layers", None)
-        if isinstance(layers, torch.nn.ModuleList):
-            return layers
-        language_model = getattr(owner, "language_model", None)
-        if language_model is not None and isinstance(getattr(language_model, "layers", None), torch.nn.ModuleList):
-            return language_model.layers
+        for holder in (owner, getattr(owner, "language_model", None)):
+            layers = getattr(holder, "layers", None)
+            if isinstance(layers, torch.nn.ModuleList):
+                return layers
     raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
 
 
@@ -150,6 +149,4 @@ def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module | None]:
 
 
 def transformers_version() -> str:
-    import transformers
-
     return transformers.__version__
