@@ -68,9 +68,10 @@ class Evictor:
         self.held_layers = tuple((i, kind) for i, kind in kinds if kind in ("full", "sliding"))
         self.log = None  # a DecisionLog (see listen), handed each decision; None costs nothing
         self._started = False
-        # An allocation: the [layers, kv_heads] budgets, and the reader that gives each head its own mask.
+        # An allocation: the [layers, kv_heads] budgets. The kernel reader of an allocation (each head its own
+        # mask) or of a selection policy (the blocks a step reads): see _read.
         self.budgets: torch.Tensor | None = None
-        self.head_reader = None
+        self.reader = None
         if spec.allocated:
             self._allocate(model, cache)
         self._in_forward = False  # between announce and finish: the model's attention runs on this cache
@@ -95,8 +96,8 @@ class Evictor:
             self.observer.flush()
         _remove_handles(self._hooks)
         self.observer.detach()
-        if self.head_reader is not None:
-            self.head_reader.close()
+        if self.reader is not None:
+            self.reader.close()
 
     def restart(self) -> None:
         """The cache was reset: the next forward starts a new generation."""
@@ -178,9 +179,9 @@ class Evictor:
         self.budgets = spec.budget_table(len(info.full_layers), info.num_kv_heads)
         fewest, widest = spec.allocation_rule.extent(self.budgets, spec.budget)
         cache.allocate(fewest + spec.buffer, widest, ragged=spec.ragged)
-        self.head_reader = KernelReader(model, self._head_masked, info.full_layers)
+        self.reader = KernelReader(model, self._read, info.full_layers)
 
-    def _head_masked(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask, kwargs):
+    def _read(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask, kwargs):
         """The kernel reads this layer's K/V with a mask of each head's own padding (see ``head_mask``)."""
         if not self._in_forward:  # the same model running with another cache
             return None

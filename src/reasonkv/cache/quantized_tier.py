@@ -310,11 +310,9 @@ class QuantizedTier:
         new = dict(update.fields)
         width, p = new["positions"].shape[2], new["pending_keys"].shape[2]
         groups = max(groups, self.groups, 1)
-        if (width, p, groups) != (self.width, self.pending_width, self.groups):
-            tier = self._reshaped(width, p, groups)
-        else:
-            tier = self
-        new["key_group"] = new["key_group"].to(tier.key_group.dtype if tier is self else _id_dtype(groups))
+        same = (width, p, groups) == (self.width, self.pending_width, self.groups)
+        tier = self if same else self._reshaped(width, p, groups)
+        new["key_group"] = new["key_group"].to(tier.key_group.dtype if same else _id_dtype(groups))
         new["key_stats"] = _widened(new["key_stats"], groups)[:, :, :groups]
         for name, target in tier._named().items():
             target.index_copy_(0, update.rows, new[name].to(target.dtype))

@@ -437,8 +437,7 @@ def kv_bytes_by_kind(layers) -> dict[str, int]:
     held = {"full": 0, "quantized": 0, "sliding": 0, "linear": 0}
     for layer in layers:
         if isinstance(layer, EvictingLayer):
-            if layer.is_initialized:
-                held["full"] += _tensor_bytes(layer._keys, layer._values)
+            held["full"] += _tensor_bytes(layer._keys, layer._values)  # None before the first forward
             if layer.quantized is not None:
                 held["quantized"] += layer.quantized.nbytes()
             continue

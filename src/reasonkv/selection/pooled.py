@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from reasonkv.suggest.integers import check_int
-
 __all__ = ["PooledKeys", "pool_keys"]
 
 _EMPTY = (float("inf"), float("-inf"), 0.0)  # an empty block's minimum, maximum and sum
@@ -25,7 +23,8 @@ class PooledKeys:
     """
 
     def __init__(self, block_size: int):
-        check_int("block_size", block_size, 1)
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
         self.block_size = block_size
         self._min: torch.Tensor | None = None
         self._max: torch.Tensor | None = None
