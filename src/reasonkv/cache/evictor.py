@@ -162,7 +162,7 @@ class Evictor:
 
     def _start(self, batch: int, device: torch.device) -> None:
         self.policy.reset(self.info, batch, device)
-        self.observer.reset()
+        self.observer.recorded.reset()
         self.row_seeds = noise.seed_tensor(self.spec.seed, batch, device)
         self._started = True
 
