@@ -8,13 +8,12 @@ from __future__ import annotations
 
 from reasonkv import lazy_exports
 
-_EXPORTS = {
-    "CacheSpec": "reasonkv.cache.spec",
-    "DEFAULT_BUFFER": "reasonkv.cache.spec",
-    "EvictingCache": "reasonkv.cache.evicting",
-    "KVStorage": "reasonkv.cache.storage",
-    "kv_bytes_by_kind": "reasonkv.cache.storage",
+_MODULES = {
+    "spec": ("CacheSpec", "DEFAULT_BUFFER"),
+    "evicting": ("EvictingCache",),
+    "storage": ("KVStorage", "kv_bytes_by_kind"),
 }
+_EXPORTS = {name: f"reasonkv.cache.{module}" for module, names in _MODULES.items() for name in names}
 
 __all__ = sorted(_EXPORTS)
 

@@ -53,6 +53,7 @@ class EvictingCache(KVStorage):
         spec: CacheSpec | None = None,
         **policy_kwargs,
     ):
+        tier = dict(quantized=quantized, bits=bits, group_size=group_size)
         if spec is not None:
             given = budget is not None or buffer != DEFAULT_BUFFER or policy is not None or seed != 0
             if given or quantized or bits is not None or group_size is not None or policy_kwargs:
@@ -61,31 +62,15 @@ class EvictingCache(KVStorage):
                 raise ValueError("a CacheSpec holds a policy, which needs the model: pass model=... too")
         elif model is not None:
             spec = CacheSpec.build(
-                "full" if policy is None else policy,
-                budget,
-                buffer,
-                quantized=quantized,
-                bits=bits,
-                group_size=group_size,
-                seed=seed,
-                **policy_kwargs,
+                "full" if policy is None else policy, budget, buffer, seed=seed, **tier, **policy_kwargs
             )
         elif policy is not None or policy_kwargs:
             raise ValueError("a policy needs the model: pass model=... to EvictingCache")
         self.spec = spec  # None: storage only, nothing attached
         if spec is None:
-            super().__init__(
-                budget, buffer, quantized=quantized, bits=bits, group_size=group_size, num_layers=num_layers
-            )
+            super().__init__(budget, buffer, **tier, num_layers=num_layers)
         else:
-            super().__init__(
-                spec.stored_budget,
-                spec.buffer,
-                quantized=spec.quantized,
-                bits=spec.bits,
-                group_size=spec.group_size,
-                model=model,
-            )
+            super().__init__(spec.stored_budget, spec.buffer, **(spec.tier or {}), model=model)
         hooks = Selecting if spec is not None and spec.selects else Evictor  # a selection policy evicts nothing
         self.evictor = None if spec is None else hooks(model, self, spec, sync_timing=sync_timing)
 

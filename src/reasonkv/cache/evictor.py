@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from reasonkv.cache.allocation import keep_counted
+from reasonkv.cache.allocation.heads import head_mask
 from reasonkv.cache.decisions import Decision, by_position
 from reasonkv.cache.observe import Observer
 from reasonkv.cache.spec import CacheSpec
@@ -54,7 +55,6 @@ class Evictor:
         # The cache owns its evictor: a strong reference back would make a cycle that keeps a whole cache's K/V
         # alive until a garbage collection, instead of freeing it when its last user drops it.
         self._cache = weakref.ref(cache)
-        self.model, self.seed = model, spec.seed
         self.needs = self.policy.needs(self.info)
         self.stopwatch = Stopwatch(sync=sync_timing)
         self.observer = Observer(model, cache, self.needs, stopwatch=self.stopwatch)
@@ -68,9 +68,10 @@ class Evictor:
         self.held_layers = tuple((i, kind) for i, kind in kinds if kind in ("full", "sliding"))
         self.log = None  # a DecisionLog (see listen), handed each decision; None costs nothing
         self._started = False
-        # An allocation: the [layers, kv_heads] budgets, and the reader that gives each head its own mask.
+        # An allocation: the [layers, kv_heads] budgets. The kernel reader of an allocation (each head its own
+        # mask) or of a selection policy (the blocks a step reads): see _read.
         self.budgets: torch.Tensor | None = None
-        self.head_reader = None
+        self.reader = None
         if spec.allocated:
             self._allocate(model, cache)
         self._in_forward = False  # between announce and finish: the model's attention runs on this cache
@@ -95,8 +96,8 @@ class Evictor:
             self.observer.flush()
         _remove_handles(self._hooks)
         self.observer.detach()
-        if self.head_reader is not None:
-            self.head_reader.close()
+        if self.reader is not None:
+            self.reader.close()
 
     def restart(self) -> None:
         """The cache was reset: the next forward starts a new generation."""
@@ -161,8 +162,8 @@ class Evictor:
 
     def _start(self, batch: int, device: torch.device) -> None:
         self.policy.reset(self.info, batch, device)
-        self.observer.reset()
-        self.row_seeds = noise.seed_tensor(self.seed, batch, device)
+        self.observer.recorded.reset()
+        self.row_seeds = noise.seed_tensor(self.spec.seed, batch, device)
         self._started = True
 
     # ------------------------------------------------------------------ an allocation
@@ -178,24 +179,24 @@ class Evictor:
         self.budgets = spec.budget_table(len(info.full_layers), info.num_kv_heads)
         fewest, widest = spec.allocation_rule.extent(self.budgets, spec.budget)
         cache.allocate(fewest + spec.buffer, widest, ragged=spec.ragged)
-        self.head_reader = KernelReader(model, self._head_masked, info.full_layers)
+        self.reader = KernelReader(model, self._read, info.full_layers)
 
-    def _head_masked(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask, kwargs):
+    def _read(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask, kwargs):
         """The kernel reads this layer's K/V with a mask of each head's own padding (see ``head_mask``)."""
         if not self._in_forward:  # the same model running with another cache
             return None
-        return key, value, self.cache.head_mask(layer, query, query.dtype)
+        return key, value, head_mask(self.cache.layers[layer].positions, query, query.dtype)
 
-    def _allocated_indices(self, rows: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _allocated_indices(self, rows: torch.Tensor) -> tuple[list[torch.Tensor], None, list[torch.Tensor]]:
         """The slots each head keeps under the allocation, from the policy's ranking (``[len(rows), kv_heads, width]``
-        per evicting layer, ``-1`` first where a head keeps fewer; one host read), and those rankings."""
+        per evicting layer, ``-1`` first where a head keeps fewer; one host read), no tier, and those rankings."""
         rule = self.spec.allocation_rule
         held = self._held_positions(rows)
         rankings = self._head_rankings(self._view(rows), rows, held)
         tables = self._row_budgets(rows, held) if rule.per_length else self.budgets
         counts = rule.counts(rankings, tables, self.spec.budget)
         width = int(torch.stack([c.max() for c in counts]).max())
-        return [keep_counted(r, c, width) for r, c in zip(rankings, counts, strict=True)], rankings
+        return [keep_counted(r, c, width) for r, c in zip(rankings, counts, strict=True)], None, rankings
 
     def _held_positions(self, rows: torch.Tensor) -> list[torch.Tensor]:
         """Each evicting layer's positions of ``rows``, ``[len(rows), kv_heads, slots]``."""
@@ -231,7 +232,7 @@ class Evictor:
     # ------------------------------------------------------------------ eviction
     def evict_due(self) -> None:
         cache = self.cache
-        rows = cache.due_rows()
+        rows = cache.rows.due_rows()
         if rows is None:
             return
         if self.policy.protect_prompt:
@@ -242,10 +243,7 @@ class Evictor:
                 )
         self.observer.flush()  # the attention the policy is owed, before it scores
         with self.stopwatch("score"), select.checks_at_exit():
-            if self.spec.quantized:
-                keep, quantized, rankings = self._tiered_indices(rows)
-            else:
-                (keep, rankings), quantized = self._kept_indices(rows), None
+            keep, quantized, rankings = self._kept_indices(rows)
         log = self.log
         decision = None if log is None else self._decision(rows, rankings)
         with self.stopwatch("gather"):
@@ -274,14 +272,17 @@ class Evictor:
             view.layer_budgets = dict(zip(self.cache.full_layers, means, strict=True))
         return view
 
-    def _kept_indices(self, rows: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-        """The slots each evicting layer keeps, and the rankings they came from (None: the policy kept directly)."""
+    def _kept_indices(self, rows: torch.Tensor) -> tuple[list, tuple[list, torch.Tensor] | None, list | None]:
+        """The full-precision slots each evicting layer keeps, the tier's slots per layer with their count per row
+        (None without a tier), and the rankings they came from (None: the policy kept directly)."""
+        if self.spec.quantized:
+            return self._tiered_indices(rows)
         if self.budgets is not None:
             return self._allocated_indices(rows)
         view = self._view(rows)
         if self.policy.granularity == "token":
-            return self._every_head(self.policy.keep(view)), None
-        return self.policy.keep_layers(view), None
+            return self._every_head(self.policy.keep(view)), None, None
+        return self.policy.keep_layers(view), None, None
 
     def _tiered_indices(self, rows: torch.Tensor) -> tuple[list, tuple[list, torch.Tensor], list[torch.Tensor]]:
         """Full-precision slots per layer, the tier's slots per layer with their count per row, and the rankings."""

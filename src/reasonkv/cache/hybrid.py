@@ -53,15 +53,11 @@ class WindowValidity:
         self.held_before = 0  # slots the layers held when the announced forward started
         self.maybe_padded = False  # host-side: whether the announced forward's keys may hold padding
 
-    @property
-    def stored_slots(self) -> int:
-        return 0 if self.stored is None else self.stored.shape[1]
-
     def announce(self, incoming: torch.Tensor, *, maybe_padded: bool = True) -> None:
         """The next forward brings ``incoming`` ``[batch, q]`` to every sliding layer; ``maybe_padded`` (host-side):
         whether any token announced so far may be padding."""
         incoming = incoming.bool()
-        self.held_before = self.stored_slots
+        self.held_before = 0 if self.stored is None else self.stored.shape[1]
         self.current = incoming if self.stored is None else torch.cat([self.stored, incoming.to(self.stored.device)], 1)
         self.stored = self.current[:, -(self.window - 1) :]
         self.maybe_padded = maybe_padded

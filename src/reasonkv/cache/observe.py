@@ -101,9 +101,6 @@ class Observer:
         if self.reads_attention and (not self.defer or len(self.recorded.log) >= LOG_LIMIT):
             self.flush()
 
-    def reset(self) -> None:
-        self.recorded.reset()
-
     # ---------------------------------------------------------------- a compiled decode step's signals
     def take_capture(self, capture: StepCapture) -> None:
         """Record, between :meth:`begin` and :meth:`end`, what a compiled step wrote into ``capture``."""

@@ -98,18 +98,12 @@ _FIELDS = (
 
 @dataclass
 class TierUpdate:
-    """What one eviction changes in one layer's tier, for its rows; ``needed`` ``[n, heads]``: key groups held after."""
+    """What one eviction changes in one layer's tier, for its rows: their new tensors by name (:data:`_FIELDS`;
+    ``key_stats`` ``[n, h, live + fresh, 2, d]``, the live old groups, then the fresh ones) and ``needed``
+    ``[n, heads]``: key groups held after."""
 
     rows: torch.Tensor
-    key_codes: torch.Tensor
-    key_group: torch.Tensor
-    key_stats: torch.Tensor  # [n, h, live + fresh, 2, d]: the live old groups, then the fresh ones
-    value_codes: torch.Tensor
-    value_stats: torch.Tensor
-    positions: torch.Tensor
-    pending_keys: torch.Tensor
-    pending_values: torch.Tensor
-    pending_count: torch.Tensor
+    fields: dict[str, torch.Tensor]
     needed: torch.Tensor
 
 
@@ -306,32 +300,20 @@ class QuantizedTier:
         waiting = (slot >= p - pending_count.unsqueeze(-1)).unsqueeze(-1)
         pending_keys = keys[:, :, new_width - p :].masked_fill(~waiting, 0)
         pending_values = values[:, :, new_width - p :].masked_fill(~waiting, 0)
-        return TierUpdate(
-            rows=rows,
-            key_codes=key_codes,
-            key_group=group,
-            key_stats=stats,
-            value_codes=value_codes,
-            value_stats=value_stats,
-            positions=positions,
-            pending_keys=pending_keys.to(self.pending_keys.dtype),
-            pending_values=pending_values.to(self.pending_values.dtype),
-            pending_count=pending_count,
-            needed=live + fresh,
-        )
+        pending = (pending_keys.to(self.pending_keys.dtype), pending_values.to(self.pending_values.dtype))
+        tensors = (key_codes, group, stats, value_codes, value_stats, positions, *pending, pending_count)
+        return TierUpdate(rows, dict(zip(_FIELDS, tensors, strict=True)), live + fresh)
 
     def apply(self, update: TierUpdate, groups: int) -> QuantizedTier:
         """This tier with ``update``'s rows replaced; ``groups`` (host-known) covers every evicted head's groups. In
         place when the shapes stay (the steady state), a new tier otherwise (other rows re-right-aligned)."""
-        width, p = update.positions.shape[2], update.pending_keys.shape[2]
+        new = dict(update.fields)
+        width, p = new["positions"].shape[2], new["pending_keys"].shape[2]
         groups = max(groups, self.groups, 1)
-        if (width, p, groups) != (self.width, self.pending_width, self.groups):
-            tier = self._reshaped(width, p, groups)
-        else:
-            tier = self
-        new = {name: getattr(update, name) for name in _FIELDS}
-        new["key_group"] = update.key_group.to(tier.key_group.dtype if tier is self else _id_dtype(groups))
-        new["key_stats"] = _widened(update.key_stats, groups)[:, :, :groups]
+        same = (width, p, groups) == (self.width, self.pending_width, self.groups)
+        tier = self if same else self._reshaped(width, p, groups)
+        new["key_group"] = new["key_group"].to(tier.key_group.dtype if same else _id_dtype(groups))
+        new["key_stats"] = _widened(new["key_stats"], groups)[:, :, :groups]
         for name, target in tier._named().items():
             target.index_copy_(0, update.rows, new[name].to(target.dtype))
         return tier

@@ -6,8 +6,8 @@ owns entries ``[begin[b, h], begin[b, h] + room[b, h])``, its first ``count[b, h
 After an eviction a region holds what its head kept plus ``B``, so no head is padded to the widest; a head
 that outgrows its region has every region of the layer laid out again. Reads assemble the dense ``[batch,
 kv_heads, slots, head_dim]`` (each head right-aligned, padding at position ``-1``, hidden by
-:meth:`~reasonkv.cache.storage.KVStorage.head_mask`), one layer at a time. On a GPU a varlen kernel could
-read the regions in place instead."""
+:func:`~reasonkv.cache.allocation.heads.head_mask`), one layer at a time. On a GPU a varlen kernel could read
+the regions in place instead."""
 
 from __future__ import annotations
 
@@ -141,16 +141,10 @@ class RaggedLayer(EvictingLayer):
 
     def _grow(self, q: int) -> None:
         """Lay every region out again with room for ``q`` more tokens and ``B`` (or a quarter) beyond."""
-        if self.length == 0:  # the first write: nothing to move
-            extra = q + self.every
-            room = torch.full_like(self.count, extra)
-            self._place(torch.arange(self.count.shape[0], device=self.device), None, self.count.clone(), room)
-            return
-        slots = torch.arange(self.length, device=self.device).expand(*self.count.shape, -1)
         everything = torch.arange(self.count.shape[0], device=self.device)
-        kept = self.read_rows(everything, slots)
-        extra = q + max(self.every, self.length // 4)
-        self._place(everything, kept, self.count.clone(), self.count + extra)
+        slots = torch.arange(self.length, device=self.device).expand(*self.count.shape, -1)
+        kept = self.read_rows(everything, slots) if self.length else None  # the first write: nothing to move
+        self._place(everything, kept, self.count.clone(), self.count + (q + max(self.every, self.length // 4)))
 
     def compact_rows(
         self, rows: torch.Tensor, keep: torch.Tensor, length: int, holes: torch.Tensor | None = None

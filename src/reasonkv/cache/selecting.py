@@ -29,10 +29,6 @@ class Selecting(Evictor):
         super().listen(log)
         self.selector.on_read = None if log is None else log.read
 
-    def detach(self) -> None:
-        super().detach()
-        self.reader.close()
-
     def _start(self, batch: int, device: torch.device) -> None:
         super()._start(batch, device)
         self.selector.reset()

@@ -171,35 +171,12 @@ class CacheSpec:
 
     @classmethod
     def build(
-        cls,
-        policy: str | Policy = "full",
-        budget: int | None = None,
-        buffer: int = DEFAULT_BUFFER,
-        *,
-        quantized: int = 0,
-        bits: int | None = None,
-        group_size: int | None = None,
-        seed: int | Iterable[int] = 0,
-        allocation: str = Uniform.name,
-        budgets_file: str | None = None,
-        adaptive_alpha: float | None = None,
-        ragged: bool | None = None,
-        **options: Any,
+        cls, policy: str | Policy = "full", budget: int | None = None, buffer: int = DEFAULT_BUFFER, **settings: Any
     ) -> CacheSpec:
-        """A spec from the keyword API: ``options`` are the policy's hyper-parameters (``sinks=8``)."""
-        return cls(
-            get_policy(policy, **options),
-            budget,
-            buffer,
-            quantized,
-            bits,
-            group_size,
-            seed,
-            allocation=allocation,
-            budgets_file=budgets_file,
-            adaptive_alpha=adaptive_alpha,
-            ragged=ragged,
-        )
+        """A spec from the keyword API: ``settings`` are its other fields (``quantized``, ``seed``, ``allocation``,
+        ...) and the policy's hyper-parameters (``sinks=8``)."""
+        own = {name: settings.pop(name) for name in _FIELDS if name in settings}
+        return cls(get_policy(policy, **settings), budget, buffer, **own)
 
     # ------------------------------------------------------------------ derived
     @property
@@ -280,12 +257,14 @@ class CacheSpec:
         return get_policy(self.policy)
 
 
+_FIELDS = tuple(f.name for f in dataclasses.fields(CacheSpec))
+
+
 def resolve_spec(spec: CacheSpec | None, /, **keywords: Any) -> CacheSpec:
     """``spec``, or the :class:`CacheSpec` the keyword API describes (its fields, ``None`` and ``quantized=0``
     meaning "not given", and the policy's options), never both."""
-    named = [f.name for f in dataclasses.fields(CacheSpec)]
     given = {
-        k: v for k, v in keywords.items() if k not in named or (v is not None and not (k == "quantized" and v == 0))
+        k: v for k, v in keywords.items() if k not in _FIELDS or (v is not None and not (k == "quantized" and v == 0))
     }
     if spec is None:
         return CacheSpec.build(**given)

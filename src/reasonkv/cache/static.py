@@ -75,10 +75,6 @@ class StaticLayout:
         self.mask: torch.Tensor | None = None  # [batch, 1, 1, capacity] bool
         self.column: torch.Tensor | None = None  # [1] long: the buffer slot the step writes
 
-    @property
-    def capacity(self) -> int:
-        return self.layers[0].capacity
-
     def open_step(self) -> tuple[Cache, torch.Tensor]:
         """Room for one token in every layer; the cache the step runs with and its mask."""
         rows = self.storage.rows

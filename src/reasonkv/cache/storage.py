@@ -17,7 +17,7 @@ import weakref
 import torch
 from transformers.cache_utils import Cache
 
-from reasonkv.cache.allocation.heads import head_mask, widest_positions
+from reasonkv.cache.allocation.heads import widest_positions
 from reasonkv.cache.hybrid import WindowValidity, check_layer_kinds
 from reasonkv.cache.layer import EvictingLayer
 from reasonkv.cache.quantize import QuantFormat, default_group_size
@@ -31,9 +31,9 @@ from reasonkv.hf import model_info, native_cache_layers
 __all__ = ["KVStorage", "kv_bytes_by_kind"]
 
 
-def _of_rows(name: str, doc: str | None = None) -> property:
+def _of_rows(name: str) -> property:
     """The storage's read-only view of its layers' shared :class:`RowState` attribute ``name``."""
-    return property(lambda storage: getattr(storage.rows, name), doc=doc)
+    return property(lambda storage: getattr(storage.rows, name))
 
 
 class KVStorage(Cache):
@@ -109,31 +109,17 @@ class KVStorage(Cache):
             self.window = WindowValidity(int(windows.pop()))
         return [self._new_layer() if kind == "full" else layer for kind, layer in zip(kinds, native, strict=True)]
 
-    # ------------------------------------------------------------------ the rows (shared by the layers)
-    valid = _of_rows("valid", "``[batch, slots]``: True where a slot holds a real token (False: padding).")
-    slots = _of_rows("slots", "Stored slots (the same in every evicting layer between forward passes).")
-    seen = _of_rows("seen", "Logical tokens seen, padding included (what transformers calls the sequence length).")
+    # ------------------------------------------------------------------ the rows (shared by the layers; see RowState)
+    valid = _of_rows("valid")
+    slots = _of_rows("slots")
+    seen = _of_rows("seen")
     peak_slots = _of_rows("peak_slots")
-    next_position = _of_rows(
-        "next_position", "``[batch]``: real tokens seen per row (the logical position of each row's next token)."
-    )
-    prompt_lengths = _of_rows("prompt_lengths", "``[batch]``: real prompt tokens per row.")
-    row_evictions = _of_rows("row_evictions", "``[batch]``: evictions per row.")
-    low_width = _of_rows(
-        "low_width", "Slots of the quantized tier: the first ones of every evicting layer (0 without a tier)."
-    )
-    maybe_padded = _of_rows(
-        "maybe_padded", "Whether a slot may hold padding (host-side: False spares the attention a mask)."
-    )
-    capacity = _of_rows("capacity", "Slots allocated per row (what the buffers can hold before they grow).")
-
-    def due_rows(self) -> torch.Tensor | None:
-        """Indices of the rows due for eviction (see :meth:`RowState.due_rows`), or None."""
-        return self.rows.due_rows()
-
-    def until_due(self) -> torch.Tensor:
-        """``[batch]``: tokens each row may still take before its eviction is due."""
-        return self.rows.until_due()
+    next_position = _of_rows("next_position")
+    prompt_lengths = _of_rows("prompt_lengths")
+    row_evictions = _of_rows("row_evictions")
+    low_width = _of_rows("low_width")
+    maybe_padded = _of_rows("maybe_padded")
+    capacity = _of_rows("capacity")
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -178,28 +164,19 @@ class KVStorage(Cache):
         return {"full": held["full"], "quantized": held["quantized"]}
 
     def row_kv_bytes_by_tier(self) -> dict[str, torch.Tensor]:
-        """The bytes each row's tokens need in the evicting layers, ``[batch]`` per tier (``full``, ``quantized``:
-        codes, group ids and statistics of held groups, pending K/V); padding and spare capacity not counted."""
-        full = self.rows.full_valid().sum(-1) if self.rows.started else torch.zeros(0, dtype=torch.long)
-        if self.allocated and self.rows.started:  # heads hold different numbers: count each head's tokens
-            return {"full": self._allocated_row_bytes(), "quantized": torch.zeros_like(full)}
-        quantized = torch.zeros_like(full)
-        for index in self.full_layers:
-            if self.layers[index].quantized is not None:
-                quantized = quantized + self.layers[index].quantized.row_bytes()
-        return {"full": full * self.full_token_kv_bytes(), "quantized": quantized}
-
-    def _allocated_row_bytes(self) -> torch.Tensor:
-        """``[batch]``: the K/V bytes of the tokens each row's heads hold, head by head (an allocation)."""
-        total = None
+        """The bytes each row's tokens need in the evicting layers, ``[batch]`` per tier (``full``: each head's own
+        tokens, ``quantized``: codes, group ids and statistics of held groups, pending K/V); padding and spare
+        capacity not counted."""
+        full, quantized = [], []
         for index in self.full_layers:
             layer = self.layers[index]
-            if not layer.is_initialized:
-                continue
-            per_token = sum(t.shape[-1] * t.element_size() for t in (layer._keys, layer._values))
-            held = (layer.positions >= 0).sum((1, 2)) * per_token
-            total = held if total is None else total + held
-        return total if total is not None else torch.zeros(0, dtype=torch.long)
+            if layer.is_initialized:
+                per_token = sum(t.shape[-1] * t.element_size() for t in (layer._keys, layer._values))
+                full.append((layer.positions >= 0).sum((1, 2)) * per_token)
+            if layer.quantized is not None:
+                quantized.append(layer.quantized.row_bytes())
+        full = torch.stack(full).sum(0) if full else torch.zeros(0, dtype=torch.long)
+        return {"full": full, "quantized": torch.stack(quantized).sum(0) if quantized else torch.zeros_like(full)}
 
     def full_token_kv_bytes(self) -> int:
         """Bytes of one full-precision token in every evicting layer and kv-head (0 before the first forward)."""
@@ -215,14 +192,8 @@ class KVStorage(Cache):
         counts = self.rows.row_evictions.double()
         held = torch.stack([self._after_evictions["full"], self._after_evictions["quantized"], counts]).tolist()
         per_token = self.full_token_kv_bytes()
-        rows = []
-        for full, quantized, n in zip(*held, strict=True):
-            if not n:
-                rows.append(None)
-                continue
-            full, quantized = full / n, quantized / n
-            rows.append({"full": full, "quantized": quantized, "tokens": (full + quantized) / per_token})
-        return rows
+        means = [(full / n, quantized / n) if n else None for full, quantized, n in zip(*held, strict=True)]
+        return [None if m is None else {"full": m[0], "quantized": m[1], "tokens": sum(m) / per_token} for m in means]
 
     def quantized_mask(self) -> torch.Tensor:
         """``[batch, slots]``: True where a slot holds a token of the quantized tier (coded or pending)."""
@@ -261,9 +232,7 @@ class KVStorage(Cache):
         return self.seen
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        if self._in_window(layer_idx):
-            return self.window.held_before + query_length, 0
-        return self.slots + query_length, 0
+        return self.get_query_offset(layer_idx) + query_length, 0
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
         return self.window.held_before if self._in_window(layer_idx) else self.slots
@@ -306,11 +275,11 @@ class KVStorage(Cache):
 
     # ------------------------------------------------------------------ allocations
     def allocate(self, first: int, widest: int, *, ragged: bool = True) -> None:
-        """Heads keep different numbers of tokens (:mod:`reasonkv.cache.allocation`): a row is first due at
-        ``first`` tokens, then every ``B``; a head keeps at most ``widest``. A head keeping fewer holds padding
-        (position ``-1``) in its first slots, hidden by :meth:`head_mask` and :meth:`key_valid`. ``ragged``: each
-        head holds only what it keeps (:class:`~reasonkv.cache.ragged.RaggedLayer`), else dense buffers padded
-        to the widest head. Called before the first forward."""
+        """Heads keep different numbers of tokens (:mod:`reasonkv.cache.allocation`), at most ``widest``: a row is
+        first due at ``first`` tokens, then every ``B``. A head keeping fewer holds padding (position ``-1``) in its
+        first slots, hidden by :func:`~reasonkv.cache.allocation.heads.head_mask` and :meth:`key_valid`.
+        ``ragged``: each head holds only what it keeps (:class:`~reasonkv.cache.ragged.RaggedLayer`), else dense
+        buffers padded to the widest head. Called before the first forward."""
         self.allocated = True
         self.rows.allocate(first, self.buffer, widest)
         if not ragged:
@@ -326,10 +295,6 @@ class KVStorage(Cache):
         if not self.allocated:
             return self.valid
         return self.valid.unsqueeze(1) & (self.layers[layer_idx].positions >= 0)
-
-    def head_mask(self, layer_idx: int, query: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """One evicting layer's additive mask under an allocation (see :func:`.allocation.heads.head_mask`)."""
-        return head_mask(self.layers[layer_idx].positions, query, dtype)
 
     def widest_positions(self) -> torch.Tensor:
         """``[batch, slots]``: the positions of each row's widest head. Under an allocation a token policy's heads keep
@@ -472,8 +437,7 @@ def kv_bytes_by_kind(layers) -> dict[str, int]:
     held = {"full": 0, "quantized": 0, "sliding": 0, "linear": 0}
     for layer in layers:
         if isinstance(layer, EvictingLayer):
-            if layer.is_initialized:
-                held["full"] += _tensor_bytes(layer._keys, layer._values)
+            held["full"] += _tensor_bytes(layer._keys, layer._values)  # None before the first forward
             if layer.quantized is not None:
                 held["quantized"] += layer.quantized.nbytes()
             continue

@@ -183,7 +183,7 @@ class _Replay:
             return None
         span = min(min(self.lengths[r] - 1 - fed for r in self.active), self.max_chunk)
         if self.chunked and self.evicting.spec.stored_budget is not None:
-            span = min(span, max(1, int(self.evicting.until_due()[self.active].min())))
+            span = min(span, max(1, int(self.evicting.rows.until_due()[self.active].min())))
         tokens = torch.full((len(self.lengths), span), self.pad_id, dtype=torch.long)
         for r in self.active:
             tokens[r] = torch.tensor(list(self.continuations[r][fed : fed + span]), dtype=torch.long)

@@ -95,30 +95,30 @@ def traced_step_logits(model, cache_key: str, input_ids, position_ids, attention
     return model.forward(input_ids=input_ids, use_cache=True, logits_to_keep=1, **inputs).logits[:, -1]
 
 
-class GraphClock:
-    """Counts the graphs a compiled call traced and the seconds those calls took (its warm-up)."""
+class _GraphSteps:
+    """What both compiled steps hold (the model's forward, the backend and its mode) and report: the graphs
+    traced, the seconds the steps that traced one took (their warm-up), and what ran."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.compilations = 0
-        self.warmup_seconds = 0.0
+    eager_reason: str | None = None
 
-    def run(self, call: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def __init__(self, model, backend: str, mode: str | None):
+        self.model, self.backend = model, backend
+        self.device = next(model.parameters()).device
+        self.mode = compile_mode(self.device, backend) if mode is None else mode
+        self._forward = Forward(model)
+        self.compilations, self.warmup_seconds = 0, 0.0
+
+    def _replay(self, call: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """One step of the compiled graph, ``call()``: its logits (a copy under CUDA graphs, whose output the next
+        replay overwrites); a step that traced a graph counts it, and its seconds as warm-up."""
         graphs, started = counters["stats"]["unique_graphs"], time.perf_counter()
-        out = call()
+        with GRAPH_LIMITS, _no_collection():
+            logits = call()
         if counters["stats"]["unique_graphs"] != graphs:  # this call traced and compiled a graph
             synchronize(self.device)
             self.compilations += counters["stats"]["unique_graphs"] - graphs
             self.warmup_seconds += time.perf_counter() - started
-        return out
-
-
-class _GraphSteps:
-    """What both compiled steps report: the graphs traced, the seconds tracing took, and what ran."""
-
-    eager_reason: str | None = None
-    compilations = property(lambda self: self._clock.compilations)
-    warmup_seconds = property(lambda self: self._clock.warmup_seconds)
+        return logits.clone() if self.mode == "reduce-overhead" else logits
 
     def describe(self) -> dict:
         """What ran, for a run's statistics."""
@@ -144,16 +144,12 @@ class CompiledDecode(_GraphSteps):
         if cache.evictor is None:
             raise ValueError("CompiledDecode needs an EvictingCache attached to the model (built with model=...)")
         cache.spec.check_compile()
-        self.model, self.cache = model, cache
-        parameter = next(model.parameters())
-        self.device, self.dtype = parameter.device, parameter.dtype
-        self.backend, self.mode = backend, compile_mode(self.device, backend) if mode is None else mode
+        super().__init__(model, backend, mode)
+        self.cache, self.dtype = cache, next(model.parameters()).dtype
         self.eager_reason = static_blocker(cache)
         capture = StepCapture.of(model) if self.eager_reason is None else None
         if capture is not None and capture.blocker is not None:
             self.eager_reason, capture = capture.blocker, None
-        self._clock = GraphClock(self.device)
-        self._forward = Forward(model)
         self._layout = None if self.eager_reason is not None else StaticLayout(cache)
         self._graph = None if self.eager_reason else compiled_function(traced_step_logits, backend, self.mode)
         self._capture = capture
@@ -196,10 +192,7 @@ class CompiledDecode(_GraphSteps):
             self._running = True
         cache, mask = self._layout.open_step()
         inputs = (self.model, self._forward.cache_key, input_ids, announced.positions, mask, cache)
-        with GRAPH_LIMITS, _no_collection():
-            logits = self._clock.run(lambda: self._graph(*inputs, capture.step_inputs()))
-        if self.mode == "reduce-overhead":
-            logits = logits.clone()  # a CUDA graph's output is overwritten by its next replay
+        logits = self._replay(lambda: self._graph(*inputs, capture.step_inputs()))
         self._layout.close_step(announced.step_positions)
         evictor.observe(announced, self._capture)
         evictor.finish()
@@ -214,13 +207,9 @@ class StaticStep(_GraphSteps):
     compiled = True
 
     def __init__(self, model, capacity: int, *, backend: str):
-        self.model, self.backend = model, backend
-        self.device = next(model.parameters()).device
+        super().__init__(model, backend, None)
         self.cache = static_cache(model, capacity)
-        self.mode = compile_mode(self.device, backend)
-        self._forward = Forward(model)
         self._graph = compiled_function(traced_step_logits, backend, self.mode)
-        self._clock = GraphClock(self.device)
         self._length = 0
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -233,12 +222,11 @@ class StaticStep(_GraphSteps):
         if attention_mask is not None:
             raise ValueError("transformers' static cache is decoded with rows in step (no padding mask)")
         positions = torch.full((input_ids.shape[0], 1), self._length, dtype=torch.long, device=self.device)
-        with GRAPH_LIMITS:
-            logits = self._clock.run(
-                lambda: self._graph(self.model, self._forward.cache_key, input_ids, positions, None, self.cache, {})
-            )
+        logits = self._replay(
+            lambda: self._graph(self.model, self._forward.cache_key, input_ids, positions, None, self.cache, {})
+        )
         self._length += 1
-        return logits.clone() if self.mode == "reduce-overhead" else logits  # a CUDA graph reuses its output
+        return logits
 
     def close(self) -> None:
         pass

@@ -75,10 +75,9 @@ def eos_ids(model, tokenizer) -> set[int]:
     """The end-of-sequence ids of the model's generation config and of the tokenizer."""
     ids: set[int] = set()
     for source in (getattr(model, "generation_config", None), tokenizer):
-        value = getattr(source, "eos_token_id", None) if source is not None else None
-        if value is None:
-            continue
-        ids.update([value] if isinstance(value, int) else value)
+        value = getattr(source, "eos_token_id", None)
+        if value is not None:
+            ids.update([value] if isinstance(value, int) else value)
     return ids
 
 

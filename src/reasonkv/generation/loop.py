@@ -149,27 +149,26 @@ def generate(
         return rows.next_input(tokens, pad_id)
 
     try:
-        meter.start()
+        meter.started = meter.now()
         logits = step.prefill(ids, mask)
         del ids, mask  # the prompt's tensors: the decode's live memory stays flat in the context
-        meter.end_prefill()
+        meter.prefilled = meter.now()
         if on_step is not None:
             on_step(0, cache)
         decode(step, logits, next_input, None if on_step is None else lambda index: on_step(index, cache))
-        meter.stop()
+        meter.stopped = meter.now()
     finally:
         bar.close()
         cache.detach()
         step.close()
     results = meter.results(rows, prompt_ids)
-    for result in results:  # what the warning foresaw, as it happened to each row
-        if context is not None and result.prompt_tokens + result.num_tokens > context:
-            result.stats["past_context"] = {"context": context, "tokens": result.prompt_tokens + result.num_tokens}
-    if backend is not None:
-        for result in results:
+    for row, result in enumerate(results):
+        tokens = result.prompt_tokens + result.num_tokens
+        if context is not None and tokens > context:  # what the warning foresaw, as it happened to this row
+            result.stats["past_context"] = {"context": context, "tokens": tokens}
+        if backend is not None:
             result.stats["compile"] = step.describe()
-    if log is not None:
-        for row, result in enumerate(results):
+        if log is not None:
             result.trace = log.trace(row)
     return results
 

@@ -19,12 +19,9 @@ __all__ = ["Sampling", "check_sampling"]
 _SAMPLING_STREAM = 2  # keeps token sampling's draws apart from the eviction's
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _is_real(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+def _is(value, kind: type) -> bool:
+    """``value`` is a ``kind`` (``numbers.Integral`` or ``numbers.Real``), and not a ``bool``."""
+    return isinstance(value, kind) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -39,13 +36,13 @@ class Sampling:
     top_k: int = 0
 
     def __post_init__(self) -> None:
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens <= 0:
+        if not _is(self.max_new_tokens, numbers.Integral) or self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
-        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+        if not _is(self.temperature, numbers.Real) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
-        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+        if not _is(self.top_p, numbers.Real) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
+        if not _is(self.top_k, numbers.Integral) or self.top_k < 0:
             raise ValueError(f"top_k must be a non-negative integer (0 = off), got {self.top_k!r}")
 
     @property

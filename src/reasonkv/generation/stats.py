@@ -52,7 +52,7 @@ class Meter:
         self.peak_kv, self.peak_tiers, self.peak_allocated = 0, {"full": 0, "quantized": 0}, 0
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        self.started = self.prefilled = self.stopped = 0.0
+        self.started = self.prefilled = self.stopped = 0.0  # set from now() by the caller
 
     def clock(self) -> float:
         """The time, less the seconds the decode step spent tracing graphs so far (reported apart)."""
@@ -62,12 +62,6 @@ class Meter:
         synchronize(self.device)
         return self.clock()
 
-    def start(self) -> None:
-        self.started = self.now()
-
-    def end_prefill(self) -> None:
-        self.prefilled = self.now()
-
     def step(self) -> None:
         """Before each token is sampled: the K/V held and allocated now, if they are the most so far."""
         held = kv_bytes_held(self.cache)
@@ -75,9 +69,6 @@ class Meter:
         if total > self.peak_kv:
             self.peak_kv, self.peak_tiers = total, {"full": held["full"], "quantized": held["quantized"]}
         self.peak_allocated = max(self.peak_allocated, self.cache.kv_bytes())
-
-    def stop(self) -> None:
-        self.stopped = self.now()
 
     def results(self, rows: Rows, prompt_ids: list[list[int]]) -> list[GenerationResult]:
         rows.close(self.stopped, self.cache)

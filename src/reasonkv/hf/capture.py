@@ -57,11 +57,9 @@ class StepCapture:
         self._layers = [i for i, module in enumerate(modules) if module is not None]
         self._hooks = [functools.partial(_copy_newest, index=i) for i in range(len(decoder_layers(model)))]
         misnumbered = [i for i in self._layers if getattr(modules[i], "layer_idx", None) != i]
-        self.blocker = (
-            None
-            if not misnumbered
-            else f"the attention modules of layers {misnumbered} do not carry their layer index (layer_idx)"
-        )
+        self.blocker = None
+        if misnumbered:
+            self.blocker = f"the attention modules of layers {misnumbered} do not carry their layer index (layer_idx)"
 
     def allocate(self, batch: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
         """Buffers for a batch of ``batch`` rows (kept when they already have that shape)."""

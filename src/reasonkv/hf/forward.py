@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from transformers import DynamicCache, StaticCache
 
 __all__ = [
     "Forward",
@@ -83,24 +84,18 @@ def synchronize(device: torch.device) -> None:
 
 def plain_cache():
     """transformers' own dynamic cache, holding every key of every layer (no window applied)."""
-    from transformers import DynamicCache
-
     return DynamicCache()
 
 
 def native_cache(model: torch.nn.Module):
     """The cache ``model.generate`` itself builds: transformers' dynamic cache with the model's own layer
     kinds (a sliding-window layer holds its window), the reference for what reasonkv's cache costs."""
-    from transformers import DynamicCache
-
     return DynamicCache(config=model.config)
 
 
 def static_cache(model: torch.nn.Module, capacity: int):
     """transformers' fixed-size cache of ``capacity`` slots per row (allocated at the first forward): what
     transformers compiles decoding over, the reference for reasonkv's compiled steps."""
-    from transformers import StaticCache
-
     return StaticCache(config=model.config, max_cache_len=capacity)
 
 

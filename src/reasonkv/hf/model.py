@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
+import transformers
 
 from reasonkv.hf.rotary import rotary_embeddings, weights_fingerprint
 from reasonkv.policies.contract import ModelInfo
@@ -63,15 +64,13 @@ def layer_kinds(model_or_config: Any) -> tuple[str, ...]:
     n = num_layers(config)
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
-        kinds = []
         for index, name in enumerate(layer_types):
             if name not in _KINDS:
                 raise ValueError(
                     f"layer {index} has type {name!r}, which reasonkv cannot cache; known layer types: "
                     f"{', '.join(sorted(_KINDS))}"
                 )
-            kinds.append(_KINDS[name])
-        return tuple(kinds)
+        return tuple(_KINDS[name] for name in layer_types)
     if getattr(config, "sliding_window", None) is None:
         return ("full",) * n
     use_flag = getattr(config, "use_sliding_window", None)
@@ -134,30 +133,20 @@ def attention_implementation(model: Any) -> str:
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     """The decoder layers of a transformers causal LM."""
     for owner in (getattr(model, "model", None), model):
-        layers = getattr(owner, "layers", None)
-        if isinstance(layers, torch.nn.ModuleList):
-            return layers
-        language_model = getattr(owner, "language_model", None)
-        if language_model is not None and isinstance(getattr(language_model, "layers", None), torch.nn.ModuleList):
-            return language_model.layers
+        for holder in (owner, getattr(owner, "language_model", None)):
+            layers = getattr(holder, "layers", None)
+            if isinstance(layers, torch.nn.ModuleList):
+                return layers
     raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
 
 
 def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module | None]:
     """Each decoder layer's attention module (``None`` for a layer without one, e.g. linear attention)."""
-    modules = []
-    for layer in decoder_layers(model):
-        found = None
-        for name in ("self_attn", "attention", "attn"):
-            module = getattr(layer, name, None)
-            if module is not None:
-                found = module
-                break
-        modules.append(found)
-    return modules
+    held = (
+        [getattr(layer, name, None) for name in ("self_attn", "attention", "attn")] for layer in decoder_layers(model)
+    )
+    return [next((module for module in modules if module is not None), None) for modules in held]
 
 
 def transformers_version() -> str:
-    import transformers
-
     return transformers.__version__

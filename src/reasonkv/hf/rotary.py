@@ -28,10 +28,8 @@ _SAMPLE = 16  # values hashed per parameter
 def _rotary_module(model: torch.nn.Module, attention: torch.nn.Module | None) -> torch.nn.Module | None:
     """The module that makes the cos/sin tables: the decoder's ``rotary_emb`` (or an attention module's)."""
     for owner in (getattr(model, "model", None), model):
-        if owner is None:
-            continue
         for holder in (owner, getattr(owner, "language_model", None)):
-            module = getattr(holder, "rotary_emb", None) if holder is not None else None
+            module = getattr(holder, "rotary_emb", None)
             if isinstance(module, torch.nn.Module):
                 return module
     module = getattr(attention, "rotary_emb", None)

@@ -67,11 +67,8 @@ class _Hook:
         owner = self.owner()
         if owner is None:
             return None
-        if self.listens:
-            args = (self.layer, query, key, attention_mask, kwargs)
-        else:
-            args = (self.layer, query, key, value, attention_mask, kwargs)
-        answer = owner(*args) if self.function is None else self.function(owner, *args)
+        args = (query, key, attention_mask, kwargs) if self.listens else (query, key, value, attention_mask, kwargs)
+        answer = owner(self.layer, *args) if self.function is None else self.function(owner, self.layer, *args)
         return None if self.listens else answer
 
 

@@ -53,10 +53,7 @@ def choose_blocks(
         raise ValueError(f"a block rule must be one of {', '.join(RULES)}, got {rule!r}")
     batch, heads, blocks = scores.shape
     index = torch.arange(blocks, device=scores.device)
-    if rule == "within":
-        candidate = index.view(1, 1, -1) < current.view(-1, 1, 1)
-    else:
-        candidate = index.view(1, 1, -1) <= current.view(-1, 1, 1)
+    candidate = index.view(1, 1, -1) < current.view(-1, 1, 1) + (rule == "plus")  # "plus" may pick the current one
     if keep is not None:
         candidate = candidate & keep
     k = blocks if budget_blocks is None else min(budget_blocks - (rule == "within"), blocks)

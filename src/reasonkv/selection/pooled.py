@@ -12,6 +12,8 @@ import torch
 
 __all__ = ["PooledKeys", "pool_keys"]
 
+_EMPTY = (float("inf"), float("-inf"), 0.0)  # an empty block's minimum, maximum and sum
+
 
 class PooledKeys:
     """Min, max and sum of the keys of each block, for ``[batch, kv_heads]`` rows of one layer.
@@ -67,7 +69,7 @@ class PooledKeys:
         self._max.scatter_reduce_(2, index, values, "amax", include_self=True)
         self._sum.scatter_add_(2, index, values)
         self._counts.scatter_add_(1, block, real.long())
-        for t, fill in ((self._min, float("inf")), (self._max, float("-inf")), (self._sum, 0.0)):
+        for t, fill in zip((self._min, self._max, self._sum), _EMPTY, strict=True):
             t[:, :, spare] = fill
         self._counts[:, spare] = 0
         self.blocks = max(self.blocks, needed)
@@ -78,11 +80,7 @@ class PooledKeys:
             return
         size = max(needed, 2 * have, 8)
         shape = (batch, heads, size + 1, dim)
-        grown = [
-            torch.full(shape, float("inf"), device=device),
-            torch.full(shape, float("-inf"), device=device),
-            torch.zeros(shape, device=device),
-        ]
+        grown = [torch.full(shape, fill, device=device) for fill in _EMPTY]
         counts = torch.zeros((batch, size + 1), dtype=torch.long, device=device)
         if self._min is not None:
             for new, old in zip(grown, (self._min, self._max, self._sum), strict=True):

@@ -136,7 +136,6 @@ class Selector:
             choice = BlockChoice(blocks, (index <= current.view(-1, 1, 1)).expand(batch, kv_heads, -1))
             scores = torch.zeros(blocks.shape, device=current.device)  # a dense layer scores nothing
             self.on_read(layer, choice, slot_positions, slot_positions, scores, step_positions[:, -1] >= 0)
-        return None
 
     def _count(self, read: torch.Tensor, slot_positions: torch.Tensor) -> None:
         got = read.sum(dim=(1, 2))
