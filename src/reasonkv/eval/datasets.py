@@ -97,7 +97,8 @@ def load_dataset(name_or_path: str | os.PathLike[str], limit: int | None = None)
         if os.sep in text or "/" in text or path.suffix:
             raise FileNotFoundError(f"no such dataset file: {text} (bundled names: {names})")
         raise ValueError(
-            f"unknown dataset {text!r}; {did_you_mean(text, _NAMES)}known names: {names}; or pass a path to a .jsonl file"
+            f"unknown dataset {text!r}; {did_you_mean(text, _NAMES)}known names: {names}; "
+            "or pass a path to a .jsonl file"
         )
     if path.name.endswith(".gz"):  # HumanEval as published: decompressed in memory
         lines = gzip.decompress(path.read_bytes()).decode("utf-8").splitlines()
