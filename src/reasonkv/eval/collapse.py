@@ -65,17 +65,13 @@ def collapse_flags(
     ``no_answer``). ``early_stop``: :func:`stopped_early`.
     """
     ids = np.asarray(token_ids, dtype=np.int64).ravel()
-    empty = not text.strip()
-    no_answer = extract_answer(text, kind, last_number=False) is None
-    repetition = any(span >= min_span and span / n >= min_repeats for n, span in _tail_spans(ids, max_period))
-    max_tokens = not eos_hit and len(ids) >= max_new_tokens
     flags = {
-        "empty": empty,
-        "no_answer": no_answer,
-        "repetition": repetition,
-        "max_tokens": max_tokens,
-        "collapsed": empty or repetition or (max_tokens and no_answer),
+        "empty": not text.strip(),
+        "no_answer": extract_answer(text, kind, last_number=False) is None,
+        "repetition": any(span >= min_span and span / n >= min_repeats for n, span in _tail_spans(ids, max_period)),
+        "max_tokens": not eos_hit and len(ids) >= max_new_tokens,
     }
+    flags["collapsed"] = flags["empty"] or flags["repetition"] or (flags["max_tokens"] and flags["no_answer"])
     return {**flags, "early_stop": stopped_early(flags)}
 
 

@@ -44,6 +44,7 @@ DATASETS: dict[str, str] = {
 
 # Other spellings accepted by load_dataset (the file stems).
 _ALIASES = {"hmmt_feb_2025": "hmmt25", "gpqa_diamond": "gpqa"}
+_NAMES = [*DATASETS, *_ALIASES]
 
 # The password the GPQA authors publish for their own archive; it keeps the questions out of
 # plain-text crawls, it is not a secret.
@@ -75,12 +76,8 @@ def dataset_path(name: str) -> Path:
     """Return the bundled file for a dataset name (or alias)."""
     key = _ALIASES.get(name, name)
     if key not in DATASETS:
-        raise ValueError(f"unknown dataset {name!r}; {_did_you_mean(name)}known names: {', '.join(DATASETS)}")
+        raise ValueError(f"unknown dataset {name!r}; {did_you_mean(name, _NAMES)}known names: {', '.join(DATASETS)}")
     return DATA_DIR / DATASETS[key]
-
-
-def _did_you_mean(name: str) -> str:
-    return did_you_mean(name, [*DATASETS, *_ALIASES])
 
 
 def load_dataset(name_or_path: str | os.PathLike[str], limit: int | None = None) -> list[Problem]:
@@ -100,7 +97,8 @@ def load_dataset(name_or_path: str | os.PathLike[str], limit: int | None = None)
         if os.sep in text or "/" in text or path.suffix:
             raise FileNotFoundError(f"no such dataset file: {text} (bundled names: {names})")
         raise ValueError(
-            f"unknown dataset {text!r}; {_did_you_mean(text)}known names: {names}; or pass a path to a .jsonl file"
+            f"unknown dataset {text!r}; {did_you_mean(text, _NAMES)}known names: {names}; "
+            "or pass a path to a .jsonl file"
         )
     if path.name.endswith(".gz"):  # HumanEval as published: decompressed in memory
         lines = gzip.decompress(path.read_bytes()).decode("utf-8").splitlines()

@@ -30,7 +30,6 @@ MAX_TESTS_BYTES = 1 << 30
 
 
 def is_livecodebench(row: Mapping[str, Any]) -> bool:
-    """Whether a row is in LiveCodeBench's release schema."""
     return "question_content" in row and "public_test_cases" in row
 
 

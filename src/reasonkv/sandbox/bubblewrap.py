@@ -36,13 +36,10 @@ TMPFS_MB = 64
 
 # Top-level entries that are links into /usr on merged-/usr systems, or folders of their own elsewhere.
 _SYSTEM_ROOTS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
+# bubblewrap's status key of each namespace -> its name in a result (in the order results list them).
+_LONG = {"net": "network", "mnt": "mount"}
 _STATUS_NAMES = {
-    "pid-namespace": "pid-namespace",
-    "net-namespace": "network-namespace",
-    "mnt-namespace": "mount-namespace",
-    "ipc-namespace": "ipc-namespace",
-    "uts-namespace": "uts-namespace",
-    "cgroup-namespace": "cgroup-namespace",
+    f"{k}-namespace": f"{_LONG.get(k, k)}-namespace" for k in ("pid", "net", "mnt", "ipc", "uts", "cgroup")
 }
 
 

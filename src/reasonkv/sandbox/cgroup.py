@@ -96,7 +96,6 @@ class RunGroup:
         return [int(pid) for pid in (self.path / "cgroup.procs").read_text().split()]
 
     def oom_killed(self) -> bool:
-        """Whether the kernel killed a process of the run for its memory."""
         try:
             events = dict(line.split() for line in (self.path / "memory.events").read_text().splitlines())
         except (OSError, ValueError):

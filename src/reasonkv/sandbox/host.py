@@ -94,14 +94,10 @@ def find_interpreter(user: SandboxUser, path: str | None = None) -> tuple[Interp
     for candidate in candidates:
         if not candidate.is_file():
             tried.append(f"{candidate} (missing)")
-            continue
-        if not _readable_by(candidate, user):
+        elif not _readable_by(candidate, user):
             tried.append(f"{candidate} (uid {user.uid} cannot reach it)")
-            continue
-        version = _version(str(candidate))
-        if version is None:
+        elif (version := _version(str(candidate))) is None:
             tried.append(f"{candidate} (does not run)")
-            continue
-        prefix = candidate.parent.parent  # <prefix>/bin/python3.X
-        return Interpreter(str(candidate), str(prefix), version), ""
+        else:  # <prefix>/bin/python3.X
+            return Interpreter(str(candidate), str(candidate.parent.parent), version), ""
     return None, "no Python interpreter the sandbox's user can run: tried " + ", ".join(tried)

@@ -91,7 +91,6 @@ class RunUsage:
         return cls(proc, opened[1:])
 
     def bytes(self) -> int:
-        """The run's memory now, in bytes."""
         total = 0
         for fd in self._mounts:
             info = os.fstatvfs(fd)
