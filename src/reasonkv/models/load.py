@@ -54,14 +54,11 @@ def load_model(
     if not isinstance(name_str, str) or not name_str.strip():
         raise ValueError(f"Model name must be a non-empty string or path, got {name!r}.")
     name_str = name_str.strip()
-    is_shape = name_str.startswith(SHAPE_PREFIX)
-
+    if name_str.startswith(SHAPE_PREFIX):
+        return random_model(name_str[len(SHAPE_PREFIX) :], dtype, device, attn_implementation), None
     torch_dtype = resolve_dtype(dtype)
-    dev = resolve_device(device, allow_meta=is_shape)
+    dev = resolve_device(device)
     attn = resolve_attn_implementation(attn_implementation, torch_dtype, dev)
-
-    if is_shape:
-        return random_model(name_str[len(SHAPE_PREFIX) :], torch_dtype, dev, attn), None
     shown = sys.stderr.isatty() if progress is None else progress
     with _loading_bars(shown):
         return _load_named(name_str, torch_dtype, dev, attn)

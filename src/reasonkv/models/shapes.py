@@ -80,10 +80,10 @@ def random_model(
     """
     from transformers import AutoModelForCausalLM
 
-    config = shape_config(shape_name)
     torch_dtype = resolve_dtype(dtype)
     dev = resolve_device(device, allow_meta=True)
     attn = resolve_attn_implementation(attn_implementation, torch_dtype, dev)
+    config = shape_config(shape_name)
     # transformers' own initialisation draws normal(0, initializer_range) for linear and embedding
     # weights and sets norms to one; pinning the range keeps all shapes on the same scale.
     config.initializer_range = init_std
