@@ -16,7 +16,7 @@ from reasonkv.generation.inputs import encode_prompts, vocab_size
 from reasonkv.generation.progress import Stages
 from reasonkv.inspect.trace import Trace, load_trace, save_trace
 
-__all__ = ["Inspection", "Run", "check_allocations", "check_compared", "inspect_prompt", "token_pieces"]
+__all__ = ["Inspection", "Run", "check_compared", "inspect_prompt", "token_pieces"]
 
 _TOKENS = ("prompt_ids", "token_ids", "pieces")  # what a trace file holds of each run beside its trace
 
@@ -78,7 +78,9 @@ def inspect_prompt(
     the page by its policy (so distinct policies); ``model_name`` defaults to the model's class; ``progress``
     prints a line as each run starts and ends (and a bar over its steps on a terminal)."""
     check_compared(specs)
-    check_allocations(model, specs)
+    for spec in specs:  # an allocation the model cannot hold is refused before the full run decodes
+        if spec.allocated:
+            EvictingCache(spec=spec, model=model).detach()
     [prompt_ids] = encode_prompts(tokenizer, [prompt], vocab_size(model), chat=chat)
     runs = []
     seed = specs[0].seed if specs else 0
@@ -108,14 +110,6 @@ def check_compared(specs: Sequence[CacheSpec]) -> None:
     names = [spec.policy.name for spec in specs]
     if "full" in names or len(set(names)) != len(names):
         raise ValueError(f"policies to compare with full must be distinct and not full itself, got {names}")
-
-
-def check_allocations(model, specs: Sequence[CacheSpec]) -> None:
-    """A spec under an allocation that ``model`` cannot hold (a hybrid model, an attention kernel without a
-    per-head mask) is refused now, before the full run decodes, with the cache's own message."""
-    for spec in specs:
-        if spec.allocated:
-            EvictingCache(spec=spec, model=model).detach()
 
 
 def token_pieces(tokenizer, ids: Sequence[int]) -> list[str]:
