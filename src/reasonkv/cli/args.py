@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import sys
 
@@ -226,11 +227,6 @@ def positive_rate_argument(text: str) -> float:
     return value
 
 
-def code_timeout_argument(text: str) -> float:
-    """``--code-timeout``: seconds in the sandbox's allowed range, refused before anything loads."""
-    return _sandbox_limit(text, float, check_timeout, "--code-timeout")
-
-
-def code_memory_argument(text: str) -> int:
-    """``--code-memory``: MiB in the sandbox's allowed range, refused before anything loads."""
-    return _sandbox_limit(text, int, check_memory, "--code-memory")
+# Seconds and MiB in the sandbox's allowed ranges, refused before anything loads.
+code_timeout_argument = functools.partial(_sandbox_limit, number=float, check=check_timeout, flag="--code-timeout")
+code_memory_argument = functools.partial(_sandbox_limit, number=int, check=check_memory, flag="--code-memory")

@@ -67,16 +67,15 @@ def inspect_prompt(
     *,
     model_name: str = "",
     max_new_tokens: int = 512,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
     chat: bool = True,
     progress: bool = False,
+    **sampling,
 ) -> Inspection:
     """Decode ``prompt`` (text, in the chat template unless ``chat`` is false, as :func:`reasonkv.generate`
     does, or token ids) with the full cache, then with each of ``specs``, keeping traces. Each run is named in
     the page by its policy (so distinct policies); ``model_name`` defaults to the model's class; ``progress``
-    prints a line as each run starts and ends (and a bar over its steps on a terminal)."""
+    prints a line as each run starts and ends (and a bar over its steps on a terminal); ``sampling``
+    (``temperature``, ``top_p``, ``top_k``) goes to :func:`reasonkv.generate` (default greedy)."""
     check_compared(specs)
     for spec in specs:  # an allocation the model cannot hold is refused before the full run decodes
         if spec.allocated:
@@ -93,9 +92,7 @@ def inspect_prompt(
             [prompt_ids],
             spec,
             max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
+            **sampling,
             trace=True,
             progress=progress and sys.stderr.isatty(),
         )
