@@ -116,7 +116,7 @@ def _looks_local(name: str) -> bool:
     """Whether a name that does not exist was meant as a filesystem path rather than a hub id."""
     return (
         os.path.isabs(name)
-        or name.startswith(("./", "../", "~", ".\\", "..\\"))
+        or name.startswith(("./", "../", "~"))
         or name.count("/") > 1
         or "\\" in name
         or name in (".", "..")
