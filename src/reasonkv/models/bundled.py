@@ -122,12 +122,10 @@ def _missing(bundled: Bundled) -> str:
 def cache_dir() -> Path:
     """Root of reasonkv's user cache: ``$REASONKV_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/reasonkv``, else
     ``~/.cache/reasonkv``."""
-    explicit = os.environ.get("REASONKV_CACHE_DIR")
-    if explicit:
+    if explicit := os.environ.get("REASONKV_CACHE_DIR"):
         return Path(explicit).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "reasonkv"
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "reasonkv"
 
 
 def _packaged_file(bundled: Bundled) -> Path:
@@ -151,10 +149,9 @@ def _read_marker(directory: Path) -> dict[str, Any] | None:
 
 
 def _is_valid_conversion(directory: Path, expected: dict[str, Any]) -> bool:
-    marker = _read_marker(directory)
-    if marker is None or not isinstance(marker.get("files"), dict):
-        return False
-    return {k: v for k, v in marker.items() if k != "files"} == expected and (directory / "config.json").is_file()
+    marker = _read_marker(directory) or {}
+    described = {k: v for k, v in marker.items() if k != "files"}
+    return isinstance(marker.get("files"), dict) and described == expected and (directory / "config.json").is_file()
 
 
 def _check_copy(directory: Path) -> None:

@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from reasonkv.models.checkpoint import finish
 from reasonkv.models.devices import clear_attention_error
 from reasonkv.models.files import CorruptModelError, check_finite, check_gguf_header, gguf_damage
 from reasonkv.runs.oom import is_out_of_memory
@@ -15,15 +14,7 @@ from reasonkv.runs.oom import is_out_of_memory
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["load_gguf", "read_gguf"]
-
-
-def load_gguf(
-    gguf: Path, dtype: torch.dtype, device: torch.device, attn: str
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a GGUF file on ``device``, ready for decoding (see :func:`~reasonkv.models.checkpoint.finish`)."""
-    model, tokenizer = read_gguf(gguf, dtype, attn)
-    return finish(model.to(device), tokenizer)
+__all__ = ["read_gguf"]
 
 
 def read_gguf(gguf: Path, dtype: torch.dtype, attn: str = "sdpa") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from reasonkv.models.bundled import ALIASES, BUNDLED, bundled_model, load_bundled
-from reasonkv.models.checkpoint import load_directory
+from reasonkv.models.checkpoint import finish, load_directory
 from reasonkv.models.devices import resolve_attn_implementation, resolve_device, resolve_dtype
-from reasonkv.models.gguf import load_gguf
+from reasonkv.models.gguf import read_gguf
 from reasonkv.models.hub import load_hub_id
 from reasonkv.models.shapes import SHAPE_PREFIX, random_model
 from reasonkv.suggest import did_you_mean
@@ -91,7 +91,8 @@ def _load_named(
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {name_str!r}.")
-        return load_gguf(path, torch_dtype, dev, attn)
+        model, tokenizer = read_gguf(path, torch_dtype, attn)
+        return finish(model.to(dev), tokenizer)
     if path.is_dir():
         return load_directory(path, torch_dtype, dev, attn)
     if path.exists():
