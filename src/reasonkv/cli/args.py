@@ -32,7 +32,6 @@ def add_model_arguments(
 
 
 def add_policy_options(parser) -> None:
-    """Add `-o KEY=VALUE` to a parser or an argument group."""
     parser.add_argument(
         "-o",
         "--option",
@@ -149,7 +148,6 @@ def non_negative_argument(text: str) -> int:
 
 
 def positive_argument(text: str) -> int:
-    """A positive integer."""
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
@@ -162,7 +160,6 @@ def positive_or_all_argument(text: str) -> int | None:
 
 
 def fraction_argument(text: str) -> float:
-    """A number strictly between 0 and 1."""
     value = float(text)
     if not 0 < value < 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1), got {value}")
@@ -217,7 +214,6 @@ def int_list_argument(text: str) -> list[int]:
 
 
 def positive_rate_argument(text: str) -> float:
-    """A positive, finite number of tokens per second."""
     try:
         value = float(text)
     except ValueError:

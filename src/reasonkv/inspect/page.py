@@ -82,7 +82,6 @@ def _b64(array: np.ndarray | None) -> str | None:
 
 
 def render_page(inspection: Inspection) -> str:
-    """The page as one string."""
     if not inspection.runs:
         raise ValueError("an inspection without runs has nothing to show")
     assets = resources.files("reasonkv.inspect")
