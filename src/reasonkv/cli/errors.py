@@ -37,9 +37,7 @@ def user_message(error: BaseException, args: argparse.Namespace) -> str | None:
         return None  # one of our own modules failing to import is a bug or a broken install: keep the traceback
     if isinstance(error, ModuleNotFoundError) and package:
         return f"the Python package {package!r} is not installed ({one_line(error)})"
-    if isinstance(error, USER_ERRORS):
-        return one_line(error)
-    return None
+    return one_line(error) if isinstance(error, USER_ERRORS) else None
 
 
 def one_line(error: BaseException) -> str:

@@ -86,8 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     command = next((word for word in argv if not word.startswith("-")), None)
     args = build_parser([command] if command in COMMANDS else []).parse_args(argv)
     name = f"reasonkv {args.command}"
-    missing = missing_requirements()
-    if missing:
+    if missing := missing_requirements():
         listed = " ".join(shlex.quote(r) for r in missing)
         print(f"{name}: error: reasonkv's dependencies are not all installed; pip install {listed}", file=sys.stderr)
         return 2

@@ -82,9 +82,8 @@ def inspect_prompt(
             EvictingCache(spec=spec, model=model).detach()
     [prompt_ids] = encode_prompts(tokenizer, [prompt], vocab_size(model), chat=chat)
     runs = []
-    seed = specs[0].seed if specs else 0
     stages = Stages(len(specs) + 1, max_new_tokens, enabled=progress)
-    for spec in [CacheSpec("full", seed=seed), *specs]:
+    for spec in [CacheSpec("full", seed=specs[0].seed if specs else 0), *specs]:
         stages.start(spec.policy.name)
         [result] = generate(
             model,
@@ -111,7 +110,7 @@ def check_compared(specs: Sequence[CacheSpec]) -> None:
 
 def token_pieces(tokenizer, ids: Sequence[int]) -> list[str]:
     """The text each token adds, decoded in context (a character split over tokens lands on the last)."""
-    pieces, before = [], ""
+    pieces: list[str] = []
     for i in range(len(ids)):
         start = max(0, i - 8)
         before = tokenizer.decode(ids[start:i], skip_special_tokens=False) if i > start else ""

@@ -60,9 +60,8 @@ def load_trace(path: Path | str) -> dict[str, dict]:
     out = {}
     for name, run in meta["runs"].items():
         r = run.pop("index")
-        seen = run.pop("seen")
         evictions = []
-        for e, n in enumerate(seen):
+        for e, n in enumerate(run.pop("seen")):
             parts = {k: data[f"{r}.{e}.{k}"] for k in ARRAYS if f"{r}.{e}.{k}" in data}
             prefix = f"{r}.{e}.{SIGNAL}"
             signals = {key[len(prefix) :]: data[key] for key in data.files if key.startswith(prefix)}
