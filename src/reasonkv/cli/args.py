@@ -42,7 +42,6 @@ def add_policy_options(parser) -> None:
 
 
 def add_tier_arguments(parser, *, what: str = "") -> None:
-    """Add ``--quantized Q`` and ``--bits {4,8}`` (the quantized tier) to a parser or an argument group."""
     parser.add_argument(
         "--quantized",
         type=non_negative_argument,
@@ -57,8 +56,7 @@ def add_tier_arguments(parser, *, what: str = "") -> None:
 
 
 def add_allocation_arguments(parser, *, what: str = "") -> None:
-    """Add ``--allocation``, ``--budgets-file``, ``--adaptive-alpha`` and ``--padded-heads`` (how the budget is
-    shared among layers and kv-heads, :mod:`reasonkv.cache.allocation`) to a parser or an argument group."""
+    """How the budget is shared among layers and kv-heads (:mod:`reasonkv.cache.allocation`)."""
     parser.add_argument(
         "--allocation",
         choices=ALLOCATIONS,
@@ -105,7 +103,6 @@ def cache_spec_from(args: argparse.Namespace, policy: str, options: dict) -> Cac
 
 
 def add_decoding_arguments(parser, *, max_new_tokens: int) -> None:
-    """``--max-new-tokens`` (default ``max_new_tokens``), ``--temperature``, ``--top-p``, ``--top-k`` and ``--seed``."""
     parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -114,7 +111,6 @@ def add_decoding_arguments(parser, *, max_new_tokens: int) -> None:
 
 
 def add_compile_argument(parser, *, what: str = "decode step") -> None:
-    """``--compile``: each decode step as one compiled, fixed-shape graph."""
     parser.add_argument(
         "--compile",
         action="store_true",

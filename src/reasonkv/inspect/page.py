@@ -137,11 +137,8 @@ def check_page_path(path: Path | str) -> Path:
         raise ValueError(f"the page is HTML: name it *.html, got {path}")
     if path.is_dir():
         raise IsADirectoryError(f"{path} is a directory; name the page's file")
-    if path.exists() and not _written_here(path):
-        raise FileExistsError(f"{path} exists and is not a page reasonkv inspect wrote: choose another name")
+    if path.exists():
+        with open(path, "rb") as handle:
+            if f'<meta name="generator" content="{GENERATOR}">'.encode() not in handle.read(4096):
+                raise FileExistsError(f"{path} exists and is not a page reasonkv inspect wrote: choose another name")
     return path
-
-
-def _written_here(path: Path) -> bool:
-    with open(path, "rb") as handle:
-        return f'<meta name="generator" content="{GENERATOR}">'.encode() in handle.read(4096)
