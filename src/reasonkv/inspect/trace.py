@@ -34,12 +34,8 @@ def save_trace(path: Path | str, traces: dict[str, dict]) -> None:
             **extras,
         )
         for e, eviction in enumerate(trace.evictions):
-            for key in ARRAYS:
-                value = getattr(eviction, key)
-                if value is not None:
-                    arrays[f"{r}.{e}.{key}"] = value
-            for name, value in eviction.signals.items():
-                arrays[f"{r}.{e}.{SIGNAL}{name}"] = value
+            arrays.update({f"{r}.{e}.{k}": getattr(eviction, k) for k in ARRAYS if getattr(eviction, k) is not None})
+            arrays.update({f"{r}.{e}.{SIGNAL}{key}": value for key, value in eviction.signals.items()})
     arrays["meta"] = np.frombuffer(json.dumps(meta, default=str).encode(), dtype=np.uint8)
     with open(path, "wb") as handle:
         np.savez_compressed(handle, **arrays)
