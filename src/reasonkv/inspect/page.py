@@ -24,10 +24,8 @@ GENERATOR = "reasonkv inspect"  # marks the pages this module wrote: only those 
 
 def departure(full: list[int], other: list[int]) -> int | None:
     """The first output index where ``other`` differs from ``full`` (one ending first counts), or None."""
-    for i, (a, b) in enumerate(zip(full, other, strict=False)):
-        if a != b:
-            return i
-    return None if len(full) == len(other) else min(len(full), len(other))
+    differs = (i for i, (a, b) in enumerate(zip(full, other, strict=False)) if a != b)
+    return next(differs, None if len(full) == len(other) else min(len(full), len(other)))
 
 
 def page_data(inspection: Inspection) -> dict:
