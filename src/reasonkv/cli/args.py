@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import sys
 
@@ -17,8 +18,7 @@ def add_model_arguments(
     parser: argparse.ArgumentParser, *, dtype: str = "fp32", why: str = "exact on any device", shapes: bool = False
 ):
     """``--model``, ``--dtype`` (default ``dtype``, for the reason ``why``), ``--device`` and ``--attn`` in a group
-    "model" (or the group given), returned for a command's own model flags. ``shapes``: the command takes token
-    ids, so random-weight shapes too."""
+    "model" (or the group given). ``shapes``: the command takes token ids, so random-weight shapes too."""
     group = parser if isinstance(parser, argparse._ArgumentGroup) else parser.add_argument_group("model")
     what = f"hub id, local directory, .gguf file, {DEFAULT_MODEL} (default) or gemma3-270m (bundled)"
     if shapes:
@@ -27,11 +27,9 @@ def add_model_arguments(
     group.add_argument("--dtype", default=dtype, help=f"fp32 | bf16 | fp16 (default {dtype}: {why})")
     group.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
     group.add_argument("--attn", default="sdpa", help="sdpa (default) | flash_attention_2 | eager")
-    return group
 
 
 def add_policy_options(parser) -> None:
-    """Add `-o KEY=VALUE` to a parser or an argument group."""
     parser.add_argument(
         "-o",
         "--option",
@@ -44,7 +42,6 @@ def add_policy_options(parser) -> None:
 
 
 def add_tier_arguments(parser, *, what: str = "") -> None:
-    """Add ``--quantized Q`` and ``--bits {4,8}`` (the quantized tier) to a parser or an argument group."""
     parser.add_argument(
         "--quantized",
         type=non_negative_argument,
@@ -59,8 +56,7 @@ def add_tier_arguments(parser, *, what: str = "") -> None:
 
 
 def add_allocation_arguments(parser, *, what: str = "") -> None:
-    """Add ``--allocation``, ``--budgets-file``, ``--adaptive-alpha`` and ``--padded-heads`` (how the budget is
-    shared among layers and kv-heads, :mod:`reasonkv.cache.allocation`) to a parser or an argument group."""
+    """How the budget is shared among layers and kv-heads (:mod:`reasonkv.cache.allocation`)."""
     parser.add_argument(
         "--allocation",
         choices=ALLOCATIONS,
@@ -107,7 +103,6 @@ def cache_spec_from(args: argparse.Namespace, policy: str, options: dict) -> Cac
 
 
 def add_decoding_arguments(parser, *, max_new_tokens: int) -> None:
-    """``--max-new-tokens`` (default ``max_new_tokens``), ``--temperature``, ``--top-p``, ``--top-k`` and ``--seed``."""
     parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -116,7 +111,6 @@ def add_decoding_arguments(parser, *, max_new_tokens: int) -> None:
 
 
 def add_compile_argument(parser, *, what: str = "decode step") -> None:
-    """``--compile``: each decode step as one compiled, fixed-shape graph."""
     parser.add_argument(
         "--compile",
         action="store_true",
@@ -148,7 +142,6 @@ def non_negative_argument(text: str) -> int:
 
 
 def positive_argument(text: str) -> int:
-    """A positive integer."""
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
@@ -161,7 +154,6 @@ def positive_or_all_argument(text: str) -> int | None:
 
 
 def fraction_argument(text: str) -> float:
-    """A number strictly between 0 and 1."""
     value = float(text)
     if not 0 < value < 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1), got {value}")
@@ -216,7 +208,6 @@ def int_list_argument(text: str) -> list[int]:
 
 
 def positive_rate_argument(text: str) -> float:
-    """A positive, finite number of tokens per second."""
     try:
         value = float(text)
     except ValueError:
@@ -226,11 +217,6 @@ def positive_rate_argument(text: str) -> float:
     return value
 
 
-def code_timeout_argument(text: str) -> float:
-    """``--code-timeout``: seconds in the sandbox's allowed range, refused before anything loads."""
-    return _sandbox_limit(text, float, check_timeout, "--code-timeout")
-
-
-def code_memory_argument(text: str) -> int:
-    """``--code-memory``: MiB in the sandbox's allowed range, refused before anything loads."""
-    return _sandbox_limit(text, int, check_memory, "--code-memory")
+# Seconds and MiB in the sandbox's allowed ranges, refused before anything loads.
+code_timeout_argument = functools.partial(_sandbox_limit, number=float, check=check_timeout, flag="--code-timeout")
+code_memory_argument = functools.partial(_sandbox_limit, number=int, check=check_memory, flag="--code-memory")

@@ -37,9 +37,7 @@ def user_message(error: BaseException, args: argparse.Namespace) -> str | None:
         return None  # one of our own modules failing to import is a bug or a broken install: keep the traceback
     if isinstance(error, ModuleNotFoundError) and package:
         return f"the Python package {package!r} is not installed ({one_line(error)})"
-    if isinstance(error, USER_ERRORS):
-        return one_line(error)
-    return None
+    return one_line(error) if isinstance(error, USER_ERRORS) else None
 
 
 def one_line(error: BaseException) -> str:
@@ -62,13 +60,13 @@ def memory_message(error: BaseException, args: argparse.Namespace) -> str:
     return f"out of memory{detail}" + (f"; {', or '.join(advice)}" if advice else "")
 
 
-def missing_requirements(distribution: str = "reasonkv") -> list[str]:
-    """The declared dependencies of ``distribution`` that are not installed, as requirement strings.
+def missing_requirements() -> list[str]:
+    """The declared dependencies of reasonkv that are not installed, as requirement strings.
 
-    Empty when ``distribution`` itself is not installed (a source checkout on ``sys.path``).
+    Empty when reasonkv itself is not installed (a source checkout on ``sys.path``).
     """
     try:
-        requirements = importlib.metadata.requires(distribution) or []
+        requirements = importlib.metadata.requires("reasonkv") or []
     except importlib.metadata.PackageNotFoundError:
         return []
     missing = []

@@ -93,12 +93,9 @@ def _add(group, field: dataclasses.Field, flag: Flag) -> None:
     if field.type == "bool | None":  # on, off, or not said (--NAME / --no-NAME)
         group.add_argument(*names, action=argparse.BooleanOptionalAction, default=None, help=flag.help)
         return
-    extra: dict[str, Any] = {"help": flag.help}
-    for name in ("type", "choices", "metavar"):
-        if getattr(flag, name) is not None:
-            extra[name] = getattr(flag, name)
-    if isinstance(flag.type, str):
-        extra["type"] = TYPES[flag.type]
+    typed = TYPES[flag.type] if isinstance(flag.type, str) else flag.type
+    given = {"type": typed, "choices": flag.choices, "metavar": flag.metavar}
+    extra: dict[str, Any] = {"help": flag.help} | {name: value for name, value in given.items() if value is not None}
     if flag.required:
         extra["required"] = True
     else:

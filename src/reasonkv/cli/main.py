@@ -52,8 +52,8 @@ def build_parser(load: Iterable[str] | None = None) -> argparse.ArgumentParser:
     parser = Parser(prog="reasonkv", description="KV-cache eviction for long chain-of-thought decoding.")
     # --debug before or after the command: show the traceback of user errors too.
     debug = argparse.ArgumentParser(add_help=False)
-    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
-    parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
+    for taking in (debug, parser):
+        taking.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
         if name not in load:
@@ -86,8 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     command = next((word for word in argv if not word.startswith("-")), None)
     args = build_parser([command] if command in COMMANDS else []).parse_args(argv)
     name = f"reasonkv {args.command}"
-    missing = missing_requirements()
-    if missing:
+    if missing := missing_requirements():
         listed = " ".join(shlex.quote(r) for r in missing)
         print(f"{name}: error: reasonkv's dependencies are not all installed; pip install {listed}", file=sys.stderr)
         return 2

@@ -20,7 +20,18 @@ def check_output_file(path: Path, flag: str) -> Path:
         raise FileNotFoundError(f"{flag} {path}: the folder {folder} does not exist; create it first or choose another")
     if not folder.is_dir():
         raise NotADirectoryError(f"{flag} {path}: {folder} is a file, not a folder")
-    _check_writable(folder, f"{flag} {path}")
+    # Create and remove a file in the folder: the one test that also holds for root, read-only mounts and
+    # filesystems such as /sys, where permission bits (os.access) say yes. The probe's name is new (mkstemp), so
+    # no file of the user's is touched.
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".reasonkv-probe-", dir=folder)
+    except OSError as error:
+        raise PermissionError(
+            f"{flag} {path}: cannot create a file in the folder {folder} ({error.strerror or error}); "
+            "choose another folder"
+        ) from None
+    os.close(handle)
+    os.unlink(probe)
     if path.exists() and not os.access(path, os.W_OK):
         raise PermissionError(f"{flag} {path} exists and is not writable")
     return path
@@ -37,17 +48,3 @@ def check_results_path(path: Path, flag: str = "--out") -> Path:
             f"results file's own folder only: create {folder.parent} first or choose another {flag}"
         )
     return path  # a folder where no file can be created: refused up front as the run creates its lock file there
-
-
-def _check_writable(folder: Path, what: str) -> None:
-    """Create and remove a file in ``folder``: the one test that also holds for root, read-only mounts and
-    filesystems such as /sys, where permission bits (``os.access``) say yes. The probe's name is new
-    (``mkstemp``), so no file of the user's is touched."""
-    try:
-        handle, probe = tempfile.mkstemp(prefix=".reasonkv-probe-", dir=folder)
-    except OSError as error:
-        raise PermissionError(
-            f"{what}: cannot create a file in the folder {folder} ({error.strerror or error}); choose another folder"
-        ) from None
-    os.close(handle)
-    os.unlink(probe)

@@ -24,10 +24,8 @@ GENERATOR = "reasonkv inspect"  # marks the pages this module wrote: only those 
 
 def departure(full: list[int], other: list[int]) -> int | None:
     """The first output index where ``other`` differs from ``full`` (one ending first counts), or None."""
-    for i, (a, b) in enumerate(zip(full, other, strict=False)):
-        if a != b:
-            return i
-    return None if len(full) == len(other) else min(len(full), len(other))
+    differs = (i for i, (a, b) in enumerate(zip(full, other, strict=False)) if a != b)
+    return next(differs, None if len(full) == len(other) else min(len(full), len(other)))
 
 
 def page_data(inspection: Inspection) -> dict:
@@ -82,7 +80,6 @@ def _b64(array: np.ndarray | None) -> str | None:
 
 
 def render_page(inspection: Inspection) -> str:
-    """The page as one string."""
     if not inspection.runs:
         raise ValueError("an inspection without runs has nothing to show")
     assets = resources.files("reasonkv.inspect")
@@ -138,11 +135,8 @@ def check_page_path(path: Path | str) -> Path:
         raise ValueError(f"the page is HTML: name it *.html, got {path}")
     if path.is_dir():
         raise IsADirectoryError(f"{path} is a directory; name the page's file")
-    if path.exists() and not _written_here(path):
-        raise FileExistsError(f"{path} exists and is not a page reasonkv inspect wrote: choose another name")
+    if path.exists():
+        with open(path, "rb") as handle:
+            if f'<meta name="generator" content="{GENERATOR}">'.encode() not in handle.read(4096):
+                raise FileExistsError(f"{path} exists and is not a page reasonkv inspect wrote: choose another name")
     return path
-
-
-def _written_here(path: Path) -> bool:
-    with open(path, "rb") as handle:
-        return f'<meta name="generator" content="{GENERATOR}">'.encode() in handle.read(4096)

@@ -16,7 +16,7 @@ from reasonkv.generation.inputs import encode_prompts, vocab_size
 from reasonkv.generation.progress import Stages
 from reasonkv.inspect.trace import Trace, load_trace, save_trace
 
-__all__ = ["Inspection", "Run", "check_allocations", "check_compared", "inspect_prompt", "token_pieces"]
+__all__ = ["Inspection", "Run", "check_compared", "inspect_prompt", "token_pieces"]
 
 _TOKENS = ("prompt_ids", "token_ids", "pieces")  # what a trace file holds of each run beside its trace
 
@@ -67,23 +67,23 @@ def inspect_prompt(
     *,
     model_name: str = "",
     max_new_tokens: int = 512,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
     chat: bool = True,
     progress: bool = False,
+    **sampling,
 ) -> Inspection:
     """Decode ``prompt`` (text, in the chat template unless ``chat`` is false, as :func:`reasonkv.generate`
     does, or token ids) with the full cache, then with each of ``specs``, keeping traces. Each run is named in
     the page by its policy (so distinct policies); ``model_name`` defaults to the model's class; ``progress``
-    prints a line as each run starts and ends (and a bar over its steps on a terminal)."""
+    prints a line as each run starts and ends (and a bar over its steps on a terminal); ``sampling``
+    (``temperature``, ``top_p``, ``top_k``) goes to :func:`reasonkv.generate` (default greedy)."""
     check_compared(specs)
-    check_allocations(model, specs)
+    for spec in specs:  # an allocation the model cannot hold is refused before the full run decodes
+        if spec.allocated:
+            EvictingCache(spec=spec, model=model).detach()
     [prompt_ids] = encode_prompts(tokenizer, [prompt], vocab_size(model), chat=chat)
     runs = []
-    seed = specs[0].seed if specs else 0
     stages = Stages(len(specs) + 1, max_new_tokens, enabled=progress)
-    for spec in [CacheSpec("full", seed=seed), *specs]:
+    for spec in [CacheSpec("full", seed=specs[0].seed if specs else 0), *specs]:
         stages.start(spec.policy.name)
         [result] = generate(
             model,
@@ -91,9 +91,7 @@ def inspect_prompt(
             [prompt_ids],
             spec,
             max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
+            **sampling,
             trace=True,
             progress=progress and sys.stderr.isatty(),
         )
@@ -110,17 +108,9 @@ def check_compared(specs: Sequence[CacheSpec]) -> None:
         raise ValueError(f"policies to compare with full must be distinct and not full itself, got {names}")
 
 
-def check_allocations(model, specs: Sequence[CacheSpec]) -> None:
-    """A spec under an allocation that ``model`` cannot hold (a hybrid model, an attention kernel without a
-    per-head mask) is refused now, before the full run decodes, with the cache's own message."""
-    for spec in specs:
-        if spec.allocated:
-            EvictingCache(spec=spec, model=model).detach()
-
-
 def token_pieces(tokenizer, ids: Sequence[int]) -> list[str]:
     """The text each token adds, decoded in context (a character split over tokens lands on the last)."""
-    pieces, before = [], ""
+    pieces: list[str] = []
     for i in range(len(ids)):
         start = max(0, i - 8)
         before = tokenizer.decode(ids[start:i], skip_special_tokens=False) if i > start else ""

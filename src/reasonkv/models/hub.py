@@ -54,7 +54,7 @@ def load_hub_id(
     return load_directory(name, dtype, device, attn, local_files_only=offline)
 
 
-def _hub_reachable(timeout: float = HUB_PROBE_SECONDS) -> bool:
+def _hub_reachable() -> bool:
     """One request to the hub's endpoint, without retries: does any answer come back in time?"""
     from huggingface_hub import constants
     from huggingface_hub.utils import get_session
@@ -62,7 +62,7 @@ def _hub_reachable(timeout: float = HUB_PROBE_SECONDS) -> bool:
     if constants.HF_HUB_OFFLINE:
         return False
     try:
-        get_session().head(constants.ENDPOINT, timeout=timeout)
+        get_session().head(constants.ENDPOINT, timeout=HUB_PROBE_SECONDS)
     except Exception:  # no DNS, no route, refused, timed out, TLS: all mean "not reachable now"
         return False
     return True

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from reasonkv.models.bundled import ALIASES, BUNDLED, bundled_model, load_bundled
-from reasonkv.models.checkpoint import load_directory
+from reasonkv.models.checkpoint import finish, load_directory
 from reasonkv.models.devices import resolve_attn_implementation, resolve_device, resolve_dtype
-from reasonkv.models.gguf import load_gguf
+from reasonkv.models.gguf import read_gguf
 from reasonkv.models.hub import load_hub_id
 from reasonkv.models.shapes import SHAPE_PREFIX, random_model
 from reasonkv.suggest import did_you_mean
@@ -54,14 +54,11 @@ def load_model(
     if not isinstance(name_str, str) or not name_str.strip():
         raise ValueError(f"Model name must be a non-empty string or path, got {name!r}.")
     name_str = name_str.strip()
-    is_shape = name_str.startswith(SHAPE_PREFIX)
-
+    if name_str.startswith(SHAPE_PREFIX):
+        return random_model(name_str[len(SHAPE_PREFIX) :], dtype, device, attn_implementation), None
     torch_dtype = resolve_dtype(dtype)
-    dev = resolve_device(device, allow_meta=is_shape)
+    dev = resolve_device(device)
     attn = resolve_attn_implementation(attn_implementation, torch_dtype, dev)
-
-    if is_shape:
-        return random_model(name_str[len(SHAPE_PREFIX) :], torch_dtype, dev, attn), None
     shown = sys.stderr.isatty() if progress is None else progress
     with _loading_bars(shown):
         return _load_named(name_str, torch_dtype, dev, attn)
@@ -94,7 +91,8 @@ def _load_named(
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {name_str!r}.")
-        return load_gguf(path, torch_dtype, dev, attn)
+        model, tokenizer = read_gguf(path, torch_dtype, attn)
+        return finish(model.to(dev), tokenizer)
     if path.is_dir():
         return load_directory(path, torch_dtype, dev, attn)
     if path.exists():
@@ -119,7 +117,7 @@ def _looks_local(name: str) -> bool:
     """Whether a name that does not exist was meant as a filesystem path rather than a hub id."""
     return (
         os.path.isabs(name)
-        or name.startswith(("./", "../", "~", ".\\", "..\\"))
+        or name.startswith(("./", "../", "~"))
         or name.count("/") > 1
         or "\\" in name
         or name in (".", "..")

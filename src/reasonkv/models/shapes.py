@@ -80,21 +80,19 @@ def random_model(
     """
     from transformers import AutoModelForCausalLM
 
-    config = shape_config(shape_name)
     torch_dtype = resolve_dtype(dtype)
     dev = resolve_device(device, allow_meta=True)
     attn = resolve_attn_implementation(attn_implementation, torch_dtype, dev)
+    config = shape_config(shape_name)
     # transformers' own initialisation draws normal(0, initializer_range) for linear and embedding
     # weights and sets norms to one; pinning the range keeps all shapes on the same scale.
     config.initializer_range = init_std
 
-    cuda_index: int | None = None
-    if dev.type == "cuda":
-        cuda_index = dev.index if dev.index is not None else torch.cuda.current_device()
-    with torch.random.fork_rng(devices=[] if cuda_index is None else [cuda_index]), torch.device(dev):
+    cuda = [torch.cuda.current_device() if dev.index is None else dev.index] if dev.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda), torch.device(dev):
         torch.random.default_generator.manual_seed(seed)
-        if cuda_index is not None:
-            with torch.cuda.device(cuda_index):
+        for index in cuda:
+            with torch.cuda.device(index):
                 torch.cuda.manual_seed(seed)
         with clear_attention_error(attn):
             model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, attn_implementation=attn)

@@ -7,12 +7,10 @@ __all__ = ["check_int", "is_int", "is_number"]
 
 
 def is_int(value: object) -> bool:
-    """``value`` is an ``int`` and not a ``bool``."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def is_number(value: object) -> bool:
-    """``value`` is an ``int`` or a ``float`` and not a ``bool``."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
