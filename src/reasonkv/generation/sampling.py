@@ -14,7 +14,7 @@ import torch
 
 from reasonkv.policies import noise
 
-__all__ = ["Sampling", "check_sampling"]
+__all__ = ["Sampling"]
 
 _SAMPLING_STREAM = 2  # keeps token sampling's draws apart from the eviction's
 
@@ -69,8 +69,3 @@ class Sampling:
         cdf = logits.softmax(-1).double().cumsum(-1)
         draw = noise.uniform(noise.mix(seeds, step), torch.float64).unsqueeze(1) * cdf[:, -1:]
         return torch.searchsorted(cdf, draw).clamp(max=logits.shape[-1] - 1).squeeze(1)
-
-
-def check_sampling(max_new_tokens: int, temperature: float, top_p: float, top_k: int) -> None:
-    """Refuse bad decoding settings (see :class:`Sampling`)."""
-    Sampling(max_new_tokens, temperature, top_p, top_k)
