@@ -105,10 +105,7 @@ class Shard:
             )
         if isinstance(shard, Shard):
             return shard
-        if isinstance(shard, str):
-            return cls.parse(shard)
-        index, count = shard
-        return cls(index, count)
+        return cls.parse(shard) if isinstance(shard, str) else cls(*shard)
 
     def device(self, device: str) -> str:
         """The device of this process: ``cuda`` becomes ``cuda:LOCAL_RANK`` under a launcher."""
