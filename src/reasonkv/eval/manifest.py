@@ -249,8 +249,8 @@ def check_compatible(
 
 
 def describe(manifest: Mapping[str, Any]) -> list[str]:
-    """The manifest as markdown bullet lines (for ``reasonkv report``)."""
-    setup, env, grid = (_object(manifest.get(k)) for k in ("setup", "environment", "grid"))
+    """A sound manifest (:func:`manifest_problem`) as markdown bullet lines (for ``reasonkv report``)."""
+    setup, env, grid = manifest["setup"], manifest["environment"], manifest["grid"]
 
     def short(value: Any) -> str:
         return "—" if value is None else str(value)[:12]
@@ -261,12 +261,11 @@ def describe(manifest: Mapping[str, Any]) -> list[str]:
     datasets = ", ".join(
         f"{d.get('name')} ({d.get('problems')} problems x {d.get('samples')} "
         f"sample{'' if d.get('samples') == 1 else 's'}, sha256 {short(d.get('sha256'))})"
-        for d in map(_object, _list(grid.get("datasets")))
+        for d in grid.get("datasets", [])
     )
-    policies = ", ".join(_cell(p) for p in map(_object, _list(grid.get("policies"))))
+    policies = ", ".join(_cell(p) for p in grid.get("policies", []))
     command = manifest.get("command")
-    world = _object(manifest.get("launch")).get("world_size", 1)
-    world = world if isinstance(world, int) else 1
+    world = manifest.get("launch", {}).get("world_size", 1)
     lines = [
         f"- run `{manifest.get('id')}`, {manifest.get('created')}" + (f", {world} processes" if world > 1 else ""),
         f"  - model {setup.get('model')}{revision}, weights sha256 {short(setup.get('weights_sha256'))}, "
@@ -285,14 +284,6 @@ def describe(manifest: Mapping[str, Any]) -> list[str]:
             f"at once; sandbox {code.get('mechanism')} ({', '.join(code.get('isolation') or []) or 'no isolation'})"
             + (f"; missing, allowed: {', '.join(code['missing'])}" if code.get("missing") else "")
         )
-    if isinstance(command, list) and command:
-        lines.append(f"  - command: `{shlex.join(map(str, command))}`")
+    if command:
+        lines.append(f"  - command: `{shlex.join(command)}`")
     return lines
-
-
-def _object(value: Any) -> Mapping[str, Any]:
-    return value if isinstance(value, Mapping) else {}
-
-
-def _list(value: Any) -> list:
-    return value if isinstance(value, list) else []
