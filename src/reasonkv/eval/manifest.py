@@ -94,11 +94,9 @@ def grid_identity(grid: Mapping[str, Any], setup: Mapping[str, Any]) -> dict[str
     the batch size, the file paths or the model: the same grid may be resumed with other batches, and
     the setup is compared on its own (:func:`check_compatible`).
     """
-    datasets = [d if isinstance(d, Mapping) else {} for d in grid.get("datasets") or []]
-    policies = [p if isinstance(p, Mapping) else {} for p in grid.get("policies") or []]
     return {
-        "datasets": [{k: d.get(k) for k in ("name", "sha256", "limit", "samples")} for d in datasets],
-        "policies": [{k: p.get(k) for k in ("label", "budget", "buffer", "config")} for p in policies],
+        "datasets": [{k: d.get(k) for k in ("name", "sha256", "limit", "samples")} for d in grid.get("datasets", [])],
+        "policies": [{k: p.get(k) for k in ("label", "budget", "buffer", "config")} for p in grid.get("policies", [])],
         "fidelity": grid.get("fidelity"),
         "fidelity_tokens": grid.get("fidelity_tokens") if grid.get("fidelity") else None,
         "generation": grid.get("generation", True),
