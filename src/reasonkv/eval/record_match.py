@@ -6,6 +6,7 @@ or belongs to another run, and counted it would make a report row no grid had.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Mapping
 from pathlib import Path
@@ -43,10 +44,8 @@ def _config_difference(here: Any, there: Any) -> str:
 def _dataset_file(entry: Mapping[str, Any]) -> Path | None:
     """The file a manifest's dataset entry was read from: the bundled file of its name, else the file it names."""
     name = str(entry.get("name"))
-    try:
+    with contextlib.suppress(ValueError):
         return dataset_path(name)
-    except ValueError:
-        pass
     for candidate in (entry.get("file"), name):
         if isinstance(candidate, str) and Path(candidate).is_file():
             return Path(candidate)

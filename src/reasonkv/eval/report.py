@@ -4,6 +4,7 @@ are :mod:`reasonkv.eval.report_rows`'s, the plots :mod:`reasonkv.eval.report_plo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -222,11 +223,9 @@ def markdown(
 
 def _is_old_report(folder: Path) -> bool:
     """A report folder from before output markers: its report.md or summary.json is a report's."""
-    try:
+    with contextlib.suppress(OSError, UnicodeDecodeError):
         if (folder / "report.md").read_text(encoding="utf-8").startswith("# Evaluation report"):
             return True
-    except (OSError, UnicodeDecodeError):
-        pass
     try:
         summary = json.loads((folder / "summary.json").read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):

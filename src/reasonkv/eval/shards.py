@@ -402,8 +402,6 @@ def _delete_if_finished(path: Path, size: int, out: Path) -> None:
 def _remove(path: Path, why: str) -> None:
     """Delete a file the run no longer needs; failing to is a warning (the work is done)."""
     try:
-        path.unlink()
-    except FileNotFoundError:
-        pass
+        path.unlink(missing_ok=True)
     except OSError as error:
         warn(f"could not delete {path} ({error.strerror or error}); {why}: delete it yourself")
