@@ -137,11 +137,8 @@ def shard_files(out: str | os.PathLike[str], *, locks: bool = False) -> list[tup
         return []
     tail = out.suffix + (".lock" if locks else "")
     pattern = re.compile(re.escape(out.stem) + r"\.shard-(\d+)-of-(\d+)" + re.escape(tail))
-    found = []
-    for entry in out.parent.iterdir():
-        match = pattern.fullmatch(entry.name)
-        if match and int(match.group(1)) < int(match.group(2)):
-            found.append((entry, Shard(int(match.group(1)), int(match.group(2)))))
+    matches = [(entry, pattern.fullmatch(entry.name)) for entry in out.parent.iterdir()]
+    found = [(entry, Shard(int(m[1]), int(m[2]))) for entry, m in matches if m and int(m[1]) < int(m[2])]
     return sorted(found, key=lambda item: (item[1].count, item[1].index))
 
 
