@@ -114,8 +114,7 @@ def numbered_records(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[s
 
 def iter_records(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
     """The complete records of ``path``, one at a time (see :func:`numbered_records`)."""
-    for _, record in numbered_records(path):
-        yield record
+    return (record for _, record in numbered_records(path))
 
 
 def read_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
