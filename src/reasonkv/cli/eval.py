@@ -31,7 +31,6 @@ _RUN = ("out", "dtype", "device", "progress", "shard", "retry_errors", "repair")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Every flag of :class:`~reasonkv.eval.settings.EvalSettings`, in its group."""
     parser.epilog = EPILOG
     add_flags(parser, EvalSettings, descriptions=dict([CODE_GROUP]))
 

@@ -201,7 +201,6 @@ class Context:
             tally[0], tally[1], tally[2] = tally[0] + top1, tally[1] + kl, tally[2] + 1
 
     def emit(self, record: UnitRecord) -> None:
-        """Write one record, note it done, and tell ``on_record``."""
         self.results.append(record)
         self.ledger.note(record)
         self.counts[record.kind] += 1

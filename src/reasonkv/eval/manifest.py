@@ -94,11 +94,9 @@ def grid_identity(grid: Mapping[str, Any], setup: Mapping[str, Any]) -> dict[str
     the batch size, the file paths or the model: the same grid may be resumed with other batches, and
     the setup is compared on its own (:func:`check_compatible`).
     """
-    datasets = [d if isinstance(d, Mapping) else {} for d in grid.get("datasets") or []]
-    policies = [p if isinstance(p, Mapping) else {} for p in grid.get("policies") or []]
     return {
-        "datasets": [{k: d.get(k) for k in ("name", "sha256", "limit", "samples")} for d in datasets],
-        "policies": [{k: p.get(k) for k in ("label", "budget", "buffer", "config")} for p in policies],
+        "datasets": [{k: d.get(k) for k in ("name", "sha256", "limit", "samples")} for d in grid.get("datasets", [])],
+        "policies": [{k: p.get(k) for k in ("label", "budget", "buffer", "config")} for p in grid.get("policies", [])],
         "fidelity": grid.get("fidelity"),
         "fidelity_tokens": grid.get("fidelity_tokens") if grid.get("fidelity") else None,
         "generation": grid.get("generation", True),
@@ -249,8 +247,8 @@ def check_compatible(
 
 
 def describe(manifest: Mapping[str, Any]) -> list[str]:
-    """The manifest as markdown bullet lines (for ``reasonkv report``)."""
-    setup, env, grid = (_object(manifest.get(k)) for k in ("setup", "environment", "grid"))
+    """A sound manifest (:func:`manifest_problem`) as markdown bullet lines (for ``reasonkv report``)."""
+    setup, env, grid = manifest["setup"], manifest["environment"], manifest["grid"]
 
     def short(value: Any) -> str:
         return "—" if value is None else str(value)[:12]
@@ -261,12 +259,11 @@ def describe(manifest: Mapping[str, Any]) -> list[str]:
     datasets = ", ".join(
         f"{d.get('name')} ({d.get('problems')} problems x {d.get('samples')} "
         f"sample{'' if d.get('samples') == 1 else 's'}, sha256 {short(d.get('sha256'))})"
-        for d in map(_object, _list(grid.get("datasets")))
+        for d in grid.get("datasets", [])
     )
-    policies = ", ".join(_cell(p) for p in map(_object, _list(grid.get("policies"))))
+    policies = ", ".join(_cell(p) for p in grid.get("policies", []))
     command = manifest.get("command")
-    world = _object(manifest.get("launch")).get("world_size", 1)
-    world = world if isinstance(world, int) else 1
+    world = manifest.get("launch", {}).get("world_size", 1)
     lines = [
         f"- run `{manifest.get('id')}`, {manifest.get('created')}" + (f", {world} processes" if world > 1 else ""),
         f"  - model {setup.get('model')}{revision}, weights sha256 {short(setup.get('weights_sha256'))}, "
@@ -285,14 +282,6 @@ def describe(manifest: Mapping[str, Any]) -> list[str]:
             f"at once; sandbox {code.get('mechanism')} ({', '.join(code.get('isolation') or []) or 'no isolation'})"
             + (f"; missing, allowed: {', '.join(code['missing'])}" if code.get("missing") else "")
         )
-    if isinstance(command, list) and command:
-        lines.append(f"  - command: `{shlex.join(map(str, command))}`")
+    if command:
+        lines.append(f"  - command: `{shlex.join(command)}`")
     return lines
-
-
-def _object(value: Any) -> Mapping[str, Any]:
-    return value if isinstance(value, Mapping) else {}
-
-
-def _list(value: Any) -> list:
-    return value if isinstance(value, list) else []

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import asdict, dataclass
 from functools import cached_property
@@ -22,10 +23,9 @@ __all__ = ["GridPlan", "has_code", "plan_grid"]
 
 def dataset_file(name: str) -> Path:
     """The file a dataset name reads: the bundled file, or the path itself."""
-    try:
+    with contextlib.suppress(ValueError):
         return dataset_path(name)
-    except ValueError:
-        return Path(name)
+    return Path(name)
 
 
 @dataclass

@@ -244,7 +244,7 @@ class ErrorRecord(UnitRecord):
     been), ``stage`` and ``error`` (the reason)."""
 
     kind = "error"
-    TYPES = _UNIT_TYPES
+    TYPES = {**_UNIT_TYPES, "error": _TEXT}
     result = False
 
     @classmethod
@@ -256,10 +256,6 @@ class ErrorRecord(UnitRecord):
     @property
     def unit(self) -> str:  # type: ignore[override]
         return self.data.get("unit")
-
-    @property
-    def error(self) -> Any:
-        return self.data.get("error")
 
     def about(self) -> UnitRecord:
         """The record of the unit's kind with this record's fields (its identity)."""

@@ -6,6 +6,7 @@ or belongs to another run, and counted it would make a report row no grid had.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Mapping
 from pathlib import Path
@@ -43,10 +44,8 @@ def _config_difference(here: Any, there: Any) -> str:
 def _dataset_file(entry: Mapping[str, Any]) -> Path | None:
     """The file a manifest's dataset entry was read from: the bundled file of its name, else the file it names."""
     name = str(entry.get("name"))
-    try:
+    with contextlib.suppress(ValueError):
         return dataset_path(name)
-    except ValueError:
-        pass
     for candidate in (entry.get("file"), name):
         if isinstance(candidate, str) and Path(candidate).is_file():
             return Path(candidate)
@@ -56,12 +55,10 @@ def _dataset_file(entry: Mapping[str, Any]) -> Path | None:
 def run_problems(manifest: Mapping[str, Any]) -> dict[str, frozenset[str]]:
     """dataset name -> the ids of the problems it gave the run (its file read with the run's limit and date
     window); a dataset whose file is gone or changed (not the manifest's SHA-256) is left out."""
-    grid = manifest.get("grid") if isinstance(manifest.get("grid"), Mapping) else {}
+    grid = manifest["grid"]
     code = grid.get("code") if isinstance(grid.get("code"), Mapping) else {}
     known: dict[str, frozenset[str]] = {}
-    for entry in grid.get("datasets") or []:
-        if not isinstance(entry, Mapping):
-            continue
+    for entry in grid.get("datasets", []):
         path, limit = _dataset_file(entry), entry.get("limit")
         if path is None or not (limit is None or isinstance(limit, int)):
             continue
@@ -94,13 +91,12 @@ def _problem_ids(
 def manifest_mismatch(
     record: Mapping[str, Any], manifest: Mapping[str, Any], problems: Mapping[str, frozenset[str]] | None = None
 ) -> str | None:
-    """The first field in which ``record`` differs from its run's ``manifest``, in words; None when it agrees.
-    Only the fields the record holds are compared, and the cell's budget and buffer always (``problems``:
-    :func:`run_problems` of ``manifest``, computed when not given)."""
-    setup = manifest.get("setup") if isinstance(manifest.get("setup"), Mapping) else {}
-    grid = manifest.get("grid") if isinstance(manifest.get("grid"), Mapping) else {}
-    run = f"run {manifest.get('id')}"
-    datasets = [d.get("name") for d in grid.get("datasets") or [] if isinstance(d, Mapping)]
+    """The first field in which ``record`` differs from its run's sound ``manifest``, in words; None when it
+    agrees. Only the fields the record holds are compared, and the cell's budget and buffer always
+    (``problems``: :func:`run_problems` of ``manifest``, computed when not given)."""
+    setup, grid = manifest["setup"], manifest["grid"]
+    run = f"run {manifest['id']}"
+    datasets = [d["name"] for d in grid.get("datasets", [])]
     if "dataset" in record and datasets and record.get("dataset") not in datasets:
         return f"field 'dataset' is {_shown(record.get('dataset'))}, not a dataset of its {run} ({', '.join(datasets)})"
     if "problem_id" in record:
@@ -121,7 +117,7 @@ def manifest_mismatch(
     replays = grid.get("fidelity_tokens") if grid.get("fidelity") else None
     if unit == FidelityRecord.kind and replays is not None and not _same(record.get("fidelity_tokens"), replays):
         return f"field 'fidelity_tokens' is {_shown(record.get('fidelity_tokens'))}, but its {run} replays {replays}"
-    return _cell_mismatch(record, [p for p in grid.get("policies") or [] if isinstance(p, Mapping)], run)
+    return _cell_mismatch(record, grid.get("policies", []), run)
 
 
 def _cell_mismatch(record: Mapping[str, Any], cells: list[Mapping[str, Any]], run: str) -> str | None:

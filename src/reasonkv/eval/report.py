@@ -4,6 +4,7 @@ are :mod:`reasonkv.eval.report_rows`'s, the plots :mod:`reasonkv.eval.report_plo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -14,7 +15,7 @@ from typing import Any
 
 from reasonkv.eval.code_report import outcome_table
 from reasonkv.eval.manifest import describe
-from reasonkv.eval.report_plots import every_plot_name, plot, plot_names
+from reasonkv.eval.report_plots import plot, plot_names
 from reasonkv.eval.report_rows import (
     MIN_PAIRED,
     Conflict,
@@ -222,11 +223,9 @@ def markdown(
 
 def _is_old_report(folder: Path) -> bool:
     """A report folder from before output markers: its report.md or summary.json is a report's."""
-    try:
+    with contextlib.suppress(OSError, UnicodeDecodeError):
         if (folder / "report.md").read_text(encoding="utf-8").startswith("# Evaluation report"):
             return True
-    except (OSError, UnicodeDecodeError):
-        pass
     try:
         summary = json.loads((folder / "summary.json").read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
@@ -246,7 +245,7 @@ def write_report(
         raise ValueError(f"no generation or fidelity records in {', '.join(map(str, paths))}")
     rows = summarize(read.records + read.manifests, read.conflicts)
     out_dir = Path(out_dir)
-    possible = every_plot_name(rows)
+    possible = [file for files in plot_names(rows, drawn=False).values() for file in files.values()]
     names = ["report.md", "summary.json", *possible]
     inputs = [file for path in paths for file in run_files(path)]
     with claim_folder(out_dir, "report", names, recognise=_is_old_report, inputs=inputs):

@@ -144,22 +144,17 @@ def _short(label: str, most: int = 36) -> str:
     return label if len(label) <= most else f"{label[: most // 2 - 1]}…{label[-(most // 2) :]}"
 
 
-def plot_names(rows: Sequence[Row]) -> dict[Section, dict[str, str]]:
-    """``section -> {plot: file name}`` of every plot :func:`plot` writes for ``rows``."""
+def plot_names(rows: Sequence[Row], *, drawn: bool = True) -> dict[Section, dict[str, str]]:
+    """``section -> {plot: file name}`` of every plot :func:`plot` writes for ``rows`` (``drawn`` False: of every
+    plot a report of ``rows`` may write, drawn or not: the files its folder owns)."""
     sections = list(dict.fromkeys(r.section for r in rows))
     names = section_names(sections)
     out: dict[Section, dict[str, str]] = {}
     for section in sections:
         part = [r for r in rows if r.section == section]
         stem = names[section][1]
-        out[section] = {name: f"{stem}-{name}.png" for name in PLOTS if _has_data(part, name)}
+        out[section] = {name: f"{stem}-{name}.png" for name in PLOTS if not drawn or _has_data(part, name)}
     return out
-
-
-def every_plot_name(rows: Sequence[Row]) -> list[str]:
-    """Every PNG name a report of ``rows`` may write (drawn or not): the files its folder owns."""
-    names = section_names(list(dict.fromkeys(r.section for r in rows)))
-    return [f"{stem}-{name}.png" for _, stem in names.values() for name in PLOTS]
 
 
 def plot(rows: Sequence[Row], out_dir: str | os.PathLike[str]) -> list[Path]:

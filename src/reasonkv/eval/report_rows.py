@@ -316,14 +316,6 @@ class Row:
     code: dict[str, Any] = field(default_factory=dict)  # code problems: outcomes, per problem, sandbox cost
 
 
-@dataclass
-class _Group:
-    """A row's records by (the kind of their unit, whether they hold its result), and its conflicting units."""
-
-    records: dict[tuple[str, bool], list[dict]] = field(default_factory=lambda: defaultdict(list))
-    conflicts: int = 0
-
-
 def _label(record: Record) -> str:
     return str(record.get("policy_label") or record.get("policy") or "?")
 
@@ -368,20 +360,19 @@ def _pair_with_full(row: Row, recs: Sequence[dict[str, Any]], full: Sequence[dic
             row.delta_low, row.delta_high = paired_interval(differences)
 
 
-def _errors(row: Row, group: _Group) -> None:
+def _errors(row: Row, group: dict[tuple[str, bool], list[dict]]) -> None:
     """Failed units, a problem's generation and fidelity failures once, with their reasons."""
-    failed = group.records[GenerationRecord.kind, False]
+    failed = group[GenerationRecord.kind, False]
     failed_generation = {r.get("problem_id") for r in failed}
-    counted = failed + [
-        r for r in group.records[FidelityRecord.kind, False] if r.get("problem_id") not in failed_generation
-    ]
+    counted = failed + [r for r in group[FidelityRecord.kind, False] if r.get("problem_id") not in failed_generation]
     row.errors = len(counted)
     reasons = Counter(str(r.get("error")) for r in counted)  # in the order first seen
     row.error_reasons = tuple(f"{n} unit{'' if n == 1 else 's'}: {reason}" for reason, n in reasons.items())
 
 
-def _fill(row: Row, group: _Group) -> None:
-    recs = group.records[GenerationRecord.kind, True]
+def _fill(row: Row, group: dict[tuple[str, bool], list[dict]]) -> None:
+    """The row's numbers from its records, by (the kind of their unit, whether they hold its result)."""
+    recs = group[GenerationRecord.kind, True]
     row.n = len(recs)
     row.correct = sum(counts_as_correct(r) for r in recs)
     row.last_number = sum(counts_as_correct(r) and r.get("grading_method") == "last_number" for r in recs)
@@ -396,7 +387,7 @@ def _fill(row: Row, group: _Group) -> None:
     row.collapse_rate = _mean(float(bool(r.get("collapsed"))) for r in recs if "collapsed" in r)
     row.early_stop_rate = _mean(float(stopped_early(r.get("collapse"))) for r in recs if "collapse" in r)
     row.code = code_summary(recs)
-    fid = group.records[FidelityRecord.kind, True]
+    fid = group[FidelityRecord.kind, True]
     row.fidelity_n = len(fid)
     row.top1_agreement, row.top1_low, row.top1_high = mean_interval([r.get("top1_agreement") for r in fid])
     row.kl_mean, row.kl_low, row.kl_high = mean_interval([r.get("kl_mean") for r in fid])
@@ -406,7 +397,6 @@ def _fill(row: Row, group: _Group) -> None:
     row.answer_logprob_delta, row.answer_low, row.answer_high = mean_interval(deltas)
     row.answer_logprob_delta_mean = _mean(r.get("answer_logprob_delta_mean") for r in answered)
     _errors(row, group)
-    row.conflicts = group.conflicts
 
 
 def summarize(records: Sequence[dict[str, Any]], conflicts: Sequence[Conflict] = ()) -> list[Row]:
@@ -416,25 +406,27 @@ def summarize(records: Sequence[dict[str, Any]], conflicts: Sequence[Conflict] =
     manifests = {r.get("id"): r.to_json() for r in typed if isinstance(r, ManifestRecord)}
     units = [r for r in typed if not isinstance(r, ManifestRecord)]
     every = units + [Record.read(c.record) for c in conflicts]  # the conflicting units last, only counted
-    groups: dict[tuple, _Group] = {}
+    groups: dict[tuple, tuple[Row, dict[tuple[str, bool], list[dict]]]] = {}  # a row and its records
     policy_order: dict[str, int] = {}
     for index, (record, sections) in enumerate(zip(every, _sections_of(every, manifests), strict=True)):
         policy_order.setdefault(_label(record), len(policy_order))
         for section in sections:
-            group = groups.setdefault((section, _label(record), record.get("budget"), record.get("buffer")), _Group())
+            key = (section, _label(record), record.get("budget"), record.get("buffer"))
+            if key not in groups:
+                groups[key] = (Row(*key), defaultdict(list))
+            row, group = groups[key]
             if index >= len(units):
-                group.conflicts += 1
+                row.conflicts += 1
             else:
-                group.records[record.unit, record.result].append(record.to_json())
+                group[record.unit, record.result].append(record.to_json())
 
     rows = []
     full_of: dict[Section, list[dict]] = {}
-    for (section, label, budget, buffer), group in groups.items():
-        row = Row(section=section, policy=label, budget=budget, buffer=buffer)
+    for row, group in groups.values():
         _fill(row, group)
-        generations = group.records[GenerationRecord.kind, True]
-        if budget is None and generations and generations[0].get("policy") == "full":
-            full_of[section] = generations
+        generations = group[GenerationRecord.kind, True]
+        if row.budget is None and generations and generations[0].get("policy") == "full":
+            full_of[row.section] = generations
         rows.append((row, generations))
     for row, recs in rows:
         if row.budget is not None and row.section in full_of:

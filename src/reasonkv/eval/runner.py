@@ -117,10 +117,7 @@ def _manifest(ctx: Context, plan: GridPlan, command: Sequence[str] | None, folde
         **plan.sampling(),
     }
     grid = dict(plan.description)
-    grid["datasets"] = [
-        {**d, "file": portable_path(d["file"], folder)} if isinstance(d.get("file"), str) else d
-        for d in grid["datasets"]
-    ]
+    grid["datasets"] = [{**d, "file": portable_path(d["file"], folder)} for d in grid["datasets"]]
     return build_manifest(
         setup=setup,
         environment=environment(ctx.device),

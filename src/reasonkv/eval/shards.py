@@ -105,10 +105,7 @@ class Shard:
             )
         if isinstance(shard, Shard):
             return shard
-        if isinstance(shard, str):
-            return cls.parse(shard)
-        index, count = shard
-        return cls(index, count)
+        return cls.parse(shard) if isinstance(shard, str) else cls(*shard)
 
     def device(self, device: str) -> str:
         """The device of this process: ``cuda`` becomes ``cuda:LOCAL_RANK`` under a launcher."""
@@ -140,11 +137,8 @@ def shard_files(out: str | os.PathLike[str], *, locks: bool = False) -> list[tup
         return []
     tail = out.suffix + (".lock" if locks else "")
     pattern = re.compile(re.escape(out.stem) + r"\.shard-(\d+)-of-(\d+)" + re.escape(tail))
-    found = []
-    for entry in out.parent.iterdir():
-        match = pattern.fullmatch(entry.name)
-        if match and int(match.group(1)) < int(match.group(2)):
-            found.append((entry, Shard(int(match.group(1)), int(match.group(2)))))
+    matches = [(entry, pattern.fullmatch(entry.name)) for entry in out.parent.iterdir()]
+    found = [(entry, Shard(int(m[1]), int(m[2]))) for entry, m in matches if m and int(m[1]) < int(m[2])]
     return sorted(found, key=lambda item: (item[1].count, item[1].index))
 
 
@@ -405,8 +399,6 @@ def _delete_if_finished(path: Path, size: int, out: Path) -> None:
 def _remove(path: Path, why: str) -> None:
     """Delete a file the run no longer needs; failing to is a warning (the work is done)."""
     try:
-        path.unlink()
-    except FileNotFoundError:
-        pass
+        path.unlink(missing_ok=True)
     except OSError as error:
         warn(f"could not delete {path} ({error.strerror or error}); {why}: delete it yourself")

@@ -86,10 +86,6 @@ def assign(
     units: Sequence[Unit], cells: Sequence[Any], count: int, *, max_new_tokens: int, fidelity_tokens: int
 ) -> dict[Unit, int]:
     """The shard (``0 .. count - 1``) of every unit; the same for every process that asks."""
-    if count < 1:
-        raise ValueError(f"shard count must be at least 1, got {count}")
-    if count == 1:
-        return dict.fromkeys(units, 0)
     full = {index for index, cell in enumerate(cells) if not cell.evicts}
     heads = {(u.dataset, u.problem): u for u in units if u.kind == "generation" and u.cell in full and u.sample == 0}
     # items: (stratum, members, cost); a fidelity replay joins its problem's full-cache generation

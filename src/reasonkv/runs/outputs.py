@@ -38,6 +38,7 @@ __all__ = [
     "create_exclusive",
     "lock_path",
     "make_folder",
+    "names_file",
     "refuse_inputs",
     "remove_stale_temps",
     "warn",
@@ -205,13 +206,7 @@ class OutputLock:
     def check_in_place(self) -> None:
         """Raise :class:`OutputError` when the lock file's path no longer names the file this lock holds: lock
         files are never deleted, so the output's folder was moved, and writing there now would be unguarded."""
-        if self._fd is None:
-            return
-        try:
-            here = os.path.samestat(os.stat(self.path), os.fstat(self._fd))
-        except OSError:
-            here = False
-        if here:
+        if self._fd is None or names_file(self.path, self._fd):
             return
         now = where_now(self._fd)
         where = f"the lock {self.path} is now {now}" if now else f"the lock {self.path} was deleted"
@@ -271,6 +266,14 @@ class OutputLock:
             what += f" (reasonkv {holder['purpose']}"
             what += f", since {holder['since']})" if holder.get("since") else ")"
         return what
+
+
+def names_file(path: Path, fd: int) -> bool:
+    """Whether ``path`` names the open file ``fd`` now."""
+    try:
+        return os.path.samestat(os.stat(path), os.fstat(fd))
+    except OSError:
+        return False
 
 
 def where_now(fd: int) -> str | None:

@@ -28,6 +28,7 @@ from reasonkv.runs.outputs import (
     advice,
     create_exclusive,
     make_folder,
+    names_file,
     reason,
     remove_stale_temps,
     where_now,
@@ -113,8 +114,7 @@ def numbered_records(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[s
 
 def iter_records(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
     """The complete records of ``path``, one at a time (see :func:`numbered_records`)."""
-    for _, record in numbered_records(path):
-        yield record
+    return (record for _, record in numbered_records(path))
 
 
 def read_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -151,7 +151,6 @@ class JsonlStore:
         make_folder(self.path.parent, str(self.path))
         self._lock = OutputLock(self.path, lock).acquire() if isinstance(lock, str) else None
         self._fd: int | None = None  # the file this store writes, once started
-        self._identity: tuple[int, int] | None = None  # its (device, inode)
         self._end = 0  # the file's size as this store left it
         self._head = b""  # its first line, as read or written
         self._tail = b""  # its last bytes (up to _TAIL) before _end
@@ -216,7 +215,7 @@ class JsonlStore:
         """Raise :class:`OutputError` when the path no longer names the file this store writes, the lock
         guarding it no longer names the lock file held (its folder was moved), or the file's content is
         not what this store left there (it was overwritten in place)."""
-        if self._fd is None or self._in_place():
+        if self._fd is None or names_file(self.path, self._fd):
             for lock in (self._lock, self._covering):
                 if lock is not None:
                     lock.check_in_place()
@@ -259,13 +258,6 @@ class JsonlStore:
             "then rerun the same command: it resumes from what the file holds"
         )
 
-    def _in_place(self) -> bool:
-        try:
-            stat = os.stat(self.path)
-        except OSError:
-            return False
-        return (stat.st_dev, stat.st_ino) == self._identity
-
     def close(self, *, check: bool = True) -> None:
         """Force what was appended to disk, check the file is still in place, and release the lock.
 
@@ -306,8 +298,6 @@ class JsonlStore:
             self._fd = os.open(self.path, flags, 0o666)
         except OSError as error:
             raise self._failed("opening it to append", error) from error
-        stat = os.fstat(self._fd)
-        self._identity = (stat.st_dev, stat.st_ino)
         self._snapshot()
 
     def _snapshot(self) -> None:
