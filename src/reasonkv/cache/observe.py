@@ -110,11 +110,9 @@ class Observer:
         if self.tap is None:
             return
         for layer in sorted(self.attention_layers):
-            kernel = {"scaling": recorded.scalings.get(layer), "softcap": recorded.softcaps.get(layer)}
-            kernel["s_aux"] = recorded.sinks.get(layer)
             with self.stopwatch("record"):
                 keys = self.cache.attended(layer)[0]
-                self.record(layer, capture.queries[layer].clone(), keys.shape[2], kernel, keys)
+                self.record(layer, capture.queries[layer].clone(), keys.shape[2], recorded.kernel(layer), keys)
 
     def detach(self) -> None:
         self.active = False
@@ -129,18 +127,17 @@ class Observer:
         if not self.active or layer not in self.attention_layers:
             return
         with self.stopwatch("record"):
-            self.record(layer, query, key.shape[2], kwargs, key)
+            self.record(layer, query, key.shape[2], attention.Kernel.of(query, kwargs), key)
 
-    def record(self, layer: int, query: torch.Tensor, slots: int, kwargs: dict, keys: torch.Tensor | None) -> None:
+    def record(self, layer: int, query: torch.Tensor, slots: int, kernel: attention.Kernel, keys) -> None:
         """One layer's queries of the forward in progress, which sees ``slots`` stored keys (``keys``: only for a
-        prefill's column sums); ``kwargs``: the kernel's arguments."""
+        prefill's column sums), called through ``kernel`` (a compiled step's: as last seen eagerly)."""
         step, needs, recorded = self._step, self.needs, self.recorded
-        recorded.scalings[layer] = kwargs.get("scaling") or query.shape[-1] ** -0.5
-        softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux", kwargs.get("sinks"))
-        if softcap is not None:
-            recorded.softcaps[layer] = softcap
-        if sinks is not None:
-            recorded.sinks[layer] = sinks.detach()
+        recorded.scalings[layer] = kernel.scaling or query.shape[-1] ** -0.5
+        if kernel.softcap is not None:
+            recorded.softcaps[layer] = kernel.softcap
+        if kernel.sinks is not None:
+            recorded.sinks[layer] = kernel.sinks.detach()
         if needs.query_window:
             recorded.push_queries(layer, query, step.input_positions, step.input_valid)
         if needs.queries:
@@ -182,14 +179,15 @@ class Observer:
                 # A quantized tier's keys dequantized, as attention saw them; float32 once for every chunk.
                 keys = self.cache.attended(layer)[0].float()
                 b, hq, n, _ = layer_queries.shape
-                scaling, softcap = self.recorded.scalings[layer], self.recorded.softcaps.get(layer)
-                sinks = self.recorded.sinks.get(layer)
-                sinks = None if sinks is None else sinks.float().view(1, hq, 1, 1)
+                kernel = self.recorded.kernel(layer)
+                sinks = None if kernel.sinks is None else kernel.sinks.float().view(1, hq, 1, 1)
                 step = max(1, CHUNK_ELEMENTS // max(1, b * hq * slots))
                 for start in range(0, n, step):
                     part = layer_queries[:, :, start : start + step]
                     seen = visible[:, start : start + step]
-                    logits = attention.grouped_logits(part, keys, scaling, softcap).view(b, hq, part.shape[2], slots)
+                    logits = attention.grouped_logits(part, keys, kernel.scaling, kernel.softcap).view(
+                        b, hq, part.shape[2], slots
+                    )
                     hidden = seen[..., unmasked:].unsqueeze(1)
                     if self.cache.allocated:  # heads hold padding of their own
                         hidden = hidden & attention.key_mask(self.cache.key_valid(layer)[..., unmasked:], hq)
