@@ -73,10 +73,12 @@ def prefill_chunks(
             sizes.append(min(chunk - first, rest))
             rest -= sizes[-1]
             per_row = chunk
-    sizes += [per_row] * (rest // per_row)
-    if rest % per_row:
-        sizes.append(rest % per_row)
-    return sizes
+    return sizes + _pieces(rest, per_row)
+
+
+def _pieces(total: int, size: int) -> list[int]:
+    """``total`` in pieces of ``size``, the last one shorter if ``size`` does not divide it."""
+    return [size] * (total // size) + ([total % size] if total % size else [])
 
 
 def ragged_shifts(batch: int, buffer: int) -> list[int]:
@@ -91,8 +93,7 @@ def extension_chunks(total: int, batch: int, tokens_per_forward: int) -> list[in
     ``tokens_per_forward`` tokens summed over the batch (0: one forward)."""
     if total < 1:
         raise ValueError(f"an extension needs at least one token, got {total}")
-    per_row = total if tokens_per_forward <= 0 else max(1, tokens_per_forward // batch)
-    return [per_row] * (total // per_row) + ([total % per_row] if total % per_row else [])
+    return _pieces(total, total if tokens_per_forward <= 0 else max(1, tokens_per_forward // batch))
 
 
 class PrefilledSession:

@@ -30,7 +30,7 @@ from reasonkv.bench.report import markdown, summarise, summary_text
 from reasonkv.bench.rounds import combine_rounds, run_rounds
 from reasonkv.bench.settings import EVICTION, SWEEP, BenchSettings
 from reasonkv.bench.store import ResultStore, claim_output, entry_key, now_iso
-from reasonkv.bench.tiers import equal_measured_bytes, tiered_budget
+from reasonkv.bench.tiers import equal_measured_bytes
 from reasonkv.bench.warmup import warm_up
 from reasonkv.cache import EvictingCache
 from reasonkv.cache.allocation import Uniform
@@ -73,9 +73,9 @@ def measure_entry(model, plan: Plan, mode: str, policy: str, batch: int | None, 
     variant = plan.tiers.get(policy)
     common = dict(prompt_length=config["prompt_length"], seed=config["seed"])
     if variant is not None:  # a tiered variant: the policy with a quantized tier, at the plain K/V bytes measured
-        tier = tiered_budget(model, spec.budget, variant["quantized"], variant["bits"])
+        chunk = config.get("prefill_chunk", 0)
         tier = equal_measured_bytes(
-            model, spec, tier, batch=batch, prefill_chunk=config.get("prefill_chunk", 0), **common
+            model, spec, variant["quantized"], variant["bits"], batch=batch, prefill_chunk=chunk, **common
         )
         spec = spec.replace(budget=tier["budget"], quantized=tier["quantized"], bits=tier["bits"])
     if mode == SWEEP:
@@ -149,7 +149,8 @@ def _headline(mode: str, data: dict) -> str:
     return f"fits {data['max_batch']} rows; {'-' if tps is None else f'{tps:.1f}'} tok/s at {data['measured_batch']}"
 
 
-def _write_reports(store: ResultStore, meta: dict, *, plots: bool) -> None:
+def _write_reports(store: ResultStore, meta: dict, *, plots: bool) -> str:
+    """Rewrite the folder's reports; the summary the command prints at the end."""
     records = store.ok()
     summary = summarise(records)
     document = json_safe({**meta, "records": records, "summary": summary})
@@ -160,11 +161,10 @@ def _write_reports(store: ResultStore, meta: dict, *, plots: bool) -> None:
             write_plots(records, store.out, device=meta.get("device", "cpu"))
         except ImportError:  # matplotlib, imported by the plots only
             _say("matplotlib is not installed: no plots (pip install matplotlib)")
+    return summary_text(records, summary, meta)
 
 
-def _print_summary(store: ResultStore, meta: dict) -> None:
-    records = store.ok()
-    text = summary_text(records, summarise(records), meta)
+def _print_summary(store: ResultStore, text: str) -> None:
     if text.strip():
         print(text)
     print(f"results in {store.out}/ (bench.md, bench.json, results.jsonl, *.png)")
@@ -269,8 +269,7 @@ def _run(plan: Plan) -> int:
         "errors": [],
     }
     if not pending:
-        _write_reports(store, meta, plots=settings.plots)
-        _print_summary(store, meta)
+        _print_summary(store, _write_reports(store, meta, plots=settings.plots))
         return 0
 
     model = _load(plan)
@@ -374,6 +373,6 @@ def _run(plan: Plan) -> int:
     finally:
         if previous_handler is not None:
             signal.signal(signal.SIGTERM, previous_handler)
-        _write_reports(store, meta, plots=settings.plots)
-    _print_summary(store, meta)
+        text = _write_reports(store, meta, plots=settings.plots)
+    _print_summary(store, text)
     return 1 if meta["errors"] else 0
