@@ -374,11 +374,7 @@ def _ratio_text(policies: dict, key: str):
     return lambda n, tokens: cell(policies[n][key].get(tokens), "{:.3f}")
 
 
-def _eviction_markdown(records: list[dict], summary: dict) -> list[str]:
-    """The eviction-cost section (nothing when the mode did not run)."""
-    records, summary = [r for r in records if r.get("mode") == EVICTION], summary.get("eviction_cost")
-    if not records:
-        return []
+def _eviction_markdown(records: list[dict], summary: dict | None) -> list[str]:
     config = records[0]["config"]
     lines = section(
         f"Eviction cost ({config['cached']} cached tokens, K = {config['cached'] - config['buffer']}, "
@@ -399,11 +395,7 @@ def _eviction_markdown(records: list[dict], summary: dict) -> list[str]:
     return lines
 
 
-def _max_batch_markdown(records: list[dict], summary: dict) -> list[str]:
-    """The max-batch section (nothing when the mode did not run)."""
-    records, summary = [r for r in records if r.get("mode") == MAX_BATCH], summary.get("max_batch")
-    if not records:
-        return []
+def _max_batch_markdown(records: list[dict], summary: dict | None) -> list[str]:
     config = records[0]["config"]
     lines = section(
         f"Max batch (memory limit {format_bytes(config['memory_limit_bytes'])}, length {config['length']}, "
@@ -435,6 +427,18 @@ def _max_batch_markdown(records: list[dict], summary: dict) -> list[str]:
     return lines
 
 
+def _cost_markdown(records: list[dict], summary: dict) -> list[str]:
+    """The eviction-cost and max-batch sections, of the modes that ran."""
+    lines = []
+    for mode, key, section_of in (
+        (EVICTION, "eviction_cost", _eviction_markdown),
+        (MAX_BATCH, "max_batch", _max_batch_markdown),
+    ):
+        chosen = [r for r in records if r.get("mode") == mode]
+        lines += section_of(chosen, summary.get(key)) if chosen else []
+    return lines
+
+
 def markdown(records: list[dict], summary: dict, meta: dict) -> str:
     """The whole report as markdown."""
     machine = meta.get("machine", {})
@@ -457,7 +461,7 @@ def markdown(records: list[dict], summary: dict, meta: dict) -> str:
     if sweeps:
         lines += _sweep_markdown(sweeps, summary, meta)
         lines += variant_markdown(summary)
-    lines += _eviction_markdown(records, summary) + _max_batch_markdown(records, summary)
+    lines += _cost_markdown(records, summary)
     errors = meta.get("errors") or []
     if errors:
         lines += ["## Entries that failed", ""]
@@ -472,5 +476,5 @@ def summary_text(records: list[dict], summary: dict, meta: dict) -> str:
     for batch, batch_summary in summary["sweep"].items():
         lines += _summary_markdown(int(batch), batch_summary)
     lines += variant_markdown(summary)
-    lines += _eviction_markdown(records, summary) + _max_batch_markdown(records, summary)
+    lines += _cost_markdown(records, summary)
     return "\n".join(lines)

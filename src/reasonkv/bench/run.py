@@ -341,11 +341,9 @@ def _run(plan: Plan) -> int:
             mode, _, batch = group[0]
             group_id = f"{run_id}/{mode}/batch {batch}" if mode == SWEEP else None
             collected: dict[tuple, list[dict]] = {}
-            finished: set[tuple] = set()
 
-            def finish(entry: tuple, datas: list[dict], rounds=rounds, group_id=group_id, finished=finished) -> None:
+            def finish(entry: tuple, datas: list[dict], rounds=rounds, group_id=group_id) -> None:
                 store.add(record_of(entry, datas, rounds, group_id))
-                finished.add(entry)
                 _write_reports(store, meta, plots=False)
 
             def failed(entry: tuple, error: Exception) -> None:
@@ -367,7 +365,7 @@ def _run(plan: Plan) -> int:
                 )
             except KeyboardInterrupt:  # keep the rounds measured so far of the entries not finished
                 for entry, datas in collected.items():
-                    if datas and entry not in finished:
+                    if 0 < len(datas) < rounds:
                         store.add(record_of(entry, datas, rounds, group_id))
                 raise
     finally:
