@@ -252,9 +252,7 @@ class StepRecorder:
 
 
 def progress_bar(total: int, desc: str, enabled: bool):
-    if not enabled:
-        return None
-    return tqdm(total=total, desc=desc, unit="step", leave=False, dynamic_ncols=True)
+    return tqdm(total=total, desc=desc, unit="step", leave=False, dynamic_ncols=True, disable=not enabled)
 
 
 def entry_label(spec: CacheSpec | None, batch: int) -> str:
@@ -286,15 +284,14 @@ def measure_sweep(
         raise ValueError(f"every length must exceed the prompt length {prompt_length}, got {lengths[0]}")
     prompts = make_prompts(vocab_size(model), batch, prompt_length, seed)
     steps = lengths[-1] - prompt_length
-    bar = progress_bar(steps, entry_label(spec, batch), progress)
-    recorder = StepRecorder(
-        device=device,
-        prompt_length=prompt_length,
-        windows={length: max(prompt_length, length - window) for length in lengths},
-        batch=batch,
-        bar=bar,
-    )
-    try:
+    with progress_bar(steps, entry_label(spec, batch), progress) as bar:
+        recorder = StepRecorder(
+            device=device,
+            prompt_length=prompt_length,
+            windows={length: max(prompt_length, length - window) for length in lengths},
+            batch=batch,
+            bar=bar,
+        )
         results = generate(
             model,
             None,
@@ -306,9 +303,6 @@ def measure_sweep(
             sync_timing=sync_timing and device.type == "cuda",
             compile=compile or False,
         )
-    finally:
-        if bar is not None:
-            bar.close()
     stats = results[0].stats
     windows = []
     for length in lengths:

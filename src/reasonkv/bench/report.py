@@ -348,17 +348,9 @@ def _summary_markdown(batch: int, summary: dict) -> list[str]:
             "score + select + gather, ms), and the policy's bookkeeping in the prefill (record + observe, ms):",
             "",
         ]
-        rows = []
-        for n in evicted:
-            cells = [_ms(policies[n]["prefill_eviction_s"].get(tokens)) for tokens in lengths]
-            cells += [_ms(policies[n]["prefill_bookkeeping_s"].get(tokens)) for tokens in lengths]
-            rows.append([n, *cells])
-        header = [
-            "policy",
-            *(f"evict @{tokens}" for tokens in lengths),
-            *(f"bookkeeping @{tokens}" for tokens in lengths),
-        ]
-        lines += table(header, rows)
+        columns = {"evict": "prefill_eviction_s", "bookkeeping": "prefill_bookkeeping_s"}
+        rows = [[n, *(_ms(policies[n][key].get(t)) for key in columns.values() for t in lengths)] for n in evicted]
+        lines += table(["policy", *(f"{word} @{t}" for word in columns for t in lengths)], rows)
     lines += targets_markdown(summary["targets"])
     return lines
 

@@ -30,7 +30,7 @@ from reasonkv.bench.report import markdown, summarise, summary_text
 from reasonkv.bench.rounds import combine_rounds, run_rounds
 from reasonkv.bench.settings import EVICTION, SWEEP, BenchSettings
 from reasonkv.bench.store import ResultStore, claim_output, entry_key, now_iso
-from reasonkv.bench.tiers import equal_measured_bytes
+from reasonkv.bench.tiers import equal_measured_bytes, tiered_budget
 from reasonkv.bench.warmup import warm_up
 from reasonkv.cache import EvictingCache
 from reasonkv.cache.allocation import Uniform
@@ -73,9 +73,9 @@ def measure_entry(model, plan: Plan, mode: str, policy: str, batch: int | None, 
     variant = plan.tiers.get(policy)
     common = dict(prompt_length=config["prompt_length"], seed=config["seed"])
     if variant is not None:  # a tiered variant: the policy with a quantized tier, at the plain K/V bytes measured
-        chunk = config.get("prefill_chunk", 0)
+        tier = tiered_budget(model, spec.budget, variant["quantized"], variant["bits"])
         tier = equal_measured_bytes(
-            model, spec, variant["quantized"], variant["bits"], batch=batch, prefill_chunk=chunk, **common
+            model, spec, tier, batch=batch, prefill_chunk=config.get("prefill_chunk", 0), **common
         )
         spec = spec.replace(budget=tier["budget"], quantized=tier["quantized"], bits=tier["bits"])
     if mode == SWEEP:

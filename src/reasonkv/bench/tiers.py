@@ -19,7 +19,7 @@ from reasonkv.cache.quantize import QuantFormat, default_group_size
 from reasonkv.cache.tiers import budget_for_bytes
 from reasonkv.hf import model_info
 
-__all__ = ["equal_measured_bytes", "tier_label", "tier_markdown", "tier_summary"]
+__all__ = ["equal_measured_bytes", "tier_label", "tier_markdown", "tier_summary", "tiered_budget"]
 
 
 def tier_label(policy: str, quantized: int, bits: int) -> str:
@@ -27,38 +27,40 @@ def tier_label(policy: str, quantized: int, bits: int) -> str:
     return f"{policy}+int{bits}:{quantized}"
 
 
-def equal_measured_bytes(
-    model, plain: CacheSpec, quantized: int, bits: int, *, batch: int, prompt_length: int, **options
-) -> dict:
-    """The tier of a variant of ``plain`` (its budget ``K``, buffer ``B``) on ``model``: ``quantized``, ``bits``,
-    ``group_size`` and the full-precision ``budget`` at which the tiered cache holds, measured, the K/V bytes of
-    ``plain``. A short run of the tiered cache at the nominal budget K' (whose cache holds the nominal K/V bytes
-    of ``K`` plain tokens; ``options``: the prefill's chunk and the prompts' seed), long enough to fill the tier
-    and evict once more, gives the bytes its tier allocates; the full-precision budget drops by as many tokens'
-    bytes. Adds ``nominal_budget`` (K') and ``calibration`` (the run's length and the tier's bytes)."""
+def tiered_budget(model, budget: int, quantized: int, bits: int) -> dict:
+    """The tier of a variant on ``model``: ``quantized``, ``bits``, ``group_size`` and the full-precision
+    ``budget`` K' whose cache holds the nominal K/V bytes of ``budget`` plain tokens."""
     info = model_info(model)
     fmt = QuantFormat(bits, default_group_size(info.head_dim))
-    nominal = budget_for_bytes(plain.budget, quantized, fmt, info.head_dim, next(model.parameters()).element_size())
-    if nominal < 1:
+    full = budget_for_bytes(budget, quantized, fmt, info.head_dim, next(model.parameters()).element_size())
+    if full < 1:
         raise ValueError(
-            f"{quantized} int{bits} tokens take the K/V bytes of {plain.budget - nominal} full-precision tokens, "
-            f"more than the budget {plain.budget}: lower --quantized or raise --budget"
+            f"{quantized} int{bits} tokens take the K/V bytes of {budget - full} full-precision tokens, "
+            f"more than the budget {budget}: lower --quantized or raise --budget"
         )
-    tiered = plain.replace(budget=nominal, quantized=quantized, bits=bits)
+    return {"quantized": quantized, "bits": bits, "group_size": fmt.group_size, "budget": full}
+
+
+def equal_measured_bytes(model, plain: CacheSpec, tier: dict, *, batch: int, prompt_length: int, **options) -> dict:
+    """``tier`` (from :func:`tiered_budget`) with the full-precision budget at which the tiered cache holds,
+    measured, the K/V bytes of ``plain`` (its budget ``K``, buffer ``B``): a short run of the tiered cache
+    at the nominal budget (``options``: the prefill's chunk and the prompts' seed), long enough to fill the tier
+    and evict once more, gives the bytes its tier allocates; the full-precision budget drops by as many tokens'
+    bytes. Adds ``nominal_budget`` and ``calibration`` (the run's length and the tier's bytes)."""
+    tiered = plain.replace(budget=tier["budget"], quantized=tier["quantized"], bits=tier["bits"])
     steps = plain.buffer + 1  # one eviction after the prefill's
-    prefilled = nominal + quantized + plain.buffer + prompt_length  # fills the tier at once
+    prefilled = tier["budget"] + tier["quantized"] + plain.buffer + prompt_length  # fills the tier at once
     length = prefilled + steps + WARMUP_STEPS
     options.update(batch=batch, length=length, decode_steps=steps, prompt_length=prompt_length, sync_timing=False)
     held = measure_prefilled(model, tiered, **options)["kv_bytes_quantized"]
     budget = plain.budget - math.ceil(held / (kv_bytes_per_token(model, model_dtype(model)) * batch))
     if budget < 1:
         raise ValueError(
-            f"{quantized} int{bits} tokens hold {format_bytes(held)} measured, more than the budget "
+            f"{tier['quantized']} int{tier['bits']} tokens hold {format_bytes(held)} measured, more than the budget "
             f"{plain.budget}: lower --quantized or raise --budget"
         )
     calibration = {"length": length, "batch": batch, "tier_bytes": held}
-    tier = {"quantized": quantized, "bits": bits, "group_size": fmt.group_size, "budget": budget}
-    return {**tier, "nominal_budget": nominal, "calibration": calibration}
+    return {**tier, "nominal_budget": tier["budget"], "budget": budget, "calibration": calibration}
 
 
 def tier_summary(records: list[dict]) -> dict:
