@@ -44,9 +44,7 @@ def compiled_summary(records: list[dict]) -> dict:
             "compiled_tokens_per_s": {n: mine[n]["tokens_per_s"] for n in common},
             "compiled_vs_eager": ratios(mine, theirs, common, "tokens_per_s"),
             "vs_transformers_compiled": ratios(mine, static, [n for n in common if n in static], "tokens_per_s"),
-            "warmup_seconds": compile_info.get("warmup_seconds"),
-            "compilations": compile_info.get("compilations"),
-            "eager_reason": compile_info.get("eager_reason"),
+            **{key: compile_info.get(key) for key in ("warmup_seconds", "compilations", "eager_reason")},
         }
     return out
 
