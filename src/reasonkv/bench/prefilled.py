@@ -294,14 +294,13 @@ def measure_prefilled_sweep(
             windows = [session.measure(length, decode_steps, window=window, bar=bar) for length in lengths]
     finally:
         session.close()
-    decode_s = sum(w["step_mean_s"] * w["window_steps"] for w in windows)
     result = {
         "kv_bytes_per_token": kv_bytes_per_token(model, model_dtype(model)),
         "window_kv_bytes": window_kv_bytes(model, model_dtype(model)),
         "windows": windows,
         "totals": {
             "prefill_s": sum(w["prefill_s"] for w in windows),
-            "decode_s": decode_s,
+            "decode_s": sum(w["step_mean_s"] * w["window_steps"] for w in windows),
             "peak_slots": max(w["peak_slots"] for w in windows),
         },
     }
