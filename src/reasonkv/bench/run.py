@@ -181,8 +181,8 @@ def _plan_line(plan: Plan, pending: list[tuple[str, str, int | None]]) -> str:
     parts = [f"{count} {mode} entr{'y' if count == 1 else 'ies'}" for mode, count in modes.items() if count]
     text = f"bench: {', '.join(parts)}"
     if modes.get(SWEEP):
-        top, batches = max(plan.configs[SWEEP]["lengths"]), ", ".join(map(str, plan.batch_sizes))
-        text += f" (the sweep up to {top} tokens, batch sizes {batches})"
+        batches = ", ".join(map(str, plan.batch_sizes))
+        text += f" (the sweep up to {max(plan.configs[SWEEP]['lengths'])} tokens, batch sizes {batches})"
     return text + "; the time left is estimated after each entry"
 
 

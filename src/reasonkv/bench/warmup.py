@@ -36,7 +36,8 @@ def settle(
     if not tolerance > 0:
         raise ValueError(f"settle: tolerance must be positive, got {tolerance!r}")
     medians: list[float] = []
-    steps, stable = 0, False
+    steps = 0
+    stable = False
     while not stable and steps + window <= cap:
         medians.append(statistics.median(step() for _ in range(window)))
         steps += window
