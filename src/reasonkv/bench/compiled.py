@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from reasonkv.bench.markdown import cell, per_batch
 from reasonkv.bench.rounds import same_rounds
-from reasonkv.bench.windows import beside, by_length, unsuffixed
+from reasonkv.bench.windows import beside, by_length, ratios, unsuffixed
 
 __all__ = ["COMPILED", "compiled_label", "compiled_markdown", "compiled_summary"]
 
@@ -42,13 +42,9 @@ def compiled_summary(records: list[dict]) -> dict:
             "policy": policy,
             "eager_tokens_per_s": {n: theirs[n]["tokens_per_s"] for n in common},
             "compiled_tokens_per_s": {n: mine[n]["tokens_per_s"] for n in common},
-            "compiled_vs_eager": {n: mine[n]["tokens_per_s"] / theirs[n]["tokens_per_s"] for n in common},
-            "vs_transformers_compiled": {
-                n: mine[n]["tokens_per_s"] / static[n]["tokens_per_s"] for n in common if n in static
-            },
-            "warmup_seconds": compile_info.get("warmup_seconds"),
-            "compilations": compile_info.get("compilations"),
-            "eager_reason": compile_info.get("eager_reason"),
+            "compiled_vs_eager": ratios(mine, theirs, common, "tokens_per_s"),
+            "vs_transformers_compiled": ratios(mine, static, [n for n in common if n in static], "tokens_per_s"),
+            **{key: compile_info.get(key) for key in ("warmup_seconds", "compilations", "eager_reason")},
         }
     return out
 

@@ -44,22 +44,15 @@ def layer_markdown(summary: dict[str, dict], order: list[str], *, uniform_layer_
         "",
     ]
     header = ["layer", *(f"{name} @{summary[name]['length']}" for name in names), "uniform (K + B)"]
-    totals = {name: [0, 0] for name in names}
     rows = []
     for layer in range(layers):
         cells = [str(layer)]
         for name in names:
-            held, used = summary[name]["held"], summary[name]["used"]
-            if layer >= len(held):
-                cells.append("-")
-                continue
-            totals[name][0] += held[layer]
-            text = format_small_bytes(held[layer])
-            if layer < len(used):
-                totals[name][1] += used[layer]
-                text += f" ({format_small_bytes(used[layer])})"
-            cells.append(text)
+            held, used = summary[name]["held"], summary[name]["used"]  # used: as long as held, or empty
+            text = "-" if layer >= len(held) else format_small_bytes(held[layer])
+            cells.append(text + (f" ({format_small_bytes(used[layer])})" if layer < len(used) else ""))
         rows.append([*cells, format_small_bytes(uniform_layer_bytes)])
+    totals = {name: (sum(summary[name]["held"]), sum(summary[name]["used"])) for name in names}
     total_uniform = None if uniform_layer_bytes is None else uniform_layer_bytes * layers
     both = [f"{format_small_bytes(totals[n][0])} ({format_small_bytes(totals[n][1])})" for n in names]
     rows.append(["all", *both, format_small_bytes(total_uniform)])

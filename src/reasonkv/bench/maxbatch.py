@@ -60,14 +60,8 @@ def measure_max_batch(
         result = measure_prefilled(model, spec, batch=batch, decode_steps=probe_steps, **common)
         if result["peak_memory_bytes"] is None:
             raise RuntimeError("this machine cannot reset its peak-memory counter; the max-batch probe needs it")
-        probes.append(
-            {
-                "batch": batch,
-                "peak_bytes": result["peak_memory_bytes"],
-                "kv_bytes": result["kv_bytes"],
-                "step_mean_s": result["step_mean_s"],
-            }
-        )
+        kept = {key: result[key] for key in ("kv_bytes", "step_mean_s")}
+        probes.append({"batch": batch, "peak_bytes": result["peak_memory_bytes"], **kept})
     memory = MemoryModel.fit(probes, kv_row=kv_row)
     found = memory.max_batch(memory_limit)
 

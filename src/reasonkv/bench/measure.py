@@ -171,7 +171,6 @@ class StepRecorder:
         self.peak_from = prompt_length if peak_from is None else peak_from
         self._snap_at = set(self.windows) | set(self.windows.values())
         self._resume = 0.0
-        self._per_token: int | None = None
         self.compiling_steps: set[int] = set()  # indices into step_seconds
         self._graphs = counters["stats"]["unique_graphs"]
 
@@ -201,14 +200,10 @@ class StepRecorder:
     def _read(self, cache) -> dict:
         by_kind = kv_bytes_by_kind(cache.layers)
         if isinstance(cache, EvictingCache):
-            if self._per_token is None:
-                layer = cache.layers[cache.full_layers[0]]
-                self._per_token = len(cache.full_layers) * 2 * layer.keys.shape[1] * layer.keys.shape[3]
-                self._per_token *= layer.keys.element_size()
             # under an allocation heads keep different numbers: what each evicting layer holds, and uses
             reading = _allocated_reading(cache) if cache.spec.allocated else {}
             slots, held = cache.slots, cache.kv_bytes()
-            used = (cache.slots - cache.low_width) * self._per_token * self.batch  # full precision
+            used = (cache.slots - cache.low_width) * cache.full_token_kv_bytes() * self.batch  # full precision
         else:  # transformers' own cache: every token it holds is used
             slots, held = cache.get_seq_length(), by_kind["full"] + by_kind["sliding"] + by_kind["linear"]
             used, reading = by_kind["full"], {}
@@ -257,9 +252,7 @@ class StepRecorder:
 
 
 def progress_bar(total: int, desc: str, enabled: bool):
-    if not enabled:
-        return None
-    return tqdm(total=total, desc=desc, unit="step", leave=False, dynamic_ncols=True)
+    return tqdm(total=total, desc=desc, unit="step", leave=False, dynamic_ncols=True, disable=not enabled)
 
 
 def entry_label(spec: CacheSpec | None, batch: int) -> str:
@@ -291,15 +284,14 @@ def measure_sweep(
         raise ValueError(f"every length must exceed the prompt length {prompt_length}, got {lengths[0]}")
     prompts = make_prompts(vocab_size(model), batch, prompt_length, seed)
     steps = lengths[-1] - prompt_length
-    bar = progress_bar(steps, entry_label(spec, batch), progress)
-    recorder = StepRecorder(
-        device=device,
-        prompt_length=prompt_length,
-        windows={length: max(prompt_length, length - window) for length in lengths},
-        batch=batch,
-        bar=bar,
-    )
-    try:
+    with progress_bar(steps, entry_label(spec, batch), progress) as bar:
+        recorder = StepRecorder(
+            device=device,
+            prompt_length=prompt_length,
+            windows={length: max(prompt_length, length - window) for length in lengths},
+            batch=batch,
+            bar=bar,
+        )
         results = generate(
             model,
             None,
@@ -311,9 +303,6 @@ def measure_sweep(
             sync_timing=sync_timing and device.type == "cuda",
             compile=compile or False,
         )
-    finally:
-        if bar is not None:
-            bar.close()
     stats = results[0].stats
     windows = []
     for length in lengths:

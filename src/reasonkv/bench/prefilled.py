@@ -73,10 +73,12 @@ def prefill_chunks(
             sizes.append(min(chunk - first, rest))
             rest -= sizes[-1]
             per_row = chunk
-    sizes += [per_row] * (rest // per_row)
-    if rest % per_row:
-        sizes.append(rest % per_row)
-    return sizes
+    return sizes + _pieces(rest, per_row)
+
+
+def _pieces(total: int, size: int) -> list[int]:
+    """``total`` in pieces of ``size``, the last one shorter if ``size`` does not divide it."""
+    return [size] * (total // size) + ([total % size] if total % size else [])
 
 
 def ragged_shifts(batch: int, buffer: int) -> list[int]:
@@ -91,8 +93,7 @@ def extension_chunks(total: int, batch: int, tokens_per_forward: int) -> list[in
     ``tokens_per_forward`` tokens summed over the batch (0: one forward)."""
     if total < 1:
         raise ValueError(f"an extension needs at least one token, got {total}")
-    per_row = total if tokens_per_forward <= 0 else max(1, tokens_per_forward // batch)
-    return [per_row] * (total // per_row) + ([total % per_row] if total % per_row else [])
+    return _pieces(total, total if tokens_per_forward <= 0 else max(1, tokens_per_forward // batch))
 
 
 class PrefilledSession:
@@ -177,19 +178,18 @@ class PrefilledSession:
             raise ValueError(f"length {length} is beyond the session's longest length {self._ids.shape[1]}")
         window = decode_steps if window is None else min(window, decode_steps)
         fresh = self.cache is None or self.position >= target or isinstance(self.step, StaticStep)
+        total = target if fresh else target - self.position
         if fresh:
             self._open(length)
-        evicting = not self.plain
-        if evicting:  # buffers allocated once at the size this length needs (a full cache grows to it)
-            self.cache.reserve(length)
-        total = target - self.position
-        if fresh:
             grows = self.plain or self.spec.trigger is None
             chunks = prefill_chunks(
                 total, length, self.batch, self.prefill_chunk, prompt_length=self.prompt_length, grows=grows
             )
         else:
             chunks = extension_chunks(total, self.batch, self.prefill_chunk)
+        evicting = not self.plain
+        if evicting:  # buffers allocated once at the size this length needs (a full cache grows to it)
+            self.cache.reserve(length)
         before = self.cache.evictor.timings if evicting else {}
         evictions_before = self.cache.evictor.eviction_count if evicting else 0
         recorder = StepRecorder(
@@ -288,24 +288,19 @@ def measure_prefilled_sweep(
     """:func:`measure_prefilled` at every length, shortest first, on one cache extended from length to length
     (:class:`PrefilledSession`, its ``options``); same record layout as the decode sweep."""
     lengths = sorted(set(lengths))
-    bar = progress_bar(decode_steps * len(lengths), entry_label(spec, batch), progress)
     session = PrefilledSession(model, spec, batch=batch, top=lengths[-1], **options)
-    windows = []
     try:
-        for length in lengths:
-            windows.append(session.measure(length, decode_steps, window=window, bar=bar))
+        with progress_bar(decode_steps * len(lengths), entry_label(spec, batch), progress) as bar:
+            windows = [session.measure(length, decode_steps, window=window, bar=bar) for length in lengths]
     finally:
         session.close()
-        if bar is not None:
-            bar.close()
-    decode_s = sum(w["step_mean_s"] * w["window_steps"] for w in windows)
     result = {
         "kv_bytes_per_token": kv_bytes_per_token(model, model_dtype(model)),
         "window_kv_bytes": window_kv_bytes(model, model_dtype(model)),
         "windows": windows,
         "totals": {
             "prefill_s": sum(w["prefill_s"] for w in windows),
-            "decode_s": decode_s,
+            "decode_s": sum(w["step_mean_s"] * w["window_steps"] for w in windows),
             "peak_slots": max(w["peak_slots"] for w in windows),
         },
     }

@@ -66,22 +66,19 @@ def reads_markdown(summary: dict[str, dict], order: list[str]) -> list[str]:
         "what reading all it held would have cost; *side caches*: its block summaries at the end of the run):",
         "",
     ]
-    rows = []
-    for name in order:
-        entry = summary.get(name)
-        if entry is None:
-            continue
-        rows.append(
-            [
-                name,
-                "selects" if entry["selects"] else "holds what it reads",
-                format_small_bytes(entry["kv_bytes_held_max"]),
-                format_small_bytes(entry["kv_bytes_read_per_step"]),
-                format_small_bytes(entry["kv_bytes_full_read_per_step"]),
-                cell(entry["read_fraction"], "{:.3f}"),
-                format_small_bytes(entry["side_cache_bytes"]) if entry["selects"] else "-",
-            ]
-        )
+    entries = {name: summary[name] for name in order if name in summary}
+    rows = [
+        [
+            name,
+            "selects" if entry["selects"] else "holds what it reads",
+            format_small_bytes(entry["kv_bytes_held_max"]),
+            format_small_bytes(entry["kv_bytes_read_per_step"]),
+            format_small_bytes(entry["kv_bytes_full_read_per_step"]),
+            cell(entry["read_fraction"], "{:.3f}"),
+            format_small_bytes(entry["side_cache_bytes"]) if entry["selects"] else "-",
+        ]
+        for name, entry in entries.items()
+    ]
     header = ["policy", "kind", "KV held (max)", "KV read per step (mean)", "full read per step (mean)"]
     header += ["read / full", "side caches"]
     return lines + table(header, rows)

@@ -214,28 +214,22 @@ def _sweep_markdown(records: list[dict], summary: dict, meta: dict) -> list[str]
         selecting = any(r.get("selects") for r in group.values())  # then a column of the bytes a step read
         for name in _policy_order(group):
             windows = by_length(group[name])
-            for tokens in config["lengths"]:
-                w = windows.get(tokens)
-                if w is None:
-                    continue
-                split = w["split_s"]
-                by_kind = [format_bytes(w["kv_bytes_full"]), format_bytes(w["kv_bytes_sliding"])] if hybrid else []
+            for tokens in (t for t in config["lengths"] if t in windows):
+                w = windows[tokens]
                 rows.append(
                     [
                         name,
                         str(tokens),
                         f"{w['tokens_per_s']:.1f}",
-                        _ms(w["step_median_s"]),
-                        _ms(w["step_mean_s"]),
+                        *(_ms(w[key]) for key in ("step_median_s", "step_mean_s")),
                         _rounds_cell(w),
                         cell(w.get("gpu_clock_mhz"), "{}"),
-                        *(_ms(split[p]) for p in ("forward", *PHASES)),
-                        str(w["evictions"]),
-                        str(w["slots"]),
+                        *(_ms(w["split_s"][p]) for p in ("forward", *PHASES)),
+                        *(str(w[key]) for key in ("evictions", "slots")),
                         format_bytes(held_bytes(w)),
                         *([format_bytes(window_read(w, bool(group[name].get("selects"))))] if selecting else []),
                         format_bytes(w["kv_bytes"]),
-                        *by_kind,
+                        *(format_bytes(w[key]) for key in ("kv_bytes_full", "kv_bytes_sliding") if hybrid),
                         format_bytes(w.get("peak_memory_bytes")),
                     ]
                 )
@@ -296,26 +290,21 @@ def _summary_markdown(batch: int, summary: dict) -> list[str]:
         "(window - 1) tokens each):",
         "",
     ]
-    rows = []
     hybrid = any("kv_sliding_max" in policies[n] for n in order)
-    for n in order:
-        s = policies[n]
-        if not s["evicts"]:
-            continue
-        flat_texts = [
-            "-" if not flat else f"{cell(flat['ratio'], '{:.3f}')} ({flat['long_length']}/{flat['short_length']})"
-            for flat in (s.get("flatness"), s.get("flatness_steady"))
+    evicting = {n: policies[n] for n in order if policies[n]["evicts"]}
+    rows = [
+        [
+            n,
+            *(
+                "-" if not flat else f"{cell(flat['ratio'], '{:.3f}')} ({flat['long_length']}/{flat['short_length']})"
+                for flat in (s.get("flatness"), s.get("flatness_steady"))
+            ),
+            *(format_bytes(s.get(key)) for key in ("kv_bytes_max", "kv_bytes_bound")),
+            mark(s.get("kv_within_bound")),
+            *([format_bytes(s.get(key)) for key in _BY_KIND] if hybrid else []),
         ]
-        rows.append(
-            [
-                n,
-                *flat_texts,
-                format_bytes(s.get("kv_bytes_max")),
-                format_bytes(s.get("kv_bytes_bound")),
-                mark(s.get("kv_within_bound")),
-                *([format_bytes(s.get(key)) for key in _BY_KIND] if hybrid else []),
-            ]
-        )
+        for n, s in evicting.items()
+    ]
     header = ["policy", "flatness vs K", "flatness vs steady", "KV allocated (max)", "bound", "within"]
     if hybrid:
         header += ["full-attention layers (max)", "bound: K + B tokens", "sliding layers (max)", "bound: window"]
@@ -348,17 +337,9 @@ def _summary_markdown(batch: int, summary: dict) -> list[str]:
             "score + select + gather, ms), and the policy's bookkeeping in the prefill (record + observe, ms):",
             "",
         ]
-        rows = []
-        for n in evicted:
-            cells = [_ms(policies[n]["prefill_eviction_s"].get(tokens)) for tokens in lengths]
-            cells += [_ms(policies[n]["prefill_bookkeeping_s"].get(tokens)) for tokens in lengths]
-            rows.append([n, *cells])
-        header = [
-            "policy",
-            *(f"evict @{tokens}" for tokens in lengths),
-            *(f"bookkeeping @{tokens}" for tokens in lengths),
-        ]
-        lines += table(header, rows)
+        columns = {"evict": "prefill_eviction_s", "bookkeeping": "prefill_bookkeeping_s"}
+        rows = [[n, *(_ms(policies[n][key].get(t)) for key in columns.values() for t in lengths)] for n in evicted]
+        lines += table(["policy", *(f"{word} @{t}" for word in columns for t in lengths)], rows)
     lines += targets_markdown(summary["targets"])
     return lines
 
@@ -404,24 +385,18 @@ def _max_batch_markdown(records: list[dict], summary: dict | None) -> list[str]:
         f"from two probe batches {tuple(config['probe_batches'])}; tokens/s is measured at the batch shown.",
     )
     ratios = (summary or {}).get("tokens_per_s_vs_full", {})
-    rows = []
     by_policy = {r["policy"]: r for r in records}
-    for name in _policy_order(by_policy):
-        record = by_policy[name]
-        model = record["memory_model"]
-        rows.append(
-            [
-                record["policy"],
-                format_bytes(model["kv_row"]),
-                format_bytes(model["other_row"]),
-                format_bytes(model["fixed"]),
-                str(record["max_batch"]),
-                str(record["measured_batch"]),
-                cell(record.get("tokens_per_s"), "{:.1f}"),
-                cell(ratios.get(record["policy"]), "{:.2f}"),
-                "; ".join(record.get("notes", [])) or "-",
-            ]
-        )
+    rows = [
+        [
+            record["policy"],
+            *(format_bytes(record["memory_model"][key]) for key in ("kv_row", "other_row", "fixed")),
+            *(str(record[key]) for key in ("max_batch", "measured_batch")),
+            cell(record.get("tokens_per_s"), "{:.1f}"),
+            cell(ratios.get(record["policy"]), "{:.2f}"),
+            "; ".join(record.get("notes", [])) or "-",
+        ]
+        for record in (by_policy[name] for name in _policy_order(by_policy))
+    ]
     header = ["policy", "KV/row (computed)", "other/row (measured)", "fixed (measured)", "fits", "measured at"]
     lines += table(header + ["tok/s", "vs full", "notes"], rows)
     return lines
@@ -430,12 +405,12 @@ def _max_batch_markdown(records: list[dict], summary: dict | None) -> list[str]:
 def _cost_markdown(records: list[dict], summary: dict) -> list[str]:
     """The eviction-cost and max-batch sections, of the modes that ran."""
     lines = []
-    evictions = [r for r in records if r.get("mode") == EVICTION]
-    if evictions:
-        lines += _eviction_markdown(evictions, summary.get("eviction_cost"))
-    batches = [r for r in records if r.get("mode") == MAX_BATCH]
-    if batches:
-        lines += _max_batch_markdown(batches, summary.get("max_batch"))
+    for mode, key, section_of in (
+        (EVICTION, "eviction_cost", _eviction_markdown),
+        (MAX_BATCH, "max_batch", _max_batch_markdown),
+    ):
+        chosen = [r for r in records if r.get("mode") == mode]
+        lines += section_of(chosen, summary.get(key)) if chosen else []
     return lines
 
 

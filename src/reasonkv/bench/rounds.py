@@ -111,8 +111,8 @@ def combine_rounds(datas: list[dict]) -> dict:
             by_length.setdefault(int(window["length"]), []).append(window)
     windows = [_combine_window(by_length[length]) for length in sorted(by_length)]
     longest = max(by_length)
-    firsts = [next(w for w in d["windows"] if int(w["length"]) == longest) for d in datas if _reaches(d, longest)]
-    base = [d for d in datas if _reaches(d, longest)][_median_round(firsts)]
+    reaching = [d for d in datas if any(int(w["length"]) == longest for w in d["windows"])]
+    base = reaching[_median_round(by_length[longest])]  # by_length[longest]: their windows there, in their order
     out = {**base, "windows": windows}
     compiles = [d["compile"] for d in datas if d.get("compile")]
     if compiles:
@@ -127,10 +127,6 @@ def summed_compile(compiles: list[dict]) -> dict:
         "compilations": sum(c.get("compilations") or 0 for c in compiles),
         "warmup_seconds": sum(c.get("warmup_seconds") or 0.0 for c in compiles),
     }
-
-
-def _reaches(data: dict, length: int) -> bool:
-    return any(int(w["length"]) == length for w in data["windows"])
 
 
 def same_rounds(a: dict, b: dict) -> bool:

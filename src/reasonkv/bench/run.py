@@ -149,7 +149,8 @@ def _headline(mode: str, data: dict) -> str:
     return f"fits {data['max_batch']} rows; {'-' if tps is None else f'{tps:.1f}'} tok/s at {data['measured_batch']}"
 
 
-def _write_reports(store: ResultStore, meta: dict, *, plots: bool) -> None:
+def _write_reports(store: ResultStore, meta: dict, *, plots: bool) -> str:
+    """Rewrite the folder's reports; the summary the command prints at the end."""
     records = store.ok()
     summary = summarise(records)
     document = json_safe({**meta, "records": records, "summary": summary})
@@ -160,11 +161,10 @@ def _write_reports(store: ResultStore, meta: dict, *, plots: bool) -> None:
             write_plots(records, store.out, device=meta.get("device", "cpu"))
         except ImportError:  # matplotlib, imported by the plots only
             _say("matplotlib is not installed: no plots (pip install matplotlib)")
+    return summary_text(records, summary, meta)
 
 
-def _print_summary(store: ResultStore, meta: dict) -> None:
-    records = store.ok()
-    text = summary_text(records, summarise(records), meta)
+def _print_summary(store: ResultStore, text: str) -> None:
     if text.strip():
         print(text)
     print(f"results in {store.out}/ (bench.md, bench.json, results.jsonl, *.png)")
@@ -181,10 +181,8 @@ def _plan_line(plan: Plan, pending: list[tuple[str, str, int | None]]) -> str:
     parts = [f"{count} {mode} entr{'y' if count == 1 else 'ies'}" for mode, count in modes.items() if count]
     text = f"bench: {', '.join(parts)}"
     if modes.get(SWEEP):
-        config = plan.configs[SWEEP]
-        text += (
-            f" (the sweep up to {max(config['lengths'])} tokens, batch sizes {', '.join(map(str, plan.batch_sizes))})"
-        )
+        batches = ", ".join(map(str, plan.batch_sizes))
+        text += f" (the sweep up to {max(plan.configs[SWEEP]['lengths'])} tokens, batch sizes {batches})"
     return text + "; the time left is estimated after each entry"
 
 
@@ -269,8 +267,7 @@ def _run(plan: Plan) -> int:
         "errors": [],
     }
     if not pending:
-        _write_reports(store, meta, plots=settings.plots)
-        _print_summary(store, meta)
+        _print_summary(store, _write_reports(store, meta, plots=settings.plots))
         return 0
 
     model = _load(plan)
@@ -342,11 +339,9 @@ def _run(plan: Plan) -> int:
             mode, _, batch = group[0]
             group_id = f"{run_id}/{mode}/batch {batch}" if mode == SWEEP else None
             collected: dict[tuple, list[dict]] = {}
-            finished: set[tuple] = set()
 
-            def finish(entry: tuple, datas: list[dict], rounds=rounds, group_id=group_id, finished=finished) -> None:
+            def finish(entry: tuple, datas: list[dict], rounds=rounds, group_id=group_id) -> None:
                 store.add(record_of(entry, datas, rounds, group_id))
-                finished.add(entry)
                 _write_reports(store, meta, plots=False)
 
             def failed(entry: tuple, error: Exception) -> None:
@@ -368,12 +363,12 @@ def _run(plan: Plan) -> int:
                 )
             except KeyboardInterrupt:  # keep the rounds measured so far of the entries not finished
                 for entry, datas in collected.items():
-                    if datas and entry not in finished:
+                    if 0 < len(datas) < rounds:
                         store.add(record_of(entry, datas, rounds, group_id))
                 raise
     finally:
         if previous_handler is not None:
             signal.signal(signal.SIGTERM, previous_handler)
-        _write_reports(store, meta, plots=settings.plots)
-    _print_summary(store, meta)
+        text = _write_reports(store, meta, plots=settings.plots)
+    _print_summary(store, text)
     return 1 if meta["errors"] else 0

@@ -109,6 +109,8 @@ _policy = functools.partial(setting, group="policies")
 _sweep = functools.partial(setting, group="length sweep")
 _count = functools.partial(_sweep, type=int, always=True)  # a count the reproducing command always spells out
 _output = functools.partial(setting, group="output")
+_cost = functools.partial(setting, group="eviction cost")
+_max_batch = functools.partial(setting, group="max batch")
 
 
 def _joined(values: Sequence[int]) -> str:
@@ -215,25 +217,17 @@ class BenchSettings:
         "with --prefill-to-length plain transformers eager and compiled (a StaticCache and torch.compile of "
         "its forward) as 'transformers' and 'transformers~compiled'; compiling is timed apart, never in tok/s",
     )
-    eviction_cost: bool = setting(
-        False, group="eviction cost", help="time one eviction per policy (batch 1, K = --cached - --buffer)"
+    eviction_cost: bool = _cost(False, help="time one eviction per policy (batch 1, K = --cached - --buffer)")
+    cached: int | None = _cost(None, type=int, help="N: tokens cached at each eviction (K = N - B)")
+    repeats: int = _cost(5, type=int, help="evictions timed per policy, after one warm-up (default 5)")
+    max_batch: bool = _max_batch(False, help="largest batch per policy within --memory-limit")
+    memory_limit: str | None = _max_batch(None, help="e.g. 24GiB, 48GB, 512MiB")
+    length: int | None = _max_batch(None, type=int, help="L: sequence length the batch must fit")
+    probe_batches: tuple[int, ...] = _max_batch(
+        (1, 2), help="two batch sizes the memory overhead is measured at (default 1,2)"
     )
-    cached: int | None = setting(
-        None, group="eviction cost", type=int, help="N: tokens cached at each eviction (K = N - B)"
-    )
-    repeats: int = setting(
-        5, group="eviction cost", type=int, help="evictions timed per policy, after one warm-up (default 5)"
-    )
-    max_batch: bool = setting(False, group="max batch", help="largest batch per policy within --memory-limit")
-    memory_limit: str | None = setting(None, group="max batch", help="e.g. 24GiB, 48GB, 512MiB")
-    length: int | None = setting(None, group="max batch", type=int, help="L: sequence length the batch must fit")
-    probe_batches: tuple[int, ...] = setting(
-        (1, 2), group="max batch", help="two batch sizes the memory overhead is measured at (default 1,2)"
-    )
-    probe_steps: int = setting(4, group="max batch", type=int, help="decode steps of each probe (default 4)")
-    max_measured_batch: int = setting(
-        256, group="max batch", type=int, help="largest batch whose throughput is measured (default 256)"
-    )
+    probe_steps: int = _max_batch(4, type=int, help="decode steps of each probe (default 4)")
+    max_measured_batch: int = _max_batch(256, type=int, help="largest batch whose throughput is measured (default 256)")
     out: Path = _output(type=Path, required=True, always=True, help="folder for results.jsonl, bench.json/md, PNGs")
     force: bool = _output(False, help="re-measure entries already in --out")
     progress: bool = _output(True, negated=True, in_command=False, help="no progress bars")

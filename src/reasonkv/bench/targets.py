@@ -35,12 +35,8 @@ EVICTION_TARGET_S = 1.0  # one eviction of a few thousand cached tokens
 def _flat(summary: dict, key: str) -> dict[str, float]:
     """``policy -> ratio`` of the flatness measured up to 8 K (a shorter sweep measures no flatness at 8 K)."""
     eight_k = 8 * summary["budget"]
-    out = {}
-    for name, s in summary["policies"].items():
-        flat = s.get(key) if s["evicts"] else None
-        if flat and flat["ratio"] and flat["long_length"] >= eight_k:
-            out[name] = flat["ratio"]
-    return out
+    flats = {name: s.get(key) for name, s in summary["policies"].items() if s["evicts"]}
+    return {name: f["ratio"] for name, f in flats.items() if f and f["ratio"] and f["long_length"] >= eight_k}
 
 
 def sweep_targets(summary: dict) -> dict:

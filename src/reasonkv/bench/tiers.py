@@ -13,7 +13,7 @@ from reasonkv.bench.markdown import cell, per_batch
 from reasonkv.bench.measure import WARMUP_STEPS, model_dtype
 from reasonkv.bench.memory import format_bytes, kv_bytes_per_token
 from reasonkv.bench.prefilled import measure_prefilled
-from reasonkv.bench.windows import beside_plain
+from reasonkv.bench.windows import beside_plain, ratios
 from reasonkv.cache import CacheSpec
 from reasonkv.cache.quantize import QuantFormat, default_group_size
 from reasonkv.cache.tiers import budget_for_bytes
@@ -72,14 +72,11 @@ def tier_summary(records: list[dict]) -> dict:
             "policy": tier["policy"],
             "budget": tier["budget"],
             "nominal_budget": tier.get("nominal_budget", tier["budget"]),
-            "quantized": tier["quantized"],
-            "bits": tier["bits"],
+            **{key: tier[key] for key in ("quantized", "bits")},
             "plain_budget": plain["config"]["budget"],
-            "step_vs_plain": {n: mine[n]["step_mean_s"] / theirs[n]["step_mean_s"] for n in common},
+            "step_vs_plain": ratios(mine, theirs, common, "step_mean_s"),
             "kv_bytes": {n: mine[n]["kv_bytes"] for n in common},
-            "kv_bytes_vs_plain": {
-                n: mine[n]["kv_bytes"] / theirs[n]["kv_bytes"] for n in common if theirs[n]["kv_bytes"]
-            },
+            "kv_bytes_vs_plain": ratios(mine, theirs, [n for n in common if theirs[n]["kv_bytes"]], "kv_bytes"),
         }
     return out
 
@@ -100,8 +97,7 @@ def tier_markdown(summary: dict) -> list[str]:
 def _tier_rows(variants: dict) -> list[list[str]]:
     rows = []
     for label, s in variants.items():
-        nominal = s.get("nominal_budget", s["budget"])
-        budgets = f"{s['budget']} ({nominal}) + {s['quantized']} int{s['bits']} (vs {s['plain_budget']})"
+        budgets = f"{s['budget']} ({s['nominal_budget']}) + {s['quantized']} int{s['bits']} (vs {s['plain_budget']})"
         for n, ratio in s["step_vs_plain"].items():
             kv = s["kv_bytes_vs_plain"].get(n)
             rows.append([label, budgets, str(n), f"{ratio:.3f}", format_bytes(s["kv_bytes"][n]), cell(kv, "{:.3f}")])

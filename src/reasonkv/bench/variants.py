@@ -10,7 +10,7 @@ from __future__ import annotations
 from reasonkv.bench.compiled import compiled_markdown, compiled_summary
 from reasonkv.bench.markdown import per_batch
 from reasonkv.bench.tiers import tier_markdown, tier_summary
-from reasonkv.bench.windows import beside_plain, unsuffixed
+from reasonkv.bench.windows import beside_plain, ratios, unsuffixed
 
 __all__ = ["RAGGED", "ragged_label", "ragged_markdown", "ragged_summary", "variant_markdown", "variant_summaries"]
 
@@ -34,7 +34,7 @@ def ragged_summary(records: list[dict]) -> dict:
     for record, plain, mine, theirs, common in beside_plain(records, unsuffixed(RAGGED)):
         out.setdefault(str(record["batch"]), {})[record["policy"]] = {
             "policy": plain["policy"],
-            "step_vs_lockstep": {n: mine[n]["step_mean_s"] / theirs[n]["step_mean_s"] for n in common},
+            "step_vs_lockstep": ratios(mine, theirs, common, "step_mean_s"),
             "evictions": {n: mine[n]["evictions"] for n in common},
             "lockstep_evictions": {n: theirs[n]["evictions"] for n in common},
             "gather_share": {n: _gather_share(mine[n]) for n in common},

@@ -37,13 +37,13 @@ def settle(
         raise ValueError(f"settle: tolerance must be positive, got {tolerance!r}")
     medians: list[float] = []
     steps = 0
-    while steps + window <= cap:
+    stable = False
+    while not stable and steps + window <= cap:
         medians.append(statistics.median(step() for _ in range(window)))
         steps += window
         recent = medians[-last:]
-        if len(recent) == last and min(recent) > 0 and max(recent) / min(recent) - 1 <= tolerance:
-            return {"steps": steps, "stable": True, "window_medians_s": medians}
-    return {"steps": steps, "stable": False, "window_medians_s": medians}
+        stable = len(recent) == last and min(recent) > 0 and max(recent) / min(recent) - 1 <= tolerance
+    return {"steps": steps, "stable": stable, "window_medians_s": medians}
 
 
 def warm_up(model) -> dict:

@@ -7,12 +7,17 @@ from collections.abc import Callable, Iterator
 
 from reasonkv.bench.rounds import same_rounds
 
-__all__ = ["beside", "beside_plain", "by_length", "sweeps_by_batch", "unsuffixed"]
+__all__ = ["beside", "beside_plain", "by_length", "ratios", "sweeps_by_batch", "unsuffixed"]
 
 
 def by_length(record: dict) -> dict[int, dict]:
     """``{length: window}`` of a length-sweep record (empty when it has none)."""
     return {int(w["length"]): w for w in record.get("windows", [])}
+
+
+def ratios(mine: dict[int, dict], theirs: dict[int, dict], lengths, key: str) -> dict[int, float]:
+    """``key`` of the windows ``mine`` over ``theirs``'s, at each of ``lengths``."""
+    return {n: mine[n][key] / theirs[n][key] for n in lengths}
 
 
 def sweeps_by_batch(records: list[dict]) -> dict[int, list[dict]]:
