@@ -291,9 +291,7 @@ def gate_recall(gate: SeerGate | None, examples: list[list[LayerExample]], k: in
                     high.unsqueeze(0).expand(n, -1, -1, -1),
                 ).transpose(0, 1)
             else:
-                gq = gate.gate_queries(e.layer, e.queries.unsqueeze(0), e.positions.unsqueeze(0))
-                gk = gate.gate_keys(e.layer, e.maximum.unsqueeze(0), e.minimum.unsqueeze(0), e.mean.unsqueeze(0))
-                scores = gate.logits(gq, gk)[0]
+                scores = e.logits(gate)
             recall, pairs = top_block_recall(scores, e.target, e.visible, k)
             if pairs:
                 total, count = total + recall * pairs, count + pairs
