@@ -107,11 +107,9 @@ def _plot(s: CalibrateSettings, analysis: Analysis, default: Calibration) -> str
         plot_profiles(
             s.out / PLOT_FILE,
             [[analysis.profiles[(signal, t)] for signal in ("z", "g")] for t in s.targets],
-            band_a=analysis.band_a,
-            band_b=analysis.band_b,
-            default_a=default.band_a,
-            default_b=default.band_b,
-            title=f"{s.model}: layer anatomy on {s.dataset} ({analysis.traces} traces)",
+            analysis,
+            default,
+            f"{s.model}: layer anatomy on {s.dataset} ({analysis.traces} traces)",
         )
     except ImportError:
         _say("calibrate: matplotlib is not installed; no plot (pip install matplotlib)")
