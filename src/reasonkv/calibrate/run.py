@@ -50,7 +50,7 @@ def _problems(settings: CalibrateSettings) -> list:
 def _run(settings: CalibrateSettings) -> int:
     s, out = settings, settings.out
     problems = _problems(s)
-    label_store, signal_store = open_stores(out, s.record_settings(), s.labels, s.signals)
+    label_store, signal_store = open_stores(s)
     ids = [p.id for p in problems]
     if s.analyse_only:
         _say(f"calibrate: analysing {len(ids)} traces in {out}")
@@ -65,7 +65,7 @@ def _run(settings: CalibrateSettings) -> int:
     calibration = write_band_calibration(
         out / "calibration.json",
         model=s.model,
-        profile=analysis.profiles[(s.signal, s.target)],
+        profile=analysis.main,
         band_a=analysis.band_a,
         band_b=analysis.band_b,
         extra={"dataset": s.dataset, "source": s.source, "chunk_size": s.labels.chunk_size, "control": s.control},
