@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -34,7 +34,7 @@ def open_stores(settings: CalibrateSettings) -> tuple[RecordStore, RecordStore]:
     """The label store (refuses other settings) and the signal store (recomputed when they change) in ``out``."""
     label_settings = {**settings.record_settings(), **settings.labels.record_settings()}
     label_store = RecordStore(settings.out / LABELS_FILE, label_settings, on_mismatch="error")
-    signal_settings = {**label_settings, **settings.signals.record_settings()}
+    signal_settings = {**label_settings, **asdict(settings.signals)}  # every signal setting changes the signals
     return label_store, RecordStore(settings.out / SIGNALS_FILE, signal_settings, on_mismatch="replace")
 
 
