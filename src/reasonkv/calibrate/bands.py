@@ -50,8 +50,6 @@ def find_band(profile: Profile, sign: int, *, min_width: int = 3, max_width: int
     """The band of one sign (+1: A, -1: B) by the module's rule, or ``None``."""
     if sign not in (1, -1):
         raise ValueError(f"sign must be +1 or -1, got {sign!r}")
-    if not 1 <= min_width <= max_width:
-        raise ValueError(f"need 1 <= min_width <= max_width, got min_width={min_width}, max_width={max_width}")
     rho = profile.rho * sign
     with np.errstate(invalid="ignore"):
         significant = (profile.low > 0) if sign > 0 else (profile.high < 0)
