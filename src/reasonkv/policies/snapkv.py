@@ -23,8 +23,6 @@ def pool_valid(scores: torch.Tensor, valid: torch.Tensor, kernel: int, mode: str
     tokens inside the kernel), so a row pools the same in a batch as alone. Padding scores 0.
     """
     valid = valid.expand_as(scores)
-    if kernel <= 1:
-        return scores.float().masked_fill(~valid, 0.0)
     if mode == "max":
         pooled = pool1d(scores.float().masked_fill(~valid, float("-inf")), kernel, "max")
     else:
