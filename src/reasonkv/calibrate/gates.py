@@ -66,7 +66,6 @@ __all__ = [
 
 GATES_GROUP = "gates (SeerAttention-R)"  # the flags' group on the command line
 SUMMARY_FILE = "gates.json"
-OUTPUT_FILES = (GATE_FILE, SUMMARY_FILE)
 TOP_K = (1, 3)  # the recall measured on held-out sequences: of the true top 1 and top 3 blocks
 
 
@@ -317,7 +316,7 @@ def claim_gates_output(settings: GatesSettings) -> ClaimedFolder:
     """Claim and lock the ``--out`` folder (it may hold calibrate's other files): ``ValueError`` when a gate
     file or summary there is not this command's, before anything is written."""
     return claim_folder(
-        settings.out, "calibrate", OUTPUT_FILES, recognise=_is_old_gates_folder, inputs=[settings.dataset]
+        settings.out, "calibrate", (GATE_FILE, SUMMARY_FILE), recognise=_is_old_gates_folder, inputs=[settings.dataset]
     )
 
 
