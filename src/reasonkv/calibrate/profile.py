@@ -62,8 +62,6 @@ def per_trace_correlations(
     (partial Spearman given the chunk index for ``control="position"``, plain Spearman for ``"none"``)."""
     if len(signals) != len(labels):
         raise ValueError(f"{len(signals)} signal arrays for {len(labels)} label arrays")
-    if not signals:
-        raise ValueError("no traces to correlate")
     num_layers = np.asarray(signals[0]).shape[0]
     out = np.full((len(signals), num_layers), np.nan)
     for i, (signal, label) in enumerate(zip(signals, labels, strict=True)):
