@@ -87,7 +87,6 @@ def collect(
 class Analysis:
     """Everything the outputs are made from."""
 
-    num_layers: int
     traces: int
     chunks: int
     profiles: dict[tuple[str, str], Profile]  # (signal, target) -> profile
@@ -128,7 +127,6 @@ def analyse(
     main = profiles[(s.signal, s.target)]
     band_a, band_b = discover_bands(main, min_width=s.min_width, max_width=s.max_width)
     return Analysis(
-        num_layers=main.num_layers,
         traces=len(ids),
         chunks=sum(len(r["chunks"]) for r in label_records),
         profiles=profiles,

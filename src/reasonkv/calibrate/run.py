@@ -71,7 +71,7 @@ def _run(settings: CalibrateSettings) -> int:
         extra={"dataset": s.dataset, "source": s.source, "chunk_size": s.labels.chunk_size, "control": s.control},
         min_width=s.min_width,
     )
-    default = default_anatomy(analysis.num_layers)
+    default = default_anatomy(analysis.main.num_layers)
     auc_for(analysis, label_store, signal_store, ids, {"default": default, "cal": calibration}, s)
     plot_file = _plot(s, analysis, default)
     bundled = bundled_model(s.model)

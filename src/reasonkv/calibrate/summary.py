@@ -90,7 +90,7 @@ def _layer_table(analysis: Analysis, targets: Sequence[str]) -> list[str]:
     a = set(analysis.band_a.layers) if analysis.band_a else set()
     b = set(analysis.band_b.layers) if analysis.band_b else set()
     profiles = [analysis.profiles[key] for key in columns]
-    for layer in range(analysis.num_layers):
+    for layer in range(analysis.main.num_layers):
         mark = "A" if layer in a else "B" if layer in b else ""
         cells = [_fmt(p.rho[layer], p.low[layer], p.high[layer]) for p in profiles]
         lines.append(f"| {layer} | {mark} | " + " | ".join(cells) + " |")
@@ -127,7 +127,7 @@ def render_summary(
     main = analysis.main
     weights = [f"Weights: {run['weights']}; every figure below is that model's.", ""] if run.get("weights") else []
     lines = [
-        f"# Layer anatomy of `{run['model']}` ({analysis.num_layers} layers)",
+        f"# Layer anatomy of `{run['model']}` ({main.num_layers} layers)",
         "",
         *weights,
         f"{analysis.traces} traces ({run['source']} traces of `{run['dataset']}`; {main.n_traces} have enough "
