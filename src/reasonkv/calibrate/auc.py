@@ -51,8 +51,6 @@ def auc_table(
 ) -> list[AucRow]:
     """One :class:`AucRow` per score name (in the order of the first trace's mapping), best AUC first:
     ``scores[i]`` maps names to trace ``i``'s chunk scores, ``labels[i]`` are its chunk labels."""
-    if not 0 < fraction < 1:
-        raise ValueError(f"fraction must be in (0, 1), got {fraction}")
     if len(scores) != len(labels):
         raise ValueError(f"{len(scores)} score sets for {len(labels)} label arrays")
     if not scores:

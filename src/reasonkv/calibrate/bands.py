@@ -50,8 +50,6 @@ def find_band(profile: Profile, sign: int, *, min_width: int = 3, max_width: int
     """The band of one sign (+1: A, -1: B) by the module's rule, or ``None``."""
     if sign not in (1, -1):
         raise ValueError(f"sign must be +1 or -1, got {sign!r}")
-    if not 1 <= min_width <= max_width:
-        raise ValueError(f"need 1 <= min_width <= max_width, got min_width={min_width}, max_width={max_width}")
     rho = profile.rho * sign
     with np.errstate(invalid="ignore"):
         significant = (profile.low > 0) if sign > 0 else (profile.high < 0)
@@ -75,10 +73,7 @@ def find_band(profile: Profile, sign: int, *, min_width: int = 3, max_width: int
 
 def discover_bands(profile: Profile, *, min_width: int = 3, max_width: int = 8) -> tuple[Band | None, Band | None]:
     """``(band A, band B)`` of a profile."""
-    return (
-        find_band(profile, 1, min_width=min_width, max_width=max_width),
-        find_band(profile, -1, min_width=min_width, max_width=max_width),
-    )
+    return tuple(find_band(profile, sign, min_width=min_width, max_width=max_width) for sign in (1, -1))
 
 
 def write_band_calibration(
@@ -94,8 +89,8 @@ def write_band_calibration(
     """Write (and return) the :class:`~reasonkv.policies.calibration.Calibration` EPIKV loads, recording whether
     each band was found, the rule's inputs and the per-layer profile; a side without a band is filled by the rule."""
     default = default_anatomy(profile.num_layers)
-    a, layers_a = _side(band_a, default.a, default.band_a, band_b, profile, 1, min_width)
-    b, layers_b = _side(band_b, default.b, default.band_b, band_a, profile, -1, min_width)
+    a, layers_a = _side(band_a, band_b, (default.a, tuple(default.band_a)), profile, 1, min_width)
+    b, layers_b = _side(band_b, band_a, (default.b, tuple(default.band_b)), profile, -1, min_width)
     info: dict[str, object] = {
         "band_a_found": band_a is not None,
         "band_b_found": band_b is not None,
@@ -111,23 +106,14 @@ def write_band_calibration(
     return Calibration(profile.num_layers, a, b, layers_a, layers_b, model=str(model), extra=info).write(path)
 
 
-def _side(
-    band: Band | None,
-    default_layer: int,
-    default_band: tuple[int, ...],
-    other: Band | None,
-    profile: Profile,
-    sign: int,
-    min_width: int,
-) -> tuple[int, tuple[int, ...]]:
-    """``(representative, layers)`` of one side of the calibration file (see the module docstring)."""
+def _side(band: Band | None, other: Band | None, default: tuple, profile: Profile, sign: int, width: int) -> tuple:
+    """``(representative, layers)`` of one side of the calibration file (see the module docstring), ``default``
+    when neither band was found or the other covers every layer."""
     if band is not None:
         return band.representative, band.layers
-    if other is None:
-        return default_layer, tuple(default_band)
-    free = [layer for layer in range(profile.num_layers) if layer not in set(other.layers)]
-    if not free:  # the found band covers every layer
-        return default_layer, tuple(default_band)
+    free = [] if other is None else [layer for layer in range(profile.num_layers) if layer not in set(other.layers)]
+    if not free:
+        return default
     strength = {layer: float(np.nan_to_num(sign * profile.rho[layer], nan=-np.inf)) for layer in free}
     ranked = sorted(free, key=lambda layer: (-strength[layer], layer))
-    return ranked[0], tuple(sorted(ranked[: max(1, min_width)]))
+    return ranked[0], tuple(sorted(ranked[: max(1, width)]))

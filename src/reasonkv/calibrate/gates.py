@@ -66,7 +66,6 @@ __all__ = [
 
 GATES_GROUP = "gates (SeerAttention-R)"  # the flags' group on the command line
 SUMMARY_FILE = "gates.json"
-OUTPUT_FILES = (GATE_FILE, SUMMARY_FILE)
 TOP_K = (1, 3)  # the recall measured on held-out sequences: of the true top 1 and top 3 blocks
 
 
@@ -291,9 +290,7 @@ def gate_recall(gate: SeerGate | None, examples: list[list[LayerExample]], k: in
                     high.unsqueeze(0).expand(n, -1, -1, -1),
                 ).transpose(0, 1)
             else:
-                gq = gate.gate_queries(e.layer, e.queries.unsqueeze(0), e.positions.unsqueeze(0))
-                gk = gate.gate_keys(e.layer, e.maximum.unsqueeze(0), e.minimum.unsqueeze(0), e.mean.unsqueeze(0))
-                scores = gate.logits(gq, gk)[0]
+                scores = e.logits(gate)
             recall, pairs = top_block_recall(scores, e.target, e.visible, k)
             if pairs:
                 total, count = total + recall * pairs, count + pairs
@@ -319,7 +316,7 @@ def claim_gates_output(settings: GatesSettings) -> ClaimedFolder:
     """Claim and lock the ``--out`` folder (it may hold calibrate's other files): ``ValueError`` when a gate
     file or summary there is not this command's, before anything is written."""
     return claim_folder(
-        settings.out, "calibrate", OUTPUT_FILES, recognise=_is_old_gates_folder, inputs=[settings.dataset]
+        settings.out, "calibrate", (GATE_FILE, SUMMARY_FILE), recognise=_is_old_gates_folder, inputs=[settings.dataset]
     )
 
 

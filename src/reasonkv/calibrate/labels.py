@@ -58,9 +58,7 @@ class LabelSettings:
 
     def record_settings(self) -> dict[str, Any]:
         """The settings that change the labels (``batch_size`` does not)."""
-        settings = asdict(self)
-        settings.pop("batch_size")
-        return settings
+        return {name: value for name, value in asdict(self).items() if name != "batch_size"}
 
 
 def chunk_bounds(prompt_length: int, total_length: int, chunk_size: int) -> list[tuple[int, int]]:

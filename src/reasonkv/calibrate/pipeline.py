@@ -6,18 +6,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from reasonkv.calibrate.auc import AucRow, auc_table
 from reasonkv.calibrate.bands import Band, discover_bands
-from reasonkv.calibrate.labels import TARGETS, LabelSettings, label_trace
+from reasonkv.calibrate.labels import TARGETS, label_trace
 from reasonkv.calibrate.profile import Profile, layer_profile
 from reasonkv.calibrate.scores import chunk_scores
-from reasonkv.calibrate.signals import SIGNALS, SignalSettings, trace_signals
+from reasonkv.calibrate.signals import SIGNALS, trace_signals
 from reasonkv.calibrate.stats import spearman
 from reasonkv.calibrate.store import RecordStore
 from reasonkv.calibrate.traces import generated_trace, reference_trace
@@ -31,17 +30,12 @@ LABELS_FILE = "labels.jsonl"
 SIGNALS_FILE = "signals.jsonl"
 
 
-def open_stores(
-    out_dir: str | Path, run_settings: dict[str, Any], labels: LabelSettings, signals: SignalSettings
-) -> tuple[RecordStore, RecordStore]:
-    """The label store (refuses other settings) and the signal store (recomputed when they change)."""
-    out_dir = Path(out_dir)
-    label_settings = {**run_settings, **labels.record_settings()}
-    label_store = RecordStore(out_dir / LABELS_FILE, label_settings, on_mismatch="error")
-    signal_store = RecordStore(
-        out_dir / SIGNALS_FILE, {**label_settings, **signals.record_settings()}, on_mismatch="replace"
-    )
-    return label_store, signal_store
+def open_stores(settings: CalibrateSettings) -> tuple[RecordStore, RecordStore]:
+    """The label store (refuses other settings) and the signal store (recomputed when they change) in ``out``."""
+    label_settings = {**settings.record_settings(), **settings.labels.record_settings()}
+    label_store = RecordStore(settings.out / LABELS_FILE, label_settings, on_mismatch="error")
+    signal_settings = {**label_settings, **asdict(settings.signals)}  # every signal setting changes the signals
+    return label_store, RecordStore(settings.out / SIGNALS_FILE, signal_settings, on_mismatch="replace")
 
 
 def collect(
@@ -93,15 +87,12 @@ def collect(
 class Analysis:
     """Everything the outputs are made from."""
 
-    num_layers: int
     traces: int
     chunks: int
     profiles: dict[tuple[str, str], Profile]  # (signal, target) -> profile
+    main: Profile  # the (signal, target) profile the bands were picked by, under the run's control
     band_a: Band | None
     band_b: Band | None
-    signal: str
-    target: str
-    control: str
     label_position: dict[str, float]  # target -> mean per-trace Spearman of the labels with chunk index
     auc: dict[str, list[AucRow]] = field(default_factory=dict)  # target -> rows
     seconds_per_trace: float = float("nan")
@@ -136,15 +127,12 @@ def analyse(
     main = profiles[(s.signal, s.target)]
     band_a, band_b = discover_bands(main, min_width=s.min_width, max_width=s.max_width)
     return Analysis(
-        num_layers=main.num_layers,
         traces=len(ids),
         chunks=sum(len(r["chunks"]) for r in label_records),
         profiles=profiles,
+        main=main,
         band_a=band_a,
         band_b=band_b,
-        signal=s.signal,
-        target=s.target,
-        control=s.control,
         label_position=label_position,
         seconds_per_trace=_mean(label_records, "seconds") + _mean(signal_records, "seconds"),
         cpu_seconds_per_trace=_mean(label_records, "cpu_seconds") + _mean(signal_records, "cpu_seconds"),

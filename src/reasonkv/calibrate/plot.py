@@ -6,8 +6,9 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from reasonkv.calibrate.bands import Band
+from reasonkv.calibrate.pipeline import Analysis
 from reasonkv.calibrate.profile import Profile
+from reasonkv.policies.calibration import Calibration
 
 __all__ = ["plot_profiles"]
 
@@ -20,17 +21,11 @@ _TARGET_TITLE = {
 
 
 def plot_profiles(
-    path: str | os.PathLike,
-    panels: Sequence[Sequence[Profile]],
-    *,
-    band_a: Band | None,
-    band_b: Band | None,
-    default_a: Sequence[int],
-    default_b: Sequence[int],
-    title: str = "",
+    path: str | os.PathLike, panels: Sequence[Sequence[Profile]], found: Analysis, default: Calibration, title: str
 ) -> None:
-    """Write a PNG: ``panels[i]`` holds the profiles (one per signal) of one label kind (``ImportError`` without
-    matplotlib, a dependency of reasonkv: only in a broken install)."""
+    """Write a PNG: ``panels[i]`` holds the profiles (one per signal) of one label kind, with the bands ``found``
+    and the ``default`` ones (``ImportError`` without matplotlib, a dependency of reasonkv: only in a broken
+    install)."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -40,14 +35,14 @@ def plot_profiles(
     for ax, profiles in zip(axes[:, 0], panels, strict=True):
         num_layers = profiles[0].num_layers
         layers = list(range(num_layers))
-        for band, color, label in ((band_a, "tab:green", "band A"), (band_b, "tab:red", "band B")):
+        for band, color, label in ((found.band_a, "tab:green", "band A"), (found.band_b, "tab:red", "band B")):
             if band is not None:
                 ax.axvspan(band.first - 0.5, band.last + 0.5, color=color, alpha=0.15, label=f"{label} (found)")
                 ax.axvline(band.representative, color=color, linewidth=1, alpha=0.7)
-        for default, color, label in ((default_a, "tab:green", "A"), (default_b, "tab:red", "B")):
+        for layers_of, color, label in ((default.band_a, "tab:green", "A"), (default.band_b, "tab:red", "B")):
             ax.axvspan(
-                min(default) - 0.5,
-                max(default) + 0.5,
+                min(layers_of) - 0.5,
+                max(layers_of) + 0.5,
                 fill=False,
                 edgecolor=color,
                 linestyle=":",
@@ -67,8 +62,7 @@ def plot_profiles(
     axes[-1, 0].set_xlabel("decoder layer")
     handles, labels = axes[0, 0].get_legend_handles_labels()
     axes[0, 0].legend(handles, labels, fontsize=8, ncol=3, loc="best")
-    if title:
-        fig.suptitle(title, fontsize=11)
+    fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

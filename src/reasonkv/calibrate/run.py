@@ -50,7 +50,7 @@ def _problems(settings: CalibrateSettings) -> list:
 def _run(settings: CalibrateSettings) -> int:
     s, out = settings, settings.out
     problems = _problems(s)
-    label_store, signal_store = open_stores(out, s.record_settings(), s.labels, s.signals)
+    label_store, signal_store = open_stores(s)
     ids = [p.id for p in problems]
     if s.analyse_only:
         _say(f"calibrate: analysing {len(ids)} traces in {out}")
@@ -65,13 +65,13 @@ def _run(settings: CalibrateSettings) -> int:
     calibration = write_band_calibration(
         out / "calibration.json",
         model=s.model,
-        profile=analysis.profiles[(s.signal, s.target)],
+        profile=analysis.main,
         band_a=analysis.band_a,
         band_b=analysis.band_b,
         extra={"dataset": s.dataset, "source": s.source, "chunk_size": s.labels.chunk_size, "control": s.control},
         min_width=s.min_width,
     )
-    default = default_anatomy(analysis.num_layers)
+    default = default_anatomy(analysis.main.num_layers)
     auc_for(analysis, label_store, signal_store, ids, {"default": default, "cal": calibration}, s)
     plot_file = _plot(s, analysis, default)
     bundled = bundled_model(s.model)
@@ -107,11 +107,9 @@ def _plot(s: CalibrateSettings, analysis: Analysis, default: Calibration) -> str
         plot_profiles(
             s.out / PLOT_FILE,
             [[analysis.profiles[(signal, t)] for signal in ("z", "g")] for t in s.targets],
-            band_a=analysis.band_a,
-            band_b=analysis.band_b,
-            default_a=default.band_a,
-            default_b=default.band_b,
-            title=f"{s.model}: layer anatomy on {s.dataset} ({analysis.traces} traces)",
+            analysis,
+            default,
+            f"{s.model}: layer anatomy on {s.dataset} ({analysis.traces} traces)",
         )
     except ImportError:
         _say("calibrate: matplotlib is not installed; no plot (pip install matplotlib)")

@@ -14,9 +14,7 @@ import numpy as np
 
 from reasonkv.calibrate.signals import BASELINE_SCORES
 
-__all__ = ["EPIKV_SCORES", "chunk_scores", "epikv_scores"]
-
-EPIKV_SCORES = ("epikv", "epikv-band", "epikv-raw", "g-bands", "g-band-a")
+__all__ = ["chunk_scores", "epikv_scores"]
 
 
 def epikv_scores(g: np.ndarray, z: np.ndarray, calibration: Any) -> dict[str, np.ndarray]:

@@ -15,7 +15,7 @@ import functools
 import math
 import time
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -66,9 +66,6 @@ class SignalSettings:
             raise ValueError(f"eps must be a non-negative number, got {self.eps!r}")
         if self.pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {self.pooling!r}")
-
-    def record_settings(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 # --------------------------------------------------------------------------- over a whole sequence

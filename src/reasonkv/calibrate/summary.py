@@ -90,7 +90,7 @@ def _layer_table(analysis: Analysis, targets: Sequence[str]) -> list[str]:
     a = set(analysis.band_a.layers) if analysis.band_a else set()
     b = set(analysis.band_b.layers) if analysis.band_b else set()
     profiles = [analysis.profiles[key] for key in columns]
-    for layer in range(analysis.num_layers):
+    for layer in range(analysis.main.num_layers):
         mark = "A" if layer in a else "B" if layer in b else ""
         cells = [_fmt(p.rho[layer], p.low[layer], p.high[layer]) for p in profiles]
         lines.append(f"| {layer} | {mark} | " + " | ".join(cells) + " |")
@@ -124,18 +124,18 @@ def render_summary(
     """The summary page. ``run`` holds ``model``, ``dataset``, ``source``, ``chunk_size``,
     ``horizon``, ``replicates``, ``fraction``, ``command`` (shown as given) and may hold ``weights``: what the
     model's weights are when they are not the original ones (a bundled model's quantized file)."""
-    main = analysis.profiles[(analysis.signal, analysis.target)]
+    main = analysis.main
     weights = [f"Weights: {run['weights']}; every figure below is that model's.", ""] if run.get("weights") else []
     lines = [
-        f"# Layer anatomy of `{run['model']}` ({analysis.num_layers} layers)",
+        f"# Layer anatomy of `{run['model']}` ({main.num_layers} layers)",
         "",
         *weights,
         f"{analysis.traces} traces ({run['source']} traces of `{run['dataset']}`; {main.n_traces} have enough "
         f"labelled chunks for a correlation), {analysis.chunks} chunks of "
-        f"{run['chunk_size']} tokens. Importance label of a chunk: the {_TARGET_WORDS[analysis.target]} when the "
+        f"{run['chunk_size']} tokens. Importance label of a chunk: the {_TARGET_WORDS[main.target]} when the "
         "chunk is hidden from every later query through the attention mask. Signal: the "
-        f"{_SIGNAL_WORDS[analysis.signal]}, averaged over the chunk. rho: Spearman correlation of a layer's chunk "
-        f"signal with the labels within a trace{_CONTROL_WORDS[analysis.control]}, averaged over traces; brackets: "
+        f"{_SIGNAL_WORDS[main.signal]}, averaged over the chunk. rho: Spearman correlation of a layer's chunk "
+        f"signal with the labels within a trace{_CONTROL_WORDS[main.control]}, averaged over traces; brackets: "
         f"{main.level:.0%} bootstrap interval over traces ({run['replicates']} resamples).",
         "",
         "How much the labels follow position alone (mean per-trace Spearman of label and chunk index): "
@@ -161,7 +161,7 @@ def render_summary(
     ]
     if plot_file:
         lines += [f"![per-layer correlation]({plot_file})", ""]
-    lines += ["## Per-layer correlation", "", *_layer_table(analysis, [analysis.target, "answer"]), ""]
+    lines += ["## Per-layer correlation", "", *_layer_table(analysis, [main.target, "answer"]), ""]
     if analysis.auc:
         lines += [
             f"## Which score finds the important chunks? (AUC for the top {run['fraction']:.0%} chunks of each trace)",
@@ -172,7 +172,7 @@ def render_summary(
             "attention of one teacher-forced pass, averaged over the full-attention layers and the heads, as seen at "
             "the end of the trace.",
             "",
-            *_auc_table(analysis.auc, analysis.target),
+            *_auc_table(analysis.auc, main.target),
             "",
         ]
     lines += [

@@ -58,12 +58,12 @@ def prompt_ids(tokenizer: Any, problem: Any) -> list[int]:
     return encode_prompt(tokenizer, build_prompt(tokenizer, problem))
 
 
-def reference_trace(tokenizer: Any, problem: Any, *, max_tokens: int | None = None, tidy: bool = True) -> Trace:
-    """The problem's reference solution (:func:`tidy_reference`'d unless ``tidy`` is False) after its prompt, cut to
-    ``max_tokens`` (the answer span dropped if it is cut); ``ValueError`` for a problem without a solution."""
+def reference_trace(tokenizer: Any, problem: Any, *, max_tokens: int | None = None) -> Trace:
+    """The problem's reference solution (:func:`tidy_reference`'d) after its prompt, cut to ``max_tokens`` (the
+    answer span dropped if it is cut); ``ValueError`` for a problem without a solution."""
     if not problem.solution:
         raise ValueError(f"problem {problem.id!r} has no reference solution; use source='generated'")
-    text = tidy_reference(problem.solution) if tidy else problem.solution.strip()
+    text = tidy_reference(problem.solution)
     trace_ids, span = token_span(tokenizer, text, answer_span(text))
     if max_tokens is not None and len(trace_ids) > max_tokens:
         trace_ids, span = trace_ids[:max_tokens], span if span is not None and span[1] <= max_tokens else None

@@ -62,8 +62,6 @@ def leverage_scores(
     ``rtol`` times the largest counting as absent (rank-deficient inputs get the leverage of their numerical
     rank); ``"norm"``, squared row norms of ``x`` itself, as CurDKV's released code scores the sketch.
     """
-    if method not in LEVERAGE_METHODS:
-        raise ValueError(f"leverage method must be one of {LEVERAGE_METHODS}, got {method!r}")
     mask = _row_mask(valid, x).unsqueeze(-1)
     if method == "norm":
         return (x.float().masked_fill(~mask, 0.0) ** 2).sum(-1)
@@ -121,8 +119,6 @@ def dkv_scores(
     (``None``: score the raw keys / values). ``combine``: ``"product"`` (CurDKV's default),
     ``"mean"``, ``"key"`` or ``"value"``.
     """
-    if combine not in COMBINE_METHODS:
-        raise ValueError(f"combine must be one of {COMBINE_METHODS}, got {combine!r}")
 
     def side(x: torch.Tensor, projection: torch.Tensor | None) -> torch.Tensor:
         return local_normalise(leverage_scores(sketch(x, projection), valid, method=method), valid, local_window)

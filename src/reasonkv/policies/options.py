@@ -139,28 +139,19 @@ def check_choice(policy: Any, option: str, choices: Sequence[Any]) -> None:
     check_option(policy, option, getattr(policy, option) in choices, f"one of {', '.join(map(str, choices))}")
 
 
-def _split(pair: str) -> tuple[str, str]:
+def split_option(pair: str) -> tuple[str | None, str, str]:
+    """``"POLICY.KEY=VALUE"`` -> ``(POLICY, KEY, VALUE)``; ``"KEY=VALUE"`` -> ``(None, KEY, VALUE)``; the old
+    ``"POLICY:KEY=VALUE"`` with a warning."""
     key, sep, value = pair.partition("=")
     if not sep or not key.strip():
         raise ValueError(f"policy option {pair!r} is not KEY=VALUE")
-    return key.strip(), value.strip()
-
-
-def _scope(key: str) -> tuple[str | None, str]:
-    """``"POLICY.KEY"`` -> ``(POLICY, KEY)``; ``"KEY"`` -> ``(None, KEY)``; old ``"POLICY:KEY"`` with a warning."""
+    key, value = key.strip(), value.strip()
     target, dot, option = key.rpartition(".")
     if not dot:
         target, colon, option = key.partition(":")
         if not colon:
-            return None, key.replace("-", "_")
+            return None, key.replace("-", "_"), value
         warnings.warn(
-            f"-o {key}=...: POLICY:KEY is deprecated, write {target}.{option}=...", FutureWarning, stacklevel=4
+            f"-o {key}=...: POLICY:KEY is deprecated, write {target}.{option}=...", FutureWarning, stacklevel=3
         )
-    return target.strip(), option.strip().replace("-", "_")
-
-
-def split_option(pair: str) -> tuple[str | None, str, str]:
-    """``"POLICY.KEY=VALUE"`` -> ``(POLICY, KEY, VALUE)``; ``"KEY=VALUE"`` -> ``(None, KEY, VALUE)``."""
-    key, value = _split(pair)
-    target, option = _scope(key)
-    return target, option, value
+    return target.strip(), option.strip().replace("-", "_"), value

@@ -288,6 +288,12 @@ class LayerExample:
     visible: torch.Tensor
     quest: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # post-RoPE queries, key min, key max
 
+    def logits(self, gate: SeerGate) -> torch.Tensor:
+        """The gate's logits ``[kv_heads, n, blocks]`` of this example's queries over its blocks."""
+        gate_queries = gate.gate_queries(self.layer, self.queries.unsqueeze(0), self.positions.unsqueeze(0))
+        pooled = (self.maximum.unsqueeze(0), self.minimum.unsqueeze(0), self.mean.unsqueeze(0))
+        return gate.logits(gate_queries, gate.gate_keys(self.layer, *pooled))[0]
+
 
 def block_pool(keys: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Max, min and mean of ``keys`` ``[kv_heads, length, dim]`` per block: ``[kv_heads, blocks, dim]`` each."""
@@ -344,12 +350,7 @@ def layer_example(
 
 def gate_loss(gate: SeerGate, example: LayerExample) -> torch.Tensor:
     """KL(target || gate) of one example, averaged over its queries and kv-heads."""
-    gate_queries = gate.gate_queries(example.layer, example.queries.unsqueeze(0), example.positions.unsqueeze(0))
-    gate_keys = gate.gate_keys(
-        example.layer, example.maximum.unsqueeze(0), example.minimum.unsqueeze(0), example.mean.unsqueeze(0)
-    )
-    logits = gate.logits(gate_queries, gate_keys)[0]  # [kv_heads, n, blocks]
-    log_p = logits.masked_fill(~example.visible, float("-inf")).log_softmax(dim=-1)
+    log_p = example.logits(gate).masked_fill(~example.visible, float("-inf")).log_softmax(dim=-1)
     target = example.target
     terms = torch.xlogy(target, target) - target * log_p.masked_fill(~example.visible, 0.0)
     return terms.sum(-1).mean()

@@ -201,8 +201,6 @@ def rank_sampled(
     """The ranking :func:`keep_sampled` keeps from: ``log(weight) / temperature`` plus Gumbel noise
     (keyed by each row's seed and the slots' positions, :func:`gumbel_noise`), protected slots at :data:`MUST_KEEP`,
     padding at :data:`NEVER_KEEP`. Taken in descending order it is a sample without replacement."""
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
     weights, valid, protected = torch.broadcast_tensors(weights, valid, protected)
     logw = weights.float().clamp(min=0).log() / temperature
     draws = gumbel_noise(valid, seeds, positions)

@@ -22,11 +22,7 @@ def pool_valid(scores: torch.Tensor, valid: torch.Tensor, kernel: int, mode: str
     Padding slots neither raise a max nor dilute an average (``"avg"`` averages over the real
     tokens inside the kernel), so a row pools the same in a batch as alone. Padding scores 0.
     """
-    if mode not in POOLINGS:
-        raise ValueError(f"pooling must be one of {POOLINGS}, got {mode!r}")
     valid = valid.expand_as(scores)
-    if kernel <= 1:
-        return scores.float().masked_fill(~valid, 0.0)
     if mode == "max":
         pooled = pool1d(scores.float().masked_fill(~valid, float("-inf")), kernel, "max")
     else:

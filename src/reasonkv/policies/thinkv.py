@@ -426,11 +426,10 @@ class ThinKV(Policy):
         squared, not the longest segment's: after many evictions most segments hold a few floor tokens.
         A bucket runs K-means only at levels where one of its groups has more members than the level
         keeps; its Gram matrix is summed over the pieces of features, so no more than one piece is held
-        at once. The host reads the group sizes once.
+        at once.
         """
         device, n = group.device, group.shape[0]
         counts = torch.zeros(n_groups, dtype=torch.long, device=device).scatter_add_(0, group, torch.ones_like(group))
-        sizes = counts.tolist()
         # Groups by size (a stable sort, the same on the host); tokens by their group's place there, then position.
         order = torch.sort(counts, stable=True).indices
         place = torch.empty_like(order).scatter_(0, order, torch.arange(n_groups, device=device))[group]
@@ -439,9 +438,9 @@ class ThinKV(Policy):
         place = place[tokens]
         ahead = counts[order].cumsum(0) - counts[order]  # tokens of the groups before each place
         rank = torch.arange(n, device=device) - ahead[place]  # member index within its group
-        by_size = sorted(sizes)
+        by_size = sorted(counts.tolist())  # the host reads the group sizes once
         depth = torch.zeros(n, dtype=torch.long, device=device)
-        buckets = []  # (members, at, active, width, biggest) of the buckets that cluster
+        buckets = []  # (members, at, active, biggest) of the buckets that cluster
         first_group = first_token = 0
         while first_group < n_groups:
             width = 1 << max(0, by_size[first_group] - 1).bit_length()  # the bucket's power-of-two width
