@@ -25,7 +25,8 @@ from reasonkv.cache.spec import CacheSpec
 from reasonkv.cache.storage import KVStorage, weakly
 from reasonkv.cache.tiers import split_tiers
 from reasonkv.cache.timing import Stopwatch
-from reasonkv.hf import KernelReader, LayerMasks, StepCapture, attention_implementation, model_info
+from reasonkv.hf import KernelReader, LayerMasks, StepCapture, model_info
+from reasonkv.hf.tap import check_readable
 from reasonkv.policies import noise, select
 from reasonkv.policies.base import Policy
 from reasonkv.policies.view import EvictionView
@@ -170,12 +171,7 @@ class Evictor:
     def _allocate(self, model, cache: KVStorage) -> None:
         """Heads keep different numbers of tokens: the budget table, the storage's trigger, and a per-head mask."""
         info, spec = self.info, self.spec
-        implementation = attention_implementation(model)
-        if implementation not in ("sdpa", "eager"):
-            raise ValueError(
-                f"allocation={spec.allocation!r} gives each kv-head its own mask through the sdpa or eager attention "
-                f"kernel; this model runs {implementation!r}: load it with attn_implementation='sdpa'"
-            )
+        check_readable(model, f"allocation={spec.allocation!r} gives each kv-head its own mask")
         self.budgets = spec.budget_table(len(info.full_layers), info.num_kv_heads)
         fewest, widest = spec.allocation_rule.extent(self.budgets, spec.budget)
         cache.allocate(fewest + spec.buffer, widest, ragged=spec.ragged)
