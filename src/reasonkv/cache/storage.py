@@ -26,7 +26,7 @@ from reasonkv.cache.ragged import RaggedLayer
 from reasonkv.cache.rows import RowState
 from reasonkv.cache.spec import DEFAULT_BUFFER, check_sizes
 from reasonkv.cache.tiers import check_settings
-from reasonkv.hf import model_info, native_cache_layers
+from reasonkv.hf import model_info, native_cache
 
 __all__ = ["KVStorage", "kv_bytes_by_kind"]
 
@@ -93,7 +93,7 @@ class KVStorage(Cache):
         check_layer_kinds(kinds, type(model).__name__)
         if all(kind == "full" for kind in kinds):
             return [self._new_layer() for _ in kinds]
-        native = native_cache_layers(model)
+        native = native_cache(model).layers  # transformers' own, for the layers that do not evict
         windows = set()
         for index, (kind, layer) in enumerate(zip(kinds, native, strict=True)):
             if _native_kind(layer) != kind:
@@ -160,8 +160,7 @@ class KVStorage(Cache):
 
     def kv_bytes_by_tier(self) -> dict[str, int]:
         """The evicting layers' bytes per tier, allocated capacity counted: ``full`` and ``quantized``."""
-        held = self.kv_bytes_by_kind()
-        return {"full": held["full"], "quantized": held["quantized"]}
+        return {tier: held for tier, held in self.kv_bytes_by_kind().items() if tier in ("full", "quantized")}
 
     def row_kv_bytes_by_tier(self) -> dict[str, torch.Tensor]:
         """The bytes each row's tokens need in the evicting layers, ``[batch]`` per tier (``full``: each head's own
