@@ -81,10 +81,8 @@ class KVStorage(Cache):
     def _new_layer(self) -> EvictingLayer:
         # The layers call back into this storage weakly: the storage owns them, and a cycle would keep its K/V
         # alive until a garbage collection.
-        unannounced = weakly(self._unannounced)
-        if not self.quantized:
-            return EvictingLayer(self.rows, unannounced)
-        return EvictingLayer(self.rows, unannounced, weakly(self.tier_format), self.workspace)
+        tier = (weakly(self.tier_format), self.workspace) if self.quantized else ()
+        return EvictingLayer(self.rows, weakly(self._unannounced), *tier)
 
     def _layers_of(self, model) -> list:
         """One cache layer per decoder layer: evicting for full attention, the model's own otherwise."""
@@ -234,11 +232,9 @@ class KVStorage(Cache):
         return self.get_query_offset(layer_idx) + query_length, 0
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
-        return self.window.held_before if self._in_window(layer_idx) else self.slots
-
-    def _in_window(self, layer_idx: int) -> bool:
-        """Whether ``layer_idx`` is a sliding-window layer (its mask indexes its own slots)."""
-        return self.window is not None and getattr(self.layers[layer_idx], "is_sliding", False)
+        # A sliding-window layer's mask indexes its own slots.
+        sliding = self.window is not None and getattr(self.layers[layer_idx], "is_sliding", False)
+        return self.window.held_before if sliding else self.slots
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
         return -1
