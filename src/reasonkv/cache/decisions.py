@@ -97,6 +97,10 @@ class Eviction:
         layer-wide selection gave it at this eviction)."""
         return self.kept_mask().sum(-1)
 
+    def held_counts(self) -> np.ndarray:
+        """``[evicting, heads]``: tokens each evicting head held just before (how many of its values are its own)."""
+        return self.before_mask().sum(-1)
+
 
 @dataclass
 class Trace:
