@@ -178,8 +178,7 @@ class Evictor:
         cache.allocate(fewest + spec.buffer, widest, ragged=spec.ragged)
 
     def _reader(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask, kwargs):
-        """What the kernel reads on this cache (see _read); nothing is changed for the same model running with
-        another cache."""
+        """What the kernel reads (see _read); None while the same model runs with another cache."""
         return self._read(layer, query, key, value) if self._in_forward else None
 
     def _read(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
