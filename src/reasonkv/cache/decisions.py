@@ -144,7 +144,7 @@ class DecisionLog:
         self.by_row: dict[int, list[Eviction]] = defaultdict(list)
         self._full_layers = list(cache.full_layers)
         selector = getattr(evictor, "selector", None)  # a selection policy's cache (reasonkv.cache.selecting)
-        self._block = None if selector is None else selector.block_size
+        self._block = None if selector is None else selector.policy.block_size
         self._reads: dict[int, tuple] = {}  # a selection policy's reads of the step in progress, by layer
         evictor.listen(self)
 

@@ -25,7 +25,8 @@ from reasonkv.cache.spec import CacheSpec
 from reasonkv.cache.storage import KVStorage, weakly
 from reasonkv.cache.tiers import split_tiers
 from reasonkv.cache.timing import Stopwatch
-from reasonkv.hf import KernelReader, LayerMasks, StepCapture, attention_implementation, model_info
+from reasonkv.hf import KernelReader, LayerMasks, StepCapture, model_info
+from reasonkv.hf.tap import check_readable
 from reasonkv.policies import noise, select
 from reasonkv.policies.base import Policy
 from reasonkv.policies.view import EvictionView
@@ -71,9 +72,10 @@ class Evictor:
         # An allocation: the [layers, kv_heads] budgets. The kernel reader of an allocation (each head its own
         # mask) or of a selection policy (the blocks a step reads): see _read.
         self.budgets: torch.Tensor | None = None
-        self.reader = None
         if spec.allocated:
             self._allocate(model, cache)
+        reads = spec.allocated or spec.selects
+        self.reader = KernelReader(model, self._reader, self.info.full_layers) if reads else None
         self._in_forward = False  # between announce and finish: the model's attention runs on this cache
         self._hooks = [
             model.register_forward_pre_hook(weakly(self._before_forward), with_kwargs=True),
@@ -170,21 +172,17 @@ class Evictor:
     def _allocate(self, model, cache: KVStorage) -> None:
         """Heads keep different numbers of tokens: the budget table, the storage's trigger, and a per-head mask."""
         info, spec = self.info, self.spec
-        implementation = attention_implementation(model)
-        if implementation not in ("sdpa", "eager"):
-            raise ValueError(
-                f"allocation={spec.allocation!r} gives each kv-head its own mask through the sdpa or eager attention "
-                f"kernel; this model runs {implementation!r}: load it with attn_implementation='sdpa'"
-            )
+        check_readable(model, f"allocation={spec.allocation!r} gives each kv-head its own mask")
         self.budgets = spec.budget_table(len(info.full_layers), info.num_kv_heads)
         fewest, widest = spec.allocation_rule.extent(self.budgets, spec.budget)
         cache.allocate(fewest + spec.buffer, widest, ragged=spec.ragged)
-        self.reader = KernelReader(model, self._read, info.full_layers)
 
-    def _read(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask, kwargs):
+    def _reader(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask, kwargs):
+        """What the kernel reads (see _read); None while the same model runs with another cache."""
+        return self._read(layer, query, key, value) if self._in_forward else None
+
+    def _read(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
         """The kernel reads this layer's K/V with a mask of each head's own padding (see ``head_mask``)."""
-        if not self._in_forward:  # the same model running with another cache
-            return None
         return key, value, head_mask(self.cache.layers[layer].positions, query, query.dtype)
 
     def _allocated_indices(self, rows: torch.Tensor) -> tuple[list[torch.Tensor], None, list[torch.Tensor]]:

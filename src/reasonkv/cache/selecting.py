@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 
 from reasonkv.cache.evictor import Evictor
-from reasonkv.hf import KernelReader
 from reasonkv.selection.reader import Selector
 
 __all__ = ["Selecting"]
@@ -22,7 +21,6 @@ class Selecting(Evictor):
     def __init__(self, model, cache, spec, *, sync_timing: bool = False):
         super().__init__(model, cache, spec, sync_timing=sync_timing)
         self.selector = Selector(self.policy, spec.budget)
-        self.reader = KernelReader(model, self._read, self.info.full_layers)
 
     def listen(self, log) -> None:
         """Hand every read to ``log`` (None: to nobody)."""
@@ -33,9 +31,7 @@ class Selecting(Evictor):
         super()._start(batch, device)
         self.selector.reset()
 
-    def _read(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask, kwargs):
+    def _read(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
         """A selection policy's read of one layer's attention (see :class:`~reasonkv.selection.reader.Selector`)."""
         cache = self.cache
-        if not self._in_forward:  # the same model running with another cache
-            return None
         return self.selector.read(layer, query, key, value, cache.layers[layer].positions, cache.rows.step_positions)

@@ -26,7 +26,7 @@ from reasonkv.cache.ragged import RaggedLayer
 from reasonkv.cache.rows import RowState
 from reasonkv.cache.spec import DEFAULT_BUFFER, check_sizes
 from reasonkv.cache.tiers import check_settings
-from reasonkv.hf import model_info, native_cache_layers
+from reasonkv.hf import model_info, native_cache
 
 __all__ = ["KVStorage", "kv_bytes_by_kind"]
 
@@ -81,10 +81,8 @@ class KVStorage(Cache):
     def _new_layer(self) -> EvictingLayer:
         # The layers call back into this storage weakly: the storage owns them, and a cycle would keep its K/V
         # alive until a garbage collection.
-        unannounced = weakly(self._unannounced)
-        if not self.quantized:
-            return EvictingLayer(self.rows, unannounced)
-        return EvictingLayer(self.rows, unannounced, weakly(self.tier_format), self.workspace)
+        tier = (weakly(self.tier_format), self.workspace) if self.quantized else ()
+        return EvictingLayer(self.rows, weakly(self._unannounced), *tier)
 
     def _layers_of(self, model) -> list:
         """One cache layer per decoder layer: evicting for full attention, the model's own otherwise."""
@@ -93,7 +91,7 @@ class KVStorage(Cache):
         check_layer_kinds(kinds, type(model).__name__)
         if all(kind == "full" for kind in kinds):
             return [self._new_layer() for _ in kinds]
-        native = native_cache_layers(model)
+        native = native_cache(model).layers  # transformers' own, for the layers that do not evict
         windows = set()
         for index, (kind, layer) in enumerate(zip(kinds, native, strict=True)):
             if _native_kind(layer) != kind:
@@ -160,8 +158,7 @@ class KVStorage(Cache):
 
     def kv_bytes_by_tier(self) -> dict[str, int]:
         """The evicting layers' bytes per tier, allocated capacity counted: ``full`` and ``quantized``."""
-        held = self.kv_bytes_by_kind()
-        return {"full": held["full"], "quantized": held["quantized"]}
+        return {tier: held for tier, held in self.kv_bytes_by_kind().items() if tier in ("full", "quantized")}
 
     def row_kv_bytes_by_tier(self) -> dict[str, torch.Tensor]:
         """The bytes each row's tokens need in the evicting layers, ``[batch]`` per tier (``full``: each head's own
@@ -235,11 +232,9 @@ class KVStorage(Cache):
         return self.get_query_offset(layer_idx) + query_length, 0
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
-        return self.window.held_before if self._in_window(layer_idx) else self.slots
-
-    def _in_window(self, layer_idx: int) -> bool:
-        """Whether ``layer_idx`` is a sliding-window layer (its mask indexes its own slots)."""
-        return self.window is not None and getattr(self.layers[layer_idx], "is_sliding", False)
+        # A sliding-window layer's mask indexes its own slots.
+        sliding = self.window is not None and getattr(self.layers[layer_idx], "is_sliding", False)
+        return self.window.held_before if sliding else self.slots
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
         return -1

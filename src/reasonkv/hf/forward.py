@@ -17,7 +17,6 @@ __all__ = [
     "cached_kv",
     "left_pad",
     "native_cache",
-    "native_cache_layers",
     "plain_cache",
     "static_cache",
     "synchronize",
@@ -97,12 +96,6 @@ def static_cache(model: torch.nn.Module, capacity: int):
     """transformers' fixed-size cache of ``capacity`` slots per row (allocated at the first forward): what
     transformers compiles decoding over, the reference for reasonkv's compiled steps."""
     return StaticCache(config=model.config, max_cache_len=capacity)
-
-
-def native_cache_layers(model: torch.nn.Module) -> list:
-    """The cache layers transformers itself builds for ``model``, one per decoder layer (a hybrid model's own
-    kinds: ``EvictingCache`` keeps them for the layers it does not evict)."""
-    return list(native_cache(model).layers)
 
 
 def cached_kv(cache: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -71,10 +71,8 @@ def layer_kinds(model_or_config: Any) -> tuple[str, ...]:
                     f"{', '.join(sorted(_KINDS))}"
                 )
         return tuple(_KINDS[name] for name in layer_types)
-    if getattr(config, "sliding_window", None) is None:
-        return ("full",) * n
     use_flag = getattr(config, "use_sliding_window", None)
-    if use_flag is False:
+    if getattr(config, "sliding_window", None) is None or use_flag is False:
         return ("full",) * n
     start = min(int(getattr(config, "max_window_layers", 0) or 0) if use_flag else 0, n)
     return ("full",) * start + ("sliding",) * (n - start)

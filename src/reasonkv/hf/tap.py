@@ -230,10 +230,15 @@ class KernelReader(_Hooked):
     """
 
     def __init__(self, model: torch.nn.Module, reader: Reader, layers: Iterator[int] | None = None):
-        name = attention_implementation(model)
-        if name not in ("sdpa", "eager"):
-            raise ValueError(
-                f"a selection policy reads chosen blocks through the sdpa or eager attention kernel; this model "
-                f"runs {name!r}: load it with attn_implementation='sdpa'"
-            )
+        check_readable(model, "a selection policy reads chosen blocks")
         super().__init__(model, reader, object(), layers, listens=False)
+
+
+def check_readable(model: torch.nn.Module, reads: str) -> None:
+    """``ValueError`` unless ``model`` runs a kernel a :class:`KernelReader` can steer; ``reads``: what for."""
+    name = attention_implementation(model)
+    if name not in ("sdpa", "eager"):
+        raise ValueError(
+            f"{reads} through the sdpa or eager attention kernel; this model runs {name!r}: load it with "
+            "attn_implementation='sdpa'"
+        )

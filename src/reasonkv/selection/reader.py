@@ -50,10 +50,8 @@ class Selector:
 
     def __init__(self, policy: BlockScorer, budget: int):
         self.policy = policy
-        self.block_size = policy.block_size
         self.budget = budget
-        self.dense_layers, self.rule = policy.dense_layers, policy.block_rule
-        self.budget_blocks = blocks_per_step(budget, self.block_size) if policy.capped else None
+        self.budget_blocks = blocks_per_step(budget, policy.block_size) if policy.capped else None
         self.pooled: dict[int, PooledKeys] = {}
         self.last: dict[int, BlockChoice] = {}  # the latest decode step's choice per layer (for inspection)
         self.steps = 0  # decode steps seen
@@ -87,11 +85,11 @@ class Selector:
         None to read everything (prefill). ``slot_positions`` ``[batch, kv_heads, slots]`` (-1: padding),
         ``step_positions`` ``[batch, q]`` the positions of the step's tokens (-1: padding)."""
         q = query.shape[2]
-        dense = layer < self.dense_layers
+        dense = layer < self.policy.dense_layers
         if not dense:  # a dense layer scores no block: it keeps no side cache
             pooled = self.pooled.get(layer)
             if pooled is None:
-                pooled = self.pooled[layer] = PooledKeys(self.block_size)
+                pooled = self.pooled[layer] = PooledKeys(self.policy.block_size)
             pooled.add(self.policy.pool_input(layer, key[:, :, -q:], step_positions), step_positions)
         if q != 1:
             return None
@@ -102,16 +100,16 @@ class Selector:
         if layer == self._first_layer:
             self.steps += 1
         newest = slot_positions[:, 0].max(dim=-1).values.clamp(min=0)  # [batch]: a padding step reads the last token
-        current = newest // self.block_size
+        current = newest // self.policy.block_size
         if dense:
             return self._read_all(layer, slot_positions, current, step_positions)
         scores, keep = self.policy.block_scores(layer, query[:, :, 0], pooled, newest)
-        choice = choose_blocks(scores, current, self.budget_blocks, keep, self.rule)
+        choice = choose_blocks(scores, current, self.budget_blocks, keep, self.policy.block_rule)
         mine = None
         if scores.shape[1] != kv_heads:  # one choice per query head: the kv-head reads their union once
             choice, mine = union_choice(choice, kv_heads, scores.shape[-1])
             scores = scores.view(batch, kv_heads, -1, scores.shape[-1]).amax(2)
-        slot, read = read_slots(choice, slot_positions, self.block_size)
+        slot, read = read_slots(choice, slot_positions, self.policy.block_size)
         self._count(read, slot_positions)
         self.last[layer] = choice
         if self.on_read is not None:
@@ -121,7 +119,7 @@ class Selector:
         group = query.shape[1] // kv_heads
         attended = read.repeat_interleave(group, dim=1)
         if mine is not None:  # each query head attends to its own blocks of the union
-            attended = attended & mine.repeat_interleave(self.block_size, dim=-1)
+            attended = attended & mine.repeat_interleave(self.policy.block_size, dim=-1)
         hidden = torch.zeros(attended.shape, dtype=query.dtype, device=query.device)
         mask = hidden.masked_fill(~attended, torch.finfo(query.dtype).min).unsqueeze(2)
         return keys, values, mask
@@ -153,7 +151,7 @@ class Selector:
         held = 0 if self.held_tokens is None else int(self.held_tokens[row])
         out = {
             "budget": self.budget,
-            "block_size": self.block_size,
+            "block_size": self.policy.block_size,
             "decode_steps": self.steps,
             "kv_bytes_read_per_step": read * self.token_bytes / steps,
             "kv_bytes_full_read_per_step": held * self.token_bytes / steps,
