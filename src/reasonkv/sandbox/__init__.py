@@ -16,9 +16,9 @@ from reasonkv.sandbox.core import (
     RunResult,
     Sandbox,
     SandboxUnavailable,
-    Setup,
     probe,
 )
+from reasonkv.sandbox.host import Setup
 
 __all__ = [
     "GUARANTEES",

@@ -16,12 +16,8 @@ import select
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from reasonkv.sandbox.host import Interpreter
-
-if TYPE_CHECKING:
-    from reasonkv.sandbox.core import Setup
+from reasonkv.sandbox.host import Interpreter, Setup
 
 __all__ = ["PROGRAM", "TMPFS", "TMPFS_MB", "WORKDIR", "StatusPipe", "bwrap_argv", "init_process", "namespaces"]
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from reasonkv.sandbox.bubblewrap import PROGRAM, TMPFS, TMPFS_MB, StatusPipe, bwrap_argv, init_process, namespaces
 from reasonkv.sandbox.cgroup import RunGroup, find_parent
-from reasonkv.sandbox.host import Interpreter, SandboxUser, find_interpreter, sandbox_user
+from reasonkv.sandbox.host import Setup, find_interpreter, sandbox_user
 from reasonkv.sandbox.limits import Limits, check_memory, check_timeout, launcher_argv
 from reasonkv.sandbox.supervise import Finished, supervise
 from reasonkv.sandbox.usage import RunUsage
@@ -72,23 +72,6 @@ class RunResult:
     stderr: str
     isolation: tuple[str, ...]  # the mechanisms that were in force for this run
     seconds: float  # wall time of the run, sandbox set-up included
-
-
-@dataclass(frozen=True)
-class Setup:
-    """What this machine offers, found once by :func:`probe`."""
-
-    mechanism: str  # "bubblewrap" | "process" | "none" (no interpreter the sandbox's user can run)
-    isolation: tuple[str, ...]
-    missing: tuple[str, ...]  # names of GUARANTEES that do not hold
-    reason: str  # why bubblewrap is not used ("" when it is)
-    user: SandboxUser
-    interpreter: Interpreter | None
-    bwrap: str | None = None
-    disable_userns: bool = False
-    memory_limit: str = "per-process"  # "cgroup" | "supervisor" (the run as a whole) | "per-process"
-    cgroup: str | None = None  # the folder the run's groups are made in (memory_limit "cgroup")
-    memory_reason: str = ""  # why no cgroup limits the run ("" when one does)
 
 
 def _memfd(name: str, data: bytes) -> int:

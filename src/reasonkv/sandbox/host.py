@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Interpreter", "SandboxUser", "find_interpreter", "sandbox_user"]
+__all__ = ["Interpreter", "SandboxUser", "Setup", "find_interpreter", "sandbox_user"]
 
 _NOBODY = 65534
 
@@ -47,6 +47,23 @@ class Interpreter:
     path: str
     prefix: str
     version: str
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What this machine offers, found once by :func:`reasonkv.sandbox.core.probe`."""
+
+    mechanism: str  # "bubblewrap" | "process" | "none" (no interpreter the sandbox's user can run)
+    isolation: tuple[str, ...]
+    missing: tuple[str, ...]  # names of GUARANTEES that do not hold
+    reason: str  # why bubblewrap is not used ("" when it is)
+    user: SandboxUser
+    interpreter: Interpreter | None
+    bwrap: str | None = None
+    disable_userns: bool = False
+    memory_limit: str = "per-process"  # "cgroup" | "supervisor" (the run as a whole) | "per-process"
+    cgroup: str | None = None  # the folder the run's groups are made in (memory_limit "cgroup")
+    memory_reason: str = ""  # why no cgroup limits the run ("" when one does)
 
 
 def _readable_by(path: Path, user: SandboxUser) -> bool:
