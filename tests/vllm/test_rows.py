@@ -12,6 +12,7 @@ needs_vllm()
 from reasonkv.cache.observe import Observer  # noqa: E402
 from reasonkv.integrations.vllm.rows import RequestCache, kept_indices  # noqa: E402
 from reasonkv.policies import noise  # noqa: E402
+from reasonkv.policies.attention import Kernel  # noqa: E402
 from reasonkv.policies.contract import ModelInfo  # noqa: E402
 from reasonkv.policies.h2o import H2O  # noqa: E402
 
@@ -41,7 +42,7 @@ def _forward(cache, observer, blocks, generator, new: int, arrived: list):
         queries = torch.randn(1, HEADS, new, DIM, generator=generator)
         keys = torch.randn(KV_HEADS, new, DIM, generator=generator)
         seen = torch.cat([blocks.keys[layer], keys], dim=1).unsqueeze(0) if new > 1 else None
-        observer.record(layer, queries, cache.held, {"scaling": DIM**-0.5}, seen)
+        observer.record(layer, queries, cache.held, Kernel(DIM**-0.5), seen)
         blocks.keys[layer] = torch.cat([blocks.keys[layer], keys], dim=1)
         blocks.values[layer] = torch.cat(
             [blocks.values[layer], torch.randn(KV_HEADS, new, DIM, generator=generator)], 1

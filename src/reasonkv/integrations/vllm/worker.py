@@ -28,6 +28,7 @@ from reasonkv.integrations.vllm.config import Settings, settings_of
 from reasonkv.integrations.vllm.paged import BlockLayout, probe_layout
 from reasonkv.integrations.vllm.rows import RequestCache, kept_indices, rotary_of
 from reasonkv.policies import noise
+from reasonkv.policies.attention import Kernel
 
 __all__ = ["EvictingCPURunner", "EvictingCPUWorker"]
 
@@ -118,7 +119,7 @@ class EvictingCPURunner(CPUModelRunner):
     def _capture_attention(self, layer: int, module, args) -> None:
         heads, kv_heads, head_dim = module.num_heads, module.num_kv_heads, module.head_size
         # The kernel's own scaling and soft-cap, so that the policy's recomputed attention is the model's.
-        kernel = {"scaling": module.impl.scale, "softcap": getattr(module.impl, "logits_soft_cap", None) or None}
+        kernel = Kernel(module.impl.scale, getattr(module.impl, "logits_soft_cap", None) or None)
         for request_id, new, (query, key) in self._per_request(args[0], args[1]):
             state = self.reasonkv_requests[request_id]
             held = state.cache.held
