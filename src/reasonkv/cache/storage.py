@@ -164,15 +164,19 @@ class KVStorage(Cache):
         """The bytes each row's tokens need in the evicting layers, ``[batch]`` per tier (``full``: each head's own
         tokens, ``quantized``: codes, group ids and statistics of held groups, pending K/V); padding and spare
         capacity not counted."""
-        full, quantized = [], []
-        for index in self.full_layers:
-            layer = self.layers[index]
-            if layer.is_initialized:
-                per_token = sum(t.shape[-1] * t.element_size() for t in (layer._keys, layer._values))
-                full.append((layer.positions >= 0).sum((1, 2)) * per_token)
-            if layer.quantized is not None:
-                quantized.append(layer.quantized.row_bytes())
-        full = torch.stack(full).sum(0) if full else torch.zeros(0, dtype=torch.long)
+        if not self.rows.started:
+            full = torch.zeros(0, dtype=torch.long)
+        elif self.allocated:  # heads hold different numbers: count each head's own tokens, layer by layer
+            full = sum(
+                (layer.positions >= 0).sum((1, 2))
+                * sum(t.shape[-1] * t.element_size() for t in (layer.keys, layer.values))
+                for layer in (self.layers[i] for i in self.full_layers if self.layers[i].is_initialized)
+            )
+        else:  # every head holds the row's valid slots: one reduction (it runs at every step that counts bytes)
+            full = self.rows.full_valid().sum(-1) * self.full_token_kv_bytes()
+        quantized = [
+            self.layers[i].quantized.row_bytes() for i in self.full_layers if self.layers[i].quantized is not None
+        ]
         return {"full": full, "quantized": torch.stack(quantized).sum(0) if quantized else torch.zeros_like(full)}
 
     def full_token_kv_bytes(self) -> int:
